@@ -1,0 +1,21 @@
+"""The exceptions Lumen raises. Every user-facing failure is one of these, with a message a user can act on."""
+
+
+class LumenError(Exception):
+    """Base class of every error Lumen raises on purpose."""
+
+
+class GGUFError(LumenError, ValueError):
+    """A GGUF file is corrupt, truncated, inconsistent or uses something Lumen does not support."""
+
+
+class UnsupportedError(GGUFError):
+    """A valid GGUF file that uses a quant type, architecture or tensor layout Lumen does not support."""
+
+
+class FetchError(LumenError):
+    """A model could not be fetched or verified."""
+
+
+class ContextError(LumenError, ValueError):
+    """A request does not fit in the context window."""
