@@ -1,0 +1,286 @@
+"""GGUF reader: memory-mapped, validated before anything touches the data.
+
+    python -m lumen.gguf FILE      # metadata and a tensor table
+
+Everything that can be wrong with a file raises `GGUFError` (or its subclass `UnsupportedError`) with a message
+that says what and where: bad magic, an unsupported version, truncation, counts or lengths that do not fit in
+the file, unknown value or tensor types, a tensor beyond the end of the file, overlapping or misaligned tensors,
+duplicate names. Tensor data stays a zero-copy view of the mmap.
+
+Layout (little-endian): magic "GGUF", u32 version (2 or 3), u64 n_tensors, u64 n_kv, then n_kv key/values,
+then n_tensors tensor infos (name, u32 n_dims, u64 dims[n_dims] with dims[0] fastest, u32 type, u64 offset),
+then padding to `general.alignment` (default 32) and the tensor data.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+
+from .errors import GGUFError, UnsupportedError
+
+MAGIC = b"GGUF"
+MAX_DIMS = 4
+MAX_STRING = 1 << 30
+
+# value type id -> (name, struct format or None for string/array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+       7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+T_STRING, T_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    qtype: GGMLQuantizationType
+    dims: tuple[int, ...]  # ggml order: dims[0] is the fastest-varying (the row length)
+    offset: int            # absolute byte offset in the file
+    nbytes: int
+    data: np.ndarray       # zero-copy uint8 view (rows, row_bytes) of the mmap
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy order: reversed dims."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.dims, dtype=np.int64))
+
+    def as_f32(self) -> np.ndarray:
+        """An F32 tensor as a float32 array of numpy shape (zero-copy)."""
+        if self.qtype != GGMLQuantizationType.F32:
+            raise GGUFError(f"tensor {self.name} is {self.qtype.name}, not F32")
+        return self.data.reshape(-1).view(np.float32).reshape(self.shape)
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer."""
+
+    def __init__(self, buf, size: int, path: str, trace: list | None = None):
+        self.buf, self.size, self.pos, self.path, self.trace = buf, size, 0, path, trace
+
+    def need(self, n: int, what: str):
+        if n < 0 or self.pos + n > self.size:
+            raise GGUFError(f"{self.path}: truncated: {what} needs {n} bytes at offset {self.pos}, "
+                            f"but the file is {self.size} bytes")
+
+    def scalar(self, fmt: str, what: str):
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        if self.trace is not None:
+            self.trace.append((self.pos, fmt, what))
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", f"length of {what}")
+        if n > MAX_STRING:
+            raise GGUFError(f"{self.path}: {what} claims a length of {n} bytes at offset {self.pos - 8}")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: {what} is not valid UTF-8 ({e})") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], what)
+        if vtype == T_STRING:
+            return self.string(what)
+        if vtype == T_ARRAY:
+            if depth > 0:
+                raise GGUFError(f"{self.path}: {what}: nested arrays are not supported")
+            etype = self.scalar("<I", f"element type of {what}")
+            count = self.scalar("<Q", f"element count of {what}")
+            if etype in _NP:
+                itemsize = np.dtype(_NP[etype]).itemsize
+                if count > (self.size - self.pos) // itemsize:
+                    raise GGUFError(f"{self.path}: {what}: array of {count} elements does not fit in the file")
+                arr = np.frombuffer(self.buf, dtype=np.dtype(_NP[etype]).newbyteorder("<"), count=count,
+                                    offset=self.pos)
+                self.pos += count * itemsize
+                return arr.tolist()
+            if etype == T_STRING:
+                if count > (self.size - self.pos) // 8:
+                    raise GGUFError(f"{self.path}: {what}: array of {count} strings does not fit in the file")
+                return [self.string(f"{what}[{i}]") for i in range(count)]
+            if etype == T_ARRAY:
+                raise GGUFError(f"{self.path}: {what}: nested arrays are not supported")
+            raise GGUFError(f"{self.path}: {what}: unknown array element type {etype}")
+        raise GGUFError(f"{self.path}: {what}: unknown value type {vtype}")
+
+
+def _qtype(type_id: int, name: str, path: str) -> GGMLQuantizationType:
+    try:
+        qt = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise GGUFError(f"{path}: tensor {name} has an unknown type id {type_id}") from None
+    if qt not in GGML_QUANT_SIZES:
+        raise UnsupportedError(f"{path}: tensor {name} has type {qt.name}, which has no known block layout")
+    return qt
+
+
+class GGUFFile:
+    """A parsed, validated GGUF file. `metadata` maps key -> str/int/float/bool/list; `tensors` maps name -> Tensor."""
+
+    def __init__(self, path: str | Path, *, trace: list | None = None):
+        """`trace`, if given, collects (offset, struct format, description) of every header field read (for tests)."""
+        self.path = Path(path)
+        self._trace = trace
+        try:
+            f = open(self.path, "rb")
+        except OSError as e:
+            raise GGUFError(f"cannot open {self.path}: {e.strerror}") from None
+        with f:
+            size = self.path.stat().st_size
+            if size < 24:
+                raise GGUFError(f"{self.path}: not a GGUF file (only {size} bytes)")
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.size = size
+        self.buf = np.frombuffer(self._mmap, dtype=np.uint8)  # (size,) zero-copy view of the whole file
+        self._parse()
+
+    def _parse(self):
+        p = str(self.path)
+        c = _Cursor(self._mmap, self.size, p, self._trace)
+        magic = bytes(self._mmap[:4])
+        if magic != MAGIC:
+            raise GGUFError(f"{p}: not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
+        c.pos = 4
+        self.version = c.scalar("<I", "version")
+        if self.version not in (2, 3):
+            hint = " (a big-endian file?)" if self.version > 0xFFFF else ""
+            raise GGUFError(f"{p}: unsupported GGUF version {self.version}{hint}; Lumen reads versions 2 and 3")
+        n_tensors = c.scalar("<Q", "tensor count")
+        n_kv = c.scalar("<Q", "metadata count")
+        # every key/value takes at least 8+1+4+1 bytes and every tensor info 8+1+4+8+4+8 bytes
+        if n_kv > (self.size - c.pos) // 14:
+            raise GGUFError(f"{p}: metadata count {n_kv} cannot fit in a file of {self.size} bytes")
+        if n_tensors > (self.size - c.pos) // 33:
+            raise GGUFError(f"{p}: tensor count {n_tensors} cannot fit in a file of {self.size} bytes")
+
+        meta: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = c.string(f"metadata key #{i}")
+            vtype = c.scalar("<I", f"type of metadata {key!r}")
+            if key in meta:
+                raise GGUFError(f"{p}: duplicate metadata key {key!r}")
+            meta[key] = c.value(vtype, f"metadata {key!r}")
+        self.metadata = meta
+
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1) or align > 1 << 16:
+            raise GGUFError(f"{p}: general.alignment must be a power of two, got {align!r}")
+        self.alignment = align
+
+        infos = []
+        for i in range(n_tensors):
+            name = c.string(f"name of tensor #{i}")
+            n_dims = c.scalar("<I", f"n_dims of tensor {name}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError(f"{p}: tensor {name} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            dims = tuple(c.scalar("<Q", f"dims of tensor {name}") for _ in range(n_dims))
+            type_id = c.scalar("<I", f"type of tensor {name}")
+            offset = c.scalar("<Q", f"offset of tensor {name}")
+            infos.append((name, dims, type_id, offset))
+        data_start = -(-c.pos // align) * align
+        self.data_start = data_start
+
+        tensors: dict[str, Tensor] = {}
+        spans = []
+        for name, dims, type_id, offset in infos:
+            if name in tensors:
+                raise GGUFError(f"{p}: duplicate tensor name {name!r}")
+            qt = _qtype(type_id, name, p)
+            if any(d <= 0 or d > 1 << 40 for d in dims):
+                raise GGUFError(f"{p}: tensor {name} has an invalid shape {list(dims)}")
+            block, type_size = GGML_QUANT_SIZES[qt]
+            if dims[0] % block:
+                raise GGUFError(f"{p}: tensor {name} ({qt.name}) has rows of {dims[0]} values, "
+                                f"not a multiple of the block size {block}")
+            row_bytes = dims[0] // block * type_size
+            rows = 1
+            for d in dims[1:]:
+                rows *= d
+            nbytes = row_bytes * rows
+            if offset % align:
+                raise GGUFError(f"{p}: tensor {name} data offset {offset} is not aligned to {align}")
+            start = data_start + offset
+            if start + nbytes > self.size:
+                raise GGUFError(f"{p}: tensor {name} ({nbytes} bytes at file offset {start}) extends beyond "
+                                f"the end of the file ({self.size} bytes): the file is truncated or corrupt")
+            data = self.buf[start:start + nbytes].reshape(rows, row_bytes)
+            tensors[name] = Tensor(name, qt, dims, start, nbytes, data)
+            spans.append((start, start + nbytes, name))
+        spans.sort()
+        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise GGUFError(f"{p}: tensors {n0} and {n1} overlap in the file")
+        self.tensors = tensors
+
+    def close(self):
+        """Drop the views and the mmap. Arrays taken from this file must not be used afterwards."""
+        self.buf = None
+        self.tensors = {}
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # still referenced by a view somebody kept; the GC frees it with them
+
+    def __repr__(self):
+        return f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
+
+
+def _short(v: Any, width: int = 80) -> str:
+    if isinstance(v, list):
+        head = ", ".join(repr(x) for x in v[:5])
+        return f"[{head}{', ...' if len(v) > 5 else ''}] ({len(v)} items)"
+    s = repr(v)
+    return s if len(s) <= width else s[:width - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from rich.console import Console
+    from rich.table import Table
+    ap = argparse.ArgumentParser(prog="python -m lumen.gguf", description="Show a GGUF file's metadata and tensors")
+    ap.add_argument("file", help="path to a .gguf file")
+    args = ap.parse_args(argv)
+    console = Console()
+    try:
+        g = GGUFFile(args.file)
+    except GGUFError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    meta = Table(title=f"{g.path.name}: GGUF v{g.version}, {len(g.metadata)} metadata keys")
+    meta.add_column("key")
+    meta.add_column("value", overflow="fold")
+    for k, v in g.metadata.items():
+        meta.add_row(k, _short(v))
+    console.print(meta)
+    tab = Table(title=f"{len(g.tensors)} tensors, data at offset {g.data_start}")
+    for col, just in (("name", "left"), ("type", "left"), ("shape (ggml dims)", "left"), ("bytes", "right")):
+        tab.add_column(col, justify=just)
+    total = 0
+    for t in g.tensors.values():
+        tab.add_row(t.name, t.qtype.name, str(list(t.dims)), f"{t.nbytes:,}")
+        total += t.nbytes
+    console.print(tab)
+    console.print(f"total tensor bytes: {total:,} of {g.size:,} file bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
