@@ -1,0 +1,243 @@
+"""Dequantize raw GGUF weight rows to float32: one Numba kernel per quant type, bit-exact with gguf-py's numpy.
+
+Every kernel: out (rows, n_cols) f32  <-  raw (rows, row_bytes) u8. Output first, no allocation.
+f16 fields are decoded through F16_TO_F32, a 65536-entry f32 table built by numpy itself, so the
+decoding (NaN payloads, subnormals, -0) is the oracle's own.
+
+fastmath: every kernel uses FM_EXACT = {'arcp', 'afn'}, flags that touch no operation used here.
+Measured (all types, random and random-byte data): fastmath=True also gave 0 mismatches, because every
+intermediate product is exact in f32 (f16 d has 11 significant bits, d*sc <= 19 bits, d*sc*q on Q4/Q5 <= 24
+bits), so fusing d*q+m into an fma or reassociating (d*sc)*q rounds once either way. 'contract' and 'reassoc'
+are still left out so that exactness does not hang on that argument, and 'nnan'/'ninf'/'nsz' because they
+let LLVM assume away the NaN/inf/-0 results that the tests compare. These kernels are not on the hot path.
+"""
+import numpy as np
+from numba import njit, prange
+
+from lumen.quants import QT, quant_info, row_bytes
+
+FM_EXACT = {"arcp", "afn"}   # reciprocal and libm approximations: neither op occurs in these kernels
+
+# f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
+F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)   # (65536,) f32
+
+
+@njit(inline="always")
+def f16(lut, raw, o):
+    """The f16 stored little-endian at raw[o:o+2], as f32."""
+    return lut[np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)]
+
+
+@njit(inline="always")
+def u32(raw, o):
+    return (np.uint32(raw[o]) | (np.uint32(raw[o + 1]) << np.uint32(8))
+            | (np.uint32(raw[o + 2]) << np.uint32(16)) | (np.uint32(raw[o + 3]) << np.uint32(24)))
+
+
+@njit(inline="always")
+def k_scale_min(raw, o, j):
+    """Q4_K/Q5_K: the 6-bit (scale, min) of sub-block j (0..7) from the 12 bytes at raw[o:o+12]."""
+    if j < 4:
+        return np.int32(raw[o + j] & 63), np.int32(raw[o + j + 4] & 63)
+    sc = (raw[o + j + 4] & 0xF) | ((raw[o + j - 4] >> 6) << 4)
+    m = (raw[o + j + 4] >> 4) | ((raw[o + j] >> 6) << 4)
+    return np.int32(sc), np.int32(m)
+
+
+# ---- one row each: out (n_cols,) f32 <- raw (row_bytes,) u8 ----
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_f32(out, raw, lut):
+    w = raw.view(np.uint32)
+    o = out.view(np.uint32)
+    for i in range(o.size):
+        o[i] = w[i]
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_f16(out, raw, lut):
+    for i in range(out.size):
+        out[i] = f16(lut, raw, 2 * i)
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_bf16(out, raw, lut):
+    o = out.view(np.uint32)
+    for i in range(o.size):
+        o[i] = (np.uint32(raw[2 * i]) << np.uint32(16)) | (np.uint32(raw[2 * i + 1]) << np.uint32(24))
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q8_0(out, raw, lut):
+    for b in range(out.size // 32):
+        o = 34 * b
+        d = f16(lut, raw, o)
+        for j in range(32):
+            out[32 * b + j] = np.float32(np.int8(raw[o + 2 + j])) * d
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q4_0(out, raw, lut):
+    for b in range(out.size // 32):
+        o = 18 * b
+        d = f16(lut, raw, o)
+        for j in range(16):
+            q = raw[o + 2 + j]
+            out[32 * b + j] = d * np.float32(np.int32(q & 15) - 8)
+            out[32 * b + j + 16] = d * np.float32(np.int32(q >> 4) - 8)
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q4_1(out, raw, lut):
+    for b in range(out.size // 32):
+        o = 20 * b
+        d = f16(lut, raw, o)
+        m = f16(lut, raw, o + 2)
+        for j in range(16):
+            q = raw[o + 4 + j]
+            out[32 * b + j] = d * np.float32(q & 15) + m
+            out[32 * b + j + 16] = d * np.float32(q >> 4) + m
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q5_0(out, raw, lut):
+    for b in range(out.size // 32):
+        o = 22 * b
+        d = f16(lut, raw, o)
+        qh = u32(raw, o + 2)
+        for j in range(16):
+            q = raw[o + 6 + j]
+            lo = np.int32(q & 15) | np.int32(((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+            hi = np.int32(q >> 4) | np.int32(((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4))
+            out[32 * b + j] = d * np.float32(lo - 16)
+            out[32 * b + j + 16] = d * np.float32(hi - 16)
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q5_1(out, raw, lut):
+    for b in range(out.size // 32):
+        o = 24 * b
+        d = f16(lut, raw, o)
+        m = f16(lut, raw, o + 2)
+        qh = u32(raw, o + 4)
+        for j in range(16):
+            q = raw[o + 8 + j]
+            lo = np.int32(q & 15) | np.int32(((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+            hi = np.int32(q >> 4) | np.int32(((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4))
+            out[32 * b + j] = d * np.float32(lo) + m
+            out[32 * b + j + 16] = d * np.float32(hi) + m
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q4_k(out, raw, lut):
+    for b in range(out.size // 256):
+        o = 144 * b
+        d = f16(lut, raw, o)
+        dmin = f16(lut, raw, o + 2)
+        for s in range(8):                       # sub-block s: 32 values, nibble half s % 2 of chunk s // 2
+            sc, m = k_scale_min(raw, o + 4, s)
+            ds = d * np.float32(sc)
+            dm = dmin * np.float32(m)
+            q0 = o + 16 + 32 * (s >> 1)
+            sh = 4 * (s & 1)
+            for l in range(32):
+                out[256 * b + 32 * s + l] = ds * np.float32((raw[q0 + l] >> sh) & 15) - dm
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q5_k(out, raw, lut):
+    for b in range(out.size // 256):
+        o = 176 * b
+        d = f16(lut, raw, o)
+        dmin = f16(lut, raw, o + 2)
+        for s in range(8):
+            sc, m = k_scale_min(raw, o + 4, s)
+            ds = d * np.float32(sc)
+            dm = dmin * np.float32(m)
+            q0 = o + 48 + 32 * (s >> 1)
+            sh = 4 * (s & 1)
+            for l in range(32):
+                q = ((raw[q0 + l] >> sh) & 15) | (((raw[o + 16 + l] >> s) & 1) << 4)
+                out[256 * b + 32 * s + l] = ds * np.float32(q) - dm
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def row_q6_k(out, raw, lut):
+    for b in range(out.size // 256):
+        o = 210 * b
+        d = f16(lut, raw, o + 208)
+        for e in range(256):                     # e = 128*h + 32*k + l
+            h = e >> 7
+            k = (e >> 5) & 3
+            l = e & 31
+            lo = (raw[o + 64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 15
+            hi = (raw[o + 128 + 32 * h + l] >> (2 * k)) & 3
+            q = np.int32(lo | (hi << 4)) - 32
+            ds = d * np.float32(np.int8(raw[o + 192 + (e >> 4)]))
+            out[256 * b + e] = ds * np.float32(q)
+
+
+# Type codes used inside the kernel (gguf ids).
+_F32, _F16, _BF16, _Q8_0 = int(QT.F32), int(QT.F16), int(QT.BF16), int(QT.Q8_0)
+_Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1)
+_Q4_K, _Q5_K, _Q6_K = int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)
+
+
+@njit(fastmath=FM_EXACT, cache=True)
+def dequant_row(out, raw, lut, qtype):
+    """out (n_cols,) f32 <- raw (row_bytes,) u8 of gguf type id qtype."""
+    if qtype == _Q4_1:
+        row_q4_1(out, raw, lut)
+    elif qtype == _Q8_0:
+        row_q8_0(out, raw, lut)
+    elif qtype == _Q5_0:
+        row_q5_0(out, raw, lut)
+    elif qtype == _Q4_K:
+        row_q4_k(out, raw, lut)
+    elif qtype == _Q6_K:
+        row_q6_k(out, raw, lut)
+    elif qtype == _Q4_0:
+        row_q4_0(out, raw, lut)
+    elif qtype == _Q5_1:
+        row_q5_1(out, raw, lut)
+    elif qtype == _Q5_K:
+        row_q5_k(out, raw, lut)
+    elif qtype == _F32:
+        row_f32(out, raw, lut)
+    elif qtype == _F16:
+        row_f16(out, raw, lut)
+    elif qtype == _BF16:
+        row_bf16(out, raw, lut)
+
+
+@njit(parallel=True, fastmath=FM_EXACT, cache=True)
+def dequant_rows(out, raw, lut, qtype):
+    """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8, one row per prange step. Shapes checked by caller."""
+    for r in prange(out.shape[0]):
+        dequant_row(out[r], raw[r], lut, qtype)
+
+
+def dequantize(raw: np.ndarray, qtype, out: np.ndarray) -> np.ndarray:
+    """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8 GGUF bytes of type qtype. Returns out.
+
+    Validates everything the kernel trusts: dtypes, 2D, C-contiguity, row_bytes matching n_cols.
+    """
+    info = quant_info(qtype)
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
+        raise ValueError(f"raw must be a 2D uint8 array (rows, row_bytes), got {getattr(raw, 'dtype', type(raw))} "
+                         f"{getattr(raw, 'shape', '')}")
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 2:
+        raise ValueError(f"out must be a 2D float32 array (rows, n_cols), got {getattr(out, 'dtype', type(out))} "
+                         f"{getattr(out, 'shape', '')}")
+    if not raw.flags.c_contiguous or not out.flags.c_contiguous:
+        raise ValueError("raw and out must be C-contiguous")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    if out.shape[0] != raw.shape[0]:
+        raise ValueError(f"out has {out.shape[0]} rows but raw has {raw.shape[0]}")
+    nb = row_bytes(qtype, out.shape[1])
+    if raw.shape[1] != nb:
+        raise ValueError(f"{info.name} rows of {out.shape[1]} values take {nb} bytes, raw rows have {raw.shape[1]}")
+    if out.size:
+        dequant_rows(out, raw, F16_TO_F32, int(qtype))
+    return out
