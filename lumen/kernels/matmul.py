@@ -1,0 +1,611 @@
+"""Quantized matmul: out (N, d_out) f32 = x (N, n_in) f32 @ W.T, W a GGUF-quantized (d_out, n_in) weight.
+
+How (see shared/KERNELS.md for the measurements behind each choice):
+- `prepare(raw, qtype)` repacks the raw GGUF bytes once, at load time, into tiles of R = 64 rows laid out
+  with the row index innermost ("lanes = rows"), so every hot loop is a contiguous, reduction-free loop over
+  64 rows that LLVM vectorizes. Four families:
+    Q4  (Q4_0, Q4_1, Q4_K): nibbles  q (T, G, 16, R) u8, byte j = value j | value j+16 << 4, value = s*(nib-8) + o
+    Q5  (Q5_0, Q5_1, Q5_K): nibbles as Q4 + fifth bits qh (T, G, R) u32, value = s*(q5-16) + o
+    I8  (Q8_0, Q6_K):       int8 values q (T, G, 32, R) i8, value = s[half]*q (Q6_K: q-32, a scale per 16)
+    F32 (F32, F16, BF16):   f32 values  q (T, n_in, R) f32
+  with G = n_in / 32 groups of 32 columns, T = ceil(d_out / R) tiles, scales s (T, G, H, R) f32 (H = 2 halves
+  of 16 for Q6_K, else 1) and offsets o (T, G, R) f32, or (T, 0, R) for types without one.
+- Activations are quantized once per call to 8-bit blocks of 32 (xq, d = amax/127, and xs = d * sum(q) per
+  half), so every dot product is integer: int16 lanes for the 4/5-bit families (16 products of |q| <= 16 and
+  |x| <= 127 stay below 32767), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
+- N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
+- N > 1 (`matmul_batched`): per tile, the 4/5-bit weights are unpacked once to an int8 tile (G, 32, R) in a
+  per-thread scratch, then that tile is applied to 4 activation rows at a time (each weight load feeds 4 rows).
+`matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
+correct, but slow; the forward pass should call prepare once at load time).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from lumen.quants import QT, quant_info, row_bytes
+
+R = 64            # weight rows per tile: the vector loop length
+NB = 4            # activation rows per pass in the batched kernels
+FM = True         # integer sums are exact; float rounding order is free to change (a tolerance applies)
+
+Q4, Q5, I8, F32 = 0, 1, 2, 3
+FAMILY = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5,
+          QT.Q8_0: I8, QT.Q6_K: I8, QT.F32: F32, QT.F16: F32, QT.BF16: F32}
+
+
+class Packed(NamedTuple):
+    """A weight repacked by `prepare`. Read-only after creation."""
+    qtype: int
+    d_out: int
+    n_in: int
+    family: int
+    q: np.ndarray      # Q4 (T,G,16,R) u8 | Q5 (T,G,16,R) u8 | I8 (T,G,32,R) i8 | F32 (T,n_in,R) f32
+    qh: np.ndarray     # Q5 (T,G,R) u32 fifth bits, bit j = value j; else (T,0,R)
+    s: np.ndarray      # (T,G,H,R) f32 scales; F32 family: (T,0,1,R)
+    o: np.ndarray      # (T,G,R) f32 offsets, or (T,0,R)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.qh.nbytes + self.s.nbytes + self.o.nbytes
+
+
+# ---------------------------------------------------------------- load time: raw GGUF bytes -> Packed
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) u8 little-endian f16 -> (...) f32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scale_min(sc: np.ndarray):
+    """(rows, nb, 12) u8 packed 6-bit scales/mins -> sc, m (rows, nb, 8) as f32."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale.astype(np.float32), mins.astype(np.float32)
+
+
+def _decode(raw: np.ndarray, qtype, n_in: int):
+    """raw (rows, row_bytes) u8 -> (values (rows, n_in) int, scale (rows, G, H) f32, offset (rows, G) f32 or None).
+
+    values are what the family's kernel multiplies: Q4 nibble 0..15, Q5 0..31, I8 signed int8, F32 floats.
+    """
+    rows = raw.shape[0]
+    G = n_in // 32
+    qt = QT(int(qtype))
+    if qt == QT.F32:
+        return raw.view(np.float32), None, None
+    if qt == QT.F16:
+        return raw.view(np.float16).astype(np.float32), None, None
+    if qt == QT.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32), None, None
+
+    if qt in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1):
+        blk = raw.reshape(rows, G, quant_info(qt).type_size)
+        d = _f16(blk[..., 0:2])
+        if qt == QT.Q8_0:
+            return blk[..., 2:].view(np.int8).reshape(rows, n_in), d[..., None], None
+        has_m = qt in (QT.Q4_1, QT.Q5_1)
+        p = 4 if has_m else 2
+        m = _f16(blk[..., 2:4]) if has_m else None
+        qh = None
+        if qt in (QT.Q5_0, QT.Q5_1):
+            qh = np.ascontiguousarray(blk[..., p:p + 4]).view(np.uint32)[..., 0]      # (rows, G)
+            p += 4
+        nib = blk[..., p:p + 16]
+        q = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int32)             # (rows, G, 32)
+        if qh is not None:
+            q |= ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
+        # kernel value is s*(q - zero) + o with zero = 8 (Q4) or 16 (Q5): fold zero*s into the offset
+        zero = 16 if qh is not None else 8
+        if has_m:
+            off = m + np.float32(zero) * d
+        else:                                                        # symmetric: s*(q-zero) exactly
+            off = None
+        return q.reshape(rows, n_in), d[..., None], off
+
+    if qt in (QT.Q4_K, QT.Q5_K):
+        nsb = n_in // 256
+        blk = raw.reshape(rows, nsb, quant_info(qt).type_size)
+        d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        sc, mn = _k_scale_min(blk[..., 4:16])
+        ds = d[..., None] * sc                                        # (rows, nsb, 8) sub-block scales
+        dm = dmin[..., None] * mn
+        p = 16
+        qh = None
+        if qt == QT.Q5_K:
+            qh = blk[..., 16:48]                                      # (rows, nsb, 32): bit s = sub-block s
+            p = 48
+        ql = blk[..., p:p + 128].reshape(rows, nsb, 4, 32)
+        q = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, nsb, 8, 32).astype(np.int32)
+        if qh is not None:
+            hb = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+            q |= hb.astype(np.int32) << 4
+        zero = 16 if qh is not None else 8
+        off = (np.float32(zero) * ds - dm).reshape(rows, G)
+        return q.reshape(rows, n_in), ds.reshape(rows, G, 1), off
+
+    if qt == QT.Q6_K:
+        nsb = n_in // 256
+        blk = raw.reshape(rows, nsb, 210)
+        ql = blk[..., 0:128].reshape(rows, nsb, 2, 64)
+        qh = blk[..., 128:192].reshape(rows, nsb, 2, 32)
+        sc = blk[..., 192:208].view(np.int8).astype(np.float32)      # (rows, nsb, 16)
+        d = _f16(blk[..., 208:210])
+        lo = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+        hi = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=3)  # (rows, nsb, 2, 4, 32)
+        q = (lo | (hi << 4)).astype(np.int16) - 32
+        s = (d[..., None] * sc).reshape(rows, G, 2)
+        return q.reshape(rows, n_in).astype(np.int8), s, None
+    raise AssertionError(qt)
+
+
+def _tiles(a: np.ndarray, T: int) -> np.ndarray:
+    """(rows, *rest) -> (T, *rest, R): pad rows to T*R with zeros and move the row index innermost."""
+    pad = np.zeros((T * R,) + a.shape[1:], dtype=a.dtype)
+    pad[:a.shape[0]] = a
+    pad = pad.reshape((T, R) + a.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
+
+
+def prepare(raw: np.ndarray, qtype) -> Packed:
+    """Repack raw GGUF bytes (d_out, row_bytes) u8 of type qtype for the matmul kernels (see module doc)."""
+    info = quant_info(qtype)
+    _check(isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.ndim == 2,
+           f"raw weight must be a 2D uint8 array (d_out, row_bytes), got {getattr(raw, 'dtype', type(raw))} "
+           f"{getattr(raw, 'shape', '')}")
+    _check(raw.shape[1] % info.type_size == 0 and raw.shape[1] > 0,
+           f"{info.name} rows must be a whole number of {info.type_size}-byte blocks, got {raw.shape[1]} bytes")
+    raw = np.ascontiguousarray(raw)
+    d_out = raw.shape[0]
+    n_in = raw.shape[1] // info.type_size * info.block_size
+    fam = FAMILY[QT(int(qtype))]
+    _check(fam == F32 or n_in % 32 == 0, f"n_in = {n_in} must be a multiple of 32")
+    T = (d_out + R - 1) // R
+    G = n_in // 32
+    vals, s, o = _decode(raw, qtype, n_in)
+    u32_empty = np.zeros((T, 0, R), np.uint32)
+    f32_empty = np.zeros((T, 0, R), np.float32)
+    if fam == F32:
+        return Packed(int(qtype), d_out, n_in, fam, _tiles(vals.astype(np.float32), T), u32_empty,
+                      np.zeros((T, 0, 1, R), np.float32), f32_empty)
+    s_t = _tiles(s.astype(np.float32), T)
+    o_t = f32_empty if o is None else _tiles(o.astype(np.float32), T)
+    if fam == I8:
+        q = _tiles(vals.astype(np.int8).reshape(d_out, G, 32), T)
+        return Packed(int(qtype), d_out, n_in, fam, q, u32_empty, s_t, o_t)
+    v = vals.reshape(d_out, G, 32)
+    nib = ((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).astype(np.uint8)
+    q = _tiles(nib, T)
+    if fam == Q4:
+        return Packed(int(qtype), d_out, n_in, fam, q, u32_empty, s_t, o_t)
+    bits = ((v >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    qh = _tiles(np.bitwise_or.reduce(bits, axis=-1).astype(np.uint32), T)
+    return Packed(int(qtype), d_out, n_in, fam, q, qh, s_t, o_t)
+
+
+# ---------------------------------------------------------------- kernels
+
+@njit(fastmath=FM, cache=True)
+def quantize_x(xq, xd, xs, x):
+    """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G, 2) f32 <- x (N, n_in) f32, N <= Np; rows >= N are zeroed.
+
+    Blocks of 32: d = amax/127, q = rint(x/d), xs[h] = d * sum(q) over half h (16 values)."""
+    N, n = x.shape
+    for i in range(xq.shape[0]):
+        for g in range(n // 32):
+            if i >= N:
+                for j in range(32):
+                    xq[i, 32 * g + j] = 0
+                xd[i, g] = 0.0
+                xs[i, g, 0] = 0.0
+                xs[i, g, 1] = 0.0
+                continue
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(x[i, 32 * g + j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for h in range(2):
+                sm = np.int32(0)
+                for j in range(16 * h, 16 * h + 16):
+                    v = np.int32(np.rint(x[i, 32 * g + j] * inv))
+                    xq[i, 32 * g + j] = v
+                    sm += v
+                xs[i, g, h] = d * np.float32(sm)
+            xd[i, g] = d
+
+
+# ---- N = 1: one tile of R rows, accumulated in facc (R,) f32
+
+@njit(fastmath=FM, cache=True)
+def tile_q4_mv(facc, acc, q, s, o, xq, xd, xs):
+    """facc (R,) = tile (G,16,R) nibbles . xq (n_in,) i8; acc (2,R) i16 scratch."""
+    G = q.shape[0]
+    has_o = o.shape[0] > 0
+    a = acc[0]
+    for r in range(R):
+        facc[r] = 0.0
+    for g in range(G):
+        for r in range(R):
+            a[r] = 0
+        for j in range(16):
+            xl = np.int16(xq[32 * g + j])
+            xh = np.int16(xq[32 * g + j + 16])
+            for r in range(R):
+                b = q[g, j, r]
+                a[r] = np.int16(a[r] + (np.int16(b & 15) - 8) * xl + (np.int16(b >> 4) - 8) * xh)
+        sd = xd[g]
+        if has_o:
+            sx = xs[g, 0] + xs[g, 1]
+            for r in range(R):
+                facc[r] += s[g, 0, r] * sd * np.float32(a[r]) + o[g, r] * sx
+        else:
+            for r in range(R):
+                facc[r] += s[g, 0, r] * sd * np.float32(a[r])
+
+
+@njit(fastmath=FM, cache=True)
+def tile_q5_mv(facc, acc, q, qh, s, o, xq, xd, xs):
+    """facc (R,) = tile (G,16,R) nibbles + (G,R) fifth bits . xq; acc (2,R) i16 scratch (one per half)."""
+    G = q.shape[0]
+    has_o = o.shape[0] > 0
+    a0 = acc[0]
+    a1 = acc[1]
+    for r in range(R):
+        facc[r] = 0.0
+    for g in range(G):
+        for r in range(R):
+            a0[r] = 0
+            a1[r] = 0
+        for j in range(16):
+            xl = np.int16(xq[32 * g + j])
+            xh = np.int16(xq[32 * g + j + 16])
+            for r in range(R):
+                b = q[g, j, r]
+                h = qh[g, r]
+                lo = np.int16(b & 15) | np.int16(((h >> j) & 1) << 4)
+                hi = np.int16(b >> 4) | np.int16(((h >> (j + 16)) & 1) << 4)
+                a0[r] = np.int16(a0[r] + (lo - 16) * xl)
+                a1[r] = np.int16(a1[r] + (hi - 16) * xh)
+        sd = xd[g]
+        if has_o:
+            sx = xs[g, 0] + xs[g, 1]
+            for r in range(R):
+                facc[r] += s[g, 0, r] * sd * np.float32(np.int32(a0[r]) + np.int32(a1[r])) + o[g, r] * sx
+        else:
+            for r in range(R):
+                facc[r] += s[g, 0, r] * sd * np.float32(np.int32(a0[r]) + np.int32(a1[r]))
+
+
+@njit(fastmath=FM, cache=True)
+def tile_i8_mv(facc, acc, q, s, o, xq, xd, xs):
+    """facc (R,) = tile (G,32,R) int8 . xq; acc (2,R) i32 scratch (one per half of 16)."""
+    G = q.shape[0]
+    two = s.shape[1] == 2
+    a0 = acc[0]
+    a1 = acc[1]
+    for r in range(R):
+        facc[r] = 0.0
+    for g in range(G):
+        for r in range(R):
+            a0[r] = 0
+            a1[r] = 0
+        for j in range(16):
+            xl = np.int32(xq[32 * g + j])
+            xh = np.int32(xq[32 * g + j + 16])
+            for r in range(R):
+                a0[r] = np.int32(a0[r] + np.int32(q[g, j, r]) * xl)
+                a1[r] = np.int32(a1[r] + np.int32(q[g, j + 16, r]) * xh)
+        sd = xd[g]
+        if two:
+            for r in range(R):
+                facc[r] += sd * (s[g, 0, r] * np.float32(a0[r]) + s[g, 1, r] * np.float32(a1[r]))
+        else:
+            for r in range(R):
+                facc[r] += s[g, 0, r] * sd * np.float32(a0[r] + a1[r])
+
+
+@njit(fastmath=FM, cache=True)
+def tile_f32_mv(facc, w, x):
+    """facc (R,) = w (n_in, R) f32 . x (n_in,) f32."""
+    for r in range(R):
+        facc[r] = 0.0
+    for k in range(w.shape[0]):
+        xk = x[k]
+        for r in range(R):
+            facc[r] += w[k, r] * xk
+
+
+@njit(parallel=True, fastmath=FM, cache=True)
+def matvec_kernel(out, fam, q, qh, q8, qf, s, o, xq, xd, xs, xf, facc, acc16, acc32):
+    """out (d_out,) = W . x for one activation row. The weight is in q (+ qh) for Q4/Q5, q8 for I8, qf for F32
+    (the others are empty). xq (n_in,) i8 / xd (G,) / xs (G,2), or xf (n_in,) f32 for F32.
+    facc (nch, R) f32, acc16 (nch, 2, R) i16, acc32 (nch, 2, R) i32: per-chunk scratch; nch chunks of tiles."""
+    T = s.shape[0]
+    d_out = out.shape[0]
+    nch = facc.shape[0]
+    for c in prange(nch):
+        for t in range(c * T // nch, (c + 1) * T // nch):
+            fa = facc[c]
+            if fam == Q4:
+                tile_q4_mv(fa, acc16[c], q[t], s[t], o[t], xq, xd, xs)
+            elif fam == Q5:
+                tile_q5_mv(fa, acc16[c], q[t], qh[t], s[t], o[t], xq, xd, xs)
+            elif fam == I8:
+                tile_i8_mv(fa, acc32[c], q8[t], s[t], o[t], xq, xd, xs)
+            else:
+                tile_f32_mv(fa, qf[t], xf)
+            n = min(R, d_out - t * R)
+            for r in range(n):
+                out[t * R + r] = fa[r]
+
+
+# ---- N > 1: one tile of R rows applied to NB activation rows at once
+
+@njit(fastmath=FM, cache=True)
+def unpack_q4_tile(w8, q):
+    """w8 (G,32,R) i8 = signed nibbles (value - 8) of q (G,16,R) u8."""
+    for g in range(q.shape[0]):
+        for j in range(16):
+            for r in range(R):
+                b = q[g, j, r]
+                w8[g, j, r] = np.int8(np.int16(b & 15) - 8)
+                w8[g, j + 16, r] = np.int8(np.int16(b >> 4) - 8)
+
+
+@njit(fastmath=FM, cache=True)
+def unpack_q5_tile(w8, q, qh):
+    """w8 (G,32,R) i8 = signed 5-bit values (value - 16) of nibbles q (G,16,R) and fifth bits qh (G,R)."""
+    for g in range(q.shape[0]):
+        for j in range(16):
+            for r in range(R):
+                b = q[g, j, r]
+                h = qh[g, r]
+                w8[g, j, r] = np.int8((np.int16(b & 15) | np.int16(((h >> j) & 1) << 4)) - 16)
+                w8[g, j + 16, r] = np.int8((np.int16(b >> 4) | np.int16(((h >> (j + 16)) & 1) << 4)) - 16)
+
+
+@njit(fastmath=FM, cache=True)
+def dot4_i16(facc, acc, w8, s, o, xq, xd, xs):
+    """facc (NB,R) = w8 (G,32,R) i8 tile . xq (NB,n_in) i8 for |w8| <= 16; acc (2,NB,R) i16 scratch."""
+    G = w8.shape[0]
+    has_o = o.shape[0] > 0
+    for i in range(NB):
+        for r in range(R):
+            facc[i, r] = 0.0
+    for g in range(G):
+        for h in range(2):
+            a0 = acc[h, 0]
+            a1 = acc[h, 1]
+            a2 = acc[h, 2]
+            a3 = acc[h, 3]
+            for r in range(R):
+                a0[r] = 0
+                a1[r] = 0
+                a2[r] = 0
+                a3[r] = 0
+            for j in range(16 * h, 16 * h + 16):
+                x0 = np.int16(xq[0, 32 * g + j])
+                x1 = np.int16(xq[1, 32 * g + j])
+                x2 = np.int16(xq[2, 32 * g + j])
+                x3 = np.int16(xq[3, 32 * g + j])
+                for r in range(R):
+                    w = np.int16(w8[g, j, r])
+                    a0[r] = np.int16(a0[r] + w * x0)
+                    a1[r] = np.int16(a1[r] + w * x1)
+                    a2[r] = np.int16(a2[r] + w * x2)
+                    a3[r] = np.int16(a3[r] + w * x3)
+        for i in range(NB):
+            sd = xd[i, g]
+            sx = xs[i, g, 0] + xs[i, g, 1]
+            b0 = acc[0, i]
+            b1 = acc[1, i]
+            if has_o:
+                for r in range(R):
+                    facc[i, r] += s[g, 0, r] * sd * np.float32(np.int32(b0[r]) + np.int32(b1[r])) + o[g, r] * sx
+            else:
+                for r in range(R):
+                    facc[i, r] += s[g, 0, r] * sd * np.float32(np.int32(b0[r]) + np.int32(b1[r]))
+
+
+@njit(fastmath=FM, cache=True)
+def dot4_i32(facc, acc, w8, s, o, xq, xd, xs):
+    """facc (NB,R) = w8 (G,32,R) i8 tile . xq (NB,n_in) i8, any int8; acc (2,NB,R) i32 scratch."""
+    G = w8.shape[0]
+    two = s.shape[1] == 2
+    for i in range(NB):
+        for r in range(R):
+            facc[i, r] = 0.0
+    for g in range(G):
+        for h in range(2):
+            a0 = acc[h, 0]
+            a1 = acc[h, 1]
+            a2 = acc[h, 2]
+            a3 = acc[h, 3]
+            for r in range(R):
+                a0[r] = 0
+                a1[r] = 0
+                a2[r] = 0
+                a3[r] = 0
+            for j in range(16 * h, 16 * h + 16):
+                x0 = np.int32(xq[0, 32 * g + j])
+                x1 = np.int32(xq[1, 32 * g + j])
+                x2 = np.int32(xq[2, 32 * g + j])
+                x3 = np.int32(xq[3, 32 * g + j])
+                for r in range(R):
+                    w = np.int32(w8[g, j, r])
+                    a0[r] = np.int32(a0[r] + w * x0)
+                    a1[r] = np.int32(a1[r] + w * x1)
+                    a2[r] = np.int32(a2[r] + w * x2)
+                    a3[r] = np.int32(a3[r] + w * x3)
+        for i in range(NB):
+            sd = xd[i, g]
+            b0 = acc[0, i]
+            b1 = acc[1, i]
+            if two:
+                for r in range(R):
+                    facc[i, r] += sd * (s[g, 0, r] * np.float32(b0[r]) + s[g, 1, r] * np.float32(b1[r]))
+            else:
+                for r in range(R):
+                    facc[i, r] += s[g, 0, r] * sd * np.float32(b0[r] + b1[r])
+
+
+@njit(fastmath=FM, cache=True)
+def dot4_f32(facc, w, x):
+    """facc (NB,R) = w (n_in,R) f32 . x (NB,n_in) f32."""
+    for i in range(NB):
+        for r in range(R):
+            facc[i, r] = 0.0
+    f0 = facc[0]
+    f1 = facc[1]
+    f2 = facc[2]
+    f3 = facc[3]
+    for k in range(w.shape[0]):
+        x0 = x[0, k]
+        x1 = x[1, k]
+        x2 = x[2, k]
+        x3 = x[3, k]
+        for r in range(R):
+            wk = w[k, r]
+            f0[r] += wk * x0
+            f1[r] += wk * x1
+            f2[r] += wk * x2
+            f3[r] += wk * x3
+
+
+@njit(parallel=True, fastmath=FM, cache=True)
+def batched_kernel(out, fam, q, qh, q8, qf, s, o, xq, xd, xs, xf, w8, facc, acc16, acc32):
+    """out (N, d_out) = x . W.T, N > 1. Weight arrays as in matvec_kernel. xq (Np, n_in) i8 / xd (Np, G) / xs (Np, G, 2), or xf (Np, n_in) f32 for
+    the F32 family, with Np = N rounded up to NB (zero rows). Per chunk c: w8 (nch, G, 32, R) i8 unpacked tile,
+    facc (nch, NB, R) f32, acc16 (nch, 2, NB, R) i16, acc32 (nch, 2, NB, R) i32."""
+    T = s.shape[0]
+    N, d_out = out.shape
+    Np = xq.shape[0] if fam != F32 else xf.shape[0]
+    nch = facc.shape[0]
+    for c in prange(nch):
+        for t in range(c * T // nch, (c + 1) * T // nch):
+            if fam == Q4:
+                unpack_q4_tile(w8[c], q[t])
+            elif fam == Q5:
+                unpack_q5_tile(w8[c], q[t], qh[t])
+            n = min(R, d_out - t * R)
+            for i0 in range(0, Np, NB):
+                fa = facc[c]
+                if fam == Q4 or fam == Q5:
+                    dot4_i16(fa, acc16[c], w8[c], s[t], o[t], xq[i0:i0 + NB], xd[i0:i0 + NB], xs[i0:i0 + NB])
+                elif fam == I8:
+                    dot4_i32(fa, acc32[c], q8[t], s[t], o[t], xq[i0:i0 + NB], xd[i0:i0 + NB],
+                             xs[i0:i0 + NB])
+                else:
+                    dot4_f32(fa, qf[t], xf[i0:i0 + NB])
+                for i in range(min(NB, N - i0)):
+                    for r in range(n):
+                        out[i0 + i, t * R + r] = fa[i, r]
+
+
+# ---------------------------------------------------------------- Python entries: validate, then call
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _packed(w, qtype) -> Packed:
+    if isinstance(w, Packed):
+        _check(int(w.qtype) == int(qtype), f"packed weight is {QT(w.qtype).name}, but qtype {QT(int(qtype)).name} was given")
+        return w
+    return prepare(w, qtype)
+
+
+def _check_io(out, x, w: Packed, two_d: bool):
+    for name, a in (("out", out), ("x", x)):
+        _check(isinstance(a, np.ndarray), f"{name} must be a numpy array, got {type(a).__name__}")
+        _check(a.dtype == np.float32, f"{name} must be float32, got {a.dtype}")
+        _check(a.flags.c_contiguous, f"{name} must be C-contiguous")
+    _check(out.flags.writeable, "out must be writeable")
+    _check(x.ndim == 2 and out.ndim == 2, f"x and out must be 2D (N, n_in) and (N, d_out), got {x.shape}, {out.shape}")
+    _check(x.shape[1] == w.n_in, f"x has {x.shape[1]} columns but the weight has n_in = {w.n_in}")
+    _check(out.shape == (x.shape[0], w.d_out), f"out must have shape {(x.shape[0], w.d_out)}, got {out.shape}")
+    _check(x.shape[0] >= 1, "x must have at least one row")
+    _check(not np.may_share_memory(out, x), "out must not overlap x")
+
+
+def _weights(w: Packed):
+    """(q, qh, q8, qf) kernel arguments: the family's array in its slot, empty arrays of fixed type elsewhere."""
+    if w.family == I8:
+        return _EMPTY_U8_4, w.qh, w.q, _EMPTY_F32_3
+    if w.family == F32:
+        return _EMPTY_U8_4, w.qh, _EMPTY_I8_4, w.q
+    return w.q, w.qh, _EMPTY_I8_4, _EMPTY_F32_3
+
+
+def _chunks(T: int) -> int:
+    return max(1, min(T, numba.get_num_threads()))
+
+
+def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
+    """out (1, d_out) f32 = x (1, n_in) f32 @ W.T, the decode path. w: Packed or raw (d_out, row_bytes) u8."""
+    w = _packed(w, qtype)
+    _check_io(out, x, w, False)
+    _check(x.shape[0] == 1, f"matvec takes one activation row, got N = {x.shape[0]} (use matmul_batched)")
+    T, G, nch = w.s.shape[0], w.n_in // 32, _chunks(w.s.shape[0])
+    if w.family == F32:
+        xq, xd, xs, xf = _EMPTY_I8, _EMPTY_F32, _EMPTY_F32_2, x[0]
+    else:
+        xq = np.empty((1, w.n_in), np.int8)
+        xd = np.empty((1, G), np.float32)
+        xs = np.empty((1, G, 2), np.float32)
+        quantize_x(xq, xd, xs, x)
+        xq, xd, xs, xf = xq[0], xd[0], xs[0], _EMPTY_F32
+    facc = np.empty((nch, R), np.float32)
+    acc16 = np.empty((nch, 2, R), np.int16)
+    acc32 = np.empty((nch, 2, R), np.int32)
+    matvec_kernel(out[0], w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, facc, acc16, acc32)
+    return out
+
+
+def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
+    """out (N, d_out) f32 = x (N, n_in) f32 @ W.T for any N >= 1, the prefill path: each weight tile is read
+    (and unpacked) once for all N rows. w: Packed or raw (d_out, row_bytes) u8."""
+    w = _packed(w, qtype)
+    _check_io(out, x, w, True)
+    N = x.shape[0]
+    Np = (N + NB - 1) // NB * NB
+    T, G, nch = w.s.shape[0], w.n_in // 32, _chunks(w.s.shape[0])
+    if w.family == F32:
+        xf = np.zeros((Np, w.n_in), np.float32)
+        xf[:N] = x
+        xq, xd, xs = _EMPTY_I8_2, _EMPTY_F32_2, _EMPTY_F32_3
+    else:
+        xq = np.empty((Np, w.n_in), np.int8)
+        xd = np.empty((Np, G), np.float32)
+        xs = np.empty((Np, G, 2), np.float32)
+        quantize_x(xq, xd, xs, x)
+        xf = _EMPTY_F32_2
+    w8 = np.empty((nch, G, 32, R) if w.family in (Q4, Q5) else (nch, 0, 32, R), np.int8)
+    facc = np.empty((nch, NB, R), np.float32)
+    acc16 = np.empty((nch, 2, NB, R), np.int16)
+    acc32 = np.empty((nch, 2, NB, R), np.int32)
+    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, w8, facc, acc16, acc32)
+    return out
+
+
+def matmul(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
+    """out (N, d_out) f32 = x (N, n_in) f32 @ W.T: matvec for N = 1 (decode), matmul_batched for N > 1 (prefill)."""
+    if isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[0] == 1:
+        return matvec(out, x, w, qtype)
+    return matmul_batched(out, x, w, qtype)
+
+
+_EMPTY_U8_4 = np.zeros((0, 0, 0, 0), np.uint8)
+_EMPTY_I8_4 = np.zeros((0, 0, 0, 0), np.int8)
+_EMPTY_I8 = np.zeros(0, np.int8)
+_EMPTY_F32 = np.zeros(0, np.float32)
+_EMPTY_I8_2 = np.zeros((0, 0), np.int8)
+_EMPTY_F32_2 = np.zeros((0, 0), np.float32)
+_EMPTY_F32_3 = np.zeros((0, 0, 2), np.float32)

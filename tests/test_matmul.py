@@ -1,0 +1,205 @@
+"""Quantized matmul against the float64 numpy reference x @ dequantize_ref(W).T, for every type and path.
+
+Tolerance (per output element, derived, not fitted). The kernels quantize each block of 32 activations to
+int8 with step d = amax/127, so each activation moves by at most d/2 = amax/254; integer sums are exact.
+Hence |out - ref| <= sum_k |W[r,k]| * amax_block(x[n], k) / 254 (the quantization term, 0 for F32/F16/BF16,
+which use float activations), plus float32 rounding: scale products, per-group float accumulation and the
+folded offsets (o = m + 8d etc., bounded by a few times the block's max |W|) are covered by
+1e-5 * sum_k blockmax|W[r,k]| * |x[n,k]|. That bound is asserted for every element. As a sanity check the
+error's Frobenius norm relative to that of |x| @ |W|.T (a reference without cancellation) is asserted < 1e-2
+(< 1e-6 for the float types).
+"""
+import numpy as np
+import pytest
+import gguf
+
+from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
+from lumen.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, row_bytes
+
+ALL = sorted(SUPPORTED, key=int)
+FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}
+F16_FIELDS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
+              QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def make_weight(qtype, d_out, n_in, rng) -> np.ndarray:
+    """Raw bytes (d_out, row_bytes) u8: random blocks with finite f16 scales of moderate spread."""
+    if qtype in FLOAT_TYPES:
+        w = rng.standard_normal((d_out, n_in)).astype(np.float32)
+        if qtype == QT.F32:
+            return w.view(np.uint8)
+        return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(d_out, -1)
+    info = quant_info(qtype)
+    raw = rng.integers(0, 256, size=(d_out, row_bytes(qtype, n_in)), dtype=np.uint8)
+    blocks = raw.reshape(-1, info.type_size)
+    for off in F16_FIELDS[qtype]:
+        v = rng.standard_normal(blocks.shape[0]) * np.exp(rng.uniform(-2, 2, blocks.shape[0])) * 0.01
+        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def bound(x: np.ndarray, W: np.ndarray, qtype) -> np.ndarray:
+    """Per-element error bound (N, d_out) for out = x @ W.T, as derived in the module docstring."""
+    x64 = x.astype(np.float64)
+    aw = np.abs(W)
+    n_in = W.shape[1]
+    g = 32 if n_in % 32 == 0 else 1
+    wmax = aw.reshape(W.shape[0], -1, g).max(axis=2).repeat(g, axis=1)
+    tol = 1e-5 * (np.abs(x64) @ wmax.T)
+    if qtype not in FLOAT_TYPES:
+        amax = np.abs(x64).reshape(x.shape[0], -1, 32).max(axis=2).repeat(32, axis=1)
+        tol += (amax / 254.0) @ aw.T * 1.0001
+    return tol
+
+
+def check(out: np.ndarray, x: np.ndarray, W: np.ndarray, qtype):
+    ref = x.astype(np.float64) @ W.T
+    err = np.abs(out.astype(np.float64) - ref)
+    tol = bound(x, W, qtype)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert (err <= tol).all(), f"{QT(qtype).name}: error {err[worst]:.3e} > bound {tol[worst]:.3e} at {worst}"
+    scale = np.linalg.norm(np.abs(x.astype(np.float64)) @ np.abs(W).T)   # no cancellation in this one
+    rel = np.linalg.norm(out - ref) / max(scale, 1e-30)
+    assert rel < (1e-2 if qtype not in FLOAT_TYPES else 1e-6), f"{QT(qtype).name}: relative error {rel:.2e}"
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """qtype -> (raw, packed, W f64) for a (100, 512) weight: 100 rows = one full tile of 64 and a partial one."""
+    rng = np.random.default_rng(1)
+    res = {}
+    for qtype in ALL:
+        raw = make_weight(qtype, 100, 512, rng)
+        res[qtype] = raw, prepare(raw, qtype), dequantize_ref(raw, qtype, (100, 512)).astype(np.float64)
+    return res
+
+
+@pytest.mark.parametrize("N", [1, 3, 32, 70])
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_matmul_every_type(weights, qtype, N):
+    raw, packed, W = weights[qtype]
+    x = np.random.default_rng(N).standard_normal((N, 512)).astype(np.float32)
+    x[0, :32] *= 100.0                              # one loud block, as real activations have
+    out = np.full((N, 100), np.nan, np.float32)
+    matmul(out, x, packed, qtype)
+    check(out, x, W, qtype)
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_batched_equals_matvec_row_by_row(weights, qtype):
+    raw, packed, W = weights[qtype]
+    x = np.random.default_rng(5).standard_normal((9, 512)).astype(np.float32)
+    batched = np.empty((9, 100), np.float32)
+    matmul_batched(batched, x, packed, qtype)
+    for n in range(9):
+        one = np.empty((1, 100), np.float32)
+        matvec(one, x[n:n + 1], packed, qtype)
+        np.testing.assert_allclose(batched[n], one[0], rtol=1e-5, atol=1e-6 * np.abs(one).max())
+    one = np.empty((1, 100), np.float32)                  # the batched path also takes N = 1
+    matmul_batched(one, x[:1], packed, qtype)
+    np.testing.assert_allclose(one[0], batched[0], rtol=1e-5, atol=1e-6 * np.abs(batched[0]).max())
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q6_K, QT.F16], ids=lambda t: t.name)
+def test_raw_weight_same_as_packed(weights, qtype):
+    raw, packed, W = weights[qtype]
+    x = np.random.default_rng(6).standard_normal((3, 512)).astype(np.float32)
+    a, b = np.empty((3, 100), np.float32), np.empty((3, 100), np.float32)
+    matmul(a, x, raw, qtype)
+    matmul(b, x, packed, qtype)
+    assert np.array_equal(a, b)
+
+
+def test_odd_float_width():
+    """F32/F16/BF16 have block size 1: n_in need not be a multiple of 32."""
+    rng = np.random.default_rng(2)
+    for qtype in FLOAT_TYPES:
+        raw = make_weight(qtype, 7, 45, rng)
+        W = dequantize_ref(raw, qtype, (7, 45)).astype(np.float64)
+        for N in (1, 5):
+            x = rng.standard_normal((N, 45)).astype(np.float32)
+            out = np.empty((N, 7), np.float32)
+            matmul(out, x, raw, qtype)
+            check(out, x, W, qtype)
+
+
+# ---- real weights, real shapes
+
+SMOLLM2_SHAPES = {"blk.0.attn_q.weight": (576, 576), "blk.0.attn_k.weight": (192, 576),
+                  "blk.0.ffn_up.weight": (1536, 576), "blk.0.ffn_down.weight": (576, 1536),
+                  "token_embd.weight": (49152, 576)}
+GEMMA3_SHAPES = {"blk.0.attn_q.weight": (1024, 640), "blk.0.attn_k.weight": (256, 640),
+                 "blk.0.attn_v.weight": (256, 640), "blk.0.ffn_gate.weight": (2048, 640),
+                 "blk.0.ffn_down.weight": (640, 2048), "blk.0.attn_output.weight": (640, 1024)}
+
+
+def real_case(path, shapes):
+    reader = gguf.GGUFReader(path)
+    for t in reader.tensors:
+        if t.name in shapes:
+            d_out, n_in = shapes[t.name]
+            assert (int(t.shape[1]), int(t.shape[0])) == (d_out, n_in)
+            yield t.name, QT(int(t.tensor_type)), np.asarray(t.data).reshape(d_out, -1), (d_out, n_in)
+
+
+def check_real(path, shapes, types):
+    rng = np.random.default_rng(11)
+    seen = set()
+    for name, qtype, raw, (d_out, n_in) in real_case(path, shapes):
+        W = dequantize_ref(raw, qtype, (d_out, n_in)).astype(np.float64)
+        packed = prepare(raw, qtype)
+        for N in (1, 32) if d_out <= 4096 else (1, 5):
+            x = rng.standard_normal((N, n_in)).astype(np.float32)
+            out = np.empty((N, d_out), np.float32)
+            matmul(out, x, packed, qtype)
+            check(out, x, W, qtype)
+        seen.add((name, qtype))
+    assert len(seen) == len(shapes)
+    assert {q for _, q in seen} == types
+
+
+def test_smollm2_real_shapes(smollm2_path):
+    check_real(smollm2_path, SMOLLM2_SHAPES, {QT.Q4_1, QT.Q8_0})
+
+
+def test_gemma3_real_shapes(gemma3_path):
+    check_real(gemma3_path, GEMMA3_SHAPES, {QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K})
+
+
+# ---- refusing what the kernels would read out of bounds
+
+def test_bad_inputs_raise(weights):
+    raw, packed, W = weights[QT.Q4_1]
+    x = np.zeros((2, 512), np.float32)
+    out = np.zeros((2, 100), np.float32)
+    bad = [
+        (np.zeros((2, 511), np.float32), out, "columns"),
+        (x, np.zeros((2, 99), np.float32), "shape"),
+        (x, np.zeros((3, 100), np.float32), "shape"),
+        (x.astype(np.float64), out, "float32"),
+        (x, out.astype(np.float64), "float32"),
+        (np.zeros((2, 1024), np.float32)[:, ::2], out, "contiguous"),
+        (np.zeros(512, np.float32), out, "2D"),
+        (np.zeros((0, 512), np.float32), np.zeros((0, 100), np.float32), "at least one"),
+    ]
+    for xx, oo, msg in bad:
+        for f in (matmul, matmul_batched):
+            with pytest.raises(ValueError, match=msg):
+                f(oo, xx, packed, QT.Q4_1)
+    with pytest.raises(ValueError, match="one activation row"):
+        matvec(out, x, packed, QT.Q4_1)
+    with pytest.raises(ValueError, match="Q4_1"):
+        matmul(out, x, packed, QT.Q8_0)
+    ro = np.zeros((2, 100), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        matmul(ro, x, packed, QT.Q4_1)
+    buf = np.zeros(1024, np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        matmul_batched(buf[100:300].reshape(2, 100), buf.reshape(2, 512), packed, QT.Q4_1)
+    with pytest.raises(ValueError, match="uint8"):
+        prepare(raw.view(np.int8), QT.Q4_1)
+    with pytest.raises(ValueError, match="blocks"):
+        prepare(raw[:, :39], QT.Q4_1)
+    with pytest.raises(ValueError, match="blocks"):
+        prepare(np.zeros((4, 10), np.uint8), QT.Q4_1)   # half a block
