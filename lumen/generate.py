@@ -1,0 +1,108 @@
+"""Generate text: `python -m lumen.generate --prompt "..." [--chat] [--model NAME_OR_PATH] [sampling flags]`.
+
+Streams the text to stdout as it is produced and prints one summary line to stderr: prompt tokens, TTFT,
+prefill tok/s, decode tok/s, TPOT (rich-formatted when stderr is a terminal).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import LumenError
+from .models import DEFAULT_MODEL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lumen.generate", description="Generate text with a GGUF model.")
+    ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                    help=f"registry name (see python -m lumen.models) or path to a .gguf file (default {DEFAULT_MODEL})")
+    ap.add_argument("--prompt", "-p", help="the prompt; read from stdin when absent")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    ap.add_argument("--system", help="system message in chat mode")
+    ap.add_argument("--max-tokens", "-n", type=int, default=128)
+    ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    ap.add_argument("--repeat-penalty", type=float, default=1.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repeat-last-n", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--ctx", type=int, default=2048, help="context length to allocate (default 2048)")
+    ap.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
+    ap.add_argument("--special", action="store_true", help="parse special-token text in a plain prompt")
+    return ap
+
+
+def chat_prompt(model, user: str, system: str | None) -> tuple[str | None, str]:
+    """The rendered chat prompt, or None with the reason when the model has no chat template."""
+    from .chat import chat_template_from_metadata, render_chat
+    template = chat_template_from_metadata(model.metadata)
+    if template is None:
+        return None, "this model has no chat template (tokenizer.chat_template); running plain completion"
+    tok = model.tokenizer
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    text = render_chat(template, messages, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                       eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                       add_generation_prompt=True)
+    return text, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rich.console import Console
+    err = Console(stderr=True, highlight=False)
+    if args.prompt is None:
+        if sys.stdin.isatty():
+            err.print("[red]error:[/] give --prompt TEXT or pipe the prompt on stdin")
+            return 2
+        args.prompt = sys.stdin.read()
+    try:
+        from . import load
+        t0 = time.perf_counter()
+        model = load(args.model, ctx=args.ctx, threads=args.threads)
+        t_load = time.perf_counter() - t0
+        with err.status("compiling kernels (first run only; cached afterwards)...", spinner="dots"):
+            t_compile = model.warmup()
+        prompt, special = args.prompt, args.special
+        if args.chat:
+            rendered, why = chat_prompt(model, args.prompt, args.system)
+            if rendered is None:
+                err.print(f"[yellow]note:[/] {why}")
+            else:
+                prompt, special = rendered, True
+        from .model import GenStats
+        stats = GenStats()
+        gen = model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                             repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop, special=special,
+                             stats=stats)
+        out = sys.stdout
+        for tok in gen:
+            out.write(tok.text)
+            out.flush()
+        out.write("\n")
+        out.flush()
+    except (LumenError, ValueError) as e:
+        err.print(f"[red]error:[/] {e}")
+        return 1
+    except KeyboardInterrupt:
+        err.print("\n[yellow]interrupted[/]")
+        return 130
+    line = (f"prompt {stats.prompt_tokens} tok | TTFT {stats.ttft_s * 1e3:.0f} ms | prefill "
+            f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT {stats.tpot_s * 1e3:.1f} ms"
+            f" | {stats.gen_tokens} generated ({stats.stop_reason}) | load {t_load:.2f} s"
+            + (f" | compile {t_compile:.1f} s" if t_compile > 1.0 else ""))
+    if err.is_terminal:
+        err.print(f"[dim]{line}[/]")
+    else:
+        print(line, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

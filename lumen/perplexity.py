@@ -1,0 +1,87 @@
+"""Perplexity of a text file, the way llama-perplexity computes it.
+
+    python -m lumen.perplexity --model M --file F [--ctx N]
+
+The text is tokenized once (BOS as the model's default), cut into chunks of ctx tokens, and each chunk runs from
+an empty cache. Like llama-perplexity, the first token of each chunk is replaced by BOS when the model adds BOS,
+and only the second half of each chunk is scored (the first half is context), so every scored token sees at least
+ctx/2 tokens. `--score all` scores every next-token prediction of each chunk instead.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from .errors import LumenError
+from .models import DEFAULT_MODEL
+
+
+def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood of targets (n,) under logits (n, V), computed in float64."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+    return lse - x[np.arange(len(targets)), targets]
+
+
+def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.ndarray]:
+    """Per chunk, the NLL of each scored next-token prediction."""
+    if len(ids) < 2 * (ctx // 2 if score == "half" else 1):
+        raise LumenError(f"the text has {len(ids)} tokens; at least {2 * max(1, ctx // 2)} are needed for "
+                         f"ctx={ctx} (use a smaller --ctx or a longer file)")
+    out = []
+    bos = model.tokenizer.bos_id if model.tokenizer.add_bos_default else None
+    for a in range(0, len(ids) - ctx + 1 if len(ids) >= ctx else 1, ctx):
+        chunk = list(ids[a:a + ctx])
+        if bos is not None:
+            chunk[0] = bos
+        logits = model.logits(chunk)                    # (n, V)
+        first = len(chunk) // 2 if score == "half" else 0
+        out.append(log_softmax_nll(logits[first:-1], np.asarray(chunk[first + 1:])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lumen.perplexity", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    ap.add_argument("--file", "-f", required=True, help="a UTF-8 text file")
+    ap.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
+    ap.add_argument("--score", choices=("half", "all"), default="half",
+                    help="score the second half of each chunk (llama-perplexity) or every position")
+    ap.add_argument("--threads", "-t", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.ctx < 2:
+        ap.error("--ctx must be at least 2")
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
+        return 1
+    try:
+        from . import load
+        model = load(args.model, ctx=args.ctx, threads=args.threads, n_batch=min(args.ctx, 512))
+        ids = model.tokenize(text)
+        print(f"{len(ids)} tokens, {max(1, len(ids) // args.ctx)} chunks of {args.ctx}", file=sys.stderr)
+        nll_all = []
+        for i, nll in enumerate(chunk_nll(model, ids, args.ctx, args.score)):
+            nll_all.append(nll)
+            cat = np.concatenate(nll_all)
+            print(f"[{i + 1}]{math.exp(cat.mean()):.4f}", end=" ", flush=True)
+        print()
+    except (LumenError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    cat = np.concatenate(nll_all)
+    ppl = math.exp(cat.mean())
+    # standard error of the mean NLL, carried to the perplexity as llama-perplexity reports it
+    err = cat.std(ddof=1) / math.sqrt(len(cat)) if len(cat) > 1 else 0.0
+    print(f"Final estimate: PPL = {ppl:.4f} +/- {ppl * err:.5f}  ({len(cat)} scored tokens, mean NLL {cat.mean():.6f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
