@@ -5,17 +5,20 @@ How (see shared/KERNELS.md for the measurements behind each choice):
   with the row index innermost ("lanes = rows"), so every hot loop is a contiguous, reduction-free loop over
   64 rows that LLVM vectorizes. Four families:
     Q4  (Q4_0, Q4_1, Q4_K): nibbles  q (T, G, 16, R) u8, byte j = value j | value j+16 << 4, value = s*(nib-8) + o
-    Q5  (Q5_0, Q5_1, Q5_K): nibbles as Q4 + fifth bits qh (T, G, R) u32, value = s*(q5-16) + o
+    Q5  (Q5_0, Q5_1, Q5_K): int8 values q (T, G, 32, R) i8 = q5 - 16, value = s*q + o. Keeping nibbles plus
+                            fifth-bit masks cost 5 G MAC/s per core against 25 for the int8 plane (measured),
+                            so these weights take 9 bits per value instead of 5.5-6.
     I8  (Q8_0, Q6_K):       int8 values q (T, G, 32, R) i8, value = s[half]*q (Q6_K: q-32, a scale per 16)
     F32 (F32, F16, BF16):   f32 values  q (T, n_in, R) f32
   with G = n_in / 32 groups of 32 columns, T = ceil(d_out / R) tiles, scales s (T, G, H, R) f32 (H = 2 halves
   of 16 for Q6_K, else 1) and offsets o (T, G, R) f32, or (T, 0, R) for types without one.
 - Activations are quantized once per call to 8-bit blocks of 32 (xq, d = amax/127, and xs = d * sum(q) per
   half), so every dot product is integer: int16 lanes for the 4/5-bit families (16 products of |q| <= 16 and
-  |x| <= 127 stay below 32767), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
+  |x| <= 127 stay below 32767; for Q4 even 32 of |q| <= 8), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
 - N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
-- N > 1 (`matmul_batched`): per tile, the 4/5-bit weights are unpacked once to an int8 tile (G, 32, R) in a
-  per-thread scratch, then that tile is applied to 4 activation rows at a time (each weight load feeds 4 rows).
+- N > 1 (`matmul_batched`): per tile, Q4 nibbles are unpacked once to an int8 tile (G, 32, R) in a per-thread
+  scratch (the other families are stored as such tiles already), then the tile is applied to 4 activation rows
+  at a time (each weight load feeds 4 rows).
 `matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
 correct, but slow; the forward pass should call prepare once at load time).
 """
@@ -44,14 +47,13 @@ class Packed(NamedTuple):
     d_out: int
     n_in: int
     family: int
-    q: np.ndarray      # Q4 (T,G,16,R) u8 | Q5 (T,G,16,R) u8 | I8 (T,G,32,R) i8 | F32 (T,n_in,R) f32
-    qh: np.ndarray     # Q5 (T,G,R) u32 fifth bits, bit j = value j; else (T,0,R)
+    q: np.ndarray      # Q4 (T,G,16,R) u8 | Q5, I8 (T,G,32,R) i8 | F32 (T,n_in,R) f32
     s: np.ndarray      # (T,G,H,R) f32 scales; F32 family: (T,0,1,R)
     o: np.ndarray      # (T,G,R) f32 offsets, or (T,0,R)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.qh.nbytes + self.s.nbytes + self.o.nbytes
+        return self.q.nbytes + self.s.nbytes + self.o.nbytes
 
 
 # ---------------------------------------------------------------- load time: raw GGUF bytes -> Packed
@@ -168,24 +170,20 @@ def prepare(raw: np.ndarray, qtype) -> Packed:
     T = (d_out + R - 1) // R
     G = n_in // 32
     vals, s, o = _decode(raw, qtype, n_in)
-    u32_empty = np.zeros((T, 0, R), np.uint32)
     f32_empty = np.zeros((T, 0, R), np.float32)
     if fam == F32:
-        return Packed(int(qtype), d_out, n_in, fam, _tiles(vals.astype(np.float32), T), u32_empty,
+        return Packed(int(qtype), d_out, n_in, fam, _tiles(vals.astype(np.float32), T),
                       np.zeros((T, 0, 1, R), np.float32), f32_empty)
     s_t = _tiles(s.astype(np.float32), T)
     o_t = f32_empty if o is None else _tiles(o.astype(np.float32), T)
     if fam == I8:
         q = _tiles(vals.astype(np.int8).reshape(d_out, G, 32), T)
-        return Packed(int(qtype), d_out, n_in, fam, q, u32_empty, s_t, o_t)
-    v = vals.reshape(d_out, G, 32)
-    nib = ((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).astype(np.uint8)
-    q = _tiles(nib, T)
-    if fam == Q4:
-        return Packed(int(qtype), d_out, n_in, fam, q, u32_empty, s_t, o_t)
-    bits = ((v >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-    qh = _tiles(np.bitwise_or.reduce(bits, axis=-1).astype(np.uint32), T)
-    return Packed(int(qtype), d_out, n_in, fam, q, qh, s_t, o_t)
+    elif fam == Q5:
+        q = _tiles((vals - 16).astype(np.int8).reshape(d_out, G, 32), T)
+    else:
+        v = vals.reshape(d_out, G, 32)
+        q = _tiles(((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).astype(np.uint8), T)
+    return Packed(int(qtype), d_out, n_in, fam, q, s_t, o_t)
 
 
 # ---------------------------------------------------------------- kernels
@@ -250,8 +248,8 @@ def tile_q4_mv(facc, acc, q, s, o, xq, xd, xs):
 
 
 @njit(fastmath=FM, cache=True)
-def tile_q5_mv(facc, acc, q, qh, s, o, xq, xd, xs):
-    """facc (R,) = tile (G,16,R) nibbles + (G,R) fifth bits . xq; acc (2,R) i16 scratch (one per half)."""
+def tile_i8s_mv(facc, acc, q, s, o, xq, xd, xs):
+    """facc (R,) = tile (G,32,R) int8 with |q| <= 16 . xq; acc (2,R) i16 scratch (one per half of 16)."""
     G = q.shape[0]
     has_o = o.shape[0] > 0
     a0 = acc[0]
@@ -266,12 +264,8 @@ def tile_q5_mv(facc, acc, q, qh, s, o, xq, xd, xs):
             xl = np.int16(xq[32 * g + j])
             xh = np.int16(xq[32 * g + j + 16])
             for r in range(R):
-                b = q[g, j, r]
-                h = qh[g, r]
-                lo = np.int16(b & 15) | np.int16(((h >> j) & 1) << 4)
-                hi = np.int16(b >> 4) | np.int16(((h >> (j + 16)) & 1) << 4)
-                a0[r] = np.int16(a0[r] + (lo - 16) * xl)
-                a1[r] = np.int16(a1[r] + (hi - 16) * xh)
+                a0[r] = np.int16(a0[r] + np.int16(q[g, j, r]) * xl)
+                a1[r] = np.int16(a1[r] + np.int16(q[g, j + 16, r]) * xh)
         sd = xd[g]
         if has_o:
             sx = xs[g, 0] + xs[g, 1]
@@ -322,20 +316,24 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def matvec_kernel(out, fam, q, qh, q8, qf, s, o, xq, xd, xs, xf, facc, acc16, acc32):
-    """out (d_out,) = W . x for one activation row. The weight is in q (+ qh) for Q4/Q5, q8 for I8, qf for F32
-    (the others are empty). xq (n_in,) i8 / xd (G,) / xs (G,2), or xf (n_in,) f32 for F32.
+def matvec_kernel(out, fam, q, q8, qf, s, o, x, xq2, xd2, xs2, facc, acc16, acc32):
+    """out (d_out,) = W . x for one activation row. The weight is in q for Q4, q8 for Q5/I8, qf for F32
+    (the others are empty). x (1, n_in) f32 is first quantized (serially) into xq2 (1, n_in) i8, xd2 (1, G),
+    xs2 (1, G, 2), except for F32, which uses x as is.
     facc (nch, R) f32, acc16 (nch, 2, R) i16, acc32 (nch, 2, R) i32: per-chunk scratch; nch chunks of tiles."""
     T = s.shape[0]
     d_out = out.shape[0]
     nch = facc.shape[0]
+    if fam != F32:
+        quantize_x(xq2, xd2, xs2, x)
+    xq, xd, xs, xf = xq2[0], xd2[0], xs2[0], x[0]
     for c in prange(nch):
         for t in range(c * T // nch, (c + 1) * T // nch):
             fa = facc[c]
             if fam == Q4:
                 tile_q4_mv(fa, acc16[c], q[t], s[t], o[t], xq, xd, xs)
             elif fam == Q5:
-                tile_q5_mv(fa, acc16[c], q[t], qh[t], s[t], o[t], xq, xd, xs)
+                tile_i8s_mv(fa, acc16[c], q8[t], s[t], o[t], xq, xd, xs)
             elif fam == I8:
                 tile_i8_mv(fa, acc32[c], q8[t], s[t], o[t], xq, xd, xs)
             else:
@@ -356,18 +354,6 @@ def unpack_q4_tile(w8, q):
                 b = q[g, j, r]
                 w8[g, j, r] = np.int8(np.int16(b & 15) - 8)
                 w8[g, j + 16, r] = np.int8(np.int16(b >> 4) - 8)
-
-
-@njit(fastmath=FM, cache=True)
-def unpack_q5_tile(w8, q, qh):
-    """w8 (G,32,R) i8 = signed 5-bit values (value - 16) of nibbles q (G,16,R) and fifth bits qh (G,R)."""
-    for g in range(q.shape[0]):
-        for j in range(16):
-            for r in range(R):
-                b = q[g, j, r]
-                h = qh[g, r]
-                w8[g, j, r] = np.int8((np.int16(b & 15) | np.int16(((h >> j) & 1) << 4)) - 16)
-                w8[g, j + 16, r] = np.int8((np.int16(b >> 4) | np.int16(((h >> (j + 16)) & 1) << 4)) - 16)
 
 
 @njit(fastmath=FM, cache=True)
@@ -479,7 +465,7 @@ def dot4_f32(facc, w, x):
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def batched_kernel(out, fam, q, qh, q8, qf, s, o, xq, xd, xs, xf, w8, facc, acc16, acc32):
+def batched_kernel(out, fam, q, q8, qf, s, o, xq, xd, xs, xf, w8, facc, acc16, acc32):
     """out (N, d_out) = x . W.T, N > 1. Weight arrays as in matvec_kernel. xq (Np, n_in) i8 / xd (Np, G) / xs (Np, G, 2), or xf (Np, n_in) f32 for
     the F32 family, with Np = N rounded up to NB (zero rows). Per chunk c: w8 (nch, G, 32, R) i8 unpacked tile,
     facc (nch, NB, R) f32, acc16 (nch, 2, NB, R) i16, acc32 (nch, 2, NB, R) i32."""
@@ -491,13 +477,13 @@ def batched_kernel(out, fam, q, qh, q8, qf, s, o, xq, xd, xs, xf, w8, facc, acc1
         for t in range(c * T // nch, (c + 1) * T // nch):
             if fam == Q4:
                 unpack_q4_tile(w8[c], q[t])
-            elif fam == Q5:
-                unpack_q5_tile(w8[c], q[t], qh[t])
             n = min(R, d_out - t * R)
             for i0 in range(0, Np, NB):
                 fa = facc[c]
-                if fam == Q4 or fam == Q5:
+                if fam == Q4:
                     dot4_i16(fa, acc16[c], w8[c], s[t], o[t], xq[i0:i0 + NB], xd[i0:i0 + NB], xs[i0:i0 + NB])
+                elif fam == Q5:
+                    dot4_i16(fa, acc16[c], q8[t], s[t], o[t], xq[i0:i0 + NB], xd[i0:i0 + NB], xs[i0:i0 + NB])
                 elif fam == I8:
                     dot4_i32(fa, acc32[c], q8[t], s[t], o[t], xq[i0:i0 + NB], xd[i0:i0 + NB],
                              xs[i0:i0 + NB])
@@ -517,12 +503,26 @@ def _check(ok: bool, msg: str) -> None:
 
 def _packed(w, qtype) -> Packed:
     if isinstance(w, Packed):
-        _check(int(w.qtype) == int(qtype), f"packed weight is {QT(w.qtype).name}, but qtype {QT(int(qtype)).name} was given")
+        if w.qtype != qtype:
+            _check(int(w.qtype) == int(qtype),
+                   f"packed weight is {QT(w.qtype).name}, but qtype {QT(int(qtype)).name} was given")
         return w
     return prepare(w, qtype)
 
 
-def _check_io(out, x, w: Packed, two_d: bool):
+def _io_ok(out, x, w: Packed) -> bool:
+    """The happy path of _check_io, without building any message (this runs on every call, ~1 us)."""
+    return (type(out) is np.ndarray and type(x) is np.ndarray and out.dtype == np.float32
+            and x.dtype == np.float32 and x.ndim == 2 and out.ndim == 2 and x.shape[0] >= 1
+            and x.shape[1] == w.n_in and out.shape[0] == x.shape[0] and out.shape[1] == w.d_out
+            and x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
+            and not np.may_share_memory(out, x))
+
+
+def _check_io(out, x, w: Packed):
+    """Raise ValueError naming the first thing wrong with out/x for weight w (the kernels trust all of it)."""
+    if _io_ok(out, x, w):
+        return
     for name, a in (("out", out), ("x", x)):
         _check(isinstance(a, np.ndarray), f"{name} must be a numpy array, got {type(a).__name__}")
         _check(a.dtype == np.float32, f"{name} must be float32, got {a.dtype}")
@@ -533,15 +533,16 @@ def _check_io(out, x, w: Packed, two_d: bool):
     _check(out.shape == (x.shape[0], w.d_out), f"out must have shape {(x.shape[0], w.d_out)}, got {out.shape}")
     _check(x.shape[0] >= 1, "x must have at least one row")
     _check(not np.may_share_memory(out, x), "out must not overlap x")
+    raise AssertionError("unreachable: _io_ok and the checks disagree")
 
 
 def _weights(w: Packed):
-    """(q, qh, q8, qf) kernel arguments: the family's array in its slot, empty arrays of fixed type elsewhere."""
-    if w.family == I8:
-        return _EMPTY_U8_4, w.qh, w.q, _EMPTY_F32_3
+    """(q, q8, qf) kernel arguments: the family's array in its slot, empty arrays of fixed type elsewhere."""
+    if w.family == Q4:
+        return w.q, _EMPTY_I8_4, _EMPTY_F32_3
     if w.family == F32:
-        return _EMPTY_U8_4, w.qh, _EMPTY_I8_4, w.q
-    return w.q, w.qh, _EMPTY_I8_4, _EMPTY_F32_3
+        return _EMPTY_U8_4, _EMPTY_I8_4, w.q
+    return _EMPTY_U8_4, w.q, _EMPTY_F32_3
 
 
 def _chunks(T: int) -> int:
@@ -551,21 +552,19 @@ def _chunks(T: int) -> int:
 def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     """out (1, d_out) f32 = x (1, n_in) f32 @ W.T, the decode path. w: Packed or raw (d_out, row_bytes) u8."""
     w = _packed(w, qtype)
-    _check_io(out, x, w, False)
+    _check_io(out, x, w)
     _check(x.shape[0] == 1, f"matvec takes one activation row, got N = {x.shape[0]} (use matmul_batched)")
     T, G, nch = w.s.shape[0], w.n_in // 32, _chunks(w.s.shape[0])
     if w.family == F32:
-        xq, xd, xs, xf = _EMPTY_I8, _EMPTY_F32, _EMPTY_F32_2, x[0]
+        xq, xd, xs = _EMPTY_I8_2, _EMPTY_F32_2, _EMPTY_F32_3
     else:
         xq = np.empty((1, w.n_in), np.int8)
         xd = np.empty((1, G), np.float32)
         xs = np.empty((1, G, 2), np.float32)
-        quantize_x(xq, xd, xs, x)
-        xq, xd, xs, xf = xq[0], xd[0], xs[0], _EMPTY_F32
     facc = np.empty((nch, R), np.float32)
     acc16 = np.empty((nch, 2, R), np.int16)
     acc32 = np.empty((nch, 2, R), np.int32)
-    matvec_kernel(out[0], w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, facc, acc16, acc32)
+    matvec_kernel(out[0], w.family, *_weights(w), w.s, w.o, x, xq, xd, xs, facc, acc16, acc32)
     return out
 
 
@@ -573,7 +572,7 @@ def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     """out (N, d_out) f32 = x (N, n_in) f32 @ W.T for any N >= 1, the prefill path: each weight tile is read
     (and unpacked) once for all N rows. w: Packed or raw (d_out, row_bytes) u8."""
     w = _packed(w, qtype)
-    _check_io(out, x, w, True)
+    _check_io(out, x, w)
     N = x.shape[0]
     Np = (N + NB - 1) // NB * NB
     T, G, nch = w.s.shape[0], w.n_in // 32, _chunks(w.s.shape[0])
@@ -587,7 +586,7 @@ def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
         xs = np.empty((Np, G, 2), np.float32)
         quantize_x(xq, xd, xs, x)
         xf = _EMPTY_F32_2
-    w8 = np.empty((nch, G, 32, R) if w.family in (Q4, Q5) else (nch, 0, 32, R), np.int8)
+    w8 = np.empty((nch, G, 32, R) if w.family == Q4 else (nch, 0, 32, R), np.int8)
     facc = np.empty((nch, NB, R), np.float32)
     acc16 = np.empty((nch, 2, NB, R), np.int16)
     acc32 = np.empty((nch, 2, NB, R), np.int32)
@@ -604,8 +603,6 @@ def matmul(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
 
 _EMPTY_U8_4 = np.zeros((0, 0, 0, 0), np.uint8)
 _EMPTY_I8_4 = np.zeros((0, 0, 0, 0), np.int8)
-_EMPTY_I8 = np.zeros(0, np.int8)
-_EMPTY_F32 = np.zeros(0, np.float32)
 _EMPTY_I8_2 = np.zeros((0, 0), np.int8)
 _EMPTY_F32_2 = np.zeros((0, 0), np.float32)
 _EMPTY_F32_3 = np.zeros((0, 0, 2), np.float32)
