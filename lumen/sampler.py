@@ -1,0 +1,367 @@
+"""Sampler, logits processors and stop strings: logits (n_vocab,) -> one token id, text -> text safe to print.
+
+The sampler is built once by `make_sampler(...)` and is a pure callable `logits -> token id` that owns its RNG.
+Penalties are separate: `make_logits_processors(...)` returns `(logits, history_ids) -> logits`, applied by the
+caller before the sampler. Nothing here knows about models or tokenizers.
+
+Chain order: llama.cpp's default sampler list (`common_params_sampling::samplers`, common/common.h) is
+    penalties -> dry -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> xtc -> temperature, then dist.
+Lumen implements penalties (in `make_logits_processors`), top-k, top-p, min-p and temperature, in that order;
+dry, top_n_sigma, typical_p and xtc are not implemented (in llama.cpp they are off by default). The steps
+follow src/llama-sampling.cpp:
+  - top-k keeps the k largest logits;
+  - top-p takes the softmax (temperature 1) over what top-k kept and keeps the shortest prefix, in descending
+    order, whose probability sum is >= top_p (the token that crosses top_p is kept; at least one always is);
+  - min-p keeps the tokens with logit >= max_logit + log(min_p), i.e. p >= min_p * p_max at temperature 1;
+  - temperature divides what is left, and one token is drawn from its softmax.
+Ties are broken by the lowest token id (llama.cpp leaves their order to std::partial_sort).
+
+Speed: every stage keeps a prefix of the (logit desc, id asc) order, so only logit values are ever sorted
+(np.sort, fast), and a prefix is rebuilt from its last logit and the number of ties with it it holds. Top-k is
+O(V) without a sort; top-p after top-k sorts k values; top-p without top-k sorts min-p's survivors or the
+1024, then 32768 largest logits (TOP_P_TRIES), and the whole vocabulary only when those hold less than top_p
+of the mass (a flat distribution). Weights are float32 exp, summed in float64 (block sums pairwise in float32), so the top-p cutoff
+is exact up to about 1e-6 of probability mass.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from .errors import LumenError
+
+Sampler = Callable[[np.ndarray], int]
+LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
+
+TOPK_ROWS = 64      # small top-k: logits viewed as (TOPK_ROWS, V / TOPK_ROWS), column maxima give a threshold
+SAMPLE_SIZE = 4096  # larger top-k reads its threshold guess off about this many strided logits
+TOP_P_TRIES = (1024, 32768)  # top-p without top-k or min-p: prefix sizes tried before sorting the vocab
+BLOCK = 1024        # cumulative sums over more weights than this go block-wise
+
+
+class SamplerError(LumenError, ValueError):
+    """A sampling or penalty parameter is out of range, or the logits cannot be sampled (NaN, all -inf)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise SamplerError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise SamplerError(f"{name} must be a number, got NaN")
+    return value
+
+
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SamplerError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float, int, float, float]:
+    temperature = _number("temperature", temperature)
+    if not 0.0 <= temperature < math.inf:
+        raise SamplerError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
+    top_k = _integer("top_k", top_k)
+    if top_k < 0:
+        raise SamplerError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    top_p = _number("top_p", top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise SamplerError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    min_p = _number("min_p", min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise SamplerError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    if seed is not None and (_integer("seed", seed) < 0):
+        raise SamplerError(f"seed must be None or an integer >= 0, got {seed}")
+    return temperature, top_k, top_p, min_p
+
+
+def _as_logits(logits) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float32)
+    if x.ndim != 1 or x.size == 0:
+        raise SamplerError(f"logits must have shape (n_vocab,), got {x.shape}")
+    return x
+
+
+def _checked_max(x: np.ndarray) -> float:
+    m = float(x.max())  # NaN propagates through max
+    if not math.isfinite(m):
+        what = "NaN" if math.isnan(m) else ("+inf" if m > 0 else "only -inf")
+        raise SamplerError(f"cannot sample: logits contain {what}")
+    return m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stages, each on explicit arrays
+
+def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """ids (k,) of the k largest of x (V,), unordered; ties at the boundary go to the lowest ids. O(V), no sort.
+
+    Any threshold t with count(x >= t) >= k holds the top k among the ids with x >= t. Small k: view x as
+    (TOPK_ROWS, V / TOPK_ROWS) and take the max of each column (one vectorized pass); the k-th largest column
+    max is such a t, and only the >= k columns reaching it can hold candidates. Larger k: guess t from a
+    strided sample and check the count, falling back to the exact k-th value (np.partition of x).
+    """
+    n = x.size
+    n_cols = n // TOPK_ROWS
+    if 4 * k <= n_cols:
+        main = x[: n_cols * TOPK_ROWS].reshape(TOPK_ROWS, n_cols)                  # (rows, n_cols)
+        col_max = main.max(axis=0)                                                 # (n_cols,)
+        t = np.partition(col_max, n_cols - k)[n_cols - k]
+        cols = np.flatnonzero(col_max >= t)                                        # (>= k,)
+        cand = (np.arange(TOPK_ROWS)[:, None] * n_cols + cols).ravel()            # ids in those columns
+        if n > n_cols * TOPK_ROWS:
+            cand = np.concatenate([cand, np.arange(n_cols * TOPK_ROWS, n)])        # + the ragged tail
+        cand = cand[x[cand] >= t]                                                  # (c,) unordered
+    else:
+        stride = max(1, n // SAMPLE_SIZE)
+        sample = x[::stride]                         # (n_s,) about SAMPLE_SIZE logits
+        j = min(sample.size, 4 * k // stride + 4)    # expect about j*stride >= 4k survivors
+        t = np.partition(sample, sample.size - j)[sample.size - j]
+        cand = np.flatnonzero(x >= t)                # (c,)
+        if cand.size < k:
+            t = np.partition(x, n - k)[n - k]        # exact k-th largest
+            cand = np.flatnonzero(x >= t)
+    if cand.size == k:
+        return cand
+    vals = x[cand]
+    kth = np.partition(vals, vals.size - k)[vals.size - k]
+    above = cand[vals > kth]
+    tied = np.sort(cand[vals == kth])[: k - above.size]   # lowest ids first
+    return np.concatenate([above, tied])
+
+
+def _cumsum_search(w: np.ndarray, target: float, side: str) -> int:
+    """np.searchsorted(np.cumsum(w), target, side) for weights w (c,) >= 0, without the full cumsum (numpy's
+    is slow: about 0.9 ms for 262144 float32): pairwise block sums, their float64 cumsum, then a cumsum inside
+    the one block the target falls in. Returns c when the total stays below target."""
+    nb = w.size // BLOCK
+    if nb <= 1:
+        return int(np.searchsorted(np.cumsum(w, dtype=np.float64), target, side=side))
+    sums = w[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1)          # (nb,)
+    if w.size > nb * BLOCK:
+        sums = np.append(sums, w[nb * BLOCK:].sum())               # (nb + 1,) with the tail block
+    cum = np.cumsum(sums, dtype=np.float64)
+    b = int(np.searchsorted(cum, target, side=side))
+    if b == cum.size:
+        return w.size
+    inner = np.cumsum(w[b * BLOCK: (b + 1) * BLOCK], dtype=np.float64)
+    i = int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0), side=side))
+    return b * BLOCK + min(i, inner.size - 1)
+
+
+def _top_p_count(vals_desc: np.ndarray, m: float, need: float) -> int | None:
+    """How many of vals_desc (c,) (descending logits) top-p keeps: the shortest prefix whose exp(v - m) sum to
+    >= need; None when all of them together stay below need."""
+    w = np.exp(vals_desc - np.float32(m))            # (c,) float32
+    n = _cumsum_search(w, need, "left") + 1          # first i with cumsum[i] >= need, kept
+    return n if n <= vals_desc.size else None
+
+
+def _prefix(ids: np.ndarray | None, x: np.ndarray, vals_desc: np.ndarray, n: int) -> np.ndarray:
+    """The first n tokens in (logit desc, id asc) order among ids, given their logits sorted descending:
+    everything above the n-th logit, and the lowest ids tied with it. As ids (c,), or for ids None (all of x)
+    as a mask (V,) bool, which is cheaper when n is large."""
+    v_cut = vals_desc[n - 1]
+    n_tied = n - int(np.searchsorted(-vals_desc, -v_cut, side="left"))   # kept among those == v_cut
+    if ids is None:
+        mask = x > v_cut
+        mask[np.flatnonzero(x == v_cut)[:n_tied]] = True
+        return mask
+    vals = x[ids]
+    return np.concatenate([ids[vals > v_cut], np.sort(ids[vals == v_cut])[:n_tied]])
+
+
+def _draw(w: np.ndarray, u: float) -> int:
+    """Index drawn with probability w / sum(w) from the weights w (c,) >= 0, using the uniform u in [0, 1)."""
+    i = min(_cumsum_search(w, u * float(w.sum()), "right"), w.size - 1)
+    while w[i] == 0.0 and i > 0:                     # rounding ran past the last nonzero weight
+        i -= 1
+    return i
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the sampler
+
+def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None) -> Sampler:
+    """Build a sampler `logits (n_vocab,) float32 -> token id`.
+
+    temperature 0 is greedy (argmax, ties: lowest id; the other settings do not change the argmax and are
+    ignored). Otherwise top-k -> top-p -> min-p -> temperature -> draw (module docstring). top_k 0, top_p 1 and
+    min_p 0 are off. The callable owns a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
+    exactly one uniform per token, so the same seed and logits give the same tokens. Logits are not modified.
+    """
+    temperature, top_k, top_p, min_p = _check_sampler_params(temperature, top_k, top_p, min_p, seed)
+
+    if temperature == 0.0:
+        def greedy(logits: np.ndarray) -> int:
+            x = _as_logits(logits)
+            i = int(np.argmax(x))                    # first maximum (a NaN would come first)
+            if not math.isfinite(float(x[i])):       # NaN, +inf or all -inf: raise
+                _checked_max(x)
+            return i
+        return greedy
+
+    rng = np.random.default_rng(seed)
+    inv_temp = np.float32(1.0 / temperature)
+    min_p_log = math.log(min_p) if min_p > 0.0 else -math.inf
+
+    def sample(logits: np.ndarray) -> int:
+        x = _as_logits(logits)
+        m = _checked_max(x)
+        u = float(rng.random())
+        kept = _candidates(x, m, top_k, top_p, float(np.float32(m + min_p_log)))
+        whole = kept is None or kept.dtype == np.bool_
+        w = np.subtract(x if whole else x[kept], np.float32(m))   # (V,) or (c,)
+        w *= inv_temp
+        np.exp(w, out=w)                             # exp((logit - max) / temperature)
+        if kept is not None and whole:
+            w *= kept                                # zero weight outside the kept mask
+        i = _draw(w, u)
+        return i if whole else int(kept[i])
+
+    return sample
+
+
+def _candidates(x: np.ndarray, m: float, top_k: int, top_p: float, min_logit: float) -> np.ndarray | None:
+    """top-k -> top-p -> min-p on x (V,) whose max is m: the kept ids (c,) unordered, or a kept mask (V,)
+    bool, or None for all of them. min_logit = m + log(min_p) as float32 (-inf: min-p off).
+
+    Every stage keeps a prefix of the (logit desc, id asc) order, so only values are sorted (np.sort, fast), a
+    prefix is rebuilt from its last logit and how many ties with it it holds, and the result is the shortest
+    of the three prefixes; min-p's is {x >= min_logit}.
+    """
+    n = x.size
+    min_p_on = min_logit > -math.inf
+    if 0 < top_k < n:                                # top-k, then top-p over the softmax of the k
+        ids = _top_k_ids(x, top_k)
+        if top_p < 1.0:
+            vals_desc = np.sort(x[ids])[::-1]
+            need = top_p * float(np.exp(vals_desc - np.float32(m)).sum(dtype=np.float64))
+            ids = _prefix(ids, x, vals_desc, _top_p_count(vals_desc, m, need) or ids.size)
+    elif top_p < 1.0:                                # top-p over the full vocab
+        need = top_p * float(np.exp(np.subtract(x, np.float32(m))).sum(dtype=np.float64))
+        if min_p_on:                                 # min-p keeps a prefix too: top-p can only shorten it
+            ids = np.flatnonzero(x >= min_logit)
+            vals_desc = np.sort(x[ids])[::-1]
+            count = _top_p_count(vals_desc, m, need)
+            return ids if count is None else _prefix(ids, x, vals_desc, count)
+        for size in (*[s for s in TOP_P_TRIES if s < n], n):   # short prefixes first; most steps end there
+            ids = _top_k_ids(x, size) if size < n else None
+            vals_desc = np.sort(x if ids is None else x[ids])[::-1]
+            count = _top_p_count(vals_desc, m, need)
+            if count is not None:
+                break
+        return _prefix(ids, x, vals_desc, count or n)
+    elif min_p_on:
+        return np.flatnonzero(x >= min_logit)
+    else:
+        return None
+    return ids[x[ids] >= min_logit] if min_p_on else ids
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logits processors (penalties)
+
+def make_logits_processors(*, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0, last_n: int = 64) -> LogitsProcessor:
+    """Build `(logits (n_vocab,), history_ids) -> logits` applying llama.cpp's penalties, in place.
+
+    For each distinct token among the last `last_n` of `history_ids` (llama.cpp feeds the prompt tokens too),
+    with `count` its occurrences there:
+        logit = logit * repeat_penalty if logit <= 0 else logit / repeat_penalty
+        logit -= count * frequency_penalty + presence_penalty
+    last_n 0 disables the penalties, -1 uses the whole history. With neutral settings the callable returns the
+    logits untouched at once.
+    """
+    repeat_penalty = _number("repeat_penalty", repeat_penalty)
+    if not 0.0 < repeat_penalty < math.inf:
+        raise SamplerError(f"repeat_penalty must be > 0 and finite (1 = off), got {repeat_penalty}")
+    presence_penalty = _number("presence_penalty", presence_penalty)
+    frequency_penalty = _number("frequency_penalty", frequency_penalty)
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not math.isfinite(v):
+            raise SamplerError(f"{name} must be finite (0 = off), got {v}")
+    last_n = _integer("last_n", last_n)
+    if last_n < -1:
+        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}")
+
+    if last_n == 0 or (repeat_penalty == 1.0 and presence_penalty == 0.0 and frequency_penalty == 0.0):
+        def identity(logits: np.ndarray, history_ids: Sequence[int]) -> np.ndarray:
+            return logits
+        return identity
+
+    def penalize(logits: np.ndarray, history_ids: Sequence[int]) -> np.ndarray:
+        window = history_ids[-last_n:] if last_n > 0 else history_ids
+        hist = np.asarray(window, dtype=np.int64)    # (<= last_n,)
+        if hist.size == 0:
+            return logits
+        ids, counts = np.unique(hist, return_counts=True)   # (d,) sorted, (d,)
+        if ids[0] < 0 or ids[-1] >= logits.shape[-1]:
+            raise SamplerError(f"history token ids must be in [0, {logits.shape[-1]}), "
+                               f"got {int(ids[0]) if ids[0] < 0 else int(ids[-1])}")
+        v = logits[ids]
+        v = np.where(v <= 0, v * repeat_penalty, v / repeat_penalty)
+        v -= counts * frequency_penalty + presence_penalty
+        logits[ids] = v
+        return logits
+
+    return penalize
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stop strings
+
+class StopResult(NamedTuple):
+    text: str      # safe to emit now
+    stopped: bool  # a stop string was hit: stop generating, emit nothing after `text`
+
+
+class StopChecker:
+    """Hold back streamed text that could be the start of a stop string.
+
+    `feed(chunk)` returns (text safe to emit now, stopped). A stop string split across chunks is never
+    emitted: a tail of the text that is a prefix of some stop string waits for the next chunk. When a stop
+    string appears, the text before its earliest occurrence is emitted and nothing after, ever. At the end of
+    generation without a stop, `flush()` returns the held-back tail.
+    """
+
+    def __init__(self, stop: Sequence[str]):
+        if isinstance(stop, str):
+            raise SamplerError("stop must be a list of strings, not a string")
+        stop = list(stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise SamplerError(f"stop strings must be non-empty strings, got {s!r}")
+        self.stop = stop
+        self.stopped = False
+        self._held = ""
+
+    def feed(self, text: str) -> StopResult:
+        if self.stopped:
+            return StopResult("", True)
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return StopResult(buf[: min(hits)], True)
+        hold = 0                                     # longest tail of buf that starts some stop string
+        for s in self.stop:
+            for size in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:size]):
+                    hold = size
+                    break
+        cut = len(buf) - hold
+        self._held = buf[cut:]
+        return StopResult(buf[:cut], False)
+
+    def flush(self) -> str:
+        """The held-back text, once generation ended without a stop string."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
