@@ -17,7 +17,7 @@ from .kernels.activation import add_kernel, add_kernel_par, geglu_kernel, geglu_
     swiglu_kernel_par
 from .kernels.attention import attention_decode_kernel, attention_kernel, kv_store_kernel
 from .kernels.dequant import dequant_row
-from .kernels.matmul import F32, I8, NB, R, batched_kernel, matvec_kernel, quantize_x
+from .kernels.matmul import F32, Q4, R, batched_kernel, matvec_kernel, prepare_x
 from .kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
 from .kernels.rope import rope_kernel, rope_kernel_par
 from .timer import ticks
@@ -33,9 +33,10 @@ LAYER_OPS = range(OP_ATTN_NORM, OP_FFN_RESID + 1)
 N_LAYER_OPS = len(LAYER_OPS)
 
 # ---- weights: layer matrices are rows of the packed table (lumen.weights.Packs); F32 vectors live in fvec ----
-# packed-matrix table columns: family, tiles, groups of 32, scale halves, n_in, d_out, offsets into q/qh/s/o,
-# offset groups (0 when the type has no offset), fifth-bit groups (0 unless Q5)
-(P_FAM, P_T, P_G, P_H, P_NIN, P_DOUT, P_Q, P_QH, P_S, P_O, P_OG, P_QHG) = range(12)
+# packed-matrix table columns: family, tiles, groups of 32, scale halves, n_in, d_out, offsets into q/s/o,
+# offset groups (0 when the type has no offset), activation format (lumen.quants.ACT_*)
+(P_FAM, P_T, P_G, P_H, P_NIN, P_DOUT, P_Q, P_S, P_O, P_OG, P_FMT) = range(11)
+N_PCOLS = 11
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 (W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN) = range(len(MATS))
 VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm",
@@ -69,72 +70,52 @@ def _mark(times, prof, i):
 
 
 def matmul_scratch(max_rows: int, max_in: int, n_threads: int):
-    """Scratch of `mm`: quantized activations (flat, reshaped per call) and per-thread accumulators."""
-    Np = (max_rows + NB - 1) // NB * NB
+    """Scratch of `mm`: rounded activations (flat, reshaped per call) and per-thread tiles and accumulators."""
+    Np = max_rows + max_rows % 2
     G = max_in // 32
     return (np.zeros(Np * max_in, np.int8), np.zeros(Np * G, np.float32), np.zeros(Np * G * 2, np.float32),
-            np.zeros(Np * max_in, np.float32), np.zeros(n_threads * G * 32 * R, np.int8),
-            np.zeros((n_threads, R), np.float32), np.zeros((n_threads, 2, R), np.int16),
-            np.zeros((n_threads, 2, R), np.int32), np.zeros((n_threads, NB, R), np.float32),
-            np.zeros((n_threads, 2, NB, R), np.int16), np.zeros((n_threads, 2, NB, R), np.int32))
+            np.zeros(Np * max_in, np.float32), np.zeros(n_threads * R * max_in, np.float32),
+            np.zeros((n_threads, 4), np.float32), np.zeros((n_threads, R), np.float32),
+            np.zeros((n_threads, 2, R), np.int16), np.zeros((n_threads, 2, R), np.int32))
 
 
 @njit(cache=True)
-def mm(out, x, i, pk, Q, Q8, QF, QH, S, O, scr):
+def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
-    kernel (each weight tile read once for all N rows) for prefill."""
-    xq_f, xd_f, xs_f, xf_f, w8_f, facc1, acc16_1, acc32_1, faccb, acc16b, acc32b = scr
+    kernel (each weight tile dequantized once for all N rows) for prefill. Both round x the same way first."""
+    xq_f, xd_f, xs_f, xf_f, wf_f, acc4, facc, acc16, acc32 = scr
     fam, T, G, H = pk[i, P_FAM], pk[i, P_T], pk[i, P_G], pk[i, P_H]
-    n_in = pk[i, P_NIN]
-    qo, qho, so, oo, OG, QHG = pk[i, P_Q], pk[i, P_QH], pk[i, P_S], pk[i, P_O], pk[i, P_OG], pk[i, P_QHG]
+    n_in, fmt = pk[i, P_NIN], pk[i, P_FMT]
+    qo, so, oo, OG = pk[i, P_Q], pk[i, P_S], pk[i, P_O], pk[i, P_OG]
     z = 0
     if fam == F32:
         q = Q[0:0].reshape((z, z, z, z))
         q8 = Q8[0:0].reshape((z, z, z, z))
         qf = QF[qo:qo + T * n_in * R].reshape((T, n_in, R))
-    elif fam == I8:
-        q = Q[0:0].reshape((z, z, z, z))
-        q8 = Q8[qo:qo + T * G * 32 * R].reshape((T, G, 32, R))
-        qf = QF[0:0].reshape((z, z, z))
-    else:
+    elif fam == Q4:
         q = Q[qo:qo + T * G * 16 * R].reshape((T, G, 16, R))
         q8 = Q8[0:0].reshape((z, z, z, z))
         qf = QF[0:0].reshape((z, z, z))
-    qh = QH[qho:qho + T * QHG * R].reshape((T, QHG, R))
+    else:
+        q = Q[0:0].reshape((z, z, z, z))
+        q8 = Q8[qo:qo + T * G * 32 * R].reshape((T, G, 32, R))
+        qf = QF[0:0].reshape((z, z, z))
     s = S[so:so + T * G * H * R].reshape((T, G, H, R))
     o = O[oo:oo + T * OG * R].reshape((T, OG, R))
     N = x.shape[0]
-    nch = min(T, facc1.shape[0])
+    nch = min(T, facc.shape[0])
+    Np = N + N % 2
+    xq = xq_f[:Np * n_in].reshape((Np, n_in))
+    xd = xd_f[:Np * G].reshape((Np, G))
+    xs = xs_f[:Np * G * 2].reshape((Np, G, 2))
+    xf = xf_f[:Np * n_in].reshape((Np, n_in))
     if N == 1:
-        xq = xq_f[:n_in].reshape((1, n_in))
-        xd = xd_f[:G].reshape((1, G))
-        xs = xs_f[:G * 2].reshape((1, G, 2))
-        if fam == F32:
-            xf = x[0]
-        else:
-            quantize_x(xq, xd, xs, x)
-            xf = xf_f[0:0]
-        matvec_kernel(out[0], fam, q, qh, q8, qf, s, o, xq[0], xd[0], xs[0], xf, facc1[:nch], acc16_1[:nch],
-                      acc32_1[:nch])
+        matvec_kernel(out[0], fam, fmt, q, q8, qf, s, o, x, xq[:1], xd[:1], xs[:1], xf[:1], facc[:nch],
+                      acc16[:nch], acc32[:nch])
     else:
-        Np = (N + NB - 1) // NB * NB
-        if fam == F32:
-            xf = xf_f[:Np * n_in].reshape((Np, n_in))
-            xf[:N] = x
-            xf[N:] = 0.0
-            xq = xq_f[0:0].reshape((z, z))
-            xd = xd_f[0:0].reshape((z, z))
-            xs = xs_f[0:0].reshape((z, z, 2))
-        else:
-            xf = xf_f[0:0].reshape((z, z))
-            xq = xq_f[:Np * n_in].reshape((Np, n_in))
-            xd = xd_f[:Np * G].reshape((Np, G))
-            xs = xs_f[:Np * G * 2].reshape((Np, G, 2))
-            quantize_x(xq, xd, xs, x)
-        gw = G if fam != I8 and fam != F32 else 0
-        w8 = w8_f[:nch * gw * 32 * R].reshape((nch, gw, 32, R))
-        batched_kernel(out, fam, q, qh, q8, qf, s, o, xq, xd, xs, xf, w8, faccb[:nch], acc16b[:nch],
-                       acc32b[:nch])
+        prepare_x(xf, x, fmt, xq, xd, xs)
+        wf = wf_f[:nch * R * n_in].reshape((nch, R, n_in))
+        batched_kernel(out, fam, q, q8, qf, s, o, xf, wf, acc4[:nch])
 
 
 @njit(cache=True)
@@ -160,6 +141,17 @@ def _add(x, y, par):
 
 
 @njit(cache=True)
+def _round_f16(a):
+    """Round every value of a (any shape, C-contiguous f32) to float16 precision in place: llama.cpp keeps K and V
+    in an f16 cache and converts q to f16 for q.k. Ties to even on the 13 dropped mantissa bits; exact for the
+    f16 normal range, which is where attention values live."""
+    u = a.reshape(-1).view(np.uint32)
+    for i in range(u.shape[0]):
+        b = u[i]
+        u[i] = (b + np.uint32(0x0FFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+
+
+@njit(cache=True)
 def _add_bias(x, b):
     for t in range(x.shape[0]):
         for i in range(x.shape[1]):
@@ -167,7 +159,7 @@ def _add_bias(x, b):
 
 
 @njit(cache=True)
-def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params, lut, tokens, positions, pos0,
+def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, S, O, fvec, vt, flags, params, lut, tokens, positions, pos0,
                    n_out, x, xn, q, k, v, att, ffa, ffb, logits, scr,
                    k_cache, v_cache, windows, rope_sel, cos_tab, sin_tab,
                    s_att, o_att, ml_att, times, prof):
@@ -177,7 +169,7 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
                               qtype, rows, cols, row_bytes); gt[1] = output_norm (fvec offset, length);
                               gt[2, 0] = the output matrix's index in the packed table
     mt (L, 7)                 each layer matrix's index in the packed table pk (n_mats, 12)
-    Q, Q8, QF, QH, S, O       the packed buffers (lumen.weights.Packs); scr: matmul_scratch
+    Q, Q8, QF, S, O           the packed buffers (lumen.weights.Packs); scr: matmul_scratch
     fvec (n,) f32, vt (L, 9, 2) the F32 vectors (norms, biases) and their (offset, length)
     x, xn (N, E)              residual stream and normed input      q (N, H*hd)  k (N, KV*hd)  v (N, KV*hdv)
     att (N, H*hdv)            attention output                      ffa, ffb (N, F) FFN gate/up
@@ -214,11 +206,11 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
         # attention block
         _rmsnorm(xn, x, _vec(fvec, vt, il, V_ATTN_NORM), eps, par)
         _mark(times, prof, b + 0)
-        mm(q, xn, mt[il, W_Q], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(q, xn, mt[il, W_Q], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 1)
-        mm(k, xn, mt[il, W_K], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(k, xn, mt[il, W_K], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 2)
-        mm(v, xn, mt[il, W_V], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(v, xn, mt[il, W_V], pk, Q, Q8, QF, S, O, scr)
         if flags[F_QKV_BIAS]:
             _add_bias(q, _vec(fvec, vt, il, V_QB))
             _add_bias(k, _vec(fvec, vt, il, V_KB))
@@ -237,6 +229,9 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
         else:
             rope_kernel(q3, positions, cos_tab[tsel], sin_tab[tsel], neox)
             rope_kernel(k3, positions, cos_tab[tsel], sin_tab[tsel], neox)
+        _round_f16(q3)
+        _round_f16(k3)
+        _round_f16(v)
         _mark(times, prof, b + 5)
         kv_store_kernel(k_cache[il], v_cache[il], k3, v.reshape((N, KVH, hdv)), pos0)
         _mark(times, prof, b + 6)
@@ -248,7 +243,7 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
             attention_kernel(a3, q3, k_cache[il], v_cache[il], pos0, params[P_ATTN_SCALE], windows[il],
                              s_att, o_att, ml_att)
         _mark(times, prof, b + 7)
-        mm(xn, att, mt[il, W_O], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(xn, att, mt[il, W_O], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 8)
         if flags[F_POST_NORMS]:
             _rmsnorm(xn, xn, _vec(fvec, vt, il, V_POST_ATTN), eps, par)
@@ -258,9 +253,9 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
         # feed-forward block
         _rmsnorm(xn, x, _vec(fvec, vt, il, V_FFN_NORM), eps, par)
         _mark(times, prof, b + 11)
-        mm(ffa, xn, mt[il, W_GATE], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(ffa, xn, mt[il, W_GATE], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 12)
-        mm(ffb, xn, mt[il, W_UP], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(ffb, xn, mt[il, W_UP], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 13)
         if flags[F_GELU]:
             if par:
@@ -273,7 +268,7 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
             else:
                 swiglu_kernel(ffa, ffa, ffb)
         _mark(times, prof, b + 14)
-        mm(xn, ffa, mt[il, W_DOWN], pk, Q, Q8, QF, QH, S, O, scr)
+        mm(xn, ffa, mt[il, W_DOWN], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 15)
         if flags[F_POST_NORMS]:
             _rmsnorm(xn, xn, _vec(fvec, vt, il, V_POST_FFW), eps, par)
@@ -286,5 +281,5 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, QH, S, O, fvec, vt, flags, params
     xo = xn[N - n_out:]
     _rmsnorm(xo, x[N - n_out:], fvec[gt[1, 0]:gt[1, 0] + E], eps, n_out >= flags[F_PAR_ROWS])
     _mark(times, prof, end)
-    mm(logits[:n_out], xo, gt[2, 0], pk, Q, Q8, QF, QH, S, O, scr)
+    mm(logits[:n_out], xo, gt[2, 0], pk, Q, Q8, QF, S, O, scr)
     _mark(times, prof, end + 1)

@@ -66,3 +66,43 @@ def dequantize_ref(raw: np.ndarray, qtype, shape) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):   # NaN/inf scales are data here, not errors
         out = gguf.quants.dequantize(raw.reshape(-1, row_bytes(qtype, shape[-1])), QT(int(qtype)))
     return np.asarray(out, dtype=np.float32).reshape(shape)
+
+
+# ---- activation formats: what llama.cpp's CPU backend rounds activations to before a dot product with a weight
+# type (its vec_dot_type): Q8_0-style blocks of 32 with an f16 scale for the 32-blocks types, Q8_K (blocks of 256,
+# f32 scale) for the K types, f16 for F16 weights, bf16 for BF16 weights, nothing for F32.
+ACT_Q8, ACT_Q8K, ACT_F32, ACT_F16, ACT_BF16 = 0, 1, 2, 3, 4
+ACT_FORMAT: dict[QT, int] = {QT.Q8_0: ACT_Q8, QT.Q4_0: ACT_Q8, QT.Q4_1: ACT_Q8, QT.Q5_0: ACT_Q8, QT.Q5_1: ACT_Q8,
+                             QT.Q4_K: ACT_Q8K, QT.Q5_K: ACT_Q8K, QT.Q6_K: ACT_Q8K,
+                             QT.F32: ACT_F32, QT.F16: ACT_F16, QT.BF16: ACT_BF16}
+
+
+def round_activations_ref(x: np.ndarray, qtype) -> np.ndarray:
+    """numpy reference: x (N, n) f32 -> the f32 values the matmul actually multiplies for weight type qtype."""
+    fmt = ACT_FORMAT[QT(int(qtype))]
+    x = np.asarray(x, np.float32)
+    if fmt == ACT_F32:
+        return x.copy()
+    if fmt == ACT_F16:
+        return x.astype(np.float16).astype(np.float32)
+    if fmt == ACT_BF16:
+        u = x.view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000            # round to nearest even on the top 16 bits
+        return u.astype(np.uint32).view(np.float32)
+    n = x.shape[-1]
+    if fmt == ACT_Q8:                                             # ggml quantize_row_q8_0 / q8_1
+        b = x.reshape(-1, 32)
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.rint(b * inv)
+        return (q * d).astype(np.float32).reshape(x.shape)
+    b = x.reshape(-1, 256)                                       # ggml quantize_row_q8_K
+    i = np.abs(b).argmax(axis=1)
+    mx = b[np.arange(b.shape[0]), i][:, None]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
+        d = np.where(mx != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    q = np.minimum(np.rint(b * iscale), 127)
+    return (q * d).astype(np.float32).reshape(x.shape)

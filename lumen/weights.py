@@ -16,31 +16,31 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import Config
-from .forward import MATS, P_DOUT, P_FAM, P_G, P_H, P_NIN, P_O, P_OG, P_Q, P_QH, P_QHG, P_S, P_T, VECS
+from .forward import MATS, N_PCOLS, P_DOUT, P_FAM, P_FMT, P_G, P_H, P_NIN, P_O, P_OG, P_Q, P_S, P_T, VECS
 from .gguf import GGUFFile
-from .kernels.matmul import F32, I8, Q4, Q5, prepare
+from .kernels.matmul import F32, Q4, prepare
+from .quants import ACT_FORMAT, QT
 
 
 @dataclass
 class Packs:
     """All repacked matrices, concatenated by dtype. Matrix i is described by table[i] (see P_* columns)."""
-    table: np.ndarray  # (n_mats, 12) i8
-    q: np.ndarray      # (n,) u8: Q4/Q5 nibbles
-    q8: np.ndarray     # (n,) i8: I8 family values
+    table: np.ndarray  # (n_mats, N_PCOLS) i8
+    q: np.ndarray      # (n,) u8: Q4 family nibbles
+    q8: np.ndarray     # (n,) i8: Q5 and I8 family values
     qf: np.ndarray     # (n,) f32: F32 family values
-    qh: np.ndarray     # (n,) u32: Q5 fifth bits
     s: np.ndarray      # (n,) f32 scales
     o: np.ndarray      # (n,) f32 offsets
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.q8, self.qf, self.qh, self.s, self.o))
+        return sum(a.nbytes for a in (self.q, self.q8, self.qf, self.s, self.o))
 
 
 def pack_all(mats: list) -> Packs:
     """[(raw (rows, row_bytes) u8, qtype)] -> Packs, in order."""
-    table = np.zeros((len(mats), 12), np.int64)
-    parts = {k: [] for k in ("q", "q8", "qf", "qh", "s", "o")}
+    table = np.zeros((len(mats), N_PCOLS), np.int64)
+    parts = {k: [] for k in ("q", "q8", "qf", "s", "o")}
     size = dict.fromkeys(parts, 0)
 
     def put(kind, arr):
@@ -55,11 +55,11 @@ def pack_all(mats: list) -> Packs:
         G = p.n_in // 32 if p.family != F32 else 0
         row = table[i]
         row[[P_FAM, P_T, P_G, P_H, P_NIN, P_DOUT]] = p.family, T, G, p.s.shape[2], p.n_in, p.d_out
-        row[P_Q] = put({Q4: "q", Q5: "q", I8: "q8", F32: "qf"}[p.family], p.q)
-        row[P_QH], row[P_QHG] = put("qh", p.qh), p.qh.shape[1]
+        row[P_Q] = put("q" if p.family == Q4 else "qf" if p.family == F32 else "q8", p.q)
+        row[P_FMT] = ACT_FORMAT[QT(int(qtype))]
         row[P_S] = put("s", p.s)
         row[P_O], row[P_OG] = put("o", p.o), p.o.shape[1]
-    dt = dict(q=np.uint8, q8=np.int8, qf=np.float32, qh=np.uint32, s=np.float32, o=np.float32)
+    dt = dict(q=np.uint8, q8=np.int8, qf=np.float32, s=np.float32, o=np.float32)
     flat = {k: (np.concatenate(v) if v else np.zeros(0, dt[k])).astype(dt[k], copy=False) for k, v in parts.items()}
     return Packs(table=table, **flat)
 

@@ -1,21 +1,22 @@
-"""Quantized matmul against the float64 numpy reference x @ dequantize_ref(W).T, for every type and path.
+"""Quantized matmul against the float64 numpy reference, for every type and both paths.
 
-Tolerance (per output element, derived, not fitted). The kernels quantize each block of 32 activations to
-int8 with step d = amax/127, so each activation moves by at most d/2 = amax/254; integer sums are exact.
-Hence |out - ref| <= sum_k |W[r,k]| * amax_block(x[n], k) / 254 (the quantization term, 0 for F32/F16/BF16,
-which use float activations), plus float32 rounding: scale products, per-group float accumulation and the
-folded offsets (o = m + 8d etc., bounded by a few times the block's max |W|) are covered by
-1e-5 * sum_k blockmax|W[r,k]| * |x[n,k]|. The batched path (N > 1) uses float activations, so only the second
-term applies to it, but it is held to the same bound. That bound is asserted for every element. As a sanity check the
-error's Frobenius norm relative to that of |x| @ |W|.T (a reference without cancellation) is asserted < 1e-2
-(< 1e-6 for the float types).
+The kernels first round the activations the way llama.cpp does for the weight type (Q8_0-style blocks of 32 with
+an f16 scale, Q8_K blocks of 256 with an f32 scale, f16, bf16 or nothing: lumen.quants.round_activations_ref is
+the numpy reference of that rounding), then compute exact integer or float products. So the reference is
+x_hat @ W.T in float64, with x_hat = round_activations_ref(x) and W = dequantize_ref(raw), and what remains is
+float32 rounding: scale products, per-group float accumulation and the folded offsets (o = m + 8d etc., bounded
+by a few times the block's max |W|), covered by 1e-5 * sum_k blockmax|W[r,k]| * |x_hat[n,k]| per element. A
+rounding of q that lands on a different integer because of float32 ties could add one step d of one activation
+for one element; that is covered by adding max|W[r]| * max step of the row (a tie needs x*inv to be exactly
+k + 0.5 in float32, so it is rare but possible on random data). The relative Frobenius error against |x_hat| @ |W|.T
+must stay < 1e-5.
 """
 import numpy as np
 import pytest
 import gguf
 
 from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
-from lumen.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, row_bytes
+from lumen.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
 
 ALL = sorted(SUPPORTED, key=int)
 FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}
@@ -39,29 +40,31 @@ def make_weight(qtype, d_out, n_in, rng) -> np.ndarray:
     return raw
 
 
-def bound(x: np.ndarray, W: np.ndarray, qtype) -> np.ndarray:
-    """Per-element error bound (N, d_out) for out = x @ W.T, as derived in the module docstring."""
-    x64 = x.astype(np.float64)
+def bound(xh: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """Per-element float32 rounding bound (N, d_out) for out = xh @ W.T (module docstring)."""
+    x64 = np.abs(xh.astype(np.float64))
     aw = np.abs(W)
     n_in = W.shape[1]
     g = 32 if n_in % 32 == 0 else 1
     wmax = aw.reshape(W.shape[0], -1, g).max(axis=2).repeat(g, axis=1)
-    tol = 1e-5 * (np.abs(x64) @ wmax.T)
-    if qtype not in FLOAT_TYPES:
-        amax = np.abs(x64).reshape(x.shape[0], -1, 32).max(axis=2).repeat(32, axis=1)
-        tol += (amax / 254.0) @ aw.T * 1.0001
-    return tol
+    return 1e-5 * (x64 @ wmax.T) + 1e-30
 
 
 def check(out: np.ndarray, x: np.ndarray, W: np.ndarray, qtype):
-    ref = x.astype(np.float64) @ W.T
+    xh = round_activations_ref(x, qtype)
+    ref = xh.astype(np.float64) @ W.T
     err = np.abs(out.astype(np.float64) - ref)
-    tol = bound(x, W, qtype)
-    worst = np.unravel_index(np.argmax(err - tol), err.shape)
-    assert (err <= tol).all(), f"{QT(qtype).name}: error {err[worst]:.3e} > bound {tol[worst]:.3e} at {worst}"
-    scale = np.linalg.norm(np.abs(x.astype(np.float64)) @ np.abs(W).T)   # no cancellation in this one
+    tol = bound(xh, W)
+    bad = err > tol
+    if bad.any():  # allow one activation step (a float32 rounding tie in q) on a few elements
+        step = np.abs(x.astype(np.float64)).max(axis=1, keepdims=True) / 127.0
+        tie = tol + step * np.abs(W).max(axis=1)[None, :]
+        worst = np.unravel_index(np.argmax(err - tie), err.shape)
+        assert (err <= tie).all(), f"{QT(qtype).name}: error {err[worst]:.3e} > bound {tie[worst]:.3e} at {worst}"
+        assert bad.mean() < 1e-3, f"{QT(qtype).name}: {bad.sum()} elements off by more than float rounding"
+    scale = np.linalg.norm(np.abs(xh.astype(np.float64)) @ np.abs(W).T)   # no cancellation in this one
     rel = np.linalg.norm(out - ref) / max(scale, 1e-30)
-    assert rel < (1e-2 if qtype not in FLOAT_TYPES else 1e-6), f"{QT(qtype).name}: relative error {rel:.2e}"
+    assert rel < 1e-5, f"{QT(qtype).name}: relative error {rel:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +91,7 @@ def test_matmul_every_type(weights, qtype, N):
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
 def test_batched_equals_matvec_row_by_row(weights, qtype):
-    """The two paths differ only by matvec's 8-bit activation rounding (batched uses float activations),
-    so they must agree within that rounding's bound (the same bound as against the reference)."""
+    """Both paths round the activations identically and differ only in float summation order."""
     raw, packed, W = weights[qtype]
     x = np.random.default_rng(5).standard_normal((9, 512)).astype(np.float32)
     batched = np.empty((9, 100), np.float32)
@@ -97,7 +99,7 @@ def test_batched_equals_matvec_row_by_row(weights, qtype):
     rows = np.empty((9, 100), np.float32)
     for n in range(9):
         matvec(rows[n:n + 1], x[n:n + 1], packed, qtype)
-    tol = bound(x, W, qtype)
+    tol = bound(round_activations_ref(x, qtype), W)
     assert (np.abs(batched.astype(np.float64) - rows) <= tol).all()
     one = np.empty((1, 100), np.float32)                  # the batched path also takes N = 1
     matmul_batched(one, x[:1], packed, qtype)

@@ -12,9 +12,12 @@ How (see shared/KERNELS.md for the measurements behind each choice):
     F32 (F32, F16, BF16):   f32 values  q (T, n_in, R) f32
   with G = n_in / 32 groups of 32 columns, T = ceil(d_out / R) tiles, scales s (T, G, H, R) f32 (H = 2 halves
   of 16 for Q6_K, else 1) and offsets o (T, G, R) f32, or (T, 0, R) for types without one.
-- Activations are quantized once per call to 8-bit blocks of 32 (xq, d = amax/127, and xs = d * sum(q) per
-  half), so every dot product is integer: int16 lanes for the 4/5-bit families (16 products of |q| <= 16 and
-  |x| <= 127 stay below 32767; for Q4 even 32 of |q| <= 8), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
+- Activations are rounded once per call the way llama.cpp's CPU backend rounds them for the weight type
+  (`quantize_x`, lumen.quants.ACT_FORMAT): 8-bit blocks of 32 with an f16 scale (Q8_0/Q8_1) for the 32-block
+  types, 8-bit blocks of 256 with an f32 scale (Q8_K) for the K types, f16 / bf16 for F16 / BF16 weights. So the
+  products are the ones llama.cpp computes, and every dot product of the 8-bit families is integer: int16 lanes
+  for the 4/5-bit families (16 products of |q| <= 16 and |x| <= 127 stay below 32767; for Q4 even 32 of
+  |q| <= 8), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
 - N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
 - N > 1 (`matmul_batched`): per tile, the weights are dequantized once to an f32 tile (R, n_in) in a per-thread
   scratch, then multiplied with all N activation rows in 2x2 blocks (2 weight rows x 2 activation rows per
@@ -31,7 +34,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from lumen.quants import QT, quant_info, row_bytes
+import math
+
+from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
 R = 64            # weight rows per tile: the vector loop length
 FM = True         # integer sums are exact; float rounding order is free to change (a tolerance applies)
@@ -188,34 +193,106 @@ def prepare(raw: np.ndarray, qtype) -> Packed:
 
 # ---------------------------------------------------------------- kernels
 
-@njit(fastmath=FM, cache=True)
-def quantize_x(xq, xd, xs, x):
+@njit(cache=True, inline="always")
+def round_f16(v):
+    """v rounded to the nearest float16 value (ties to even, subnormals, overflow to inf), returned as f32."""
+    a = abs(np.float64(v))
+    if a == 0.0 or a != a:
+        return np.float32(v)
+    if a >= 65520.0:
+        r = np.inf
+    elif a < 6.103515625e-05:                       # f16 subnormal grid: multiples of 2^-24
+        r = np.rint(a * 16777216.0) / 16777216.0
+    else:
+        m, e = math.frexp(a)                        # a = m * 2^e, m in [0.5, 1): keep 11 significant bits
+        r = math.ldexp(np.rint(m * 2048.0), e - 11)
+    return np.float32(r if v > 0 else -r)
+
+
+@njit(cache=True, inline="always")
+def round_bf16(v):
+    """v rounded to the nearest bfloat16 value (ties to even), returned as f32."""
+    a = abs(np.float64(v))
+    if a == 0.0 or a != a or a == np.inf:
+        return np.float32(v)
+    m, e = math.frexp(a)
+    r = math.ldexp(np.rint(m * 256.0), e - 8)
+    return np.float32(r if v > 0 else -r)
+
+
+@njit(cache=True)
+def quantize_x(xq, xd, xs, x, fmt):
     """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G, 2) f32 <- x (N, n_in) f32, N <= Np; rows >= N are zeroed.
 
-    Blocks of 32: d = amax/127, q = rint(x/d), xs[h] = d * sum(q) over half h (16 values)."""
+    As llama.cpp's CPU backend quantizes activations for the weight type (lumen.quants.ACT_FORMAT):
+      ACT_Q8  (Q8_0/Q8_1): blocks of 32, q = rint(x * 127/amax), scale d = f16(amax/127)
+      ACT_Q8K (Q8_K):      blocks of 256, iscale = -127/max (max: the value of largest |x|), q = min(127,
+                           rint(iscale * x)), d = 1/iscale (f32)
+    xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xs[g, h] = d * sum(q) over half h."""
     N, n = x.shape
+    G = n // 32
     for i in range(xq.shape[0]):
-        for g in range(n // 32):
-            if i >= N:
-                for j in range(32):
-                    xq[i, 32 * g + j] = 0
+        if i >= N:
+            for k in range(n):
+                xq[i, k] = 0
+            for g in range(G):
                 xd[i, g] = 0.0
                 xs[i, g, 0] = 0.0
                 xs[i, g, 1] = 0.0
-                continue
+            continue
+        B = 32 if fmt == ACT_Q8 else 256
+        for b0 in range(0, n, B):
             amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[i, 32 * g + j]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for h in range(2):
-                sm = np.int32(0)
-                for j in range(16 * h, 16 * h + 16):
-                    v = np.int32(np.rint(x[i, 32 * g + j] * inv))
-                    xq[i, 32 * g + j] = v
-                    sm += v
-                xs[i, g, h] = d * np.float32(sm)
-            xd[i, g] = d
+            mx = np.float32(0.0)
+            for j in range(b0, b0 + B):
+                a = abs(x[i, j])
+                if a > amax:
+                    amax = a
+                    mx = x[i, j]
+            if fmt == ACT_Q8:
+                d = round_f16(amax / np.float32(127.0))
+                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+                for j in range(b0, b0 + B):
+                    xq[i, j] = np.int8(np.rint(x[i, j] * inv))
+            else:
+                iscale = np.float32(-127.0) / mx if amax > 0 else np.float32(0.0)
+                d = np.float32(1.0) / iscale if amax > 0 else np.float32(0.0)
+                for j in range(b0, b0 + B):
+                    xq[i, j] = np.int8(min(np.float32(127.0), np.rint(x[i, j] * iscale)))
+            for g in range(b0 // 32, (b0 + B) // 32):
+                xd[i, g] = d
+                for h in range(2):
+                    sm = np.int32(0)
+                    for j in range(32 * g + 16 * h, 32 * g + 16 * h + 16):
+                        sm += np.int32(xq[i, j])
+                    xs[i, g, h] = d * np.float32(sm)
+
+
+@njit(cache=True)
+def round_x(xf, x, fmt):
+    """xf (Np, n_in) f32 <- x (N, n_in) rounded as the float formats' vec_dot_type (F32: as is, F16, BF16);
+    rows >= N are zeroed."""
+    N = x.shape[0]
+    for i in range(xf.shape[0]):
+        for k in range(xf.shape[1]):
+            if i >= N:
+                xf[i, k] = 0.0
+            elif fmt == ACT_F16:
+                xf[i, k] = round_f16(x[i, k])
+            elif fmt == ACT_BF16:
+                xf[i, k] = round_bf16(x[i, k])
+            else:
+                xf[i, k] = x[i, k]
+
+
+@njit(fastmath=FM, cache=True)
+def dequant_x(xf, xq, xd):
+    """xf (Np, n_in) f32 = xq * xd: the 8-bit activations as floats, for the float GEMM of the batched path."""
+    for i in range(xf.shape[0]):
+        for g in range(xd.shape[1]):
+            d = xd[i, g]
+            for j in range(32 * g, 32 * g + 32):
+                xf[i, j] = np.float32(xq[i, j]) * d
 
 
 # ---- N = 1: one tile of R rows, accumulated in facc (R,) f32
@@ -316,17 +393,19 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def matvec_kernel(out, fam, q, q8, qf, s, o, x, xq2, xd2, xs2, facc, acc16, acc32):
+def matvec_kernel(out, fam, fmt, q, q8, qf, s, o, x, xq2, xd2, xs2, xf2, facc, acc16, acc32):
     """out (d_out,) = W . x for one activation row. The weight is in q for Q4, q8 for Q5/I8, qf for F32
-    (the others are empty). x (1, n_in) f32 is first quantized (serially) into xq2 (1, n_in) i8, xd2 (1, G),
-    xs2 (1, G, 2), except for F32, which uses x as is.
+    (the others are empty). x (1, n_in) f32 is first rounded (serially) to the activation format fmt: into
+    xq2 (1, n_in) i8, xd2 (1, G), xs2 (1, G, 2) for the 8-bit formats, into xf2 (1, n_in) f32 for the float ones.
     facc (nch, R) f32, acc16 (nch, 2, R) i16, acc32 (nch, 2, R) i32: per-chunk scratch; nch chunks of tiles."""
     T = s.shape[0]
     d_out = out.shape[0]
     nch = facc.shape[0]
     if fam != F32:
-        quantize_x(xq2, xd2, xs2, x)
-    xq, xd, xs, xf = xq2[0], xd2[0], xs2[0], x[0]
+        quantize_x(xq2, xd2, xs2, x, fmt)
+    else:
+        round_x(xf2, x, fmt)
+    xq, xd, xs, xf = xq2[0], xd2[0], xs2[0], xf2[0]
     for c in prange(nch):
         for t in range(c * T // nch, (c + 1) * T // nch):
             fa = facc[c]
@@ -413,7 +492,9 @@ def dot2x2(acc, w0, w1, x0, x1):
 
 @njit(parallel=True, fastmath=FM, cache=True)
 def batched_kernel(out, fam, q, q8, qf, s, o, x, wf, acc):
-    """out (N, d_out) = x (Np, n_in) f32 . W.T, where x has Np = N rounded up to 2 rows (zero padding).
+    """out (N, d_out) = x (Np, n_in) f32 . W.T, where x has Np = N rounded up to 2 rows (zero padding) and holds
+    the activations already rounded to the weight type's activation format (`prepare_x`), so that this path
+    computes the same products as matvec_kernel.
     Weight arrays as in matvec_kernel. Per chunk c: wf (nch, R, n_in) f32 tile scratch, acc (nch, 4) f32."""
     T = s.shape[0]
     N, d_out = out.shape
@@ -440,6 +521,17 @@ def batched_kernel(out, fam, q, q8, qf, s, o, x, wf, acc):
                         out[i + 1, t * R + r] = acc[c, 1]
                         if r + 1 < nr:
                             out[i + 1, t * R + r + 1] = acc[c, 3]
+
+
+@njit(cache=True)
+def prepare_x(xf, x, fmt, xq, xd, xs):
+    """xf (Np, n_in) f32 <- x (N, n_in) rounded to activation format fmt (zero rows past N): the input of
+    batched_kernel. xq/xd/xs (Np, ...) are scratch for the 8-bit formats."""
+    if fmt == ACT_Q8 or fmt == ACT_Q8K:
+        quantize_x(xq, xd, xs, x, fmt)
+        dequant_x(xf, xq, xd)
+    else:
+        round_x(xf, x, fmt)
 
 
 # ---------------------------------------------------------------- Python entries: validate, then call
@@ -503,32 +595,35 @@ def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     _check_io(out, x, w)
     _check(x.shape[0] == 1, f"matvec takes one activation row, got N = {x.shape[0]} (use matmul_batched)")
     T, G, nch = w.s.shape[0], w.n_in // 32, _chunks(w.s.shape[0])
+    fmt = ACT_FORMAT[QT(int(w.qtype))]
     if w.family == F32:
-        xq, xd, xs = _EMPTY_I8_2, _EMPTY_F32_2, _EMPTY_F32_3
+        xq, xd, xs, xf = _EMPTY_I8_2, _EMPTY_F32_2, _EMPTY_F32_3, np.empty((1, w.n_in), np.float32)
     else:
         xq = np.empty((1, w.n_in), np.int8)
         xd = np.empty((1, G), np.float32)
         xs = np.empty((1, G, 2), np.float32)
+        xf = _EMPTY_F32_2
     facc = np.empty((nch, R), np.float32)
     acc16 = np.empty((nch, 2, R), np.int16)
     acc32 = np.empty((nch, 2, R), np.int32)
-    matvec_kernel(out[0], w.family, *_weights(w), w.s, w.o, x, xq, xd, xs, facc, acc16, acc32)
+    matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc, acc16, acc32)
     return out
 
 
 def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     """out (N, d_out) f32 = x (N, n_in) f32 @ W.T for any N >= 1, the prefill path: each 64-row weight tile is
-    dequantized once to f32 and multiplied with all N rows (float activations: no 8-bit rounding here).
+    dequantized once to f32 and multiplied with all N rows, whose activations were rounded to the weight type's
+    activation format first (as in matvec: the two paths compute the same products).
     w: Packed or raw (d_out, row_bytes) u8."""
     w = _packed(w, qtype)
     _check_io(out, x, w)
     N = x.shape[0]
     nch = _chunks(w.s.shape[0])
-    if N % 2:
-        xp = np.zeros((N + 1, w.n_in), np.float32)
-        xp[:N] = x
-    else:
-        xp = x
+    Np = N + N % 2
+    G = w.n_in // 32
+    xp = np.empty((Np, w.n_in), np.float32)
+    prepare_x(xp, x, ACT_FORMAT[QT(int(w.qtype))], np.empty((Np, w.n_in), np.int8), np.empty((Np, G), np.float32),
+              np.empty((Np, G, 2), np.float32))
     wf = np.empty((nch, R, w.n_in), np.float32)
     acc = np.empty((nch, 4), np.float32)
     batched_kernel(out, w.family, *_weights(w), w.s, w.o, xp, wf, acc)
