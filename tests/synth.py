@@ -72,7 +72,8 @@ def model_tensors(arch: str, n_vocab: int, rng: np.random.Generator, d=DIMS) -> 
 
 def write_model(path, arch: str = "llama", *, qtype: T = T.Q8_0, seed: int = 0, drop: tuple[str, ...] = (),
                 reshape: dict[str, tuple[int, ...]] | None = None, meta: dict | None = None,
-                arch_name: str | None = None, tensor_types: dict[str, T] | None = None, d=DIMS) -> dict:
+                arch_name: str | None = None, tensor_types: dict[str, T] | None = None, d=DIMS,
+                pre: str = "smollm") -> dict:
     """Write a tiny model; return the float32 tensors as written (after quantization round trip)."""
     rng = np.random.default_rng(seed)
     toks, types = vocab()
@@ -92,7 +93,7 @@ def write_model(path, arch: str = "llama", *, qtype: T = T.Q8_0, seed: int = 0, 
         w.add_value_length(d["head_dim"])
         w.add_sliding_window(4)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(toks)
     w.add_token_types(types)
     w.add_token_merges(MERGES)

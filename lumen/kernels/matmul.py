@@ -19,10 +19,10 @@ How (see shared/KERNELS.md for the measurements behind each choice):
   for the 4/5-bit families (16 products of |q| <= 16 and |x| <= 127 stay below 32767; for Q4 even 32 of
   |q| <= 8), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
 - N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
-- N > 1 (`matmul_batched`): per tile, the weights are dequantized once to an f32 tile (R, n_in) in a per-thread
-  scratch, then multiplied with all N activation rows in 2x2 blocks (2 weight rows x 2 activation rows per
-  pass over n_in, four register reductions). Float activations here: measured 40 G MAC/s per core for
-  this float GEMM against 22 for an int16 kernel over the same tiles (its accumulators live in memory).
+- N > 1 (`matmul_batched`): per tile, the weights are read once (Q4 nibbles unpacked once to an int8 tile in a
+  per-thread scratch), then applied to all N activation rows with the same tile functions as the N=1 path, so
+  the two paths agree bit for bit (an f32-dequantized tile with a float GEMM measured 40 G MAC/s per core
+  against 22 for the int16 tiles, but rounds differently from decode).
 `matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
 correct, but slow; the forward pass should call prepare once at load time).
 """
@@ -40,6 +40,10 @@ from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K
 
 R = 64            # weight rows per tile: the vector loop length
 FM = True         # integer sums are exact; float rounding order is free to change (a tolerance applies)
+# The tile kernels shared by both paths use no fastmath: with the same integer sums and the same float epilogue
+# in the same order, the N=1 and N>1 paths give bit-identical results (no contraction or reassociation that
+# LLVM might apply differently in two callers), so prefill(all) == prefill(k) + decode(rest) exactly.
+TFM = False
 
 Q4, Q5, I8, F32 = 0, 1, 2, 3
 FAMILY = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5,
@@ -285,19 +289,9 @@ def round_x(xf, x, fmt):
                 xf[i, k] = x[i, k]
 
 
-@njit(fastmath=FM, cache=True)
-def dequant_x(xf, xq, xd):
-    """xf (Np, n_in) f32 = xq * xd: the 8-bit activations as floats, for the float GEMM of the batched path."""
-    for i in range(xf.shape[0]):
-        for g in range(xd.shape[1]):
-            d = xd[i, g]
-            for j in range(32 * g, 32 * g + 32):
-                xf[i, j] = np.float32(xq[i, j]) * d
-
-
 # ---- N = 1: one tile of R rows, accumulated in facc (R,) f32
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=TFM, cache=True)
 def tile_q4_mv(facc, acc, q, s, o, xq, xd, xs):
     """facc (R,) = tile (G,16,R) nibbles . xq (n_in,) i8; acc (2,R) i16 scratch."""
     G = q.shape[0]
@@ -324,7 +318,7 @@ def tile_q4_mv(facc, acc, q, s, o, xq, xd, xs):
                 facc[r] += s[g, 0, r] * sd * np.float32(a[r])
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=TFM, cache=True)
 def tile_i8s_mv(facc, acc, q, s, o, xq, xd, xs):
     """facc (R,) = tile (G,32,R) int8 with |q| <= 16 . xq; acc (2,R) i16 scratch (one per half of 16)."""
     G = q.shape[0]
@@ -353,7 +347,7 @@ def tile_i8s_mv(facc, acc, q, s, o, xq, xd, xs):
                 facc[r] += s[g, 0, r] * sd * np.float32(np.int32(a0[r]) + np.int32(a1[r]))
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=TFM, cache=True)
 def tile_i8_mv(facc, acc, q, s, o, xq, xd, xs):
     """facc (R,) = tile (G,32,R) int8 . xq; acc (2,R) i32 scratch (one per half of 16)."""
     G = q.shape[0]
@@ -381,7 +375,7 @@ def tile_i8_mv(facc, acc, q, s, o, xq, xd, xs):
                 facc[r] += s[g, 0, r] * sd * np.float32(a0[r] + a1[r])
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=TFM, cache=True)
 def tile_f32_mv(facc, w, x):
     """facc (R,) = w (n_in, R) f32 . x (n_in,) f32."""
     for r in range(R):
@@ -422,114 +416,54 @@ def matvec_kernel(out, fam, fmt, q, q8, qf, s, o, x, xq2, xd2, xs2, xf2, facc, a
                 out[t * R + r] = fa[r]
 
 
-# ---- N > 1: dequantize one tile of R rows to f32 once, then a float GEMM of the tile with all N rows
-
-# The tile is written row by row (contiguous writes) and read across the packed planes' row lanes: writing it
-# column by column instead hit 4K aliasing at n_in = 1024/2048 (3x slower, measured).
+# ---- N > 1: per tile of R weight rows, unpack once to int8, then apply it to all N activation rows
 
 @njit(fastmath=FM, cache=True)
-def dequant_tile_q4(wf, q, s, o):
-    """wf (R, n_in) f32 = tile of q (G,16,R) nibbles: s*(nib-8) + o."""
-    has_o = o.shape[0] > 0
-    for r in range(R):
-        row = wf[r]
-        for g in range(q.shape[0]):
-            sc = s[g, 0, r]
-            off = o[g, r] if has_o else np.float32(0.0)
-            for j in range(16):
+def unpack_q4_tile(w8, q):
+    """w8 (G, 32, R) i8 = signed nibbles (value - 8) of the tile q (G, 16, R) u8."""
+    for g in range(q.shape[0]):
+        for j in range(16):
+            for r in range(R):
                 b = q[g, j, r]
-                row[32 * g + j] = sc * np.float32(np.int32(b & 15) - 8) + off
-                row[32 * g + j + 16] = sc * np.float32(np.int32(b >> 4) - 8) + off
-
-
-@njit(fastmath=FM, cache=True)
-def dequant_tile_i8(wf, q, s, o):
-    """wf (R, n_in) f32 = tile of q (G,32,R) int8: s[half]*q + o."""
-    has_o = o.shape[0] > 0
-    two = s.shape[1] == 2
-    for r in range(R):
-        row = wf[r]
-        for g in range(q.shape[0]):
-            s0 = s[g, 0, r]
-            s1 = s[g, 1, r] if two else s0
-            off = o[g, r] if has_o else np.float32(0.0)
-            for j in range(16):
-                row[32 * g + j] = s0 * np.float32(q[g, j, r]) + off
-            for j in range(16, 32):
-                row[32 * g + j] = s1 * np.float32(q[g, j, r]) + off
-
-
-@njit(fastmath=FM, cache=True)
-def dequant_tile_f32(wf, q):
-    """wf (R, n_in) f32 = q (n_in, R) f32 transposed."""
-    for r in range(R):
-        row = wf[r]
-        for k in range(q.shape[0]):
-            row[k] = q[k, r]
-
-
-@njit(fastmath=FM, cache=True)
-def dot2x2(acc, w0, w1, x0, x1):
-    """acc (4,) = [w0.x0, w0.x1, w1.x0, w1.x1]: four reductions in one pass, so each load feeds two FMAs."""
-    s00 = np.float32(0.0)
-    s01 = np.float32(0.0)
-    s10 = np.float32(0.0)
-    s11 = np.float32(0.0)
-    for k in range(w0.shape[0]):
-        a = w0[k]
-        b = w1[k]
-        c = x0[k]
-        d = x1[k]
-        s00 += a * c
-        s01 += a * d
-        s10 += b * c
-        s11 += b * d
-    acc[0] = s00
-    acc[1] = s01
-    acc[2] = s10
-    acc[3] = s11
+                w8[g, j, r] = np.int8(np.int32(b & 15) - 8)
+                w8[g, j + 16, r] = np.int8(np.int32(b >> 4) - 8)
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def batched_kernel(out, fam, q, q8, qf, s, o, x, wf, acc):
-    """out (N, d_out) = x (Np, n_in) f32 . W.T, where x has Np = N rounded up to 2 rows (zero padding) and holds
-    the activations already rounded to the weight type's activation format (`prepare_x`), so that this path
-    computes the same products as matvec_kernel.
-    Weight arrays as in matvec_kernel. Per chunk c: wf (nch, R, n_in) f32 tile scratch, acc (nch, 4) f32."""
+def batched_kernel(out, fam, q, q8, qf, s, o, xq, xd, xs, xf, w8, facc, acc16, acc32):
+    """out (N, d_out) = W . x for N activation rows, already rounded (`prepare_x`): xq (Np, n_in) i8, xd (Np, G),
+    xs (Np, G, 2) for the 8-bit formats, xf (Np, n_in) f32 for the float ones. Each tile of R weight rows is
+    read (and for Q4 unpacked to int8 in w8 (nch, G, 32, R)) once, then applied to all N rows with the same
+    tile functions as matvec_kernel, so every output equals matvec's bit for bit. Weight arrays as in
+    matvec_kernel; facc (nch, R), acc16 (nch, 2, R), acc32 (nch, 2, R) per-chunk scratch."""
     T = s.shape[0]
     N, d_out = out.shape
-    Np = x.shape[0]
-    nch = wf.shape[0]
+    nch = facc.shape[0]
     for c in prange(nch):
-        w = wf[c]
+        fa = facc[c]
         for t in range(c * T // nch, (c + 1) * T // nch):
             if fam == Q4:
-                dequant_tile_q4(w, q[t], s[t], o[t])
-            elif fam == F32:
-                dequant_tile_f32(w, qf[t])
-            else:
-                dequant_tile_i8(w, q8[t], s[t], o[t])
-            nr = min(R, d_out - t * R)
-            for i in range(0, Np, 2):
-                for r in range(0, nr, 2):
-                    r1 = min(r + 1, R - 1)
-                    dot2x2(acc[c], w[r], w[r1], x[i], x[i + 1])
-                    out[i, t * R + r] = acc[c, 0]
-                    if r + 1 < nr:
-                        out[i, t * R + r + 1] = acc[c, 2]
-                    if i + 1 < N:
-                        out[i + 1, t * R + r] = acc[c, 1]
-                        if r + 1 < nr:
-                            out[i + 1, t * R + r + 1] = acc[c, 3]
+                unpack_q4_tile(w8[c], q[t])
+            n = min(R, d_out - t * R)
+            for i in range(N):
+                if fam == Q4:
+                    tile_i8s_mv(fa, acc16[c], w8[c], s[t], o[t], xq[i], xd[i], xs[i])
+                elif fam == Q5:
+                    tile_i8s_mv(fa, acc16[c], q8[t], s[t], o[t], xq[i], xd[i], xs[i])
+                elif fam == I8:
+                    tile_i8_mv(fa, acc32[c], q8[t], s[t], o[t], xq[i], xd[i], xs[i])
+                else:
+                    tile_f32_mv(fa, qf[t], xf[i])
+                for r in range(n):
+                    out[i, t * R + r] = fa[r]
 
 
 @njit(cache=True)
-def prepare_x(xf, x, fmt, xq, xd, xs):
-    """xf (Np, n_in) f32 <- x (N, n_in) rounded to activation format fmt (zero rows past N): the input of
-    batched_kernel. xq/xd/xs (Np, ...) are scratch for the 8-bit formats."""
+def prepare_x(xq, xd, xs, xf, x, fmt):
+    """Round x (N, n_in) to activation format fmt: into xq (N, n_in) i8, xd (N, G), xs (N, G, 2) for the 8-bit
+    formats, into xf (N, n_in) f32 for the float ones. The input of batched_kernel."""
     if fmt == ACT_Q8 or fmt == ACT_Q8K:
         quantize_x(xq, xd, xs, x, fmt)
-        dequant_x(xf, xq, xd)
     else:
         round_x(xf, x, fmt)
 
@@ -612,21 +546,25 @@ def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
 
 def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     """out (N, d_out) f32 = x (N, n_in) f32 @ W.T for any N >= 1, the prefill path: each 64-row weight tile is
-    dequantized once to f32 and multiplied with all N rows, whose activations were rounded to the weight type's
-    activation format first (as in matvec: the two paths compute the same products).
+    read once (and unpacked once) for all N rows; the results equal matvec's row by row, bit for bit.
     w: Packed or raw (d_out, row_bytes) u8."""
     w = _packed(w, qtype)
     _check_io(out, x, w)
     N = x.shape[0]
     nch = _chunks(w.s.shape[0])
-    Np = N + N % 2
     G = w.n_in // 32
-    xp = np.empty((Np, w.n_in), np.float32)
-    prepare_x(xp, x, ACT_FORMAT[QT(int(w.qtype))], np.empty((Np, w.n_in), np.int8), np.empty((Np, G), np.float32),
-              np.empty((Np, G, 2), np.float32))
-    wf = np.empty((nch, R, w.n_in), np.float32)
-    acc = np.empty((nch, 4), np.float32)
-    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xp, wf, acc)
+    fmt = ACT_FORMAT[QT(int(w.qtype))]
+    f32 = w.family == F32
+    xq = np.empty((N, 0 if f32 else w.n_in), np.int8)
+    xd = np.empty((N, 0 if f32 else G), np.float32)
+    xs = np.empty((N, 0 if f32 else G, 2), np.float32)
+    xf = np.empty((N, w.n_in if f32 else 0), np.float32)
+    prepare_x(xq, xd, xs, xf, x, fmt)
+    w8 = np.empty((nch, G if w.family == Q4 else 0, 32, R), np.int8)
+    facc = np.empty((nch, R), np.float32)
+    acc16 = np.empty((nch, 2, R), np.int16)
+    acc32 = np.empty((nch, 2, R), np.int32)
+    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, w8, facc, acc16, acc32)
     return out
 
 

@@ -50,8 +50,16 @@ def swiglu_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return silu_ref(gate) * up.astype(np.float64)
 
 
+def gelu_llama_ref(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's CPU gelu (GGML_GELU_FP16): fp16 table of gelu at fp16 inputs inside (-10, 10), 0 / x outside."""
+    x = np.asarray(x, np.float32)
+    x16 = x.astype(np.float16).astype(np.float64)
+    g = gelu_tanh_ref(x16).astype(np.float16).astype(np.float64)
+    return np.where(x <= -10, 0.0, np.where(x >= 10, x.astype(np.float64), g))
+
+
 def geglu_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return gelu_tanh_ref(gate) * up.astype(np.float64)
+    return gelu_llama_ref(gate) * up.astype(np.float64)
 
 
 def attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, scale: float,
