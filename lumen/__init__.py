@@ -8,11 +8,21 @@ import os
 # keeps back-to-back parallel regions fast (decode 86-113 tok/s against 78-90 with the default, quiet machine) and
 # yields under load; OMP_WAIT_POLICY=passive costs 2x decode (36-38 tok/s). Set before Numba starts its threads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# A build with the op timers compiled out (LUMEN_TIMERS=0, see lumen/forward.py) must not share Numba's compile
+# cache with the normal build: the cache does not know about the switch.
+if os.environ.get("LUMEN_TIMERS", "1") == "0" and "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(os.path.expanduser("~"), ".cache", "lumen", "numba-notimers")
 
 from .errors import ContextError, FetchError, GGUFError, LumenError, UnsupportedError
 
-__all__ = ["load", "LumenError", "GGUFError", "UnsupportedError", "FetchError", "ContextError"]
+__all__ = ["load", "profile", "LumenError", "GGUFError", "UnsupportedError", "FetchError", "ContextError"]
 __version__ = "0.1.0"
+
+
+def profile():
+    """`with lumen.profile() as prof:` times every op of every step run inside (see lumen/profiler.py)."""
+    from .profiler import profile as _profile
+    return _profile()
 
 
 def load(model: str | os.PathLike, **kwargs):

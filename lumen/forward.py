@@ -10,6 +10,8 @@ inside the compiled code (lumen/profile.py turns the ticks into records).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import njit
 
@@ -70,9 +72,14 @@ def n_slots(n_layer: int) -> int:
     return 1 + n_layer * N_LAYER_OPS + 2 + 1
 
 
+# LUMEN_TIMERS=0 compiles the timer calls out of the forward pass (to measure what they cost when off). Numba
+# freezes this global at compile time, so lumen/__init__.py gives that build its own compile cache directory.
+TIMERS = os.environ.get("LUMEN_TIMERS", "1") != "0"
+
+
 @njit(cache=True, inline="always")
 def _mark(times, prof, i):
-    if prof:
+    if TIMERS and prof:
         times[i] = ticks()
 
 
@@ -195,7 +202,7 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, S, O, fvec, vt, flags, params, lu
     eps = params[P_EPS]
     base = 1
 
-    if prof:
+    if TIMERS and prof:
         times[times.shape[0] - 1] = ticks()  # start
     # embedding lookup (dequantize the token rows), gemma scales it by sqrt(E)
     e_off, e_qt, e_rows, e_rb = gt[0, 0], gt[0, 1], gt[0, 2], gt[0, 4]

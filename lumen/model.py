@@ -13,6 +13,9 @@ import numpy as np
 from .config import ROPE_NEOX, Config, check_tensors, config_from_metadata
 from .errors import ContextError, GGUFError, LumenError
 from .gguf import GGUFFile
+from .profiler import active as profiler_active
+from .profiler import forward_costs
+from .timer import tick_rate, ticks
 
 DEFAULT_CTX = 2048
 DEFAULT_BATCH = 256
@@ -110,7 +113,6 @@ class Model:
         self._flags = flags
         self._params = np.array([c.rms_eps, c.attn_scale, c.embd_scale], np.float32)
         self._lut = F16_TO_F32
-        self.profiler = None  # set by lumen.profile while profiling
 
     # ---- tokenizer ----
     @property
@@ -152,15 +154,26 @@ class Model:
         positions = np.arange(pos0, pos0 + N, dtype=np.int64)
         if logits is None:
             logits = st.logits_rows(n_out)
-        prof = self.profiler
-        t0 = time.perf_counter_ns()
         pk = w.packs
-        forward_kernel(w.buf, w.mt, w.gt, pk.table, pk.q, pk.q8, pk.qf, pk.s, pk.o, w.fvec, w.vt, self._flags, self._params, self._lut, ids, positions, pos0,
-                       n_out, st.x[:N], st.xn[:N], st.q[:N], st.k[:N], st.v[:N], st.att[:N], st.ffa[:N],
+        prof = profiler_active()
+        if prof is not None:
+            own_step = not prof.in_step
+            if own_step:
+                prof.begin_step(phase, N, pos0)
+            c_entry = ticks()
+        forward_kernel(w.buf, w.mt, w.gt, pk.table, pk.q, pk.q8, pk.qf, pk.s, pk.o, w.fvec, w.vt, self._flags,
+                       self._params, self._lut, ids, positions, pos0, n_out, st.x[:N], st.xn[:N], st.q[:N], st.k[:N], st.v[:N], st.att[:N], st.ffa[:N],
                        st.ffb[:N], logits, st.mmscratch, st.k_cache, st.v_cache, st.windows, st.rope_sel,
                        st.cos_tab, st.sin_tab, st.s_att, st.o_att, st.ml_att, st.times, prof is not None)
-        if prof is not None:
-            prof.record_forward(phase, N, pos0, t0, time.perf_counter_ns(), st.times)
+        if prof is not None:  # the bookkeeping here is the profiler's own cost, kept out of the step's time
+            c_exit = ticks()
+            if not own_step:
+                prof.pause(at=c_exit)
+            prof.record_forward(c_entry, c_exit, st.times, forward_costs(self, N, pos0, n_out))
+            if own_step:
+                prof.end_step(at=c_exit)
+            else:
+                prof.resume()
         st.n_past += N
         return logits[:n_out]
 
@@ -231,13 +244,31 @@ class Model:
         eog = self.tokenizer.eot_ids
         stream = self.tokenizer.stream()
         history = list(ids)
+        prof = profiler_active()
         self.reset()
         t0 = time.perf_counter()
         logits = self.prefill(ids)
         stats.prefill_s = time.perf_counter() - t0
+        try:
+            yield from self._loop(ids, max_tokens, sample, process, stopper, stats, eog, stream, history, prof,
+                                  logits, t0)
+        finally:
+            if prof is not None and prof.in_step:
+                prof.end_step()
+
+    def _loop(self, ids, max_tokens, sample, process, stopper, stats, eog, stream, history, prof, logits, t0):
+        """The decode loop; with a profiler, one step per token: sample, detokenize, decode (consumer excluded)."""
         t_last = None
         for i in range(max_tokens):
+            if prof is not None:
+                if prof.in_step:
+                    prof.end_step()
+                prof.begin_step("decode", 1, self.state.n_past)
+                c = ticks()
             tok = sample(process(logits, history))
+            if prof is not None:
+                c1 = ticks()
+                prof.add("sample", (c1 - c) / tick_rate())
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - t0
@@ -255,15 +286,24 @@ class Model:
                 return
             history.append(tok)
             last = i + 1 == max_tokens
+            if prof is not None:
+                c = ticks()
+                prof.add("loop", (c - c1) / tick_rate())  # the generate loop's own bookkeeping
             text, hit = stopper.feed(stream.push(tok) + (stream.flush() if last else ""))
             if last and not hit:
                 text += stopper.flush()
+            if prof is not None:
+                prof.add("detokenize", (ticks() - c) / tick_rate())
             if hit:
                 stats.stop_reason = "stop"
                 if text:
                     yield Token(tok, text)
                 return
+            if prof is not None:
+                prof.pause()
             yield Token(tok, text)
+            if prof is not None:
+                prof.resume()
             if not last:
                 logits = self.decode(tok)
         stats.stop_reason = "length"

@@ -6,7 +6,7 @@ random values written over the header's integer fields (counts, lengths, n_dims,
 positions come from the loader's own field trace. A copy of the file is mutated in place and restored after each
 case, so a case costs a parse, not a copy of the whole file.
 
-LUMEN_FUZZ_CASES sets the number of cases per model (default 300 for SmolLM2, half that for Gemma, whose 262k-entry
+LUMEN_FUZZ_CASES sets the number of cases per model (default 350 for SmolLM2, half that for Gemma, whose 262k-entry
 vocabulary makes each full parse slower).
 """
 import os
@@ -22,7 +22,7 @@ from lumen.errors import GGUFError
 from lumen.gguf import GGUFFile
 from lumen.model import build_tokenizer, open_gguf
 
-CASES = int(os.environ.get("LUMEN_FUZZ_CASES", "300"))
+CASES = int(os.environ.get("LUMEN_FUZZ_CASES", "350"))
 TIMEOUT_S = 30
 
 

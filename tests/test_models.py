@@ -314,11 +314,9 @@ def test_cli_fetch_unknown_name(home):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.xfail(reason="BUG lumen/models.py verify(): a missing file raises FileNotFoundError, which main() "
-                          "does not catch (traceback)", strict=False)
 def test_cli_verify_missing_model(home):
     r = run_models_cli(home, "--verify", "smollm2-135m")
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "has not been fetched yet" in r.stderr
 
 
 # ---- the real cache ----

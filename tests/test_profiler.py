@@ -1,0 +1,77 @@
+"""The timer layer: every op of every step recorded, with work, adding up to the step's wall time."""
+import json
+
+import numpy as np
+import pytest
+
+import lumen
+from lumen.errors import LumenError
+from lumen.forward import LAYER_OPS, OPS
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    m = lumen.load("smollm2-135m", ctx=512, threads=2)
+    m.warmup()
+    with lumen.profile() as prof:
+        out = [t.id for t in m.generate("The capital of France is a city that", max_tokens=16)]
+    return m, prof, out
+
+
+def test_every_op_of_every_layer_is_recorded(profiled):
+    m, prof, out = profiled
+    L = m.config.n_layer
+    decode_steps = [s for s in prof.steps if s.phase == "decode"]
+    assert len(decode_steps) == len(out)
+    assert [s.phase for s in prof.steps].count("prefill") == 1
+    forward_steps = {r.step for r in prof.records if r.op == "embed"}
+    assert len(forward_steps) == len(out)          # one prefill + len(out) - 1 decodes
+    for step in forward_steps:
+        recs = [r for r in prof.records if r.step == step]
+        layer_ops = [(r.layer, r.op) for r in recs if r.layer >= 0]
+        assert layer_ops == [(il, OPS[o]) for il in range(L) for o in LAYER_OPS]
+        assert {"embed", "output_norm", "output", "dispatch", "return"} <= {r.op for r in recs}
+        assert all(r.seconds >= 0 for r in recs)
+    assert {r.op for r in prof.select("decode")} >= {"sample", "detokenize"}
+
+
+def test_work_is_attached(profiled):
+    m, prof, _ = profiled
+    ops = prof.by_op("decode")
+    # the q projection reads its packed weight once per decode step: 576 x 576 Q4_1 packed
+    q = ops["q"]
+    assert q.calls == 30 * (len([s for s in prof.steps if s.phase == "decode"]) - 1)
+    assert q.flops == q.calls * 2 * 576 * 576
+    assert ops["attention"].bytes > 0 and ops["output"].flops == ops["output"].calls * 2 * 49152 * 576
+
+
+def test_coverage(profiled):
+    """The recorded ops add up to >= 95% of each step's measured wall time."""
+    _, prof, _ = profiled
+    cov = prof.coverage()
+    assert cov and all(share >= 0.95 for _, _, share in cov), cov
+    assert prof.unattributed_s() <= 0.05 * sum(w for _, w, _ in cov)
+
+
+def test_bad_queries_and_json(profiled, tmp_path):
+    _, prof, _ = profiled
+    with pytest.raises(LumenError, match="unknown phase"):
+        prof.by_op("training")
+    with pytest.raises(LumenError, match="unknown op"):
+        prof.select(op="flash")
+    with pytest.raises(LumenError, match="unknown layer"):
+        prof.select(layer=99)
+    path = tmp_path / "p.json"
+    prof.to_json(path)
+    data = json.loads(path.read_text())
+    assert len(data["records"]) == len(prof.records) and data["steps"][0]["phase"] == "prefill"
+    with pytest.raises(LumenError, match="cannot write"):
+        prof.to_json(tmp_path / "no" / "such" / "dir" / "p.json")
+
+
+def test_no_profiler_no_records():
+    m = lumen.load("smollm2-135m", ctx=64, threads=2)
+    with lumen.profile() as prof:
+        pass
+    m.logits([1, 2, 3])
+    assert prof.records == [] and prof.steps == []
