@@ -1,0 +1,343 @@
+"""llama-bench-style throughput of one model: prompt processing (pp) and token generation (tg), in tokens/s.
+
+    python -m lumen.bench --model smollm2-135m -p 512 -n 128 -r 5 [--threads T] [--json F] [--compare llama.cpp]
+
+Tests (each repeated r times, mean ± stdev of the per-repetition t/s, warm-up excluded):
+    pp{p}   one batched prefill of p tokens into a fresh cache (n_batch = p, so it is a single forward call)
+    tg{n}   n single-token decodes after a 1-token prompt (fresh cache), timed together
+    pp32, tg32  always added (the sizes the original Lumen measurements used); `--small 0` leaves them out,
+                `--small K` uses K instead of 32
+Token ids are fixed pseudo-random ids of the vocabulary (seed 0), the same for every engine, as llama-bench does.
+For tg it also reports the achieved weight bandwidth, GB/s = bytes one decode step reads x tok/s (Lumen: its
+repacked weights, `Model.weights.decode_bytes`; llama.cpp: the GGUF's tensor bytes), against the machine's
+measured read bandwidth (lumen.machine.limits, when available), and the peak RSS of the process.
+
+`--compare llama.cpp` loads llama-cpp-python on the same GGUF with the same thread count (CPU only, flash
+attention off, n_batch = n_ubatch = 512, weight repacking off: see tests/data/make_gemma3_longctx.py) and runs
+the two engines interleaved, repetition by repetition (Lumen rep 1, llama.cpp rep 1, Lumen rep 2, ...), so both
+see the same machine load; every figure gets the ratio Lumen/llama.cpp (of the means, and the median of the
+per-repetition ratios). Both engines share one process: the Lumen peak RSS is taken before llama.cpp loads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
+LLAMA_BATCH = 512   # llama.cpp's n_batch = n_ubatch (llama-bench's default)
+COMPARE_HINT = "pip install llama-cpp-python to compare"
+
+
+@dataclass(frozen=True)
+class Test:
+    kind: str   # "pp" or "tg"
+    size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.size}"
+
+
+def make_tests(p: int, n: int, small: int) -> list[Test]:
+    """pp{p}, tg{n}, then pp{small}, tg{small} unless small is 0 or already listed."""
+    tests = [Test("pp", p), Test("tg", n)]
+    if small:
+        tests += [t for t in (Test("pp", small), Test("tg", small)) if t not in tests]
+    return tests
+
+
+def token_ids(n_vocab: int, count: int, seed: int = 0) -> np.ndarray:
+    """count fixed pseudo-random token ids (count,) i64, avoiding the first 4 ids (usually control tokens)."""
+    return np.random.default_rng(seed).integers(4, n_vocab, size=count, dtype=np.int64)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, MB (Linux reports ru_maxrss in KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------- engines: time one pp or tg run
+
+class LumenEngine:
+    name = "Lumen"
+
+    def __init__(self, path, threads: int | None, ctx: int, n_batch: int):
+        from .model import Model
+        self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch)
+        self.threads = self.model.threads
+        self.n_vocab = self.model.config.n_vocab
+        self.weight_bytes = self.model.weights.decode_bytes
+
+    def warmup(self, ids: np.ndarray) -> float:
+        t = time.perf_counter()
+        self.model.warmup()
+        self.pp(ids[:min(8, ids.size)])
+        self.tg(int(ids[0]), 2)
+        return time.perf_counter() - t
+
+    def pp(self, ids: np.ndarray) -> float:
+        """Seconds of one prefill of ids into a fresh cache."""
+        self.model.reset()
+        t = time.perf_counter()
+        self.model.prefill(ids)
+        return time.perf_counter() - t
+
+    def tg(self, tok: int, n: int) -> float:
+        """Seconds of n single-token decodes after a 1-token prompt (the prompt is not timed)."""
+        m = self.model
+        m.reset()
+        m.prefill([tok])
+        t = time.perf_counter()
+        for _ in range(n):
+            m.decode(tok)
+        return time.perf_counter() - t
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(self, path, threads: int, ctx: int):
+        import llama_cpp.llama_cpp as lc  # ImportError: the caller prints COMPARE_HINT
+        from llama_cpp import Llama
+
+        from .gguf import GGUFFile
+        default_params = lc.llama_model_default_params
+
+        def params_without_extra_bufts():
+            p = default_params()
+            p.use_extra_bufts = False  # repacked/AMX weight buffers segfault on decode on this machine
+            return p
+
+        lc.llama_model_default_params = params_without_extra_bufts  # Llama() has no argument for this field
+        try:
+            self.llm = Llama(str(path), n_gpu_layers=0, n_ctx=ctx, n_batch=LLAMA_BATCH, n_ubatch=LLAMA_BATCH,
+                             n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
+        finally:
+            lc.llama_model_default_params = default_params
+        self.threads = threads
+        self.n_vocab = self.llm.n_vocab()
+        g = GGUFFile(path)
+        self.weight_bytes = sum(t.data.nbytes for t in g.tensors.values())
+
+    def warmup(self, ids: np.ndarray) -> float:
+        t = time.perf_counter()
+        self.pp(ids[:min(8, ids.size)])
+        self.tg(int(ids[0]), 2)
+        return time.perf_counter() - t
+
+    def pp(self, ids: np.ndarray) -> float:
+        self.llm.reset()  # n_tokens = 0; eval drops the cache past it
+        t = time.perf_counter()
+        self.llm.eval([int(i) for i in ids])
+        return time.perf_counter() - t
+
+    def tg(self, tok: int, n: int) -> float:
+        llm = self.llm
+        llm.reset()
+        llm.eval([tok])
+        t = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+        return time.perf_counter() - t
+
+
+def load_llama_cpp(path, threads: int, ctx: int, err=None):
+    """A LlamaCppEngine, or None (with a message on err) when llama_cpp cannot be imported."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        print(f"llama_cpp is not importable ({e}): {COMPARE_HINT}. Running Lumen only.", file=err or sys.stderr)
+        return None
+    return LlamaCppEngine(path, threads, ctx)
+
+
+# ---------------------------------------------------------------- running and summarising
+
+@dataclass
+class Figure:
+    """One reported quantity of one engine: per-repetition values."""
+    test: str
+    unit: str
+    values: dict = field(default_factory=dict)  # engine name -> [value per repetition]
+
+
+def mean_std(v: list) -> tuple[float, float]:
+    return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
+
+
+def run(engines: list, tests: list[Test], reps: int, ids: np.ndarray, on_rep=None) -> list[Figure]:
+    """Time every test `reps` times on every engine, interleaved: rep r of test t runs on each engine in turn.
+    Returns the t/s figures, and a GB/s figure after each tg test."""
+    figs = {t.name: Figure(t.name, "t/s", {e.name: [] for e in engines}) for t in tests}
+    for r in range(reps):
+        for t in tests:
+            for e in engines:
+                s = e.pp(ids[:t.size]) if t.kind == "pp" else e.tg(int(ids[0]), t.size)
+                figs[t.name].values[e.name].append(t.size / s)
+            if on_rep is not None:
+                on_rep(r, t)
+    out = []
+    for t in tests:
+        out.append(figs[t.name])
+        if t.kind == "tg":
+            out.append(Figure(t.name, "GB/s", {e.name: [v * e.weight_bytes / 1e9 for v in figs[t.name].values[e.name]]
+                                               for e in engines}))
+    return out
+
+
+def summarise(figs: list[Figure], engines: list) -> list[dict]:
+    rows = []
+    for f in figs:
+        row = {"test": f.test, "unit": f.unit}
+        for name, v in f.values.items():
+            m, s = mean_std(v)
+            row[name] = {"values": v, "mean": m, "std": s, "median": statistics.median(v)}
+        if len(engines) == 2:
+            a, b = (f.values[e.name] for e in engines)
+            row["ratio"] = row[engines[0].name]["mean"] / row[engines[1].name]["mean"]
+            row["ratio_median_paired"] = statistics.median(x / y for x, y in zip(a, b))
+        rows.append(row)
+    return rows
+
+
+def machine_limits() -> dict | None:
+    """lumen.machine.limits() if that module exists and works, else None."""
+    try:
+        from .machine import limits
+        return limits(measure_if_missing=True)
+    except Exception:  # noqa: BLE001 - optional: any failure means "no limits to compare against"
+        return None
+
+
+def render(rows: list[dict], engines: list, info: dict, console) -> None:
+    from rich.table import Table
+    names = [e.name for e in engines]
+    title = (f"{info['model']}  |  {info['threads']} threads  |  {info['reps']} reps  |  "
+             f"warm-up excluded ({', '.join(f'{k} {v:.1f} s' for k, v in info['warmup_s'].items())})")
+    table = Table(title=title)
+    table.add_column("test")
+    table.add_column("unit")
+    for n in names:
+        table.add_column(f"{n}", justify="right", no_wrap=True)
+    if len(names) == 2:
+        table.add_column("ratio", justify="right")
+        table.add_column("paired", justify="right")
+    bw = info.get("bw_gbps")
+    if bw:
+        table.add_column("% bw", justify="right")
+    for r in rows:
+        cells = [r["test"], r["unit"]] + [f"{r[n]['mean']:.2f} ± {r[n]['std']:.2f}" for n in names]
+        if len(names) == 2:
+            cells += [f"{r['ratio']:.3f}", f"{r['ratio_median_paired']:.3f}"]
+        if bw:
+            cells.append(f"{100 * r[names[0]]['mean'] / bw:.0f}%" if r["unit"] == "GB/s" else "")
+        table.add_row(*cells)
+    console.print(table)
+    console.print("figures are mean ± stdev over repetitions"
+                  + (f"; ratio = {names[0]}/{names[1]} of the means, paired = median of the per-repetition ratios"
+                     if len(names) == 2 else "")
+                  + (f"; % bw = {names[0]} GB/s / machine read bandwidth" if bw else ""), markup=False)
+    wb = ", ".join(f"{e.name} {e.weight_bytes / 1e6:.1f} MB" for e in engines)
+    console.print(f"weight bytes per decode step: {wb}", markup=False)
+    if bw:
+        console.print(f"machine read bandwidth: {bw:.1f} GB/s all threads, "
+                      f"{info.get('bw_1t_gbps') or float('nan'):.1f} GB/s one thread (lumen.machine)", markup=False)
+    else:
+        console.print("machine limits unavailable", markup=False)
+    console.print(f"peak RSS: Lumen {info['rss_lumen_mb']:.0f} MB (before llama.cpp loads); "
+                  f"process {info['rss_peak_mb']:.0f} MB", markup=False)
+
+
+# ---------------------------------------------------------------- CLI
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lumen.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
+    ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (default 128)")
+    ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions of each test (default 5)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    ap.add_argument("--small", type=int, default=SMALL,
+                    help=f"also run pp/tg of this size (default {SMALL}; 0 = off)")
+    ap.add_argument("--json", metavar="FILE", help="write every figure, per repetition, to FILE")
+    ap.add_argument("--compare", choices=["llama.cpp"], help="also run llama-cpp-python, interleaved")
+    return ap
+
+
+def validate(ap: argparse.ArgumentParser, args) -> None:
+    """Exit with argparse's usage error (status 2, no traceback) on an impossible setting."""
+    import numba
+    for flag, v in (("-p", args.n_prompt), ("-n", args.n_gen), ("-r", args.repetitions)):
+        if v < 1:
+            ap.error(f"{flag} must be at least 1, got {v}")
+    if args.small < 0:
+        ap.error(f"--small must be 0 (off) or a positive size, got {args.small}")
+    max_t = numba.config.NUMBA_NUM_THREADS
+    if args.threads is not None and not 1 <= args.threads <= max_t:
+        ap.error(f"--threads must be between 1 and {max_t} (the cores Numba can use), got {args.threads}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    validate(ap, args)
+    from rich.console import Console
+
+    from .errors import LumenError
+    from .models import resolve
+    console = Console()
+    tests = make_tests(args.n_prompt, args.n_gen, args.small)
+    max_pp = max(t.size for t in tests if t.kind == "pp")
+    ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1)
+    try:
+        path = resolve(args.model)
+        lumen = LumenEngine(path, args.threads, ctx, max_pp)
+    except (LumenError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    ids = token_ids(lumen.n_vocab, max_pp)
+    engines = [lumen]
+    warm = {lumen.name: lumen.warmup(ids)}
+    rss_lumen = peak_rss_mb()
+    if args.compare == "llama.cpp":
+        llama = load_llama_cpp(path, lumen.threads, ctx + 64)
+        if llama is not None:
+            if llama.n_vocab != lumen.n_vocab:
+                print(f"error: llama.cpp sees {llama.n_vocab} vocabulary entries, Lumen {lumen.n_vocab}",
+                      file=sys.stderr)
+                return 1
+            warm[llama.name] = llama.warmup(ids)
+            engines.append(llama)
+    lim = machine_limits()
+    if lim is None:
+        print("machine limits unavailable", file=sys.stderr)
+
+    def progress(r, t):
+        print(f"\rrep {r + 1}/{args.repetitions} {t.name} done   ", end="", file=sys.stderr, flush=True)
+
+    figs = run(engines, tests, args.repetitions, ids, on_rep=progress if sys.stderr.isatty() else None)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    rows = summarise(figs, engines)
+    info = {"model": str(args.model), "path": str(path), "threads": lumen.threads, "reps": args.repetitions,
+            "tests": [t.name for t in tests], "engines": [e.name for e in engines],
+            "weight_bytes": {e.name: e.weight_bytes for e in engines},
+            "warmup_s": warm, "bw_gbps": (lim or {}).get("bw_gbps"), "bw_1t_gbps": (lim or {}).get("bw_1t_gbps"),
+            "rss_lumen_mb": rss_lumen, "rss_peak_mb": peak_rss_mb()}
+    render(rows, engines, info, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "figures": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

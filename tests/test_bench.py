@@ -1,0 +1,122 @@
+"""python -m lumen.bench: rows, --json, flag errors, and --compare llama.cpp without llama_cpp installed."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lumen import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def no_llama_run(smollm2_path, tmp_path_factory):
+    """One small run with --compare llama.cpp where `import llama_cpp` raises ImportError (a stub package on
+    PYTHONPATH shadows the real one)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    stub = tmp / "stub" / "llama_cpp"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('stubbed out by tests/test_bench.py')\n")
+    out = tmp / "bench.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub.parent), str(ROOT)]), COLUMNS="160")
+    r = subprocess.run([sys.executable, "-m", "lumen.bench", "--model", str(smollm2_path), "-p", "8", "-n", "4",
+                        "-r", "2", "-t", "1", "--json", str(out), "--compare", "llama.cpp"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    return r, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_rows_printed(no_llama_run):
+    r, _ = no_llama_run
+    assert r.returncode == 0, r.stderr
+    for row in ("pp8", "tg4", "pp32", "tg32"):
+        assert row in r.stdout
+    assert "GB/s" in r.stdout and "peak RSS" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_compare_without_llama_cpp_prints_hint(no_llama_run):
+    r, data = no_llama_run
+    assert bench.COMPARE_HINT in r.stderr
+    assert data["info"]["engines"] == ["Lumen"]
+
+
+def test_json_content(no_llama_run):
+    _, data = no_llama_run
+    info = data["info"]
+    assert info["threads"] == 1 and info["reps"] == 2 and info["tests"] == ["pp8", "tg4", "pp32", "tg32"]
+    assert info["weight_bytes"]["Lumen"] > 50e6 and info["rss_lumen_mb"] > 0
+    figs = {(f["test"], f["unit"]): f for f in data["figures"]}
+    assert set(figs) == {("pp8", "t/s"), ("tg4", "t/s"), ("tg4", "GB/s"), ("pp32", "t/s"), ("tg32", "t/s"),
+                         ("tg32", "GB/s")}
+    for f in figs.values():
+        v = f["Lumen"]
+        assert len(v["values"]) == 2 and all(x > 0 for x in v["values"])
+        assert v["mean"] == pytest.approx(sum(v["values"]) / 2)
+    tg, gb = figs[("tg4", "t/s")]["Lumen"], figs[("tg4", "GB/s")]["Lumen"]
+    assert gb["mean"] == pytest.approx(tg["mean"] * info["weight_bytes"]["Lumen"] / 1e9)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["-p", "0"], "-p must be at least 1"),
+    (["-n", "-3"], "-n must be at least 1"),
+    (["-r", "0"], "-r must be at least 1"),
+    (["--threads", "0"], "--threads must be between 1 and"),
+    (["--threads", "100000"], "--threads must be between 1 and"),
+    (["--small", "-1"], "--small must be 0"),
+    (["-p", "abc"], "invalid int value"),
+    (["--compare", "vllm"], "invalid choice"),
+])
+def test_bad_flags(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_missing_model_is_one_line_error(capsys):
+    assert bench.main(["--model", "/nonexistent/model.gguf", "-p", "4", "-n", "2", "-r", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no such model file") and "Traceback" not in err
+
+
+def test_load_llama_cpp_import_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
+    assert bench.load_llama_cpp("unused.gguf", 1, 64) is None
+    assert bench.COMPARE_HINT in capsys.readouterr().err
+
+
+def test_make_tests():
+    names = lambda ts: [t.name for t in ts]  # noqa: E731
+    assert names(bench.make_tests(512, 128, 32)) == ["pp512", "tg128", "pp32", "tg32"]
+    assert names(bench.make_tests(32, 32, 32)) == ["pp32", "tg32"]
+    assert names(bench.make_tests(512, 128, 0)) == ["pp512", "tg128"]
+
+
+def test_run_interleaves_and_ratios():
+    """Engines alternate rep by rep; ratios are of the means and the median of the paired ratios."""
+    calls = []
+
+    class Fake:
+        def __init__(self, name, secs):
+            self.name, self.secs, self.weight_bytes = name, secs, 1e9
+
+        def pp(self, ids):
+            calls.append((self.name, "pp"))
+            return self.secs
+
+        def tg(self, tok, n):
+            calls.append((self.name, "tg"))
+            return self.secs
+
+    a, b = Fake("A", 0.5), Fake("B", 1.0)
+    import numpy as np
+    figs = bench.run([a, b], bench.make_tests(4, 4, 0), 2, np.arange(4), None)
+    assert calls == [("A", "pp"), ("B", "pp"), ("A", "tg"), ("B", "tg")] * 2
+    rows = bench.summarise(figs, [a, b])
+    assert [(r["test"], r["unit"]) for r in rows] == [("pp4", "t/s"), ("tg4", "t/s"), ("tg4", "GB/s")]
+    for r in rows:
+        assert r["ratio"] == pytest.approx(2.0) and r["ratio_median_paired"] == pytest.approx(2.0)
+    assert rows[2]["A"]["mean"] == pytest.approx(8.0)  # 4 tokens / 0.5 s x 1 GB
