@@ -8,6 +8,7 @@ prefill steps' wall time. Warm-up round excluded; lengths interleaved within eac
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import numpy as np
@@ -28,12 +29,13 @@ def attention_share(model, n_tokens: int) -> tuple[float, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="3 lengths, 2 repeats (for tests)")
     a = ap.parse_args(argv)
     lengths = [1, 8, 32] if a.quick else [1, 8, 16, 32, 64, 128, 256, 512]
     repeats = 2 if a.quick else a.repeats
-    model = lumen.load(a.model, ctx=max(lengths))
+    model = lumen.load(a.model, ctx=max(lengths), threads=a.threads)
     model.warmup()
     for n in lengths:  # warm-up round, not measured
         attention_share(model, n)
@@ -50,7 +52,8 @@ def main(argv=None) -> None:
     lo, hi = lengths[0], lengths[-1]
     verdict = "not the bottleneck" if share[hi] < 0.2 else "a major cost"
     print(f"VERDICT: attention is {100 * share[hi]:.1f}% of prefill at {hi} tokens ({100 * share[lo]:.1f}% at {lo}, "
-          f"median of {repeats}) -> {verdict}")
+          f"median of {repeats}) -> {verdict}"
+          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
 
 
 if __name__ == "__main__":

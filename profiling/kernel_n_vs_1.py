@@ -9,6 +9,7 @@ Run at 1 thread (the kernels alone) and at all threads (each matvec call also op
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -47,7 +48,8 @@ def main(argv=None) -> None:
     txt = ", ".join(f"{r:.2f}x at {t} thread{'s' if t > 1 else ''}" for t, r in ratios.items())
     worst = min(ratios.values())
     print(f"VERDICT: one N={N} batched call vs {N} matvecs over {len(names)} shapes: {txt} (sum of per-shape "
-          f"medians of {repeats}, interleaved) -> {'batching pays' if worst > 1.2 else 'batching barely pays'}")
+          f"medians of {repeats}, interleaved) -> {'batching pays' if worst > 1.2 else 'batching barely pays'}"
+          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
 
 
 def measure(g, names: dict, N: int, repeats: int) -> float:
