@@ -1,0 +1,48 @@
+"""The profiling notebook runs end to end on small token counts and is stored without outputs; every profiling
+script runs with --quick and prints its VERDICT line."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "profile_smollm2.ipynb"
+SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_context", "bandwidth")
+SMALL = 'MODEL = "smollm2-135m"\nPROMPT_TOKENS = 8\nGEN_TOKENS = 4\nATTN_LENGTHS = [4, 16]\nREPEATS = 1\n'
+
+
+def test_notebook_is_stored_without_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"cell {i} has stored outputs; clear them before committing"
+            assert cell.execution_count is None, f"cell {i} has an execution count; clear it before committing"
+
+
+def test_notebook_runs_with_small_parameters(smollm2_path):
+    from nbclient import NotebookClient
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    params = [c for c in nb.cells if c.cell_type == "code" and "PROMPT_TOKENS =" in c.source]
+    assert len(params) == 1, "the notebook needs exactly one parameters cell (PROMPT_TOKENS = ...)"
+    params[0].source = SMALL
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "VERDICT: attention is" in text
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert images, "the roofline plot produced no image"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_profiling_script_quick(script, smollm2_path):
+    env = dict(os.environ, MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / f"{script}.py"), "--quick"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    verdicts = [line for line in r.stdout.splitlines() if line.startswith("VERDICT:")]
+    assert len(verdicts) == 1, r.stdout[-2000:]
