@@ -38,9 +38,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="16-token prompt, 8 decode steps, 2 repeats (for tests)")
+    ap.add_argument("--quick", action="store_true", help="8-token prompt, 4 decode steps, 1 repeat (for tests)")
     a = ap.parse_args(argv)
-    prompt, gen, repeats = (16, 8, 2) if a.quick else (a.prompt, a.gen, a.repeats)
+    prompt, gen, repeats = (8, 4, 1) if a.quick else (a.prompt, a.gen, a.repeats)
     hi = numba.config.NUMBA_NUM_THREADS
     model = lumen.load(a.model, ctx=prompt + gen + 1)
     ids = np.random.default_rng(0).integers(0, model.config.n_vocab, prompt)
