@@ -6,8 +6,16 @@
     stream = tok.stream(); out = "".join(stream.push(i) for i in ids) + stream.flush()
 
 `tokenizer.ggml.model` picks the implementation:
-- "gpt2"  -> `BPETokenizer`: byte-level BPE. The merges run in HF `tokenizers`; the pre-tokenizer is
-  llama.cpp's regex list for `tokenizer.ggml.pre` (only "smollm" is supported so far).
+- "gpt2"  -> `BPETokenizer`: byte-level BPE. `tokenizer.ggml.pre` (absent: "default", as in llama.cpp) picks
+  llama.cpp's pre-tokenizer (PRE_TYPES: every value llama.cpp knows but kimi-k2, superbpe and the ones
+  without byte-level encoding; aliases map to the same behaviour). `PreTokenizer` reimplements llama.cpp's
+  unicode_regex_split: the regexes of the list cut the text in turn, each one every piece the previous left,
+  with llama.cpp's hand-written splitters where it has them (gpt2, llama3, qwen2, qwen35, digit groups,
+  newlines) and otherwise its std::regex path (Unicode classes matched on a text collapsed to one byte per
+  class) run by Python's `re`, all on llama.cpp's codepoint table. The merges then run in HF `tokenizers` on
+  the pre-tokenized words (a word that is a vocab entry stays whole for the pre types where llama.cpp sets
+  ignore_merges). Some pre types also change the add_bos default (llama3, tekken, chameleon) or have no
+  default bos id (chatglm, glm4).
 - "llama" -> `SPMTokenizer`: llama.cpp's SentencePiece-style tokenizer (merge the adjacent pair whose
   concatenation is the vocab entry with the highest score, leftmost first; symbols that end up outside
   the vocab fall back to <0xXX> byte tokens). Written here in plain Python: it must be llama.cpp's
@@ -34,8 +42,9 @@ from __future__ import annotations
 import codecs
 import heapq
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import GGUFError, UnsupportedError
 
@@ -70,9 +79,6 @@ ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  
 SPACE = "\u2581"  # SentencePiece's escaped space
 BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # the text of a byte token
 
-# llama.cpp pre-tokenizer regexes (llm_tokenizer_bpe), applied in sequence; each match is its own piece
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_TOKENIZERS = {"smollm": (r"\p{N}", GPT2_REGEX)}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -359,32 +365,572 @@ class StreamDecoder:
 
 
 # ---------------------------------------------------------------------------------------------------
+# gpt2 pre-tokenizers: llama.cpp's unicode_regex_split, reimplemented
+# ---------------------------------------------------------------------------------------------------
+# llama.cpp classifies codepoints with its own table (unicode-data.cpp, Unicode 15.1): one category flag
+# per codepoint, plus a whitespace flag for the Unicode White_Space set. Out of a segment the flags are 0.
+U_UNDEFINED, U_NUMBER, U_LETTER, U_SEPARATOR, U_MARK, U_PUNCT, U_SYMBOL, U_CONTROL = 1, 2, 4, 8, 16, 32, 64, 128
+U_WHITESPACE = 256
+_CATEGORY_FLAG = {"Cn": U_UNDEFINED, "Cc": U_CONTROL, "Cf": U_CONTROL, "Co": U_CONTROL, "Cs": U_CONTROL,
+                  "L": U_LETTER, "M": U_MARK, "N": U_NUMBER, "P": U_PUNCT, "S": U_SYMBOL, "Z": U_SEPARATOR}
+_WHITESPACE = frozenset([*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029,
+                         0x202F, 0x205F, 0x3000])
+# Codepoints assigned by Unicode 15.0 and 15.1, which llama.cpp's table has and Python 3.11's unicodedata (14.0)
+# calls unassigned: (first, last, flag). Applied only where unicodedata says Cn, so Python 3.12/3.13 (15.0/15.1)
+# agree too; a Python with a newer Unicode would class codepoints assigned after 15.1, which llama.cpp does not.
+_UNICODE_15 = (
+    (0x0CF3, 0x0CF3, U_MARK), (0x0ECE, 0x0ECE, U_MARK), (0x2FFC, 0x2FFF, U_SYMBOL), (0x31EF, 0x31EF, U_SYMBOL),
+    (0x10EFD, 0x10EFF, U_MARK), (0x1123F, 0x11240, U_LETTER), (0x11241, 0x11241, U_MARK),
+    (0x11B00, 0x11B09, U_PUNCT), (0x11F00, 0x11F01, U_MARK), (0x11F02, 0x11F02, U_LETTER),
+    (0x11F03, 0x11F03, U_MARK), (0x11F04, 0x11F10, U_LETTER), (0x11F12, 0x11F33, U_LETTER),
+    (0x11F34, 0x11F3A, U_MARK), (0x11F3E, 0x11F42, U_MARK), (0x11F43, 0x11F4F, U_PUNCT),
+    (0x11F50, 0x11F59, U_NUMBER), (0x1342F, 0x1342F, U_LETTER), (0x13439, 0x1343F, U_CONTROL),
+    (0x13440, 0x13440, U_MARK), (0x13441, 0x13446, U_LETTER), (0x13447, 0x13455, U_MARK),
+    (0x1B132, 0x1B132, U_LETTER), (0x1B155, 0x1B155, U_LETTER), (0x1D2C0, 0x1D2D3, U_NUMBER),
+    (0x1DF25, 0x1DF2A, U_LETTER), (0x1E030, 0x1E06D, U_LETTER), (0x1E08F, 0x1E08F, U_MARK),
+    (0x1E4D0, 0x1E4EB, U_LETTER), (0x1E4EC, 0x1E4EF, U_MARK), (0x1E4F0, 0x1E4F9, U_NUMBER),
+    (0x1F6DC, 0x1F6DC, U_SYMBOL), (0x1F774, 0x1F776, U_SYMBOL), (0x1F77B, 0x1F77F, U_SYMBOL),
+    (0x1F7D9, 0x1F7D9, U_SYMBOL), (0x1FA75, 0x1FA77, U_SYMBOL), (0x1FA87, 0x1FA88, U_SYMBOL),
+    (0x1FAAD, 0x1FAAF, U_SYMBOL), (0x1FABB, 0x1FABD, U_SYMBOL), (0x1FABF, 0x1FABF, U_SYMBOL),
+    (0x1FACE, 0x1FACF, U_SYMBOL), (0x1FADA, 0x1FADB, U_SYMBOL), (0x1FAE8, 0x1FAE8, U_SYMBOL),
+    (0x1FAF7, 0x1FAF8, U_SYMBOL), (0x2B739, 0x2B739, U_LETTER), (0x2EBF0, 0x2EE5D, U_LETTER),
+    (0x31350, 0x323AF, U_LETTER))
+
+
+class _CodepointFlags(dict):
+    """character -> llama.cpp's flags for it (filled on first use)."""
+
+    def __missing__(self, char: str) -> int:
+        cat = unicodedata.category(char)
+        flags = _CATEGORY_FLAG.get(cat) or _CATEGORY_FLAG[cat[0]]
+        cp = ord(char)
+        if flags == U_UNDEFINED:
+            flags = next((f for first, last, f in _UNICODE_15 if first <= cp <= last), U_UNDEFINED)
+        if cp in _WHITESPACE:
+            flags |= U_WHITESPACE
+        self[char] = flags
+        return flags
+
+
+_FLAGS = _CodepointFlags()
+
+# std::regex cannot match Unicode classes, so llama.cpp runs a regex that names \p{..} classes on a "collapsed"
+# text: ASCII stays, other whitespace becomes \v, other codepoints become one byte per class (0xD0 = none of
+# them), and each class in the regex becomes [that byte + its ASCII members]. \p{Lu} etc. all mean letter.
+_UCAT = {r"\p{N}": U_NUMBER, r"\p{L}": U_LETTER, r"\p{P}": U_PUNCT, r"\p{M}": U_MARK, r"\p{S}": U_SYMBOL,
+         r"\p{Lu}": U_LETTER, r"\p{Ll}": U_LETTER, r"\p{Lt}": U_LETTER, r"\p{Lm}": U_LETTER, r"\p{Lo}": U_LETTER}
+_UCAT_BYTE = {U_NUMBER: "\xd1", U_LETTER: "\xd2", U_PUNCT: "\xd3", U_MARK: "\xd4", U_SYMBOL: "\xd5"}
+_UCAT_ASCII = {U_NUMBER: "0-9", U_LETTER: "A-Za-z", U_PUNCT: r"!-#%-*,-/:-;?-@\[-\]_\{\}", U_MARK: "",
+               U_SYMBOL: r"\$\+<->^`\|\~"}
+
+
+class _Collapse(dict):
+    """ordinal -> the collapsed character (for str.translate)."""
+
+    def __missing__(self, cp: int) -> str:
+        if cp < 128:
+            out = chr(cp)
+        else:
+            flags = _FLAGS[chr(cp)]
+            out = "\x0b" if flags & U_WHITESPACE else _UCAT_BYTE.get(flags & 0xFF, "\xd0")
+        self[cp] = out
+        return out
+
+
+_COLLAPSE = _Collapse()
+# regexes without classes run on the codepoints (std::wregex), non-ASCII whitespace replaced by \v
+_WIDE = {cp: "\x0b" for cp in _WHITESPACE if cp > 0x7F}
+
+
+def _collapse_regex(expr: str) -> str:
+    """llama.cpp's rewrite of a regex that names Unicode classes, for the collapsed text."""
+    out, inside, i = [], False, 0
+    while i < len(expr):
+        ch = expr[i]
+        if ch == "[" and (i == 0 or expr[i - 1] != "\\"):
+            inside = True
+        elif inside and ch == "]" and expr[i - 1] != "\\":
+            inside = False
+        elif expr.startswith("\\p{", i) and i + 3 < len(expr):
+            close = expr.find("}", i + 3)
+            flag = _UCAT.get(expr[i:close + 1]) if 0 <= close <= i + 10 else None
+            if flag is not None:
+                body = _UCAT_BYTE[flag] + _UCAT_ASCII[flag]
+                out.append(body if inside else f"[{body}]")
+                i = close + 1
+                continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _python_regex(expr: str) -> re.Pattern:
+    """Compile an ECMAScript (std::regex, C locale) pattern with Python's `re`: ASCII \\s \\d \\w, and `$` only
+    at the end of the text."""
+    out, inside, i = [], False, 0
+    while i < len(expr):
+        ch = expr[i]
+        if ch == "\\":
+            out.append(expr[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" and not inside:
+            inside = True
+        elif ch == "]" and inside:
+            inside = False
+        elif ch == "$" and not inside:
+            ch = r"\Z"
+        out.append(ch)
+        i += 1
+    return re.compile("".join(out), re.ASCII)
+
+
+# --- llama.cpp's hand-written splitters, used when the regex text is exactly the one they replace ---------
+# Each takes the text, its flags, a segment [a, b) and appends the end of every piece to `ends`.
+def _split_gpt2(s: str, fl: list[int], a: int, b: int, ends: list[int]) -> None:
+    """'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""
+    pos = a
+    while pos < b:
+        c, f = s[pos], fl[pos]
+        if c == "'" and pos + 1 < b:
+            if s[pos + 1] in "stmd":
+                pos += 2
+                ends.append(pos)
+                continue
+            if pos + 2 < b and s[pos + 1:pos + 3] in ("re", "ve", "ll"):
+                pos += 3
+                ends.append(pos)
+                continue
+        space = c == " "
+        f2 = (fl[pos + 1] if pos + 1 < b else 0) if space else f
+        if f2 & (U_LETTER | U_NUMBER):                               # ' ?\p{L}+', ' ?\p{N}+'
+            cls = f2 & (U_LETTER | U_NUMBER)
+            pos += space
+            while pos < b and fl[pos] & cls:
+                pos += 1
+        elif f2 and not f2 & (U_WHITESPACE | U_LETTER | U_NUMBER):  # ' ?[^\s\p{L}\p{N}]+'
+            pos += space
+            while pos < b and not fl[pos] & (U_WHITESPACE | U_LETTER | U_NUMBER):
+                pos += 1
+        else:
+            end = pos
+            while end < b and fl[end] & U_WHITESPACE:
+                end += 1
+            if end - pos > 1 and end < b:                            # '\s+(?!\S)'
+                pos = end - 1
+            elif end > pos:                                          # '\s+'
+                pos = end
+            else:
+                pos += 1
+        ends.append(pos)
+
+
+def _split_llama3(s: str, fl: list[int], a: int, b: int, ends: list[int], digits: int = 3,
+                  letter: int = U_LETTER) -> None:
+    """(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|
+    \\s*[\\r\\n]+|\\s+(?!\\S)|\\s+ ; qwen2: \\p{N} (digits=1); qwen35: [\\p{L}\\p{M}] for \\p{L} (letter)."""
+    other = U_WHITESPACE | letter | U_NUMBER
+    pos = a
+    while pos < b:
+        c, f = s[pos], fl[pos]
+        if c == "'" and pos + 1 < b:  # only ASCII letters lowercase to these in llama.cpp's table
+            if s[pos + 1] in "sStTmMdD":
+                pos += 2
+                ends.append(pos)
+                continue
+            if pos + 2 < b and s[pos + 1:pos + 3] in ("re", "rE", "Re", "RE", "ve", "vE", "Ve", "VE",
+                                                       "ll", "lL", "Ll", "LL"):
+                pos += 3
+                ends.append(pos)
+                continue
+        if c != "\r" and c != "\n" and not f & U_NUMBER and (
+                f & letter or (pos + 1 < b and fl[pos + 1] & letter)):   # [^\r\n\p{L}\p{N}]?\p{L}+
+            pos += 1
+            while pos < b and fl[pos] & letter:
+                pos += 1
+        elif f & U_NUMBER:                                               # \p{N}{1,3}
+            start = pos
+            while pos < b and fl[pos] & U_NUMBER:
+                pos += 1
+                if digits == 1 or pos - start == 3:
+                    break
+        else:
+            space = c == " "
+            f2 = (fl[pos + 1] if pos + 1 < b else 0) if space else f
+            if not f2 & other:                                           # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+                pos += space
+                while pos < b and not fl[pos] & other:
+                    pos += 1
+                while pos < b and s[pos] in "\r\n":
+                    pos += 1
+            else:
+                end, last_newline = pos, 0
+                while end < b and fl[end] & U_WHITESPACE:
+                    if s[end] in "\r\n":
+                        last_newline = end + 1
+                    end += 1
+                if last_newline:                                         # \s*[\r\n]+
+                    pos = last_newline
+                elif end - pos > 1 and end < b:                          # \s+(?!\S)
+                    pos = end - 1
+                elif end > pos:                                          # \s+
+                    pos = end
+                else:
+                    pos += 1
+        ends.append(pos)
+
+
+def _split_qwen2(s, fl, a, b, ends):
+    _split_llama3(s, fl, a, b, ends, digits=1)
+
+
+def _split_qwen35(s, fl, a, b, ends):
+    _split_llama3(s, fl, a, b, ends, digits=1, letter=U_LETTER | U_MARK)
+
+
+def _split_digit_groups(s: str, fl: list[int], a: int, b: int, ends: list[int]) -> None:
+    """llama.cpp's AFMoE digits: a run of n numbers is cut after its first n % 3, then every 3. Text before
+    a run stays joined to the run's first group, text after the last run is one piece."""
+    pos = last = a
+    while pos < b:
+        if fl[pos] & U_NUMBER:
+            start = pos
+            while pos < b and fl[pos] & U_NUMBER:
+                pos += 1
+            cut = start + (pos - start) % 3
+            if cut == start:
+                cut += 3
+            while cut <= pos:
+                ends.append(cut)
+                cut += 3
+            last = pos
+        else:
+            pos += 1
+    if last < b:
+        ends.append(b)
+
+
+def _split_newlines(s: str, fl: list[int], a: int, b: int, ends: list[int]) -> None:
+    """[^\\n]+|[\\n]+"""
+    pos = a
+    while pos < b:
+        newline = s[pos] == "\n"
+        while pos < b and (s[pos] == "\n") == newline:
+            pos += 1
+        ends.append(pos)
+
+
+_RE_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_RE_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_RE_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_RE_QWEN35 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+    r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_RE_NEWLINES = r"[^\n]+|[\n]+"
+_RE_TINY_AYA_DIGITS = r"\d{1,3}(?=(?:\d{3})*\b)"
+_RE_AFMOE_DIGITS = r"\p{AFMoE_digits}"
+PRE_REGEXES: dict[str, tuple[str, ...]] = {
+    "LLAMA3": (  # LLAMA3
+        _RE_LLAMA3,
+    ),
+    "JAIS2": (  # JAIS2
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|"
+        r"\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",
+    ),
+    "DBRX": (  # DBRX, SMAUG
+        _RE_LLAMA3,
+    ),
+    "DEEPSEEK_LLM": (  # DEEPSEEK_LLM
+        "[\r\n]",
+        "\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376"
+        "\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
+        "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+        "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-"
+        "\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+        "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d"
+        "\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee"
+        "\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+        "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+        "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        r"\s+$",
+        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        r"\p{N}+",
+    ),
+    "DEEPSEEK3_LLM": (  # DEEPSEEK3_LLM, HUNYUAN_DENSE, JOYAI_LLM, HY_V4
+        r"\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+        " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    ),
+    "SPARK2_5": (  # SPARK2_5
+        r"\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+        " ?[\\p{P}\\p{S}]+|[\r\n]|\\s+(?!\\S)|\\s+",
+        r"\p{N}",
+    ),
+    "YOUTU": (  # YOUTU
+        "[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+        "\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|"
+        r"'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p"
+        r"{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "DEEPSEEK_CODER": (  # DEEPSEEK_CODER
+        "[\r\n]",
+        r"\s?\p{L}+",
+        r"\s?\p{P}+",
+        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        r"\p{N}",
+    ),
+    "FALCON": (  # FALCON
+        r"[\p{P}\$\+<=>\^~\|`]+",
+        _RE_GPT2,
+        r"[0-9][0-9][0-9]",
+    ),
+    "STARCODER": (  # STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA, MELLUM2
+        r"\p{N}",
+        _RE_GPT2,
+    ),
+    "GPT2": (  # GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING
+        _RE_GPT2,
+    ),
+    "QWEN2": (  # STABLELM2, QWEN2, HUNYUAN, SOLAR_OPEN
+        _RE_QWEN2,
+    ),
+    "QWEN35": (  # QWEN35
+        _RE_QWEN35,
+    ),
+    "PORO": (  # PORO, BLOOM, GPT3_FINNISH
+        " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+",
+    ),
+    "CHATGLM4": (  # CHATGLM4
+        _RE_LLAMA3,
+    ),
+    "VIKING": (  # VIKING
+        " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+",
+        r"\p{N}",
+    ),
+    "TEKKEN": (  # TEKKEN
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|"
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "CHAMELEON": (  # CHAMELEON
+        r"<sentinel:[0-9]+>",
+        r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+        r"([\t\n]|    |  )",
+        r"\p{N}",
+        r"[\p{P}!-/:-@\[-`{-~]",
+        _RE_GPT2,
+    ),
+    "GPT4O": (  # GPT4O, MINIMAX_M2
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|"
+        r"'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|"
+        r"'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "GRANITE_EMB_MULTI": (  # GRANITE_EMB_MULTI
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|"
+        r"'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))"
+        r"*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "TINY_AYA": (  # TINY_AYA
+        _RE_TINY_AYA_DIGITS,
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|"
+        r"'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p"
+        r"{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "BAILINGMOE": (  # BAILINGMOE
+        r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+        r"\s*[\r\n]|\s+(?!\S)|\s+",
+    ),
+    "SEED_CODER": (  # SEED_CODER
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}|"
+        r" ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "UFAKZEKA": (  # UFAKZEKA
+        r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "GROK_2": (  # GROK_2
+        _RE_QWEN2,
+    ),
+    "AFMOE": (  # AFMOE
+        _RE_AFMOE_DIGITS,
+        "[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf\u0e40-\u0e7f"
+        "\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+        " ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    ),
+    "LAGUNA": (  # LAGUNA
+        _RE_NEWLINES,
+        _RE_QWEN2,
+    ),
+    "EXAONE_MOE": (  # EXAONE_MOE
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+        r"[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|"
+        r"\s+",
+    ),
+    "MINICPM5": (  # MINICPM5
+        r"\p{N}{1,3}",
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "DEFAULT": (  # DEFAULT
+        r"[\p{P}\$\+<=>\^~\|]+",
+        _RE_GPT2,
+        r"\p{N}+",
+        r"[0-9][0-9][0-9]",
+    ),
+}
+
+
+# llama.cpp's hand-written splitters replace exactly these regex texts
+_CUSTOM = {_RE_GPT2: _split_gpt2, _RE_LLAMA3: _split_llama3, _RE_QWEN2: _split_qwen2, _RE_QWEN35: _split_qwen35,
+           _RE_NEWLINES: _split_newlines, _RE_AFMOE_DIGITS: _split_digit_groups,
+           _RE_TINY_AYA_DIGITS: _split_digit_groups}
+
+
+class PreTokenizer:
+    """llama.cpp's unicode_regex_split for a regex list: every regex cuts each piece the previous ones left
+    (a match is a piece, and so is the text between matches)."""
+
+    def __init__(self, exprs: Sequence[str]):
+        self.exprs = tuple(exprs)
+        self._steps: list[tuple[str, Any]] = []
+        for expr in self.exprs:
+            if expr in _CUSTOM:
+                self._steps.append(("custom", _CUSTOM[expr]))
+            elif any(cat in expr for cat in _UCAT):
+                self._steps.append(("collapsed", _python_regex(_collapse_regex(expr))))
+            else:
+                self._steps.append(("wide", _python_regex(expr)))
+
+    def split(self, text: str) -> list[str]:
+        if not text:
+            return []
+        ends = [len(text)]                 # end offset of every piece, in order
+        fl = collapsed = wide = None
+        for kind, step in self._steps:
+            new: list[int] = []
+            start = 0
+            if kind == "custom":
+                if fl is None:
+                    fl = list(map(_FLAGS.__getitem__, text))
+                for end in ends:
+                    step(text, fl, start, end, new)
+                    start = end
+            else:
+                if kind == "collapsed":
+                    if collapsed is None:
+                        collapsed = text.translate(_COLLAPSE)
+                    subject = collapsed
+                else:
+                    if wide is None:
+                        wide = text.translate(_WIDE)
+                    subject = wide
+                for end in ends:
+                    last = start
+                    for m in step.finditer(subject[start:end]):
+                        a, b = start + m.start(), start + m.end()
+                        if a > last:
+                            new.append(a)
+                        if b > a:
+                            new.append(b)
+                        last = b
+                    if last < end:
+                        new.append(end)
+                    start = end
+            ends = new
+        return [text[a:b] for a, b in zip([0, *ends], ends)]
+
+
+class PreType(NamedTuple):
+    """What a `tokenizer.ggml.pre` value selects in llama.cpp (llama_vocab::impl::load)."""
+    regexes: str                 # key of PRE_REGEXES (llama.cpp's LLAMA_VOCAB_PRE_TYPE_ name)
+    ignore_merges: bool = False  # a pre-tokenized word that is a vocab entry is that token, without merging
+    add_bos: bool = False        # default of tokenizer.ggml.add_bos_token
+    bos: bool = True             # False: no default bos id (chatglm)
+
+
+def _pre_types() -> dict[str, PreType]:
+    plain = {
+        "default": "DEFAULT", "dbrx": "DBRX", "smaug-bpe": "DBRX", "jais-2": "JAIS2",
+        "deepseek-llm": "DEEPSEEK_LLM", "deepseek-coder": "DEEPSEEK_CODER",
+        "deepseek-v3": "DEEPSEEK3_LLM", "hunyuan-dense": "DEEPSEEK3_LLM", "joyai-llm": "DEEPSEEK3_LLM",
+        "hy_v4": "DEEPSEEK3_LLM", "spark2_5": "SPARK2_5", "falcon": "FALCON",
+        "starcoder": "STARCODER", "refact": "STARCODER", "command-r": "STARCODER", "smollm": "STARCODER",
+        "codeshell": "STARCODER", "exaone": "STARCODER", "minerva-7b": "STARCODER", "mellum2": "STARCODER",
+        "qwen2": "QWEN2", "deepseek-r1-qwen": "QWEN2", "kormo": "QWEN2", "f2llmv2": "QWEN2", "megrez": "QWEN2",
+        "stablelm2": "QWEN2", "hunyuan": "QWEN2", "solar-open": "QWEN2", "grok-2": "GROK_2", "laguna": "LAGUNA",
+        "qwen35": "QWEN35", "poro-chat": "PORO", "bloom": "PORO", "gpt3-finnish": "PORO", "viking": "VIKING",
+        "gpt-4o": "GPT4O", "llama4": "GPT4O", "kanana2": "GPT4O", "talkie": "GPT4O", "minimax-m2": "GPT4O",
+        "tiny_aya": "TINY_AYA", "cohere2moe": "TINY_AYA", "bailingmoe": "BAILINGMOE", "bailingmoe2": "BAILINGMOE",
+        "llada-moe": "BAILINGMOE", "seed-coder": "SEED_CODER", "ufakzeka": "UFAKZEKA", "afmoe": "AFMOE",
+        "exaone-moe": "EXAONE_MOE",
+    }
+    gpt2 = ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+            "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt", "olmo", "jais",
+            "trillion", "granite-docling")
+    llama3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+              "jina-v5-nano")
+    types = {name: PreType(key) for name, key in plain.items()}
+    types.update((name, PreType("GPT2")) for name in gpt2)
+    types.update((name, PreType("LLAMA3", ignore_merges=True, add_bos=True)) for name in llama3)
+    types["tekken"] = PreType("TEKKEN", ignore_merges=True, add_bos=True)
+    types["chameleon"] = PreType("CHAMELEON", add_bos=True)
+    types["youtu"] = PreType("YOUTU", ignore_merges=True)
+    types["granite-embed-multi-97m"] = PreType("GRANITE_EMB_MULTI", ignore_merges=True)
+    types["minicpm5"] = PreType("MINICPM5", ignore_merges=True)
+    types["chatglm-bpe"] = PreType("CHATGLM4", bos=False)
+    types["glm4"] = types["glm5"] = PreType("CHATGLM4", ignore_merges=True, bos=False)
+    return dict(sorted(types.items()))
+
+
+# tokenizer.ggml.pre -> its llama.cpp behaviour. Not here (llama.cpp has them): kimi-k2 and superbpe (splitters
+# not reimplemented), gemma4, granite-embed-multi-311m, sarvam-moe and whitespace (no byte-level encoding).
+PRE_TYPES = _pre_types()
+
+
+# ---------------------------------------------------------------------------------------------------
 # gpt2: byte-level BPE (HF tokenizers for the merges)
 # ---------------------------------------------------------------------------------------------------
 class BPETokenizer(Tokenizer):
     model = "gpt2"
 
     def __init__(self, meta: Mapping[str, Any]):
-        pre = _get(meta, "tokenizer.ggml.pre", str)
-        if pre not in PRE_TOKENIZERS:
-            raise UnsupportedError(f"tokenizer.ggml.pre = {pre!r} is not supported for gpt2 vocabularies "
-                                   f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
-        # llama.cpp defaults for BPE vocabularies: bos = eos = 11, no unk, no bos added, no space prefix
-        super().__init__(meta, bos=11, eos=11, unk=None, add_bos=False, add_space_prefix=False)
+        pre = _get(meta, "tokenizer.ggml.pre", str) or "default"  # llama.cpp: missing (older files) = default
+        kind = PRE_TYPES.get(pre)
+        if kind is None:
+            hint = " (llama.cpp calls GPT-2's 'gpt-2')" if pre == "gpt2" else ""
+            raise UnsupportedError(f"tokenizer.ggml.pre = {pre!r} is not supported for gpt2 vocabularies{hint} "
+                                   f"(supported: {', '.join(PRE_TYPES)})")
+        # llama.cpp defaults for BPE vocabularies: bos = eos = 11, no unk, no space prefix; some pre types add
+        # bos by default or have no default bos
+        super().__init__(meta, bos=11 if kind.bos else None, eos=11, unk=None, add_bos=kind.add_bos,
+                         add_space_prefix=False)
         self.pre = pre
+        self.pre_type = kind
+        self.pre_tokenizer = PreTokenizer(PRE_REGEXES[kind.regexes])
         merges = _get_list(meta, "tokenizer.ggml.merges", str, None, required=True)
-        pairs = []
-        for k, merge in enumerate(merges):
-            cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
-            if cut < 0:
-                raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merge!r} is not two tokens separated by a space")
-            pairs.append((merge[:cut], merge[cut + 1:]))
+        cuts = [merge.find(" ", 1) for merge in merges]  # llama.cpp splits at the first space after the first char
+        if -1 in cuts:
+            k = cuts.index(-1)
+            raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
+        pairs = [(merge[:cut], merge[cut + 1:]) for merge, cut in zip(merges, cuts)]
         self._byte_char = _bytes_to_unicode()                         # byte -> byte-level char
         self._char_byte = {c: b for b, c in self._byte_char.items()}  # byte-level char -> byte
-        self._hf = self._build_hf(pairs)
+        self._hf = self._build_hf(pairs, kind.ignore_merges)
 
-    def _build_hf(self, pairs: list[tuple[str, str]]):
-        from tokenizers import Regex
+    def _build_hf(self, pairs: list[tuple[str, str]], ignore_merges: bool):
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import models, pre_tokenizers
 
@@ -395,21 +941,26 @@ class BPETokenizer(Tokenizer):
         for c in self._byte_char.values():
             vocab.setdefault(c, len(vocab))
         try:
-            bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+            bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=ignore_merges)
         except Exception as e:  # a merge whose parts or result are not in the vocab
             raise GGUFError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
         hf = HFTokenizer(bpe)
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[self.pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        # the words come pre-tokenized (PreTokenizer); HF maps each to byte-level characters and merges it
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         return hf
+
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The words llama.cpp's pre-tokenizer cuts `text` into (before byte-level encoding)."""
+        return self.pre_tokenizer.split(text)
 
     def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
         for frag in fragments:
             if isinstance(frag, int):
                 out.append(frag)
-            else:
-                ids = self._hf.encode(frag, add_special_tokens=False).ids
+                continue
+            words = self.pre_tokenizer.split(frag)
+            if words:
+                ids = self._hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids
                 out.extend(i for i in ids if i < self.n_vocab)
 
     def _normal_piece(self, text: str) -> bytes:

@@ -1,13 +1,22 @@
 """Tokenizers: llama.cpp's ids for every corpus string (both models, both special modes), special-token
-parsing, decode round trip, streaming decode of split UTF-8 characters, encode speed, bad metadata."""
+parsing, decode round trip, streaming decode of split UTF-8 characters, encode speed, bad metadata, and every
+gpt2 pre-tokenizer type (tokenizer.ggml.pre) on SmolLM2's vocabulary: golden ids, and llama.cpp itself when
+llama-cpp-python is installed."""
+import functools
+import json
+import os
+import random
+import struct
 import time
+import zlib
 
 import pytest
-from conftest import MODEL_NAMES, corpus, golden
+from conftest import DATA, MODEL_NAMES, corpus, golden
 
 from lumen.errors import GGUFError, UnsupportedError
 from lumen.gguf import GGUFFile
-from lumen.tokenizer import ATTR_BYTE, BPETokenizer, SPMTokenizer, Tokenizer
+from lumen.tokenizer import (ATTR_BYTE, PRE_REGEXES, PRE_TYPES, BPETokenizer, PreTokenizer, PreType,
+                             SPMTokenizer, Tokenizer)
 
 STRINGS = corpus()["strings"]
 GOLDEN = {name: golden(name) for name in MODEL_NAMES}
@@ -283,8 +292,8 @@ def test_bad_metadata(metas):
         Tokenizer.from_metadata(without(smol_meta, "tokenizer.ggml.model"))
     with pytest.raises(UnsupportedError, match="'bert'"):
         Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.model": "bert"})
-    with pytest.raises(UnsupportedError, match="llama3"):
-        Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.pre": "llama3"})
+    with pytest.raises(UnsupportedError, match="'no-such-pre'"):
+        Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(GGUFError, match="tokenizer.ggml.tokens"):
         Tokenizer.from_metadata(without(gemma_meta, "tokenizer.ggml.tokens"))
     with pytest.raises(GGUFError, match="tokenizer.ggml.merges"):
@@ -313,3 +322,325 @@ def test_bad_metadata(metas):
     with pytest.raises(GGUFError, match="bos"):
         Tokenizer.from_metadata(tiny_spm({}, **{"tokenizer.ggml.tokens": ["<unk>"], "tokenizer.ggml.scores": [0.0],
                                                 "tokenizer.ggml.token_type": [2]}))
+
+
+# --- gpt2 pre-tokenizers: every tokenizer.ggml.pre value llama.cpp knows and Lumen supports ----------------
+# Test vocabulary (pre_vocab): SmolLM2's tokens, types, merges and special ids, plus digit tokens, with another
+# `tokenizer.ggml.pre` and no add_bos_token (so each pre type's default shows). The GGUFs are vocab-only (arch
+# llama, tiny hparams, no tensors).
+PRE_KEY = "tokenizer.ggml.pre"
+VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+              "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+              "tokenizer.ggml.padding_token_id")
+
+
+def pre_vocab(smol_meta: dict) -> dict:
+    """SmolLM2's tokenizer keys plus 1110 digit tokens after its own: the 100 two-digit and 1000 three-digit
+    strings and "Ġ0".."Ġ9", made by merges "d d", "dd d" and "Ġ d" (ranked after SmolLM2's). SmolLM2 has no
+    token with two ASCII digits (it was trained on single digits), so without them no pre type's digit grouping
+    would show in the ids."""
+    meta = {"tokenizer.ggml.model": "gpt2", **{k: smol_meta[k] for k in VOCAB_KEYS}}
+    digits = "0123456789"
+    merges = ([f"{a} {b}" for a in digits for b in digits] + [f"{a}{b} {c}" for a in digits for b in digits
+                                                              for c in digits] + [f"Ġ {d}" for d in digits])
+    extra = [m.replace(" ", "") for m in merges]
+    assert not set(extra) & set(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *extra]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[1] * len(extra)]
+    meta["tokenizer.ggml.merges"] = [*meta["tokenizer.ggml.merges"], *merges]
+    return meta
+
+
+MAIN_PRES = ("qwen2", "llama-bpe", "gpt-2", "default", "smollm")
+
+
+def _representatives() -> list[str]:
+    """One pre value per distinct llama.cpp behaviour (PreType); every other value is an alias of one."""
+    reps = {}
+    for name in (*MAIN_PRES, *PRE_TYPES):
+        reps.setdefault(PRE_TYPES[name], name)
+    return list(reps.values())
+
+
+PRE_REPS = _representatives()
+# LUMEN_PRE_CASES: random texts per main pre value against llama.cpp (the other pre values get a thirtieth)
+PRE_CASES = int(os.environ.get("LUMEN_PRE_CASES", "1200"))
+
+# random texts are joined from these: ASCII classes, contractions in every case, digit runs, whitespace kinds
+# (\x1c is not whitespace for llama.cpp, \x85 and \u3000 are), letters/numbers/marks of many scripts, codepoints
+# that Unicode 15/15.1 assigned, unassigned and private-use ones, emoji with ZWJ, special-token texts
+PRE_ATOMS = [*"abcXYZ019 \t\n\r.,!?'\"<>/|-_$+^~`()[]{}@#%&*=:;\\", "'s", "'S", "'t", "'ll", "'LL", "'lL", "'Re",
+             "'VE", "'D", "'m", "1234567", "12", "123", "  ", "\n\n", "\r\n", "\xa0", "\u3000", "\u2028", "\x85",
+             "\x0b", "\x0c", "\x1c", "\x04", "\u0301", "\u200b", "\u200d", "\ufeff", "한국어", "日本", "ひら", "カタ",
+             "中文", "😀", "👨\u200d👩", "𝕏", "ꙮ", "½", "¹", "٣", "３", "Ⅻ", "Привет", "Ελλάδα", "Ünïcödé", "ÀÉÎ", "ǅ",
+             "ß", "ﬁ", "µ", "…", "。", "，", "、", "！", "“", "”", "—", "ㄅ", "ㄱ", "<|im_start|>", "<|im_end|>",
+             "<|endoftext|>", "<sentinel:12>", "IMGIMGABZ", "    ", "\t\t", "▁", "Ġ", "\U0001e4d0", "\U00011f50",
+             "\u0cf3", "\U00031350", "\U0010ffff", "\ue000", "\u0378", "เก", "ល", "က", "ꩠ", "ᄀ", "ﾊ", "𐐀", "ᏸ", "Ⰰ",
+             "नमस्ते", "مرحبا", "۔", "।"]
+
+
+def random_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PRE_ATOMS) for _ in range(rng.randint(0, 30))) for _ in range(n)]
+
+
+def write_vocab_gguf(path, meta: dict) -> None:
+    """A vocab-only GGUF with `meta`'s tokenizer keys; tokenizer.ggml.pre is the last key, for `with_pre`."""
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    for key, value in meta.items():
+        if key.endswith("_token_id"):
+            w.add_uint32(key, value)
+    w.add_tokenizer_pre("default")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def with_pre(base: bytes, pre: str | None) -> bytes:
+    """The GGUF `base` (from write_vocab_gguf) with tokenizer.ggml.pre = `pre`, or without the key (None)."""
+    key = struct.pack("<Q", len(PRE_KEY)) + PRE_KEY.encode()
+    at = base.rindex(key)                          # the last key-value pair; no tensors follow
+    if pre is None:
+        body = bytearray(base[:at])
+        struct.pack_into("<Q", body, 16, struct.unpack_from("<Q", body, 16)[0] - 1)  # header: n_kv
+    else:
+        body = base[:at] + key + struct.pack("<IQ", 8, len(pre.encode())) + pre.encode()  # type 8 = string
+    return bytes(body) + b"\0" * (-len(body) % 32)   # GGUF pads to its 32-byte alignment
+
+
+def load_llama_vocab(path):
+    import llama_cpp
+    return llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def pre_meta(metas) -> dict:
+    return pre_vocab(metas["smollm2-135m"])
+
+
+@pytest.fixture(scope="session")
+def pre_tok(pre_meta):
+    """pre value (None: no key) -> Tokenizer on the test vocabulary, built once."""
+    cache = {}
+
+    def get(pre):
+        if pre not in cache:
+            cache[pre] = Tokenizer.from_metadata(pre_meta if pre is None else {**pre_meta, PRE_KEY: pre})
+        return cache[pre]
+    return get
+
+
+@pytest.fixture(scope="session")
+def pre_gguf(tmp_path_factory, pre_meta):
+    """pre value (None: no key) -> path of a vocab-only GGUF with the test vocabulary."""
+    folder = tmp_path_factory.mktemp("pre")
+    write_vocab_gguf(folder / "base.gguf", pre_meta)
+    base = (folder / "base.gguf").read_bytes()
+
+    def get(pre):
+        path = folder / f"{pre}.gguf"
+        if not path.exists():
+            path.write_bytes(with_pre(base, pre))
+        return path
+    return get
+
+
+@functools.cache
+def pre_golden() -> dict:
+    """tests/data/tokenizer/pre_golden.json (made by make_pre_golden.py there)."""
+    return json.loads((DATA / "tokenizer" / "pre_golden.json").read_text())
+
+
+def golden_ids(pre: str) -> list[list[int]]:
+    """llama.cpp's ids for every golden text under `pre`."""
+    g = pre_golden()
+    return [case["ids"][int(k, 36)] for case, k in zip(g["texts"], g["pre"][pre]["pick"], strict=True)]
+
+
+def test_pre_golden_covers_every_pre_type():
+    g = pre_golden()
+    assert list(g["pre"]) == PRE_REPS
+    assert len(g["texts"]) == 200 and all(len(info["pick"]) == 200 for info in g["pre"].values())
+    assert all(g["pre"][pre]["type"] == PRE_TYPES[pre].regexes for pre in PRE_REPS)
+
+
+@pytest.mark.parametrize("pre", PRE_REPS)
+def test_pre_golden(pre_tok, pre):
+    """llama.cpp's ids (tests/data/tokenizer/pre_golden.json) for 200 texts, without llama-cpp-python."""
+    g = pre_golden()
+    tok = pre_tok(pre)
+    bad = [(case["text"], case["special"]) for case, ids in zip(g["texts"], golden_ids(pre))
+           if tok.encode(case["text"], add_bos=False, special=case["special"]) != ids]
+    assert bad == []
+    info = g["pre"][pre]
+    assert (tok.add_bos_default, tok.bos_id) == (info["add_bos"], info["bos"])
+
+
+def behaviour(kind: PreType) -> tuple:
+    """What a pre type does: its regex list and flags. Bailingmoe's regex is qwen2's but for ending newline runs
+    with \\s*[\\r\\n] where qwen2 has \\s*[\\r\\n]+, which match the same text."""
+    return (PRE_REGEXES["QWEN2" if kind.regexes == "BAILINGMOE" else kind.regexes], *kind[1:])
+
+
+def test_pre_aliases_and_types():
+    """Every alias behaves as its representative; the golden ids tell apart every two pre types except those
+    that differ only in bos defaults (test_pre_probe_vocab covers those) or behave alike (behaviour)."""
+    assert set(PRE_TYPES.values()) == {PRE_TYPES[p] for p in PRE_REPS}
+    assert {t.regexes for t in PRE_TYPES.values()} == set(PRE_REGEXES)
+    assert PRE_TYPES["llama3"] == PRE_TYPES["llama-bpe"] == PRE_TYPES["falcon3"] == PRE_TYPES["pixtral"]
+    assert PRE_TYPES["qwen2"] == PRE_TYPES["deepseek-r1-qwen"] == PRE_TYPES["megrez"] == PRE_TYPES["stablelm2"]
+    assert PRE_TYPES["smollm"] == PRE_TYPES["starcoder"] and PRE_TYPES["gpt-2"] == PRE_TYPES["olmo"]
+    picks = {pre: info["pick"] for pre, info in pre_golden()["pre"].items()}
+    for i, a in enumerate(PRE_REPS):
+        for b in PRE_REPS[i + 1:]:
+            alike = behaviour(PRE_TYPES[a])[:2] == behaviour(PRE_TYPES[b])[:2]  # regexes, ignore_merges
+            assert (picks[a] == picks[b]) == alike, (a, b)
+
+
+def test_pre_splits():
+    """A few of llama.cpp's splits, spelled out."""
+    def split(pre, text):
+        return Tokenizer.from_metadata(probe_meta(pre)).pre_tokenize(text)
+    assert split("gpt-2", "IT'S they'll THEY'LL 'S") == ["IT", "'", "S", " they", "'ll", " THEY", "'", "LL", " '", "S"]
+    assert split("llama-bpe", "IT'S they'll THEY'LL 'S") == ["IT", "'S", " they", "'ll", " THEY", "'LL", " '", "S"]
+    assert split("llama-bpe", "1234567") == ["123", "456", "7"]
+    assert split("qwen2", "x1234") == ["x", "1", "2", "3", "4"]
+    assert split("default", "a 1234567!") == ["a", " ", "123", "456", "7", "!"]
+    assert split("smollm", " 12") == [" ", "1", "2"]
+    assert split("llama-bpe", "a\r\n\n  \tb") == ["a", "\r\n\n", "  ", "\tb"]
+    assert split("gpt-2", "a\r\n\n  \tb") == ["a", "\r\n\n  ", "\t", "b"]
+    assert split("afmoe", "ab1234 cd") == ["ab", "1", "234", " cd"]
+    # llama.cpp's AFMoE digit grouping alone: the text before a digit run stays on its first group
+    assert PreTokenizer([r"\p{AFMoE_digits}"]).split("ab1234 cd") == ["ab1", "234", " cd"]
+    assert split("qwen2", "") == []
+
+
+def test_pre_missing_means_default(pre_tok, pre_gguf, pre_meta):
+    meta = read_metadata(pre_gguf(None))
+    assert PRE_KEY not in meta
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.pre == "default"
+    text = "a 1234567 it's!!"
+    assert tok.encode(text, add_bos=False, special=False) == pre_tok("default").encode(text, add_bos=False,
+                                                                                         special=False)
+    meta = read_metadata(pre_gguf("qwen2"))  # a spliced file reads back as written
+    assert meta[PRE_KEY] == "qwen2" and all(meta[k] == pre_meta[k] for k in VOCAB_KEYS)
+
+
+def test_pre_unknown_raises(pre_meta):
+    for pre in ("no-such-pre", "kimi-k2", "gpt2"):
+        with pytest.raises(UnsupportedError, match=f"'{pre}'") as err:
+            Tokenizer.from_metadata({**pre_meta, PRE_KEY: pre})
+        assert "qwen2" in str(err.value) and "llama-bpe" in str(err.value)
+    with pytest.raises(UnsupportedError, match="gpt-2"):
+        Tokenizer.from_metadata({**pre_meta, PRE_KEY: "gpt2"})
+
+
+def test_synth_qwen2_vocab(tmp_path):
+    """tests/synth.py's tiny model with pre = "qwen2" builds and tokenizes (llama.cpp's ids when available)."""
+    from synth import write_model
+    write_model(tmp_path / "q.gguf", "qwen2", pre="qwen2")
+    meta = read_metadata(tmp_path / "q.gguf")
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.pre == "qwen2" and tok.pre_type == PRE_TYPES["qwen2"]
+    ids = tok.encode("a the cat in 12 THE<|im_end|>", add_bos=False, special=True)
+    assert [tok.token_text(i) for i in ids] == ["a", "Ġthe", "Ġ", "c", "a", "t", "Ġ", "in", "Ġ", "1", "2", "Ġ", "T",
+                                                "H", "E", "<|im_end|>"]
+    try:
+        llm = load_llama_vocab(tmp_path / "q.gguf")
+    except ImportError:  # no llama-cpp-python
+        return
+    for text in ("a the cat in 12 THE<|im_end|>", "Ġthe   \n\n\theat'S 123"):
+        for special in (False, True):
+            assert tok.encode(text, add_bos=False, special=special) == \
+                llm.tokenize(text.encode(), add_bos=False, special=special)
+
+
+# --- the probe vocabulary: every pre value, bos defaults and ignore_merges --------------------------------------
+PROBE_SYMBOLS = ["a", "B", "1", "'", "s", "S", "l", "L", ".", "!", "Ġ", "Ċ", "č", "ĉ"]
+PROBE_TEXTS = ["aaaa aB1 1111111 'S'll 'LL 's xyz", "a\r\n\n  \t1!..\n\nB1a1 11 .!.! ",
+               "Ǆǅǆ 1½ ßa 日本 한국 ひら a\u3000a xyz'S", "<|im_start|>a 1 12345 !!a",
+               "sS lL\r\n! a's B'S 1'll  aa   a\n", "(a|b) a.b, c!d? e…f。 <sentinel:1> IMGIMGABZ",
+               "e\u0301's x'lla !\nB        a"]
+
+
+def probe_meta(pre: str | None) -> dict:
+    """A small byte-level vocab whose merges join every pair of a few symbols (and three spaces), so the ids show
+    where the pre-tokenizer cut; "xyz" is a token no merge makes (only ignore_merges finds it). No bos id."""
+    from synth import _byte_tokens
+    pairs = [x + " " + y for x in PROBE_SYMBOLS for y in PROBE_SYMBOLS] + ["ĠĠ Ġ"]
+    tokens = [*_byte_tokens(), *(p.replace(" ", "") for p in pairs), "xyz", "<|endoftext|>", "<|im_start|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": pairs,
+            "tokenizer.ggml.token_type": [1] * (len(tokens) - 2) + [3, 3],
+            "tokenizer.ggml.eos_token_id": len(tokens) - 2}
+    return meta if pre is None else {**meta, PRE_KEY: pre}
+
+
+def test_pre_probe_vocab(tmp_path):
+    """Every supported pre value on the probe vocabulary: the default bos (chatglm has none), add_bos default,
+    ignore_merges, and ids against llama.cpp when llama-cpp-python is installed."""
+    signature = {}
+    for pre in (None, *PRE_TYPES):
+        tok = Tokenizer.from_metadata(probe_meta(pre))
+        kind = PRE_TYPES[pre or "default"]
+        xyz = tok.encode("xyz", add_bos=False, special=False)
+        assert (xyz == [tok.token_to_id["xyz"]]) == kind.ignore_merges, pre
+        assert tok.bos_id == (11 if kind.bos else None) and tok.add_bos_default == kind.add_bos, pre
+        signature[kind] = (tok.bos_id, tok.add_bos_default, tuple(xyz), *(
+            tuple(tok.encode(t, add_bos=False, special=k % 2 == 0)) for k, t in enumerate(PROBE_TEXTS)))
+    # the probe texts tell every two pre types apart (bar regex lists that match alike), so comparing each pre
+    # value with llama.cpp below checks that it maps to the right type
+    kinds = list(signature)
+    for i, a in enumerate(kinds):
+        for b in kinds[i + 1:]:
+            assert (signature[a] == signature[b]) == (behaviour(a) == behaviour(b)), (a, b)
+    llama_cpp = pytest.importorskip("llama_cpp")
+    write_vocab_gguf(tmp_path / "base.gguf", probe_meta(None))
+    base = (tmp_path / "base.gguf").read_bytes()
+    for pre in (None, *PRE_TYPES):
+        (tmp_path / "p.gguf").write_bytes(with_pre(base, pre))
+        llm = load_llama_vocab(tmp_path / "p.gguf")
+        tok = Tokenizer.from_metadata(probe_meta(pre))
+        vocab = llm._model.vocab
+        bos = llama_cpp.llama_vocab_bos(vocab)
+        assert (tok.bos_id, tok.add_bos_default) == (None if bos < 0 else bos,
+                                                     llama_cpp.llama_vocab_get_add_bos(vocab)), pre
+        for k, text in enumerate([*PROBE_TEXTS, "xyz"]):
+            special = k % 2 == 0
+            assert tok.encode(text, add_bos=False, special=special) == \
+                llm.tokenize(text.encode(), add_bos=False, special=special), (pre, text)
+        del llm
+
+
+@pytest.mark.parametrize("pre", PRE_REPS)
+def test_pre_against_llama_cpp(pre, pre_tok, pre_gguf):
+    """The test vocabulary with each pre type against llama.cpp, add_bos/bos too. The main pre values get the
+    corpus strings in both special modes and PRE_CASES random texts; the others (their golden ids hold short
+    corpus strings) PRE_CASES // 30 random texts: llama.cpp runs their regexes with std::regex, ~2 ms a call."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tok = pre_tok(pre)
+    llm = load_llama_vocab(pre_gguf(pre))
+    vocab = llm._model.vocab
+    assert (tok.bos_id, tok.add_bos_default) == (llama_cpp.llama_vocab_bos(vocab),
+                                                 llama_cpp.llama_vocab_get_add_bos(vocab))
+    main = pre in MAIN_PRES
+    cases = [(s, special) for s in STRINGS for special in (False, True)] if main else []
+    texts = random_texts(PRE_CASES if main else PRE_CASES // 30, zlib.crc32(pre.encode()))
+    cases += [(s, k % 2 == 0) for k, s in enumerate(texts)]
+    bad = [(text, special) for text, special in cases
+           if tok.encode(text, add_bos=False, special=special) !=
+           llm.tokenize(text.encode(), add_bos=False, special=special)]
+    assert bad == []
