@@ -160,7 +160,6 @@ class Model:
             own_step = not prof.in_step
             if own_step:
                 prof.begin_step(phase, N, pos0)
-            c_entry = ticks()
         forward_kernel(w.buf, w.mt, w.gt, pk.table, pk.q, pk.q8, pk.qf, pk.s, pk.o, w.fvec, w.vt, self._flags,
                        self._params, self._lut, ids, positions, pos0, n_out, st.x[:N], st.xn[:N], st.q[:N], st.k[:N], st.v[:N], st.att[:N], st.ffa[:N],
                        st.ffb[:N], logits, st.mmscratch, st.k_cache, st.v_cache, st.windows, st.rope_sel,
@@ -169,7 +168,7 @@ class Model:
             c_exit = ticks()
             if not own_step:
                 prof.pause(at=c_exit)
-            prof.record_forward(c_entry, c_exit, st.times, forward_costs(self, N, pos0, n_out))
+            prof.record_forward(c_exit, st.times, forward_costs(self, N, pos0, n_out))
             if own_step:
                 prof.end_step(at=c_exit)
             else:
@@ -264,11 +263,9 @@ class Model:
                 if prof.in_step:
                     prof.end_step()
                 prof.begin_step("decode", 1, self.state.n_past)
-                c = ticks()
             tok = sample(process(logits, history))
             if prof is not None:
-                c1 = ticks()
-                prof.add("sample", (c1 - c) / tick_rate())
+                prof.lap("sample")
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - t0
@@ -279,6 +276,8 @@ class Model:
             stats.gen_tokens += 1
             if tok in eog:
                 stats.stop_reason = "eos"
+                if prof is not None:
+                    prof.pause(at=prof.lap("loop"))
                 text, hit = stopper.feed(stream.flush())
                 tail = text if hit else text + stopper.flush()
                 if tail:
@@ -287,20 +286,17 @@ class Model:
             history.append(tok)
             last = i + 1 == max_tokens
             if prof is not None:
-                c = ticks()
-                prof.add("loop", (c - c1) / tick_rate())  # the generate loop's own bookkeeping
+                prof.lap("loop")  # the generate loop's own bookkeeping
             text, hit = stopper.feed(stream.push(tok) + (stream.flush() if last else ""))
             if last and not hit:
                 text += stopper.flush()
             if prof is not None:
-                prof.add("detokenize", (ticks() - c) / tick_rate())
+                prof.pause(at=prof.lap("detokenize"))
             if hit:
                 stats.stop_reason = "stop"
                 if text:
                     yield Token(tok, text)
                 return
-            if prof is not None:
-                prof.pause()
             yield Token(tok, text)
             if prof is not None:
                 prof.resume()

@@ -89,18 +89,22 @@ class Profiler:
     _t0: int = 0
     _paused_at: int = 0
     _excluded: int = 0
+    _last: int = 0      # tick where the last recorded segment of the open step ended
+    _paused: bool = False
 
     # ---- recording (called by Model and generate) ----
     def begin_step(self, phase: str, n_tokens: int, pos0: int) -> None:
         self._open = Step(len(self.steps), phase, n_tokens, pos0)
         self._excluded = 0
-        self._t0 = ticks()
+        self._t0 = self._last = ticks()
 
     def end_step(self, at: int | None = None) -> None:
         """Close the step at tick `at` (now by default)."""
         st = self._open
         if st is None:
             return
+        if self._paused:  # closed while paused (generate returned to its consumer): the step ended at the pause
+            at, self._paused = self._paused_at, False
         st.wall_s = ((ticks() if at is None else at) - self._t0 - self._excluded) / tick_rate()
         self.steps.append(st)
         self._open = None
@@ -108,9 +112,20 @@ class Profiler:
     def pause(self, at: int | None = None) -> None:
         """Stop the step's clock (while generate yields to its consumer, or the profiler does its bookkeeping)."""
         self._paused_at = ticks() if at is None else at
+        self._paused = True
 
     def resume(self) -> None:
-        self._excluded += ticks() - self._paused_at
+        self._paused = False
+        self._last = ticks()
+        self._excluded += self._last - self._paused_at
+
+    def lap(self, op: str) -> int:
+        """Record the Python code that ran since the last segment ended as `op`; returns the tick now. Segments
+        are contiguous, so nothing between two timestamps of a step goes unnamed."""
+        now = ticks()
+        self.add(op, (now - self._last) / tick_rate())
+        self._last = now
+        return now
 
     @property
     def in_step(self) -> bool:
@@ -122,18 +137,20 @@ class Profiler:
             raise LumenError("profiler: an op was recorded outside a step")
         self.records.append(Record(st.step, st.phase, layer, op, seconds, int(nbytes), int(flops)))
 
-    def record_forward(self, c_entry: int, c_exit: int, times: np.ndarray, costs) -> None:
-        """Records of one forward call: `times` holds the kernel's op ticks (start tick in the last slot),
-        c_entry/c_exit the ticks taken in Python around the call; costs[slot] = (layer, op, bytes, flops)."""
+    def record_forward(self, c_exit: int, times: np.ndarray, costs) -> None:
+        """Records of one forward call: `times` holds the kernel's op ticks (start tick in the last slot), c_exit
+        the tick taken in Python after the call; costs[slot] = (layer, op, bytes, flops). "dispatch" is the Python
+        glue and Numba dispatch from the end of the step's previous segment to the kernel's first tick."""
         rate = tick_rate()
         start = int(times[-1])
-        self.add("dispatch", (start - c_entry) / rate)
+        self.add("dispatch", (start - self._last) / rate)
         prev = start
         for slot, (layer, op, nb, fl) in enumerate(costs):
             t = int(times[slot])
             self.add(op, (t - prev) / rate, layer, nb, fl)
             prev = t
         self.add("return", (c_exit - prev) / rate)
+        self._last = c_exit
 
     # ---- reading ----
     def select(self, phase: str | None = None, op: str | None = None, layer: int | None = None) -> list[Record]:
