@@ -35,11 +35,14 @@ SMOKE = os.environ.get("LUMEN_BENCH_SMOKE") == "1"
 ENABLED = SMOKE or os.environ.get("LUMEN_BENCH") == "1"
 WRITE = os.environ.get("LUMEN_BENCH_WRITE") == "1"
 INJECT = float(os.environ.get("LUMEN_BENCH_INJECT") or 0)
-THRESHOLD = 1.15        # fail when normalised figure > baseline x THRESHOLD (chosen from measured spread: README)
-SMOKE_THRESHOLD = 1.15  # same: the smoke cases are the steadiest ones
+THRESHOLD = 1.10        # fail when normalised figure > baseline x THRESHOLD (chosen from measured spread: README)
+SMOKE_THRESHOLD = 1.10  # same threshold and three strikes; only the rounds are fewer
+WRITE_REPEATS = 3       # the baseline is the median of this many measurements per case, PAUSE_S apart
 ROUNDS = 3 if SMOKE else 9
 THREADS = int(os.environ.get("LUMEN_BENCH_THREADS") or 1)  # numba threads for every case (README: why 1)
 METRIC = os.environ.get("LUMEN_BENCH_METRIC", "cpu")  # gate on process CPU time ("cpu") or wall time ("wall")
+ATTEMPTS = 3            # a case fails only when over the limit this many times in a row
+PAUSE_S = 2.0           # between those measurements
 LONG_ROUNDS = 3 if SMOKE else 5  # rounds for cases whose single call outlasts BATCH_S
 BATCH_S = 0.012         # each side of a pair runs about this long (the case repeated k times)
 
@@ -170,21 +173,40 @@ class Gate:
         self.results[case_id] = res
         return res
 
-    def check(self, case_id: str, res: dict) -> None:
+    def write_median(self, case_id: str, res: dict, remeasure) -> None:
+        """Write mode: measure WRITE_REPEATS times in all; keep the measurement whose gate figure is the median."""
+        runs = [res] + [(time.sleep(PAUSE_S), remeasure())[1] for _ in range(WRITE_REPEATS - 1)]
+        med = sorted(runs, key=lambda r: r["norm"])[len(runs) // 2]
+        med["write_norms"] = [r["norm"] for r in runs]
+        self.results[case_id] = med
+
+    def check(self, case_id: str, res: dict, remeasure) -> None:
+        """Fail when the case is over the limit on ATTEMPTS measurements in a row, PAUSE_S apart (a neighbour's
+        burst of load can bias one measurement; a real slowdown biases all of them). remeasure() -> new res."""
         if WRITE:
-            return
+            return self.write_median(case_id, res, remeasure)
         base = self.baseline["cases"].get(case_id)
         if base is None:
             pytest.skip(f"{case_id}: no baseline (write one: see tests/benchmarks/README.md)")
         base = dict(base, norm=base[f"norm_{METRIC}"])
         limit = base["norm"] * (SMOKE_THRESHOLD if SMOKE else THRESHOLD)
-        res["baseline"], res["rel"] = base["norm"], res["norm"] / base["norm"]
-        for m in ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min"):
-            res[f"rel_{m}"] = res[m] / base[m]
-        assert res["norm"] <= limit, (
-            f"{case_id} is {100 * (res['rel'] - 1):.0f}% slower than baseline (normalised {res['norm']:.4g} vs "
-            f"{base['norm']:.4g}, limit x{limit / base['norm']:.2f}); case {1e3 * res['case_s_median']:.3f} ms/call, "
-            f"{kind_name(res['kind'])} reference {1e3 * res['ref_s_median']:.3f} ms/call")
+        rels = []
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                time.sleep(PAUSE_S)
+                res = remeasure()
+            res["baseline"], res["rel"] = base["norm"], res["norm"] / base["norm"]
+            for m in ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min"):
+                res[f"rel_{m}"] = res[m] / base[m]
+            rels.append(res["rel"])
+            res["attempt_rels"] = list(rels)
+            if res["norm"] <= limit:
+                return
+        assert False, (
+            f"{case_id} is {100 * (min(rels) - 1):.0f}% slower than baseline on each of {ATTEMPTS} measurements "
+            f"(normalised / baseline: {', '.join(f'{r:.3f}' for r in rels)}; limit x{limit / base['norm']:.2f}); "
+            f"case {1e3 * res['case_s_median']:.3f} ms/call, {kind_name(res['kind'])} reference "
+            f"{1e3 * res['ref_s_median']:.3f} ms/call")
 
 
 def kind_name(kind: str) -> str:
@@ -247,11 +269,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.section("lumen benchmark gates (normalised = case / same-kind reference, median of interleaved rounds)")
     tr.write_line(f"gate metric: {METRIC}; vs base columns: wall median, wall min, cpu median, cpu min")
     tr.write_line(f"{'case':56s} {'kind':7s} {'ms/call':>8s} {'norm':>8s} {'spread':>7s}  {'w-med':>6s} {'w-min':>6s} "
-                  f"{'c-med':>6s} {'c-min':>6s}")
+                  f"{'c-med':>6s} {'c-min':>6s}  attempts (gate figure / baseline)")
     for cid, r in _GATE.results.items():
         rels = [f"{r[f'rel_{m}']:.3f}" if f"rel_{m}" in r else "-" for m in
                 ("norm_wall", "norm_wall_min", "norm_cpu", "norm_cpu_min")]
         tr.write_line(f"{cid:56s} {r['kind']:7s} {1e3 * r['case_s_median']:8.3f} {r['norm']:8.4g} "
-                      f"{100 * r['spread']:6.1f}%  " + " ".join(f"{x:>6s}" for x in rels))
+                      f"{100 * r['spread']:6.1f}%  " + " ".join(f"{x:>6s}" for x in rels)
+                      + "  " + " ".join(f"{x:.3f}" for x in r.get("attempt_rels", [])))
     if WRITE:
         tr.write_line(f"baseline written: {BASELINE}")
