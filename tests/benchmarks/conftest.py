@@ -42,7 +42,7 @@ ROUNDS = 3 if SMOKE else 9
 THREADS = int(os.environ.get("LUMEN_BENCH_THREADS") or 1)  # numba threads for every case (README: why 1)
 METRIC = os.environ.get("LUMEN_BENCH_METRIC", "cpu")  # gate on process CPU time ("cpu") or wall time ("wall")
 ATTEMPTS = 3            # a case fails only when over the limit this many times in a row
-PAUSE_S = 2.0           # between those measurements
+PAUSE_S = (3.0, 10.0)   # before the 2nd and 3rd of those measurements (neighbour bursts last seconds to minutes)
 LONG_ROUNDS = 3 if SMOKE else 5  # rounds for cases whose single call outlasts BATCH_S
 BATCH_S = 0.012         # each side of a pair runs about this long (the case repeated k times)
 
@@ -175,14 +175,14 @@ class Gate:
 
     def write_median(self, case_id: str, res: dict, remeasure) -> None:
         """Write mode: measure WRITE_REPEATS times in all; keep the measurement whose gate figure is the median."""
-        runs = [res] + [(time.sleep(PAUSE_S), remeasure())[1] for _ in range(WRITE_REPEATS - 1)]
+        runs = [res] + [(time.sleep(PAUSE_S[0]), remeasure())[1] for _ in range(WRITE_REPEATS - 1)]
         med = sorted(runs, key=lambda r: r["norm"])[len(runs) // 2]
         med["write_norms"] = [r["norm"] for r in runs]
         self.results[case_id] = med
 
     def check(self, case_id: str, res: dict, remeasure) -> None:
         """Fail when the case is over the limit on ATTEMPTS measurements in a row, PAUSE_S apart (a neighbour's
-        burst of load can bias one measurement; a real slowdown biases all of them). remeasure() -> new res."""
+        burst of load can bias a measurement; a real slowdown biases all of them). remeasure() -> new res."""
         if WRITE:
             return self.write_median(case_id, res, remeasure)
         base = self.baseline["cases"].get(case_id)
@@ -193,7 +193,7 @@ class Gate:
         rels = []
         for attempt in range(ATTEMPTS):
             if attempt:
-                time.sleep(PAUSE_S)
+                time.sleep(PAUSE_S[attempt - 1])
                 res = remeasure()
             res["baseline"], res["rel"] = base["norm"], res["norm"] / base["norm"]
             for m in ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min"):
