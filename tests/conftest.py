@@ -1,20 +1,9 @@
 """Shared fixtures: the two real models (fetched on first use into LUMEN_HOME) and the golden data."""
-import json
 from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).parent / "data"
-MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
-
-
-def golden(name: str) -> dict:
-    """Golden llama.cpp data for a model name (see tests/data/README.md)."""
-    return json.loads((DATA / f"{name}.llamacpp.json").read_text())
-
-
-def corpus() -> dict:
-    return json.loads((DATA / "corpus.json").read_text())
+from goldens import MODEL_NAMES
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import corpus, golden
+from goldens import corpus, golden
 from lumen.generate import chat_prompt
 from lumen.gguf import GGUFFile
 from lumen.model import build_tokenizer

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import lumen
-from conftest import DATA, golden
+from goldens import DATA, golden
 from lumen.errors import ContextError
 from ref_forward import RefModel, forward
 from synth import write_model

@@ -11,7 +11,7 @@ import time
 import zlib
 
 import pytest
-from conftest import DATA, MODEL_NAMES, corpus, golden
+from goldens import DATA, MODEL_NAMES, corpus, golden
 
 from lumen.errors import GGUFError, UnsupportedError
 from lumen.gguf import GGUFFile
