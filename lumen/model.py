@@ -298,11 +298,13 @@ class Model:
                     yield Token(tok, text)
                 return
             yield Token(tok, text)
-            if prof is not None:
-                prof.resume()
             if not last:
+                if prof is not None:
+                    prof.resume()
                 logits = self.decode(tok)
-        stats.stop_reason = "length"
+                if prof is not None:
+                    prof.end_step()
+        stats.stop_reason = "length"  # a profiled last step stays paused: it ended when its token was yielded
 
     def __repr__(self):
         c = self.config
