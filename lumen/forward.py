@@ -58,15 +58,6 @@ VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "a
 SPLIT_K_MIN_KEYS = 256
 
 
-def slot(layer: int, op: int, n_layer: int) -> int:
-    """Index of (layer, op) in a step's `times` array: embed first, then each layer's ops, then the output."""
-    if op == OP_EMBED:
-        return 0
-    if op >= OP_OUT_NORM:
-        return 1 + n_layer * N_LAYER_OPS + (op - OP_OUT_NORM)
-    return 1 + layer * N_LAYER_OPS + (op - OP_ATTN_NORM)
-
-
 def n_slots(n_layer: int) -> int:
     """embed, the layers' ops, output_norm, output, and the start tick in the last slot."""
     return 1 + n_layer * N_LAYER_OPS + 2 + 1
