@@ -12,6 +12,7 @@ import numpy as np
 
 from .config import ROPE_NEOX, Config, check_tensors, config_from_metadata
 from .errors import ContextError, GGUFError, LumenError
+from .forward import forward_kernel
 from .gguf import GGUFFile
 from .profiler import active as profiler_active
 from .profiler import forward_costs
@@ -147,7 +148,6 @@ class Model:
     def _run(self, ids: np.ndarray, n_out: int, phase: str, logits: np.ndarray | None = None) -> np.ndarray:
         """One forward call over a chunk (len <= n_batch) at the current position; returns logits (n_out, V),
         written into `logits` when given (C-contiguous float32 (n_out, V))."""
-        from .forward import forward_kernel
         st, w = self.state, self.weights
         N = ids.size
         pos0 = st.n_past

@@ -15,6 +15,7 @@ holds beyond the recorded ops is reported as "unattributed".
 from __future__ import annotations
 
 import json
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
@@ -215,7 +216,9 @@ def profile() -> Iterator[Profiler]:
         _ACTIVE.reset(token)
 
 
-_STATIC: dict = {}
+# per model, per (N, n_out): the costs that do not depend on the position. Weak keys: an id() key could be
+# reused by a later model and hand it another model's costs.
+_STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, int, int]]:
@@ -226,8 +229,9 @@ def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, 
     their activations in and out."""
     from .forward import LAYER_OPS, MATS, OPS
     c, w = model.config, model.weights
-    key = (id(model), N, n_out)
-    static = _STATIC.get(key)
+    per_model = _STATIC.setdefault(model, {})
+    key = (N, n_out)
+    static = per_model.get(key)
     if static is None:
         from .forward import P_DOUT, P_NIN
         pk = w.packs
@@ -263,7 +267,7 @@ def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, 
         static = ([[-1, "embed", N * emb_rb + act * E, N * E]], layers,
                   [[-1, "output_norm", 2 * 4 * n_out * E, 4 * n_out * E],
                    [-1, "output", head_b + 4 * n_out * (head_in + head_out), 2 * n_out * head_out * head_in]])
-        _STATIC[key] = static
+        per_model[key] = static
     first, layers, last = static
     out = [tuple(first[0])]
     att_slot = LAYER_OPS.index(OPS.index("attention"))
