@@ -22,6 +22,7 @@ from .kernels.dequant import dequant_row
 from .kernels.matmul import F32, Q4, R, batched_kernel, matvec_kernel, prepare_x
 from .kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
 from .kernels.rope import rope_kernel, rope_kernel_par
+from .kernels.scratch import per_thread
 from .timer import ticks
 
 # ---- op ids: the timer's vocabulary (profile reports group by these names) ----
@@ -79,8 +80,8 @@ def matmul_scratch(max_rows: int, max_in: int, n_threads: int):
     G = max_in // 32
     return (np.zeros(max_rows * max_in, np.int8), np.zeros(max_rows * G, np.float32),
             np.zeros(max_rows * G * 2, np.float32), np.zeros(max_rows * max_in, np.float32),
-            np.zeros(n_threads * G * 32 * R, np.int8), np.zeros((n_threads, R), np.float32),
-            np.zeros((n_threads, 2, R), np.int16), np.zeros((n_threads, 2, R), np.int32))
+            per_thread((n_threads, G * 32 * R), np.int8).reshape(-1), per_thread((n_threads, R), np.float32),
+            per_thread((n_threads, 2, R), np.int16), per_thread((n_threads, 2, R), np.int32))
 
 
 @njit(cache=True)

@@ -19,7 +19,7 @@ Two raw kernels:
     attention_decode_kernel  N == 1: split-K, each lane takes a slice of the key range for every kv head, then
                              the per-lane (m, l, o) are merged; serial below SPLIT_MIN_KEYS keys
 Scratch (per lane; from `attention_scratch`): s (lanes, n_heads, TILE) scores, o (lanes, n_heads, head_dim_v) and
-ml (lanes, n_heads, 2) partial results. The number of lanes is s.shape[0].
+ml (lanes, n_heads, ML) partial results. The number of lanes is s.shape[0].
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ from numba import njit, prange
 
 from .activation import fast_exp
 from .norm import as_f32, check
+from .scratch import per_thread
 
+ML = 16               # floats per head in the ml scratch (2 used)
 TILE = 32             # keys per tile; 16, 32, 64, 128 measured within noise of each other (serial, 1024 keys)
 NEG = np.float32(-1e30)  # "minus infinity" for the running max; finite, because fastmath assumes no infinities
 SPLIT_MIN_KEYS = 80   # decode: shorter key ranges run serially; crossover measured between 64 and 96 keys
@@ -37,11 +39,13 @@ SPLIT_MIN_KEYS = 80   # decode: shorter key ranges run serially; crossover measu
 
 def attention_scratch(n_heads: int, head_dim_v: int, n_lanes: int | None = None):
     """Scratch for the attention kernels: s (lanes, n_heads, TILE), o (lanes, n_heads, head_dim_v),
-    ml (lanes, n_heads, 2), float32. Lanes default to numba's thread count."""
+    ml (lanes, n_heads, ML) float32 (the running max and sum in [..., 0:2]; ML = 16 pads a head's state to a
+    cache line). Lanes default to numba's thread count; each lane's block starts on its own cache line
+    (lumen.kernels.scratch: lanes sharing a line ran at half speed)."""
     lanes = numba.get_num_threads() if n_lanes is None else n_lanes
     check(lanes >= 1, f"n_lanes {lanes} must be at least 1")
-    return (np.zeros((lanes, n_heads, TILE), np.float32), np.zeros((lanes, n_heads, head_dim_v), np.float32),
-            np.zeros((lanes, n_heads, 2), np.float32))
+    return (per_thread((lanes, n_heads, TILE), np.float32), per_thread((lanes, n_heads, head_dim_v), np.float32),
+            per_thread((lanes, n_heads, ML), np.float32))
 
 
 @njit(fastmath=True, cache=True)
@@ -252,7 +256,7 @@ def attention(out: np.ndarray, q: np.ndarray, k_cache: np.ndarray, v_cache: np.n
         scratch = attention_scratch(H, Dv)
     s, o, ml = scratch
     lanes = s.shape[0]
-    for name, a, shape in (("s", s, (lanes, H, TILE)), ("o", o, (lanes, H, Dv)), ("ml", ml, (lanes, H, 2))):
+    for name, a, shape in (("s", s, (lanes, H, TILE)), ("o", o, (lanes, H, Dv)), ("ml", ml, (lanes, H, ML))):
         as_f32(f"scratch {name}", a, 3)
         check(a.shape == shape, f"scratch {name} shape {a.shape} != {shape}")
     kernel = attention_decode_kernel if N == 1 else attention_kernel

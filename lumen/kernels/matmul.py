@@ -36,6 +36,7 @@ from numba import njit, prange
 
 import math
 
+from lumen.kernels.scratch import per_thread
 from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
 R = 64            # weight rows per tile: the vector loop length
@@ -537,9 +538,9 @@ def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
         xd = np.empty((1, G), np.float32)
         xs = np.empty((1, G, 2), np.float32)
         xf = _EMPTY_F32_2
-    facc = np.empty((nch, R), np.float32)
-    acc16 = np.empty((nch, 2, R), np.int16)
-    acc32 = np.empty((nch, 2, R), np.int32)
+    facc = per_thread((nch, R), np.float32)
+    acc16 = per_thread((nch, 2, R), np.int16)
+    acc32 = per_thread((nch, 2, R), np.int32)
     matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc, acc16, acc32)
     return out
 
@@ -560,10 +561,10 @@ def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     xs = np.empty((N, 0 if f32 else G, 2), np.float32)
     xf = np.empty((N, w.n_in if f32 else 0), np.float32)
     prepare_x(xq, xd, xs, xf, x, fmt)
-    w8 = np.empty((nch, G if w.family == Q4 else 0, 32, R), np.int8)
-    facc = np.empty((nch, R), np.float32)
-    acc16 = np.empty((nch, 2, R), np.int16)
-    acc32 = np.empty((nch, 2, R), np.int32)
+    w8 = per_thread((nch, G if w.family == Q4 else 0, 32, R), np.int8)
+    facc = per_thread((nch, R), np.float32)
+    acc16 = per_thread((nch, 2, R), np.int16)
+    acc32 = per_thread((nch, 2, R), np.int32)
     batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, w8, facc, acc16, acc32)
     return out
 
