@@ -76,34 +76,31 @@ def _mark(times, prof, i):
 
 
 def matmul_scratch(max_rows: int, max_in: int, n_threads: int):
-    """Scratch of `mm`: rounded activations (flat, reshaped per call) and per-thread tiles and accumulators."""
+    """Scratch of `mm`: rounded activations (flat, reshaped per call) and per-thread accumulators."""
     G = max_in // 32
     return (np.zeros(max_rows * max_in, np.int8), np.zeros(max_rows * G, np.float32),
             np.zeros(max_rows * G * 2, np.float32), np.zeros(max_rows * max_in, np.float32),
-            per_thread((n_threads, G * 32 * R), np.int8).reshape(-1), per_thread((n_threads, R), np.float32),
-            per_thread((n_threads, 2, R), np.int16), per_thread((n_threads, 2, R), np.int32))
+            per_thread((n_threads, R), np.float32), per_thread((n_threads, 2, R), np.int32))
 
 
 @njit(cache=True)
 def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
-    kernel (each weight tile read once for all N rows) for prefill; both give the same bits per row."""
-    xq_f, xd_f, xs_f, xf_f, w8_f, facc, acc16, acc32 = scr
+    kernel (each weight tile applied to all N rows while cached) for prefill; both give the same bits per row.
+    Q holds the Q4 family's bytes, Q8 the Q5/I8 families' (stored as int8, read as the u8 they are)."""
+    xq_f, xd_f, xs_f, xf_f, facc, A = scr
     fam, T, G, H = pk[i, P_FAM], pk[i, P_T], pk[i, P_G], pk[i, P_H]
     n_in, fmt = pk[i, P_NIN], pk[i, P_FMT]
     qo, so, oo, OG = pk[i, P_Q], pk[i, P_S], pk[i, P_O], pk[i, P_OG]
     z = 0
     if fam == F32:
-        q = Q[0:0].reshape((z, z, z, z))
-        q8 = Q8[0:0].reshape((z, z, z, z))
+        q = Q[0:0].reshape((z, z, z, z, z))
         qf = QF[qo:qo + T * n_in * R].reshape((T, n_in, R))
     elif fam == Q4:
-        q = Q[qo:qo + T * G * 16 * R].reshape((T, G, 16, R))
-        q8 = Q8[0:0].reshape((z, z, z, z))
+        q = Q[qo:qo + T * G * 16 * R].reshape((T, G, 4, R, 4))
         qf = QF[0:0].reshape((z, z, z))
     else:
-        q = Q[0:0].reshape((z, z, z, z))
-        q8 = Q8[qo:qo + T * G * 32 * R].reshape((T, G, 32, R))
+        q = Q8[qo:qo + T * G * 32 * R].view(np.uint8).reshape((T, G, 8, R, 4))
         qf = QF[0:0].reshape((z, z, z))
     s = S[so:so + T * G * H * R].reshape((T, G, H, R))
     o = O[oo:oo + T * OG * R].reshape((T, OG, R))
@@ -114,12 +111,10 @@ def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     xs = xs_f[:N * G * 2].reshape((N, G, 2))
     xf = xf_f[:N * n_in].reshape((N, n_in))
     if N == 1:
-        matvec_kernel(out[0], fam, fmt, q, q8, qf, s, o, x, xq, xd, xs, xf, facc[:nch], acc16[:nch], acc32[:nch])
+        matvec_kernel(out[0], fam, fmt, q, qf, s, o, x, xq, xd, xs, xf, facc[:nch], A[:nch])
     else:
         prepare_x(xq, xd, xs, xf, x, fmt)
-        gw = G if fam == Q4 else 0
-        w8 = w8_f[:nch * gw * 32 * R].reshape((nch, gw, 32, R))
-        batched_kernel(out, fam, q, q8, qf, s, o, xq, xd, xs, xf, w8, facc[:nch], acc16[:nch], acc32[:nch])
+        batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc[:nch], A[:nch])
 
 
 @njit(cache=True)

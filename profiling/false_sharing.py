@@ -2,8 +2,9 @@
 
     python profiling/false_sharing.py [--repeats 5] [--steps 20000]
 
-Each thread runs the Q5/Q4 tile kernel (lumen.kernels.matmul.tile_i8s_mv) on its own weights and activations;
-only the layout of the per-thread scratch (accumulators, written on every step) differs:
+Each thread runs an int16-lane tile kernel (the Q5 kernel Lumen used before lumen.kernels.simd: its
+accumulators are stored on every step) on its own weights and activations; only the layout of the per-thread
+scratch differs:
 - "numpy": scratch (threads, ...) with the base 16 bytes past a line, as numpy's allocator gives, so the end
   of thread 0's block and the start of thread 1's share a 64-byte line;
 - "per_thread": lumen.kernels.scratch.per_thread, every block on its own lines.
@@ -19,8 +20,31 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from lumen.kernels.matmul import R, tile_i8s_mv
+from lumen.kernels.matmul import R
 from lumen.kernels.scratch import LINE, per_thread
+
+
+@njit(cache=True)
+def tile_i8s_mv(facc, acc, q, s, o, xq, xd, xs):
+    """facc (R,) = tile (G,32,R) int8 with |q| <= 16 . xq; acc (2,R) i16 scratch, stored on every step."""
+    G = q.shape[0]
+    a0 = acc[0]
+    a1 = acc[1]
+    for r in range(R):
+        facc[r] = 0.0
+    for g in range(G):
+        for r in range(R):
+            a0[r] = 0
+            a1[r] = 0
+        for j in range(16):
+            xl = np.int16(xq[32 * g + j])
+            xh = np.int16(xq[32 * g + j + 16])
+            for r in range(R):
+                a0[r] = np.int16(a0[r] + np.int16(q[g, j, r]) * xl)
+                a1[r] = np.int16(a1[r] + np.int16(q[g, j + 16, r]) * xh)
+        sd = xd[g]
+        for r in range(R):
+            facc[r] += s[g, 0, r] * sd * np.float32(np.int32(a0[r]) + np.int32(a1[r]))
 
 
 @njit(parallel=True, cache=True)

@@ -1,28 +1,30 @@
 """Quantized matmul: out (N, d_out) f32 = x (N, n_in) f32 @ W.T, W a GGUF-quantized (d_out, n_in) weight.
 
-How (see shared/KERNELS.md for the measurements behind each choice):
+How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind each choice):
 - `prepare(raw, qtype)` repacks the raw GGUF bytes once, at load time, into tiles of R = 64 rows laid out
-  with the row index innermost ("lanes = rows"), so every hot loop is a contiguous, reduction-free loop over
-  64 rows that LLVM vectorizes. Four families:
-    Q4  (Q4_0, Q4_1, Q4_K): nibbles  q (T, G, 16, R) u8, byte j = value j | value j+16 << 4, value = s*(nib-8) + o
-    Q5  (Q5_0, Q5_1, Q5_K): int8 values q (T, G, 32, R) i8 = q5 - 16, value = s*q + o. Keeping nibbles plus
-                            fifth-bit masks cost 5 G MAC/s per core against 25 for the int8 plane (measured),
-                            so these weights take 9 bits per value instead of 5.5-6.
-    I8  (Q8_0, Q6_K):       int8 values q (T, G, 32, R) i8, value = s[half]*q (Q6_K: q-32, a scale per 16)
+  with the row index before the 4 columns of an int32 lane ("lanes = rows", as ggml's repacked kernels), so a
+  group of 32 columns of 64 rows is 8 (or 4 for nibbles) runs of 256 contiguous bytes. Four families:
+    Q4  (Q4_0, Q4_1, Q4_K): nibbles q (T, G, 4, R, 4) u8: byte [k, r, b] = column 4k+b | column 16+4k+b << 4,
+                            value = s*(nib-8) + o
+    Q5  (Q5_0, Q5_1, Q5_K): bytes q (T, G, 8, R, 4) u8 = q5 (0..31), value = s*(q5-16) + o. Nibbles plus
+                            fifth-bit masks cost 5 G MAC/s per core against 25 for a byte plane (measured with
+                            the int16 kernels), so these weights take 9 bits per value instead of 5.5-6.
+    I8  (Q8_0, Q6_K):       bytes q (T, G, 8, R, 4) u8 = value + 128 (Q8_0) or q6 (0..63, value q6-32, a scale
+                            per 16 columns)
     F32 (F32, F16, BF16):   f32 values  q (T, n_in, R) f32
   with G = n_in / 32 groups of 32 columns, T = ceil(d_out / R) tiles, scales s (T, G, H, R) f32 (H = 2 halves
   of 16 for Q6_K, else 1) and offsets o (T, G, R) f32, or (T, 0, R) for types without one.
 - Activations are rounded once per call the way llama.cpp's CPU backend rounds them for the weight type
   (`quantize_x`, lumen.quants.ACT_FORMAT): 8-bit blocks of 32 with an f16 scale (Q8_0/Q8_1) for the 32-block
   types, 8-bit blocks of 256 with an f32 scale (Q8_K) for the K types, f16 / bf16 for F16 / BF16 weights. So the
-  products are the ones llama.cpp computes, and every dot product of the 8-bit families is integer: int16 lanes
-  for the 4/5-bit families (16 products of |q| <= 16 and |x| <= 127 stay below 32767; for Q4 even 32 of
-  |q| <= 8), int32 lanes for the 8-bit family. Offsets cost one multiply per group: o * xs.
+  products are the ones llama.cpp computes, and every dot product of the 8-bit families is an exact integer:
+  unsigned weight bytes times signed activation bytes, 4 products per int32 lane (vpdpbusd where the CPU has
+  AVX512-VNNI, lumen.kernels.simd), minus the zero point times the activations' sum. Offsets cost one multiply
+  per group: o * xs. Measured per core against the int16-lane loops this replaced (same bits): 1.4x (Q4_1),
+  1.8-2.0x (Q5_0), 3.0x (Q6_K), 3.3x (Q8_0) at N = 512.
 - N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
-- N > 1 (`matmul_batched`): per tile, the weights are read once (Q4 nibbles unpacked once to an int8 tile in a
-  per-thread scratch), then applied to all N activation rows with the same tile functions as the N=1 path, so
-  the two paths agree bit for bit (an f32-dequantized tile with a float GEMM measured 40 G MAC/s per core
-  against 22 for the int16 tiles, but rounds differently from decode).
+- N > 1 (`matmul_batched`): each tile is applied to all N activation rows while it is in cache, with the same
+  tile function as the N=1 path, so the two paths agree bit for bit.
 `matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
 correct, but slow; the forward pass should call prepare once at load time).
 """
@@ -37,6 +39,7 @@ from numba import njit, prange
 import math
 
 from lumen.kernels.scratch import per_thread
+from lumen.kernels.simd import dot_nib_group, dot_u8_group
 from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
 R = 64            # weight rows per tile: the vector loop length
@@ -57,7 +60,7 @@ class Packed(NamedTuple):
     d_out: int
     n_in: int
     family: int
-    q: np.ndarray      # Q4 (T,G,16,R) u8 | Q5, I8 (T,G,32,R) i8 | F32 (T,n_in,R) f32
+    q: np.ndarray      # Q4 (T,G,4,R,4) u8 | Q5, I8 (T,G,8,R,4) u8 | F32 (T,n_in,R) f32
     s: np.ndarray      # (T,G,H,R) f32 scales; F32 family: (T,0,1,R)
     o: np.ndarray      # (T,G,R) f32 offsets, or (T,0,R)
 
@@ -164,6 +167,13 @@ def _tiles(a: np.ndarray, T: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
 
 
+def _quads(a: np.ndarray, T: int) -> np.ndarray:
+    """(rows, G, K, 4) -> (T, G, K, R, 4): pad rows to T*R with zeros, rows before the 4 bytes of a lane."""
+    pad = np.zeros((T * R,) + a.shape[1:], dtype=a.dtype)
+    pad[:a.shape[0]] = a
+    return np.ascontiguousarray(pad.reshape((T, R) + a.shape[1:]).transpose(0, 2, 3, 1, 4))
+
+
 def prepare(raw: np.ndarray, qtype) -> Packed:
     """Repack raw GGUF bytes (d_out, row_bytes) u8 of type qtype for the matmul kernels (see module doc)."""
     info = quant_info(qtype)
@@ -186,13 +196,12 @@ def prepare(raw: np.ndarray, qtype) -> Packed:
                       np.zeros((T, 0, 1, R), np.float32), f32_empty)
     s_t = _tiles(s.astype(np.float32), T)
     o_t = f32_empty if o is None else _tiles(o.astype(np.float32), T)
-    if fam == I8:
-        q = _tiles(vals.astype(np.int8).reshape(d_out, G, 32), T)
-    elif fam == Q5:
-        q = _tiles((vals - 16).astype(np.int8).reshape(d_out, G, 32), T)
-    else:
-        v = vals.reshape(d_out, G, 32)
-        q = _tiles(((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).astype(np.uint8), T)
+    if fam == Q4:                                # nibbles: column 4k+b low, 16+4k+b high (lumen.kernels.simd)
+        v = vals.reshape(d_out, G, 2, 4, 4)
+        q = _quads(((v[:, :, 0] & 15) | ((v[:, :, 1] & 15) << 4)).astype(np.uint8), T)
+    else:                                        # unsigned u = value + zero point: Q5 raw 0..31, I8 + 32/128
+        z = {Q5: 0, I8: 32 if s.shape[2] == 2 else 128}[fam]
+        q = _quads((vals.astype(np.int16) + z).astype(np.uint8).reshape(d_out, G, 8, 4), T)
     return Packed(int(qtype), d_out, n_in, fam, q, s_t, o_t)
 
 
@@ -290,90 +299,56 @@ def round_x(xf, x, fmt):
                 xf[i, k] = x[i, k]
 
 
-# ---- N = 1: one tile of R rows, accumulated in facc (R,) f32
+# ---- one tile of R rows against one activation row, accumulated in facc (R,) f32 (both paths)
 
-@njit(fastmath=TFM, cache=True)
-def tile_q4_mv(facc, acc, q, s, o, xq, xd, xs):
-    """facc (R,) = tile (G,16,R) nibbles . xq (n_in,) i8; acc (2,R) i16 scratch."""
-    G = q.shape[0]
-    has_o = o.shape[0] > 0
-    a = acc[0]
-    for r in range(R):
-        facc[r] = 0.0
-    for g in range(G):
-        for r in range(R):
-            a[r] = 0
-        for j in range(16):
-            xl = np.int16(xq[32 * g + j])
-            xh = np.int16(xq[32 * g + j + 16])
-            for r in range(R):
-                b = q[g, j, r]
-                a[r] = np.int16(a[r] + (np.int16(b & 15) - 8) * xl + (np.int16(b >> 4) - 8) * xh)
-        sd = xd[g]
-        if has_o:
-            sx = xs[g, 0] + xs[g, 1]
-            for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(a[r]) + o[g, r] * sx
-        else:
-            for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(a[r])
+@njit(cache=True, inline="always")
+def zero_point(fam, two):
+    """The zero point z of the stored unsigned weight values u (the kernel's value is u - z): Q4 nibbles 8, Q5 16,
+    I8 32 for Q6_K (the family's only type with two scales per group), 128 for Q8_0."""
+    if fam == Q4:
+        return 8
+    if fam == Q5:
+        return 16
+    return 32 if two else 128
 
 
 @njit(fastmath=TFM, cache=True)
-def tile_i8s_mv(facc, acc, q, s, o, xq, xd, xs):
-    """facc (R,) = tile (G,32,R) int8 with |q| <= 16 . xq; acc (2,R) i16 scratch (one per half of 16)."""
-    G = q.shape[0]
-    has_o = o.shape[0] > 0
-    a0 = acc[0]
-    a1 = acc[1]
-    for r in range(R):
-        facc[r] = 0.0
-    for g in range(G):
-        for r in range(R):
-            a0[r] = 0
-            a1[r] = 0
-        for j in range(16):
-            xl = np.int16(xq[32 * g + j])
-            xh = np.int16(xq[32 * g + j + 16])
-            for r in range(R):
-                a0[r] = np.int16(a0[r] + np.int16(q[g, j, r]) * xl)
-                a1[r] = np.int16(a1[r] + np.int16(q[g, j + 16, r]) * xh)
-        sd = xd[g]
-        if has_o:
-            sx = xs[g, 0] + xs[g, 1]
-            for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(np.int32(a0[r]) + np.int32(a1[r])) + o[g, r] * sx
-        else:
-            for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(np.int32(a0[r]) + np.int32(a1[r]))
+def tile_mv(facc, A, fam, q, s, o, xq, xd, xs):
+    """facc (R,) = tile q . xq for the 8-bit families; q (G, 4, R, 4) u8 nibbles (Q4) or (G, 8, R, 4) u8
+    (Q5, I8) (layouts in lumen.kernels.simd); A (2, R) i32 scratch.
 
-
-@njit(fastmath=TFM, cache=True)
-def tile_i8_mv(facc, acc, q, s, o, xq, xd, xs):
-    """facc (R,) = tile (G,32,R) int8 . xq; acc (2,R) i32 scratch (one per half of 16)."""
+    Per group of 32 columns the integer sums of each half, sum (u - z) x = sum u x - z sum x, are exact; the
+    float epilogue is the one llama.cpp's dot products apply per block: d_w * d_x * sum (+ min * d_x * sum x)."""
     G = q.shape[0]
     two = s.shape[1] == 2
-    a0 = acc[0]
-    a1 = acc[1]
+    has_o = o.shape[0] > 0
+    z = zero_point(fam, two)
     for r in range(R):
         facc[r] = 0.0
     for g in range(G):
-        for r in range(R):
-            a0[r] = 0
-            a1[r] = 0
+        b = 32 * g
+        if fam == Q4:
+            dot_nib_group(A, q[g], xq[b:b + 32])
+        else:
+            dot_u8_group(A, q[g], xq[b:b + 32])
+        x0 = 0
+        x1 = 0
         for j in range(16):
-            xl = np.int32(xq[32 * g + j])
-            xh = np.int32(xq[32 * g + j + 16])
-            for r in range(R):
-                a0[r] = np.int32(a0[r] + np.int32(q[g, j, r]) * xl)
-                a1[r] = np.int32(a1[r] + np.int32(q[g, j + 16, r]) * xh)
+            x0 += np.int32(xq[b + j])
+            x1 += np.int32(xq[b + 16 + j])
+        c0 = z * x0
+        c1 = z * x1
         sd = xd[g]
         if two:
             for r in range(R):
-                facc[r] += sd * (s[g, 0, r] * np.float32(a0[r]) + s[g, 1, r] * np.float32(a1[r]))
+                facc[r] += sd * (s[g, 0, r] * np.float32(A[0, r] - c0) + s[g, 1, r] * np.float32(A[1, r] - c1))
+        elif has_o:
+            sx = xs[g, 0] + xs[g, 1]
+            for r in range(R):
+                facc[r] += s[g, 0, r] * sd * np.float32(A[0, r] + A[1, r] - c0 - c1) + o[g, r] * sx
         else:
             for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(a0[r] + a1[r])
+                facc[r] += s[g, 0, r] * sd * np.float32(A[0, r] + A[1, r] - c0 - c1)
 
 
 @njit(fastmath=TFM, cache=True)
@@ -388,11 +363,11 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def matvec_kernel(out, fam, fmt, q, q8, qf, s, o, x, xq2, xd2, xs2, xf2, facc, acc16, acc32):
-    """out (d_out,) = W . x for one activation row. The weight is in q for Q4, q8 for Q5/I8, qf for F32
-    (the others are empty). x (1, n_in) f32 is first rounded (serially) to the activation format fmt: into
-    xq2 (1, n_in) i8, xd2 (1, G), xs2 (1, G, 2) for the 8-bit formats, into xf2 (1, n_in) f32 for the float ones.
-    facc (nch, R) f32, acc16 (nch, 2, R) i16, acc32 (nch, 2, R) i32: per-chunk scratch; nch chunks of tiles."""
+def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc, A):
+    """out (d_out,) = W . x for one activation row. The weight is in q for the 8-bit families, qf for F32 (the
+    other is empty). x (1, n_in) f32 is first rounded (serially) to the activation format fmt: into xq2
+    (1, n_in) i8, xd2 (1, G), xs2 (1, G, 2) for the 8-bit formats, into xf2 (1, n_in) f32 for the float ones.
+    facc (nch, R) f32, A (nch, 2, R) i32: per-chunk scratch (lumen.kernels.scratch.per_thread); nch chunks."""
     T = s.shape[0]
     d_out = out.shape[0]
     nch = facc.shape[0]
@@ -404,57 +379,35 @@ def matvec_kernel(out, fam, fmt, q, q8, qf, s, o, x, xq2, xd2, xs2, xf2, facc, a
     for c in prange(nch):
         for t in range(c * T // nch, (c + 1) * T // nch):
             fa = facc[c]
-            if fam == Q4:
-                tile_q4_mv(fa, acc16[c], q[t], s[t], o[t], xq, xd, xs)
-            elif fam == Q5:
-                tile_i8s_mv(fa, acc16[c], q8[t], s[t], o[t], xq, xd, xs)
-            elif fam == I8:
-                tile_i8_mv(fa, acc32[c], q8[t], s[t], o[t], xq, xd, xs)
-            else:
+            if fam == F32:
                 tile_f32_mv(fa, qf[t], xf)
+            else:
+                tile_mv(fa, A[c], fam, q[t], s[t], o[t], xq, xd, xs)
             n = min(R, d_out - t * R)
             for r in range(n):
                 out[t * R + r] = fa[r]
 
 
-# ---- N > 1: per tile of R weight rows, unpack once to int8, then apply it to all N activation rows
-
-@njit(fastmath=FM, cache=True)
-def unpack_q4_tile(w8, q):
-    """w8 (G, 32, R) i8 = signed nibbles (value - 8) of the tile q (G, 16, R) u8."""
-    for g in range(q.shape[0]):
-        for j in range(16):
-            for r in range(R):
-                b = q[g, j, r]
-                w8[g, j, r] = np.int8(np.int32(b & 15) - 8)
-                w8[g, j + 16, r] = np.int8(np.int32(b >> 4) - 8)
-
+# ---- N > 1: per tile of R weight rows, applied to all N activation rows while it is in cache
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def batched_kernel(out, fam, q, q8, qf, s, o, xq, xd, xs, xf, w8, facc, acc16, acc32):
+def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc, A):
     """out (N, d_out) = W . x for N activation rows, already rounded (`prepare_x`): xq (Np, n_in) i8, xd (Np, G),
     xs (Np, G, 2) for the 8-bit formats, xf (Np, n_in) f32 for the float ones. Each tile of R weight rows is
-    read (and for Q4 unpacked to int8 in w8 (nch, G, 32, R)) once, then applied to all N rows with the same
-    tile functions as matvec_kernel, so every output equals matvec's bit for bit. Weight arrays as in
-    matvec_kernel; facc (nch, R), acc16 (nch, 2, R), acc32 (nch, 2, R) per-chunk scratch."""
+    applied to all N rows before the next (it stays in L1/L2), with the same tile functions as matvec_kernel,
+    so every output equals matvec's bit for bit. Weight arrays and scratch as in matvec_kernel."""
     T = s.shape[0]
     N, d_out = out.shape
     nch = facc.shape[0]
     for c in prange(nch):
         fa = facc[c]
         for t in range(c * T // nch, (c + 1) * T // nch):
-            if fam == Q4:
-                unpack_q4_tile(w8[c], q[t])
             n = min(R, d_out - t * R)
             for i in range(N):
-                if fam == Q4:
-                    tile_i8s_mv(fa, acc16[c], w8[c], s[t], o[t], xq[i], xd[i], xs[i])
-                elif fam == Q5:
-                    tile_i8s_mv(fa, acc16[c], q8[t], s[t], o[t], xq[i], xd[i], xs[i])
-                elif fam == I8:
-                    tile_i8_mv(fa, acc32[c], q8[t], s[t], o[t], xq[i], xd[i], xs[i])
-                else:
+                if fam == F32:
                     tile_f32_mv(fa, qf[t], xf[i])
+                else:
+                    tile_mv(fa, A[c], fam, q[t], s[t], o[t], xq[i], xd[i], xs[i])
                 for r in range(n):
                     out[i, t * R + r] = fa[r]
 
@@ -512,12 +465,10 @@ def _check_io(out, x, w: Packed):
 
 
 def _weights(w: Packed):
-    """(q, q8, qf) kernel arguments: the family's array in its slot, empty arrays of fixed type elsewhere."""
-    if w.family == Q4:
-        return w.q, _EMPTY_I8_4, _EMPTY_F32_3
+    """(q, qf) kernel arguments: the family's array in its slot, an empty array of fixed type in the other."""
     if w.family == F32:
-        return _EMPTY_U8_4, _EMPTY_I8_4, w.q
-    return _EMPTY_U8_4, w.q, _EMPTY_F32_3
+        return _EMPTY_U8_5, w.q
+    return w.q, _EMPTY_F32_3
 
 
 def _chunks(T: int) -> int:
@@ -539,9 +490,8 @@ def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
         xs = np.empty((1, G, 2), np.float32)
         xf = _EMPTY_F32_2
     facc = per_thread((nch, R), np.float32)
-    acc16 = per_thread((nch, 2, R), np.int16)
-    acc32 = per_thread((nch, 2, R), np.int32)
-    matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc, acc16, acc32)
+    A = per_thread((nch, 2, R), np.int32)
+    matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc, A)
     return out
 
 
@@ -561,11 +511,9 @@ def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     xs = np.empty((N, 0 if f32 else G, 2), np.float32)
     xf = np.empty((N, w.n_in if f32 else 0), np.float32)
     prepare_x(xq, xd, xs, xf, x, fmt)
-    w8 = per_thread((nch, G if w.family == Q4 else 0, 32, R), np.int8)
     facc = per_thread((nch, R), np.float32)
-    acc16 = per_thread((nch, 2, R), np.int16)
-    acc32 = per_thread((nch, 2, R), np.int32)
-    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, w8, facc, acc16, acc32)
+    A = per_thread((nch, 2, R), np.int32)
+    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, facc, A)
     return out
 
 
@@ -576,8 +524,7 @@ def matmul(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     return matmul_batched(out, x, w, qtype)
 
 
-_EMPTY_U8_4 = np.zeros((0, 0, 0, 0), np.uint8)
-_EMPTY_I8_4 = np.zeros((0, 0, 0, 0), np.int8)
+_EMPTY_U8_5 = np.zeros((0, 0, 0, 0, 0), np.uint8)
 _EMPTY_I8_2 = np.zeros((0, 0), np.int8)
 _EMPTY_F32_2 = np.zeros((0, 0), np.float32)
 _EMPTY_F32_3 = np.zeros((0, 0, 2), np.float32)
