@@ -313,42 +313,50 @@ def zero_point(fam, two):
 
 
 @njit(fastmath=TFM, cache=True)
-def tile_mv(facc, A, fam, q, s, o, xq, xd, xs):
-    """facc (R,) = tile q . xq for the 8-bit families; q (G, 4, R, 4) u8 nibbles (Q4) or (G, 8, R, 4) u8
-    (Q5, I8) (layouts in lumen.kernels.simd); A (2, R) i32 scratch.
+def tile_mv(facc, A, c, fam, q, t, s, o, xq, xd, xs, i):
+    """facc[c] (R,) = tile t of q . activation row i of xq, for the 8-bit families. q (T, G, 4, R, 4) u8 nibbles
+    (Q4) or (T, G, 8, R, 4) u8 (Q5, I8) (layouts in lumen.kernels.simd); A (nch, 2, R) i32 scratch, row c.
+    Whole arrays and indices, no views (see lumen.kernels.simd).
 
     Per group of 32 columns the integer sums of each half, sum (u - z) x = sum u x - z sum x, are exact; the
     float epilogue is the one llama.cpp's dot products apply per block: d_w * d_x * sum (+ min * d_x * sum x)."""
-    G = q.shape[0]
-    two = s.shape[1] == 2
-    has_o = o.shape[0] > 0
+    G = q.shape[1]
+    K = q.shape[2]
+    n_in = xq.shape[1]
+    two = s.shape[2] == 2
+    has_o = o.shape[1] > 0
     z = zero_point(fam, two)
+    ao = c * 2 * R
     for r in range(R):
-        facc[r] = 0.0
+        facc[c, r] = 0.0
     for g in range(G):
         b = 32 * g
+        wo = (t * G + g) * K * R * 4
         if fam == Q4:
-            dot_nib_group(A, q[g], xq[b:b + 32])
+            dot_nib_group(A, ao, q, wo, xq, i * n_in + b)
         else:
-            dot_u8_group(A, q[g], xq[b:b + 32])
+            dot_u8_group(A, ao, q, wo, xq, i * n_in + b)
         x0 = 0
         x1 = 0
         for j in range(16):
-            x0 += np.int32(xq[b + j])
-            x1 += np.int32(xq[b + 16 + j])
-        c0 = z * x0
-        c1 = z * x1
-        sd = xd[g]
+            x0 += np.int32(xq[i, b + j])
+            x1 += np.int32(xq[i, b + 16 + j])
+        c0 = np.int32(z * x0)
+        c1 = np.int32(z * x1)
+        cc = np.int32(c0 + c1)
+        sd = xd[i, g]
+        # int32 casts keep the lanes 32-bit (Numba widens int32 arithmetic to int64: 4 lanes per vector)
         if two:
             for r in range(R):
-                facc[r] += sd * (s[g, 0, r] * np.float32(A[0, r] - c0) + s[g, 1, r] * np.float32(A[1, r] - c1))
+                facc[c, r] += sd * (s[t, g, 0, r] * np.float32(np.int32(A[c, 0, r] - c0))
+                                    + s[t, g, 1, r] * np.float32(np.int32(A[c, 1, r] - c1)))
         elif has_o:
-            sx = xs[g, 0] + xs[g, 1]
+            sx = xs[i, g, 0] + xs[i, g, 1]
             for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(A[0, r] + A[1, r] - c0 - c1) + o[g, r] * sx
+                facc[c, r] += s[t, g, 0, r] * sd * np.float32(np.int32(A[c, 0, r] + A[c, 1, r] - cc)) + o[t, g, r] * sx
         else:
             for r in range(R):
-                facc[r] += s[g, 0, r] * sd * np.float32(A[0, r] + A[1, r] - c0 - c1)
+                facc[c, r] += s[t, g, 0, r] * sd * np.float32(np.int32(A[c, 0, r] + A[c, 1, r] - cc))
 
 
 @njit(fastmath=TFM, cache=True)
@@ -375,17 +383,15 @@ def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc, A):
         quantize_x(xq2, xd2, xs2, x, fmt)
     else:
         round_x(xf2, x, fmt)
-    xq, xd, xs, xf = xq2[0], xd2[0], xs2[0], xf2[0]
     for c in prange(nch):
         for t in range(c * T // nch, (c + 1) * T // nch):
-            fa = facc[c]
             if fam == F32:
-                tile_f32_mv(fa, qf[t], xf)
+                tile_f32_mv(facc[c], qf[t], xf2[0])
             else:
-                tile_mv(fa, A[c], fam, q[t], s[t], o[t], xq, xd, xs)
+                tile_mv(facc, A, c, fam, q, t, s, o, xq2, xd2, xs2, 0)
             n = min(R, d_out - t * R)
             for r in range(n):
-                out[t * R + r] = fa[r]
+                out[t * R + r] = facc[c, r]
 
 
 # ---- N > 1: per tile of R weight rows, applied to all N activation rows while it is in cache
@@ -400,16 +406,15 @@ def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc, A):
     N, d_out = out.shape
     nch = facc.shape[0]
     for c in prange(nch):
-        fa = facc[c]
         for t in range(c * T // nch, (c + 1) * T // nch):
             n = min(R, d_out - t * R)
             for i in range(N):
                 if fam == F32:
-                    tile_f32_mv(fa, qf[t], xf[i])
+                    tile_f32_mv(facc[c], qf[t], xf[i])
                 else:
-                    tile_mv(fa, A[c], fam, q[t], s[t], o[t], xq[i], xd[i], xs[i])
+                    tile_mv(facc, A, c, fam, q, t, s, o, xq, xd, xs, i)
                 for r in range(n):
-                    out[i, t * R + r] = fa[r]
+                    out[i, t * R + r] = facc[c, r]
 
 
 @njit(cache=True)

@@ -31,9 +31,11 @@ _V8I32 = ir.VectorType(_I32, 8)
 _V32I8 = ir.VectorType(_I8, 32)
 
 
-def _data(context, builder, aty, aval, elty):
+def _data(context, builder, aty, aval, elty, off=None):
+    """Pointer (elty*) to element `off` (an i64 count of the array's own elements) of the array's data."""
     arr = context.make_array(aty)(context, builder, aval)
-    return builder.bitcast(arr.data, elty.as_pointer())
+    ptr = arr.data if off is None else builder.gep(arr.data, [off])
+    return builder.bitcast(ptr, elty.as_pointer())
 
 
 def _bcast32(builder, xp, quad):
@@ -69,14 +71,18 @@ def _vstore(builder, v, ap, h, vec):
     builder.store(v, p, align=4)
 
 
+# The arguments are whole C-contiguous arrays and flat element offsets into them, not views: a view made in a
+# hot loop costs an atomic increment and decrement of the parent's reference count, and when two threads do
+# that on one array the count's cache line moves between the cores on every call.
+
 @intrinsic
-def dot_u8_group(typingctx, A, w, x):
-    """A (2, 64) i32 <- the half sums of the u8-layout group w (8, 64, 4) u8 times x (32,) i8 (C-contiguous;
-    shapes are the caller's contract, not checked)."""
+def dot_u8_group(typingctx, A, ao, w, wo, x, xo):
+    """A.flat[ao : ao + 128] as (2, 64) i32 <- the half sums of the u8-layout group at w.flat[wo : wo + 2048]
+    ((8, 64, 4) u8) times x.flat[xo : xo + 32] (i8). Offsets are in elements; bounds are the caller's contract."""
     def codegen(context, builder, sig, args):
-        ap = _data(context, builder, sig.args[0], args[0], _I32)
-        wp = _data(context, builder, sig.args[1], args[1], _I8)
-        xp = _data(context, builder, sig.args[2], args[2], _I8)
+        ap = _data(context, builder, sig.args[0], args[0], _I32, args[1])
+        wp = _data(context, builder, sig.args[2], args[2], _I8, args[3])
+        xp = _data(context, builder, sig.args[4], args[4], _I8, args[5])
         xs = [_bcast32(builder, xp, k) for k in range(8)]
         zero = ir.Constant(_V8I32, None)
         for h in range(2):
@@ -86,16 +92,16 @@ def dot_u8_group(typingctx, A, w, x):
                     acc = _dpbusd(builder, acc, _vload(builder, wp, k * ROWS * 4 + vec * 32), xs[k])
                 _vstore(builder, acc, ap, h, vec)
         return context.get_dummy_value()
-    return types.void(A, w, x), codegen
+    return types.void(A, types.intp, w, types.intp, x, types.intp), codegen
 
 
 @intrinsic
-def dot_nib_group(typingctx, A, w, x):
-    """A (2, 64) i32 <- the half sums of the nibble-layout group w (4, 64, 4) u8 times x (32,) i8."""
+def dot_nib_group(typingctx, A, ao, w, wo, x, xo):
+    """As dot_u8_group for the nibble-layout group at w.flat[wo : wo + 1024] ((4, 64, 4) u8)."""
     def codegen(context, builder, sig, args):
-        ap = _data(context, builder, sig.args[0], args[0], _I32)
-        wp = _data(context, builder, sig.args[1], args[1], _I8)
-        xp = _data(context, builder, sig.args[2], args[2], _I8)
+        ap = _data(context, builder, sig.args[0], args[0], _I32, args[1])
+        wp = _data(context, builder, sig.args[2], args[2], _I8, args[3])
+        xp = _data(context, builder, sig.args[4], args[4], _I8, args[5])
         xs = [_bcast32(builder, xp, k) for k in range(8)]
         mask = ir.Constant(_V8I32, [0x0F0F0F0F] * 8)
         four = ir.Constant(_V8I32, [4] * 8)
@@ -109,4 +115,4 @@ def dot_nib_group(typingctx, A, w, x):
             _vstore(builder, lo_acc, ap, 0, vec)
             _vstore(builder, hi_acc, ap, 1, vec)
         return context.get_dummy_value()
-    return types.void(A, w, x), codegen
+    return types.void(A, types.intp, w, types.intp, x, types.intp), codegen
