@@ -80,7 +80,7 @@ def matmul_scratch(max_rows: int, max_in: int, n_threads: int):
     G = max_in // 32
     return (np.zeros(max_rows * max_in, np.int8), np.zeros(max_rows * G, np.float32),
             np.zeros(max_rows * G * 2, np.float32), np.zeros(max_rows * max_in, np.float32),
-            per_thread((n_threads, R), np.float32), per_thread((n_threads, 2, R), np.int32))
+            per_thread((n_threads, R), np.float32))
 
 
 @njit(cache=True)
@@ -88,7 +88,7 @@ def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
     kernel (each weight tile applied to all N rows while cached) for prefill; both give the same bits per row.
     Q holds the Q4 family's bytes, Q8 the Q5/I8 families' (stored as int8, read as the u8 they are)."""
-    xq_f, xd_f, xs_f, xf_f, facc, A = scr
+    xq_f, xd_f, xs_f, xf_f, facc = scr
     fam, T, G, H = pk[i, P_FAM], pk[i, P_T], pk[i, P_G], pk[i, P_H]
     n_in, fmt = pk[i, P_NIN], pk[i, P_FMT]
     qo, so, oo, OG = pk[i, P_Q], pk[i, P_S], pk[i, P_O], pk[i, P_OG]
@@ -111,10 +111,10 @@ def mm(out, x, i, pk, Q, Q8, QF, S, O, scr):
     xs = xs_f[:N * G * 2].reshape((N, G, 2))
     xf = xf_f[:N * n_in].reshape((N, n_in))
     if N == 1:
-        matvec_kernel(out[0], fam, fmt, q, qf, s, o, x, xq, xd, xs, xf, facc[:nch], A[:nch])
+        matvec_kernel(out[0], fam, fmt, q, qf, s, o, x, xq, xd, xs, xf, facc[:nch])
     else:
         prepare_x(xq, xd, xs, xf, x, fmt)
-        batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc[:nch], A[:nch])
+        batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc[:nch])
 
 
 @njit(cache=True)

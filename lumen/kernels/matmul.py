@@ -39,7 +39,8 @@ from numba import njit, prange
 import math
 
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import dot_nib_group, dot_u8_group
+from lumen.kernels.simd import (tile_nib_offset, tile_nib_scale, tile_u8_offset5, tile_u8_scale5, tile_u8_scale8,
+                                tile_u8_two)
 from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
 R = 64            # weight rows per tile: the vector loop length
@@ -301,62 +302,32 @@ def round_x(xf, x, fmt):
 
 # ---- one tile of R rows against one activation row, accumulated in facc (R,) f32 (both paths)
 
-@njit(cache=True, inline="always")
-def zero_point(fam, two):
-    """The zero point z of the stored unsigned weight values u (the kernel's value is u - z): Q4 nibbles 8, Q5 16,
-    I8 32 for Q6_K (the family's only type with two scales per group), 128 for Q8_0."""
-    if fam == Q4:
-        return 8
-    if fam == Q5:
-        return 16
-    return 32 if two else 128
-
-
-@njit(fastmath=TFM, cache=True)
-def tile_mv(facc, A, c, fam, q, t, s, o, xq, xd, xs, i):
+@njit(cache=True)
+def tile_mv(facc, c, fam, q, t, s, o, xq, xd, xs, i):
     """facc[c] (R,) = tile t of q . activation row i of xq, for the 8-bit families. q (T, G, 4, R, 4) u8 nibbles
-    (Q4) or (T, G, 8, R, 4) u8 (Q5, I8) (layouts in lumen.kernels.simd); A (nch, 2, R) i32 scratch, row c.
-    Whole arrays and indices, no views (see lumen.kernels.simd).
+    (Q4) or (T, G, 8, R, 4) u8 (Q5, I8), s (T, G, H, R), o (T, OG, R); xq (Np, n_in), xd (Np, G), xs (Np, G, 2).
+    Whole arrays and indices, no views (lumen.kernels.simd, where the tile kernels are).
 
     Per group of 32 columns the integer sums of each half, sum (u - z) x = sum u x - z sum x, are exact; the
-    float epilogue is the one llama.cpp's dot products apply per block: d_w * d_x * sum (+ min * d_x * sum x)."""
-    G = q.shape[1]
-    K = q.shape[2]
-    n_in = xq.shape[1]
-    two = s.shape[2] == 2
-    has_o = o.shape[1] > 0
-    z = zero_point(fam, two)
-    ao = c * 2 * R
-    for r in range(R):
-        facc[c, r] = 0.0
-    for g in range(G):
-        b = 32 * g
-        wo = (t * G + g) * K * R * 4
-        if fam == Q4:
-            dot_nib_group(A, ao, q, wo, xq, i * n_in + b)
+    float epilogue is the one ggml's x86 dot products apply per block: acc = fma(d_w * d_x, sum, acc)
+    (then fma(min, d_x * sum x, acc); Q6_K: fma(d_x, fma(s0, sum0, s1 * sum1), acc))."""
+    G, K, H, OG, n_in = q.shape[1], q.shape[2], s.shape[2], o.shape[1], xq.shape[1]
+    fo, qo, so, oo = c * R, t * G * K * R * 4, t * G * H * R, t * OG * R
+    xo, xdo, xso = i * n_in, i * G, i * G * 2
+    if fam == Q4:
+        if OG > 0:
+            tile_nib_offset(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
         else:
-            dot_u8_group(A, ao, q, wo, xq, i * n_in + b)
-        x0 = 0
-        x1 = 0
-        for j in range(16):
-            x0 += np.int32(xq[i, b + j])
-            x1 += np.int32(xq[i, b + 16 + j])
-        c0 = np.int32(z * x0)
-        c1 = np.int32(z * x1)
-        cc = np.int32(c0 + c1)
-        sd = xd[i, g]
-        # int32 casts keep the lanes 32-bit (Numba widens int32 arithmetic to int64: 4 lanes per vector)
-        if two:
-            for r in range(R):
-                facc[c, r] += sd * (s[t, g, 0, r] * np.float32(np.int32(A[c, 0, r] - c0))
-                                    + s[t, g, 1, r] * np.float32(np.int32(A[c, 1, r] - c1)))
-        elif has_o:
-            sx = xs[i, g, 0] + xs[i, g, 1]
-            for r in range(R):
-                facc[c, r] += s[t, g, 0, r] * sd * np.float32(np.int32(A[c, 0, r] + A[c, 1, r] - cc)) + o[t, g, r] * sx
+            tile_nib_scale(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
+    elif fam == Q5:
+        if OG > 0:
+            tile_u8_offset5(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
         else:
-            for r in range(R):
-                facc[c, r] += s[t, g, 0, r] * sd * np.float32(np.int32(A[c, 0, r] + A[c, 1, r] - cc))
+            tile_u8_scale5(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
+    elif H == 2:
+        tile_u8_two(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
+    else:
+        tile_u8_scale8(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
 
 
 @njit(fastmath=TFM, cache=True)
@@ -371,11 +342,11 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc, A):
+def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc):
     """out (d_out,) = W . x for one activation row. The weight is in q for the 8-bit families, qf for F32 (the
     other is empty). x (1, n_in) f32 is first rounded (serially) to the activation format fmt: into xq2
     (1, n_in) i8, xd2 (1, G), xs2 (1, G, 2) for the 8-bit formats, into xf2 (1, n_in) f32 for the float ones.
-    facc (nch, R) f32, A (nch, 2, R) i32: per-chunk scratch (lumen.kernels.scratch.per_thread); nch chunks."""
+    facc (nch, R) f32: per-chunk scratch (lumen.kernels.scratch.per_thread); nch chunks of tiles."""
     T = s.shape[0]
     d_out = out.shape[0]
     nch = facc.shape[0]
@@ -388,7 +359,7 @@ def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc, A):
             if fam == F32:
                 tile_f32_mv(facc[c], qf[t], xf2[0])
             else:
-                tile_mv(facc, A, c, fam, q, t, s, o, xq2, xd2, xs2, 0)
+                tile_mv(facc, c, fam, q, t, s, o, xq2, xd2, xs2, 0)
             n = min(R, d_out - t * R)
             for r in range(n):
                 out[t * R + r] = facc[c, r]
@@ -397,7 +368,7 @@ def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc, A):
 # ---- N > 1: per tile of R weight rows, applied to all N activation rows while it is in cache
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc, A):
+def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc):
     """out (N, d_out) = W . x for N activation rows, already rounded (`prepare_x`): xq (Np, n_in) i8, xd (Np, G),
     xs (Np, G, 2) for the 8-bit formats, xf (Np, n_in) f32 for the float ones. Each tile of R weight rows is
     applied to all N rows before the next (it stays in L1/L2), with the same tile functions as matvec_kernel,
@@ -412,7 +383,7 @@ def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc, A):
                 if fam == F32:
                     tile_f32_mv(facc[c], qf[t], xf[i])
                 else:
-                    tile_mv(facc, A, c, fam, q, t, s, o, xq, xd, xs, i)
+                    tile_mv(facc, c, fam, q, t, s, o, xq, xd, xs, i)
                 for r in range(n):
                     out[i, t * R + r] = facc[c, r]
 
@@ -495,8 +466,7 @@ def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
         xs = np.empty((1, G, 2), np.float32)
         xf = _EMPTY_F32_2
     facc = per_thread((nch, R), np.float32)
-    A = per_thread((nch, 2, R), np.int32)
-    matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc, A)
+    matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc)
     return out
 
 
@@ -517,8 +487,7 @@ def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     xf = np.empty((N, w.n_in if f32 else 0), np.float32)
     prepare_x(xq, xd, xs, xf, x, fmt)
     facc = per_thread((nch, R), np.float32)
-    A = per_thread((nch, 2, R), np.int32)
-    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, facc, A)
+    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, facc)
     return out
 
 
