@@ -209,3 +209,50 @@ def test_bad_inputs_raise(weights):
         prepare(raw[:, :39], QT.Q4_1)
     with pytest.raises(ValueError, match="blocks"):
         prepare(np.zeros((4, 10), np.uint8), QT.Q4_1)   # half a block
+
+
+PORTABLE_SCRIPT = r"""
+import sys, numpy as np
+import lumen.kernels.simd as simd
+assert not simd.VNNI
+from lumen.kernels.matmul import matmul_batched, matvec, prepare
+sys.path.insert(0, sys.argv[1])
+from test_matmul import make_weight
+from lumen.quants import QT
+rng = np.random.default_rng(7)
+out = {}
+for qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
+    raw = make_weight(qt, 80, 512, rng)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    p = prepare(raw, qt)
+    o3 = np.zeros((3, 80), np.float32); o1 = np.zeros((1, 80), np.float32)
+    matmul_batched(o3, x, p, qt); matvec(o1, x[:1], p, qt)
+    out[qt.name] = np.concatenate([o3, o1])
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_portable_ir_gives_the_same_bits(tmp_path):
+    """Without AVX512-VNNI (forced by LUMEN_NO_VNNI=1, own Numba cache) the tile kernels compile to portable
+    vector IR; the integer sums, and so every output bit, must equal the vpdpbusd path's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    import lumen.kernels.simd as simd
+    env = dict(os.environ, LUMEN_NO_VNNI="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    res = tmp_path / "portable.npz"
+    subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT, str(Path(__file__).parent), str(res)], env=env,
+                   check=True, timeout=600)
+    got = np.load(res)
+    rng = np.random.default_rng(7)
+    for qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
+        raw = make_weight(qt, 80, 512, rng)
+        x = rng.standard_normal((3, 512)).astype(np.float32)
+        p = prepare(raw, qt)
+        o3 = np.zeros((3, 80), np.float32)
+        o1 = np.zeros((1, 80), np.float32)
+        matmul_batched(o3, x, p, qt)
+        matvec(o1, x[:1], p, qt)
+        assert np.array_equal(got[qt.name], np.concatenate([o3, o1])), (qt.name, simd.VNNI)
+        check(o3, x, dequantize_ref(raw, qt, (80, 512)).astype(np.float64), qt)

@@ -18,6 +18,8 @@ tiles against the Numba loops they replaced, at N = 512 on real weights: 2.5-4.1
 """
 from __future__ import annotations
 
+import os
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
@@ -25,7 +27,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _features = llvm.get_host_cpu_features()
-VNNI = bool(_features.get("avx512vnni", False) and _features.get("avx512vl", False))
+# LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; give it its own NUMBA_CACHE_DIR,
+# because Numba's cache key knows the CPU but not this switch).
+VNNI = (bool(_features.get("avx512vnni", False) and _features.get("avx512vl", False))
+        and os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0"))
 
 ROWS = 64                      # rows of a tile (lumen.kernels.matmul.R)
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
