@@ -330,3 +330,23 @@ def test_wrappers_reject_bad_input(rng):
         with pytest.raises(ValueError):
             call()
             pytest.fail(f"bad call {i} did not raise")
+
+
+@pytest.mark.parametrize("n_heads, n_kv", [(9, 3), (4, 1)])
+@pytest.mark.parametrize("n, pos0, window", [(23, 0, 0), (13, 37, 0), (30, 5, 8), (11, 60, 16), (9, 0, 64)])
+def test_attention_prefill_blocks_equal_tokens_one_by_one(rng, n_heads, n_kv, n, pos0, window):
+    """Every token of a prefill must get, bit for bit, what the prefill kernel gives that token alone (what decode
+    runs below the split-K threshold): the property behind prefill(all) == prefill(k) + decode(rest). (Blocks
+    of 4 query tokens sharing each K/V row were tried and measured no faster: Gemma 1-thread prefill attention
+    303 vs 273 ms per 512 tokens.)"""
+    hd = 32
+    k, v = make_cache(rng, n_kv, pos0 + n, hd)
+    q = randn(rng, n, n_heads, hd)
+    scr = attention.attention_scratch(n_heads, hd, 2)
+    a = np.empty_like(q)
+    attention.attention_kernel(a, q, k, v, pos0, np.float32(hd ** -0.5), window, *scr)
+    for t in range(n):
+        b = np.empty_like(q[t:t + 1])
+        attention.attention_kernel(b, q[t:t + 1], k, v, pos0 + t, np.float32(hd ** -0.5), window, *scr)
+        assert np.array_equal(a[t], b[0]), t
+    np.testing.assert_allclose(a, ref.attention_ref(q, k, v, pos0, hd ** -0.5, window), **ATT_TOL)
