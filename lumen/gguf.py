@@ -14,6 +14,7 @@ then padding to `general.alignment` (default 32) and the tensor data.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -114,11 +115,40 @@ class _Cursor:
             if etype == T_STRING:
                 if count > (self.size - self.pos) // 8:
                     raise GGUFError(f"{self.path}: {what}: array of {count} strings does not fit in the file")
+                if self.trace is None:
+                    fast = _strings(self.buf, self.pos, count, self.size)
+                    if fast is not None:
+                        strings, self.pos = fast
+                        return strings
                 return [self.string(f"{what}[{i}]") for i in range(count)]
             if etype == T_ARRAY:
                 raise GGUFError(f"{self.path}: {what}: nested arrays are not supported")
             raise GGUFError(f"{self.path}: {what}: unknown array element type {etype}")
         raise GGUFError(f"{self.path}: {what}: unknown value type {vtype}")
+
+
+_U64 = struct.Struct("<Q")
+
+
+def _strings(buf, pos: int, count: int, size: int) -> tuple[list[str], int] | None:
+    """count length-prefixed UTF-8 strings from pos in buf -> (strings, end position), or None if one is out of
+    bounds or not UTF-8 (the checked path, _Cursor.string, then says which). 3x faster than _Cursor.string per
+    string (Gemma-3's vocabulary: 262144 strings)."""
+    unpack = _U64.unpack_from
+    out = []
+    append = out.append
+    try:
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8
+            end = pos + n
+            if n > MAX_STRING or end > size:
+                return None
+            append(buf[pos:end].decode("utf-8"))
+            pos = end
+    except (struct.error, UnicodeDecodeError):
+        return None
+    return out, pos
 
 
 def _qtype(type_id: int, name: str, path: str) -> GGMLQuantizationType:
@@ -143,7 +173,8 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError(f"cannot open {self.path}: {e.strerror}") from None
         with f:
-            size = self.path.stat().st_size
+            self.stat = os.fstat(f.fileno())  # of the file mapped, even if the path is replaced later
+            size = self.stat.st_size
             if size < 24:
                 raise GGUFError(f"{self.path}: not a GGUF file (only {size} bytes)")
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
