@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import os
+import time
+
+# When Lumen was imported: lumen.packcache trusts a source file's hash only if the file is older than this (the
+# code running is then the code on disk).
+IMPORT_TIME_NS = time.time_ns()
 
 # libgomp (Numba's omp threading layer) spins idle threads for ~300k iterations by default. On a busy machine the
 # spinning threads starve the ones with work: decode measured 80x slower at load 3.6 on 2 cores. A short spin

@@ -84,7 +84,9 @@ class Model:
     """A loaded model. Construct with `lumen.load(name_or_path, ctx=..., threads=...)`."""
 
     def __init__(self, path: str | os.PathLike, *, ctx: int = DEFAULT_CTX, threads: int | None = None,
-                 n_batch: int = DEFAULT_BATCH):
+                 n_batch: int = DEFAULT_BATCH, pack_cache: bool | None = None):
+        """pack_cache: read the repacked weights from the on-disk cache (lumen.packcache) when valid, store them
+        there otherwise; None = on unless LUMEN_PACK_CACHE=0."""
         import numba
         self.path = Path(path)
         self.gguf, self.config = open_gguf(self.path)
@@ -105,7 +107,7 @@ class Model:
         from .kernels.dequant import F16_TO_F32
         from .state import RunState
         from .weights import load_weights
-        self.weights = load_weights(self.gguf, self.config)
+        self.weights = load_weights(self.gguf, self.config, pack_cache=pack_cache)
         self.state = RunState(self.config, ctx, self.n_batch, self.threads, self.weights.rope_freqs)
         c = self.config
         flags = np.zeros(F_PAR_ROWS + 1, np.int64)

@@ -6,6 +6,8 @@
   and the packed arrays of all matrices are concatenated into a few flat buffers by dtype (`Packs`); a table
   row per matrix gives its family, sizes and offsets, so one compiled function can reach any matrix.
 - Every norm/bias vector is (offset, length) into one float32 array.
+- The packs of a GGUF file are cached on disk (lumen.packcache, $LUMEN_HOME/packs): a warm start reads them
+  instead of repacking. LUMEN_PACK_CACHE=0 or load_weights(..., pack_cache=False) turns that off.
 The loader has already validated every offset, shape and type (lumen.gguf, lumen.config), so these tables are
 safe to hand to kernels.
 """
@@ -76,10 +78,11 @@ class Weights:
     rope_freqs: np.ndarray | None  # (n_rot/2,) f32 llama3 frequency factors, or None
     tied_output: bool
     decode_bytes: int  # weight bytes one decode step reads: every packed matrix (incl. the head) and vector
+    packs_from: str = "packed"  # "cache", "packed, cached", or "packed" (+ why the cache was not used)
 
 
-
-def load_weights(g: GGUFFile, cfg: Config) -> Weights:
+def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None) -> Weights:
+    """The weights of g. pack_cache: use the on-disk pack cache (None: unless LUMEN_PACK_CACHE=0)."""
     L = cfg.n_layer
     vt = np.zeros((L, len(VECS), 2), np.int64)
     pieces, n = [], 0
@@ -110,9 +113,13 @@ def load_weights(g: GGUFFile, cfg: Config) -> Weights:
     out = emb if tied else g.tensors["output.weight"]
     gt[2, 0] = len(mats)
     mats.append((out.data, out.qtype))
-    packs = pack_all(mats)
+    from . import packcache
+    if packcache.enabled() if pack_cache is None else pack_cache:
+        packs, packs_from = packcache.load_or_pack(g, mats, pack_all)
+    else:
+        packs, packs_from = pack_all(mats), "packed (cache off)"
     fvec = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
     rope = g.tensors.get("rope_freqs.weight")
     return Weights(buf=g.buf, mt=mt, gt=gt, packs=packs, fvec=fvec, vt=vt,
                    rope_freqs=None if rope is None else np.ascontiguousarray(rope.as_f32()),
-                   tied_output=tied, decode_bytes=packs.nbytes + fvec.nbytes)
+                   tied_output=tied, decode_bytes=packs.nbytes + fvec.nbytes, packs_from=packs_from)

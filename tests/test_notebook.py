@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "profile_smollm2.ipynb"
-SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_context", "bandwidth")
+SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_context", "bandwidth", "startup")
 SMALL = 'MODEL = "smollm2-135m"\nPROMPT_TOKENS = 8\nGEN_TOKENS = 4\nATTN_LENGTHS = [4, 16]\nREPEATS = 1\n'
 
 

@@ -1,0 +1,225 @@
+"""Where does start-up go for `python -m lumen.generate`, with a warm compile cache?
+
+    python profiling/startup.py [--quick] [--model smollm2-135m] [--runs 5] [-n 16] [--baseline DIR]
+
+Every figure comes from fresh processes, so imports, page-cache hits and Numba's cache loading are the real ones.
+One throwaway run first warms Numba's compile cache and the packed-weight cache. Then, per run, interleaved:
+- the CLI as a user runs it, `python -m lumen.generate -p PROMPT -n 16`, not instrumented: time from spawning
+  the process to the first byte of text on its stdout (the first token), process wall time and peak RSS;
+- the same CLI, instrumented (this script re-runs itself with --child, wraps the functions below, then runs
+  lumen.generate's main): interpreter start, imports, CLI set-up (argparse, rich, model resolve), GGUF parse and
+  config check (lumen.model.open_gguf), tokenizer build, weights (lumen.weights.load_weights: the matrix repack
+  or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
+  first call (type the arguments, load the compiled code from the cache; a cache miss is reported), the warm-up
+  decode step, tokenize, the first prefill, and prefill end -> first token on stdout.
+Both run with the packed-weight cache on (default) and off (LUMEN_PACK_CACHE=0), and with --baseline DIR also
+with the `lumen` package of another checkout (PYTHONPATH=DIR, e.g. `git worktree add /tmp/base HEAD~1`), all
+interleaved. Timestamps are CLOCK_MONOTONIC, shared by all processes. Figures are medians of --runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from statistics import median
+
+PROMPT = "The capital of France is"
+MODES = {"cache on": {}, "cache off": {"LUMEN_PACK_CACHE": "0"}}
+
+
+def now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+# ---------------------------------------------------------------- child: the CLI with timestamps
+
+def child(out_path: str, cli_args: list[str]) -> None:
+    t0 = now()
+    marks: dict[str, float] = {"start": t0}
+    import numpy  # noqa: F401
+    marks["numpy"] = now()
+    import numba  # noqa: F401
+    marks["numba"] = now()
+    import lumen.generate
+    import lumen.model
+    import lumen.weights
+    marks["lumen"] = now()
+
+    def wrap(owner, name, key):
+        fn = getattr(owner, name)
+
+        def timed(*a, **k):
+            if key + ".0" not in marks:
+                marks[key + ".0"] = now()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    marks[key + ".1"] = now()
+            return fn(*a, **k)
+        setattr(owner, name, timed)
+
+    wrap(lumen.model, "open_gguf", "parse")
+    wrap(lumen.model, "build_tokenizer", "tokenizer")
+    wrap(lumen.weights, "load_weights", "weights")
+    wrap(lumen.model.Model, "__init__", "init")
+    wrap(lumen.model.Model, "warmup", "warmup")
+    wrap(lumen.model.Model, "tokenize", "tokenize")
+    wrap(lumen.model.Model, "prefill", "prefill")
+    fk = lumen.model.forward_kernel
+    compile_ = fk.compile
+
+    def timed_compile(sig):
+        marks.setdefault("dispatch.0", now())
+        try:
+            return compile_(sig)
+        finally:
+            marks.setdefault("dispatch.1", now())
+    fk.compile = timed_compile
+
+    class FirstWrite:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, s):
+            if s and "first_token" not in marks:
+                marks["first_token"] = now()
+            return self.f.write(s)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    sys.stdout = FirstWrite(sys.stdout)
+    marks["main"] = now()
+    rc = lumen.generate.main(cli_args)
+    sys.stdout = sys.stdout.f
+    marks["end"] = now()
+    import resource
+    stats = fk.stats
+    with open(out_path, "w") as f:
+        json.dump({"marks": marks, "rc": rc, "cache_misses": sum(stats.cache_misses.values()),
+                   "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
+
+
+# ---------------------------------------------------------------- parent
+
+def run_cli(cli_args: list[str], env: dict) -> dict:
+    """The plain CLI: seconds from spawn to its first stdout byte and to exit, peak RSS (MB)."""
+    with tempfile.TemporaryFile() as err:
+        t0 = now()
+        p = subprocess.Popen([sys.executable, "-m", "lumen.generate", *cli_args], stdout=subprocess.PIPE,
+                             stderr=err, stdin=subprocess.DEVNULL, env=env)
+        first = os.read(p.stdout.fileno(), 1)
+        t_first = now()
+        rest = p.stdout.read()
+        _, status, ru = os.wait4(p.pid, 0)
+        t_end = now()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        p.stdout.close()
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    if p.returncode != 0 or not first:
+        raise SystemExit(f"python -m lumen.generate failed (exit {p.returncode}):\n{stderr[-2000:]}")
+    return {"ttft": t_first - t0, "wall": t_end - t0, "maxrss_mb": ru.ru_maxrss / 1024,
+            "text": (first + rest).decode(errors="replace"), "stats": stderr.strip().splitlines()[-1]}
+
+
+def run_child(cli_args: list[str], env: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "marks.json")
+        t0 = now()
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out, "--", *cli_args],
+                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        if r.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"instrumented run failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
+        with open(out) as f:
+            res = json.load(f)
+    res["spawn"] = t0
+    return res
+
+
+def phases(res: dict) -> dict[str, float]:
+    """Seconds per start-up phase, in order, from one instrumented run's marks."""
+    m = res["marks"]
+    d0 = m.get("dispatch.0", m["warmup.0"])
+    d1 = m.get("dispatch.1", m["warmup.0"])
+    ph = {
+        "interpreter start": m["start"] - res["spawn"],
+        "import numpy": m["numpy"] - m["start"],
+        "import numba": m["numba"] - m["numpy"],
+        "import lumen": m["lumen"] - m["numba"],
+        "CLI set-up, resolve": m["init.0"] - m["main"],
+        "GGUF parse + check": m["parse.1"] - m["parse.0"],
+        "tokenizer build": m["tokenizer.1"] - m["tokenizer.0"],
+        "weights (repack/cache)": m["weights.1"] - m["weights.0"],
+        "RunState, rest of load": (m["init.1"] - m["init.0"]) - (m["parse.1"] - m["parse.0"])
+                                  - (m["tokenizer.1"] - m["tokenizer.0"]) - (m["weights.1"] - m["weights.0"]),
+        "Numba: forward from cache": d1 - d0,
+        "warm-up decode step": (m["warmup.1"] - m["warmup.0"]) - (d1 - d0),
+        "tokenize": m["tokenize.1"] - m["tokenize.0"],
+        "first prefill": m["prefill.1"] - m["prefill.0"],
+        "-> first token": m["first_token"] - m["prefill.1"],
+    }
+    ph["total to first token"] = m["first_token"] - res["spawn"]
+    return ph
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1], argv[3:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("-n", type=int, default=16, help="tokens to generate")
+    ap.add_argument("--quick", action="store_true", help="2 runs of 4 tokens (for tests)")
+    ap.add_argument("--baseline", metavar="DIR", help="also run the lumen package in DIR (a checkout's root)")
+    a = ap.parse_args(argv)
+    runs, n = (2, 4) if a.quick else (a.runs, a.n)
+    cli = ["--model", a.model, "--prompt", PROMPT, "-n", str(n)]
+    modes = dict(MODES)
+    if a.baseline:
+        modes["baseline"] = {"PYTHONPATH": os.path.abspath(a.baseline), "LUMEN_PACK_CACHE": "0"}
+    envs = {mode: dict(os.environ, **extra) for mode, extra in modes.items()}
+    for mode, env in envs.items():  # warms Numba's cache, the pack cache and the page cache
+        warm = run_cli(cli, env)
+        print(f"warm-up run ({mode}): {warm['wall']:.2f} s; output {warm['text'].strip()[:60]!r}")
+    cli_res = {mode: [] for mode in modes}
+    ph_res = {mode: [] for mode in modes}
+    misses = 0
+    for _ in range(runs):
+        for mode, env in envs.items():
+            cli_res[mode].append(run_cli(cli, env))
+            r = run_child(cli, env)
+            misses += r["cache_misses"]
+            ph_res[mode].append(phases(r))
+    print(f"\n{a.model}, prompt {PROMPT!r}, -n {n}; medians of {runs} fresh processes per mode, modes interleaved")
+    print(f"{'phase (instrumented CLI)':28s}" + "".join(f"{m:>12s}" for m in modes))
+    for key in ph_res["cache on"][0]:
+        print(f"{key:28s}" + "".join(f"{median([p[key] for p in ph_res[m]]) * 1e3:10.0f}ms" for m in modes))
+    print(f"{'plain CLI':28s}" + "".join(f"{m:>12s}" for m in modes))
+    for key, label, unit in (("ttft", "spawn -> first token", "s"), ("wall", "process wall", "s"),
+                             ("maxrss_mb", "peak RSS", "MB")):
+        print(f"{label:28s}" + "".join(f"{median([r[key] for r in cli_res[m]]):10.2f}{unit:>2s}" for m in modes))
+    print(f"CLI stats line (last run, cache on): {cli_res['cache on'][-1]['stats']}")
+    if misses:
+        print(f"WARNING: {misses} Numba cache misses in the instrumented runs: the compile cache was not warm")
+    on = median([r["ttft"] for r in cli_res["cache on"]])
+    off = median([r["ttft"] for r in cli_res["cache off"]])
+    w_on = median([p["weights (repack/cache)"] for p in ph_res["cache on"]])
+    w_off = median([p["weights (repack/cache)"] for p in ph_res["cache off"]])
+    base = ""
+    if a.baseline:
+        b = median([r["ttft"] for r in cli_res["baseline"]])
+        base = f", {b:.2f} s with the baseline ({b / on:.2f}x)"
+    print(f"VERDICT: {a.model} warm start: first token {on:.2f} s after spawn with the pack cache, {off:.2f} s "
+          f"without ({off / on:.2f}x){base}; weights {w_on * 1e3:.0f} ms vs {w_off * 1e3:.0f} ms (medians of "
+          f"{runs}) -> {'within' if on <= 3.0 else 'over'} the 3 s target [load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores]")
+
+
+if __name__ == "__main__":
+    main()

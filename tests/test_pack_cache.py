@@ -1,0 +1,243 @@
+"""The packed-weight cache (lumen.packcache): a hit reads arrays identical to a fresh repack, so the logits are
+identical; any change of the key (packing code, GGUF file) repacks; a damaged cache file is detected and rebuilt;
+an unwritable cache directory or LUMEN_PACK_CACHE=0 falls back to packing in memory. Tiny synthetic models
+(tests/synth.py) in a temporary LUMEN_HOME."""
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import lumen
+from lumen import packcache
+from lumen.forward import P_Q, P_S
+from lumen.model import open_gguf
+from lumen.weights import load_weights
+from synth import write_model
+
+ARRAYS = ("table", "q", "q8", "qf", "s", "o")
+# one matrix type of every packing family (Q4, Q5, I8, F32) in each layer
+MIXED = {f"blk.{i}.{name}.weight": qt for i in range(2) for name, qt in (
+    ("attn_q", T.Q4_0), ("attn_k", T.Q5_1), ("attn_v", T.Q8_0), ("attn_output", T.F16), ("ffn_gate", T.Q4_1),
+    ("ffn_up", T.Q5_0), ("ffn_down", T.BF16))}
+# the K types need rows of 256: gguf-py cannot quantize them, so their bytes are random (NaN scales included)
+K_DIMS = dict(n_embd=256, n_ff=256, n_head=4, n_head_kv=2, n_layer=1, head_dim=64)
+K_TYPES = {"blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q5_K, "blk.0.attn_v.weight": T.Q6_K,
+           "blk.0.ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K}
+IDS = [5, 100, 7, 42, 9]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A fresh LUMEN_HOME with the cache on. The packing sources count as older than the import even if someone
+    edits them while the tests run (that guard has its own test)."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("LUMEN_HOME", str(h))
+    monkeypatch.delenv("LUMEN_PACK_CACHE", raising=False)
+    monkeypatch.setattr(packcache, "IMPORT_TIME_NS", time.time_ns() + 10**12)
+    return h
+
+
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "llama", tensor_types=MIXED)
+    return path
+
+
+def packs_of(path, cache):
+    g, cfg = open_gguf(path)
+    return load_weights(g, cfg, pack_cache=cache)
+
+
+def assert_same_packs(a, b):
+    for name in ARRAYS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), name
+        assert x.flags.c_contiguous and x.flags.writeable and x.flags.aligned, name  # same Numba type as fresh
+
+
+def cache_files(home) -> list[Path]:
+    return sorted((home / "packs").glob("*.lpack"))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("kind", ["mixed", "k-quants"])
+def test_hit_is_identical_to_a_repack(home, tmp_path, kind):
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "mixed":
+        write_model(path, "llama", tensor_types=MIXED)
+    else:
+        write_model(path, "llama", tensor_types=K_TYPES, d=K_DIMS)
+    first = packs_of(path, True)
+    assert first.packs_from == "packed, cached"
+    assert len(cache_files(home)) == 1 and cache_files(home)[0].name.startswith(f"{kind}-")
+    hit = packs_of(path, True)
+    assert hit.packs_from == "cache"
+    fresh = packs_of(path, False)
+    assert fresh.packs_from == "packed (cache off)"
+    assert_same_packs(hit.packs, fresh.packs)
+    assert hit.decode_bytes == fresh.decode_bytes
+    m_hit, m_fresh = lumen.load(path, ctx=32), lumen.load(path, ctx=32, pack_cache=False)
+    assert m_hit.weights.packs_from == "cache"
+    np.testing.assert_array_equal(m_hit.logits(IDS), m_fresh.logits(IDS))  # bit for bit (NaN == NaN)
+    if kind == "mixed":                                                     # (random K blocks give NaN logits)
+        out_hit = [t.id for t in m_hit.generate(IDS, max_tokens=6)]
+        assert out_hit == [t.id for t in m_fresh.generate(IDS, max_tokens=6)]
+
+
+def test_changed_code_rebuilds(home, model_file, monkeypatch):
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    real = packcache.code_hash()
+    monkeypatch.setattr(packcache, "code_hash", lambda: "a layout change")
+    w = packs_of(model_file, True)
+    assert w.packs_from == "packed, cached"
+    assert len(cache_files(home)) == 2
+    assert packs_of(model_file, True).packs_from == "cache"
+    monkeypatch.setattr(packcache, "code_hash", lambda: real)
+    assert packs_of(model_file, True).packs_from == "cache"          # the first file is still there (KEEP = 2)
+    monkeypatch.setattr(packcache, "code_hash", lambda: "a third layout")
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    assert len(cache_files(home)) == packcache.KEEP                   # the oldest was evicted
+
+
+def test_changed_gguf_rebuilds(home, model_file):
+    """Another file of the same size and name (another seed): another key, and its own weights."""
+    size = model_file.stat().st_size
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    write_model(model_file, "llama", tensor_types=MIXED, seed=7)
+    assert model_file.stat().st_size == size
+    w = packs_of(model_file, True)
+    assert w.packs_from == "packed, cached"
+    assert_same_packs(w.packs, packs_of(model_file, False).packs)
+    assert packs_of(model_file, True).packs_from == "cache"
+
+
+def test_sources_edited_after_import_skip_the_cache(home, model_file, monkeypatch):
+    """A packing source newer than the import: the code running may not be the code on disk, so no cache."""
+    monkeypatch.setattr(packcache, "IMPORT_TIME_NS", 0)
+    w = packs_of(model_file, True)
+    assert w.packs_from.startswith("packed (packing sources changed")
+    assert not (home / "packs").exists()
+
+
+def _header(path: Path):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[8:16])
+    return json.loads(raw[16:16 + n])
+
+
+def _patch(path: Path, offset: int, data: bytes):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _edit_header(path: Path, edit):
+    """Apply edit to the JSON header, written back in the same number of bytes."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[8:16])
+    head = json.loads(raw[16:16 + n])
+    edit(head)
+    text = json.dumps(head).encode()
+    assert len(text) <= n
+    raw[16:16 + n] = text.ljust(n)
+    path.write_bytes(bytes(raw))
+
+
+def _table_cell(path: Path, row: int, col: int) -> int:
+    dtype, shape, off = _header(path)["arrays"]["table"]
+    return off + 8 * (row * shape[1] + col)
+
+
+CORRUPTIONS = {
+    "empty": lambda p: p.write_bytes(b""),
+    "truncated to 10 bytes": lambda p: os.truncate(p, 10),
+    "truncated to half": lambda p: os.truncate(p, p.stat().st_size // 2),
+    "last byte missing": lambda p: os.truncate(p, p.stat().st_size - 1),
+    "garbage header": lambda p: _patch(p, 16, b"\xff" * 32),
+    "bad magic": lambda p: _patch(p, 0, b"NOTLUMEN"),
+    "huge header length": lambda p: _patch(p, 8, struct.pack("<Q", 1 << 62)),
+    "bad trailer": lambda p: _patch(p, p.stat().st_size - 8, b"\0" * 8),
+    "table offset out of bounds": lambda p: _patch(p, _table_cell(p, 0, P_Q), struct.pack("<q", 1 << 40)),
+    "table offset negative": lambda p: _patch(p, _table_cell(p, 3, P_S), struct.pack("<q", -64)),
+    "table offset overflows": lambda p: _patch(p, _table_cell(p, 1, P_Q), struct.pack("<q", (1 << 63) - 8)),
+    "table rows swapped": lambda p: _patch(p, _table_cell(p, 0, 0), Path(p).read_bytes()[
+        _table_cell(p, 1, 0):_table_cell(p, 2, 0)]),
+    "array missing from header": lambda p: p.write_bytes(p.read_bytes().replace(b'"q8"', b'"qx"', 1)),
+    "array shorter in header": lambda p: _edit_header(p, lambda h: h["arrays"]["s"][1].__setitem__(0, 64)),
+    "array dtype in header": lambda p: _edit_header(p, lambda h: h["arrays"]["qf"].__setitem__(0, "<f8")),
+    "another key in header": lambda p: _edit_header(p, lambda h: h.__setitem__("key", "0" * 64)),
+}
+
+
+@pytest.mark.parametrize("how", list(CORRUPTIONS))
+def test_damaged_cache_file_is_rebuilt(home, model_file, how):
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    (path,) = cache_files(home)
+    CORRUPTIONS[how](path)
+    m = lumen.load(model_file, ctx=32)
+    assert m.weights.packs_from == "packed, cached"
+    assert_same_packs(m.weights.packs, packs_of(model_file, False).packs)
+    m.logits(IDS)
+    assert packs_of(model_file, True).packs_from == "cache"
+
+
+def test_interrupted_write_leaves_no_cache_file(home, model_file, monkeypatch):
+    def fail(fd):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(packcache.os, "fsync", fail)
+        w = packs_of(model_file, True)
+    assert w.packs_from.startswith("packed (cache not written: OSError") and "No space left" in w.packs_from
+    assert list((home / "packs").iterdir()) == []                    # neither the file nor its temporary
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    assert packs_of(model_file, True).packs_from == "cache"
+
+
+def test_unwritable_cache_dir_packs_in_memory(home, model_file, monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where LUMEN_HOME should be a directory")
+    monkeypatch.setenv("LUMEN_HOME", str(blocker))
+    m = lumen.load(model_file, ctx=32)
+    assert m.weights.packs_from.startswith("packed (cache not written")
+    assert_same_packs(m.weights.packs, packs_of(model_file, False).packs)
+    env = dict(os.environ, LUMEN_HOME=str(blocker))
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "--model", str(model_file), "-p", "the", "-n", "3"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_disabled_by_env_and_parameter(home, model_file, monkeypatch):
+    monkeypatch.setenv("LUMEN_PACK_CACHE", "0")
+    assert lumen.load(model_file, ctx=32).weights.packs_from == "packed (cache off)"
+    assert not (home / "packs").exists()
+    monkeypatch.delenv("LUMEN_PACK_CACHE")
+    assert lumen.load(model_file, ctx=32, pack_cache=False).weights.packs_from == "packed (cache off)"
+    assert not (home / "packs").exists()
+    assert lumen.load(model_file, ctx=32).weights.packs_from == "packed, cached"
+
+
+def test_concurrent_writers(home, model_file):
+    """Processes packing the same model at once: each gets its packs, and the file left is whole."""
+    code = ("import sys, lumen; m = lumen.load(sys.argv[1], ctx=32); print(m.weights.packs_from)")
+    env = dict(os.environ, LUMEN_HOME=str(home))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(model_file)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.strip() in ("packed, cached", "cache"), out
+    assert len(cache_files(home)) == 1
+    assert not list((home / "packs").glob(".*.tmp"))
+    w = packs_of(model_file, True)
+    assert w.packs_from == "cache"
+    assert_same_packs(w.packs, packs_of(model_file, False).packs)
