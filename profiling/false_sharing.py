@@ -13,6 +13,7 @@ Figures are G MAC/s summed over threads, medians of --repeats, layouts interleav
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -92,7 +93,7 @@ def main(argv=None) -> None:
         bad = statistics.median(res["numpy", 2]) / statistics.median(res["numpy", 1])
         good = statistics.median(res["per_thread", 2]) / statistics.median(res["per_thread", 1])
         print(f"VERDICT: 2 threads give {bad:.2f}x the 1-thread rate with shared-line scratch, {good:.2f}x with "
-              f"per-thread lines (medians of {a.repeats})")
+              f"per-thread lines (medians of {a.repeats}) [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
 
 
 if __name__ == "__main__":
