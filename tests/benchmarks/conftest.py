@@ -1,18 +1,25 @@
-"""Benchmark regression gates: machinery. See README.md in this folder for the commands.
+"""Benchmark regression gates: machinery. See README.md in this folder for the commands and the measurements.
 
-Every case is timed against a reference kernel of the same kind (memory-bound or compute-bound), interleaved
-pair by pair in the same session: ref batch, case batch, ref batch, case batch, ... The normalised figure of a
-case is the median over rounds of (case time per call) / (reference time per call). Machine load slows both
-sides of a pair alike, so this ratio moves far less than either time. The gate fails a case whose normalised
-figure exceeds its committed baseline (baseline.json) by more than THRESHOLD.
+Each case is a runner `run(k)` doing k repetitions of its work, almost all of it in compiled code: a kernel case
+replays the Numba calls its public entry point makes (recorded once, then looped inside one compiled function,
+so the Python wrapper and Numba's argument dispatch are not timed); the decode step and the prefill call the
+Model methods. It is timed against a reference (an L2-resident int16 multiply-add loop, compiled), interleaved
+batch by batch: ref batch, case batch, ref batch, case batch, ... The normalised figure of a case is the median
+over rounds of (case CPU s per call) / (reference CPU s per pass). Machine load slows both sides of a pair
+alike, so this ratio moves far less than either time. The gate fails a case whose normalised figure exceeds
+its committed baseline (baseline.json) x THRESHOLD on each of ATTEMPTS measurements in a row.
 
 Environment:
     LUMEN_BENCH=1          run the gates (otherwise every test here is skipped, so `pytest` over tests/ skips them)
-    LUMEN_BENCH_SMOKE=1    run only the smoke cases, with fewer rounds (< 60 s; what CI runs); implies LUMEN_BENCH
-    LUMEN_BENCH_WRITE=1    measure and (re)write baseline.json for the cases run, instead of gating
+    LUMEN_BENCH_SMOKE=1    run only the smoke cases (what .ci/run runs); implies LUMEN_BENCH
+    LUMEN_BENCH_WRITE=1    measure and (re)write baseline.json for the cases run, instead of gating: the run
+                           starts WRITE_PASSES - 1 more pytest processes with the same arguments, one after the
+                           other, and each case's baseline is the median of the WRITE_PASSES processes' figures
     LUMEN_BENCH_OUT=FILE   also write every measured figure (per-round ratios) to FILE as JSON
-    LUMEN_BENCH_INJECT=F   inject a slowdown: after each benchmarked call, spin for F x that call's own duration
-                           (F = 0.25 makes every case 25% slower; used to show the gate catches it)
+    LUMEN_BENCH_INJECT=F   inject a slowdown: after each timed batch, spin for F x that batch's own duration on
+                           the gate's clock, inside the timed window (F = 0.25: every case 25% slower)
+    LUMEN_BENCH_THREADS=N  Numba threads for every case (default 1; README: why)
+    LUMEN_BENCH_METRIC=M   "cpu" (process CPU time, default) or "wall"
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
-from numba import njit, prange
+from numba import njit
+from numba.core.dispatcher import Dispatcher
 
 HERE = Path(__file__).parent
 BASELINE = HERE / "baseline.json"
@@ -35,68 +43,152 @@ SMOKE = os.environ.get("LUMEN_BENCH_SMOKE") == "1"
 ENABLED = SMOKE or os.environ.get("LUMEN_BENCH") == "1"
 WRITE = os.environ.get("LUMEN_BENCH_WRITE") == "1"
 INJECT = float(os.environ.get("LUMEN_BENCH_INJECT") or 0)
-THRESHOLD = 1.10        # fail when normalised figure > baseline x THRESHOLD (chosen from measured spread: README)
-SMOKE_THRESHOLD = 1.10  # same threshold and three strikes; only the rounds are fewer
-WRITE_REPEATS = 3       # the baseline is the median of this many measurements per case, PAUSE_S apart
-ROUNDS = 3 if SMOKE else 9
-THREADS = int(os.environ.get("LUMEN_BENCH_THREADS") or 1)  # numba threads for every case (README: why 1)
-METRIC = os.environ.get("LUMEN_BENCH_METRIC", "cpu")  # gate on process CPU time ("cpu") or wall time ("wall")
-ATTEMPTS = 3            # a case fails only when over the limit this many times in a row
-PAUSE_S = (3.0, 10.0)   # before the 2nd and 3rd of those measurements (neighbour bursts last seconds to minutes)
-LONG_ROUNDS = 3 if SMOKE else 5  # rounds for cases whose single call outlasts BATCH_S
-BATCH_S = 0.012         # each side of a pair runs about this long (the case repeated k times)
+THRESHOLD = 1.12        # fail when normalised figure > baseline x THRESHOLD (chosen from measured spread: README)
+WRITE_PASSES = 3        # write mode: the baseline is the median of this many processes' figures per case
+WRITE_CHILD = os.environ.get("LUMEN_BENCH_WRITE_CHILD")  # set in those extra processes: the first one's figures
+THREADS = int(os.environ.get("LUMEN_BENCH_THREADS") or 1)
+METRIC = os.environ.get("LUMEN_BENCH_METRIC", "cpu")
+ATTEMPTS = 5            # a case not clearly under the limit is measured up to this many times; the majority decides
+CLEAR = 1.05            # "clearly under": first figure <= baseline x THRESHOLD / CLEAR passes at once
+PAUSE_S = (3.0, 10.0, 10.0, 10.0)  # before the 2nd, 3rd, ... of those (neighbour bursts last seconds to minutes)
+WRITE_PAUSE_S = 10.0    # write mode: between the passes
+ROUNDS = 11             # interleaved (reference, case) pairs per measurement
+COPIES = ROUNDS         # replicas of a kernel case's arrays (and the reference's): one per round
+COPY_MAX_BYTES = 16 << 20  # larger arrays (the two output heads' weights) are shared by the replicas
+LONG_ROUNDS = 3         # ... for cases whose single call outlasts BATCH_S
+BATCH_S = 0.015         # each side of a pair runs about this long
 
-# ---------------------------------------------------------------- reference kernels
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def ref_mem_kernel(a):
-    """Sum of a (n_chunks, chunk) f32, parallel over chunks: streams the array from DRAM (read bandwidth)."""
-    acc = np.zeros(a.shape[0], np.float32)
-    for i in prange(a.shape[0]):
-        s = np.float32(0)
-        for j in range(a.shape[1]):
-            s += a[i, j]
-        acc[i] = s
-    return acc.sum()
+# ---------------------------------------------------------------- reference
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def ref_compute_kernel(out, a, x, reps):
-    """out (rows,) = reps x (a (rows, n) @ x (n,)), parallel over rows; a fits in L2: FMA throughput."""
-    for i in prange(a.shape[0]):
-        s = np.float32(0)
-        for _ in range(reps):
-            for j in range(a.shape[1]):
-                s += a[i, j] * x[j]
-        out[i] = s
+@njit(fastmath=True, cache=True)
+def ref_kernel(acc, q, x, reps):
+    """acc (R,) i16 += reps passes of q (G, 32, R) i8 . x (G*32,) i8 with int16 multiply-adds: the inner loop of
+    the quantized tile kernels, on 128 KB that stay in L2. One pass = 64 x 32 x 64 multiply-adds."""
+    G = q.shape[0]
+    for _ in range(reps):
+        for g in range(G):
+            for j in range(16):
+                xl = np.int16(x[32 * g + j])
+                xh = np.int16(x[32 * g + j + 16])
+                for r in range(q.shape[2]):
+                    acc[r] = np.int16(acc[r] + np.int16(q[g, j, r]) * xl + np.int16(q[g, j + 16, r]) * xh)
 
 
-class References:
-    """The two reference kernels, sized per case so one reference call is like one case call:
-    mem:     a streaming sum over as many bytes as the case reads (in cache if the case's data is, else DRAM);
-    compute: the L2-resident FMA loop, repeated so that one call takes about as long as one case call."""
+class Reference:
+    """run(k): k passes of ref_kernel, in one compiled call; next() moves to the next of COPIES replicas."""
 
     def __init__(self):
-        self.mem_a = np.random.default_rng(0).random(64 * 1024 * 1024, dtype=np.float32)  # (64 Mi,) 256 MB
-        self.cmp_a = np.random.default_rng(1).random((64, 1024), dtype=np.float32)        # (64, 1024) 256 KB
-        self.cmp_x = np.random.default_rng(2).random(1024, dtype=np.float32)
-        self.cmp_out = np.empty(64, np.float32)
-        ref_mem_kernel(self.mem_a[:1024].reshape(8, 128))
-        ref_compute_kernel(self.cmp_out, self.cmp_a, self.cmp_x, 1)
+        rng = np.random.default_rng(0)
+        q = rng.integers(-16, 16, (64, 32, 64)).astype(np.int8)   # (G=64, 32, R=64) 128 KB
+        x = rng.integers(-127, 128, 64 * 32).astype(np.int8)      # (G*32,)
+        self.replicas = [(np.zeros(64, np.int16), q.copy(), x.copy()) for _ in range(COPIES)]  # acc (R,) i16
+        self.i = 0
+        self(1)
 
-    def fn(self, kind: str, param: int):
-        """kind "mem": param = bytes to stream; "compute": param = repetitions of the 64x1024 mat-vec."""
-        if kind == "mem":
-            n = max(64 * 256, min(param // 4, self.mem_a.size)) // 64 * 64
-            a = self.mem_a[:n].reshape(64, n // 64)     # (64 chunks, n/64) f32
-            return lambda: ref_mem_kernel(a)
-        return lambda: ref_compute_kernel(self.cmp_out, self.cmp_a, self.cmp_x, param)
+    def next(self) -> None:
+        self.i = (self.i + 1) % len(self.replicas)
 
-    def compute_param(self, t_call: float) -> int:
-        """Repetitions for a compute reference call lasting about t_call seconds."""
-        t1 = min(time_batch(self.fn("compute", 16), 20)[0] for _ in range(3)) / 16
-        return max(1, round(t_call / t1))
+    def __call__(self, k: int) -> None:
+        ref_kernel(*self.replicas[self.i], k)
+
+
+# ---------------------------------------------------------------- case runners
+
+_LOOPS: dict = {}
+
+
+def _loop(d):
+    """A compiled loop calling dispatcher d k times with one argument tuple (compiled once per dispatcher)."""
+    if d not in _LOOPS:
+        @njit
+        def loop(k, args):
+            for _ in range(k):
+                d(*args)
+        _LOOPS[d] = loop
+    return _LOOPS[d]
+
+
+def _replica(args: tuple, memo: dict) -> tuple:
+    """args with every array of at most COPY_MAX_BYTES replaced by a fresh copy (same dtype, layout and
+    writeability; an array passed to several calls maps to one copy through memo)."""
+    out = []
+    for a in args:
+        if isinstance(a, np.ndarray) and a.nbytes <= COPY_MAX_BYTES:
+            if id(a) not in memo:
+                c = a.copy(order="K")
+                c.setflags(write=a.flags.writeable)
+                memo[id(a)] = c
+            a = memo[id(a)]
+        out.append(a)
+    return tuple(out)
+
+
+class Replay:
+    """run(k): the compiled work of fn(*args), k times. fn (a public entry point such as matvec) is called once
+    with every Numba dispatcher in its module's namespace replaced by a recorder; the recorded calls are then
+    replayed in order, each inside a compiled loop. So only compiled work is timed (the forward pass calls the
+    same kernels from compiled code), and no kernel signature is written here. If fn calls no Numba function
+    from Python (or passes one keyword arguments), run(k) calls fn itself k times.
+
+    run.next() moves to the next of `copies` replicas of the arrays (the original first): where a few MB of
+    weights land in physical memory decides their L2 conflicts, and so the speed of a cache-resident kernel by
+    several % (README); the gate times each round on another replica, so a figure averages over placements."""
+
+    def __init__(self, fn, *args, copies: int = 1):
+        ns = fn.__globals__
+        saved = {name: obj for name, obj in ns.items() if isinstance(obj, Dispatcher)}
+        calls = []
+
+        def recorder(d):
+            def call(*a, **kw):
+                calls.append((d, a, kw))
+                return d(*a, **kw)
+            return call
+        try:
+            ns.update({name: recorder(d) for name, d in saved.items()})
+            fn(*args)
+        finally:
+            ns.update(saved)
+        self.fn, self.args = fn, args
+        if any(kw for _, _, kw in calls):  # keyword arguments do not go through the compiled loop: time fn itself
+            calls = []
+        self.names = [d.__name__ for d, _, _ in calls] or [fn.__name__]
+        self.replicas = [[(_loop(d), a) for d, a, _ in calls]]
+        self.copies = copies
+        self.new_copies()
+
+    def new_copies(self) -> None:
+        """Fresh replicas (new placements) for the next measurement; the first one keeps the original arrays."""
+        del self.replicas[1:]
+        for _ in range(self.copies - 1):
+            memo = {}
+            self.replicas.append([(loop, _replica(a, memo)) for loop, a in self.replicas[0]])
+        self.i = 0
+        for self.calls in self.replicas:  # compile (first time), and touch every replica
+            self(1)
+        self.calls = self.replicas[0]
+
+    def next(self) -> None:
+        self.i = (self.i + 1) % len(self.replicas)
+        self.calls = self.replicas[self.i]
+
+    def __call__(self, k: int) -> None:
+        if not self.calls:
+            for _ in range(k):
+                self.fn(*self.args)
+        for loop, a in self.calls:
+            loop(k, a)
+
+
+def python_loop(fn, rounds: int = ROUNDS):
+    """run(k) for a case that is a Python call (Model.decode / prefill: one compiled forward per call). rounds:
+    for the measurement (one placement of the model only, so more rounds instead of replicas)."""
+    def run(k: int) -> None:
+        for _ in range(k):
+            fn()
+    run.rounds = rounds
+    return run
 
 
 # ---------------------------------------------------------------- timing
@@ -107,60 +199,82 @@ def _spin_until(clock, t_end: float) -> None:
         pass
 
 
-def time_batch(fn, k: int, inject: float = 0.0) -> tuple[float, float]:
-    """(wall, process CPU) seconds per call of fn, over k back-to-back calls. inject: after each call, spin on
-    the metric's clock for inject x that call's own duration on it (wall: perf_counter, cpu: process_time)."""
+def time_batch(run, k: int, inject: float = 0.0) -> tuple[float, float]:
+    """(wall, process CPU) seconds per repetition of run(k). inject: then spin, inside the timed window, on the
+    gate's clock for inject x the batch's own duration on that clock (so the batch takes 1 + inject as long)."""
     clock = time.process_time if METRIC == "cpu" else time.perf_counter
     w0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(k):
-        t = clock()
-        fn()
-        if inject:
-            t1 = clock()
-            _spin_until(clock, t1 + inject * (t1 - t))
+    t = clock()
+    run(k)
+    if inject:
+        t1 = clock()
+        _spin_until(clock, t1 + inject * (t1 - t))
     return (time.perf_counter() - w0) / k, (time.process_time() - c0) / k
 
 
-def calibrate(fn, target_s: float = BATCH_S) -> tuple[int, float]:
-    """(calls per batch so a batch lasts about target_s, wall seconds of one call); fn already warm. One timing
-    for calls longer than target_s, the best of three otherwise."""
-    t = time_batch(fn, 1)[0]
-    if t < target_s:
-        t = min(t, *(time_batch(fn, 1)[0] for _ in range(2)))
-    return max(1, math.ceil(target_s / max(t, 1e-7))), t
+def per_call(run) -> float:
+    """CPU seconds of one repetition (best of three single calls; one if a call is long)."""
+    t = time_batch(run, 1)[1]
+    if t < BATCH_S:
+        t = min(t, *(time_batch(run, 1)[1] for _ in range(2)))
+    return max(t, 1e-7)
+
+
+def cpu_info() -> dict:
+    """The CPU the figures were measured on: model name and the vector ISA flags that decide kernel speed."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
+    return {"model": model, "isa": isa, "cpus": os.cpu_count()}
 
 
 class Gate:
     """Measures cases and gates them against baseline.json; collects everything for the session report."""
 
     def __init__(self):
-        self.refs = None
+        self.ref = None
         self.baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {"cases": {}}
         self.results = {}
+        self.cpu = cpu_info()
+        base_cpu = self.baseline.get("meta", {}).get("cpu")
+        self.cpu_mismatch = bool(base_cpu) and base_cpu != self.cpu
 
-    def measure(self, case_id: str, kind: str, fn, nbytes: int = 0, rounds: int = ROUNDS) -> dict:
-        """Time fn against its reference, interleaved. nbytes: bytes one call reads (kind "mem")."""
-        if self.refs is None:
-            self.refs = References()
-        fn()  # warm: JIT compile / load from cache
+    def measure(self, case_id: str, run) -> dict:
+        """Time run(k) against the reference, interleaved. The batch sizes come from the baseline when it has
+        this case (a gate run repeats the baseline's workload), else from a calibration."""
+        if self.ref is None:
+            self.ref = Reference()
+        if hasattr(run, "new_copies") and self.results.get(case_id):
+            run.new_copies()  # a remeasurement: other placements, so the attempts are independent
+        run(1)  # warm (compiled loops, caches)
         base = self.baseline["cases"].get(case_id)
-        if base and not WRITE:  # the same workload as the baseline's
-            k, param = base["k"], base["ref_param"]
+        if WRITE_CHILD:  # a later write pass: the first pass's workload
+            base = json.loads(Path(WRITE_CHILD).read_text())["results"].get(case_id)
+        if base and (not WRITE or WRITE_CHILD) and "k_ref" in base:
+            k, k_ref = base["k"], base["k_ref"]
         else:
-            k, t_call = calibrate(fn)
-            param = nbytes if kind == "mem" else self.refs.compute_param(t_call)
-        ref = self.refs.fn(kind, param)
-        ref()
-        k_ref = calibrate(ref)[0]
-        if k == 1 and k_ref == 1 and rounds > LONG_ROUNDS:  # calls longer than a batch: fewer, longer rounds
-            rounds = LONG_ROUNDS
-        wall, cpu = [], []  # per round: (case, reference) seconds per call
+            t_call, t_ref = per_call(run), per_call(self.ref)
+            k = max(1, math.ceil(BATCH_S / t_call))
+            k_ref = max(1, round(k * t_call / t_ref))  # the reference batch lasts as long as the case batch
+        rounds = LONG_ROUNDS if k == 1 else getattr(run, "rounds", ROUNDS)
+        wall, cpu = [], []  # per round: (case, reference) seconds per call / per pass
         for _ in range(rounds):
-            rw, rc = time_batch(ref, k_ref)
-            cw, cc = time_batch(fn, k, INJECT)
+            self.ref.next()
+            if hasattr(run, "next"):
+                run.next()
+            rw, rc = time_batch(self.ref, k_ref)
+            cw, cc = time_batch(run, k, INJECT)
             wall.append((cw, rw))
             cpu.append((cc, rc))
-        res = {"kind": kind, "k": k, "ref_param": param, "k_ref": k_ref,
+        res = {"k": k, "k_ref": k_ref,
                "case_s_median": statistics.median(c for c, _ in wall),
                "ref_s_median": statistics.median(r for _, r in wall)}
         for name, pairs in (("wall", wall), ("cpu", cpu)):
@@ -173,23 +287,32 @@ class Gate:
         self.results[case_id] = res
         return res
 
-    def write_median(self, case_id: str, res: dict, remeasure) -> None:
-        """Write mode: measure WRITE_REPEATS times in all; keep the measurement whose gate figure is the median."""
-        runs = [res] + [(time.sleep(PAUSE_S[0]), remeasure())[1] for _ in range(WRITE_REPEATS - 1)]
-        med = sorted(runs, key=lambda r: r["norm"])[len(runs) // 2]
-        med["write_norms"] = [r["norm"] for r in runs]
-        self.results[case_id] = med
+    @staticmethod
+    def replay(out: np.ndarray, fn, *args) -> Replay:
+        """Replay of fn(*args), checked: the replayed calls write the same `out` as the entry point did."""
+        fn(*args)
+        expect = out.copy()
+        run = Replay(fn, *args, copies=COPIES)
+        out[...] = np.nan
+        run(1)  # the first replica holds the original arrays
+        np.testing.assert_array_equal(out, expect, err_msg=f"replayed calls {run.names} differ from {fn.__name__}")
+        return run
+
+    python_loop = staticmethod(python_loop)
 
     def check(self, case_id: str, res: dict, remeasure) -> None:
-        """Fail when the case is over the limit on ATTEMPTS measurements in a row, PAUSE_S apart (a neighbour's
-        burst of load can bias a measurement; a real slowdown biases all of them). remeasure() -> new res."""
+        """Pass at once when the first measurement is clearly under the limit (by more than CLEAR); otherwise
+        measure again, PAUSE_S apart, until a majority of ATTEMPTS measurements is under the limit (pass) or
+        over it (fail). A neighbour's burst can bias a measurement either way (up: a flap; down: a real
+        slowdown let through); the majority vote outlasts a burst of up to ATTEMPTS // 2 measurements.
+        remeasure() -> new res."""
         if WRITE:
-            return self.write_median(case_id, res, remeasure)
+            return
         base = self.baseline["cases"].get(case_id)
-        if base is None:
-            pytest.skip(f"{case_id}: no baseline (write one: see tests/benchmarks/README.md)")
+        if base is None or "k_ref" not in base:  # a failure, not a skip: CI must not pass without gating
+            pytest.fail(f"{case_id}: no baseline in {BASELINE.name} (write one: see tests/benchmarks/README.md)")
         base = dict(base, norm=base[f"norm_{METRIC}"])
-        limit = base["norm"] * (SMOKE_THRESHOLD if SMOKE else THRESHOLD)
+        limit = base["norm"] * THRESHOLD
         rels = []
         for attempt in range(ATTEMPTS):
             if attempt:
@@ -200,17 +323,20 @@ class Gate:
                 res[f"rel_{m}"] = res[m] / base[m]
             rels.append(res["rel"])
             res["attempt_rels"] = list(rels)
-            if res["norm"] <= limit:
+            if attempt == 0 and res["norm"] <= limit / CLEAR:
                 return
+            over = sum(r > THRESHOLD for r in rels)
+            if len(rels) - over > ATTEMPTS // 2:
+                return
+            if over > ATTEMPTS // 2:
+                break
+        med = statistics.median(rels)
         assert False, (
-            f"{case_id} is {100 * (min(rels) - 1):.0f}% slower than baseline on each of {ATTEMPTS} measurements "
-            f"(normalised / baseline: {', '.join(f'{r:.3f}' for r in rels)}; limit x{limit / base['norm']:.2f}); "
-            f"case {1e3 * res['case_s_median']:.3f} ms/call, {kind_name(res['kind'])} reference "
-            f"{1e3 * res['ref_s_median']:.3f} ms/call")
-
-
-def kind_name(kind: str) -> str:
-    return {"mem": "memory-bound", "compute": "compute-bound"}[kind]
+            f"{case_id} is {100 * (med - 1):.0f}% slower than baseline (over the limit x{THRESHOLD:.2f} on {over} of "
+            f"{len(rels)} measurements, normalised / baseline: {', '.join(f'{r:.3f}' for r in rels)}); "
+            f"case {1e3 * res['case_s_median']:.4f} ms/call, reference {1e3 * res['ref_s_median']:.4f} ms/pass"
+            + (f"; NOTE: the baseline was measured on {self.baseline['meta']['cpu']}, this is {self.cpu}"
+               if self.cpu_mismatch else ""))
 
 
 _GATE = Gate()
@@ -242,39 +368,79 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="not a smoke case (LUMEN_BENCH_SMOKE=1)"))
 
 
+def _dump(path) -> None:
+    Path(path).write_text(json.dumps({"inject": INJECT, "smoke": SMOKE, "threshold": THRESHOLD,
+                                      "cpu": _GATE.cpu, "results": _GATE.results}, indent=1))
+
+
+def _write_passes(session) -> list[dict]:
+    """Write mode: run WRITE_PASSES - 1 more pytest processes with this one's arguments (and its batch sizes),
+    WRITE_PAUSE_S apart; return every pass's results (this one first). A figure depends on the process (where
+    its arrays and the model landed in memory) and on the minute (neighbours), so the baseline takes the
+    median of separate processes rather than of repeats in one."""
+    import subprocess
+    import sys
+    import tempfile
+    passes = [_GATE.results]
+    with tempfile.TemporaryDirectory() as tmp:
+        first = Path(tmp) / "pass1.json"
+        _dump(first)
+        for i in range(2, WRITE_PASSES + 1):
+            time.sleep(WRITE_PAUSE_S)
+            out = Path(tmp) / f"pass{i}.json"
+            env = dict(os.environ, LUMEN_BENCH_WRITE_CHILD=str(first), LUMEN_BENCH_OUT=str(out))
+            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *session.config.invocation_params.args], env=env, check=True,
+                           cwd=session.config.invocation_params.dir, stdout=subprocess.DEVNULL)
+            passes.append(json.loads(out.read_text())["results"])
+    return passes
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not _GATE.results:
         return
-    if WRITE:
+    out = os.environ.get("LUMEN_BENCH_OUT")
+    if WRITE and not WRITE_CHILD:
+        passes = _write_passes(session)
         cases = _GATE.baseline.setdefault("cases", {})
         for cid, r in _GATE.results.items():
-            cases[cid] = {"norm": r["norm"], "metric": METRIC, "k": r["k"], "ref_param": r["ref_param"],
-                          "kind": r["kind"], "spread": round(r["spread"], 4),
-                          **{m: r[m] for m in ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min")},
-                          "case_ms": round(1e3 * r["case_s_median"], 4)}
+            norms = {m: [p[cid][m] for p in passes if cid in p] for m in
+                     ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min")}
+            r["write_norms"] = norms[f"norm_{METRIC}"]
+            cases[cid] = {"metric": METRIC, "k": r["k"], "k_ref": r["k_ref"], "spread": round(r["spread"], 4),
+                          "write_norms": r["write_norms"], **{m: statistics.median(v) for m, v in norms.items()},
+                          "case_ms": round(1e3 * r["case_s_median"], 5)}
+            cases[cid]["norm"] = cases[cid][f"norm_{METRIC}"]
         _GATE.baseline["meta"] = {
             "written": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": THREADS, "metric": METRIC,
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus", "rounds": ROUNDS,
-            "note": "norm = median over rounds of (case s/call) / (reference s/call), reference timed interleaved"}
+            "cpu": _GATE.cpu, "rounds": ROUNDS, "copies": COPIES, "passes": WRITE_PASSES,
+            "note": "norm = median over rounds of (case CPU s/call) / (reference CPU s/pass), reference timed "
+                    "interleaved, each round on another copy of the case's arrays; the median of WRITE_PASSES "
+                    "separate processes' figures"}
         BASELINE.write_text(json.dumps(_GATE.baseline, indent=1, sort_keys=True) + "\n")
-    out = os.environ.get("LUMEN_BENCH_OUT")
     if out:
-        Path(out).write_text(json.dumps({"inject": INJECT, "smoke": SMOKE, "results": _GATE.results}, indent=1))
+        _dump(out)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _GATE.results:
         return
     tr = terminalreporter
-    tr.section("lumen benchmark gates (normalised = case / same-kind reference, median of interleaved rounds)")
-    tr.write_line(f"gate metric: {METRIC}; vs base columns: wall median, wall min, cpu median, cpu min")
-    tr.write_line(f"{'case':56s} {'kind':7s} {'ms/call':>8s} {'norm':>8s} {'spread':>7s}  {'w-med':>6s} {'w-min':>6s} "
+    tr.section("lumen benchmark gates (normalised = case / reference, median of interleaved rounds)")
+    if _GATE.cpu_mismatch and not WRITE:
+        tr.write_line(f"WARNING: baseline measured on {_GATE.baseline['meta']['cpu']}, this is {_GATE.cpu}: the "
+                      f"figures are ratios and usually transfer, but rewrite the baseline if cases fail here only")
+    tr.write_line(f"gate metric: {METRIC}, {THREADS} thread(s), limit baseline x {THRESHOLD}; "
+                  f"vs base columns: wall median, wall min, cpu median, cpu min")
+    tr.write_line(f"{'case':56s} {'ms/call':>9s} {'norm':>8s} {'spread':>7s}  {'w-med':>6s} {'w-min':>6s} "
                   f"{'c-med':>6s} {'c-min':>6s}  attempts (gate figure / baseline)")
     for cid, r in _GATE.results.items():
         rels = [f"{r[f'rel_{m}']:.3f}" if f"rel_{m}" in r else "-" for m in
                 ("norm_wall", "norm_wall_min", "norm_cpu", "norm_cpu_min")]
-        tr.write_line(f"{cid:56s} {r['kind']:7s} {1e3 * r['case_s_median']:8.3f} {r['norm']:8.4g} "
+        tr.write_line(f"{cid:56s} {1e3 * r['case_s_median']:9.4f} {r['norm']:8.4g} "
                       f"{100 * r['spread']:6.1f}%  " + " ".join(f"{x:>6s}" for x in rels)
-                      + "  " + " ".join(f"{x:.3f}" for x in r.get("attempt_rels", [])))
-    if WRITE:
-        tr.write_line(f"baseline written: {BASELINE}")
+                      + "  " + " ".join(f"{x:.3f}" for x in r.get("attempt_rels", []))
+                      + (" write passes / median: " + " ".join(f"{x / statistics.median(r['write_norms']):.3f}"
+                                                                for x in r["write_norms"]) if r.get("write_norms") else ""))
+    if WRITE and not WRITE_CHILD:
+        tr.write_line(f"baseline written: {BASELINE} (median of {WRITE_PASSES} processes: write_norms)")

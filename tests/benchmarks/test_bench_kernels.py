@@ -1,6 +1,10 @@
 """Benchmark regression gates: every quantized matmul at the real shapes of both models (N = 1, 32, one 512 per
 model), attention at 128 and 1024 keys (both models' head shapes, decode and prefill), a whole SmolLM2 decode
-step and a 512-token SmolLM2 prefill. Skipped unless LUMEN_BENCH=1 (see README.md in this folder)."""
+step and a 512-token SmolLM2 prefill. Skipped unless LUMEN_BENCH=1 (see README.md in this folder).
+
+Only public entry points are called here (lumen.kernels.matmul.prepare / matvec / matmul_batched,
+lumen.kernels.attention.attention, Model.prefill / decode); the gate fixture's replay (conftest.Replay) times the
+compiled calls they make."""
 from __future__ import annotations
 
 import functools
@@ -68,10 +72,8 @@ def test_matmul(gate, benchmark, model, qtype, n_in, d_out, tensor, N):
     w = packed(model, qtype, n_in, d_out, tensor)
     x = np.random.default_rng(0).standard_normal((N, n_in)).astype(np.float32)
     out = np.empty((N, d_out), np.float32)
-    f = matvec if N == 1 else matmul_batched
-    run = lambda: f(out, x, w, w.qtype)  # noqa: E731
-    _gate(gate, benchmark, f"matmul-{model}-{qtype}-{tensor}-{d_out}x{n_in}-N{N}", "mem" if N == 1 else "compute",
-          run, w.nbytes)
+    run = gate.replay(out, matvec if N == 1 else matmul_batched, out, x, w, w.qtype)
+    _gate(gate, benchmark, f"matmul-{model}-{qtype}-{tensor}-{d_out}x{n_in}-N{N}", run)
 
 
 def attention_params():
@@ -79,7 +81,7 @@ def attention_params():
     for model, H, Hkv, D in HEADS:
         for ctx in (128, 1024):
             for phase in ("decode", "prefill"):
-                marks = [pytest.mark.smoke] if (model, ctx, phase) == (SMOLLM2, 1024, "decode") else []
+                marks = [pytest.mark.smoke] if (model, ctx, phase) == (GEMMA, 1024, "decode") else []
                 out.append(pytest.param(model, H, Hkv, D, ctx, phase, marks=marks, id=f"{model}-{phase}-ctx{ctx}"))
     return out
 
@@ -95,8 +97,8 @@ def test_attention(gate, benchmark, model, H, Hkv, D, ctx, phase):
     q = rng.standard_normal((N, H, D)).astype(np.float32)             # (N, n_heads, hd)
     out = np.empty((N, H, D), np.float32)
     scratch = attention_scratch(H, D)
-    run = lambda: attention(out, q, k_cache, v_cache, pos0, D ** -0.5, 0, scratch)  # noqa: E731
-    _gate(gate, benchmark, f"attention-{model}-H{H}x{Hkv}-D{D}-{phase}-ctx{ctx}", "compute", run)
+    run = gate.replay(out, attention, out, q, k_cache, v_cache, pos0, D ** -0.5, 0, scratch)
+    _gate(gate, benchmark, f"attention-{model}-H{H}x{Hkv}-D{D}-{phase}-ctx{ctx}", run)
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,25 +114,25 @@ def test_decode_step(gate, benchmark):
     m.reset()
     m.prefill(np.arange(10, 74))
 
-    def run():
+    def step():
         m.state.n_past = 64
         m.decode(100)
-    _gate(gate, benchmark, "decode-step-smollm2-135m-pos64", "mem", run, m.weights.decode_bytes)
+    _gate(gate, benchmark, "decode-step-smollm2-135m-pos64", gate.python_loop(step, rounds=21))
 
 
 def test_prefill_512(gate, benchmark):
     m = smollm2_model()
     ids = np.random.default_rng(0).integers(4, m.config.n_vocab, 512)
 
-    def run():
+    def prefill():
         m.reset()
         m.prefill(ids)
-    _gate(gate, benchmark, "prefill-smollm2-135m-512", "compute", run)
+    _gate(gate, benchmark, "prefill-smollm2-135m-512", gate.python_loop(prefill))
 
 
-def _gate(gate, benchmark, case_id, kind, run, nbytes=0):
-    res = gate.measure(case_id, kind, run, nbytes)
+def _gate(gate, benchmark, case_id, run):
+    res = gate.measure(case_id, run)
     benchmark.extra_info.update({k: v for k, v in res.items() if not k.startswith("ratios")})
-    if not benchmark.disabled:  # with --benchmark-enable: pytest-benchmark's own stats of the raw call too
-        benchmark.pedantic(run, rounds=3, iterations=res["k"])
-    gate.check(case_id, res, lambda: gate.measure(case_id, kind, run, nbytes))
+    if not benchmark.disabled:  # with --benchmark-enable: pytest-benchmark's own stats of run(k) too
+        benchmark.pedantic(run, args=(res["k"],), rounds=3)
+    gate.check(case_id, res, lambda: gate.measure(case_id, run))
