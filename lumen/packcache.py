@@ -132,7 +132,7 @@ def expected_rows(mats: list) -> np.ndarray:
 def check_table(table: np.ndarray, mats: list, sizes: dict) -> str | None:
     """Why `table` cannot describe `mats` packed into buffers of `sizes` (name -> length), or None if it can:
     each row's family, format, d_out, n_in, tiles and groups match the tensor, and every slice lumen.forward.mm
-    takes (q (T,G,16,R) / q8 (T,G,32,R) / qf (T,n_in,R), s (T,G,H,R), o (T,OG,R)) lies inside its buffer, the
+    takes (q (T,G,4,R,4) / q8 (T,G,8,R,4) / qf (T,n_in,R), s (T,G,H,R), o (T,OG,R)) lies inside its buffer, the
     slices of each buffer adding up to its length."""
     if table.shape != (len(mats), N_PCOLS):
         return f"table shape {table.shape}, expected {(len(mats), N_PCOLS)}"

@@ -20,8 +20,8 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   products are the ones llama.cpp computes, and every dot product of the 8-bit families is an exact integer:
   unsigned weight bytes times signed activation bytes, 4 products per int32 lane (vpdpbusd where the CPU has
   AVX512-VNNI, lumen.kernels.simd), minus the zero point times the activations' sum. Offsets cost one multiply
-  per group: o * xs. Measured per core against the int16-lane loops this replaced (same bits): 1.4x (Q4_1),
-  1.8-2.0x (Q5_0), 3.0x (Q6_K), 3.3x (Q8_0) at N = 512.
+  per group: o * xs. Measured per core against the int16-lane loops this replaced (same bits), N = 512, real
+  weights: Q4_1 2.8x, Q4_K 2.5x, Q5_0 2.8x, Q6_K 3.8x, Q8_0 4.1x; N = 1 Q8_0 head 2.1x.
 - N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
 - N > 1 (`matmul_batched`): each tile is applied to all N activation rows while it is in cache, with the same
   tile function as the N=1 path, so the two paths agree bit for bit.

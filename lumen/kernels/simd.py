@@ -33,7 +33,7 @@ VNNI = (bool(_features.get("avx512vnni", False) and _features.get("avx512vl", Fa
         and os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0"))
 
 ROWS = 64                      # rows of a tile (lumen.kernels.matmul.R)
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
 _V8I32 = ir.VectorType(_I32, 8)
 _V32I8 = ir.VectorType(_I8, 32)
 
