@@ -17,7 +17,7 @@ from numba import njit
 
 from .kernels.activation import add_kernel, add_kernel_par, geglu_kernel, geglu_kernel_par, swiglu_kernel, \
     swiglu_kernel_par
-from .kernels.attention import attention_decode_kernel, attention_kernel, kv_store_kernel
+from .kernels.attention import CHUNK, attention_kernel, attention_split_kernel, kv_store_kernel
 from .kernels.dequant import dequant_row
 from .kernels.matmul import F32, Q4, R, batched_kernel, matvec_kernel, prepare_x
 from .kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
@@ -52,11 +52,9 @@ VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "a
 (P_EPS, P_ATTN_SCALE, P_EMBD_SCALE) = range(3)
 
 
-# Decode attention splits the key range across threads (split-K, then a merge) only past this many keys. Below it
-# decode runs the prefill kernel, whose sums are in the same order as a prefill's, so prefill(all) equals
-# prefill(k) + decode(rest) bit for bit on contexts up to this size. (Split-K halves decode attention at 1024
-# keys, 46 vs 87 us per layer; at 128 keys the two are within 2 us.)
-SPLIT_K_MIN_KEYS = 256
+# A lone decode token spreads its attention chunks over the threads (split-K) once it has more than one chunk
+# of keys; both kernels give the same bits (lumen.kernels.attention), so this choice is only about speed.
+SPLIT_K_MIN_KEYS = CHUNK + 1
 
 
 def n_slots(n_layer: int) -> int:
@@ -160,8 +158,8 @@ def _add_bias(x, b):
 @njit(cache=True)
 def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, S, O, fvec, vt, flags, params, lut, tokens, positions, pos0,
                    n_out, x, xn, q, k, v, att, ffa, ffb, logits, scr,
-                   k_cache, v_cache, windows, rope_sel, cos_tab, sin_tab,
-                   s_att, o_att, ml_att, times, prof):
+                   k_pool, v_pool, slots, seqs, block_tables, windows, rope_sel, cos_tab, sin_tab,
+                   att_scr, times, prof):
     """Run tokens (N,) at positions (N,) == pos0 + arange(N) through every layer.
 
     buf (nbytes,) u8          the GGUF mmap, read for the token embedding rows: gt[0] = its (byte offset,
@@ -173,7 +171,10 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, S, O, fvec, vt, flags, params, lu
     x, xn (N, E)              residual stream and normed input      q (N, H*hd)  k (N, KV*hd)  v (N, KV*hdv)
     att (N, H*hdv)            attention output                      ffa, ffb (N, F) FFN gate/up
     logits (n_out, V)         logits of the last n_out rows
-    k_cache (L, KV, ctx, hd), v_cache (L, KV, ctx, hdv)             windows (L,) 0 = full attention
+    k_pool (L, n_blocks, KV, hd, 16), v_pool (L, n_blocks, KV, 16, hdv) u16: the paged f16 KV cache
+    slots (N,) where each token's K/V go; seqs (N,) its row of block_tables (S, max_blocks)
+    att_scr                   attention scratch (lumen.kernels.attention.attention_scratch)
+    windows (L,) 0 = full attention
     rope_sel (L,) which cos/sin table a layer uses; cos_tab, sin_tab (n_tables, ctx, n_rot/2)
     times (n_slots,) i8       ticks after each op when prof
     """
@@ -232,15 +233,16 @@ def forward_kernel(buf, mt, gt, pk, Q, Q8, QF, S, O, fvec, vt, flags, params, lu
         _round_f16(k3)
         _round_f16(v)
         _mark(times, prof, b + 5)
-        kv_store_kernel(k_cache[il], v_cache[il], k3, v.reshape((N, KVH, hdv)), pos0)
+        kv_store_kernel(k_pool[il], v_pool[il], k3, v.reshape((N, KVH, hdv)), slots)
         _mark(times, prof, b + 6)
         a3 = att.reshape((N, H, hdv))
-        if N == 1 and pos0 + 1 > SPLIT_K_MIN_KEYS:
-            attention_decode_kernel(a3, q3, k_cache[il], v_cache[il], pos0, params[P_ATTN_SCALE], windows[il],
-                                    s_att, o_att, ml_att)
+        o_a, st_a, ro_a, rm_a, po_a, pm_a = att_scr
+        if N == 1 and positions[0] + 1 > SPLIT_K_MIN_KEYS:
+            attention_split_kernel(a3, q3, k_pool[il], v_pool[il], positions[0], seqs[0], block_tables,
+                                   windows[il], params[P_ATTN_SCALE], o_a, st_a, ro_a, rm_a, po_a, pm_a)
         else:
-            attention_kernel(a3, q3, k_cache[il], v_cache[il], pos0, params[P_ATTN_SCALE], windows[il],
-                             s_att, o_att, ml_att)
+            attention_kernel(a3, q3, k_pool[il], v_pool[il], positions, seqs, block_tables, windows[il],
+                             params[P_ATTN_SCALE], o_a, st_a, ro_a, rm_a)
         _mark(times, prof, b + 7)
         mm(xn, att, mt[il, W_O], pk, Q, Q8, QF, S, O, scr)
         _mark(times, prof, b + 8)

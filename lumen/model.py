@@ -163,9 +163,10 @@ class Model:
             if own_step:
                 prof.begin_step(phase, N, pos0)
         forward_kernel(w.buf, w.mt, w.gt, pk.table, pk.q, pk.q8, pk.qf, pk.s, pk.o, w.fvec, w.vt, self._flags,
-                       self._params, self._lut, ids, positions, pos0, n_out, st.x[:N], st.xn[:N], st.q[:N], st.k[:N], st.v[:N], st.att[:N], st.ffa[:N],
-                       st.ffb[:N], logits, st.mmscratch, st.k_cache, st.v_cache, st.windows, st.rope_sel,
-                       st.cos_tab, st.sin_tab, st.s_att, st.o_att, st.ml_att, st.times, prof is not None)
+                       self._params, self._lut, ids, positions, pos0, n_out, st.x[:N], st.xn[:N], st.q[:N],
+                       st.k[:N], st.v[:N], st.att[:N], st.ffa[:N], st.ffb[:N], logits, st.mmscratch, st.k_pool,
+                       st.v_pool, positions, st.seqs[:N], st.block_table, st.windows, st.rope_sel, st.cos_tab,
+                       st.sin_tab, st.att_scr, st.times, prof is not None)
         if prof is not None:  # the bookkeeping here is the profiler's own cost, kept out of the step's time
             c_exit = ticks()
             if not own_step:

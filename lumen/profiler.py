@@ -225,7 +225,7 @@ def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, 
     """(layer, op, bytes, flops) per timer slot of one forward call of N tokens at pos0, from shapes and types.
 
     Matmuls: packed weight bytes read + activations in/out, 2*N*d_out*n_in flops. Attention: K and V rows read
-    from the f32 cache for every (token, kv head), 2*(hd + hd_v) flops per (query head, key). Elementwise ops:
+    from the f16 cache for every (token, kv head), 2*(hd + hd_v) flops per (query head, key). Elementwise ops:
     their activations in and out."""
     from .forward import LAYER_OPS, MATS, OPS
     c, w = model.config, model.weights
@@ -242,7 +242,7 @@ def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, 
         act = 4 * N
         elem = {"attn_norm": (2 * act * E, 4 * N * E), "qk_norm": (2 * act * (qd + kd) if c.qk_norm else 0,
                                                                      4 * N * (qd + kd) if c.qk_norm else 0),
-                "rope": (2 * act * (qd + kd), 3 * N * (qd + kd)), "kv_store": (2 * act * (kd + vd), 0),
+                "rope": (2 * act * (qd + kd), 3 * N * (qd + kd)), "kv_store": (act * (kd + vd) + 2 * N * (kd + vd), 0),
                 "post_attn_norm": (2 * act * E if c.post_norms else 0, 4 * N * E if c.post_norms else 0),
                 "attn_residual": (3 * act * E, N * E), "ffn_norm": (2 * act * E, 4 * N * E),
                 "act": (3 * act * F, 8 * N * F), "post_ffn_norm": (2 * act * E if c.post_norms else 0,
@@ -274,7 +274,7 @@ def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, 
     for il, row in enumerate(layers):
         win = c.window_of(il)
         keys = sum(min(pos0 + t + 1, win) if win else pos0 + t + 1 for t in range(N))
-        kv_bytes = keys * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
+        kv_bytes = keys * c.n_head_kv * (c.head_dim + c.head_dim_v) * 2   # f16 cache
         row[att_slot][2] = kv_bytes + 4 * N * (c.q_dim + c.n_head * c.head_dim_v)
         row[att_slot][3] = 2 * keys * c.n_head * (c.head_dim + c.head_dim_v)
         out.extend(tuple(r) for r in row)

@@ -9,7 +9,7 @@ import numpy as np
 
 from .config import Config
 from .forward import matmul_scratch, n_slots
-from .kernels.attention import attention_scratch
+from .kernels.attention import BLOCK, attention_scratch
 from .kernels.rope import rope_cache
 
 f32 = np.float32
@@ -31,10 +31,13 @@ class RunState:
         self.ffa = np.zeros((B, F), f32)             # FFN gate, then act(gate) * up
         self.ffb = np.zeros((B, F), f32)             # FFN up
         self.logits = np.zeros((1, cfg.n_vocab), f32)  # grown on demand when all positions' logits are asked
-        self.k_cache = np.zeros((L, KV, n_ctx, hd), f32)   # (layer, kv head, position, head_dim)
-        self.v_cache = np.zeros((L, KV, n_ctx, hdv), f32)
+        nb = -(-n_ctx // BLOCK)
+        self.k_pool = np.zeros((L, nb, KV, hd, BLOCK), np.uint16)    # f16 bits, keys transposed per block
+        self.v_pool = np.zeros((L, nb, KV, BLOCK, hdv), np.uint16)
+        self.block_table = np.arange(nb, dtype=np.int64)[None, :]    # (1, nb): one sequence, blocks in order
+        self.seqs = np.zeros(B, np.int64)                            # every token belongs to sequence 0
         self.mmscratch = matmul_scratch(B, max(E, F, H * hdv), n_threads)
-        self.s_att, self.o_att, self.ml_att = attention_scratch(H, hdv, n_threads)
+        self.att_scr = attention_scratch(H, hdv, n_ctx, n_threads)
         self.times = np.zeros(n_slots(L), np.int64)  # op timestamps of the last forward call
         # RoPE tables: 0 = global layers (rope_base), 1 = sliding-window layers (rope_base_local)
         cos = np.zeros((2, n_ctx, cfg.n_rot // 2), f32)
@@ -53,4 +56,6 @@ class RunState:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        arrays = [a for a in vars(self).values() if isinstance(a, np.ndarray)]
+        arrays += [a for t in (self.mmscratch, self.att_scr) for a in t]
+        return sum(a.nbytes for a in arrays)

@@ -2,12 +2,14 @@
 
 Tolerances (float32 kernels against float64 references, inputs of order 1):
     RMSNorm                    rtol 1e-5, atol 1e-5
-    SwiGLU / GeGLU / add       rtol 1e-5, atol 1e-5  (fast_exp is within 1e-6 relative)
+    SwiGLU / GeGLU / add       rtol 1e-5, atol 1e-5  (fp.exp_f32 is within 2e-7 relative)
     RoPE                       atol 1e-5 + 6e-8 * max_pos * max|x|: the table's float32 angles (as llama.cpp) drift
                                from the exact ones by ~ulp(pos); the table itself matches a scalar float32 replay
                                of ggml's loop (libm powf/cosf/sinf) within 2 ulp
-    attention                  atol 2e-5, rtol 1e-4 (float32 scores, online softmax, float32 accumulation);
-                               scores of size S >> 1 add 2e-6 * S to atol (test_attention_large_scores)
+    attention                  atol 2e-5, rtol 1e-4 (float32 scores, online softmax, float32 accumulation; K/V are
+                               f16 values, as the cache stores them); scores of size S >> 1 add 2e-6 * S to atol
+                               (test_attention_large_scores). Between its own paths attention is exact: split or
+                               not, alone or batched, prefill or decode give the same bits.
 """
 import ctypes
 import ctypes.util
@@ -168,19 +170,35 @@ def test_rope_cache_replays_ggml_float32():
 
 # ---------------------------------------------------------------------------------------------------- attention
 
-def make_cache(rng, n_kv, ctx, hd, hd_v=None, max_ctx=None):
-    max_ctx = max_ctx or ctx + 7                                        # cache longer than the filled part
-    k = np.full((n_kv, max_ctx, hd), np.nan, np.float32)                # unfilled rows are NaN: must never be read
-    v = np.full((n_kv, max_ctx, hd_v or hd), np.nan, np.float32)
-    k[:, :ctx] = randn(rng, n_kv, ctx, hd)
-    v[:, :ctx] = randn(rng, n_kv, ctx, hd_v or hd)
-    return k, v
+NAN16 = np.uint16(0x7E00)                                               # f16 NaN: every slot no token owns
 
 
-def run_attention(q, k, v, pos0, scale, window, lanes=None):
-    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
-    scratch = attention.attention_scratch(q.shape[1], v.shape[2], lanes)
-    return attention.attention(out, q, k, v, pos0, scale, window, scratch)
+def make_cache(rng, n_kv, ctx, hd, hd_v=None):
+    """Contiguous K/V (n_kv, ctx, hd[_v]) with f16 values: the reference's input."""
+    f16 = lambda *s: randn(rng, *s).astype(np.float16).astype(np.float32)  # noqa: E731
+    return f16(n_kv, ctx, hd), f16(n_kv, ctx, hd_v or hd)
+
+
+def paged(rng, k, v, spare=3):
+    """The same K/V in a pool with scattered blocks (and spare ones); unused slots hold NaN."""
+    n_kv, ctx, hd = k.shape
+    nb = -(-ctx // attention.BLOCK) + spare
+    kp, vp = attention.kv_pools(nb, n_kv, hd, v.shape[2])
+    kp[:], vp[:] = NAN16, NAN16
+    table = rng.permutation(nb)[None, :].astype(np.int64)
+    pos = np.arange(ctx)
+    attention.kv_store(kp, vp, k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy(),
+                       table[0, pos // attention.BLOCK] * attention.BLOCK + pos % attention.BLOCK)
+    return kp, vp, table
+
+
+def run_attention(q, pools, pos0, scale, window, lanes=None, split=None):
+    kp, vp, table = pools
+    out = np.empty((q.shape[0], q.shape[1], vp.shape[3]), np.float32)
+    scratch = attention.attention_scratch(q.shape[1], vp.shape[3], table.shape[1] * attention.BLOCK, lanes)
+    positions = pos0 + np.arange(q.shape[0])
+    return attention.attention(out, q, kp, vp, positions, np.zeros(q.shape[0], np.int64), table, scale, window,
+                               scratch, split)
 
 
 GQA = [(4, 4), (9, 3), (8, 2), (4, 1), (6, 1)]                          # ratios 1, 3, 4, MQA x2
@@ -192,7 +210,7 @@ def test_attention_gqa_causal(rng, n_heads, n_kv, n, pos0):
     hd = 32
     k, v = make_cache(rng, n_kv, pos0 + n, hd)
     q = randn(rng, n, n_heads, hd)
-    got = run_attention(q, k, v, pos0, hd ** -0.5, 0)
+    got = run_attention(q, paged(rng, k, v), pos0, hd ** -0.5, 0)
     np.testing.assert_allclose(got, ref.attention_ref(q, k, v, pos0, hd ** -0.5), **ATT_TOL)
 
 
@@ -201,17 +219,22 @@ def test_attention_gqa_causal(rng, n_heads, n_kv, n, pos0):
 def test_attention_sliding_window(rng, window, n, pos0):
     k, v = make_cache(rng, 1, pos0 + n, 64)
     q = randn(rng, n, 4, 64)
-    got = run_attention(q, k, v, pos0, 0.125, window)
+    got = run_attention(q, paged(rng, k, v), pos0, 0.125, window)
     np.testing.assert_allclose(got, ref.attention_ref(q, k, v, pos0, 0.125, window), **ATT_TOL)
 
 
-@pytest.mark.parametrize("ctx", [1, 2, 31, 32, 33, 63, 64, 65, 97])   # around TILE (32) multiples
-@pytest.mark.parametrize("lanes", [1, 2, 3, 4])                         # split-K slices, some empty
-def test_attention_decode_tiles_and_splits(rng, ctx, lanes):
+@pytest.mark.parametrize("ctx", [1, 2, 15, 16, 17, 127, 128, 129, 300, 513])   # around BLOCK and CHUNK
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_attention_split_decode_is_the_same_bits(rng, ctx, lanes):
+    """A decode token gets the same bits from the split-K kernel (its chunks spread over `lanes` threads, some
+    idle) as from the per-token kernel, and the right answer."""
     k, v = make_cache(rng, 3, ctx, 64)
+    pools = paged(rng, k, v)
     q = randn(rng, 1, 9, 64)
-    got = run_attention(q, k, v, ctx - 1, 0.125, 0, lanes)
-    np.testing.assert_allclose(got, ref.attention_ref(q, k, v, ctx - 1, 0.125), **ATT_TOL)
+    split = run_attention(q, pools, ctx - 1, 0.125, 0, lanes, split=True)
+    whole = run_attention(q, pools, ctx - 1, 0.125, 0, lanes, split=False)
+    np.testing.assert_array_equal(split, whole)
+    np.testing.assert_allclose(split, ref.attention_ref(q, k, v, ctx - 1, 0.125), **ATT_TOL)
 
 
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 1, 256)])            # SmolLM2, Gemma3
@@ -219,14 +242,15 @@ def test_attention_long_context(rng, shape):
     n_heads, n_kv, hd = shape
     ctx = 1000
     k, v = make_cache(rng, n_kv, ctx, hd)
+    pools = paged(rng, k, v)
     scale = hd ** -0.5
     q1 = randn(rng, 1, n_heads, hd, scale=3.0)                          # peaky softmax
-    np.testing.assert_allclose(run_attention(q1, k, v, ctx - 1, scale, 0),
+    np.testing.assert_allclose(run_attention(q1, pools, ctx - 1, scale, 0),
                                ref.attention_ref(q1, k, v, ctx - 1, scale), **ATT_TOL)
     q = randn(rng, 5, n_heads, hd)                                      # last chunk of a prefill
-    np.testing.assert_allclose(run_attention(q, k, v, ctx - 5, scale, 0),
+    np.testing.assert_allclose(run_attention(q, pools, ctx - 5, scale, 0),
                                ref.attention_ref(q, k, v, ctx - 5, scale), **ATT_TOL)
-    np.testing.assert_allclose(run_attention(q1, k, v, ctx - 1, scale, 512),   # gemma-style window
+    np.testing.assert_allclose(run_attention(q1, pools, ctx - 1, scale, 512),   # gemma-style window
                                ref.attention_ref(q1, k, v, ctx - 1, scale, 512), **ATT_TOL)
 
 
@@ -237,7 +261,7 @@ def test_attention_large_scores(rng):
     tolerance here grows with max |S|: atol 2e-5 + 2e-6 * max|S|."""
     k, v = make_cache(rng, 2, 100, 64)
     q = randn(rng, 6, 4, 64, scale=30.0)
-    got = run_attention(q, k, v, 94, 1.0, 0)
+    got = run_attention(q, paged(rng, k, v), 94, 1.0, 0)
     s_max = max(float(np.abs(q[:, h] @ k[h // 2, :100].T).max()) for h in range(4))
     assert s_max > 100
     np.testing.assert_allclose(got, ref.attention_ref(q, k, v, 94, 1.0), rtol=1e-4, atol=2e-5 + 2e-6 * s_max)
@@ -246,44 +270,76 @@ def test_attention_large_scores(rng):
 def test_attention_value_head_dim_differs(rng):
     k, v = make_cache(rng, 2, 40, 32, hd_v=48)
     q = randn(rng, 3, 4, 32)
-    got = run_attention(q, k, v, 37, 0.2, 0)
+    got = run_attention(q, paged(rng, k, v), 37, 0.2, 0)
     assert got.shape == (3, 4, 48)
     np.testing.assert_allclose(got, ref.attention_ref(q, k, v, 37, 0.2), **ATT_TOL)
 
 
-def test_attention_raw_kernels_agree_on_decode(rng):
-    """The prefill kernel with N == 1 and the split-K decode kernel give the same answer."""
-    k, v = make_cache(rng, 3, 300, 64)
-    q = randn(rng, 1, 9, 64)
-    a, b = np.empty_like(q), np.empty_like(q)
-    attention.attention_kernel(a, q, k, v, 299, np.float32(0.125), 0, *attention.attention_scratch(9, 64, 2))
-    attention.attention_decode_kernel(b, q, k, v, 299, np.float32(0.125), 0, *attention.attention_scratch(9, 64, 2))
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_kv_store(rng):
-    k_cache, v_cache = np.zeros((3, 16, 8), np.float32), np.zeros((3, 16, 4), np.float32)
-    k, v = randn(rng, 5, 3, 8), randn(rng, 5, 3, 4)
-    attention.kv_store(k_cache, v_cache, k, v, 10)
-    np.testing.assert_array_equal(k_cache[:, 10:15], k.transpose(1, 0, 2))
-    np.testing.assert_array_equal(v_cache[:, 10:15], v.transpose(1, 0, 2))
-    assert not k_cache[:, :10].any() and not k_cache[:, 15:].any() and not v_cache[:, :10].any()
+def test_kv_store_writes_f16_into_block_slots(rng):
+    kp, vp = attention.kv_pools(4, 3, 8, 16)
+    k, v = randn(rng, 5, 3, 8), randn(rng, 5, 3, 16)
+    slots = np.array([33, 34, 7, 0, 63])                                # blocks 2, 2, 0, 0, 3
+    attention.kv_store(kp, vp, k, v, slots)
+    for t, s in enumerate(slots):
+        b, j = divmod(int(s), attention.BLOCK)
+        np.testing.assert_array_equal(kp[b, :, :, j].view(np.float16), k[t].astype(np.float16))
+        np.testing.assert_array_equal(vp[b, :, j, :].view(np.float16), v[t].astype(np.float16))
+    written = np.zeros((4, attention.BLOCK), bool)
+    written.flat[slots] = True
+    assert not kp.transpose(0, 3, 1, 2)[~written].any() and not vp.transpose(0, 2, 1, 3)[~written].any()
 
 
 def test_prefill_then_decode_matches_full_prefill(rng):
-    """Consistency through the cache: prefill(all) == prefill(k) + decode(rest)."""
-    n_heads, n_kv, hd, n = 4, 1, 64, 40
+    """Consistency through the cache, bit for bit: prefill(all) == prefill(k) + decode(rest)."""
+    n_heads, n_kv, hd, n = 4, 1, 64, 300
     q, k, v = randn(rng, n, n_heads, hd), randn(rng, n, n_kv, hd), randn(rng, n, n_kv, hd)
-    kc, vc = np.zeros((n_kv, 64, hd), np.float32), np.zeros((n_kv, 64, hd), np.float32)
-    attention.kv_store(kc, vc, k, v, 0)
-    full = run_attention(q, kc, vc, 0, 0.125, 8)
-    kc2, vc2 = np.zeros_like(kc), np.zeros_like(vc)
-    attention.kv_store(kc2, vc2, k[:30], v[:30], 0)
-    parts = [run_attention(q[:30], kc2, vc2, 0, 0.125, 8)]
+    kp, vp = attention.kv_pools(32, n_kv, hd, hd)
+    table = np.arange(32, dtype=np.int64)[None]
+    attention.kv_store(kp, vp, k, v, np.arange(n))
+    full = run_attention(q, (kp, vp, table), 0, 0.125, 200)
+    kp2, vp2 = attention.kv_pools(32, n_kv, hd, hd)
+    attention.kv_store(kp2, vp2, k[:30], v[:30], np.arange(30))
+    parts = [run_attention(q[:30], (kp2, vp2, table), 0, 0.125, 200)]
     for t in range(30, n):
-        attention.kv_store(kc2, vc2, k[t:t + 1], v[t:t + 1], t)
-        parts.append(run_attention(q[t:t + 1], kc2, vc2, t, 0.125, 8))
-    np.testing.assert_allclose(np.concatenate(parts), full, rtol=1e-5, atol=1e-6)
+        attention.kv_store(kp2, vp2, k[t:t + 1], v[t:t + 1], np.array([t]))
+        parts.append(run_attention(q[t:t + 1], (kp2, vp2, table), t, 0.125, 200))
+    np.testing.assert_array_equal(np.concatenate(parts), full)
+
+
+def test_attention_is_batch_invariant(rng):
+    """Tokens of different sequences in one call (a ragged batch, own block tables, own positions) get the bits
+    each gets alone; a NaN in one sequence's cache stays in that sequence."""
+    n_heads, n_kv, hd = 9, 3, 64
+    lens = [5, 140, 1, 300]
+    caches = [make_cache(rng, n_kv, n, hd) for n in lens]
+    nb = sum(-(-n // attention.BLOCK) for n in lens) + 2
+    kp, vp = attention.kv_pools(nb, n_kv, hd, hd)
+    kp[:], vp[:] = NAN16, NAN16
+    free = list(rng.permutation(nb))
+    table = np.zeros((len(lens), 20), np.int64)
+    for s, (n, (k, v)) in enumerate(zip(lens, caches)):
+        blocks = [free.pop() for _ in range(-(-n // attention.BLOCK))]
+        table[s, :len(blocks)] = blocks
+        pos = np.arange(n)
+        attention.kv_store(kp, vp, k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy(),
+                           table[s, pos // attention.BLOCK] * attention.BLOCK + pos % attention.BLOCK)
+    # the step: the last 3 tokens of seq 1, the last token of each other sequence
+    seqs = np.array([1, 1, 1, 0, 2, 3])
+    positions = np.array([137, 138, 139, 4, 0, 299])
+    q = randn(rng, len(seqs), n_heads, hd)
+    scratch = attention.attention_scratch(n_heads, hd, 20 * attention.BLOCK, 2)
+    out = np.empty_like(q)
+    attention.attention(out, q, kp, vp, positions, seqs, table, 0.125, 0, scratch)
+    for t in range(len(seqs)):
+        alone = np.empty_like(q[:1])
+        attention.attention(alone, q[t:t + 1], kp, vp, positions[t:t + 1], seqs[t:t + 1], table, 0.125, 0, scratch)
+        np.testing.assert_array_equal(alone[0], out[t])
+        k, v = caches[seqs[t]]
+        np.testing.assert_allclose(out[t], ref.attention_ref(q[t:t + 1], k, v, positions[t], 0.125)[0], **ATT_TOL)
+    b, j = table[2, 0], 0                                               # poison sequence 2's only key
+    kp[b, :, 0, j] = NAN16
+    attention.attention(out, q, kp, vp, positions, seqs, table, 0.125, 0, scratch)
+    assert np.isnan(out[4]).all() and not np.isnan(np.delete(out, 4, axis=0)).any()
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -311,20 +367,25 @@ def test_wrappers_reject_bad_input(rng):
         lambda: rope.rope_cache(1e4, 7, 9),                                               # odd n_rot
         lambda: rope.rope_cache(1e4, 8, 9, freq_factors=np.ones(3, np.float32)),
     ]
-    k, v = np.zeros((2, 16, 8), np.float32), np.zeros((2, 16, 8), np.float32)
-    q, out = randn(rng, 3, 4, 8), np.empty((3, 4, 8), np.float32)
+    kp, vp = attention.kv_pools(2, 2, 16, 16)                           # 32 slots
+    q, out = randn(rng, 3, 4, 16), np.empty((3, 4, 16), np.float32)
+    T, S0 = np.arange(2)[None], np.zeros(3, np.int64)
+    P = np.arange(3)
     bad += [
-        lambda: attention.attention(out, q, k, v, 14, 0.3),                                # past the cache
-        lambda: attention.attention(out, q, k, v, -1, 0.3),
-        lambda: attention.attention(out, randn(rng, 3, 3, 8), k, v, 0, 0.3),               # 3 heads on 2 kv heads
-        lambda: attention.attention(out, randn(rng, 3, 4, 6), k, v, 0, 0.3),               # head_dim
-        lambda: attention.attention(out[:2], q, k, v, 0, 0.3),                             # out shape
-        lambda: attention.attention(out, q, k, v[:, :8], 0, 0.3),                          # caches differ
-        lambda: attention.attention(out, q, k, v, 0, 0.3, window=-1),
-        lambda: attention.attention(out, q, k.astype(np.float64), v, 0, 0.3),
-        lambda: attention.attention(out, q, k, v, 0, 0.3, scratch=attention.attention_scratch(9, 8, 2)),
-        lambda: attention.kv_store(k, v, randn(rng, 3, 2, 8), randn(rng, 3, 2, 8), 14),   # past the cache
-        lambda: attention.kv_store(k, v, randn(rng, 3, 1, 8), randn(rng, 3, 1, 8), 0),    # kv heads
+        lambda: attention.attention(out, q, kp, vp, P + 30, S0, T, 0.3),                  # past the table
+        lambda: attention.attention(out, q, kp, vp, P - 1, S0, T, 0.3),
+        lambda: attention.attention(out, q, kp, vp, P, S0 + 1, T, 0.3),                   # no such sequence
+        lambda: attention.attention(out, q, kp, vp, P, S0, T + 5, 0.3),                   # blocks outside the pool
+        lambda: attention.attention(out, randn(rng, 3, 3, 16), kp, vp, P, S0, T, 0.3),    # 3 heads on 2 kv heads
+        lambda: attention.attention(out, randn(rng, 3, 4, 12), kp, vp, P, S0, T, 0.3),    # head_dim
+        lambda: attention.attention(out[:2], q, kp, vp, P, S0, T, 0.3),                   # out shape
+        lambda: attention.attention(out, q, kp, vp[:1], P, S0, T, 0.3),                   # pools differ
+        lambda: attention.attention(out, q, kp, vp, P, S0, T, 0.3, window=-1),
+        lambda: attention.attention(out, q, kp.astype(np.float32), vp, P, S0, T, 0.3),
+        lambda: attention.attention(out, q, kp, vp, P, S0, T, 0.3, scratch=attention.attention_scratch(9, 8, 32)),
+        lambda: attention.attention(out, q, kp, vp, P, S0, T, 0.3, split=True),            # split takes one token
+        lambda: attention.kv_store(kp, vp, randn(rng, 3, 2, 16), randn(rng, 3, 2, 16), P + 30),  # past the pool
+        lambda: attention.kv_store(kp, vp, randn(rng, 3, 1, 16), randn(rng, 3, 1, 16), P),       # kv heads
     ]
     for i, call in enumerate(bad):
         with pytest.raises(ValueError):
@@ -333,20 +394,17 @@ def test_wrappers_reject_bad_input(rng):
 
 
 @pytest.mark.parametrize("n_heads, n_kv", [(9, 3), (4, 1)])
-@pytest.mark.parametrize("n, pos0, window", [(23, 0, 0), (13, 37, 0), (30, 5, 8), (11, 60, 16), (9, 0, 64)])
+@pytest.mark.parametrize("n, pos0, window", [(23, 0, 0), (13, 37, 0), (30, 5, 8), (11, 60, 16), (9, 0, 64),
+                                             (40, 250, 0), (20, 500, 300)])
 def test_attention_prefill_blocks_equal_tokens_one_by_one(rng, n_heads, n_kv, n, pos0, window):
-    """Every token of a prefill must get, bit for bit, what the prefill kernel gives that token alone (what decode
-    runs below the split-K threshold): the property behind prefill(all) == prefill(k) + decode(rest). (Blocks
-    of 4 query tokens sharing each K/V row were tried and measured no faster: Gemma 1-thread prefill attention
-    303 vs 273 ms per 512 tokens.)"""
+    """Every token of a prefill gets, bit for bit, what it gets alone (a decode step): the property behind
+    prefill(all) == prefill(k) + decode(rest), across block and chunk boundaries and sliding windows."""
     hd = 32
     k, v = make_cache(rng, n_kv, pos0 + n, hd)
+    pools = paged(rng, k, v)
     q = randn(rng, n, n_heads, hd)
-    scr = attention.attention_scratch(n_heads, hd, 2)
-    a = np.empty_like(q)
-    attention.attention_kernel(a, q, k, v, pos0, np.float32(hd ** -0.5), window, *scr)
+    a = run_attention(q, pools, pos0, hd ** -0.5, window, lanes=2)
     for t in range(n):
-        b = np.empty_like(q[t:t + 1])
-        attention.attention_kernel(b, q[t:t + 1], k, v, pos0 + t, np.float32(hd ** -0.5), window, *scr)
+        b = run_attention(q[t:t + 1], pools, pos0 + t, hd ** -0.5, window, lanes=2)
         assert np.array_equal(a[t], b[0]), t
     np.testing.assert_allclose(a, ref.attention_ref(q, k, v, pos0, hd ** -0.5, window), **ATT_TOL)

@@ -10,7 +10,8 @@ CPU build (GGML_GELU_FP16) rather than the formula: for -10 < x < 10 the input i
 is the fp16-rounded gelu of that (llama.cpp reads it from an fp16 table), gelu(x) = 0 below -10 and x above 10
 (`gelu_llama`). The formula itself is `gelu_tanh`.
 
-`fast_exp` is a vectorizable float32 exp (the libm expf call blocks SIMD); attention.py uses it too.
+exp is lumen.kernels.fp.exp_f32, a vectorizable float32 exp written with explicit fma (the libm expf call blocks
+SIMD). No fastmath anywhere: each value is rounded the same way in every caller (lumen/kernels/fp.py).
 Raw kernels end in `_kernel` (serial) or `_kernel_par` (parallel over rows); the wrappers validate and pick.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .fp import exp_f32
 from .norm import as_f32, check
 
 # Inputs of at least this many values take the parallel kernels. Measured, 2 threads, min of short batches:
@@ -27,36 +29,20 @@ PAR_MIN_GATED = 8192
 PAR_MIN_ADD = 65536
 
 
-@njit(fastmath=True, cache=True, inline="always")
-def fast_exp(x):
-    """exp(x) for float32 x, relative error < 1e-6; inputs are clamped to [-87, 88] (no inf, no denormals)."""
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))           # x = k ln2 + r, |r| <= ln2/2
-    r = x - k * np.float32(0.693145752) - k * np.float32(1.42860677e-06)  # ln2 split hi + lo
-    p = np.float32(1.0 / 720.0)                                           # Taylor to r^6: error < 2e-7
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    return p * np.int32((np.int32(k) + np.int32(127)) << 23).view(np.float32)  # * 2^k via the exponent bits
-
-
-@njit(fastmath=True, cache=True, inline="always")
+@njit(cache=True, inline="always")
 def silu(x):
     """x * sigmoid(x), float32."""
-    return x / (np.float32(1.0) + fast_exp(-x))
+    return x / (np.float32(1.0) + exp_f32(-x))
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(cache=True, inline="always")
 def gelu_tanh(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x * sigmoid(2u), float32."""
     u = np.float32(0.7978845608028654) * x * (np.float32(1.0) + np.float32(0.044715) * x * x)
-    return x / (np.float32(1.0) + fast_exp(np.float32(-2.0) * u))
+    return x / (np.float32(1.0) + exp_f32(np.float32(-2.0) * u))
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _swiglu_row(out, gate, up, r):
     """Row r of out (N, n_ff) = silu(gate[r]) * up[r]. Rows are indexed, not sliced (see norm._rmsnorm_row).
     In place (out is gate or up) the loop names one array: with two names LLVM's runtime overlap check sees
@@ -73,7 +59,7 @@ def _swiglu_row(out, gate, up, r):
             out[r, i] = silu(gate[r, i]) * up[r, i]
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(cache=True, inline="always")
 def round_f16_bits(x):
     """float32 x rounded to fp16 precision (ties to even on the 13 dropped mantissa bits; fp16 normal range)."""
     b = np.float32(x).view(np.uint32)
@@ -81,7 +67,7 @@ def round_f16_bits(x):
     return b.view(np.float32)
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(cache=True, inline="always")
 def gelu_llama(x):
     """llama.cpp's CPU gelu: fp16-rounded gelu_tanh of the fp16-rounded input inside (-10, 10), 0 / x outside."""
     if x <= np.float32(-10.0):
@@ -91,7 +77,7 @@ def gelu_llama(x):
     return round_f16_bits(gelu_tanh(round_f16_bits(x)))
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _geglu_row(out, gate, up, r):
     """Row r of out (N, n_ff) = gelu_llama(gate[r]) * up[r]; in place as _swiglu_row."""
     n = gate.shape[1]
@@ -106,49 +92,49 @@ def _geglu_row(out, gate, up, r):
             out[r, i] = gelu_llama(gate[r, i]) * up[r, i]
 
 
-@njit(fastmath=True, cache=True)
+@njit(cache=True)
 def _add_row(x, y, r):
     """Row r of x (N, dim) += y[r]."""
     for i in range(x.shape[1]):
         x[r, i] += y[r, i]
 
 
-@njit(fastmath=True, cache=True)  # serial: below PAR_MIN_GATED a parallel region costs more than the work
+@njit(cache=True)  # serial: below PAR_MIN_GATED a parallel region costs more than the work
 def swiglu_kernel(out, gate, up):
     """out (N, n_ff) = silu(gate (N, n_ff)) * up (N, n_ff). out may be gate or up."""
     for r in range(gate.shape[0]):
         _swiglu_row(out, gate, up, r)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over rows: prefill
+@njit(cache=True, parallel=True)  # parallel over rows: prefill
 def swiglu_kernel_par(out, gate, up):
     """out (N, n_ff) = silu(gate) * up, rows split across threads. out may be gate or up."""
     for r in prange(gate.shape[0]):
         _swiglu_row(out, gate, up, r)
 
 
-@njit(fastmath=True, cache=True)  # serial: see swiglu_kernel
+@njit(cache=True)  # serial: see swiglu_kernel
 def geglu_kernel(out, gate, up):
     """out (N, n_ff) = gelu_tanh(gate (N, n_ff)) * up (N, n_ff). out may be gate or up."""
     for r in range(gate.shape[0]):
         _geglu_row(out, gate, up, r)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over rows: prefill
+@njit(cache=True, parallel=True)  # parallel over rows: prefill
 def geglu_kernel_par(out, gate, up):
     """out (N, n_ff) = gelu_tanh(gate) * up, rows split across threads. out may be gate or up."""
     for r in prange(gate.shape[0]):
         _geglu_row(out, gate, up, r)
 
 
-@njit(fastmath=True, cache=True)  # serial: memory-bound; below PAR_MIN_ADD a parallel region costs more
+@njit(cache=True)  # serial: memory-bound; below PAR_MIN_ADD a parallel region costs more
 def add_kernel(x, y):
     """x (N, dim) += y (N, dim)."""
     for r in range(x.shape[0]):
         _add_row(x, y, r)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over rows: prefill
+@njit(cache=True, parallel=True)  # parallel over rows: prefill
 def add_kernel_par(x, y):
     """x (N, dim) += y (N, dim), rows split across threads."""
     for r in prange(x.shape[0]):

@@ -1,25 +1,27 @@
-"""Causal multi-head attention over a per-layer KV cache, with online softmax (FlashAttention style).
+"""Causal multi-head attention over a paged KV cache, with online softmax, in an order fixed by the token alone.
 
-Layout:
-    k_cache (n_kv_heads, max_ctx, head_dim), v_cache (n_kv_heads, max_ctx, head_dim_v)   float32, one layer
-    q (N, n_heads, head_dim): tokens at positions pos0 .. pos0+N-1; the cache already holds keys 0 .. pos0+N-1
-    out (N, n_heads, head_dim_v)
+Layout (one layer):
+    k_pool (n_blocks, n_kv, head_dim, BLOCK) u16    f16 bits, keys transposed inside a block (lanes = keys)
+    v_pool (n_blocks, n_kv, BLOCK, head_dim_v) u16  f16 bits
+    block_tables (S, max_blocks) i8                 sequence s's key j lives in block block_tables[s, j // BLOCK],
+                                                    slot j % BLOCK
+    q (N, n_heads, head_dim) f32, positions (N,), seqs (N,): token t is at position positions[t] of sequence
+    seqs[t]; its keys 0 .. positions[t] are in the cache (kv_store_kernel wrote this step's keys first)
+    out (N, n_heads, head_dim_v) f32
 
-Query head h reads kv head h // (n_heads // n_kv_heads) (GQA; MQA when n_kv_heads == 1). The query at position p
-sees keys j <= p, and with a sliding window only keys with p - j < window (llama.cpp's standard SWA; window 0 =
-none). Scores are q.k * scale.
+Query head h reads kv head h // (n_heads // n_kv_heads) (GQA; MQA when n_kv == 1). The query at position p sees
+keys j <= p, and with a sliding window only keys with p - j < window (window 0 = none). Scores are q.k * scale.
 
-The score row is never materialised: keys are visited in tiles of TILE positions, keeping per query row a running
-max m, running sum l and an unnormalised output o, rescaled by exp(m_old - m_new) when the max grows. All query
-heads of one kv head are processed together, so each K/V row is read once per group, not once per head.
+Batch invariance. A token's result depends on its own context only, never on the step's other tokens or on the
+thread count: its keys are cut into CHUNKs at fixed absolute positions (0, CHUNK, 2 CHUNK, ...); each chunk's
+softmax runs block by block in key order (lumen.kernels.fp.attn_block spells out every sum), starting from
+nothing; the chunks' partial results are then merged in chunk order by one function (`_merge`). Prefill and
+batched steps run a token's chunks one after another on one thread (`attention_kernel`); a lone decode token
+may hand its chunks to all threads and merge afterwards (`attention_split_kernel`). Both give the same bits.
 
-Two raw kernels:
-    attention_kernel         prefill, parallel: work items (token, kv head) dealt round-robin to lanes, which
-                             balances the causal work (later tokens see more keys)
-    attention_decode_kernel  N == 1: split-K, each lane takes a slice of the key range for every kv head, then
-                             the per-lane (m, l, o) are merged; serial below SPLIT_MIN_KEYS keys
-Scratch (per lane; from `attention_scratch`): s (lanes, n_heads, TILE) scores, o (lanes, n_heads, head_dim_v) and
-ml (lanes, n_heads, ML) partial results. The number of lanes is s.shape[0].
+Scratch (per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,
+st (lanes, n_heads, ST) chunk state (max, 16 lane sums), rm (lanes, n_heads, 2) running (max, sum); the split
+kernel's partial results po (n_chunks, n_heads, head_dim_v), pm (n_chunks, n_heads, 2).
 """
 from __future__ import annotations
 
@@ -27,107 +29,28 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .activation import fast_exp
+from .fp import BLOCK, attn_block, exp_f32, f16_bits
 from .norm import as_f32, check
 from .scratch import per_thread
 
-ML = 16               # floats per head in the ml scratch (2 used)
-TILE = 32             # keys per tile; 16, 32, 64, 128 measured within noise of each other (serial, 1024 keys)
-NEG = np.float32(-1e30)  # "minus infinity" for the running max; finite, because fastmath assumes no infinities
-SPLIT_MIN_KEYS = 80   # decode: shorter key ranges run serially; crossover measured between 64 and 96 keys
+CHUNK = 128            # keys per softmax chunk (a multiple of BLOCK): the unit of split-K for decode
+ST = 32                # floats of a row's chunk state: max, 16 lane sums; padded to two cache lines
+NEG = np.float32(-np.inf)
 
 
-def attention_scratch(n_heads: int, head_dim_v: int, n_lanes: int | None = None):
-    """Scratch for the attention kernels: s (lanes, n_heads, TILE), o (lanes, n_heads, head_dim_v),
-    ml (lanes, n_heads, ML) float32 (the running max and sum in [..., 0:2]; ML = 16 pads a head's state to a
-    cache line). Lanes default to numba's thread count; each lane's block starts on its own cache line
-    (lumen.kernels.scratch: lanes sharing a line ran at half speed)."""
+def attention_scratch(n_heads: int, head_dim_v: int, max_ctx: int, n_lanes: int | None = None):
+    """(o, st, ro, rm, po, pm) for the attention kernels (module doc); lanes default to numba's thread count,
+    each lane's block on its own cache lines (lumen.kernels.scratch)."""
     lanes = numba.get_num_threads() if n_lanes is None else n_lanes
     check(lanes >= 1, f"n_lanes {lanes} must be at least 1")
-    return (per_thread((lanes, n_heads, TILE), np.float32), per_thread((lanes, n_heads, head_dim_v), np.float32),
-            per_thread((lanes, n_heads, ML), np.float32))
+    n_chunks = max(1, -(-max_ctx // CHUNK))
+    return (per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, ST), np.float32),
+            per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, 2), np.float32),
+            np.zeros((n_chunks, n_heads, head_dim_v), np.float32), np.zeros((n_chunks, n_heads, 2), np.float32))
 
 
-@njit(fastmath=True, cache=True)
-def _dot(a, i, b, j):
-    """a[i] . b[j] for 2-D a, b (rows indexed, not sliced: a row view costs an atomic incref/decref pair)."""
-    acc = np.float32(0.0)
-    for d in range(a.shape[1]):
-        acc += a[i, d] * b[j, d]
-    return acc
-
-
-@njit(fastmath=True, cache=True)
-def _axpy(y, i, a, x, j):
-    """y[i] += a * x[j] for 2-D y, x."""
-    for d in range(y.shape[1]):
-        y[i, d] += a * x[j, d]
-
-
-@njit(fastmath=True, cache=True)
-def _axpy4(y, i, a0, a1, a2, a3, x, j):
-    """y[i] += a0 x[j] + a1 x[j+1] + a2 x[j+2] + a3 x[j+3] for 2-D y, x: one load/store of y per 4 rows of x."""
-    for d in range(y.shape[1]):
-        y[i, d] += a0 * x[j, d] + a1 * x[j + 1, d] + a2 * x[j + 2, d] + a3 * x[j + 3, d]
-
-
-@njit(fastmath=True, cache=True)
-def _attend(o, ml, s, q, k, v, j0, j1, scale):
-    """Continue the online softmax of the R query rows q (R, head_dim) over keys j0 .. j1-1 of k (ctx, head_dim),
-    v (ctx, head_dim_v): o (R, head_dim_v) unnormalised output, ml (R, 2) running (max, sum), s (R, TILE) scratch."""
-    R = q.shape[0]
-    for t0 in range(j0, j1, TILE):
-        T = min(TILE, j1 - t0)
-        for jj in range(T):                      # scores: each key row once for all R query rows
-            for r in range(R):
-                s[r, jj] = _dot(q, r, k, t0 + jj) * scale
-        for r in range(R):                       # running max; rescale o and l when it grows
-            m_old = ml[r, 0]
-            m = m_old
-            for jj in range(T):
-                m = max(m, s[r, jj])
-            if m > m_old:
-                alpha = fast_exp(m_old - m)
-                ml[r, 1] *= alpha
-                for d in range(o.shape[1]):
-                    o[r, d] *= alpha
-                ml[r, 0] = m
-            l = np.float32(0.0)
-            for jj in range(T):
-                pj = fast_exp(s[r, jj] - m)
-                s[r, jj] = pj
-                l += pj
-            ml[r, 1] += l
-        T4 = T - T % 4
-        for jj in range(0, T4, 4):               # o += p v: 4 value rows at a time, each once for all R rows
-            for r in range(R):
-                _axpy4(o, r, s[r, jj], s[r, jj + 1], s[r, jj + 2], s[r, jj + 3], v, t0 + jj)
-        for jj in range(T4, T):
-            for r in range(R):
-                _axpy(o, r, s[r, jj], v, t0 + jj)
-
-
-@njit(fastmath=True, cache=True)
-def _start(o, ml):
-    """Reset an accumulator o (R, head_dim_v) and its state ml (R, 2)."""
-    for r in range(o.shape[0]):
-        ml[r, 0] = NEG
-        ml[r, 1] = 0.0
-        for d in range(o.shape[1]):
-            o[r, d] = 0.0
-
-
-@njit(fastmath=True, cache=True, error_model="numpy")
-def _finish(out, o, ml):
-    """out (R, head_dim_v) = o / l."""
-    for r in range(o.shape[0]):
-        inv = np.float32(1.0) / ml[r, 1]
-        for d in range(o.shape[1]):
-            out[r, d] = o[r, d] * inv
-
-
-@njit(fastmath=True, cache=True)
-def _key_range(p, window):
+@njit(cache=True)
+def key_range(p, window):
     """Keys visible from the query at position p: j0 .. p (inclusive), p - j < window when window > 0."""
     j0 = 0
     if window > 0 and p - window + 1 > 0:
@@ -135,130 +58,232 @@ def _key_range(p, window):
     return j0, p + 1
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over (token, kv head) items: prefill
-def attention_kernel(out, q, k_cache, v_cache, pos0, scale, window, s, o, ml):
-    """out (N, n_heads, hd_v) = softmax(q (N, n_heads, hd) . K^T * scale, causal/window masked) V, from
-    k_cache (n_kv, max_ctx, hd), v_cache (n_kv, max_ctx, hd_v) at positions pos0 + t; scratch s, o, ml per lane."""
+@njit(cache=True)
+def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
+    """The softmax of query rows h0 .. h0+G-1 of token t over keys a .. b-1 (inside one chunk), from nothing:
+    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output."""
+    hd, hdv = q.shape[2], v_pool.shape[3]
+    KVH = k_pool.shape[1]
+    for r in range(h0, h0 + G):
+        st[lane, r, 0] = NEG
+        for i in range(1, 17):
+            st[lane, r, i] = 0.0
+        for d in range(hdv):
+            o[lane, r, d] = 0.0
+    H = q.shape[1]
+    b0 = a - a % BLOCK
+    for j in range(b0, b, BLOCK):
+        blk = bt[s, j // BLOCK]
+        jlo = max(a - j, 0)
+        jhi = min(b - j, BLOCK)
+        ko = (blk * KVH + g) * hd * BLOCK
+        vo = (blk * KVH + g) * BLOCK * hdv
+        for r in range(h0, h0 + G):
+            attn_block(o, (lane * H + r) * hdv, st, (lane * H + r) * ST, q, (t * H + r) * hd, k_pool, ko,
+                       v_pool, vo, hd, hdv, scale, jlo, jhi)
+
+
+@njit(cache=True)
+def _lane_total(st, lane, r):
+    """The sum of a row's 16 lane sums in the halving tree of fp._hsum: (i, i+8), (i, i+4), (i, i+2), (i, i+1).
+    Consumes the lane sums."""
+    w = 8
+    while w >= 1:
+        for i in range(w):
+            st[lane, r, 1 + i] = st[lane, r, 1 + i] + st[lane, r, 1 + i + w]
+        w //= 2
+    return st[lane, r, 1]
+
+
+@njit(cache=True)
+def _merge(ro, rm, i, r, o, k, r1, m1, l1):
+    """Fold the partial result (max m1, sum l1, output o[k, r1]) into the running result (rm[i, r], ro[i, r]):
+    the one place where chunks meet, so every path merges with the same arithmetic. Empty running: a copy."""
+    hdv = ro.shape[2]
+    M = rm[i, r, 0]
+    if M == NEG:
+        rm[i, r, 0] = m1
+        rm[i, r, 1] = l1
+        for d in range(hdv):
+            ro[i, r, d] = o[k, r1, d]
+        return
+    Mn = max(M, m1)
+    ea = exp_f32(M - Mn)
+    eb = exp_f32(m1 - Mn)
+    rm[i, r, 0] = Mn
+    rm[i, r, 1] = rm[i, r, 1] * ea + l1 * eb
+    for d in range(hdv):
+        ro[i, r, d] = ro[i, r, d] * ea + o[k, r1, d] * eb
+
+
+@njit(cache=True)
+def _finish(out, t, h0, G, ro, rm, i):
+    """out[t, h] = ro[i, h] / sum for the rows h0 .. h0+G-1."""
+    for h in range(h0, h0 + G):
+        inv = np.float32(1.0) / rm[i, h, 1]
+        for d in range(out.shape[2]):
+            out[t, h, d] = ro[i, h, d] * inv
+
+
+@njit(cache=True)
+def _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, s, p, window, scale):
+    """Attention of token t (position p of sequence s), kv group g: its chunks in order on this lane."""
+    h0 = g * G
+    j0, j1 = key_range(p, window)
+    for h in range(h0, h0 + G):
+        rm[lane, h, 0] = NEG
+        rm[lane, h, 1] = 0.0
+    for c in range(j0 // CHUNK, (j1 - 1) // CHUNK + 1):
+        _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK),
+               scale)
+        for h in range(h0, h0 + G):
+            l1 = _lane_total(st, lane, h)
+            _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
+    _finish(out, t, h0, G, ro, rm, lane)
+
+
+@njit(cache=True, parallel=True)  # parallel over (token, kv head) items: prefill and batched steps
+def attention_kernel(out, q, k_pool, v_pool, positions, seqs, bt, window, scale, o, st, ro, rm):
+    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc);
+    work items (token, kv head) dealt round-robin to the lanes (later tokens see more keys)."""
     N, H = q.shape[0], q.shape[1]
-    KVH = k_cache.shape[0]
+    KVH = k_pool.shape[1]
     G = H // KVH
-    lanes = s.shape[0]
+    lanes = o.shape[0]
     n_items = N * KVH
     for lane in prange(lanes):
-        for item in range(lane, n_items, lanes):  # round-robin: later tokens (more keys) spread over lanes
+        for item in range(lane, n_items, lanes):
             t = item // KVH
             g = item - t * KVH
-            j0, j1 = _key_range(pos0 + t, window)
-            acc = o[lane, :G]
-            st = ml[lane, :G]
-            _start(acc, st)
-            _attend(acc, st, s[lane, :G], q[t, g * G:(g + 1) * G], k_cache[g], v_cache[g], j0, j1, scale)
-            _finish(out[t, g * G:(g + 1) * G], acc, st)
+            _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, seqs[t], positions[t], window, scale)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # split-K over lanes: decode has only n_heads rows of work
-def attention_decode_kernel(out, q, k_cache, v_cache, pos0, scale, window, s, o, ml):
-    """Same contract as attention_kernel for N == 1: each lane takes a slice of the key range for all heads,
-    then the lanes' (m, l, o) are merged into out (1, n_heads, hd_v)."""
+@njit(cache=True, parallel=True)  # split-K over lanes: one decode token has only n_kv items of work
+def attention_split_kernel(out, q, k_pool, v_pool, p, s, bt, window, scale, o, st, ro, rm, po, pm):
+    """Same contract as attention_kernel for one token (row 0 of q, position p of sequence s): the items
+    (kv head, chunk) are spread over the lanes, each writes its partial result to po/pm, then one thread
+    merges every row's chunks in chunk order with _merge. Bit-identical to attention_kernel."""
     H = q.shape[1]
-    KVH = k_cache.shape[0]
+    KVH = k_pool.shape[1]
     G = H // KVH
-    lanes = s.shape[0]
-    j0, j1 = _key_range(pos0, window)
-    if lanes == 1 or j1 - j0 < SPLIT_MIN_KEYS:   # short range: one lane, serial, no parallel region
-        _start(o[0], ml[0])
-        for g in range(KVH):
-            h0 = g * G
-            _attend(o[0, h0:h0 + G], ml[0, h0:h0 + G], s[0, h0:h0 + G], q[0, h0:h0 + G],
-                    k_cache[g], v_cache[g], j0, j1, scale)
-        _finish(out[0], o[0], ml[0])
-        return
-    per = (j1 - j0 + lanes - 1) // lanes
-    per = (per + TILE - 1) // TILE * TILE        # whole tiles per lane
+    lanes = o.shape[0]
+    j0, j1 = key_range(p, window)
+    c0 = j0 // CHUNK
+    nc = (j1 - 1) // CHUNK + 1 - c0
+    n_items = KVH * nc
     for lane in prange(lanes):
-        a = min(j0 + lane * per, j1)
-        b = min(a + per, j1)
-        _start(o[lane], ml[lane])
-        for g in range(KVH):
-            h0 = g * G
-            _attend(o[lane, h0:h0 + G], ml[lane, h0:h0 + G], s[lane, h0:h0 + G], q[0, h0:h0 + G],
-                    k_cache[g], v_cache[g], a, b, scale)
-    _merge(out[0], o, ml)
-
-
-@njit(fastmath=True, cache=True, error_model="numpy")
-def _merge(out, o, ml):
-    """out (H, hd_v) = merge of the lanes' partial softmax results o (lanes, H, hd_v), ml (lanes, H, 2)."""
-    lanes, H = o.shape[0], o.shape[1]
+        for item in range(lane, n_items, lanes):
+            g = item // nc
+            c = c0 + item - g * nc
+            _chunk(o, st, lane, g * G, G, q, 0, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK),
+                   min(j1, (c + 1) * CHUNK), scale)
+            for h in range(g * G, g * G + G):
+                pm[c - c0, h, 0] = st[lane, h, 0]
+                pm[c - c0, h, 1] = _lane_total(st, lane, h)
+                for d in range(po.shape[2]):
+                    po[c - c0, h, d] = o[lane, h, d]
     for h in range(H):
-        m = NEG
-        for c in range(lanes):
-            m = max(m, ml[c, h, 0])
-        l = np.float32(0.0)
-        for d in range(out.shape[1]):
-            out[h, d] = 0.0
-        for c in range(lanes):
-            w = fast_exp(ml[c, h, 0] - m)        # 0 for an empty slice (m = NEG, l = 0, o = 0)
-            l += w * ml[c, h, 1]
-            for d in range(out.shape[1]):
-                out[h, d] += w * o[c, h, d]
-        inv = np.float32(1.0) / l
-        for d in range(out.shape[1]):
-            out[h, d] *= inv
+        rm[0, h, 0] = NEG
+        rm[0, h, 1] = 0.0
+        for c in range(nc):
+            _merge(ro, rm, 0, h, po, c, h, pm[c, h, 0], pm[c, h, 1])
+    _finish(out, 0, 0, H, ro, rm, 0)
 
 
-@njit(fastmath=True, cache=True)  # serial: a copy of N * n_kv * head_dim values, memory-bound
-def kv_store_kernel(k_cache, v_cache, k, v, pos0):
-    """k_cache[:, pos0:pos0+N] = k (N, n_kv, hd) per kv head; same for v_cache and v (N, n_kv, hd_v)."""
+@njit(cache=True)  # serial: a copy of N * n_kv * (head_dim + head_dim_v) values
+def kv_store_kernel(k_pool, v_pool, k, v, slots):
+    """Write k (N, n_kv, hd), v (N, n_kv, hd_v) as f16 into the pools at slots (N,) = block * BLOCK + offset."""
     for t in range(k.shape[0]):
+        blk = slots[t] // BLOCK
+        j = slots[t] - blk * BLOCK
         for g in range(k.shape[1]):
-            k_cache[g, pos0 + t, :] = k[t, g, :]
-            v_cache[g, pos0 + t, :] = v[t, g, :]
+            for d in range(k.shape[2]):
+                k_pool[blk, g, d, j] = f16_bits(k[t, g, d])
+            for d in range(v.shape[2]):
+                v_pool[blk, g, j, d] = f16_bits(v[t, g, d])
 
 
-def _check_cache(k_cache, v_cache):
-    as_f32("k_cache", k_cache, 3)
-    as_f32("v_cache", v_cache, 3)
-    check(k_cache.shape[:2] == v_cache.shape[:2],
-          f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in kv heads or context")
+# ---------------------------------------------------------------- Python entries: validate, then call
+
+def kv_pools(n_blocks: int, n_kv: int, head_dim: int, head_dim_v: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empty pools for one layer: k (n_blocks, n_kv, head_dim, BLOCK), v (n_blocks, n_kv, BLOCK, head_dim_v) u16."""
+    return (np.zeros((n_blocks, n_kv, head_dim, BLOCK), np.uint16),
+            np.zeros((n_blocks, n_kv, BLOCK, head_dim_v), np.uint16))
 
 
-def kv_store(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
-    """Write k (N, n_kv, hd), v (N, n_kv, hd_v) into the caches (n_kv, max_ctx, hd[_v]) at positions pos0 .."""
-    _check_cache(k_cache, v_cache)
+def _check_pools(k_pool, v_pool):
+    for name, a in (("k_pool", k_pool), ("v_pool", v_pool)):
+        check(isinstance(a, np.ndarray) and a.dtype == np.uint16 and a.ndim == 4 and a.flags.c_contiguous,
+              f"{name} must be a C-contiguous 4-D uint16 array (f16 bits), got "
+              f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+    check(k_pool.shape[3] == BLOCK and v_pool.shape[2] == BLOCK and k_pool.shape[:2] == v_pool.shape[:2],
+          f"k_pool {k_pool.shape} and v_pool {v_pool.shape} are not (n_blocks, n_kv, hd, {BLOCK}) and "
+          f"(n_blocks, n_kv, {BLOCK}, hd_v)")
+    check(k_pool.shape[2] % 4 == 0 and v_pool.shape[3] % 16 == 0,
+          f"head sizes {k_pool.shape[2]}, {v_pool.shape[3]} must be multiples of 4 and 16")
+
+
+def _check_slots(name, a, n, upper):
+    check(isinstance(a, np.ndarray) and a.dtype == np.int64 and a.shape == (n,) and a.flags.c_contiguous,
+          f"{name} must be an int64 array of shape ({n},)")
+    check(n == 0 or (int(a.min()) >= 0 and int(a.max()) < upper), f"{name} must lie in 0 .. {upper - 1}")
+
+
+def kv_store(k_pool: np.ndarray, v_pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots) -> None:
+    """Write k (N, n_kv, hd), v (N, n_kv, hd_v) f32 into the pools at slots (N,) (block * BLOCK + offset)."""
+    _check_pools(k_pool, v_pool)
     as_f32("k", k, 3)
     as_f32("v", v, 3)
-    n_kv, max_ctx = k_cache.shape[:2]
-    check(k.shape[1:] == (n_kv, k_cache.shape[2]), f"k shape {k.shape} does not fit k_cache {k_cache.shape}")
-    check(v.shape == (k.shape[0], n_kv, v_cache.shape[2]), f"v shape {v.shape} does not fit v_cache {v_cache.shape}")
-    check(0 <= pos0 and pos0 + k.shape[0] <= max_ctx,
-          f"positions {pos0}..{pos0 + k.shape[0] - 1} outside the cache's 0..{max_ctx - 1}")
-    kv_store_kernel(k_cache, v_cache, k, v, int(pos0))
+    n_kv = k_pool.shape[1]
+    check(k.shape[1:] == (n_kv, k_pool.shape[2]), f"k shape {k.shape} does not fit k_pool {k_pool.shape}")
+    check(v.shape == (k.shape[0], n_kv, v_pool.shape[3]), f"v shape {v.shape} does not fit v_pool {v_pool.shape}")
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    _check_slots("slots", slots, k.shape[0], k_pool.shape[0] * BLOCK)
+    kv_store_kernel(k_pool, v_pool, k, v, slots)
 
 
-def attention(out: np.ndarray, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int,
-              scale: float, window: int = 0, scratch=None) -> np.ndarray:
-    """out (N, n_heads, hd_v) = causal (and sliding-window) attention of q (N, n_heads, hd) at positions
-    pos0 .. pos0+N-1 over the cache. scratch: from attention_scratch (allocated here if None). Returns out."""
-    _check_cache(k_cache, v_cache)
+def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, positions, seqs,
+              block_tables: np.ndarray, scale: float, window: int = 0, scratch=None, split: bool | None = None):
+    """out (N, n_heads, hd_v) = causal (and sliding-window) attention of q (N, n_heads, hd), token t at
+    positions[t] of sequence seqs[t], over the paged cache (module doc). scratch: from attention_scratch
+    (allocated here if None). split: run one token with split-K (None: when N == 1). Returns out."""
+    _check_pools(k_pool, v_pool)
     as_f32("q", q, 3)
     as_f32("out", out, 3)
     N, H, D = q.shape
-    n_kv, max_ctx, Dv = k_cache.shape[0], k_cache.shape[1], v_cache.shape[2]
+    n_blocks, n_kv, Dv = k_pool.shape[0], k_pool.shape[1], v_pool.shape[3]
     check(N >= 1, "q holds no tokens")
-    check(D == k_cache.shape[2], f"q head_dim {D} != k_cache head_dim {k_cache.shape[2]}")
+    check(D == k_pool.shape[2], f"q head_dim {D} != k_pool head_dim {k_pool.shape[2]}")
     check(H % n_kv == 0, f"n_heads {H} is not a multiple of n_kv_heads {n_kv}")
     check(out.shape == (N, H, Dv), f"out shape {out.shape} != {(N, H, Dv)}")
-    check(0 <= pos0 and pos0 + N <= max_ctx, f"positions {pos0}..{pos0 + N - 1} outside the cache's 0..{max_ctx - 1}")
-    check(window >= 0, f"window {window} is negative")
     check(not np.shares_memory(out, q), "out must not overlap q")
+    check(isinstance(block_tables, np.ndarray) and block_tables.dtype == np.int64 and block_tables.ndim == 2
+          and block_tables.flags.c_contiguous, "block_tables must be a C-contiguous (S, max_blocks) int64 array")
+    S, max_blocks = block_tables.shape
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    seqs = np.ascontiguousarray(seqs, dtype=np.int64)
+    _check_slots("positions", positions, N, max_blocks * BLOCK)
+    _check_slots("seqs", seqs, N, S)
+    for t in range(N):                                      # every block a token can read must exist
+        used = block_tables[seqs[t], :int(positions[t]) // BLOCK + 1]
+        check(used.size == 0 or (int(used.min()) >= 0 and int(used.max()) < n_blocks),
+              f"token {t}: its block table points outside the pool's {n_blocks} blocks")
+    check(window >= 0, f"window {window} is negative")
     if scratch is None:
-        scratch = attention_scratch(H, Dv)
-    s, o, ml = scratch
-    lanes = s.shape[0]
-    for name, a, shape in (("s", s, (lanes, H, TILE)), ("o", o, (lanes, H, Dv)), ("ml", ml, (lanes, H, ML))):
+        scratch = attention_scratch(H, Dv, max_blocks * BLOCK)
+    o, st, ro, rm, po, pm = scratch
+    lanes = o.shape[0]
+    for name, a, shape in (("o", o, (lanes, H, Dv)), ("st", st, (lanes, H, ST)), ("ro", ro, (lanes, H, Dv)),
+                           ("rm", rm, (lanes, H, 2))):
         as_f32(f"scratch {name}", a, 3)
         check(a.shape == shape, f"scratch {name} shape {a.shape} != {shape}")
-    kernel = attention_decode_kernel if N == 1 else attention_kernel
-    kernel(out, q, k_cache, v_cache, int(pos0), np.float32(scale), int(window), s, o, ml)
+    check(po.shape[1:] == (H, Dv) and pm.shape[1:] == (H, 2) and po.shape[0] == pm.shape[0]
+          and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
+    if split if split is not None else N == 1:
+        check(N == 1, "split attention takes one token")
+        attention_split_kernel(out, q, k_pool, v_pool, int(positions[0]), int(seqs[0]), block_tables, int(window),
+                               np.float32(scale), o, st, ro, rm, po, pm)
+    else:
+        attention_kernel(out, q, k_pool, v_pool, positions, seqs, block_tables, int(window), np.float32(scale),
+                         o, st, ro, rm)
     return out

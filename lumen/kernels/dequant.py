@@ -4,19 +4,14 @@ Every kernel: out (rows, n_cols) f32  <-  raw (rows, row_bytes) u8. Output first
 f16 fields are decoded through F16_TO_F32, a 65536-entry f32 table built by numpy itself, so the
 decoding (NaN payloads, subnormals, -0) is the oracle's own.
 
-fastmath: every kernel uses FM_EXACT = {'arcp', 'afn'}, flags that touch no operation used here.
-Measured (all types, random and random-byte data): fastmath=True also gave 0 mismatches, because every
-intermediate product is exact in f32 (f16 d has 11 significant bits, d*sc <= 19 bits, d*sc*q on Q4/Q5 <= 24
-bits), so fusing d*q+m into an fma or reassociating (d*sc)*q rounds once either way. 'contract' and 'reassoc'
-are still left out so that exactness does not hang on that argument, and 'nnan'/'ninf'/'nsz' because they
-let LLVM assume away the NaN/inf/-0 results that the tests compare. These kernels are not on the hot path.
+No fastmath (like every float kernel in Lumen, see lumen/kernels/fp.py): every intermediate product is exact
+in f32 anyway (f16 d has 11 significant bits, d*sc <= 19 bits, d*sc*q on Q4/Q5 <= 24 bits), but exactness
+should not hang on that argument. These kernels are not on the hot path.
 """
 import numpy as np
 from numba import njit, prange
 
 from lumen.quants import QT, quant_info, row_bytes
-
-FM_EXACT = {"arcp", "afn"}   # reciprocal and libm approximations: neither op occurs in these kernels
 
 # f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)   # (65536,) f32
@@ -46,7 +41,7 @@ def k_scale_min(raw, o, j):
 
 # ---- one row each: out (n_cols,) f32 <- raw (row_bytes,) u8 ----
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_f32(out, raw, lut):
     w = raw.view(np.uint32)
     o = out.view(np.uint32)
@@ -54,20 +49,20 @@ def row_f32(out, raw, lut):
         o[i] = w[i]
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_f16(out, raw, lut):
     for i in range(out.size):
         out[i] = f16(lut, raw, 2 * i)
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_bf16(out, raw, lut):
     o = out.view(np.uint32)
     for i in range(o.size):
         o[i] = (np.uint32(raw[2 * i]) << np.uint32(16)) | (np.uint32(raw[2 * i + 1]) << np.uint32(24))
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q8_0(out, raw, lut):
     for b in range(out.size // 32):
         o = 34 * b
@@ -76,7 +71,7 @@ def row_q8_0(out, raw, lut):
             out[32 * b + j] = np.float32(np.int8(raw[o + 2 + j])) * d
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q4_0(out, raw, lut):
     for b in range(out.size // 32):
         o = 18 * b
@@ -87,7 +82,7 @@ def row_q4_0(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(np.int32(q >> 4) - 8)
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q4_1(out, raw, lut):
     for b in range(out.size // 32):
         o = 20 * b
@@ -99,7 +94,7 @@ def row_q4_1(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(q >> 4) + m
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q5_0(out, raw, lut):
     for b in range(out.size // 32):
         o = 22 * b
@@ -113,7 +108,7 @@ def row_q5_0(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(hi - 16)
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q5_1(out, raw, lut):
     for b in range(out.size // 32):
         o = 24 * b
@@ -128,7 +123,7 @@ def row_q5_1(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(hi) + m
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q4_k(out, raw, lut):
     for b in range(out.size // 256):
         o = 144 * b
@@ -144,7 +139,7 @@ def row_q4_k(out, raw, lut):
                 out[256 * b + 32 * s + l] = ds * np.float32((raw[q0 + l] >> sh) & 15) - dm
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q5_k(out, raw, lut):
     for b in range(out.size // 256):
         o = 176 * b
@@ -161,7 +156,7 @@ def row_q5_k(out, raw, lut):
                 out[256 * b + 32 * s + l] = ds * np.float32(q) - dm
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def row_q6_k(out, raw, lut):
     for b in range(out.size // 256):
         o = 210 * b
@@ -183,7 +178,7 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5
 _Q4_K, _Q5_K, _Q6_K = int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)
 
 
-@njit(fastmath=FM_EXACT, cache=True)
+@njit(cache=True)
 def dequant_row(out, raw, lut, qtype):
     """out (n_cols,) f32 <- raw (row_bytes,) u8 of gguf type id qtype."""
     if qtype == _Q4_1:
@@ -210,7 +205,7 @@ def dequant_row(out, raw, lut, qtype):
         row_bf16(out, raw, lut)
 
 
-@njit(parallel=True, fastmath=FM_EXACT, cache=True)
+@njit(parallel=True, cache=True)
 def dequant_rows(out, raw, lut, qtype):
     """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8, one row per prange step. Shapes checked by caller."""
     for r in prange(out.shape[0]):

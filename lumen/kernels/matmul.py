@@ -44,11 +44,6 @@ from lumen.kernels.simd import (tile_nib_offset, tile_nib_scale, tile_u8_offset5
 from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
 R = 64            # weight rows per tile: the vector loop length
-FM = True         # integer sums are exact; float rounding order is free to change (a tolerance applies)
-# The tile kernels shared by both paths use no fastmath: with the same integer sums and the same float epilogue
-# in the same order, the N=1 and N>1 paths give bit-identical results (no contraction or reassociation that
-# LLVM might apply differently in two callers), so prefill(all) == prefill(k) + decode(rest) exactly.
-TFM = False
 
 Q4, Q5, I8, F32 = 0, 1, 2, 3
 FAMILY = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5,
@@ -330,7 +325,7 @@ def tile_mv(facc, c, fam, q, t, s, o, xq, xd, xs, i):
         tile_u8_scale8(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
 
 
-@njit(fastmath=TFM, cache=True)
+@njit(cache=True)
 def tile_f32_mv(facc, w, x):
     """facc (R,) = w (n_in, R) f32 . x (n_in,) f32."""
     for r in range(R):
@@ -341,7 +336,7 @@ def tile_f32_mv(facc, w, x):
             facc[r] += w[k, r] * xk
 
 
-@njit(parallel=True, fastmath=FM, cache=True)
+@njit(parallel=True, cache=True)
 def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc):
     """out (d_out,) = W . x for one activation row. The weight is in q for the 8-bit families, qf for F32 (the
     other is empty). x (1, n_in) f32 is first rounded (serially) to the activation format fmt: into xq2
@@ -367,7 +362,7 @@ def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc):
 
 # ---- N > 1: per tile of R weight rows, applied to all N activation rows while it is in cache
 
-@njit(parallel=True, fastmath=FM, cache=True)
+@njit(parallel=True, cache=True)
 def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc):
     """out (N, d_out) = W . x for N activation rows, already rounded (`prepare_x`): xq (Np, n_in) i8, xd (Np, G),
     xs (Np, G, 2) for the 8-bit formats, xf (Np, n_in) f32 for the float ones. Each tile of R weight rows is

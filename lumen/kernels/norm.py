@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .fp import sumsq
+
 
 # Inputs of at least this many values take the parallel kernel. Measured, 2 threads, min of short batches:
 # 16 x 576 values 1.7 us serial / 2.2 us parallel, 32 x 576 3.6 / 2.8; (N, 4, 256): N=8 2.2 / 2.3, N=16 4.4 / 3.0.
@@ -34,14 +36,13 @@ def as_f32(name: str, a, ndim: int) -> None:
     check(a.flags.c_contiguous, f"{name} must be C-contiguous")
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _rmsnorm_row(out, x, r, w, eps):
-    """Row r of out (N, dim) = x[r] / rms(x[r]) * w (dim,). Rows are indexed, not sliced: a row view costs an
+    """Row r of out (N, dim) = x[r] / rms(x[r]) * w (dim,), x C-contiguous. The sum of squares is
+    lumen.kernels.fp.sumsq (an order fixed by dim alone). Rows are indexed, not sliced: a row view costs an
     atomic incref/decref pair (dropping the views made rope 5x faster)."""
     n = x.shape[1]
-    ss = np.float32(0.0)
-    for i in range(n):
-        ss += x[r, i] * x[r, i]
+    ss = sumsq(x, r * n, n)
     scale = np.float32(1.0) / np.sqrt(ss / np.float32(n) + np.float32(eps))
     if out.ctypes.data == x.ctypes.data:         # in place: name one array, else LLVM's runtime overlap check
         for i in range(n):                       # sees out == x and falls back to scalar code
@@ -51,27 +52,27 @@ def _rmsnorm_row(out, x, r, w, eps):
             out[r, i] = x[r, i] * scale * w[i]
 
 
-@njit(fastmath=True, cache=True)  # serial: below PAR_MIN_ELEMENTS a parallel region costs more than the work
+@njit(cache=True)  # serial: below PAR_MIN_ELEMENTS a parallel region costs more than the work
 def rmsnorm_kernel(out, x, w, eps):
     """out (N, dim) = rmsnorm(x (N, dim)) * w (dim,). out may be x (in place)."""
     for r in range(x.shape[0]):
         _rmsnorm_row(out, x, r, w, eps)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over rows: prefill
+@njit(cache=True, parallel=True)  # parallel over rows: prefill
 def rmsnorm_kernel_par(out, x, w, eps):
     """out (N, dim) = rmsnorm(x (N, dim)) * w (dim,), rows split across threads. out may be x."""
     for r in prange(x.shape[0]):
         _rmsnorm_row(out, x, r, w, eps)
 
 
-@njit(fastmath=True, cache=True)  # serial: gemma decode is 4 + 1 heads of 256, well under a parallel region
+@njit(cache=True)  # serial: gemma decode is 4 + 1 heads of 256, well under a parallel region
 def rmsnorm_heads_kernel(out, x, w, eps):
     """out (N, n_heads, head_dim) = rmsnorm of each head_dim slice of x (N, n_heads, head_dim) * w (head_dim,)."""
     rmsnorm_kernel(out.reshape((-1, out.shape[2])), x.reshape((-1, x.shape[2])), w, eps)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over (token, head) rows: prefill
+@njit(cache=True, parallel=True)  # parallel over (token, head) rows: prefill
 def rmsnorm_heads_kernel_par(out, x, w, eps):
     """out (N, n_heads, head_dim) = per-head rmsnorm of x * w (head_dim,), rows split across threads."""
     o2 = out.reshape((-1, out.shape[2]))

@@ -55,7 +55,7 @@ def rope_cache(base: float, n_rot: int, max_pos: int, freq_scale: float = 1.0,
     return cos, sin
 
 
-@njit(fastmath=True, cache=True)
+@njit(cache=True)
 def _rope_token(x, t, cos, sin, p, neox):
     """Rotate every head of token t of x (N, n_heads, head_dim) in place by the angles of position p (row p of
     cos, sin (max_pos, n_rot/2)). Indexes, not row views: a view costs an atomic incref/decref pair, and dropping
@@ -76,14 +76,14 @@ def _rope_token(x, t, cos, sin, p, neox):
                 x[t, h, 2 * i + 1] = x0 * sin[p, i] + x1 * cos[p, i]
 
 
-@njit(fastmath=True, cache=True)  # serial: below PAR_MIN_ELEMENTS (decode: 0.3 us) a parallel region costs more
+@njit(cache=True)  # serial: below PAR_MIN_ELEMENTS (decode: 0.3 us) a parallel region costs more
 def rope_kernel(x, positions, cos, sin, neox):
     """x (N, n_heads, head_dim) rotated in place at positions (N,) with tables cos, sin (max_pos, n_rot/2)."""
     for t in range(x.shape[0]):
         _rope_token(x, t, cos, sin, positions[t], neox)
 
 
-@njit(fastmath=True, cache=True, parallel=True)  # parallel over tokens: prefill
+@njit(cache=True, parallel=True)  # parallel over tokens: prefill
 def rope_kernel_par(x, positions, cos, sin, neox):
     """x (N, n_heads, head_dim) rotated in place, tokens split across threads (see rope_kernel)."""
     for t in prange(x.shape[0]):

@@ -89,15 +89,20 @@ def attention_params():
 @pytest.mark.parametrize("model, H, Hkv, D, ctx, phase", attention_params())
 def test_attention(gate, benchmark, model, H, Hkv, D, ctx, phase):
     """decode: one query at position ctx-1 over ctx keys; prefill: ctx queries at 0..ctx-1 (causal)."""
-    from lumen.kernels.attention import attention, attention_scratch
+    from lumen.kernels.attention import BLOCK, attention, attention_scratch, kv_pools, kv_store
+    from lumen.forward import SPLIT_K_MIN_KEYS
     rng = np.random.default_rng(0)
-    k_cache = rng.standard_normal((Hkv, ctx, D)).astype(np.float32)   # (n_kv, ctx, hd)
-    v_cache = rng.standard_normal((Hkv, ctx, D)).astype(np.float32)
+    k_pool, v_pool = kv_pools(-(-ctx // BLOCK), Hkv, D, D)           # the paged f16 cache, blocks in order
+    kv = rng.standard_normal((ctx, Hkv, D)).astype(np.float32)
+    kv_store(k_pool, v_pool, kv, kv, np.arange(ctx))
+    table = np.arange(k_pool.shape[0], dtype=np.int64)[None]
     N, pos0 = (1, ctx - 1) if phase == "decode" else (ctx, 0)
     q = rng.standard_normal((N, H, D)).astype(np.float32)             # (N, n_heads, hd)
     out = np.empty((N, H, D), np.float32)
-    scratch = attention_scratch(H, D)
-    run = gate.replay(out, attention, out, q, k_cache, v_cache, pos0, D ** -0.5, 0, scratch)
+    scratch = attention_scratch(H, D, ctx)
+    split = N == 1 and ctx > SPLIT_K_MIN_KEYS                         # the kernel the forward pass picks
+    run = gate.replay(out, attention, out, q, k_pool, v_pool, pos0 + np.arange(N), np.zeros(N, np.int64), table,
+                      D ** -0.5, 0, scratch, split)
     _gate(gate, benchmark, f"attention-{model}-H{H}x{Hkv}-D{D}-{phase}-ctx{ctx}", run)
 
 

@@ -1,0 +1,255 @@
+"""Float kernels whose rounding is written down, not left to the optimizer: LLVM IR intrinsics.
+
+Why: with fastmath, LLVM may reassociate a sum or fuse a multiply and an add differently in every place a
+function is compiled, and Numba compiles each callee twice: once on its own and once again inside every caller
+that links it. Which of the two copies a call reaches depends on which libraries the JIT engine had loaded
+first, so the same forward pass gave different bits after a fresh compile than after a load from Numba's cache
+(measured: SmolLM2 logits up to 3.3 apart over 300 tokens). The cure is to give no optimizer a choice:
+every float kernel in Lumen is compiled without fastmath, and where a reduction must be vectorized to be fast,
+its order is spelled out here, in IR with explicit `llvm.fma`, lanes and accumulators. The same source then
+gives the same bits in every caller, on every thread count, from a fresh compile or from the cache.
+
+Contents:
+    exp_f32(x)                          scalar exp: range reduction and a degree-6 polynomial, all fma
+    sumsq(x, xo, n)                     sum of x[xo + i]^2: 4 accumulators of 16 lanes, fixed final tree
+    f16_bits(x) / f16_value(h)          f32 <-> IEEE half bits (uint16), round to nearest even
+    attn_block(...)                     one query row against one 16-key block of a paged KV cache (below)
+
+Every function takes whole C-contiguous arrays and flat element offsets (no views: see simd.py).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 16                     # f32 lanes of a vector (one zmm; two ymm on AVX2)
+BLOCK = 16                     # keys per KV block: one score vector
+_F32, _F16 = ir.FloatType(), ir.HalfType()
+_I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_VF = ir.VectorType(_F32, LANES)
+_VH = ir.VectorType(_F16, LANES)
+_VI = ir.VectorType(_I32, LANES)
+_NEG_INF = float("-inf")
+
+
+def _ptr(context, builder, aty, aval, elty, off):
+    """Pointer (elty*) to element `off` (an i64 count of the array's own elements) of the array's data."""
+    arr = context.make_array(aty)(context, builder, aval)
+    return builder.bitcast(builder.gep(arr.data, [off]), elty.as_pointer())
+
+
+def _splat(builder, val, vty=_VF):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), val, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+
+
+def _const(val, ty):
+    return ir.Constant(ty, [val] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, val)
+
+
+def _call(builder, name, ty, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * len(args)), name)
+    return builder.call(fn, args)
+
+
+def _sfx(ty):
+    return f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
+
+
+def _fma(builder, a, b, c):
+    """a * b + c, rounded once (llvm.fma: an exact operation, never split or fused differently)."""
+    return _call(builder, f"llvm.fma.{_sfx(a.type)}", a.type, [a, b, c])
+
+
+def _max(builder, a, b):
+    """a if a > b else b (NaN in b propagates, NaN in a does not)."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+def _exp(builder, x):
+    """exp(x) for f32 or <16 x f32>: x clamped to [-87, 88], x = k ln2 + r, exp(r) by a degree-6 Taylor
+    polynomial in Horner form with fma, times 2^k through the exponent bits. Relative error < 2e-7.
+    NaN stays NaN; -inf gives exp(-87) ~ 1.6e-38 (callers that need an exact 0 select it)."""
+    ty = x.type
+    ity = ir.VectorType(_I32, ty.count) if isinstance(ty, ir.VectorType) else _I32
+    c = lambda v: _const(v, ty)  # noqa: E731
+    x = builder.select(builder.fcmp_ordered("<", x, c(-87.0)), c(-87.0), x)
+    x = builder.select(builder.fcmp_ordered(">", x, c(88.0)), c(88.0), x)
+    k = _call(builder, f"llvm.floor.{_sfx(ty)}", ty, [_fma(builder, x, c(1.44269504), c(0.5))])
+    k = builder.select(builder.fcmp_unordered("uno", k, k), c(0.0), k)      # NaN: keep fptosi defined
+    r = _fma(builder, builder.fneg(k), c(0.693145752), x)                    # ln2 split in a high part
+    r = _fma(builder, builder.fneg(k), c(1.42860677e-06), r)                 # and a low part
+    p = c(1.0 / 720.0)
+    for coef in (1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = _fma(builder, p, r, c(coef))
+    ki = builder.fptosi(k, ity)
+    scale = builder.bitcast(builder.shl(builder.add(ki, _const(127, ity)), _const(23, ity)), ty)
+    return builder.fmul(p, scale)
+
+
+def _hmax(builder, v):
+    """Largest lane of v (exact whatever the order; fixed halving tree)."""
+    n = LANES
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = _max(builder, lo, hi)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _hsum(builder, v):
+    """Sum of the lanes of v in a fixed halving tree: (v[i] + v[i + 8]), then (+ [i + 4]), (+ [i + 2]), (+ [i + 1])."""
+    n = LANES
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+# ---------------------------------------------------------------- scalar helpers
+
+@intrinsic
+def exp_f32(typingctx, x):
+    """exp(x) for a float32 x, the same function as the vector exp of attn_block (see _exp)."""
+    def codegen(context, builder, sig, args):
+        return _exp(builder, args[0])
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def fma_f32(typingctx, a, b, c):
+    """a * b + c with one rounding (float32)."""
+    def codegen(context, builder, sig, args):
+        return _fma(builder, *args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """The IEEE half nearest to the float32 x (ties to even), as its uint16 bits."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], _F16), _I16)
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def f16_value(typingctx, h):
+    """The float32 value of the IEEE half whose bits are h (uint16); exact."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], _F16), _F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def sumsq(typingctx, x, xo, n):
+    """sum of x.flat[xo + i]^2 for i < n (x float32, C-contiguous). Vectors of 16 lanes go to accumulator
+    (i // 16) % 4 by fma, then (a0 + a1) + (a2 + a3), the fixed halving tree over the lanes, then the n % 64
+    elements left, in order, by fma. The order depends on n only."""
+    def codegen(context, builder, sig, args):
+        xa, xo_, n_ = args
+        xp = _ptr(context, builder, sig.args[0], xa, _F32, xo_)
+        zero = ir.Constant(_VF, None)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+        nq = builder.sdiv(n_, ir.Constant(_I64, 4 * LANES))
+        with cgutils.for_range(builder, nq) as loop:
+            base = builder.mul(loop.index, ir.Constant(_I64, 4 * LANES))
+            for u in range(4):
+                p = builder.gep(xp, [builder.add(base, ir.Constant(_I64, u * LANES))])
+                v = builder.load(builder.bitcast(p, _VF.as_pointer()), align=4)
+                builder.store(_fma(builder, v, v, builder.load(accs[u])), accs[u])
+        a = [builder.load(s) for s in accs]
+        total = cgutils.alloca_once_value(builder, _hsum(builder, builder.fadd(builder.fadd(a[0], a[1]),
+                                                                              builder.fadd(a[2], a[3]))))
+        start = builder.mul(nq, ir.Constant(_I64, 4 * LANES))
+        with cgutils.for_range_slice(builder, start, n_, ir.Constant(_I64, 1)) as (i, _):
+            v = builder.load(builder.gep(xp, [i]))
+            builder.store(_fma(builder, v, v, builder.load(total)), total)
+        return builder.load(total)
+    return types.float32(x, types.intp, types.intp), codegen
+
+
+# ---------------------------------------------------------------- attention: one query row, one KV block
+
+@intrinsic
+def attn_block(typingctx, o, oo, st, so, q, qo, k, ko, v, vo, hd, hdv, scale, jlo, jhi):
+    """Continue one query row's online softmax over the keys jlo .. jhi-1 (0 <= jlo < jhi <= 16) of one block.
+
+    q.flat[qo:qo+hd] f32            the query row (already scaled by nothing: `scale` multiplies q.k)
+    k.flat[ko:ko+hd*16] u16 (f16)   the block's keys, transposed: k[d, j] (lanes = keys)
+    v.flat[vo:vo+16*hdv] u16 (f16)  the block's values, v[j, d] (lanes = dims)
+    st.flat[so:so+17] f32           the row's state: running max m, then 16 lane sums of exp(s - m)
+    o.flat[oo:oo+hdv] f32           the row's unnormalised output
+    hd % 4 == 0 and hdv % 16 == 0 (lumen.config checks head sizes).
+
+    Scores: s[j] = scale * sum_d q[d] k[d, j] with 4 accumulators (d % 4), (a0 + a1) + (a2 + a3): a fixed
+    order per key, whatever the block's neighbours. Keys outside jlo..jhi are masked (their bytes may be
+    anything, even NaN). If the block's max exceeds m, the lane sums and o are rescaled by exp(m - m_new).
+    Then the lane sums take exp(s - m) lane by lane and o += exp(s_j - m) v[j] for j in order, with fma."""
+    def codegen(context, builder, sig, args):
+        (o_, oo_, st_, so_, q_, qo_, k_, ko_, v_, vo_, hd_, hdv_, scale_, jlo_, jhi_) = args
+        ta = sig.args
+        op = _ptr(context, builder, ta[0], o_, _F32, oo_)
+        sp = _ptr(context, builder, ta[2], st_, _F32, so_)
+        qp = _ptr(context, builder, ta[4], q_, _F32, qo_)
+        kp = _ptr(context, builder, ta[6], k_, _I16, ko_)
+        vp = _ptr(context, builder, ta[8], v_, _I16, vo_)
+
+        def load_h(ptr, off):                  # 16 halves at ptr + off -> <16 x float>
+            hv = builder.load(builder.bitcast(builder.gep(ptr, [off]), _VH.as_pointer()), align=2)
+            return builder.fpext(hv, _VF)
+
+        # scores: 4 accumulators over d, lanes = keys
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.sdiv(hd_, ir.Constant(_I64, 4))) as loop:
+            d0 = builder.mul(loop.index, ir.Constant(_I64, 4))
+            for u in range(4):
+                d = builder.add(d0, ir.Constant(_I64, u))
+                kv = load_h(kp, builder.mul(d, ir.Constant(_I64, BLOCK)))
+                qd = _splat(builder, builder.load(builder.gep(qp, [d])))
+                builder.store(_fma(builder, qd, kv, builder.load(accs[u])), accs[u])
+        a = [builder.load(s) for s in accs]
+        s = builder.fmul(builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3])), _splat(builder, scale_))
+        lane = ir.Constant(_VI, list(range(LANES)))
+        lo = _splat(builder, builder.trunc(jlo_, _I32), _VI)
+        hi = _splat(builder, builder.trunc(jhi_, _I32), _VI)
+        valid = builder.and_(builder.icmp_signed(">=", lane, lo), builder.icmp_signed("<", lane, hi))
+        s = builder.select(valid, s, _const(_NEG_INF, _VF))
+
+        # running max; rescale the lane sums and o when it grows
+        m_old = builder.load(sp)
+        m_new = _max(builder, _hmax(builder, s), m_old)
+        lsp = builder.bitcast(builder.gep(sp, [ir.Constant(_I64, 1)]), _VF.as_pointer())
+        nv = builder.sdiv(hdv_, ir.Constant(_I64, LANES))
+        with builder.if_then(builder.fcmp_ordered(">", m_new, m_old)):
+            alpha = builder.select(builder.fcmp_ordered("==", m_old, ir.Constant(_F32, _NEG_INF)),
+                                   ir.Constant(_F32, 0.0), _exp(builder, builder.fsub(m_old, m_new)))
+            av = _splat(builder, alpha)
+            builder.store(builder.fmul(builder.load(lsp, align=4), av), lsp, align=4)
+            with cgutils.for_range(builder, nv) as dl:
+                pv = builder.bitcast(builder.gep(op, [builder.mul(dl.index, ir.Constant(_I64, LANES))]),
+                                     _VF.as_pointer())
+                builder.store(builder.fmul(builder.load(pv, align=4), av), pv, align=4)
+            builder.store(m_new, sp)
+        m = builder.load(sp)
+        p = builder.select(valid, _exp(builder, builder.fsub(s, _splat(builder, m))), ir.Constant(_VF, None))
+        builder.store(builder.fadd(builder.load(lsp, align=4), p), lsp, align=4)
+
+        # o += p_j v_j for the valid keys, in key order
+        with cgutils.for_range(builder, nv) as dl:
+            off = builder.mul(dl.index, ir.Constant(_I64, LANES))
+            pv = builder.bitcast(builder.gep(op, [off]), _VF.as_pointer())
+            acc = cgutils.alloca_once_value(builder, builder.load(pv, align=4))
+            with cgutils.for_range_slice(builder, jlo_, jhi_, ir.Constant(_I64, 1)) as (j, _):
+                vv = load_h(vp, builder.add(builder.mul(j, hdv_), off))
+                pj = _splat(builder, builder.extract_element(p, builder.trunc(j, _I32)))
+                builder.store(_fma(builder, pj, vv, builder.load(acc)), acc)
+            builder.store(builder.load(acc), pv, align=4)
+        return context.get_dummy_value()
+
+    ip = types.intp
+    return types.void(o, ip, st, ip, q, ip, k, ip, v, ip, ip, ip, types.float32, ip, ip), codegen

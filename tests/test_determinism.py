@@ -1,0 +1,131 @@
+"""Same bits on every run: Lumen's logits do not depend on how the kernels were compiled, on the thread count,
+on the prefill chunk size, on the pack cache, or on what ran before in the process.
+
+The fresh-versus-cached case is the one that failed before (lumen/kernels/fp.py tells the story): Numba links a
+copy of every callee into each caller, and with fastmath the copies were optimized differently; a fresh compile
+called the callees' own copies, a cache load the caller's. The subprocess test below runs the forward pass in
+fresh processes: once with an empty Numba cache (everything compiled here), once with the cache it left (all
+loaded), once after loading every cached kernel on its own first (the fresh process's situation, recreated),
+and on 1 thread. All must print the same hashes.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import lumen
+from goldens import corpus
+
+# Enough tokens to cross several attention chunks (lumen.kernels.attention.CHUNK = 128) and, for Gemma, its
+# 512-token sliding window.
+N_TOKENS = {"smollm2-135m": 300, "gemma3-270m": 600}
+
+PROBE = textwrap.dedent("""
+    import hashlib, json, sys
+    import numba
+    preload, paths = sys.argv[1] == "preload", json.loads(sys.argv[2])
+    if preload:   # load every cached kernel overload on its own before the forward pass is loaded
+        import importlib
+        from numba.core.registry import CPUDispatcher
+        for mod in ("lumen.kernels.attention", "lumen.kernels.matmul", "lumen.kernels.norm", "lumen.kernels.rope",
+                    "lumen.kernels.activation", "lumen.kernels.dequant", "lumen.forward", "lumen.timer"):
+            m = importlib.import_module(mod)
+            for name, d in vars(m).items():
+                if isinstance(d, CPUDispatcher) and name != "forward_kernel" and d.__module__ == mod:
+                    for key in d._cache._cache_file._load_index():
+                        d.compile(key[0])
+    import lumen
+    out = {}
+    for name, (path, ids) in paths.items():
+        m = lumen.load(path, ctx=1024, n_batch=256)
+        out[name] = hashlib.sha256(m.logits(ids).tobytes()).hexdigest()
+    print(json.dumps(out))
+""")
+
+
+def token_ids(model, n):
+    text = corpus()["ppl_text"]
+    ids = model.tokenize(text * 4)[:n]
+    assert len(ids) == n
+    return ids
+
+
+@pytest.fixture(scope="module")
+def inputs(smollm2_path, gemma3_path):
+    out = {}
+    for name, path in (("smollm2-135m", smollm2_path), ("gemma3-270m", gemma3_path)):
+        m = lumen.load(path, ctx=64)
+        out[name] = (str(path), token_ids(m, N_TOKENS[name]))
+    return out
+
+
+def probe(inputs, cache_dir, mode="plain", threads=None):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    if threads:
+        env["NUMBA_NUM_THREADS"] = str(threads)
+    r = subprocess.run([sys.executable, "-c", PROBE, mode, json.dumps(inputs)], capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_fresh_compile_cache_load_and_threads_give_the_same_bits(inputs, tmp_path):
+    fresh = probe(inputs, tmp_path / "numba")                   # empty cache: every kernel compiled here
+    cached = probe(inputs, tmp_path / "numba")                  # the same cache, now warm: everything loaded
+    preloaded = probe(inputs, tmp_path / "numba", "preload")    # warm, with each callee loaded on its own first
+    one_thread = probe(inputs, tmp_path / "numba", threads=1)
+    print(f"\nfresh {fresh}\ncached {cached}\npreloaded {preloaded}\n1 thread {one_thread}")
+    assert cached == fresh
+    assert preloaded == fresh
+    assert one_thread == fresh
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def run(request, inputs):
+    path, ids = inputs[request.param]
+    m = lumen.load(path, ctx=1024, threads=2)
+    return m, ids, m.logits(ids)
+
+
+def test_prefill_chunk_sizes_and_decode_at_every_context_length(run):
+    """Every row of the teacher-forced logits equals the row a decode step or any chunked prefill produces
+    (prefill(all) == prefill(k) + decode(rest) for every k, and for chunks of any size)."""
+    m, ids, full = run
+    for n_batch in (1, 7, 100):
+        chunked = lumen.load(m.path, ctx=1024, threads=2, n_batch=n_batch).logits(ids)
+        bad = np.flatnonzero((chunked != full).any(1))
+        assert bad.size == 0, f"n_batch {n_batch}: rows {bad[:10]} differ"
+    m.reset()
+    k = 37
+    head = m.prefill(ids[:k], all_logits=True)
+    rows = [m.decode(t).copy() for t in ids[k:]]
+    np.testing.assert_array_equal(head, full[:k])
+    bad = np.flatnonzero((np.stack(rows) != full[k:]).any(1))
+    assert bad.size == 0, f"decode rows at positions {bad[:10] + k} differ from prefill"
+
+
+def test_thread_count_and_repeats(run):
+    import numba
+    m, ids, full = run
+    assert np.array_equal(m.logits(ids), full)                   # repeated
+    one = lumen.load(m.path, ctx=1024, threads=1)
+    try:
+        assert np.array_equal(one.logits(ids), full)
+        one.reset()                                             # decode past several chunks: the split-K kernel
+        one.prefill(ids[:-1])
+        assert np.array_equal(one.decode(ids[-1]), full[-1])
+    finally:
+        numba.set_num_threads(2)
+
+
+def test_pack_cache_hit_and_miss(run):
+    m, ids, full = run
+    fresh = lumen.load(m.path, ctx=1024, threads=2, pack_cache=False)
+    assert fresh.weights.packs_from.startswith("packed")
+    assert np.array_equal(fresh.logits(ids), full)
