@@ -20,13 +20,9 @@ import numpy as np
 from numba import njit, prange
 
 from .fp import exp_f32
-from .norm import as_f32, check
+from .checks import as_f32, check
+from .policy import parallel_rows
 
-# Inputs of at least this many values take the parallel kernels. Measured, 2 threads, min of short batches:
-# swiglu 8 x 1536 4.7 us serial / 3.8 us parallel (1 x 1536: 0.8 / 1.9); geglu 8 x 2048 7.3 / 5.1;
-# add 64 x 576 3.3 / 3.3, 128 x 576 5.8 / 4.4.
-PAR_MIN_GATED = 8192
-PAR_MIN_ADD = 65536
 
 
 @njit(cache=True, inline="always")
@@ -99,7 +95,7 @@ def _add_row(x, y, r):
         x[r, i] += y[r, i]
 
 
-@njit(cache=True)  # serial: below PAR_MIN_GATED a parallel region costs more than the work
+@njit(cache=True)  # serial: below policy.PAR_ROWS rows a parallel region costs more
 def swiglu_kernel(out, gate, up):
     """out (N, n_ff) = silu(gate (N, n_ff)) * up (N, n_ff). out may be gate or up."""
     for r in range(gate.shape[0]):
@@ -127,7 +123,7 @@ def geglu_kernel_par(out, gate, up):
         _geglu_row(out, gate, up, r)
 
 
-@njit(cache=True)  # serial: memory-bound; below PAR_MIN_ADD a parallel region costs more
+@njit(cache=True)  # serial: memory-bound; below policy.PAR_ROWS rows a parallel region costs more
 def add_kernel(x, y):
     """x (N, dim) += y (N, dim)."""
     for r in range(x.shape[0]):
@@ -154,14 +150,14 @@ def _check_gated(out, gate, up) -> None:
 def swiglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """out (N, n_ff) = silu(gate) * up; out may be gate or up. Returns out."""
     _check_gated(out, gate, up)
-    (swiglu_kernel_par if gate.size >= PAR_MIN_GATED else swiglu_kernel)(out, gate, up)
+    (swiglu_kernel_par if parallel_rows(gate.shape[0]) else swiglu_kernel)(out, gate, up)
     return out
 
 
 def geglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """out (N, n_ff) = gelu_tanh(gate) * up; out may be gate or up. Returns out."""
     _check_gated(out, gate, up)
-    (geglu_kernel_par if gate.size >= PAR_MIN_GATED else geglu_kernel)(out, gate, up)
+    (geglu_kernel_par if parallel_rows(gate.shape[0]) else geglu_kernel)(out, gate, up)
     return out
 
 
@@ -170,5 +166,5 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     as_f32("x", x, 2)
     as_f32("y", y, 2)
     check(x.shape == y.shape, f"y shape {y.shape} != x shape {x.shape}")
-    (add_kernel_par if x.size >= PAR_MIN_ADD else add_kernel)(x, y)
+    (add_kernel_par if parallel_rows(x.shape[0]) else add_kernel)(x, y)
     return x

@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from .fp import BLOCK, attn_block, exp_f32, f16_bits
-from .norm import as_f32, check
+from .checks import as_f32, check
 from .scratch import per_thread
 
 CHUNK = 128            # keys per softmax chunk (a multiple of BLOCK): the unit of split-K for decode
@@ -246,7 +246,8 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
               block_tables: np.ndarray, scale: float, window: int = 0, scratch=None, split: bool | None = None):
     """out (N, n_heads, hd_v) = causal (and sliding-window) attention of q (N, n_heads, hd), token t at
     positions[t] of sequence seqs[t], over the paged cache (module doc). scratch: from attention_scratch
-    (allocated here if None). split: run one token with split-K (None: when N == 1). Returns out."""
+    (allocated here if None). split: run one token with split-K (None: as the forward pass decides,
+    lumen.kernels.policy.split_attention). Returns out."""
     _check_pools(k_pool, v_pool)
     as_f32("q", q, 3)
     as_f32("out", out, 3)
@@ -279,7 +280,10 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
         check(a.shape == shape, f"scratch {name} shape {a.shape} != {shape}")
     check(po.shape[1:] == (H, Dv) and pm.shape[1:] == (H, 2) and po.shape[0] == pm.shape[0]
           and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
-    if split if split is not None else N == 1:
+    if split is None:
+        from .policy import split_attention
+        split = bool(split_attention(N, int(positions[0]) + 1))
+    if split:
         check(N == 1, "split attention takes one token")
         attention_split_kernel(out, q, k_pool, v_pool, int(positions[0]), int(seqs[0]), block_tables, int(window),
                                np.float32(scale), o, st, ro, rm, po, pm)

@@ -38,16 +38,12 @@ from numba import njit, prange
 
 import math
 
+from lumen.kernels.layout import F32, FAMILY, I8, Q4, Q5, R
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import (tile_nib_offset, tile_nib_scale, tile_u8_offset5, tile_u8_scale5, tile_u8_scale8,
                                 tile_u8_two)
 from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
-R = 64            # weight rows per tile: the vector loop length
-
-Q4, Q5, I8, F32 = 0, 1, 2, 3
-FAMILY = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5,
-          QT.Q8_0: I8, QT.Q6_K: I8, QT.F32: F32, QT.F16: F32, QT.BF16: F32}
 
 
 class Packed(NamedTuple):

@@ -7,33 +7,16 @@ GGUF weight by the converter (convert_hf_to_gguf: norm_shift = 1.0 for *norm.wei
 
 Raw kernels (`rmsnorm_kernel`, `rmsnorm_heads_kernel`, serial; `..._par`, parallel over rows) are callable from other
 @njit code; the wrappers (`rmsnorm`, `rmsnorm_heads`) validate shapes and dtypes, then pick serial or parallel by
-size (PAR_MIN_ELEMENTS). `check` and `as_f32` are the validation helpers the other kernel wrappers share.
+size (lumen.kernels.policy, the forward pass's own choice).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from .checks import as_f32, check
 from .fp import sumsq
-
-
-# Inputs of at least this many values take the parallel kernel. Measured, 2 threads, min of short batches:
-# 16 x 576 values 1.7 us serial / 2.2 us parallel, 32 x 576 3.6 / 2.8; (N, 4, 256): N=8 2.2 / 2.3, N=16 4.4 / 3.0.
-PAR_MIN_ELEMENTS = 16384
-
-
-def check(ok: bool, msg: str) -> None:
-    """Raise ValueError(msg) unless ok. Shared by the kernel wrappers in this package."""
-    if not ok:
-        raise ValueError(msg)
-
-
-def as_f32(name: str, a, ndim: int) -> None:
-    """Check that a is a C-contiguous float32 ndarray with ndim dimensions (what the raw kernels assume)."""
-    check(isinstance(a, np.ndarray), f"{name} must be a numpy array, got {type(a).__name__}")
-    check(a.dtype == np.float32, f"{name} must be float32, got {a.dtype}")
-    check(a.ndim == ndim, f"{name} must have {ndim} dimensions, got shape {a.shape}")
-    check(a.flags.c_contiguous, f"{name} must be C-contiguous")
+from .policy import parallel_rows
 
 
 @njit(cache=True, error_model="numpy")
@@ -52,7 +35,7 @@ def _rmsnorm_row(out, x, r, w, eps):
             out[r, i] = x[r, i] * scale * w[i]
 
 
-@njit(cache=True)  # serial: below PAR_MIN_ELEMENTS a parallel region costs more than the work
+@njit(cache=True)  # serial: below policy.PAR_ROWS rows a parallel region costs more than the work
 def rmsnorm_kernel(out, x, w, eps):
     """out (N, dim) = rmsnorm(x (N, dim)) * w (dim,). out may be x (in place)."""
     for r in range(x.shape[0]):
@@ -90,7 +73,7 @@ def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> np.nda
     check(w.shape[0] == x.shape[1], f"w has {w.shape[0]} entries, rows have {x.shape[1]}")
     check(eps >= 0, f"eps {eps} is negative")
     check(out.ctypes.data == x.ctypes.data or not np.shares_memory(out, x), "out partly overlaps x")
-    if x.size >= PAR_MIN_ELEMENTS:
+    if parallel_rows(x.shape[0]):
         rmsnorm_kernel_par(out, x, w, np.float32(eps))
     else:
         rmsnorm_kernel(out, x, w, np.float32(eps))
@@ -106,7 +89,7 @@ def rmsnorm_heads(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> 
     check(w.shape[0] == x.shape[2], f"w has {w.shape[0]} entries, heads have {x.shape[2]}")
     check(eps >= 0, f"eps {eps} is negative")
     check(out.ctypes.data == x.ctypes.data or not np.shares_memory(out, x), "out partly overlaps x")
-    if x.size >= PAR_MIN_ELEMENTS:
+    if parallel_rows(x.shape[0]):
         rmsnorm_heads_kernel_par(out, x, w, np.float32(eps))
     else:
         rmsnorm_heads_kernel(out, x, w, np.float32(eps))

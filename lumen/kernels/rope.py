@@ -17,11 +17,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .norm import as_f32, check
+from .checks import as_f32, check
+from .policy import parallel_rows
 
-# Inputs of at least this many values take the parallel kernel. Measured, 2 threads, min of short batches, NEOX,
-# (N, 9, 64): N=64 4.0 us serial / 4.0 us parallel, N=128 6.4 / 5.2, N=1 0.3 / 1.7.
-PAR_MIN_ELEMENTS = 65536
 
 
 def rope_cache(base: float, n_rot: int, max_pos: int, freq_scale: float = 1.0,
@@ -76,7 +74,7 @@ def _rope_token(x, t, cos, sin, p, neox):
                 x[t, h, 2 * i + 1] = x0 * sin[p, i] + x1 * cos[p, i]
 
 
-@njit(cache=True)  # serial: below PAR_MIN_ELEMENTS (decode: 0.3 us) a parallel region costs more
+@njit(cache=True)  # serial: below policy.PAR_ROWS rows (decode: 0.3 us) a parallel region costs more
 def rope_kernel(x, positions, cos, sin, neox):
     """x (N, n_heads, head_dim) rotated in place at positions (N,) with tables cos, sin (max_pos, n_rot/2)."""
     for t in range(x.shape[0]):
@@ -104,5 +102,5 @@ def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
     if positions.size:
         lo, hi = int(positions.min()), int(positions.max())
         check(lo >= 0 and hi < cos.shape[0], f"positions {lo}..{hi} outside the table's 0..{cos.shape[0] - 1}")
-    (rope_kernel_par if x.size >= PAR_MIN_ELEMENTS else rope_kernel)(x, positions, cos, sin, bool(neox))
+    (rope_kernel_par if parallel_rows(x.shape[0]) else rope_kernel)(x, positions, cos, sin, bool(neox))
     return x

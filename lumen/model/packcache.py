@@ -1,4 +1,4 @@
-"""The packed-weight cache: the repacked matrices (lumen.weights.Packs) of a GGUF file, kept on disk so a warm
+"""The packed-weight cache: the repacked matrices (lumen.kernels.layout.Packs) of a GGUF file, kept on disk so a warm
 start reads them instead of repacking. Measured with profiling/startup.py (medians, 2 cores at load 1.2):
 SmolLM2-135M reads its 111 MB in 41 ms instead of 0.64 s of repacking, Gemma-3-270M its 294 MB in 108 ms instead
 of 2.5-2.7 s, at half the peak RSS (710 MB vs 1.42 GB).
@@ -10,7 +10,7 @@ the directory. At most KEEP files per GGUF stem are kept (the oldest are deleted
 Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's
 identity (size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing
 code (the source bytes of every lumen/kernels/*.py (matmul.py packs, with helpers it may take from its
-neighbours), weights.py, forward.py (the table columns), quants.py and this file) and numpy's version. A change
+neighbours; layout.py holds the table columns), model/weights.py, format/quants.py and this file) and numpy's version. A change
 to any of them is another key, so a stale file is never read (an edit to any kernel costs one repack). If one
 of those sources was modified after this process imported Lumen, the code running may not be the code on disk:
 the cache is then not used at all (neither read nor written) in this process.
@@ -19,7 +19,7 @@ File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, arrays: {n
 the arrays at 64-byte aligned offsets, the trailer b"LUMENEND". Written to a temporary file in the same
 directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A read checks the magic, trailer,
 file size, key, each array's dtype, shape and bounds, and every table row against the GGUF tensor it packs
-(family, activation format, sizes, and that its slices lie inside the buffers as lumen.forward.mm takes them),
+(family, activation format, sizes, and that its slices lie inside the buffers as lumen.engine.forward.mm takes them (lumen.kernels.layout.check_table)),
 because the compiled kernels do not check bounds. Anything wrong -> the file is ignored and rewritten.
 The arrays are read into ordinary memory, not mapped: decode over a copy-on-write mapping of the file measured
 5% slower (SmolLM2 12.0 vs 11.45 ms of CPU per step, Gemma 25.7 vs 24.4; one process, interleaved, medians),
@@ -40,13 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import IMPORT_TIME_NS
-from .forward import N_PCOLS, P_DOUT, P_FAM, P_FMT, P_G, P_H, P_NIN, P_O, P_OG, P_Q, P_S, P_T
-from .gguf import GGUFFile
-from .kernels.matmul import F32, FAMILY, Q4, R
-from .models import lumen_home
-from .quants import ACT_FORMAT, QT, quant_info
-from .weights import Packs
+from .. import IMPORT_TIME_NS
+from ..format.gguf import GGUFFile
+from ..kernels.layout import DTYPES, Packs, check_table
+from .store import lumen_home
 
 MAGIC, TRAILER = b"LUMENPK1", b"LUMENEND"
 VERSION = 1
@@ -54,8 +51,7 @@ ALIGN = 64
 KEEP = 2                  # cache files kept per GGUF stem
 EDGE = 1 << 20            # bytes hashed at each end of the GGUF file
 SAMPLE_EVERY = 4 << 20    # and one 4 KiB page per this many bytes in between
-DTYPES = {"table": np.int64, "q": np.uint8, "q8": np.int8, "qf": np.float32, "s": np.float32, "o": np.float32}
-SOURCES = ("kernels/*.py", "weights.py", "forward.py", "quants.py", "packcache.py")  # the packing code
+SOURCES = ("kernels/*.py", "model/weights.py", "format/quants.py", "model/packcache.py")  # the packing code
 MTIME_SLACK_NS = 2_000_000_000  # file mtimes come from a coarser clock than time.time_ns()
 
 
@@ -71,7 +67,7 @@ def cache_dir() -> Path:
 def code_hash() -> str | None:
     """sha256 of the packing code's sources; None if one changed after Lumen was imported (the running code may
     differ from the file)."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent          # lumen/
     h = hashlib.sha256()
     for p in (p for pattern in SOURCES for p in sorted(root.glob(pattern))):
         rel = p.relative_to(root).as_posix()
@@ -117,48 +113,6 @@ def cache_path(g: GGUFFile, key: str) -> Path:
 
 # ---------------------------------------------------------------- read
 
-def expected_rows(mats: list) -> np.ndarray:
-    """(n_mats, 5) i8: family, activation format, d_out, n_in, tiles of each [(raw (rows, row_bytes), qtype)],
-    from the GGUF tensors alone."""
-    out = np.zeros((len(mats), 5), np.int64)
-    for i, (raw, qtype) in enumerate(mats):
-        qt = QT(int(qtype))
-        info = quant_info(qt)
-        d_out = raw.shape[0]
-        out[i] = FAMILY[qt], ACT_FORMAT[qt], d_out, raw.shape[1] // info.type_size * info.block_size, -(-d_out // R)
-    return out
-
-
-def check_table(table: np.ndarray, mats: list, sizes: dict) -> str | None:
-    """Why `table` cannot describe `mats` packed into buffers of `sizes` (name -> length), or None if it can:
-    each row's family, format, d_out, n_in, tiles and groups match the tensor, and every slice lumen.forward.mm
-    takes (q (T,G,4,R,4) / q8 (T,G,8,R,4) / qf (T,n_in,R), s (T,G,H,R), o (T,OG,R)) lies inside its buffer, the
-    slices of each buffer adding up to its length."""
-    if table.shape != (len(mats), N_PCOLS):
-        return f"table shape {table.shape}, expected {(len(mats), N_PCOLS)}"
-    exp = expected_rows(mats)
-    got = table[:, [P_FAM, P_FMT, P_DOUT, P_NIN, P_T]]
-    if not np.array_equal(got, exp):
-        i = int(np.argwhere((got != exp).any(axis=1))[0, 0])
-        return f"table row {i} is {got[i].tolist()}, the tensor needs {exp[i].tolist()}"
-    fam, T, G, H, n_in = (table[:, c] for c in (P_FAM, P_T, P_G, P_H, P_NIN))
-    OG = table[:, P_OG]
-    if not (np.all(G == np.where(fam == F32, 0, n_in // 32)) and np.all((H == 1) | (H == 2))
-            and np.all((OG == 0) | (OG == G))):
-        return "table groups/halves/offset groups do not fit the tensors"
-    kind = np.where(fam == Q4, 0, np.where(fam == F32, 2, 1))          # 0: q, 1: q8, 2: qf
-    q_len = np.where(fam == Q4, T * G * 16 * R, np.where(fam == F32, T * n_in * R, T * G * 32 * R))
-    spans = [(("q", "q8", "qf")[k], kind == k, table[:, P_Q], q_len) for k in range(3)]
-    spans += [("s", True, table[:, P_S], T * G * H * R), ("o", True, table[:, P_O], T * OG * R)]
-    for name, sel, off, n in spans:
-        sel = np.broadcast_to(sel, off.shape)
-        off, n = off[sel], n[sel]
-        if (np.any(off < 0) or np.any(off > sizes[name]) or np.any(off + n > sizes[name])
-                or int(n.sum()) != sizes[name]):
-            return f"table slices of {name} do not fit its {sizes[name]} values"
-    return None
-
-
 def _read_at(f, offset: int, out) -> None:
     """Fill the writable buffer `out` from f at offset; ValueError if the file ends first."""
     view = memoryview(out).cast("B")
@@ -171,7 +125,7 @@ def _read_at(f, offset: int, out) -> None:
         got += n
 
 
-def read(path: Path, key: str, mats: list) -> Packs | None:
+def read(path: Path, key: str, expected: np.ndarray) -> Packs | None:
     """The packs stored at path (read into fresh arrays), or None if the file is missing, stale or damaged."""
     try:
         with open(path, "rb", buffering=0) as f:
@@ -202,7 +156,7 @@ def read(path: Path, key: str, mats: list) -> Packs | None:
             table = np.empty(layout["table"][0], np.int64)
             _read_at(f, layout["table"][1], table)
             sizes = {name: shape[0] for name, (shape, off) in layout.items() if name != "table"}
-            if check_table(table, mats, sizes) is not None:
+            if check_table(table, expected, sizes) is not None:
                 return None
             arrays = {"table": table}
             for name, (shape, off) in layout.items():
@@ -274,14 +228,14 @@ def _evict(keep: Path) -> None:
 
 # ---------------------------------------------------------------- entry
 
-def load_or_pack(g: GGUFFile, mats: list, pack) -> tuple[Packs, str]:
+def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[Packs, str]:
     """(packs, where they came from): the cached packs of g if valid, else pack(mats), stored for next time.
     The second item is "cache", "packed, cached", or "packed" plus why nothing was cached."""
     key = cache_key(g)
     if key is None:
         return pack(mats), "packed (packing sources changed after import: cache not used)"
     path = cache_path(g, key)
-    packs = read(path, key, mats)
+    packs = read(path, key, expected)
     if packs is not None:
         return packs, "cache"
     packs = pack(mats)

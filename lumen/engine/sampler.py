@@ -341,16 +341,18 @@ class StopChecker:
                 raise SamplerError(f"stop strings must be non-empty strings, got {s!r}")
         self.stop = stop
         self.stopped = False
+        self.matched: str | None = None              # the stop string that stopped it
         self._held = ""
 
     def feed(self, text: str) -> StopResult:
         if self.stopped:
             return StopResult("", True)
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
         if hits:
+            i, self.matched = min(hits)
             self.stopped, self._held = True, ""
-            return StopResult(buf[: min(hits)], True)
+            return StopResult(buf[:i], True)
         hold = 0                                     # longest tail of buf that starts some stop string
         for s in self.stop:
             for size in range(min(len(s) - 1, len(buf)), hold, -1):

@@ -1,0 +1,312 @@
+"""The serving engine: continuous batching over a paged KV cache, in the loop the field's engines share.
+
+    plan = scheduler.schedule()          which tokens of which requests run this step (lumen.engine.scheduler)
+    logits = runner.run(plan)            one forward pass over the ragged batch (lumen.engine.runner)
+    outputs = postprocess(plan, logits)  sample, detokenize, stop; free what finished
+
+    engine = lumen.Engine("smollm2-135m", max_num_seqs=16, max_num_batched_tokens=512, kv_cache_mb=512)
+    outs = engine.generate(["The capital of France is", "def fib(n):"], lumen.SamplingParams(max_tokens=32))
+    rid = engine.add_request("Once upon a time", params); engine.step(); engine.abort(rid)
+    for out in engine.stream("Hello", params): print(out.delta_text, end="")
+
+add_request and abort may be called from any thread while another runs step(): the queues are changed under a
+lock that step() does not hold while the forward pass runs. An aborted request's blocks are freed at once; a
+bad request gets an error of its own (finish_reason "error" when it was already running) and never disturbs
+the others. Batch invariance: a request's logits are bit-identical whatever runs beside it, whatever the
+chunk size or token budget, with or without a prefix-cache hit (lumen.kernels.attention), and each request
+samples with its own RNG, so its tokens are too.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Iterator, Sequence as Seq
+
+import numpy as np
+
+from ..errors import ContextError, LumenError
+from ..kernels.attention import BLOCK
+from ..profile import active as profiler_active
+from ..sampler import SamplerError
+from .block_manager import BlockManager
+from .runner import Runner
+from .sampling import SamplingParams
+from .scheduler import Scheduled, Scheduler
+from .sequence import RequestOutput, Sequence, Status
+
+DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
+
+
+class RequestError(LumenError, ValueError):
+    """A request cannot be served (bad prompt, too long, cannot ever fit); the engine is unaffected."""
+
+
+def _available_mb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class Engine:
+    def __init__(self, model, *, threads: int | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_mb: float | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 pack_cache: bool | None = None, _runner: Runner | None = None):
+        """model: a registry name, a .gguf path, or a loaded lumen.Model (its weights are shared).
+        max_model_len: longest prompt + output (default: the model's trained context).
+        kv_cache_mb: the KV block pool's size (default min(1024, a fifth of the available memory))."""
+        from .llm import Model, load_parts
+        for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.model = model if isinstance(model, Model) else None
+        parts = model.parts if isinstance(model, Model) else load_parts(model, pack_cache=pack_cache)
+        self.parts = parts
+        cfg = parts.config
+        self.config, self.tokenizer = cfg, parts.tokenizer
+        self.threads = parts.set_threads(threads)
+        if max_model_len is None:
+            max_model_len = cfg.ctx_train
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        self.end_ids = frozenset(parts.tokenizer.eot_ids)
+        max_blocks = -(-max_model_len // BLOCK)
+        if _runner is None:
+            per_block = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * BLOCK * 2
+            if kv_cache_mb is None:
+                avail = _available_mb()
+                kv_cache_mb = DEFAULT_KV_CACHE_MB if avail is None else min(DEFAULT_KV_CACHE_MB, avail / 5)
+            if not isinstance(kv_cache_mb, (int, float)) or isinstance(kv_cache_mb, bool) or kv_cache_mb <= 0:
+                raise ValueError(f"kv_cache_mb must be a positive number, got {kv_cache_mb!r}")
+            n_blocks = int(kv_cache_mb * 2 ** 20 // per_block)
+            if n_blocks < 1:
+                raise ValueError(f"kv_cache_mb={kv_cache_mb} holds no block ({per_block} bytes each)")
+            _runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=n_blocks,
+                             max_tokens=max_num_batched_tokens, max_rows=max_num_seqs, max_blocks=max_blocks,
+                             n_threads=self.threads)
+        self.runner = _runner
+        self.max_num_seqs = min(max_num_seqs, _runner.max_rows)
+        self.max_num_batched_tokens = min(max_num_batched_tokens, _runner.max_tokens)
+        self.blocks = BlockManager(_runner.n_blocks, _runner.table, prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=self.max_num_seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   chunked_prefill=enable_chunked_prefill)
+        self._lock = threading.RLock()
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []     # outputs made outside step() (aborts), returned by the next
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}-{id(self) & 0xffff:x}-"
+        self.steps = 0
+
+    # ---- requests
+    def _prompt_ids(self, prompt, params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_default, special=params.special)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise RequestError("a token-id prompt must hold integers") from None
+            if any(isinstance(t, (bool, np.bool_)) or isinstance(t, float) for t in prompt):
+                raise RequestError("a token-id prompt must hold integers")
+            V = self.config.n_vocab
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        else:
+            raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens)")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises RequestError (a ValueError) when it cannot be served."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a lumen.SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.config.n_vocab)
+        ids = self._prompt_ids(prompt, params)
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise ContextError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}, which must "
+                               f"also leave room for at least one generated token")
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ContextError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
+                               f"({self.max_model_len})")
+        if self.blocks.blocks_for(n + max_tokens) > self.blocks.n_blocks:
+            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs "
+                               f"{self.blocks.blocks_for(n + max_tokens)} KV blocks but the pool has "
+                               f"{self.blocks.n_blocks}; raise kv_cache_mb or lower max_tokens")
+        with self._lock:
+            rid = request_id if request_id is not None else self._prefix + str(next(self._ids))
+            if rid in self._seqs:
+                raise RequestError(f"request id {rid!r} is already in use")
+            seq = Sequence(rid, ids, params, max_tokens, self.tokenizer, self.end_ids)
+            self._seqs[rid] = seq
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks now; unknown or finished ids are a no-op."""
+        with self._lock:
+            seq = self._seqs.pop(request_id, None)
+            if seq is None or seq.finished:
+                return
+            self.scheduler.finish(seq, "abort")
+            seq.metrics.finished = time.perf_counter()
+            self._pending.append(seq.output([], ""))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work or bool(self._pending)
+
+    # ---- the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that advanced or ended."""
+        prof = profiler_active()
+        with self._lock:
+            outs, self._pending = self._pending, []
+            plan = self.scheduler.schedule()
+        if not plan:
+            return outs
+        self.steps += 1
+        logits, rows = self._run(plan, prof)
+        with self._lock:
+            outs += self._postprocess(plan, logits, rows, prof)
+        return outs
+
+    def _run(self, plan: list[Scheduled], prof):
+        r = self.runner
+        i, out_rows, kv_tokens, n_decode = 0, [], 0, 0
+        for s in plan:
+            seq = s.seq
+            i = r.set_tokens(i, seq.tokens[s.start:s.start + s.n], s.start, seq.row)
+            kv_tokens += s.start + s.n
+            if s.n == 1:
+                n_decode += 1
+            if s.samples:
+                out_rows.append(i - 1)
+        phase = "decode" if n_decode == len(plan) else "prefill" if n_decode == 0 else "mixed"
+        n_out = r.set_out_rows(out_rows)
+        return r.forward(i, n_out, phase=phase, n_seqs=len(plan), kv_tokens=kv_tokens), out_rows
+
+    def _postprocess(self, plan: list[Scheduled], logits: np.ndarray, rows: list, prof) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outs, k = [], 0
+        for s in plan:
+            seq = s.seq
+            samples = s.samples
+            row = logits[k] if samples else None
+            k += samples
+            if seq.finished:                        # aborted while the step ran
+                continue
+            if seq.metrics.first_scheduled is None:
+                seq.metrics.first_scheduled = now
+            self.scheduler.computed(s)
+            if not samples:
+                continue
+            try:
+                tok = self._sample(seq, row)
+            except SamplerError as e:               # NaN logits and the like: this request only
+                seq.error = str(e)
+                self._finish(seq, "error", now)
+                outs.append(seq.output([], ""))
+                continue
+            text = seq.append(tok, now)
+            if seq.finish_reason is not None or seq.num_tokens >= self.max_model_len:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "length"
+                self._finish(seq, None, now)
+            outs.append(seq.output([tok], text))
+        if prof.enabled:
+            prof.lap("sample")
+        return outs
+
+    def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
+        ch = seq.chooser
+        x = ch.process(logits, seq.tokens, len(seq.output_ids))
+        tok = ch.sample(x)
+        if seq.logprobs is not None:
+            seq.logprobs.append(ch.logprobs(x, tok))
+        return tok
+
+    def _finish(self, seq: Sequence, reason: str | None, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.metrics.finished = now
+        self._seqs.pop(seq.request_id, None)
+
+    # ---- conveniences
+    def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; results in input order. params: one for all,
+        or one per prompt. A prompt that cannot be served gets finish_reason "error" and its message."""
+        if isinstance(prompts, (str, np.ndarray)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                      and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        order = {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                order[self.add_request(p, sp)] = i
+            except (LumenError, ValueError) as e:
+                results[i] = RequestOutput(f"invalid-{i}", [], [], "", True, "error",
+                                           _empty_metrics(), error=str(e))
+        while order:
+            for out in self.step():
+                i = order.get(out.request_id)
+                if i is not None and out.finished:
+                    results[i] = out
+                    del order[out.request_id]
+        return results
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's outputs as its tokens arrive (other requests advance too). Closing the iterator
+        early aborts the request."""
+        rid = self.add_request(prompt, params)
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.abort(rid)
+
+    # ---- state, for metrics and tests
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> dict:
+        bm = self.blocks
+        return {"running": self.num_running, "waiting": self.num_waiting, "kv_usage": bm.usage,
+                "kv_blocks": bm.n_blocks, "kv_free_blocks": bm.num_free, "prefix_hit_tokens": bm.hit_tokens,
+                "prefix_query_tokens": bm.query_tokens, "preemptions": self.scheduler.num_preemptions,
+                "steps": self.steps}
+
+
+def _empty_metrics():
+    from .sequence import RequestMetrics
+    now = time.perf_counter()
+    return RequestMetrics(arrival=now, finished=now)

@@ -1,0 +1,349 @@
+"""The forward pass: every layer of llama, qwen2 and gemma3 over one ragged batch, in one compiled function.
+
+One call runs T tokens that belong to S sequences. Every matmul runs over all T rows at once (each weight tile is
+read once per step); attention runs per token over its own sequence's blocks of the paged KV cache; logits are
+computed only for the rows that will be sampled. A single sequence (lumen.Model) is the S = 1 case.
+
+    forward(arch, w, kv, batch, scr, logits, prof)
+
+takes named bundles (NamedTuples, which Numba compiles as structs):
+    Arch     the architecture: sizes, switches, RoPE tables, per-layer windows (from the Config)
+    Weights  the token embedding (rows of the GGUF mmap), the packed matrices (lumen.kernels.layout.Packs)
+             and the norm/bias vectors, named after the GGUF tensors
+    KV       the paged f16 K/V pools of every layer (lumen.kernels.attention)
+    Batch    this step's tokens, their positions, sequences and cache slots, the block tables, the rows to sample
+    Scratch  activation buffers and kernel scratch, allocated once for the largest step
+Every op writes `ticks()` into scr.times when prof is set, so the profiler sees each op of each layer inside
+the compiled code (lumen.profile turns the ticks into records).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ..kernels.activation import add_kernel, add_kernel_par, geglu_kernel, geglu_kernel_par, swiglu_kernel, \
+    swiglu_kernel_par
+from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
+from ..kernels.dequant import dequant_row
+from ..kernels.layout import C_FAM, C_FMT, C_G, C_H, C_NIN, C_O, C_OG, C_Q, C_S, C_T, F32, Q4, R, o_len, q_len, \
+    s_len
+from ..kernels.matmul import batched_kernel, matvec_kernel, prepare_x
+from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
+from ..kernels.policy import parallel_rows, split_attention
+from ..kernels.rope import rope_kernel, rope_kernel_par
+from ..timer import ticks
+
+# ---- op ids: the timer's vocabulary (profile reports group by these names) ----
+OPS = ("embed", "attn_norm", "q", "k", "v", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
+       "attn_residual", "ffn_norm", "gate", "up", "act", "down", "post_ffn_norm", "ffn_residual",
+       "output_norm", "output")
+LAYER_OPS = range(OPS.index("attn_norm"), OPS.index("ffn_residual") + 1)
+N_LAYER_OPS = len(LAYER_OPS)
+MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")      # per layer
+VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm",
+        "post_attention_norm", "post_ffw_norm")                                               # per layer
+
+
+def n_slots(n_layer: int) -> int:
+    """Timer slots: embed, the layers' ops, output_norm, output, and the start tick in the last slot."""
+    return 1 + n_layer * N_LAYER_OPS + 2 + 1
+
+
+# LUMEN_TIMERS=0 compiles the timer calls out (to measure what they cost when off). Numba freezes this global at
+# compile time, so lumen/__init__.py gives that build its own compile cache directory.
+TIMERS = os.environ.get("LUMEN_TIMERS", "1") != "0"
+
+
+class Arch(NamedTuple):
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    qkv_bias: bool
+    qk_norm: bool
+    post_norms: bool       # gemma3: post_attention_norm, post_ffw_norm
+    gelu: bool             # else silu
+    neox: bool             # RoPE pairs (i, i + n_rot/2), else (2i, 2i+1)
+    eps: np.float32
+    attn_scale: np.float32
+    embd_scale: np.float32
+    softcap: np.float32    # final logit soft-capping, 0 = none
+    windows: np.ndarray    # (L,) i8 sliding window per layer, 0 = full attention
+    rope_sel: np.ndarray   # (L,) i8 which RoPE table a layer uses
+    rope_cos: np.ndarray   # (n_tables, max_pos, n_rot/2) f32
+    rope_sin: np.ndarray
+
+
+class Weights(NamedTuple):
+    token_embd: np.ndarray       # (n_vocab, row_bytes) u8: rows of the GGUF mmap, dequantized on lookup
+    token_embd_type: int         # its GGML type
+    lut: np.ndarray              # (65536,) f32: f16 bits -> value
+    packs: object                # lumen.kernels.layout.Packs: every matrix below is a row of packs.table
+    attn_q: np.ndarray           # (L,) i8 matrix ids
+    attn_k: np.ndarray
+    attn_v: np.ndarray
+    attn_output: np.ndarray
+    ffn_gate: np.ndarray
+    ffn_up: np.ndarray
+    ffn_down: np.ndarray
+    output: int                  # the output head's matrix id (token_embd's when tied)
+    fvec: np.ndarray             # (n,) f32: every norm and bias vector; each below is (offset, length) into it
+    attn_norm: np.ndarray        # (L, 2) i8
+    ffn_norm: np.ndarray
+    attn_q_bias: np.ndarray      # length 0 when absent
+    attn_k_bias: np.ndarray
+    attn_v_bias: np.ndarray
+    attn_q_norm: np.ndarray
+    attn_k_norm: np.ndarray
+    post_attention_norm: np.ndarray
+    post_ffw_norm: np.ndarray
+    output_norm: np.ndarray      # (2,) i8
+
+
+class KV(NamedTuple):
+    k: np.ndarray                # (L, n_blocks, n_kv, head_dim, BLOCK) u16 f16 bits
+    v: np.ndarray                # (L, n_blocks, n_kv, BLOCK, head_dim_v) u16
+
+
+class Batch(NamedTuple):
+    tokens: np.ndarray           # (T,) i8
+    positions: np.ndarray        # (T,) i8 position of each token in its sequence
+    seqs: np.ndarray             # (T,) i8 each token's row of block_tables
+    slots: np.ndarray            # (T,) i8 where its K/V go: block * BLOCK + offset
+    block_tables: np.ndarray     # (rows, max_blocks) i8
+    out_rows: np.ndarray         # (n_out,) i8 the rows whose logits are computed, in order
+
+
+class MMScratch(NamedTuple):
+    xq: np.ndarray               # (rows * max_in,) i8 activations rounded to 8 bits (reshaped per call)
+    xd: np.ndarray               # (rows * max_in / 32,) f32 their scales
+    xs: np.ndarray               # (rows * max_in / 16,) f32 their scaled half sums
+    xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families
+    facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
+
+
+class AttnScratch(NamedTuple):
+    o: np.ndarray                # see lumen.kernels.attention.attention_scratch
+    st: np.ndarray
+    ro: np.ndarray
+    rm: np.ndarray
+    po: np.ndarray
+    pm: np.ndarray
+
+
+class Scratch(NamedTuple):
+    x: np.ndarray                # (rows, E) residual stream
+    xn: np.ndarray               # (rows, E) normed input / block output
+    q: np.ndarray                # (rows, H * hd)
+    k: np.ndarray                # (rows, KV * hd)
+    v: np.ndarray                # (rows, KV * hdv)
+    att: np.ndarray              # (rows, H * hdv) attention output
+    ffa: np.ndarray              # (rows, F) FFN gate, then act(gate) * up
+    ffb: np.ndarray              # (rows, F) FFN up
+    mm: MMScratch
+    attn: AttnScratch
+    times: np.ndarray            # (n_slots,) i8 op timestamps of the last call
+
+
+@njit(cache=True, inline="always")
+def _mark(times, prof, i):
+    if TIMERS and prof:
+        times[i] = ticks()
+
+
+@njit(cache=True)
+def mm(out, x, i, packs, scr):
+    """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
+    kernel (each weight tile applied to all N rows while cached) otherwise; both give the same bits per row."""
+    pk = packs.table
+    fam, T, G, H = pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_H]
+    n_in, fmt, OG = pk[i, C_NIN], pk[i, C_FMT], pk[i, C_OG]
+    qo, so, oo = pk[i, C_Q], pk[i, C_S], pk[i, C_O]
+    z = 0
+    if fam == F32:
+        q = packs.q[0:0].reshape((z, z, z, z, z))
+        qf = packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape((T, n_in, R))
+    elif fam == Q4:
+        q = packs.q[qo:qo + q_len(fam, T, G, n_in)].reshape((T, G, 4, R, 4))
+        qf = packs.qf[0:0].reshape((z, z, z))
+    else:
+        q = packs.q8[qo:qo + q_len(fam, T, G, n_in)].view(np.uint8).reshape((T, G, 8, R, 4))
+        qf = packs.qf[0:0].reshape((z, z, z))
+    s = packs.s[so:so + s_len(T, G, H)].reshape((T, G, H, R))
+    o = packs.o[oo:oo + o_len(T, OG)].reshape((T, OG, R))
+    N = x.shape[0]
+    nch = min(T, scr.facc.shape[0])
+    xq = scr.xq[:N * n_in].reshape((N, n_in))
+    xd = scr.xd[:N * G].reshape((N, G))
+    xs = scr.xs[:N * G * 2].reshape((N, G, 2))
+    xf = scr.xf[:N * n_in].reshape((N, n_in))
+    if N == 1:
+        matvec_kernel(out[0], fam, fmt, q, qf, s, o, x, xq, xd, xs, xf, scr.facc[:nch])
+    else:
+        prepare_x(xq, xd, xs, xf, x, fmt)
+        batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, scr.facc[:nch])
+
+
+@njit(cache=True)
+def _vec(w, span, layer):
+    """The f32 vector at span[layer] = (offset, length) in w.fvec."""
+    off = span[layer, 0]
+    return w.fvec[off:off + span[layer, 1]]
+
+
+@njit(cache=True)
+def _rmsnorm(out, x, w, eps, par):
+    if par:
+        rmsnorm_kernel_par(out, x, w, eps)
+    else:
+        rmsnorm_kernel(out, x, w, eps)
+
+
+@njit(cache=True)
+def _add(x, y, par):
+    if par:
+        add_kernel_par(x, y)
+    else:
+        add_kernel(x, y)
+
+
+@njit(cache=True)
+def _round_f16(a):
+    """Round every value of a (any shape, C-contiguous f32) to float16 precision in place: llama.cpp keeps K and V
+    in an f16 cache and converts q to f16 for q.k. Ties to even on the 13 dropped mantissa bits; exact for the
+    f16 normal range, which is where attention values live."""
+    u = a.reshape(-1).view(np.uint32)
+    for i in range(u.shape[0]):
+        b = u[i]
+        u[i] = (b + np.uint32(0x0FFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+
+
+@njit(cache=True)
+def _add_bias(x, b):
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[t, i] += b[i]
+
+
+@njit(cache=True, nogil=True)
+def forward(arch, w, kv, batch, scr, logits, prof):
+    """Run the batch's T tokens through every layer: their K/V go into the cache at batch.slots, and logits
+    (n_out, V) receive the logits of rows batch.out_rows. Bundles: see the module docstring."""
+    N = batch.tokens.shape[0]
+    E = scr.x.shape[1]
+    H, KVH, hd, hdv = arch.n_head, arch.n_head_kv, arch.head_dim, arch.head_dim_v
+    par = parallel_rows(N)
+    eps = arch.eps
+    x, xn = scr.x[:N], scr.xn[:N]
+    q, k, v, att = scr.q[:N], scr.k[:N], scr.v[:N], scr.att[:N]
+    ffa, ffb = scr.ffa[:N], scr.ffb[:N]
+    times = scr.times
+    q3 = q.reshape((N, H, hd))
+    k3 = k.reshape((N, KVH, hd))
+    v3 = v.reshape((N, KVH, hdv))
+    a3 = att.reshape((N, H, hdv))
+    at = scr.attn
+    split = split_attention(N, batch.positions[0] + 1)
+
+    if TIMERS and prof:
+        times[times.shape[0] - 1] = ticks()  # start
+    # embedding lookup (dequantize the token rows); gemma scales it by sqrt(E)
+    for t in range(N):
+        dequant_row(x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
+    if arch.embd_scale != 1.0:
+        x *= arch.embd_scale
+    _mark(times, prof, 0)
+
+    for il in range(arch.n_layer):
+        b = 1 + il * N_LAYER_OPS
+        # attention block
+        _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
+        _mark(times, prof, b + 0)
+        mm(q, xn, w.attn_q[il], w.packs, scr.mm)
+        _mark(times, prof, b + 1)
+        mm(k, xn, w.attn_k[il], w.packs, scr.mm)
+        _mark(times, prof, b + 2)
+        mm(v, xn, w.attn_v[il], w.packs, scr.mm)
+        if arch.qkv_bias:
+            _add_bias(q, _vec(w, w.attn_q_bias, il))
+            _add_bias(k, _vec(w, w.attn_k_bias, il))
+            _add_bias(v, _vec(w, w.attn_v_bias, il))
+        _mark(times, prof, b + 3)
+        if arch.qk_norm:
+            rmsnorm_heads_kernel(q3, q3, _vec(w, w.attn_q_norm, il), eps)
+            rmsnorm_heads_kernel(k3, k3, _vec(w, w.attn_k_norm, il), eps)
+        _mark(times, prof, b + 4)
+        cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
+        if par:
+            rope_kernel_par(q3, batch.positions, cos, sin, arch.neox)
+            rope_kernel_par(k3, batch.positions, cos, sin, arch.neox)
+        else:
+            rope_kernel(q3, batch.positions, cos, sin, arch.neox)
+            rope_kernel(k3, batch.positions, cos, sin, arch.neox)
+        _round_f16(q3)
+        _round_f16(k3)
+        _round_f16(v)
+        _mark(times, prof, b + 5)
+        kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
+        _mark(times, prof, b + 6)
+        if split:
+            attention_split_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions[0], batch.seqs[0], batch.block_tables,
+                                   arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm, at.po, at.pm)
+        else:
+            attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
+                             arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
+        _mark(times, prof, b + 7)
+        mm(xn, att, w.attn_output[il], w.packs, scr.mm)
+        _mark(times, prof, b + 8)
+        if arch.post_norms:
+            _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
+        _mark(times, prof, b + 9)
+        _add(x, xn, par)
+        _mark(times, prof, b + 10)
+        # feed-forward block
+        _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
+        _mark(times, prof, b + 11)
+        mm(ffa, xn, w.ffn_gate[il], w.packs, scr.mm)
+        _mark(times, prof, b + 12)
+        mm(ffb, xn, w.ffn_up[il], w.packs, scr.mm)
+        _mark(times, prof, b + 13)
+        if arch.gelu:
+            if par:
+                geglu_kernel_par(ffa, ffa, ffb)
+            else:
+                geglu_kernel(ffa, ffa, ffb)
+        else:
+            if par:
+                swiglu_kernel_par(ffa, ffa, ffb)
+            else:
+                swiglu_kernel(ffa, ffa, ffb)
+        _mark(times, prof, b + 14)
+        mm(xn, ffa, w.ffn_down[il], w.packs, scr.mm)
+        _mark(times, prof, b + 15)
+        if arch.post_norms:
+            _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
+        _mark(times, prof, b + 16)
+        _add(x, xn, par)
+        _mark(times, prof, b + 17)
+
+    # output: final norm and the vocabulary projection, only for the rows to sample
+    end = 1 + arch.n_layer * N_LAYER_OPS
+    n_out = batch.out_rows.shape[0]
+    xo = scr.xn[:n_out]
+    for i in range(n_out):
+        xo[i] = x[batch.out_rows[i]]
+    on = w.output_norm
+    _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
+    _mark(times, prof, end)
+    out = logits[:n_out]
+    mm(out, xo, w.output, w.packs, scr.mm)
+    if arch.softcap > 0:
+        c = arch.softcap
+        for i in range(n_out):
+            for j in range(out.shape[1]):
+                out[i, j] = c * np.tanh(out[i, j] / c)
+    _mark(times, prof, end + 1)

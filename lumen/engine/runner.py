@@ -1,0 +1,119 @@
+"""The model runner: owns one model's forward-pass bundles (weights, KV pool, scratch) and turns a step's plan
+into the forward pass's Batch, runs it, and hands back the logits of the rows to sample.
+
+Sizes are fixed at construction: at most `max_tokens` tokens per step, `max_rows` sequences holding blocks
+(rows of the block table), `max_blocks` blocks per sequence, `n_blocks` blocks in the pool. Nothing on the
+per-step path allocates except the small views of the preallocated batch arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.attention import BLOCK, attention_scratch
+from ..kernels.dequant import F16_TO_F32
+from ..kernels.layout import R
+from ..kernels.rope import rope_cache
+from ..kernels.scratch import per_thread
+from ..model.config import ROPE_NEOX, Config
+from ..profile import active as profiler_active
+from .forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
+
+f32 = np.float32
+
+
+def make_arch(cfg: Config, max_pos: int, rope_freqs) -> Arch:
+    """The Arch bundle of a Config; RoPE tables for positions 0 .. max_pos-1 (0: global layers, 1: local)."""
+    cos = np.zeros((2, max_pos, cfg.n_rot // 2), f32)
+    sin = np.zeros((2, max_pos, cfg.n_rot // 2), f32)
+    for i, base in enumerate((cfg.rope_base, cfg.rope_base_local)):
+        cos[i], sin[i] = rope_cache(base, cfg.n_rot, max_pos, cfg.rope_freq_scale, rope_freqs)
+    L = cfg.n_layer
+    return Arch(n_layer=L, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+                head_dim_v=cfg.head_dim_v, qkv_bias=bool(cfg.qkv_bias), qk_norm=bool(cfg.qk_norm),
+                post_norms=bool(cfg.post_norms), gelu=cfg.act == "gelu", neox=cfg.rope_type == ROPE_NEOX,
+                eps=f32(cfg.rms_eps), attn_scale=f32(cfg.attn_scale), embd_scale=f32(cfg.embd_scale),
+                softcap=f32(cfg.final_logit_softcap),
+                windows=np.array([cfg.window_of(i) for i in range(L)], np.int64),
+                rope_sel=np.array([1 if s else 0 for s in cfg.swa_layers], np.int64), rope_cos=cos, rope_sin=sin)
+
+
+def make_scratch(cfg: Config, max_tokens: int, max_pos: int, n_threads: int) -> Scratch:
+    E, H, KV_, hd, hdv, F = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v, cfg.n_ff
+    B = max_tokens
+    max_in = max(E, F, H * hdv)
+    G = max_in // 32
+    mm = MMScratch(xq=np.zeros(B * max_in, np.int8), xd=np.zeros(B * G, f32), xs=np.zeros(B * G * 2, f32),
+                   xf=np.zeros(B * max_in, f32), facc=per_thread((n_threads, R), f32))
+    return Scratch(x=np.zeros((B, E), f32), xn=np.zeros((B, E), f32), q=np.zeros((B, H * hd), f32),
+                   k=np.zeros((B, KV_ * hd), f32), v=np.zeros((B, KV_ * hdv), f32), att=np.zeros((B, H * hdv), f32),
+                   ffa=np.zeros((B, F), f32), ffb=np.zeros((B, F), f32), mm=mm,
+                   attn=AttnScratch(*attention_scratch(H, hdv, max_pos, n_threads)),
+                   times=np.zeros(n_slots(cfg.n_layer), np.int64))
+
+
+class Runner:
+    def __init__(self, cfg: Config, weights: Weights, rope_freqs, *, n_blocks: int, max_tokens: int, max_rows: int,
+                 max_blocks: int, n_threads: int):
+        self.cfg = cfg
+        self.max_tokens, self.max_rows, self.max_blocks = max_tokens, max_rows, max_blocks
+        max_pos = max_blocks * BLOCK
+        self.arch = make_arch(cfg, max_pos, rope_freqs)
+        self.w = weights
+        L, KV_, hd, hdv = cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
+        self.kv = KV(k=np.zeros((L, n_blocks, KV_, hd, BLOCK), np.uint16),       # f16 bits
+                     v=np.zeros((L, n_blocks, KV_, BLOCK, hdv), np.uint16))
+        self.n_blocks = n_blocks
+        self.scr = make_scratch(cfg, max_tokens, max_pos, n_threads)
+        self.table = np.zeros((max_rows, max_blocks), np.int64)     # block tables, one row per sequence
+        self._tokens = np.zeros(max_tokens, np.int64)
+        self._positions = np.zeros(max_tokens, np.int64)
+        self._seqs = np.zeros(max_tokens, np.int64)
+        self._slots = np.zeros(max_tokens, np.int64)
+        self._out_rows = np.zeros(max_tokens, np.int64)
+        self.logits = np.zeros((0, cfg.n_vocab), f32)               # grown to the most rows a step samples
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return (self.kv.k.nbytes + self.kv.v.nbytes) // self.n_blocks
+
+    def logits_rows(self, n: int) -> np.ndarray:
+        if self.logits.shape[0] < n:
+            self.logits = np.zeros((n, self.cfg.n_vocab), f32)
+        return self.logits
+
+    def forward(self, n: int, n_out: int, logits: np.ndarray | None = None, *, phase: str = "prefill",
+                n_seqs: int = 1, kv_tokens: int = 0) -> np.ndarray:
+        """Run the first n entries of the batch arrays (filled by the caller) and the first n_out out rows;
+        returns logits (n_out, V), written into `logits` when given."""
+        out = self.logits_rows(n_out) if logits is None else logits
+        batch = Batch(self._tokens[:n], self._positions[:n], self._seqs[:n], self._slots[:n], self.table,
+                      self._out_rows[:n_out])
+        prof = profiler_active()
+        own = prof.enabled and not prof.in_step
+        if own:
+            prof.begin_step(phase, n, n_seqs, kv_tokens)
+        forward(self.arch, self.w, self.kv, batch, self.scr, out, prof.enabled)
+        if prof.enabled:
+            prof.record_forward(self, batch, own)
+        return out[:n_out]
+
+    def set_tokens(self, i: int, tokens, start: int, row: int) -> int:
+        """Put tokens (at positions start, start+1, ...) of the sequence in block-table `row` into the batch at
+        i, i+1, ...; returns the next free index."""
+        n = len(tokens)
+        j = i + n
+        self._tokens[i:j] = tokens
+        if n == 1:
+            self._positions[i] = start
+            self._seqs[i] = row
+            self._slots[i] = self.table[row, start // BLOCK] * BLOCK + start % BLOCK
+        else:
+            pos = np.arange(start, start + n)
+            self._positions[i:j] = pos
+            self._seqs[i:j] = row
+            self._slots[i:j] = self.table[row, pos // BLOCK] * BLOCK + pos % BLOCK
+        return j
+
+    def set_out_rows(self, rows) -> int:
+        self._out_rows[:len(rows)] = rows
+        return len(rows)
