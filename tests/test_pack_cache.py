@@ -197,7 +197,7 @@ def test_interrupted_write_leaves_no_cache_file(home, model_file, monkeypatch):
         m.setattr(packcache.os, "fsync", fail)
         w = packs_of(model_file, True)
     assert w.packs_from.startswith("packed (cache not written: OSError") and "No space left" in w.packs_from
-    assert list((home / "packs").iterdir()) == []                    # neither the file nor its temporary
+    assert [p.name for p in (home / "packs").iterdir()] == [".tiny.lock"]  # neither the file nor its temporary
     assert packs_of(model_file, True).packs_from == "packed, cached"
     assert packs_of(model_file, True).packs_from == "cache"
 
@@ -226,16 +226,32 @@ def test_disabled_by_env_and_parameter(home, model_file, monkeypatch):
     assert lumen.load(model_file, ctx=32).weights.packs_from == "packed, cached"
 
 
+# One of the concurrent processes: its cache write made slow (as a big model's is), so without the lock all of them
+# would miss and pack; they load the model at the agreed start time.
+CONCURRENT = r"""
+import sys, time
+import lumen, lumen.packcache as pc
+real = pc.write
+def slow_write(*args):
+    time.sleep(0.5)
+    return real(*args)
+pc.write = slow_write
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+print(lumen.load(sys.argv[1], ctx=32).weights.packs_from)
+"""
+
+
 def test_concurrent_writers(home, model_file):
-    """Processes packing the same model at once: each gets its packs, and the file left is whole."""
-    code = ("import sys, lumen; m = lumen.load(sys.argv[1], ctx=32); print(m.weights.packs_from)")
+    """Processes loading the same model at once: one packs and writes, the others wait for it and read its file;
+    the file left is whole."""
     env = dict(os.environ, LUMEN_HOME=str(home))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(model_file)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    start = time.time() + 5.0  # after every process has imported Lumen
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(model_file), str(start)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
-        assert out.strip() in ("packed, cached", "cache"), out
+    assert sorted(out.strip() for out, _ in outs) == ["cache", "cache", "packed, cached"], outs
     assert len(cache_files(home)) == 1
     assert not list((home / "packs").glob(".*.tmp"))
     w = packs_of(model_file, True)
