@@ -1,5 +1,6 @@
-"""What a new user meets on first use: processes started at the same moment on a fresh LUMEN_HOME, and a LUMEN_HOME
-that cannot be written. The model store runs on the fake wheels of tests/test_models.py (no network)."""
+"""What a new user meets on first use: processes started at the same moment on a fresh LUMEN_HOME, a LUMEN_HOME that
+cannot be written, and where LUMEN_TIMERS=0 keeps its compile cache. The model store runs on the fake wheels of
+tests/test_models.py (no network)."""
 import errno
 import json
 import os
@@ -116,3 +117,20 @@ def test_cli_in_a_home_the_system_refuses(tmp_path, monkeypatch, capsys, code, c
     where = home / "models" / "smollm2-135m"
     assert err.splitlines() == [f"error: cannot write the model store ({where}: {os.strerror(code)}); set "
                                 f"LUMEN_HOME to a writable directory (it is {home})"]
+
+
+# ---- LUMEN_TIMERS=0 ----
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LUMEN_HOME": "{tmp}/home"}, "{tmp}/home/numba-notimers"),
+    ({"LUMEN_HOME": "{tmp}/home", "NUMBA_CACHE_DIR": "{tmp}/mine"}, "{tmp}/mine"),
+    ({"HOME": "{tmp}/user"}, "{tmp}/user/.cache/lumen/numba-notimers"),
+], ids=["lumen-home", "explicit-numba-cache-dir", "default-home"])
+def test_timers_off_cache_dir(tmp_path, env, expected):
+    """The compiled-out build keeps its own Numba cache, under LUMEN_HOME when it is set."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LUMEN_HOME", "NUMBA_CACHE_DIR")}
+    env = {**base, "LUMEN_TIMERS": "0", **{k: v.format(tmp=tmp_path) for k, v in env.items()}}
+    r = subprocess.run([sys.executable, "-c", "import lumen, numba; print(numba.config.CACHE_DIR)"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected.format(tmp=tmp_path)
