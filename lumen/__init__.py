@@ -14,9 +14,11 @@ IMPORT_TIME_NS = time.time_ns()
 # yields under load; OMP_WAIT_POLICY=passive costs 2x decode (36-38 tok/s). Set before Numba starts its threads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # A build with the op timers compiled out (LUMEN_TIMERS=0, see lumen/forward.py) must not share Numba's compile
-# cache with the normal build: the cache does not know about the switch.
+# cache with the normal build: the cache does not know about the switch. Its cache goes to
+# $LUMEN_HOME/numba-notimers (an explicit NUMBA_CACHE_DIR wins).
 if os.environ.get("LUMEN_TIMERS", "1") == "0" and "NUMBA_CACHE_DIR" not in os.environ:
-    os.environ["NUMBA_CACHE_DIR"] = os.path.join(os.path.expanduser("~"), ".cache", "lumen", "numba-notimers")
+    from .models import lumen_home
+    os.environ["NUMBA_CACHE_DIR"] = str(lumen_home() / "numba-notimers")
 
 from .errors import ContextError, FetchError, GGUFError, LumenError, UnsupportedError
 

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # plain: one line, no markup parsing of paths
         return 1
+    except OSError as e:  # the store and the pack cache say what to do; anything else at least names the file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

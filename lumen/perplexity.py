@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             cat = np.concatenate(nll_all)
             print(f"[{i + 1}]{math.exp(cat.mean()):.4f}", end=" ", flush=True)
         print()
-    except (LumenError, ValueError) as e:
+    except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     cat = np.concatenate(nll_all)

