@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-# When Lumen was imported: lumen.packcache trusts a source file's hash only if the file is older than this (the
+# When Lumen was imported: lumen.model.packcache trusts a source file's hash only if the file is older than this (the
 # code running is then the code on disk).
 IMPORT_TIME_NS = time.time_ns()
 
@@ -13,27 +13,40 @@ IMPORT_TIME_NS = time.time_ns()
 # keeps back-to-back parallel regions fast (decode 86-113 tok/s against 78-90 with the default, quiet machine) and
 # yields under load; OMP_WAIT_POLICY=passive costs 2x decode (36-38 tok/s). Set before Numba starts its threads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-# A build with the op timers compiled out (LUMEN_TIMERS=0, see lumen/forward.py) must not share Numba's compile
+# A build with the op timers compiled out (LUMEN_TIMERS=0, see lumen/engine/forward.py) must not share Numba's compile
 # cache with the normal build: the cache does not know about the switch. Its cache goes to
 # $LUMEN_HOME/numba-notimers (an explicit NUMBA_CACHE_DIR wins).
 if os.environ.get("LUMEN_TIMERS", "1") == "0" and "NUMBA_CACHE_DIR" not in os.environ:
-    from .models import lumen_home
+    from .model.store import lumen_home
     os.environ["NUMBA_CACHE_DIR"] = str(lumen_home() / "numba-notimers")
 
 from .errors import ContextError, FetchError, GGUFError, LumenError, UnsupportedError
 
-__all__ = ["load", "profile", "LumenError", "GGUFError", "UnsupportedError", "FetchError", "ContextError"]
+__all__ = ["load", "profile", "Model", "Engine", "SamplingParams", "RequestOutput", "LumenError", "GGUFError",
+           "UnsupportedError", "FetchError", "ContextError"]
 __version__ = "0.1.0"
 
+# The layers, bottom up: format (GGUF file, quant types, tokenizer, chat template) -> model (Config, packed
+# weights, the pack cache, the model store) -> kernels (Numba) -> engine (the forward pass, the runner, the block
+# manager, the scheduler, the engine loop, Model) -> interfaces (generate, perplexity, bench, serve, profile).
+_LAZY = {"Model": ("engine.llm", "Model"), "Engine": ("engine.engine", "Engine"),
+         "SamplingParams": ("engine.sampling", "SamplingParams"), "RequestOutput": ("engine.sequence", "RequestOutput")}
 
-def profile():
-    """`with lumen.profile() as prof:` times every op of every step run inside (see lumen/profiler.py)."""
-    from .profiler import profile as _profile
-    return _profile()
+
+def __getattr__(name: str):
+    """Heavy parts are imported on first use, so `python -m lumen.models` does not load Numba."""
+    if name == "profile":                      # the profiler module, callable: `with lumen.profile() as prof:`
+        import importlib
+        return importlib.import_module(".profile", __name__)
+    if name in _LAZY:
+        import importlib
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{mod}", __name__), attr)
+    raise AttributeError(f"module 'lumen' has no attribute {name!r}")
 
 
 def load(model: str | os.PathLike, **kwargs):
     """Load a model by registry name (fetched on first use, see `python -m lumen.models`) or .gguf path."""
-    from .model import Model
-    from .models import resolve
+    from .engine.llm import Model
+    from .model.store import resolve
     return Model(resolve(model), **kwargs)

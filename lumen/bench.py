@@ -70,7 +70,7 @@ class LumenEngine:
     name = "Lumen"
 
     def __init__(self, path, threads: int | None, ctx: int, n_batch: int):
-        from .model import Model
+        from .engine.llm import Model
         self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch)
         self.threads = self.model.threads
         self.n_vocab = self.model.config.n_vocab
@@ -108,7 +108,7 @@ class LlamaCppEngine:
         import llama_cpp.llama_cpp as lc  # ImportError: the caller prints COMPARE_HINT
         from llama_cpp import Llama
 
-        from .gguf import GGUFFile
+        from .format.gguf import GGUFFile
         default_params = lc.llama_model_default_params
 
         def params_without_extra_bufts():
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from .errors import LumenError
-    from .models import resolve
+    from .model.store import resolve
     console = Console()
     tests = make_tests(args.n_prompt, args.n_gen, args.small)
     max_pp = max(t.size for t in tests if t.kind == "pp")

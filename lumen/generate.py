@@ -10,7 +10,7 @@ import sys
 import time
 
 from .errors import LumenError
-from .models import DEFAULT_MODEL
+from .model.store import DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def chat_prompt(model, user: str, system: str | None) -> tuple[str | None, str]:
     """The rendered chat prompt, or None with the reason when the model has no chat template."""
-    from .chat import chat_template_from_metadata, render_chat
+    from .format.chat import chat_template_from_metadata, render_chat
     template = chat_template_from_metadata(model.metadata)
     if template is None:
         return None, "this model has no chat template (tokenizer.chat_template); running plain completion"
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {why}", file=sys.stderr)
             else:
                 prompt, special = rendered, True
-        from .model import GenStats
+        from .engine.llm import GenStats
         stats = GenStats()
         gen = model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from .errors import LumenError
-from .models import lumen_home
+from .model.store import lumen_home
 
 VERSION = 1  # bump when a kernel below changes what it measures
 FMA_W = 128  # accumulators per thread (f32)

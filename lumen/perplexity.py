@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from .errors import LumenError
-from .models import DEFAULT_MODEL
+from .model.store import DEFAULT_MODEL
 
 
 def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -8,13 +8,13 @@ from goldens import MODEL_NAMES
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from lumen.models import resolve
+    from lumen.model.store import resolve
     return resolve("smollm2-135m", quiet=True)
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    from lumen.models import resolve
+    from lumen.model.store import resolve
     return resolve("gemma3-270m", quiet=True)
 
 
@@ -25,5 +25,5 @@ def model_name(request) -> str:
 
 @pytest.fixture(scope="session")
 def model_path(model_name) -> Path:
-    from lumen.models import resolve
+    from lumen.model.store import resolve
     return resolve(model_name, quiet=True)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from gguf.quants import dequantize
 
-from lumen.config import ROPE_NEOX, Config
+from lumen.model.config import ROPE_NEOX, Config
 
 
 def f16(a):

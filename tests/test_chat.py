@@ -2,7 +2,7 @@
 import gguf
 import pytest
 
-from lumen.chat import (NO_CHAT_TEMPLATE_MESSAGE, ChatTemplateError, chat_template_from_metadata,
+from lumen.format.chat import (NO_CHAT_TEMPLATE_MESSAGE, ChatTemplateError, chat_template_from_metadata,
                         compile_template, render_chat, require_chat_template)
 from lumen.errors import LumenError
 

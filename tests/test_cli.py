@@ -11,8 +11,8 @@ import pytest
 
 from goldens import corpus, golden
 from lumen.generate import chat_prompt
-from lumen.gguf import GGUFFile
-from lumen.model import build_tokenizer
+from lumen.format.gguf import GGUFFile
+from lumen.engine.llm import build_tokenizer
 from synth import write_model
 
 TIMEOUT = 300  # the first compile of the forward pass takes ~40 s; later runs load from Numba's cache in ~2 s

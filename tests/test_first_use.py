@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import lumen.models as store
+import lumen.model.store as store
 from test_models import NAME, PARTS, WHOLE, fake_spec, leftovers
 
 TESTS = Path(__file__).resolve().parent
@@ -21,7 +21,7 @@ TESTS = Path(__file__).resolve().parent
 FIRST_USE = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-import lumen.models as store
+import lumen.model.store as store
 import test_models as t
 store.MODELS[t.NAME] = t.fake_spec()
 pip = t.FakePip(delay=0.3)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from lumen.errors import GGUFError
-from lumen.gguf import GGUFFile
-from lumen.model import build_tokenizer, open_gguf
+from lumen.format.gguf import GGUFFile
+from lumen.engine.llm import build_tokenizer, open_gguf
 
 CASES = int(os.environ.get("LUMEN_FUZZ_CASES", "350"))
 TIMEOUT_S = 30
@@ -85,7 +85,7 @@ def test_fuzz_loader(tmp_path, name, share):
     it loads, or it raises a GGUFError with a message. A file cut short of its last tensor's data is always
     rejected. Enough of the changed cases are rejected, and some load (mutations inside the vocabulary's strings
     make another valid file), so the mutations neither all miss the checks nor all hit trivially."""
-    from lumen.models import resolve
+    from lumen.model.store import resolve
     src = resolve(name, quiet=True)
     trace = []
     g = GGUFFile(src, trace=trace)

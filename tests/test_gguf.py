@@ -8,10 +8,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from lumen.config import config_from_metadata
+from lumen.model.config import config_from_metadata
 from lumen.errors import GGUFError, UnsupportedError
-from lumen.gguf import GGUFFile
-from lumen.model import open_gguf
+from lumen.format.gguf import GGUFFile
+from lumen.engine.llm import open_gguf
 from synth import write_model
 
 

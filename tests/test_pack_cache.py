@@ -19,9 +19,9 @@ import lumen
 import synth
 from gguf.quants import dequantize
 from lumen import packcache
-from lumen.forward import P_Q, P_S
-from lumen.model import open_gguf
-from lumen.weights import load_weights
+from lumen.engine.forward import P_Q, P_S
+from lumen.engine.llm import open_gguf
+from lumen.model.weights import load_weights
 from synth import write_model
 
 ARRAYS = ("table", "q", "q8", "qf", "s", "o")

@@ -6,7 +6,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from lumen.errors import GGUFError, UnsupportedError
 from lumen.kernels.dequant import dequantize
-from lumen.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, row_bytes
+from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, row_bytes
 
 ALL = sorted(SUPPORTED, key=int)
 BLOCK_TYPES = [t for t in ALL if QUANTS[t].block_size > 1]

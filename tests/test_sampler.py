@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lumen.errors import LumenError
-from lumen.sampler import (StopChecker, _candidates, make_logits_processors, make_sampler)
+from lumen.engine.sampler import (StopChecker, _candidates, make_logits_processors, make_sampler)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

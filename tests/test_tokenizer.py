@@ -14,8 +14,8 @@ import pytest
 from goldens import DATA, MODEL_NAMES, corpus, golden
 
 from lumen.errors import GGUFError, UnsupportedError
-from lumen.gguf import GGUFFile
-from lumen.tokenizer import (ATTR_BYTE, PRE_REGEXES, PRE_TYPES, BPETokenizer, PreTokenizer, PreType,
+from lumen.format.gguf import GGUFFile
+from lumen.format.tokenizer import (ATTR_BYTE, PRE_REGEXES, PRE_TYPES, BPETokenizer, PreTokenizer, PreType,
                              SPMTokenizer, Tokenizer)
 
 STRINGS = corpus()["strings"]

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import ContextError, LumenError
 from ..kernels.attention import BLOCK
 from ..profile import active as profiler_active
-from ..sampler import SamplerError
+from .sampler import SamplerError
 from .block_manager import BlockManager
 from .runner import Runner
 from .sampling import SamplingParams

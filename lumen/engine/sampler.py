@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import LumenError
+from ..errors import LumenError
 
 Sampler = Callable[[np.ndarray], int]
 LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]

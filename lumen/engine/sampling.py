@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampler import SamplerError, StopChecker, make_logits_processors, make_sampler
+from .sampler import SamplerError, StopChecker, make_logits_processors, make_sampler
 
 MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
 

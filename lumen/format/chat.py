@@ -23,7 +23,7 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import LumenError
+from ..errors import LumenError
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 NO_CHAT_TEMPLATE_MESSAGE = (

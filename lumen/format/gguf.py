@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 
-from .errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, UnsupportedError
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4

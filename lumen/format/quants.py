@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from lumen.errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, UnsupportedError
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, UnsupportedError
 
 # ---------------------------------------------------------------------------------------------------
 # Token types (GGUF tokenizer.ggml.token_type) and llama.cpp's token attributes (bit flags)

@@ -11,7 +11,7 @@ should not hang on that argument. These kernels are not on the hot path.
 import numpy as np
 from numba import njit, prange
 
-from lumen.quants import QT, quant_info, row_bytes
+from lumen.format.quants import QT, quant_info, row_bytes
 
 # f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)   # (65536,) f32

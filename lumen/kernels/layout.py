@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..quants import QT
+from ..format.quants import QT
 
 R = 64                                           # rows per tile: the vector loop length
 Q4, Q5, I8, F32 = 0, 1, 2, 3

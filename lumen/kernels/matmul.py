@@ -42,7 +42,7 @@ from lumen.kernels.layout import F32, FAMILY, I8, Q4, Q5, R
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import (tile_nib_offset, tile_nib_scale, tile_u8_offset5, tile_u8_scale5, tile_u8_scale8,
                                 tile_u8_two)
-from lumen.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
+from lumen.format.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
 
 
 

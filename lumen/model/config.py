@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, UnsupportedError
 
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 ROPE_NORM, ROPE_NEOX = 0, 2  # llama.cpp's rope modes: llama rotates pairs (2i, 2i+1), NeoX pairs (i, i+n/2)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FetchError
+from ..errors import FetchError
 
 CHUNK = 1 << 20
 

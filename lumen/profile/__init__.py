@@ -1,4 +1,6 @@
-"""The timer layer: every op of every layer of every step, with the work it did.
+"""The timer layer: every op of every layer of every step, with the work it did. `lumen.profile` is this module,
+and calling it opens a profile (the module is callable, so `lumen.profile()` and `import lumen.profile` name one
+object; `python -m lumen.profile` is the command line, lumen/profile/__main__.py):
 
     with lumen.profile() as prof:
         for tok in model.generate("...", max_tokens=32):
@@ -6,16 +8,20 @@
     prof.by_op("decode")        # op -> Agg(calls, seconds, bytes, flops)
     prof.coverage()             # per step: share of the step's wall time attributed to ops
 
-The compiled forward writes a time-stamp-counter tick after each op into a preallocated array (lumen/forward.py),
-so ops inside the fused Numba function are timed individually. Around it, Python-side timestamps (in the same
-tick clock) time the glue: preparing and dispatching the call ("dispatch") and returning from it ("return"). The
-generate loop adds "sample" and "detokenize". A step is one prefill chunk or one decode token; what its wall time
-holds beyond the recorded ops is reported as "unattributed".
+The compiled forward writes a time-stamp-counter tick after each op into a preallocated array
+(lumen/engine/forward.py), so ops inside the fused Numba function are timed individually. Around it,
+Python-side timestamps (in the same tick clock) time the glue: the engine's scheduling ("schedule"), filling the
+batch ("prepare"), dispatching the call ("dispatch"), returning from it ("return"), sampling ("sample") and
+detokenizing ("detokenize"). A step is one forward pass: a prefill chunk, a decode token, or an engine step
+over many sequences (its tokens, sequences and the KV tokens attention reads are recorded); what its wall time
+holds beyond the recorded segments is reported as "unattributed".
+
+Without a profile, `active()` returns NULL, a profiler whose methods do nothing, so callers never branch on it.
 """
 from __future__ import annotations
 
 import json
-import weakref
+import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
@@ -24,16 +30,10 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import LumenError
-from .timer import tick_rate, ticks
+from ..errors import LumenError
+from ..timer import tick_rate, ticks
 
-PHASES = ("prefill", "decode")
-_ACTIVE: ContextVar["Profiler | None"] = ContextVar("lumen_profiler", default=None)
-
-
-def active() -> "Profiler | None":
-    """The profiler of the innermost `with lumen.profile()`, or None."""
-    return _ACTIVE.get()
+PHASES = ("prefill", "decode", "mixed")     # mixed: an engine step with both prefill chunks and decode tokens
 
 
 @dataclass
@@ -52,7 +52,8 @@ class Step:
     step: int
     phase: str
     n_tokens: int
-    pos0: int
+    n_seqs: int = 1
+    kv_tokens: int = 0  # keys attention reads (per layer, summed over the step's tokens)
     wall_s: float = 0.0
 
 
@@ -84,6 +85,7 @@ class Agg:
 
 @dataclass
 class Profiler:
+    enabled = True
     records: list[Record] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     _open: Step | None = None
@@ -93,11 +95,16 @@ class Profiler:
     _last: int = 0      # tick where the last recorded segment of the open step ended
     _paused: bool = False
 
-    # ---- recording (called by Model and generate) ----
-    def begin_step(self, phase: str, n_tokens: int, pos0: int) -> None:
-        self._open = Step(len(self.steps), phase, n_tokens, pos0)
+    # ---- recording (called by the runner and the engine) ----
+    def begin_step(self, phase: str, n_tokens: int = 0, n_seqs: int = 1, kv_tokens: int = 0) -> None:
+        self._open = Step(len(self.steps), phase, n_tokens, n_seqs, kv_tokens)
         self._excluded = 0
         self._t0 = self._last = ticks()
+
+    def describe(self, phase: str, n_tokens: int, n_seqs: int, kv_tokens: int) -> None:
+        """Set the open step's shape once it is known (the engine knows it after scheduling)."""
+        st = self._open
+        st.phase, st.n_tokens, st.n_seqs, st.kv_tokens = phase, n_tokens, n_seqs, kv_tokens
 
     def end_step(self, at: int | None = None) -> None:
         """Close the step at tick `at` (now by default)."""
@@ -138,10 +145,23 @@ class Profiler:
             raise LumenError("profiler: an op was recorded outside a step")
         self.records.append(Record(st.step, st.phase, layer, op, seconds, int(nbytes), int(flops)))
 
-    def record_forward(self, c_exit: int, times: np.ndarray, costs) -> None:
-        """Records of one forward call: `times` holds the kernel's op ticks (start tick in the last slot), c_exit
-        the tick taken in Python after the call; costs[slot] = (layer, op, bytes, flops). "dispatch" is the Python
-        glue and Numba dispatch from the end of the step's previous segment to the kernel's first tick."""
+    def record_forward(self, runner, batch, own: bool) -> None:
+        """Records of the forward call that just returned (runner.scr.times holds its op ticks); own: the call
+        opened its own step, which ends here. The bookkeeping is kept out of the step's time."""
+        from .costs import forward_costs
+        c_exit = ticks()
+        if not own:
+            self.pause(at=c_exit)
+        self._record_ticks(c_exit, runner.scr.times, forward_costs(runner, batch))
+        if own:
+            self.end_step(at=c_exit)
+        else:
+            self.resume()
+
+    def _record_ticks(self, c_exit: int, times: np.ndarray, costs) -> None:
+        """`times` holds the kernel's op ticks (start tick in the last slot), c_exit the tick taken in Python
+        after the call; costs[slot] = (layer, op, bytes, flops). "dispatch" is the Python glue and Numba dispatch
+        from the end of the step's previous segment to the kernel's first tick."""
         rate = tick_rate()
         start = int(times[-1])
         self.add("dispatch", (start - self._last) / rate)
@@ -201,10 +221,31 @@ class Profiler:
             raise LumenError(f"cannot write the profile to {path}: {e.strerror}") from None
 
 
+class NullProfiler:
+    """What active() returns outside a profile: every recording method does nothing."""
+    enabled = False
+    in_step = False
+
+    def _nothing(self, *args, **kwargs):
+        return 0
+
+    begin_step = describe = end_step = pause = resume = lap = add = record_forward = _nothing
+
+
+NULL = NullProfiler()
+_ACTIVE: ContextVar["Profiler | NullProfiler"] = ContextVar("lumen_profiler", default=NULL)
+
+
+def active() -> "Profiler | NullProfiler":
+    """The profiler of the innermost `with lumen.profile()` in this thread, or NULL."""
+    return _ACTIVE.get()
+
+
 @contextmanager
 def profile() -> Iterator[Profiler]:
-    """Profile every forward step (and the generate loop's sampling and detokenizing) run inside the block."""
-    from .forward import TIMERS
+    """Profile every forward step (and the engine's scheduling, sampling and detokenizing) run inside the block,
+    in this thread."""
+    from ..engine.forward import TIMERS
     if not TIMERS:
         raise LumenError("the op timers are compiled out (LUMEN_TIMERS=0); unset it to profile")
     tick_rate()  # calibrate the clock now, not inside the first step
@@ -216,81 +257,14 @@ def profile() -> Iterator[Profiler]:
         _ACTIVE.reset(token)
 
 
-# per model, per (N, n_out): the costs that do not depend on the position. Weak keys: an id() key could be
-# reused by a later model and hand it another model's costs.
-_STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class _CallableModule(sys.modules[__name__].__class__):
+    """`lumen.profile()` opens a profile whether `lumen.profile` names this module or the function: the package
+    attribute becomes the module as soon as anything imports lumen.profile, so the module answers the call."""
+
+    def __call__(self):
+        return profile()
 
 
-def forward_costs(model, N: int, pos0: int, n_out: int) -> list[tuple[int, str, int, int]]:
-    """(layer, op, bytes, flops) per timer slot of one forward call of N tokens at pos0, from shapes and types.
-
-    Matmuls: packed weight bytes read + activations in/out, 2*N*d_out*n_in flops. Attention: K and V rows read
-    from the f16 cache for every (token, kv head), 2*(hd + hd_v) flops per (query head, key). Elementwise ops:
-    their activations in and out."""
-    from .forward import LAYER_OPS, MATS, OPS
-    c, w = model.config, model.weights
-    per_model = _STATIC.setdefault(model, {})
-    key = (N, n_out)
-    static = per_model.get(key)
-    if static is None:
-        from .forward import P_DOUT, P_NIN
-        pk = w.packs
-        nbytes = [(_mat_bytes(pk, i), int(pk.table[i, P_DOUT]), int(pk.table[i, P_NIN]))
-                  for i in range(pk.table.shape[0])]
-        E, F = c.n_embd, c.n_ff
-        qd, kd, vd = c.q_dim, c.kv_dim, c.v_dim
-        act = 4 * N
-        elem = {"attn_norm": (2 * act * E, 4 * N * E), "qk_norm": (2 * act * (qd + kd) if c.qk_norm else 0,
-                                                                     4 * N * (qd + kd) if c.qk_norm else 0),
-                "rope": (2 * act * (qd + kd), 3 * N * (qd + kd)), "kv_store": (act * (kd + vd) + 2 * N * (kd + vd), 0),
-                "post_attn_norm": (2 * act * E if c.post_norms else 0, 4 * N * E if c.post_norms else 0),
-                "attn_residual": (3 * act * E, N * E), "ffn_norm": (2 * act * E, 4 * N * E),
-                "act": (3 * act * F, 8 * N * F), "post_ffn_norm": (2 * act * E if c.post_norms else 0,
-                                                                   4 * N * E if c.post_norms else 0),
-                "ffn_residual": (3 * act * E, N * E)}
-        mat_of = {"q": 0, "k": 1, "v": 2, "o": 3, "gate": 4, "up": 5, "down": 6}
-        layers = []
-        for il in range(c.n_layer):
-            row = []
-            for op_id in LAYER_OPS:
-                op = OPS[op_id]
-                if op in mat_of:
-                    b, d_out, n_in = nbytes[int(w.mt[il, mat_of[op]])]
-                    row.append([il, op, b + act * (n_in + d_out), 2 * N * d_out * n_in])
-                elif op == "attention":
-                    row.append([il, op, 0, 0])  # filled per pos0
-                else:
-                    row.append([il, op, *elem[op]])
-            layers.append(row)
-        emb_rb = int(w.gt[0, 4])
-        head_b, head_out, head_in = nbytes[int(w.gt[2, 0])]
-        static = ([[-1, "embed", N * emb_rb + act * E, N * E]], layers,
-                  [[-1, "output_norm", 2 * 4 * n_out * E, 4 * n_out * E],
-                   [-1, "output", head_b + 4 * n_out * (head_in + head_out), 2 * n_out * head_out * head_in]])
-        per_model[key] = static
-    first, layers, last = static
-    out = [tuple(first[0])]
-    att_slot = LAYER_OPS.index(OPS.index("attention"))
-    for il, row in enumerate(layers):
-        win = c.window_of(il)
-        keys = sum(min(pos0 + t + 1, win) if win else pos0 + t + 1 for t in range(N))
-        kv_bytes = keys * c.n_head_kv * (c.head_dim + c.head_dim_v) * 2   # f16 cache
-        row[att_slot][2] = kv_bytes + 4 * N * (c.q_dim + c.n_head * c.head_dim_v)
-        row[att_slot][3] = 2 * keys * c.n_head * (c.head_dim + c.head_dim_v)
-        out.extend(tuple(r) for r in row)
-    out.extend(tuple(r) for r in last)
-    return out
+sys.modules[__name__].__class__ = _CallableModule
 
 
-def _mat_bytes(pk, i: int) -> int:
-    """Bytes of packed matrix i: its values, scales and offsets."""
-    from .forward import P_FAM, P_G, P_H, P_NIN, P_OG, P_T
-    from .kernels.matmul import F32, Q4, R
-    fam, T, G, H, n_in, OG = (int(pk.table[i, k]) for k in (P_FAM, P_T, P_G, P_H, P_NIN, P_OG))
-    if fam == F32:
-        values = T * n_in * R * 4
-    elif fam == Q4:
-        values = T * G * 16 * R
-    else:
-        values = T * G * 32 * R
-    return values + T * G * H * R * 4 + T * OG * R * 4

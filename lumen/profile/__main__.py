@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from lumen.errors import LumenError
-from lumen.models import DEFAULT_MODEL
+from lumen.model.store import DEFAULT_MODEL
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries it grew into a busy port, and its markets drew merchants from "
@@ -95,7 +95,7 @@ def ops_png(path: str) -> str:
 # ---- the run ----
 def profiled_run(model, prompt_tokens: int, gen_tokens: int):
     import lumen
-    from lumen.model import GenStats
+    from lumen.engine.llm import GenStats
     model.warmup()
     for _ in model.generate(make_prompt(model, min(prompt_tokens, 8)), max_tokens=2):  # warm the generate path
         pass
@@ -109,7 +109,7 @@ def profiled_run(model, prompt_tokens: int, gen_tokens: int):
 
 def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, layer: int | None) -> dict:
     """The report's numbers: per-op rows per phase, ms per layer, decode overhead, coverage."""
-    from lumen.profiler import Agg
+    from lumen.profile import Agg
     bw = lim["bw_gbps"] if threads > 1 else lim.get("bw_1t_gbps", lim["bw_gbps"])
     fma = lim["fma_gflops"] if threads > 1 else lim.get("fma_1t_gflops", lim["fma_gflops"])
     idot = lim["int_dot_gops"] if threads > 1 else lim.get("int_dot_1t_gops", lim["int_dot_gops"])
@@ -278,7 +278,7 @@ def plot(s: dict, path: str, title: str) -> tuple[str, str]:
 # ---- overhead: timers off vs compiled out vs on ----
 def _decode_tps(model, ids, gen_tokens, profiled: bool) -> float:
     import lumen
-    from lumen.model import GenStats
+    from lumen.engine.llm import GenStats
     st = GenStats()
     if profiled:
         with lumen.profile():

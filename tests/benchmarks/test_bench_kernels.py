@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import pytest
 
-from lumen.quants import QT
+from lumen.format.quants import QT
 
 SMOLLM2, GEMMA = "smollm2-135m", "gemma3-270m"
 
@@ -41,8 +41,8 @@ HEADS = [(SMOLLM2, 9, 3, 64), (GEMMA, 4, 1, 256)]
 
 @functools.lru_cache(maxsize=None)
 def gguf(name):
-    from lumen.gguf import GGUFFile
-    from lumen.models import resolve
+    from lumen.format.gguf import GGUFFile
+    from lumen.model.store import resolve
     return GGUFFile(resolve(name, quiet=True))
 
 
@@ -90,7 +90,7 @@ def attention_params():
 def test_attention(gate, benchmark, model, H, Hkv, D, ctx, phase):
     """decode: one query at position ctx-1 over ctx keys; prefill: ctx queries at 0..ctx-1 (causal)."""
     from lumen.kernels.attention import BLOCK, attention, attention_scratch, kv_pools, kv_store
-    from lumen.forward import SPLIT_K_MIN_KEYS
+    from lumen.engine.forward import SPLIT_K_MIN_KEYS
     rng = np.random.default_rng(0)
     k_pool, v_pool = kv_pools(-(-ctx // BLOCK), Hkv, D, D)           # the paged f16 cache, blocks in order
     kv = rng.standard_normal((ctx, Hkv, D)).astype(np.float32)

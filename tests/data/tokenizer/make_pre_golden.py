@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_tokenizer import (PRE_REPS, PRE_TYPES, STRINGS, load_llama_vocab, pre_vocab,  # noqa: E402
                             random_texts, with_pre, write_vocab_gguf)
 
-from lumen.gguf import GGUFFile  # noqa: E402
-from lumen.models import resolve  # noqa: E402
+from lumen.format.gguf import GGUFFile  # noqa: E402
+from lumen.model.store import resolve  # noqa: E402
 
 N_TEXTS = 200
 HANDPICKED = [
