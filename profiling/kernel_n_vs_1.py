@@ -16,9 +16,9 @@ import time
 import numba
 import numpy as np
 
-from lumen.gguf import GGUFFile
+from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import matmul_batched, matvec, prepare
-from lumen.models import resolve
+from lumen.model.store import resolve
 
 SHAPES = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "v": "blk.0.attn_v.weight",
           "o": "blk.0.attn_output.weight", "gate": "blk.0.ffn_gate.weight", "up": "blk.0.ffn_up.weight",

@@ -45,8 +45,8 @@ def child(out_path: str, cli_args: list[str]) -> None:
     import numba  # noqa: F401
     marks["numba"] = now()
     import lumen.generate
-    import lumen.model
-    import lumen.weights
+    import lumen.engine.llm
+    import lumen.model.weights
     marks["lumen"] = now()
 
     def wrap(owner, name, key):

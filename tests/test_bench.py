@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lumen import bench
+from lumen.bench import single as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 

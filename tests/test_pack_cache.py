@@ -1,4 +1,4 @@
-"""The packed-weight cache (lumen.packcache): a hit reads arrays identical to a fresh repack, so the logits are
+"""The packed-weight cache (lumen.model.packcache): a hit reads arrays identical to a fresh repack, so the logits are
 identical; any change of the key (packing code, GGUF file) repacks; a damaged cache file is detected and rebuilt;
 an unwritable cache directory or LUMEN_PACK_CACHE=0 falls back to packing in memory. Tiny synthetic models
 (tests/synth.py) in a temporary LUMEN_HOME; the K-quant one is quantized from float weights by quantize_k below
@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType as T
 import lumen
 import synth
 from gguf.quants import dequantize
-from lumen import packcache
-from lumen.engine.forward import P_Q, P_S
+from lumen.model import packcache
+from lumen.kernels.layout import C_Q as P_Q, C_S as P_S
 from lumen.engine.llm import open_gguf
 from lumen.model.weights import load_weights
 from synth import write_model
@@ -296,7 +296,7 @@ def test_disabled_by_env_and_parameter(home, model_file, monkeypatch):
 # would miss and pack; they load the model at the agreed start time.
 CONCURRENT = r"""
 import sys, time
-import lumen, lumen.packcache as pc
+import lumen, lumen.model.packcache as pc
 real = pc.write
 def slow_write(*args):
     time.sleep(0.5)

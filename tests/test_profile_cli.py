@@ -50,7 +50,8 @@ def test_report_tables(full):
     r, _ = full
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for title in ("prefill: 16 tokens", "decode: 4 tokens", "ms per layer", "Python/dispatch overhead"):
+    # 4 generated tokens: the first is sampled from the prefill step, then 3 decode steps
+    for title in ("prefill: 16 tokens", "decode: 3 tokens", "ms per layer", "Python/dispatch overhead"):
         assert title in out, out
     assert "coverage decode: min" in out and "coverage prefill: min" in out
     for phase in ("prefill", "decode"):
@@ -63,7 +64,7 @@ def test_report_tables(full):
     layers = _rows(out, "ms per layer")
     assert [int(row[0]) for row in layers] == list(range(30))
     over = {row[0]: float(row[1]) for row in _rows(out, "Python/dispatch overhead")}
-    assert {"dispatch", "return", "sample", "detokenize", "loop", "unattributed", "total"} <= set(over)
+    assert {"schedule", "prepare", "dispatch", "return", "sample", "detokenize", "unattributed", "total"} <= set(over)
 
 
 def test_json_and_plots(full):

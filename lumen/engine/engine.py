@@ -174,62 +174,71 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that advanced or ended."""
         prof = profiler_active()
+        prof.begin_step("decode")
         with self._lock:
             outs, self._pending = self._pending, []
             plan = self.scheduler.schedule()
         if not plan:
+            prof.cancel_step()
             return outs
         self.steps += 1
-        logits, rows = self._run(plan, prof)
+        prof.lap("schedule")
+        logits = self._run(plan, prof)
         with self._lock:
-            outs += self._postprocess(plan, logits, rows, prof)
+            outs += self._postprocess(plan, logits, prof)
+        prof.end_step()
         return outs
 
-    def _run(self, plan: list[Scheduled], prof):
+    def _run(self, plan: list[Scheduled], prof) -> np.ndarray:
+        """Fill the runner's batch from the plan and run the forward pass; logits of the sampled rows."""
         r = self.runner
         i, out_rows, kv_tokens, n_decode = 0, [], 0, 0
         for s in plan:
             seq = s.seq
             i = r.set_tokens(i, seq.tokens[s.start:s.start + s.n], s.start, seq.row)
             kv_tokens += s.start + s.n
-            if s.n == 1:
-                n_decode += 1
+            n_decode += s.n == 1
             if s.samples:
                 out_rows.append(i - 1)
         phase = "decode" if n_decode == len(plan) else "prefill" if n_decode == 0 else "mixed"
         n_out = r.set_out_rows(out_rows)
-        return r.forward(i, n_out, phase=phase, n_seqs=len(plan), kv_tokens=kv_tokens), out_rows
+        if prof.enabled:
+            prof.describe(phase, i, len(plan), kv_tokens)
+            prof.lap("prepare")
+        return r.forward(i, n_out)
 
-    def _postprocess(self, plan: list[Scheduled], logits: np.ndarray, rows: list, prof) -> list[RequestOutput]:
+    def _postprocess(self, plan: list[Scheduled], logits: np.ndarray, prof) -> list[RequestOutput]:
+        """Advance every planned sequence by what was computed, sample the ones whose logits came back, then
+        detokenize, check their stops and free the finished."""
         now = time.perf_counter()
-        outs, k = [], 0
+        sampled, k = [], 0
         for s in plan:
             seq = s.seq
-            samples = s.samples
-            row = logits[k] if samples else None
-            k += samples
+            row = k
+            k += s.samples
             if seq.finished:                        # aborted while the step ran
                 continue
             if seq.metrics.first_scheduled is None:
                 seq.metrics.first_scheduled = now
             self.scheduler.computed(s)
-            if not samples:
-                continue
-            try:
-                tok = self._sample(seq, row)
-            except SamplerError as e:               # NaN logits and the like: this request only
-                seq.error = str(e)
+            if s.samples:
+                try:
+                    sampled.append((seq, self._sample(seq, logits[row])))
+                except SamplerError as e:           # NaN logits and the like: this request only
+                    sampled.append((seq, str(e)))
+        prof.lap("sample")
+        outs = []
+        for seq, tok in sampled:
+            if isinstance(tok, str):
+                seq.error = tok
                 self._finish(seq, "error", now)
                 outs.append(seq.output([], ""))
                 continue
             text = seq.append(tok, now)
-            if seq.finish_reason is not None or seq.num_tokens >= self.max_model_len:
-                if seq.finish_reason is None:
-                    seq.finish_reason = "length"
+            if seq.finish_reason is not None:
                 self._finish(seq, None, now)
             outs.append(seq.output([tok], text))
-        if prof.enabled:
-            prof.lap("sample")
+        prof.lap("detokenize")
         return outs
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:

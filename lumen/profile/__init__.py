@@ -117,6 +117,13 @@ class Profiler:
         self.steps.append(st)
         self._open = None
 
+    def cancel_step(self) -> None:
+        """Drop the open step (nothing ran in it) and what it recorded."""
+        st, self._open, self._paused = self._open, None, False
+        if st is not None:
+            while self.records and self.records[-1].step == st.step:
+                self.records.pop()
+
     def pause(self, at: int | None = None) -> None:
         """Stop the step's clock (while generate yields to its consumer, or the profiler does its bookkeeping)."""
         self._paused_at = ticks() if at is None else at
@@ -229,7 +236,7 @@ class NullProfiler:
     def _nothing(self, *args, **kwargs):
         return 0
 
-    begin_step = describe = end_step = pause = resume = lap = add = record_forward = _nothing
+    begin_step = describe = end_step = cancel_step = pause = resume = lap = add = record_forward = _nothing
 
 
 NULL = NullProfiler()

@@ -37,7 +37,7 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
         "grain, salt and cloth. Over the centuries it grew into a busy port, and its markets drew merchants from "
         "distant lands who brought new languages, foods and ideas with them.")
 MATMULS = ("q", "k", "v", "o", "gate", "up", "down", "output")
-GLUE = ("dispatch", "return", "sample", "detokenize", "loop")
+GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize")
 PHASES = ("prefill", "decode")
 
 

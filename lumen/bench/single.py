@@ -1,6 +1,6 @@
 """llama-bench-style throughput of one model: prompt processing (pp) and token generation (tg), in tokens/s.
 
-    python -m lumen.bench --model smollm2-135m -p 512 -n 128 -r 5 [--threads T] [--json F] [--compare llama.cpp]
+    python -m lumen.bench [single] --model smollm2-135m -p 512 -n 128 -r 5 [--threads T] [--json F] [--compare llama.cpp]
 
 Tests (each repeated r times, mean ± stdev of the per-repetition t/s, warm-up excluded):
     pp{p}   one batched prefill of p tokens into a fresh cache (n_batch = p, so it is a single forward call)
@@ -70,7 +70,7 @@ class LumenEngine:
     name = "Lumen"
 
     def __init__(self, path, threads: int | None, ctx: int, n_batch: int):
-        from .engine.llm import Model
+        from ..engine.llm import Model
         self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch)
         self.threads = self.model.threads
         self.n_vocab = self.model.config.n_vocab
@@ -108,7 +108,7 @@ class LlamaCppEngine:
         import llama_cpp.llama_cpp as lc  # ImportError: the caller prints COMPARE_HINT
         from llama_cpp import Llama
 
-        from .format.gguf import GGUFFile
+        from ..format.gguf import GGUFFile
         default_params = lc.llama_model_default_params
 
         def params_without_extra_bufts():
@@ -211,7 +211,7 @@ def summarise(figs: list[Figure], engines: list) -> list[dict]:
 def machine_limits() -> dict | None:
     """lumen.machine.limits() if that module exists and works, else None."""
     try:
-        from .machine import limits
+        from ..machine import limits
         return limits(measure_if_missing=True)
     except Exception:  # noqa: BLE001 - optional: any failure means "no limits to compare against"
         return None
@@ -259,7 +259,7 @@ def render(rows: list[dict], engines: list, info: dict, console) -> None:
 # ---------------------------------------------------------------- CLI
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lumen.bench [pp/tg options]", description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (default 128)")
@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     validate(ap, args)
     from rich.console import Console
 
-    from .errors import LumenError
-    from .model.store import resolve
+    from ..errors import LumenError
+    from ..model.store import resolve
     console = Console()
     tests = make_tests(args.n_prompt, args.n_gen, args.small)
     max_pp = max(t.size for t in tests if t.kind == "pp")
@@ -338,6 +338,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"info": info, "figures": rows}, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

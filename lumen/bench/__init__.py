@@ -1,0 +1,6 @@
+"""Benchmarks, each beside its llama.cpp counterpart: `python -m lumen.bench [single|batch|offline|serve] ...`.
+
+    single   llama-bench style: pp / tg of one sequence (the default when no subcommand is given)
+    batch    llama-batched-bench style: npl sequences of npp prompt tokens, ntg generated tokens each
+    offline  a committed workload of mixed requests through the engine, against the same requests one by one
+"""

@@ -1,0 +1,5 @@
+import sys
+
+from lumen.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,194 @@
+"""llama-batched-bench-style throughput of the engine: npl sequences, each npp prompt tokens then ntg generated.
+
+    python -m lumen.bench batch --model smollm2-135m -npp 128 -ntg 128 -npl 1,2,4,8,16 [-t T] [-r R] [--json F]
+        [--compare llama.cpp [--llama-batched-bench PATH]]
+
+Per parallel level npl (each repeated r times, medians reported), as llama-batched-bench measures it:
+    PP  the npl prompts (distinct fixed pseudo-random ids, npp each) prefilled in one engine step:
+        prompt t/s = npl * npp / T_PP
+    TG  ntg engine steps that each decode one token of every sequence: aggregate generation t/s = npl * ntg / T_TG,
+        and the step time T_TG / ntg
+The engine runs with max_num_seqs = npl, a token budget of npl * npp (so the prompts are one step and the decode
+steps are pure), greedy sampling, EOS ignored, and no prefix caching (every prompt is distinct anyway).
+
+--compare llama.cpp runs llama.cpp's own `llama-batched-bench` on the same GGUF, shapes and thread count
+(-b 2048 -ub 512 and its defaults otherwise), interleaved with Lumen repetition by repetition. The binary comes
+from --llama-batched-bench PATH, $LLAMA_BATCHED_BENCH, or PATH. To get it, build llama.cpp's tools from the
+source inside the llama-cpp-python 0.3.36 sdist: `pip download --no-deps --no-binary :all:
+llama-cpp-python==0.3.36`, unpack it, then `cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build
+-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build build -j --target llama-batched-bench`
+(about 10 minutes on 2 cores). `--llama-args "-nr"` passes extra flags (on Xeons whose AMX tiles the OS does
+not grant, llama.cpp's default weight repacking dies with an illegal instruction: use -nr there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .single import peak_rss_mb, token_ids
+
+
+def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
+    """One repetition at one parallel level: {t_pp, t_tg} seconds."""
+    from ..engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=ntg + 1, temperature=0, ignore_eos=True)
+    rids = [engine.add_request(ids[i * npp:(i + 1) * npp].tolist(), params) for i in range(npl)]
+    t0 = time.perf_counter()
+    first = engine.step()
+    t1 = time.perf_counter()
+    if len(first) != npl:
+        raise RuntimeError(f"the prefill step gave {len(first)} first tokens for {npl} sequences")
+    for _ in range(ntg):
+        outs = engine.step()
+        if len(outs) != npl:
+            raise RuntimeError(f"a decode step advanced {len(outs)} of {npl} sequences")
+    t2 = time.perf_counter()
+    if engine.has_unfinished():
+        raise RuntimeError("sequences were left unfinished")
+    del rids
+    return {"t_pp": t1 - t0, "t_tg": t2 - t1}
+
+
+def find_llama_batched_bench(path: str | None) -> str | None:
+    for cand in (path, os.environ.get("LLAMA_BATCHED_BENCH"), shutil.which("llama-batched-bench")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|"
+                  r"\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|")
+
+
+def run_llama(binary: str, model: str, npp: int, ntg: int, levels: list[int], threads: int, extra: list[str]
+              ) -> dict[int, dict]:
+    """One run of llama-batched-bench over all levels: {npl: {t_pp, t_tg}} parsed from its table."""
+    ctx = max(levels) * (npp + ntg) + 64
+    cmd = [binary, "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
+           "-npl", ",".join(map(str, levels)), "-t", str(threads), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    out = {}
+    for line in r.stdout.splitlines() + r.stderr.splitlines():
+        m = _ROW.match(line.strip())
+        if m:
+            pp, tg, b = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            if pp == npp and tg == ntg:
+                out[b] = {"t_pp": float(m.group(5)), "t_tg": float(m.group(7))}
+    missing = [b for b in levels if b not in out]
+    if missing:
+        raise RuntimeError(f"llama-batched-bench printed no row for npl {missing}")
+    return out
+
+
+def figures(t: dict, npp: int, ntg: int, npl: int) -> dict:
+    return {"pp_tps": npl * npp / t["t_pp"], "tg_tps": npl * ntg / t["t_tg"], "step_ms": t["t_tg"] / ntg * 1e3,
+            "t_pp": t["t_pp"], "t_tg": t["t_tg"]}
+
+
+def _median(reps: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lumen.bench batch", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
+    ap.add_argument("-npp", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    ap.add_argument("-ntg", type=int, default=128, help="generated tokens per sequence (default 128)")
+    ap.add_argument("-npl", default="1,2,4,8,16", help="parallel levels, comma-separated (default 1,2,4,8,16)")
+    ap.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions (default 3; medians)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    ap.add_argument("--json", metavar="FILE", help="write every figure, per repetition, to FILE")
+    ap.add_argument("--compare", choices=["llama.cpp"], help="also run llama-batched-bench, interleaved")
+    ap.add_argument("--llama-batched-bench", metavar="PATH", help="the llama-batched-bench binary")
+    ap.add_argument("--llama-args", default="", help="extra arguments for llama-batched-bench (e.g. \"-nr\")")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        levels = sorted({int(x) for x in args.npl.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"-npl takes comma-separated integers, got {args.npl!r}")
+    for flag, v in (("-npp", args.npp), ("-ntg", args.ntg), ("-r", args.repetitions)):
+        if v < 1:
+            ap.error(f"{flag} must be at least 1, got {v}")
+    if not levels or levels[0] < 1:
+        ap.error(f"-npl levels must be positive, got {args.npl!r}")
+    binary = None
+    if args.compare:
+        binary = find_llama_batched_bench(args.llama_batched_bench)
+        if binary is None:
+            print("llama-batched-bench not found: give --llama-batched-bench PATH (how to build it: "
+                  "python -m lumen.bench batch --help); running Lumen only", file=sys.stderr)
+    from rich.console import Console
+    from rich.table import Table
+
+    from .. import Engine, load
+    from ..errors import LumenError
+    from ..model.store import resolve
+    try:
+        path = resolve(args.model)
+        model = load(path, ctx=64, threads=args.threads)
+        top = levels[-1]
+        per_block = model.runner.kv_bytes_per_block
+        blocks = top * (-(-(args.npp + args.ntg + 1) // 16)) + 1
+        engine = Engine(model, max_model_len=args.npp + args.ntg + 1, max_num_seqs=top,
+                        max_num_batched_tokens=top * args.npp, kv_cache_mb=blocks * per_block / 2 ** 20,
+                        enable_prefix_caching=False)
+    except (LumenError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    ids = token_ids(model.config.n_vocab, top * args.npp)
+    run_lumen(engine, min(args.npp, 8), 2, 1, ids)                    # warm-up: compile / load the kernels
+    reps: dict[str, dict[int, list]] = {"Lumen": {b: [] for b in levels}}
+    if binary:
+        reps["llama.cpp"] = {b: [] for b in levels}
+    extra = shlex.split(args.llama_args)
+    for r in range(args.repetitions):
+        for b in levels:
+            reps["Lumen"][b].append(figures(run_lumen(engine, args.npp, args.ntg, b, ids), args.npp, args.ntg, b))
+        if binary:
+            try:
+                got = run_llama(binary, str(path), args.npp, args.ntg, levels, model.threads, extra)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            for b in levels:
+                reps["llama.cpp"][b].append(figures(got[b], args.npp, args.ntg, b))
+        if sys.stderr.isatty():
+            print(f"\rrep {r + 1}/{args.repetitions} done  ", end="", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    med = {eng: {b: _median(v) for b, v in per.items()} for eng, per in reps.items()}
+    t = Table(title=f"{model.config.name or path.name}: npp {args.npp}, ntg {args.ntg}, {model.threads} threads, "
+                    f"medians of {args.repetitions}")
+    for col in ("npl", "engine", "prompt t/s", "gen t/s", "step ms", "gen vs npl=1"):
+        t.add_column(col, justify="right")
+    for b in levels:
+        for eng in med:
+            f = med[eng][b]
+            base = med[eng][levels[0]]["tg_tps"] if levels[0] == 1 else None
+            ratio = "" if base is None else f"{f['tg_tps'] / base:.2f}x"
+            if eng != "Lumen":
+                ratio += f"  (Lumen {med['Lumen'][b]['tg_tps'] / f['tg_tps']:.2f}x)"
+            t.add_row(str(b), eng, f"{f['pp_tps']:.1f}", f"{f['tg_tps']:.1f}", f"{f['step_ms']:.2f}", ratio)
+    Console().print(t)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": str(path), "npp": args.npp, "ntg": args.ntg, "threads": model.threads,
+                       "levels": levels, "repetitions": reps, "medians": med, "rss_mb": peak_rss_mb()}, fh, indent=1)
+    return 0
