@@ -3,7 +3,7 @@
     python profiling/decode_vs_context.py [--quick] [--model smollm2-135m] [--repeats 7]
 
 The KV cache is filled once by a prefill of the longest context; a decode at context C then starts from
-`model.state.n_past = C` (the cache below C holds that prefill's keys and values), so the contexts can be
+`model.n_past = C` (the cache below C holds that prefill's keys and values), so the contexts can be
 interleaved. Per C: median over repeats of the profiled step wall time and of its attention op (seconds, bytes).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lumen
 
 def decode_at(model, ctx: int) -> tuple[float, float, int]:
     """(step wall s, attention s, attention bytes) of one profiled decode at context ctx."""
-    model.state.n_past = ctx
+    model.n_past = ctx
     with lumen.profile() as prof:
         model.decode(1)
     att = prof.by_op("decode")["attention"]

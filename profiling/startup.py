@@ -8,7 +8,7 @@ One throwaway run first warms Numba's compile cache and the packed-weight cache.
   the process to the first byte of text on its stdout (the first token), process wall time and peak RSS;
 - the same CLI, instrumented (this script re-runs itself with --child, wraps the functions below, then runs
   lumen.generate's main): interpreter start, imports, CLI set-up (argparse, rich, model resolve), GGUF parse and
-  config check (lumen.model.open_gguf), tokenizer build, weights (lumen.weights.load_weights: the matrix repack
+  config check (lumen.engine.llm.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix repack
   or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
   first call (type the arguments, load the compiled code from the cache; a cache miss is reported), the warm-up
   decode step, tokenize, the first prefill, and prefill end -> first token on stdout.
@@ -62,14 +62,17 @@ def child(out_path: str, cli_args: list[str]) -> None:
             return fn(*a, **k)
         setattr(owner, name, timed)
 
-    wrap(lumen.model, "open_gguf", "parse")
-    wrap(lumen.model, "build_tokenizer", "tokenizer")
-    wrap(lumen.weights, "load_weights", "weights")
-    wrap(lumen.model.Model, "__init__", "init")
-    wrap(lumen.model.Model, "warmup", "warmup")
-    wrap(lumen.model.Model, "tokenize", "tokenize")
-    wrap(lumen.model.Model, "prefill", "prefill")
-    fk = lumen.model.forward_kernel
+    llm = lumen.engine.llm
+    wrap(llm, "open_gguf", "parse")
+    wrap(llm, "build_tokenizer", "tokenizer")
+    wrap(llm, "load_weights", "weights")
+    wrap(llm.Model, "__init__", "init")
+    wrap(llm.Model, "warmup", "warmup")
+    wrap(llm.Model, "tokenize", "tokenize")
+    import lumen.engine.engine
+    wrap(lumen.engine.engine.Engine, "step", "prefill")        # generate's first engine step is the prefill
+    import lumen.engine.runner
+    fk = lumen.engine.runner.forward
     compile_ = fk.compile
 
     def timed_compile(sig):
