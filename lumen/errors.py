@@ -1,4 +1,5 @@
-"""The exceptions Lumen raises. Every user-facing failure is one of these, with a message a user can act on."""
+"""The exceptions Lumen raises. Every user-facing failure is one of these, with a message a user can act on.
+ContextWarning is the one warning: the API warns where the command-line tools refuse."""
 
 
 class LumenError(Exception):
@@ -19,3 +20,7 @@ class FetchError(LumenError):
 
 class ContextError(LumenError, ValueError):
     """A request does not fit in the context window."""
+
+
+class ContextWarning(UserWarning):
+    """A context length beyond the one the model was trained on (the CLIs refuse it unless --force-ctx)."""

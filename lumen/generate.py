@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
-from .errors import LumenError
+from .errors import ContextWarning, LumenError
 from .models import DEFAULT_MODEL
 
 
@@ -31,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat-last-n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--ctx", type=int, default=2048, help="context length to allocate (default 2048)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="context length to allocate (default 2048, or the model's trained context if smaller)")
+    ap.add_argument("--force-ctx", action="store_true",
+                    help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("--special", action="store_true", help="parse special-token text in a plain prompt")
     return ap
@@ -51,6 +55,17 @@ def chat_prompt(model, user: str, system: str | None) -> tuple[str | None, str]:
     return text, ""
 
 
+def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool, **kw):
+    """lumen.load, refusing a ctx beyond the model's trained context (the API only warns) unless force_ctx."""
+    from . import load
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if force_ctx else "error", ContextWarning)
+        try:
+            return load(name, ctx=ctx, threads=threads, **kw)
+        except ContextWarning as e:
+            raise LumenError(f"{e}; pass --force-ctx to use it anyway") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rich.console import Console
@@ -61,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.prompt = sys.stdin.read()
     try:
-        from . import load
         t0 = time.perf_counter()
-        model = load(args.model, ctx=args.ctx, threads=args.threads)
+        model = load_model(args.model, args.ctx, args.threads, args.force_ctx)
         t_load = time.perf_counter() - t0
         with err.status("compiling kernels (first run only; cached afterwards)...", spinner="dots"):
             t_compile = model.warmup()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
@@ -11,7 +12,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .config import ROPE_NEOX, Config, check_tensors, config_from_metadata
-from .errors import ContextError, GGUFError, LumenError
+from .errors import ContextError, ContextWarning, GGUFError, LumenError
 from .forward import forward_kernel
 from .gguf import GGUFFile
 from .profiler import active as profiler_active
@@ -83,16 +84,22 @@ class GenStats:
 class Model:
     """A loaded model. Construct with `lumen.load(name_or_path, ctx=..., threads=...)`."""
 
-    def __init__(self, path: str | os.PathLike, *, ctx: int = DEFAULT_CTX, threads: int | None = None,
+    def __init__(self, path: str | os.PathLike, *, ctx: int | None = None, threads: int | None = None,
                  n_batch: int = DEFAULT_BATCH, pack_cache: bool | None = None):
-        """pack_cache: read the repacked weights from the on-disk cache (lumen.packcache) when valid, store them
+        """ctx: None = DEFAULT_CTX, or the trained context if smaller; beyond the trained context warns.
+        pack_cache: read the repacked weights from the on-disk cache (lumen.packcache) when valid, store them
         there otherwise; None = on unless LUMEN_PACK_CACHE=0."""
         import numba
         self.path = Path(path)
         self.gguf, self.config = open_gguf(self.path)
         self.tokenizer = build_tokenizer(self.gguf.metadata)
+        if ctx is None:
+            ctx = min(DEFAULT_CTX, self.config.ctx_train)
         if not isinstance(ctx, int) or ctx < 1:
             raise ValueError(f"ctx must be a positive integer, got {ctx!r}")
+        if ctx > self.config.ctx_train:
+            warnings.warn(ContextWarning(f"ctx={ctx} is beyond the {self.config.ctx_train} tokens this model was "
+                                         "trained on (output past that is unreliable)"), stacklevel=2)
         if not isinstance(n_batch, int) or n_batch < 1:
             raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")
         max_threads = numba.config.NUMBA_NUM_THREADS

@@ -8,11 +8,14 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
 
+import lumen
 from goldens import corpus, golden
+from lumen.errors import ContextWarning
 from lumen.generate import chat_prompt
 from lumen.gguf import GGUFFile
 from lumen.model import build_tokenizer
@@ -213,6 +216,31 @@ def test_seed_makes_sampling_reproducible(smollm2_path):
     assert sample(2) != first or sample(3) != first
 
 
+# ---- --ctx beyond the trained context ----
+
+def test_ctx_beyond_training_is_refused(smollm2_path):
+    r = generate(smollm2_path, "--prompt", FRANCE, "-n", 2, "--ctx", 8193)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == ["error: ctx=8193 is beyond the 8192 tokens this model was trained on (output "
+                                     "past that is unreliable); pass --force-ctx to use it anyway"]
+
+
+def test_ctx_beyond_training_when_forced(synth_model):
+    assert summary(generate(synth_model, "--prompt", "the cat", "-n", 2, "--ctx", 256))
+    r = generate(synth_model, "--prompt", "the cat", "-n", 2, "--ctx", 300)
+    assert r.returncode == 1 and "beyond the 256 tokens" in r.stderr
+    assert summary(generate(synth_model, "--prompt", "the cat", "-n", 2, "--ctx", 300, "--force-ctx"))
+
+
+def test_ctx_beyond_training_warns_in_the_api(synth_model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lumen.load(synth_model).n_ctx == 256, "the default is the trained context when that is smaller"
+        assert lumen.load(synth_model, ctx=256).n_ctx == 256
+    with pytest.warns(ContextWarning, match="ctx=300 is beyond the 256 tokens this model was trained on"):
+        assert lumen.load(synth_model, ctx=300).n_ctx == 300
+
+
 # ---- generate: errors ----
 
 def corrupt_random(tmp_path, smollm2_path):
@@ -342,6 +370,15 @@ def test_perplexity_ctx_2(smollm2_path, tmp_path):
     assert r.returncode == 2 and "--ctx must be at least 4" in r.stderr and "Traceback" not in r.stderr
     r = run("lumen.perplexity", "--model", smollm2_path, "--file", short, "--ctx", 2, "--score", "all")
     assert "Traceback" not in r.stderr
+
+
+def test_perplexity_ctx_beyond_training(synth_model, text_file):
+    r = run("lumen.perplexity", "--model", synth_model, "--file", text_file, "--ctx", 300)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == ["error: ctx=300 is beyond the 256 tokens this model was trained on (output "
+                                     "past that is unreliable); pass --force-ctx to use it anyway"]
+    r = run("lumen.perplexity", "--model", synth_model, "--file", text_file, "--ctx", 300, "--force-ctx")
+    assert r.returncode == 0 and "chunks of 300" in r.stderr and "PPL = " in r.stdout, r.stderr
 
 
 # ---- gguf ----
