@@ -1,6 +1,6 @@
 """The command-line tools as a user runs them: `python -m lumen.generate`, `lumen.perplexity` and `lumen.gguf` in
 subprocesses, on the real SmolLM2 model and on synthetic files. Generation is checked for behaviour (the stream is
-what the Python API yields, stdin and --prompt agree, stop strings and EOS end it where they should), not
+what the Python API yields, stdin and --prompt agree, stop strings and EOS end it where they should, escapes), not
 for llama.cpp's exact greedy text, which float rounding can change; that comparison is printed, not asserted."""
 import json
 import math
@@ -16,7 +16,7 @@ import pytest
 import lumen
 from goldens import corpus, golden
 from lumen.errors import ContextWarning
-from lumen.generate import chat_prompt
+from lumen.generate import chat_prompt, process_escapes
 from lumen.gguf import GGUFFile
 from lumen.model import build_tokenizer
 from synth import write_model
@@ -80,6 +80,12 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def spelled(text: str) -> str:
+    r"""text written with escapes only: \n \t \r for those, \xHH for every other byte."""
+    named = {ord("\n"): r"\n", ord("\t"): r"\t", ord("\r"): r"\r"}
+    return "".join(named.get(b, f"\\x{b:02x}") for b in text.encode())
+
+
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     g = GGUFFile(smollm2_path)
@@ -99,7 +105,9 @@ def greedy_api(smollm2_path, greedy_run) -> dict:
 
 @pytest.fixture(scope="module")
 def greedy_text(greedy_api) -> str:
-    return "".join(greedy_api["texts"])
+    text = "".join(greedy_api["texts"])
+    assert "\\" not in text  # the stop strings below are taken from it and must not contain escapes
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +191,68 @@ def test_stop_cuts_before_the_stop_string(smollm2_path, greedy_api, greedy_text,
     r = generate(smollm2_path, "--prompt", FRANCE, "-n", N_GREEDY, "--stop", stop)
     assert r.stdout == greedy_text[:greedy_text.index(stop)] + "\n"
     assert summary(r)[3] == "stop"
+
+
+def test_stop_escapes(smollm2_path, greedy_api, greedy_text):
+    r"""--stop written with escapes (`\n\n` as the README's example when the output has a blank line, else \xHH)
+    stops where the text itself does; --no-escape takes the backslashes literally, so it never stops."""
+    stop = "\n\n" if "\n\n" in greedy_text else stop_across_tokens(greedy_api["texts"])
+    r = generate(smollm2_path, "--prompt", FRANCE, "-n", N_GREEDY, "--stop", spelled(stop))
+    assert r.stdout == greedy_text[:greedy_text.index(stop)] + "\n"
+    assert summary(r)[3] == "stop"
+    r = generate(smollm2_path, "--prompt", FRANCE, "-n", N_GREEDY, "--stop", spelled(stop), "--no-escape")
+    assert r.stdout == greedy_text + "\n"
+    assert summary(r)[3] == "length"
+
+
+@pytest.mark.parametrize("args, stdin, prompt, chat", [
+    (["--prompt", r"The capital of\nFrance is"], "", "The capital of\nFrance is", False),
+    (["--prompt", r"The capital of\nFrance is", "--no-escape"], "", r"The capital of\nFrance is", False),
+    ([], r"The capital of\nFrance is", r"The capital of\nFrance is", False),
+    (["--chat", "--system", r"Be brief.\tThanks.", "--prompt", r"Hi\x21"], "", ("Be brief.\tThanks.", "Hi!"), True),
+], ids=["prompt", "prompt-no-escape", "stdin-as-is", "chat-system"])
+def test_prompt_escapes(smollm2_path, tokenizer, args, stdin, prompt, chat):
+    """The prompt that runs (counted in tokens) is the text with its escapes processed; stdin is taken as is."""
+    tok = tokenizer.tokenizer
+    if chat:
+        system, user = prompt
+        prompt, _ = chat_prompt(tokenizer, user, system)
+    expected = len(tok.encode(prompt, add_bos=tok.add_bos_default, special=chat))
+    r = generate(smollm2_path, "-n", 1, *args, stdin=stdin)
+    assert int(summary(r)[1]) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"a\nb\rc\td", "a\nb\rc\td"),
+    (r"\'\"\\", "'\"\\"),
+    (r"\a\b\f\v", "\a\b\f\v"),
+    (r"\x41\x62", "Ab"),
+    (r"\xc3\xa9t\xC3\xA9", "été"),          # \xHH are bytes of the UTF-8 text
+    (r"\q \d", r"\q \d"),                   # unknown escapes are kept
+    ("end\\", "end\\"),                     # so is a trailing backslash
+    (r"\x4", r"\x4"),                       # and \x without two hex digits
+    (r"\x4g", r"\x4g"),
+    (r"\\n", "\\n"),                        # an escaped backslash, then a plain n
+    ("déjà vu\n", "déjà vu\n"),             # text without escapes is unchanged
+], ids=["nrt", "quotes-backslash", "abfv", "hex", "hex-utf8", "unknown", "trailing", "short-hex", "bad-hex",
+        "escaped-backslash", "plain"])
+def test_process_escapes(text, expected):
+    assert process_escapes(text) == expected
+
+
+def test_escapes_that_are_not_utf8(smollm2_path):
+    assert "not UTF-8" in str(pytest.raises(ValueError, process_escapes, r"\xff").value)
+    r = generate(smollm2_path, "-n", 1, "--prompt", r"bad \xff byte")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: the escapes in 'bad \\\\xff byte' make bytes that are not UTF-8")
+
+
+def test_help_documents_escapes():
+    r = run("lumen.generate", "--help")
+    text = one_line(r.stdout)
+    assert r'--stop "\n\n" stops at a blank line' in text
+    for word in ("--no-escape", r"\xHH", "stdin", "--force-ctx"):
+        assert word in text
 
 
 def test_eos_ends_generation(tmp_path):
