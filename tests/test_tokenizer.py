@@ -29,22 +29,22 @@ def read_metadata(path) -> dict:
     return GGUFFile(path).metadata
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def metas(smollm2_path, gemma3_path) -> dict:
     return {"smollm2-135m": read_metadata(smollm2_path), "gemma3-270m": read_metadata(gemma3_path)}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def toks(metas) -> dict:
     return {name: Tokenizer.from_metadata(meta) for name, meta in metas.items()}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol(toks):
     return toks["smollm2-135m"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma(toks):
     return toks["gemma3-270m"]
 
@@ -426,12 +426,12 @@ def load_llama_vocab(path):
     return llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pre_meta(metas) -> dict:
     return pre_vocab(metas["smollm2-135m"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pre_tok(pre_meta):
     """pre value (None: no key) -> Tokenizer on the test vocabulary, built once."""
     cache = {}
@@ -443,7 +443,7 @@ def pre_tok(pre_meta):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pre_gguf(tmp_path_factory, pre_meta):
     """pre value (None: no key) -> path of a vocab-only GGUF with the test vocabulary."""
     folder = tmp_path_factory.mktemp("pre")
