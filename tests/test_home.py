@@ -3,6 +3,7 @@ while the real models and their packs are used from it, not copied or rebuilt.""
 import os
 
 import lumen
+from lumen import packcache
 from synth import write_model
 
 
@@ -22,8 +23,9 @@ def test_synthetic_model_leaves_the_user_home_alone(tmp_path, user_home, test_ho
     write_model(path, "llama")
     m = lumen.load(path, ctx=32)
     m.logits([5, 6, 7])
-    assert m.weights.packs_from in ("packed, cached", "cache")
-    assert list((test_home / "packs").glob("tiny-*.lpack")), "the synthetic model's pack goes to the test home"
+    if packcache.enabled() and packcache.code_hash() is not None:  # off, or lumen's sources edited meanwhile
+        assert m.weights.packs_from == "packed, cached"
+        assert list((test_home / "packs").glob("tiny-*.lpack")), "the synthetic model's pack goes to the test home"
     assert os.environ["LUMEN_HOME"] == str(test_home) != str(user_home)
     assert files(user_home) == before
 
