@@ -13,18 +13,18 @@ import warnings
 from .errors import ContextWarning, LumenError
 from .models import DEFAULT_MODEL
 
-ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"),
-                                       ("a", "\a"), ("b", "\b"), ("f", "\f"), ("v", "\v"))}
+ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
 HEX_DIGITS = b"0123456789abcdefABCDEF"
-EPILOG = r"""escapes: in --prompt, --system and --stop, \n \r \t \' \" \\ \a \b \f \v and \xHH (a byte) are
-replaced as llama.cpp does, so --stop "\n\n" stops at a blank line; any other backslash is kept as typed.
---no-escape takes the text literally. A prompt read from stdin is always taken as is."""
+EPILOG = r"""escapes: in --prompt, --system and --stop, \n \r \t \' \" \\ and \xHH (a byte) are replaced as
+llama.cpp does, so --stop "\n\n" stops at a blank line; any other backslash is kept as typed. --no-escape
+takes the text literally. A prompt read from stdin is always taken as is."""
 
 
 def process_escapes(text: str) -> str:
-    r"""llama.cpp's string_process_escapes: \n \r \t \' \" \\ \a \b \f \v become the character and \xHH the byte
-    0xHH; any other backslash (an unknown escape, \x without two hex digits, a trailing backslash) is kept.
-    Works on the UTF-8 bytes, so \xc3\xa9 is "é"; ValueError if the bytes made are not valid UTF-8."""
+    r"""llama.cpp's string_process_escapes (common/common.cpp): \n \r \t \' \" \\ become the character and \xHH
+    the byte 0xHH; any other backslash (\a, \b and other unknown escapes, \x without two hex digits, a trailing
+    backslash) is kept. Works on the UTF-8 bytes, so \xc3\xa9 is "é"; ValueError if the bytes made are not valid
+    UTF-8."""
     src = text.encode("utf-8", "surrogateescape")  # argv's undecodable bytes come back as they were
     out = bytearray()
     i = 0
