@@ -2,21 +2,26 @@
 subprocesses, on the real SmolLM2 model and on synthetic files. Generation is checked for behaviour (the stream is
 what the Python API yields, stdin and --prompt agree, stop strings and EOS end it where they should, escapes), not
 for llama.cpp's exact greedy text, which float rounding can change; that comparison is printed, not asserted."""
+import fcntl
 import json
 import math
 import os
+import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 import warnings
 from types import SimpleNamespace
 
+import numba
 import pytest
 
 import lumen
 from goldens import corpus, golden
 from lumen.errors import ContextWarning
-from lumen.generate import chat_prompt, process_escapes
+from lumen.generate import chat_prompt, process_escapes, status_while_compiling
 from lumen.gguf import GGUFFile
 from lumen.model import build_tokenizer
 from synth import write_model
@@ -284,6 +289,67 @@ def test_seed_makes_sampling_reproducible(smollm2_path):
     assert sample(1) == first
     # another seed could by chance draw the same 12 tokens; two others both doing so would not be chance
     assert sample(2) != first or sample(3) != first
+
+
+# ---- generate: the compile spinner ----
+
+def run_on_a_terminal(module: str, *args) -> tuple[int, str, str]:
+    """Run `python -m module args` with stderr on a pseudo-terminal 200 columns wide, as a user sees it (rich draws
+    spinners there); returns (exit code, stdout, everything written to the terminal)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    env = {**base_env(), "TERM": "xterm-256color"}
+    p = subprocess.Popen([sys.executable, "-m", module, *map(str, args)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(master)
+    out = p.stdout.read().decode()
+    return p.wait(timeout=TIMEOUT), out, raw.decode(errors="replace")
+
+
+def test_warm_run_shows_no_compile_spinner(smollm2_path, greedy_run):
+    """Kernels already in Numba's cache (greedy_run compiled them if needed): on a terminal, stderr is the summary
+    line and nothing else: no spinner drawn and erased."""
+    code, out, term = run_on_a_terminal("lumen.generate", "--model", smollm2_path, "--prompt", FRANCE, "-n", 2)
+    assert code == 0, term
+    assert "compiling" not in term, repr(term)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term).replace("\r\n", "\n")
+    lines = [line for line in text.split("\n") if line.strip()]
+    assert len(lines) == 1 and SUMMARY.match(lines[0]), repr(term)
+
+
+class FakeStatus:
+    def __init__(self):
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+
+
+def test_spinner_only_while_numba_compiles():
+    """The status appears when Numba starts a compile inside the block, and not for code already compiled."""
+    status = FakeStatus()
+    console = SimpleNamespace(status=lambda text, spinner: status)
+    add = numba.njit(lambda x: x + 1)                      # a new function: not in any cache
+    with status_while_compiling(console, "compiling"):
+        assert add(1) == 2
+    assert status.calls == ["start", "stop"]
+    status.calls.clear()
+    with status_while_compiling(console, "compiling"):
+        assert add(2) == 3
+    assert status.calls == []
 
 
 # ---- --ctx beyond the trained context ----
