@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL)
     ap.add_argument("--file", "-f", required=True, help="a UTF-8 text file")
     ap.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
+    ap.add_argument("--force-ctx", action="store_true",
+                    help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     ap.add_argument("--score", choices=("half", "all"), default="half",
                     help="score the second half of each chunk (llama-perplexity) or every position")
     ap.add_argument("--threads", "-t", type=int, default=None)
@@ -62,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
         return 1
     try:
-        from . import load
-        model = load(args.model, ctx=args.ctx, threads=args.threads, n_batch=min(args.ctx, 512))
+        from .generate import load_model
+        model = load_model(args.model, args.ctx, args.threads, args.force_ctx, n_batch=min(args.ctx, 512))
         ids = model.tokenize(text)
         print(f"{len(ids)} tokens, {max(1, len(ids) // args.ctx)} chunks of {args.ctx}", file=sys.stderr)
         nll_all = []

@@ -1,4 +1,5 @@
-"""python -m lumen.bench: rows, --json, flag errors, and --compare llama.cpp without llama_cpp installed."""
+"""python -m lumen.bench: rows, --json, flag errors, and --compare llama.cpp without llama_cpp installed; and the
+benchmark gates' choice of baseline (tests/benchmarks: one baseline per CPU)."""
 import json
 import os
 import subprocess
@@ -120,3 +121,27 @@ def test_run_interleaves_and_ratios():
     for r in rows:
         assert r["ratio"] == pytest.approx(2.0) and r["ratio_median_paired"] == pytest.approx(2.0)
     assert rows[2]["A"]["mean"] == pytest.approx(8.0)  # 4 tokens / 0.5 s x 1 GB
+
+
+# ---- the benchmark gates (tests/benchmarks): one baseline per CPU, never another CPU's
+
+def test_gate_baselines_are_per_cpu():
+    """baseline.json maps CPU keys to entries, each with its cases and the CPU it was written on."""
+    data = json.loads((ROOT / "tests" / "benchmarks" / "baseline.json").read_text())
+    assert set(data) == {"cpus"} and data["cpus"]
+    for key, entry in data["cpus"].items():
+        cpu = entry["meta"]["cpu"]
+        assert key == f"{cpu['model']} | {cpu['cpus']} CPUs | {' '.join(cpu['isa']) or 'no AVX2'}"
+        assert entry["cases"] and all("k_ref" in c and c["norm"] > 0 for c in entry["cases"].values())
+
+
+def test_gates_skip_a_cpu_without_baseline():
+    """On a CPU with no baseline the smoke pass measures nothing and says so, with the command that records one
+    (LUMEN_BENCH_CPU stands in for another CPU here)."""
+    env = dict(os.environ, LUMEN_BENCH_SMOKE="1", LUMEN_BENCH_CPU="Some Other CPU | 2 CPUs | avx2 fma")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/benchmarks"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "passed" not in r.stdout and "failed" not in r.stdout
+    assert "NOT GATED" in r.stdout and "no baseline in baseline.json for LUMEN_BENCH_CPU (Some Other CPU" in r.stdout
+    assert "LUMEN_BENCH=1 LUMEN_BENCH_WRITE=1 python -m pytest -q tests/benchmarks" in r.stdout

@@ -5,13 +5,14 @@ import pytest
 from lumen.format.chat import (NO_CHAT_TEMPLATE_MESSAGE, ChatTemplateError, chat_template_from_metadata,
                         compile_template, render_chat, require_chat_template)
 from lumen.errors import LumenError
+from lumen.gguf import GGUFFile
 
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
 def smol_template(smollm2_path) -> str:
-    return chat_template_from_metadata(gguf.GGUFReader(smollm2_path).fields)
+    return chat_template_from_metadata(GGUFFile(smollm2_path).metadata)
 
 
 def render(template, messages, **kw):
@@ -197,7 +198,19 @@ def test_template_from_metadata(smol_template):
     assert str(err.value) == NO_CHAT_TEMPLATE_MESSAGE and "plain completion" in NO_CHAT_TEMPLATE_MESSAGE
 
 
-@pytest.mark.slow  # gguf-py parses Gemma's 262144-token vocab field by field: about 30 s
+def test_template_from_gguf_py_fields(tmp_path, smol_template):
+    """gguf-py's reader fields work too (anything with .contents()). A vocabulary-free file: gguf-py's reader
+    takes about 700 MB and 15-50 s on Gemma's 262144 tokens."""
+    path = tmp_path / "template.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_chat_template(smol_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert chat_template_from_metadata(gguf.GGUFReader(path).fields) == smol_template
+
+
 def test_base_model_has_no_template(gemma3_path):
     # the Gemma 3 270M base model ships without one: the caller falls back to plain completion
-    assert chat_template_from_metadata(gguf.GGUFReader(gemma3_path).fields) is None
+    assert chat_template_from_metadata(GGUFFile(gemma3_path).metadata) is None

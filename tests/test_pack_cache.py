@@ -263,7 +263,7 @@ def test_interrupted_write_leaves_no_cache_file(home, model_file, monkeypatch):
         m.setattr(packcache.os, "fsync", fail)
         w = packs_of(model_file, True)
     assert w.packs_from.startswith("packed (cache not written: OSError") and "No space left" in w.packs_from
-    assert [p.name for p in (home / "packs").iterdir()] == [".tiny.lock"]  # neither the file nor its temporary
+    assert [p.name for p in (home / "packs").iterdir()] == [".lock"]  # neither the file nor its temporary
     assert packs_of(model_file, True).packs_from == "packed, cached"
     assert packs_of(model_file, True).packs_from == "cache"
 

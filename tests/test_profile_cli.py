@@ -13,9 +13,10 @@ FAKE = {"cpu": None, "cores": os.cpu_count(), "threads": os.cpu_count(), "versio
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
+def home(tmp_path_factory, new_home):
+    """A LUMEN_HOME with the real models and their packs linked in, and a fake machine.json."""
     from lumen.machine import VERSION, cpu_model
-    d = tmp_path_factory.mktemp("lumen_home")
+    d = new_home(tmp_path_factory.mktemp("lumen_home"))
     (d / "machine.json").write_text(json.dumps(dict(FAKE, cpu=cpu_model(), version=VERSION)))
     return d
 

@@ -18,8 +18,8 @@ the cache is then not used at all (neither read nor written) in this process.
 File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, arrays: {name: [dtype, shape, offset]}},
 the arrays at 64-byte aligned offsets, the trailer b"LUMENEND". Written to a temporary file in the same
 directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A miss is packed and written under
-a per-model file lock (fcntl.flock), so processes loading a model at once pack it once and the others read that
-file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every table row
+the cache's file lock (fcntl.flock on .lock), so processes loading a model at once pack it once and the others
+read that file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every table row
 against the GGUF tensor it packs (family, activation format, sizes, and that its slices lie inside the buffers
 as lumen.engine.forward.mm takes them: lumen.kernels.layout.check_table), because the compiled kernels do not
 check bounds. Anything wrong -> the file is ignored and rewritten.
@@ -235,9 +235,10 @@ def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[P
     """(packs, where they came from): the cached packs of g if valid, else pack(mats), stored for next time.
     The second item is "cache", "packed, cached", or "packed" plus why nothing was cached.
 
-    A miss packs and writes under an exclusive lock on `.<gguf stem>.lock` in the cache directory, so processes
-    loading the same model at once pack it once: the others wait, then read the file it wrote. If the lock cannot
-    be taken (an unwritable directory), it packs without it; write() then says why nothing was cached."""
+    A miss packs and writes under an exclusive lock on `.lock` in the cache directory (one file for the cache, so
+    none accumulate), so processes loading the same model at once pack it once: the others wait, then read the
+    file it wrote. If the lock cannot be taken (an unwritable directory), it packs without it; write() then says
+    why nothing was cached."""
     key = cache_key(g)
     if key is None:
         return pack(mats), "packed (packing sources changed after import: cache not used)"
@@ -248,7 +249,7 @@ def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[P
     with ExitStack() as held:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            held.enter_context(file_lock(path.parent / f".{g.path.stem}.lock"))
+            held.enter_context(file_lock(path.parent / ".lock"))
         except OSError:
             pass
         packs = read(path, key, expected)  # written by the process we waited for

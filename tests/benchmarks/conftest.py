@@ -8,15 +8,22 @@ batch by batch: ref batch, case batch, ref batch, case batch, ... The normalised
 over rounds of (case CPU s per call) / (reference CPU s per pass). Machine load slows both sides of a pair
 alike, so this ratio moves far less than either time. Each round of a kernel case runs on its own copy of the
 case's arrays (their placement in memory moves the figure by several %). The gate fails a case whose
-normalised figure exceeds its committed baseline (baseline.json) x THRESHOLD on a majority of up to ATTEMPTS
-measurements (a first one clearly under the limit passes at once).
+normalised figure exceeds its committed baseline x THRESHOLD on a majority of up to ATTEMPTS measurements (a
+first one clearly under the limit passes at once).
+
+One baseline per CPU: baseline.json maps a CPU key (cpu_key(): the model name from lumen.machine.cpu_model(), the
+CPU count and the vector ISA flags that decide kernel speed) to that CPU's cases. A run gates against the entry of
+its own CPU and says which one; on a CPU with no entry every case is skipped with a message saying how to record
+one. Figures are never compared against another CPU's baseline (on an AMD EPYC the smoke cases read 0.46-0.77 of
+the Intel Xeon's, so a 25% regression would pass there unseen).
 
 Environment:
     LUMEN_BENCH=1          run the gates (otherwise every test here is skipped, so `pytest` over tests/ skips them)
     LUMEN_BENCH_SMOKE=1    run only the smoke cases (what .ci/run runs); implies LUMEN_BENCH
-    LUMEN_BENCH_WRITE=1    measure and (re)write baseline.json for the cases run, instead of gating: the run
+    LUMEN_BENCH_WRITE=1    measure and (re)write this CPU's baseline for the cases run, instead of gating: the run
                            starts WRITE_PASSES - 1 more pytest processes with the same arguments, one after the
                            other, and each case's baseline is the median of the WRITE_PASSES processes' figures
+    LUMEN_BENCH_CPU=KEY    gate against (or write) the baseline of CPU key KEY instead of this CPU's own
     LUMEN_BENCH_OUT=FILE   also write every measured figure (per-round ratios) to FILE as JSON
     LUMEN_BENCH_INJECT=F   inject a slowdown: after each timed batch, spin for F x that batch's own duration on
                            the gate's clock, inside the timed window (F = 0.25: every case 25% slower)
@@ -28,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -222,20 +228,36 @@ def per_call(run) -> float:
     return max(t, 1e-7)
 
 
+ISA = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")  # flags that decide speed
+
+
 def cpu_info() -> dict:
-    """The CPU the figures were measured on: model name and the vector ISA flags that decide kernel speed."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """The CPU the figures are measured on: model name (lumen.machine.cpu_model()), the vector ISA flags that decide
+    kernel speed, CPU count."""
+    from lumen.machine import cpu_model
+    flags = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
+            if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
-    isa = sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
-    return {"model": model, "isa": isa, "cpus": os.cpu_count()}
+    return {"model": cpu_model(), "isa": sorted(f for f in flags if f in ISA), "cpus": os.cpu_count()}
+
+
+def cpu_key(cpu: dict) -> str:
+    """The key of a CPU's baseline. A hypervisor may show a generic model name ("Intel(R) Xeon(R) Processor"), so
+    the ISA flags are part of the key: they tell e.g. an AMX Xeon from an older one."""
+    return f"{cpu['model']} | {cpu['cpus']} CPUs | {' '.join(cpu['isa']) or 'no AVX2'}"
+
+
+def load_baselines(path: Path = BASELINE) -> dict:
+    """{"cpus": {cpu key: {"cases": {...}, "meta": {...}}}} from baseline.json (empty if it does not exist)."""
+    data = json.loads(path.read_text()) if path.exists() else {"cpus": {}}
+    if "cpus" not in data:
+        raise ValueError(f"{path}: no 'cpus' mapping (a baseline from before the per-CPU format?)")
+    return {"cpus": data["cpus"]}
 
 
 class Gate:
@@ -243,11 +265,31 @@ class Gate:
 
     def __init__(self):
         self.ref = None
-        self.baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {"cases": {}}
+        self.baselines = load_baselines()
         self.results = {}
         self.cpu = cpu_info()
-        base_cpu = self.baseline.get("meta", {}).get("cpu")
-        self.cpu_mismatch = bool(base_cpu) and base_cpu != self.cpu
+        self.key = os.environ.get("LUMEN_BENCH_CPU") or cpu_key(self.cpu)
+        self.key_from = "LUMEN_BENCH_CPU" if os.environ.get("LUMEN_BENCH_CPU") else "this CPU"
+        self.baseline = self.baselines["cpus"].get(self.key)   # this CPU's entry, or None
+
+    @property
+    def cases(self) -> dict:
+        return self.baseline["cases"] if self.baseline else {}
+
+    def describe(self) -> str:
+        """Which baseline this run gates against (or writes), for the output."""
+        if self.baseline is None:
+            return f"no baseline for {self.key_from} ({self.key})"
+        meta = self.baseline.get("meta", {})
+        return (f"baseline of {self.key_from}: {self.key!r} (written {meta.get('written', '?')}, "
+                f"{len(self.cases)} cases)")
+
+    def missing_reason(self) -> str:
+        """Why the cases are skipped on a CPU with no baseline, and how to record one."""
+        known = "; ".join(sorted(self.baselines["cpus"])) or "none"
+        return (f"benchmark gates: no baseline in {BASELINE.name} for {self.key_from} ({self.key}); the baselines "
+                f"of other CPUs are not comparable (known: {known}). Record one on this machine, at rest: "
+                f"LUMEN_BENCH=1 LUMEN_BENCH_WRITE=1 python -m pytest -q tests/benchmarks (README.md)")
 
     def measure(self, case_id: str, run) -> dict:
         """Time run(k) against the reference, interleaved. The batch sizes come from the baseline when it has
@@ -257,7 +299,7 @@ class Gate:
         if hasattr(run, "new_copies") and self.results.get(case_id):
             run.new_copies()  # a remeasurement: other placements, so the attempts are independent
         run(1)  # warm (compiled loops, caches)
-        base = self.baseline["cases"].get(case_id)
+        base = self.cases.get(case_id)
         if WRITE_CHILD:  # a later write pass: the first pass's workload
             base = json.loads(Path(WRITE_CHILD).read_text())["results"].get(case_id)
         if base and (not WRITE or WRITE_CHILD) and "k_ref" in base:
@@ -310,9 +352,9 @@ class Gate:
         remeasure() -> new res."""
         if WRITE:
             return
-        base = self.baseline["cases"].get(case_id)
+        base = self.cases.get(case_id)
         if base is None or "k_ref" not in base:  # a failure, not a skip: CI must not pass without gating
-            pytest.fail(f"{case_id}: no baseline in {BASELINE.name} (write one: see tests/benchmarks/README.md)")
+            pytest.fail(f"{case_id}: not in the {self.describe()} (write it: see tests/benchmarks/README.md)")
         base = dict(base, norm=base[f"norm_{METRIC}"])
         limit = base["norm"] * THRESHOLD
         rels = []
@@ -336,9 +378,8 @@ class Gate:
         assert False, (
             f"{case_id} is {100 * (med - 1):.0f}% slower than baseline (over the limit x{THRESHOLD:.2f} on {over} of "
             f"{len(rels)} measurements, normalised / baseline: {', '.join(f'{r:.3f}' for r in rels)}); "
-            f"case {1e3 * res['case_s_median']:.4f} ms/call, reference {1e3 * res['ref_s_median']:.4f} ms/pass"
-            + (f"; NOTE: the baseline was measured on {self.baseline['meta']['cpu']}, this is {self.cpu}"
-               if self.cpu_mismatch else "")
+            f"case {1e3 * res['case_s_median']:.4f} ms/call, reference {1e3 * res['ref_s_median']:.4f} ms/pass; "
+            f"{self.describe()}"
             + (f"; NOTE: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: memory-bound cases "
                f"(output heads, decode step, prefill) run slow on oversubscribed CPUs (README)"
                if os.getloadavg()[0] > os.cpu_count() else ""))
@@ -371,6 +412,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="benchmark gates: set LUMEN_BENCH=1 (see tests/benchmarks/README.md)"))
         elif SMOKE and item.get_closest_marker("smoke") is None:
             item.add_marker(pytest.mark.skip(reason="not a smoke case (LUMEN_BENCH_SMOKE=1)"))
+        elif _GATE.baseline is None and not WRITE:
+            item.add_marker(pytest.mark.skip(reason=_GATE.missing_reason()))
+
+
+def pytest_report_header(config):
+    if ENABLED:
+        return (f"lumen benchmark gates: writing the baseline of {_GATE.key_from} ({_GATE.key})" if WRITE
+                else f"lumen benchmark gates against the {_GATE.describe()}")
 
 
 def _dump(path) -> None:
@@ -407,7 +456,8 @@ def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("LUMEN_BENCH_OUT")
     if WRITE and not WRITE_CHILD:
         passes = _write_passes(session)
-        cases = _GATE.baseline.setdefault("cases", {})
+        entry = _GATE.baselines["cpus"].setdefault(_GATE.key, {})
+        cases = entry.setdefault("cases", {})
         for cid, r in _GATE.results.items():
             norms = {m: [p[cid][m] for p in passes if cid in p] for m in
                      ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min")}
@@ -416,25 +466,28 @@ def pytest_sessionfinish(session, exitstatus):
                           "write_norms": r["write_norms"], **{m: statistics.median(v) for m, v in norms.items()},
                           "case_ms": round(1e3 * r["case_s_median"], 5)}
             cases[cid]["norm"] = cases[cid][f"norm_{METRIC}"]
-        _GATE.baseline["meta"] = {
+        entry["meta"] = {
             "written": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": THREADS, "metric": METRIC,
             "cpu": _GATE.cpu, "rounds": ROUNDS, "copies": COPIES, "passes": WRITE_PASSES,
             "note": "norm = median over rounds of (case CPU s/call) / (reference CPU s/pass), reference timed "
                     "interleaved, each round on another copy of the case's arrays; the median of WRITE_PASSES "
                     "separate processes' figures"}
-        BASELINE.write_text(json.dumps(_GATE.baseline, indent=1, sort_keys=True) + "\n")
+        BASELINE.write_text(json.dumps(_GATE.baselines, indent=1, sort_keys=True) + "\n")
+        _GATE.baseline = entry
     if out:
         _dump(out)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tr = terminalreporter
+    if ENABLED and _GATE.baseline is None and not WRITE:
+        tr.section("lumen benchmark gates: NOT GATED")
+        tr.write_line(_GATE.missing_reason())
     if not _GATE.results:
         return
-    tr = terminalreporter
     tr.section("lumen benchmark gates (normalised = case / reference, median of interleaved rounds)")
-    if _GATE.cpu_mismatch and not WRITE:
-        tr.write_line(f"WARNING: baseline measured on {_GATE.baseline['meta']['cpu']}, this is {_GATE.cpu}: the "
-                      f"figures are ratios and usually transfer, but rewrite the baseline if cases fail here only")
+    if not WRITE:
+        tr.write_line(f"gated against the {_GATE.describe()}")
     tr.write_line(f"gate metric: {METRIC}, {THREADS} thread(s), limit baseline x {THRESHOLD}; "
                   f"vs base columns: wall median, wall min, cpu median, cpu min")
     tr.write_line(f"{'case':56s} {'ms/call':>9s} {'norm':>8s} {'spread':>7s}  {'w-med':>6s} {'w-min':>6s} "
@@ -448,4 +501,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                       + (" write passes / median: " + " ".join(f"{x / statistics.median(r['write_norms']):.3f}"
                                                                 for x in r["write_norms"]) if r.get("write_norms") else ""))
     if WRITE and not WRITE_CHILD:
-        tr.write_line(f"baseline written: {BASELINE} (median of {WRITE_PASSES} processes: write_norms)")
+        tr.write_line(f"baseline written: {BASELINE}, entry {_GATE.key!r} (median of {WRITE_PASSES} processes: "
+                      f"write_norms)")
