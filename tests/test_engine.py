@@ -227,9 +227,9 @@ def test_bad_requests_are_errors_of_their_own(model):
         eng.add_request([1, 10 ** 9])
     with pytest.raises(SamplerError, match="temperature"):
         SamplingParams(temperature=-1)
-    with pytest.raises(SamplerError, match="SamplingParams.top_p"):
+    with pytest.raises(SamplerError, match="top_p must be in"):
         SamplingParams(top_p=0)
-    with pytest.raises(SamplerError, match="SamplingParams.logit_bias"):
+    with pytest.raises(SamplerError, match="logit_bias keys must be token ids"):
         SamplingParams(logit_bias={"x": 1})
     with pytest.raises(SamplerError, match="stop_token_ids"):
         eng.add_request([1, 2], SamplingParams(stop_token_ids=[10 ** 9]))

@@ -3,7 +3,7 @@ while the real models and their packs are used from it, not copied or rebuilt.""
 import os
 
 import lumen
-from lumen import packcache
+from lumen.model import packcache
 from synth import write_model
 
 
@@ -33,7 +33,7 @@ def test_synthetic_model_leaves_the_user_home_alone(tmp_path, user_home, test_ho
 def test_real_models_resolve_to_the_user_store(smollm2_path, gemma3_path, user_home, test_home):
     """A real model by name resolves, in the test home, to a link to the user's file; a load reads its pack
     through the link (the user's pack cache file) instead of repacking."""
-    from lumen.models import resolve
+    from lumen.model.store import resolve
     for name, path in (("smollm2-135m", smollm2_path), ("gemma3-270m", gemma3_path)):
         assert path.is_relative_to(user_home)
         mine = resolve(name, quiet=True)
