@@ -5,7 +5,7 @@ import pytest
 from lumen.format.chat import (NO_CHAT_TEMPLATE_MESSAGE, ChatTemplateError, chat_template_from_metadata,
                         compile_template, render_chat, require_chat_template)
 from lumen.errors import LumenError
-from lumen.gguf import GGUFFile
+from lumen.format.gguf import GGUFFile
 
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

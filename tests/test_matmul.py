@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lumen.gguf import GGUFFile
+from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
 from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
 

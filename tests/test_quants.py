@@ -5,7 +5,7 @@ import gguf.quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from lumen.errors import GGUFError, UnsupportedError
-from lumen.gguf import GGUFFile
+from lumen.format.gguf import GGUFFile
 from lumen.kernels.dequant import dequantize
 from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, row_bytes
 
