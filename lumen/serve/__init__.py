@@ -1,0 +1,10 @@
+"""An OpenAI-compatible HTTP server over the engine: `python -m lumen.serve --model M`.
+
+    cli.py        the command line, uvicorn, and the graceful shutdown
+    app.py        the routes and the Gate (request id, API key, body bound, one log line per request)
+    protocol.py   request bodies (pydantic), their SamplingParams, OpenAI's error shape
+    prompts.py    completion prompts and chat templates -> token ids
+    responses.py  engine outputs -> OpenAI responses, stream chunks, logprobs, usage
+    worker.py     the engine's step loop in its own thread, bridged to asyncio
+    metrics.py    /metrics (prometheus_client), vLLM's names with the lumen: prefix
+"""

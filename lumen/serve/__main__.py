@@ -1,0 +1,5 @@
+import sys
+
+from lumen.serve.cli import main
+
+sys.exit(main())

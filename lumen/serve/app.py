@@ -1,0 +1,331 @@
+"""The HTTP layer: OpenAI JSON in, engine requests out, tokens streamed back. It only translates: sampling,
+stopping and detokenizing happen in the engine, so the server answers what `Model.generate` would.
+
+    POST /v1/completions, /v1/chat/completions     streamed (SSE, ending with `data: [DONE]`) or not
+    POST /tokenize, /detokenize                    vLLM's and llama-server's shapes
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
+
+Every request passes the `Gate` first: its X-Request-Id (honoured, or made, and echoed), the API key, the body
+size bound (413), one log line when the response ends, and a 500 for that request alone if a handler fails.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import LumenError
+from . import protocol as P
+from .metrics import CONTENT_TYPE, Metrics
+from .prompts import Prompter
+from .responses import DONE, Reply, dumps, sse
+from .worker import EngineWorker, QueueFull, ShuttingDown
+
+log = logging.getLogger("lumen.serve")
+OPEN_PATHS = ("/health", "/metrics")          # answered without the API key
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Settings:
+    model_id: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 2 ** 20
+    max_n: int = 64                           # choices per request
+
+
+def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settings: Settings) -> FastAPI:
+    engine = worker.engine
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="Lumen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: Request, e: P.ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return JSONResponse(P.error_body(e.status_code, msg), status_code=e.status_code)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_id:
+            raise P.ApiError(404, f"the model {name!r} does not exist (this server serves "
+                                  f"{settings.model_id!r})", "model")
+
+    def model_card() -> dict:
+        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "lumen",
+                "root": str(engine.parts.path), "max_model_len": engine.max_model_len}
+
+    # ---- the two generation endpoints
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = P.parse(await request.body(), P.CompletionRequest)
+        check_model(req.model)
+        params = P.completion_params(req, settings.max_n)
+        prompts = prompter.completion(req.prompt)
+        echo = None
+        if req.echo:
+            texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) \
+                else None
+            echo = texts if texts is not None else [engine.tokenizer.decode(p) for p in prompts]
+        return await generate(request, "completion", req, prompts, params, echo)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = P.parse(await request.body(), P.ChatCompletionRequest)
+        check_model(req.model)
+        params = P.chat_params(req, settings.max_n)
+        prompts = [prompter.chat(req.messages, req.add_generation_prompt)]
+        return await generate(request, "chat", req, prompts, params)
+
+    async def generate(request: Request, kind: str, req, prompts: list[list[int]], params, echo=None):
+        rid = request.state.request_id
+        reply = Reply(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{rid}", settings.model_id,
+                      int(time.time()), prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
+                      return_token_ids=req.return_token_ids, echo=echo)
+        sub = submit([p for p in prompts for _ in params], params * len(prompts))
+        index = {r: i for i, r in enumerate(sub.request_ids)}
+        if req.stream:
+            return StreamingResponse(stream(request, reply, sub, index, req.include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        watcher = asyncio.create_task(_disconnected(request))
+        watcher.add_done_callback(lambda t: t.cancelled() or worker.abort(sub))
+        try:
+            async for out in worker.outputs(sub):
+                if out.finished:
+                    reply.finals[index[out.request_id]] = out
+        finally:
+            watcher.cancel()
+            worker.abort(sub)                     # a no-op once all finished
+        fail = _failure(sub, reply.finals.values())
+        if fail is not None:
+            raise P.ApiError(*fail)
+        request.state.usage = reply.usage()
+        return JSONResponse(reply.body())
+
+    def submit(prompts, params):
+        try:
+            return worker.submit(prompts, params)
+        except ShuttingDown as e:
+            raise P.ApiError(503, str(e)) from None
+        except QueueFull as e:
+            raise P.ApiError(429, str(e)) from None
+        except (LumenError, ValueError) as e:     # the engine's RequestError, ContextError, SamplerError
+            raise P.ApiError(400, str(e), "prompt" if "prompt" in str(e) else None) from None
+
+    async def stream(request: Request, reply: Reply, sub, index: dict, include_usage: bool):
+        finished = False
+        try:
+            for chunk in reply.opening(include_usage):
+                yield sse(chunk)
+            async for out in worker.outputs(sub):
+                fail = _failure(sub, [out] if out.finished else [])
+                if fail is not None:
+                    yield sse(P.error_body(*fail))
+                    break
+                chunk = reply.chunk(index[out.request_id], out, include_usage)
+                if chunk is not None:
+                    yield sse(chunk)
+            else:
+                request.state.usage = reply.usage()
+                if include_usage:
+                    yield sse(reply.usage_chunk())
+            yield DONE
+            finished = True
+        finally:
+            if not finished or sub.open:
+                worker.abort(sub)
+
+    # ---- tokenizer endpoints
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = P.parse(await request.body(), P.TokenizeRequest)
+        check_model(req.model)
+        add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
+        if req.messages is not None:
+            ids = prompter.encode(prompter.render(req.messages, req.add_generation_prompt), add_special=add is not False)
+        elif req.prompt is not None:                                    # vLLM: special tokens added by default
+            ids = prompter.encode(req.prompt, add_special=add is not False)
+        elif req.content is not None:                                   # llama-server: not by default
+            ids = prompter.encode(req.content, add_special=bool(add))
+        else:
+            raise P.ApiError(400, "give prompt, content or messages", "prompt")
+        tokens = ids
+        if req.with_pieces:
+            tokens = []
+            for i in ids:
+                b = engine.tokenizer.token_bytes(i, special=True)
+                try:
+                    piece = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(b)
+                tokens.append({"id": i, "piece": piece})
+        return {"tokens": tokens, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = P.parse(await request.body(), P.DetokenizeRequest)
+        check_model(req.model)
+        V = engine.config.n_vocab
+        bad = [t for t in req.tokens if not 0 <= t < V]
+        if bad:
+            raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{V - 1})", "tokens")
+        text = engine.tokenizer.decode(req.tokens, special=True)
+        return {"prompt": text, "content": text}
+
+    # ---- the rest
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != settings.model_id:
+            raise P.ApiError(404, f"the model {name!r} does not exist", "model")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if worker.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def _failure(sub, finals) -> tuple[int, str] | None:
+    """(status, message) when the submission did not end normally: the server ended it, or the engine failed
+    one of its requests."""
+    if sub.failure is not None:
+        return sub.failure
+    for out in finals:
+        if out.finish_reason == "error":
+            return 500, f"internal error: {out.error}"
+        if out.finish_reason == "abort":
+            return 500, "the request was aborted"
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: the next message is the disconnect)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:                                # noqa: BLE001 - a broken connection is a gone client
+        pass
+
+
+class Gate:
+    """Pure ASGI middleware in front of every route (see the module docstring)."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+                msg = dict(msg, headers=[*msg.get("headers", []), (b"x-request-id", rid.encode("latin-1"))])
+            await send(msg)
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                self._log(scope, status[0], rid, time.perf_counter() - t0, state.get("usage"))
+
+        async def reply(code: int, message: str, extra: list | None = None):
+            body = dumps(P.error_body(code, message)).encode()
+            await send_({"type": "http.response.start", "status": code,
+                         "headers": [(b"content-type", b"application/json"), *(extra or [])]})
+            await send_({"type": "http.response.body", "body": body})
+
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            return await reply(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               [(b"www-authenticate", b"Bearer")])
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await self._read_body(headers, receive)
+            if body is None:
+                return await reply(413, f"the request body is larger than {self.max_body} bytes")
+            receive = _replay(body, receive)
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as e:                       # noqa: BLE001 - whatever a handler broke: 500, that request
+            log.exception("request %s failed", rid)
+            if status[0] == 0:
+                await reply(500, f"internal error: {type(e).__name__}: {e}")
+
+    def _authorized(self, headers: dict) -> bool:
+        auth = headers.get("authorization", "")
+        key = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        return hmac.compare_digest(key.encode(), self.api_key.encode())
+
+    async def _read_body(self, headers: dict, receive) -> bytes | None:
+        """The whole body, or None once it is past the bound (Content-Length or counted)."""
+        try:
+            if int(headers.get("content-length", 0)) > self.max_body:
+                return None
+        except ValueError:
+            pass
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                break
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+    @staticmethod
+    def _log(scope, status: int, rid: str, seconds: float, usage: dict | None) -> None:
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "-"
+        extra = ""
+        if usage:
+            extra = (f" prompt={usage['prompt_tokens']} completion={usage['completion_tokens']} "
+                     f"cached={usage['prompt_tokens_details']['cached_tokens']}")
+        log.info('%s "%s %s" %d %.3fs id=%s%s', who, scope["method"], scope["path"], status, seconds, rid, extra)
+
+
+def _replay(body: bytes, receive):
+    """A receive that gives the buffered body once, then what the client sends next (its disconnect)."""
+    sent = [False]
+
+    async def receive_():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return receive_
+

@@ -1,0 +1,177 @@
+"""`python -m lumen.serve --model M [--host 127.0.0.1] [--port 8000] [--api-key K] [engine flags]`: an
+OpenAI-compatible server (lumen.serve.app) on uvicorn.
+
+Startup loads the model and runs one token through it (Numba's kernels compiled or loaded from its cache) before
+the port opens, so the first request pays no compile. The first SIGTERM or SIGINT starts a graceful shutdown:
+the port closes, new requests on open connections get 503, requests in flight have --shutdown-timeout seconds
+to finish and are then aborted (each client is told, none is left hanging), and the process exits 0. A second
+signal aborts everything at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import LumenError
+from ..model.store import DEFAULT_MODEL
+
+log = logging.getLogger("lumen.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lumen.serve", description="An OpenAI-compatible server for a GGUF "
+                                 "model: /v1/completions, /v1/chat/completions, /tokenize, /detokenize, "
+                                 "/v1/models, /health, /metrics.")
+    ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                    help=f"registry name (python -m lumen.models) or path to a .gguf file (default {DEFAULT_MODEL})")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("LUMEN_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                         "(default: $LUMEN_API_KEY, else none)")
+    ap.add_argument("--served-model-name", help="the model id in the API (default: the --model name, or the file's "
+                                                "stem for a path)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="longest prompt + output in tokens (default: the model's trained context)")
+    ap.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the GGUF's")
+    ap.add_argument("--max-queue", type=int, default=256,
+                    help="waiting requests (choices) beyond which new ones get 429 (default 256)")
+    ap.add_argument("--max-n", type=int, default=64, help="largest n (choices per request, default 64)")
+    ap.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body (413 beyond; default 16)")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    eng = ap.add_argument_group("engine")
+    eng.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
+    eng.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (default 16)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
+    eng.add_argument("--kv-cache-mb", type=float, default=None,
+                     help="KV block pool size (default: min(1024, a fifth of the available memory))")
+    eng.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    eng.add_argument("--no-chunked-prefill", action="store_true", help="turn chunked prefill off")
+    return ap
+
+
+def model_id(model: str, served_name: str | None) -> str:
+    """The id clients use: --served-model-name, else the registry name, else the file's stem."""
+    from ..model.store import MODELS
+    if served_name:
+        return served_name
+    return model if model in MODELS else Path(model).stem
+
+
+def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
+             max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20):
+    """The FastAPI app over an engine, and its worker (started by the app's lifespan)."""
+    from ..format.chat import chat_template_from_metadata
+    from .app import Settings, build_app
+    from .metrics import Metrics
+    from .prompts import Prompter
+    from .worker import EngineWorker
+    template = chat_template if chat_template is not None else chat_template_from_metadata(engine.parts.gguf.metadata)
+    prompter = Prompter(engine.tokenizer, template)
+    metrics = Metrics(engine, model_name)
+    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics)
+    settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n)
+    return build_app(worker, prompter, metrics, settings), worker
+
+
+def load_engine(model: str, *, threads: int | None, max_model_len: int | None, max_num_seqs: int,
+                max_num_batched_tokens: int, kv_cache_mb: float | None, prefix_caching: bool, chunked_prefill: bool):
+    """The engine, warmed up (one token through the forward pass)."""
+    from ..engine.engine import Engine
+    from ..engine.sampling import SamplingParams
+    engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
+                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill)
+    if engine.max_model_len > engine.config.ctx_train:
+        raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
+                         "model was trained on")
+    engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
+    return engine
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with Lumen's shutdown: the first SIGTERM/SIGINT drains the worker, a second aborts
+        everything now; and no re-raised signal after the shutdown (uvicorn's way of exiting with the signal's
+        code), so a graceful stop exits 0."""
+
+        def __init__(self, config, worker, shutdown_timeout: float):
+            super().__init__(config)
+            self.worker, self.shutdown_timeout = worker, shutdown_timeout
+            self.loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            if self.loop is not None:
+                if self.should_exit:
+                    self.loop.call_soon_threadsafe(self.worker.abort_all, 503, "the server is shutting down now")
+                else:
+                    self.loop.call_soon_threadsafe(self.worker.drain, self.shutdown_timeout)
+            self.should_exit = True
+
+        @contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
+    """Run the app until a signal stops it (see the module docstring)."""
+    import uvicorn
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    _server_class()(config, worker, shutdown_timeout).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for name in ("max_queue", "max_n"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_body_mb <= 0 or args.shutdown_timeout < 0:
+        ap.error("--max-body-mb must be positive and --shutdown-timeout not negative")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        template = Path(args.chat_template).read_text() if args.chat_template else None
+        name = model_id(args.model, args.served_model_name)
+        engine = load_engine(args.model, threads=args.threads, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             kv_cache_mb=args.kv_cache_mb, prefix_caching=not args.no_prefix_caching,
+                             chunked_prefill=not args.no_chunked_prefill)
+        app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
+                               max_queue=args.max_queue, max_n=args.max_n,
+                               max_body_bytes=int(args.max_body_mb * 2 ** 20))
+    except (LumenError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    s = engine.stats()
+    log.info("serving %r (%s) on http://%s:%d: %d threads, max_model_len %d, %d KV blocks, max_num_seqs %d%s",
+             name, engine.parts.path, args.host, args.port, engine.threads, engine.max_model_len, s["kv_blocks"],
+             engine.max_num_seqs, ", API key required" if args.api_key else "")
+    serve(app, worker, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+          log_level=args.log_level)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,87 @@
+"""Prompts as the engine takes them: token ids from a completion prompt, or from a conversation rendered with the
+chat template (the GGUF's, or --chat-template's), tokenized as llama-server and vLLM tokenize:
+
+- text is tokenized with the model's BOS default, and special-token text in it ("<|im_start|>") is parsed as
+  those tokens (both servers do; lumen.generate does it only for --chat or --special);
+- a rendered conversation that already starts with the BOS text gets no second BOS.
+"""
+from __future__ import annotations
+
+from ..format.chat import ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, render_chat
+from .protocol import ApiError, ChatMessage
+
+
+class Prompter:
+    def __init__(self, tokenizer, chat_template: str | None):
+        """chat_template: the template text (None: the model has none, chat requests are refused)."""
+        self.tok = tokenizer
+        self.template = chat_template
+        if chat_template is not None:
+            compile_template(chat_template)             # a bad --chat-template fails at startup
+        self.bos_text = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+        self.eos_text = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        add_bos = add_special and self.tok.add_bos_default and not (self.bos_text and text.startswith(self.bos_text))
+        return self.tok.encode(text, add_bos=add_bos, special=True)
+
+    def completion(self, prompt) -> list[list[int]]:
+        """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.
+        Token ids are checked by the engine (range, length)."""
+        if prompt is None:
+            raise ApiError(400, "prompt is required", "prompt")
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise ApiError(400, "prompt is empty", "prompt")
+        out = []
+        for p in prompts:
+            ids = self.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise ApiError(400, "prompt is empty (no tokens)", "prompt")
+            out.append(ids)
+        return out
+
+    def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> str:
+        """The conversation as prompt text, through the chat template (sandboxed)."""
+        if self.template is None:
+            raise ApiError(400, NO_CHAT_TEMPLATE_MESSAGE + " Or start the server with --chat-template FILE.",
+                           "messages")
+        if not messages:
+            raise ApiError(400, "messages must be a non-empty list", "messages")
+        try:
+            return render_chat(self.template, [_plain(m) for m in messages], bos_token=self.bos_text,
+                               eos_token=self.eos_text, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), "messages") from None
+
+    def chat(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt))
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and bytes as logprobs show it (control tokens as their text)."""
+        p = self._pieces.get(token_id)
+        if p is None:
+            b = self.tok.token_bytes(token_id, special=True)
+            p = self._pieces[token_id] = (b.decode("utf-8", errors="replace"), b)
+        return p
+
+
+def _plain(m: ChatMessage) -> dict:
+    """A message as the template sees it: content parts joined into one string (text parts only)."""
+    d = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):
+        texts = []
+        for part in m.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"only text content parts are supported, got type {part.type!r}", "messages")
+            texts.append(part.text)
+        d["content"] = "".join(texts)
+    elif m.content is None:
+        d["content"] = ""
+    return d

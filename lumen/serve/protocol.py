@@ -1,0 +1,219 @@
+"""What comes over the wire: the OpenAI request bodies as pydantic models, their translation to SamplingParams,
+and the API's error (OpenAI's shape: {"error": {"message", "type", "param", "code"}}).
+
+Bodies are validated strictly (no "0.5" for a number, no true for an integer), as the OpenAI API does. Fields
+the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
+(top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
+return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from ..engine.sampler import SamplerError
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
+# what a union field holds, said once instead of one pydantic error per member of the union
+EXPECTED = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+            "stop": "a string or a list of strings", "content": "a string, null or a list of text parts"}
+SEED_RANGE = 2 ** 63
+
+
+class ApiError(Exception):
+    """An error answered to one request; the server goes on serving."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """The sampling fields both endpoints share."""
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")     # name, tool_calls, ...: handed to the template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Body):
+    """vLLM's (`prompt` or `messages`, add_special_tokens default true) or llama-server's (`content`,
+    add_special default false, with_pieces)."""
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    add_generation_prompt: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(body: bytes, model: type[BaseModel]) -> Any:
+    """A request body -> the model, or ApiError(400) saying what is wrong."""
+    if not body.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise ApiError(400, *_describe(e.errors(include_url=False))) from None
+
+
+def _describe(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"malformed JSON: {first['ctx']['error']}", None
+    if first["type"] == "model_type" and not first["loc"]:
+        return "the request body must be a JSON object", None
+    loc = [str(p) for p in first["loc"]]
+    for i, p in enumerate(loc):
+        if p in EXPECTED:
+            return f"{'.'.join(loc[:i + 1])} must be {EXPECTED[p]}", loc[0]
+    return f"{'.'.join(loc)}: {first['msg']}", loc[0] if loc else None
+
+
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams (one choice); ApiError(400) naming the field when a value is out of range.
+    OpenAI's defaults: temperature 1, top_p 1. top_k -1 (vLLM's "off") is 0 here."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if req.seed is not None and not 0 <= req.seed < SEED_RANGE:
+        raise ApiError(400, f"seed must be in [0, 2^63), got {req.seed}", "seed")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    repeat = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty
+    kw = dict(max_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
+              top_k=0 if req.top_k == -1 else _or(req.top_k, 0), min_p=_or(req.min_p, 0.0),
+              presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+              repeat_penalty=_or(repeat, 1.0), repeat_last_n=_or(req.repeat_last_n, 64), seed=req.seed,
+              stop=() if req.stop is None else req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
+              min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+              logit_bias=dict(req.logit_bias or {}))
+    try:
+        return SamplingParams(**kw)
+    except SamplerError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), field if field in kw else None) from None
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n choices: choice i samples with seed + i (as vLLM), so a seeded request with n > 1 is reproducible and
+    its choices differ."""
+    if params.seed is None:
+        return [params] * n
+    return [params.replace(seed=(params.seed + i) % SEED_RANGE) for i in range(n)]
+
+
+def check_n(n: int, limit: int) -> None:
+    if not 1 <= n <= limit:
+        raise ApiError(400, f"n must be between 1 and {limit}, got {n}", "n")
+
+
+def _or(v, default):
+    return default if v is None else v
+
+
+def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingParams]:
+    """One SamplingParams per choice of a completion request; ApiError(400) for what is not supported."""
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
+    check_n(req.n, n_limit)
+    return per_choice(sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs), req.n)
+
+
+def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams]:
+    """One SamplingParams per choice of a chat request; ApiError(400) for what is not supported."""
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format other than {\"type\": \"text\"} is not supported (no structured "
+                       "output)", "response_format")
+    if req.tools:
+        raise ApiError(400, "tools are not supported", "tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    check_n(req.n, n_limit)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return per_choice(sampling_params(req, max_tokens=max_tokens, logprobs=logprobs), req.n)

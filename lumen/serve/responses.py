@@ -1,0 +1,168 @@
+"""What goes back over the wire: engine outputs in OpenAI's shapes.
+
+    text_completion / chat.completion            a whole response (choices, usage)
+    text_completion / chat.completion.chunk      one SSE event per engine output that adds something
+    logprobs   completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
+               chat:        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
+    usage      {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}
+
+Choice i of prompt p has index p * n + i. completion_tokens counts every generated token, the end token
+included (as vLLM counts them); logprobs cover the same tokens. With return_token_ids (vLLM's extension) each
+choice also carries prompt_token_ids and token_ids (in a stream: the new token ids of each chunk).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from ..engine.sequence import RequestOutput
+
+DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0            # what vLLM reports for -inf (JSON has no infinity)
+
+
+def sse(obj: dict) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+def dumps(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB
+
+
+class Reply:
+    """One HTTP request's answer, built from its engine outputs. kind: "completion" or "chat"."""
+
+    def __init__(self, kind: str, response_id: str, model: str, created: int, prompter, *, n: int,
+                 prompts: list[list[int]], logprobs: int | None, return_token_ids: bool = False,
+                 echo: list[str] | None = None):
+        self.kind, self.id, self.model, self.created = kind, response_id, model, created
+        self.prompter = prompter
+        self.n, self.prompts = n, prompts
+        self.logprobs = logprobs                 # None: not asked; k: top-k alternatives per token
+        self.return_token_ids = return_token_ids
+        self.echo = echo                         # completions: the prompt text per prompt, put before the text
+        self.sent_logprobs: dict[int, int] = {}  # choice index -> logprob entries already streamed
+        self.offsets: dict[int, int] = {}        # choice index -> text_offset of its next token (completions)
+        self.started: set[int] = set()           # choices that sent a token chunk
+        self.finals: dict[int, RequestOutput] = {}
+
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion"
+
+    # ---- whole responses
+    def body(self) -> dict:
+        choices = [self._final_choice(i, self.finals[i]) for i in sorted(self.finals)]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _final_choice(self, index: int, out: RequestOutput) -> dict:
+        text = out.text
+        if self.echo is not None:
+            text = self.echo[index // self.n] + text
+        c: dict = {"index": index}
+        if self.kind == "completion":
+            c["text"] = text
+        else:
+            c["message"] = {"role": "assistant", "content": text}
+        self.offsets.pop(index, None)
+        c["logprobs"] = self._logprobs(index, out.token_ids, out.logprobs or [])
+        c["finish_reason"] = out.finish_reason
+        c["stop_reason"] = out.stop_reason
+        if self.return_token_ids:
+            c["prompt_token_ids"] = out.prompt_token_ids
+            c["token_ids"] = out.token_ids
+        return c
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(o.token_ids) for o in self.finals.values())
+        cached = sum(self.finals[p * self.n].metrics.cached_tokens for p in range(len(self.prompts))
+                     if p * self.n in self.finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- streams
+    def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
+        c = {"id": self.id, "object": self.object + ("" if self.kind == "completion" else ".chunk"),
+             "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            c["usage"] = usage
+        return c
+
+    def opening(self, with_usage: bool) -> list[dict]:
+        """Chunks sent before any token: the assistant role (chat) or the echoed prompt (completions)."""
+        out = []
+        for index in range(len(self.prompts) * self.n):
+            delta = None
+            if self.kind == "chat":
+                delta = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+            elif self.echo is not None:
+                delta = {"index": index, "text": self.echo[index // self.n], "logprobs": None,
+                         "finish_reason": None}
+            if delta is not None:
+                if self.return_token_ids:
+                    delta["prompt_token_ids"] = self.prompts[index // self.n]
+                out.append(self._chunk([delta], None, with_usage))
+        return out
+
+    def chunk(self, index: int, out: RequestOutput, with_usage: bool) -> dict | None:
+        """The event for one engine output of choice `index`, or None when it adds nothing to send."""
+        if out.finished:
+            self.finals[index] = out
+        want_tokens = self.logprobs is not None or self.return_token_ids
+        if not (out.delta_text or out.finished or (want_tokens and out.delta_token_ids)):
+            return None
+        c: dict = {"index": index}
+        if self.kind == "completion":
+            c["text"] = out.delta_text
+        else:
+            c["delta"] = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+        entries = out.logprobs or []
+        start = self.sent_logprobs.get(index, 0)
+        c["logprobs"] = self._logprobs(index, out.token_ids[start:len(entries)], entries[start:])
+        self.sent_logprobs[index] = len(entries)
+        c["finish_reason"] = out.finish_reason if out.finished else None
+        if out.finished:
+            c["stop_reason"] = out.stop_reason
+        if self.return_token_ids:
+            c["token_ids"] = out.delta_token_ids
+            if index not in self.started and self.kind == "completion" and self.echo is None:
+                c["prompt_token_ids"] = out.prompt_token_ids
+        self.started.add(index)
+        return self._chunk([c], None, with_usage)
+
+    def usage_chunk(self) -> dict:
+        return self._chunk([], self.usage(), True)
+
+    # ---- logprobs
+    def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
+        if self.logprobs is None:
+            return None
+        piece = self.prompter.piece
+        if self.kind == "chat":
+            content = []
+            for tok, (lp, top) in zip(token_ids, entries):
+                text, b = piece(tok)
+                content.append({"token": text, "logprob": _lp(lp), "bytes": list(b),
+                                "top_logprobs": [{"token": piece(t)[0], "logprob": _lp(x), "bytes": list(piece(t)[1])}
+                                                 for t, x in top]})
+            return {"content": content}
+        tokens, lps, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, len(self.echo[index // self.n]) if self.echo is not None else 0)
+        for tok, (lp, top) in zip(token_ids, entries):
+            text = piece(tok)[0]
+            tokens.append(text)
+            lps.append(_lp(lp))
+            d = {piece(t)[0]: _lp(x) for t, x in top}
+            d.setdefault(text, _lp(lp))          # the sampled token is always there (OpenAI's legacy format)
+            tops.append(d)
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

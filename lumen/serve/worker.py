@@ -1,0 +1,162 @@
+"""The engine's step loop in a thread of its own, and the bridge between it and the server's asyncio loop.
+
+    engine thread:  wait for work -> outs = engine.step() -> loop.call_soon_threadsafe(deliver, outs)
+    event loop:     submit() adds requests (Engine.add_request is thread-safe), outputs() awaits their outputs,
+                    abort() stops them (their KV blocks are freed at once)
+
+The compiled forward pass releases the GIL, so the event loop keeps answering (/health, new requests, SSE
+writes) while a step runs. Numba's thread count is per thread: the engine thread sets its own.
+
+One HTTP request is one `Submission`: its engine requests (n choices x prompts) and the queue their outputs
+arrive on. The waiting queue is bounded (max_queue engine requests): past it, submit raises QueueFull. On a
+graceful shutdown, `drain` refuses new work and, after the timeout, aborts what is still running
+(Submission.failure says why, for the HTTP layer to tell the client).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import RequestOutput
+
+log = logging.getLogger("lumen.serve")
+SHUTDOWN = "the server is shutting down"
+
+
+class QueueFull(Exception):
+    """The waiting queue is full: try again later."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining and takes no new requests."""
+
+
+class Submission:
+    """The engine requests of one HTTP request and the queue their outputs arrive on, in step order."""
+
+    def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
+        self.open = set(request_ids)                 # not finished yet
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.failure: tuple[int, str] | None = None  # (status, message) when the server ended it
+
+
+class EngineWorker:
+    def __init__(self, engine, *, max_queue: int = 256, metrics=None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.draining = False
+        self._subs: dict[str, Submission] = {}       # engine request id -> its submission
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle (called on the event loop)
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="lumen-engine", daemon=True)
+        self._thread.start()
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests; abort those still running after `timeout` seconds."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("shutting down: %d request(s) in flight, %.0f s to finish", len(self.submissions()), timeout)
+        if self._loop is not None:
+            self._loop.call_later(timeout, self.abort_all, 503, SHUTDOWN)
+
+    def abort_all(self, status: int, message: str) -> None:
+        subs = self.submissions()
+        if subs:
+            log.warning("aborting %d request(s): %s", len(subs), message)
+        for sub in subs:
+            sub.failure = (status, message)
+            self.abort(sub)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything and end the engine thread once the aborts are out."""
+        self.abort_all(503, SHUTDOWN)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submissions(self) -> list[Submission]:
+        return list({id(s): s for s in self._subs.values()}.values())
+
+    # ---- requests (called on the event loop)
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
+        """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, or the engine's
+        ValueError (RequestError, ContextError, SamplerError) for a request it cannot serve; then nothing of
+        this submission stays queued."""
+        if self.draining:
+            raise ShuttingDown(SHUTDOWN)
+        if self.engine.num_waiting + len(prompts) > self.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); try again later")
+        rids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                rids.append(self.engine.add_request(prompt, sp))
+        except BaseException:
+            for rid in rids:
+                self.engine.abort(rid)
+            self._wake.set()
+            raise
+        sub = Submission(rids)
+        for rid in rids:
+            self._subs[rid] = sub
+        self._wake.set()
+        return sub
+
+    async def outputs(self, sub: Submission) -> AsyncIterator[RequestOutput]:
+        """The submission's outputs as they come, until every request in it has finished."""
+        while sub.open:
+            out = await sub.queue.get()
+            if out.finished:
+                sub.open.discard(out.request_id)
+            yield out
+
+    def abort(self, sub: Submission) -> None:
+        """Stop the submission's unfinished requests; their final outputs (finish_reason "abort") follow."""
+        for rid in list(sub.open):
+            self.engine.abort(rid)
+        self._wake.set()
+
+    # ---- the engine thread
+    def _run(self) -> None:
+        import numba
+        numba.set_num_threads(self.engine.threads)
+        engine, loop = self.engine, self._loop
+        while True:
+            if not engine.has_unfinished():
+                if self._stop:
+                    break
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outs = engine.step()
+            except Exception as e:                    # an engine bug: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                loop.call_soon_threadsafe(self.abort_all, 500, f"internal error: {type(e).__name__}: {e}")
+                outs = []
+                self._wake.wait(0.1)
+            if outs:
+                loop.call_soon_threadsafe(self._deliver, outs)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            if self.metrics is not None:
+                self.metrics.observe(out)
+            sub = self._subs.get(out.request_id)
+            if sub is None:
+                continue
+            if out.finished:
+                del self._subs[out.request_id]
+            sub.queue.put_nowait(out)
