@@ -13,12 +13,33 @@ IMPORT_TIME_NS = time.time_ns()
 # keeps back-to-back parallel regions fast (decode 86-113 tok/s against 78-90 with the default, quiet machine) and
 # yields under load; OMP_WAIT_POLICY=passive costs 2x decode (36-38 tok/s). Set before Numba starts its threads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-# A build with the op timers compiled out (LUMEN_TIMERS=0, see lumen/engine/forward.py) must not share Numba's compile
-# cache with the normal build: the cache does not know about the switch. Its cache goes to
-# $LUMEN_HOME/numba-notimers (an explicit NUMBA_CACHE_DIR wins).
-if os.environ.get("LUMEN_TIMERS", "1") == "0" and "NUMBA_CACHE_DIR" not in os.environ:
+# Numba's compile cache, keyed by the compiled code. Numba checks a cached function against its own source file
+# only, but the forward pass inlines kernels from other files: after an edit to a kernel, the cached forward pass
+# would still run the old kernel. So the cache lives in $LUMEN_HOME/numba/<hash of every source file that holds
+# compiled code, and of the switches frozen into it (LUMEN_TIMERS, LUMEN_NO_VNNI)>; a change is a new directory.
+# An explicit NUMBA_CACHE_DIR wins.
+_COMPILED = ("kernels/*.py", "engine/forward.py", "timer.py", "machine.py", "format/quants.py")
+
+
+def _compile_cache_dir() -> str:
+    import hashlib
+    from pathlib import Path
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256(f"timers={os.environ.get('LUMEN_TIMERS', '1')} "
+                       f"novnni={os.environ.get('LUMEN_NO_VNNI', '0')}\n".encode())
+    for pattern in _COMPILED:
+        for p in sorted(root.glob(pattern)):
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
     from .model.store import lumen_home
-    os.environ["NUMBA_CACHE_DIR"] = str(lumen_home() / "numba-notimers")
+    return str(lumen_home() / "numba" / h.hexdigest()[:16])
+
+
+if "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = _compile_cache_dir()
+    import sys as _sys
+    if "numba" in _sys.modules:                        # imported before lumen: it read its config already
+        import numba.core.config
+        numba.core.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
 from .errors import ContextError, FetchError, GGUFError, LumenError, UnsupportedError
 

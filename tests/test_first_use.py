@@ -119,18 +119,26 @@ def test_cli_in_a_home_the_system_refuses(tmp_path, monkeypatch, capsys, code, c
                                 f"LUMEN_HOME to a writable directory (it is {home})"]
 
 
-# ---- LUMEN_TIMERS=0 ----
+# ---- Numba's compile cache: under LUMEN_HOME, keyed by the compiled code and the build switches ----
 
-@pytest.mark.parametrize("env, expected", [
-    ({"LUMEN_HOME": "{tmp}/home"}, "{tmp}/home/numba-notimers"),
-    ({"LUMEN_HOME": "{tmp}/home", "NUMBA_CACHE_DIR": "{tmp}/mine"}, "{tmp}/mine"),
-    ({"HOME": "{tmp}/user"}, "{tmp}/user/.cache/lumen/numba-notimers"),
-], ids=["lumen-home", "explicit-numba-cache-dir", "default-home"])
-def test_timers_off_cache_dir(tmp_path, env, expected):
-    """The compiled-out build keeps its own Numba cache, under LUMEN_HOME when it is set."""
-    base = {k: v for k, v in os.environ.items() if k not in ("LUMEN_HOME", "NUMBA_CACHE_DIR")}
-    env = {**base, "LUMEN_TIMERS": "0", **{k: v.format(tmp=tmp_path) for k, v in env.items()}}
+def _cache_dir(tmp_path, **env) -> str:
+    base = {k: v for k, v in os.environ.items() if k not in ("LUMEN_HOME", "NUMBA_CACHE_DIR", "LUMEN_TIMERS")}
+    env = {**base, **{k: v.format(tmp=tmp_path) for k, v in env.items()}}
     r = subprocess.run([sys.executable, "-c", "import lumen, numba; print(numba.config.CACHE_DIR)"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == expected.format(tmp=tmp_path)
+    return r.stdout.strip()
+
+
+def test_compile_cache_dir(tmp_path):
+    """The cache lives in $LUMEN_HOME/numba/<key>; the timers-off build (LUMEN_TIMERS=0) gets another key, as
+    does an edit to a compiled source (the key hashes them: a kernel inlined into the forward pass from another
+    file would otherwise be served stale from the cache); an explicit NUMBA_CACHE_DIR wins."""
+    on = _cache_dir(tmp_path, LUMEN_HOME="{tmp}/home")
+    off = _cache_dir(tmp_path, LUMEN_HOME="{tmp}/home", LUMEN_TIMERS="0")
+    assert os.path.dirname(on) == os.path.dirname(off) == str(tmp_path / "home" / "numba") and on != off
+    assert _cache_dir(tmp_path, HOME="{tmp}/user").startswith(str(tmp_path / "user" / ".cache" / "lumen" / "numba"))
+    assert _cache_dir(tmp_path, LUMEN_HOME="{tmp}/home", NUMBA_CACHE_DIR="{tmp}/mine") == str(tmp_path / "mine")
+    import lumen
+    assert lumen._compile_cache_dir().endswith(os.path.basename(_cache_dir(tmp_path, LUMEN_HOME="{tmp}/x")))
+

@@ -1,9 +1,9 @@
-"""`python -m lumen.bench [single|batch|offline] ...`: pick the benchmark, pass it the rest of the arguments."""
+"""`python -m lumen.bench [single|batch|offline|serve] ...`: pick the benchmark, pass it the rest of the arguments."""
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("single", "batch", "offline")
+COMMANDS = ("single", "batch", "offline", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> int:
         from .batch import main as run
     elif cmd == "offline":
         from .offline import main as run
+    elif cmd == "serve":
+        from .serve import main as run
     else:
         from .single import main as run
     return run(argv)

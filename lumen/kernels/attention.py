@@ -14,7 +14,7 @@ keys j <= p, and with a sliding window only keys with p - j < window (window 0 =
 
 Batch invariance. A token's result depends on its own context only, never on the step's other tokens or on the
 thread count: its keys are cut into CHUNKs at fixed absolute positions (0, CHUNK, 2 CHUNK, ...); each chunk's
-softmax runs block by block in key order (lumen.kernels.fp.attn_block spells out every sum), starting from
+softmax runs block by block in key order (lumen.kernels.fp.attn_block_R spells out every sum), starting from
 nothing; the chunks' partial results are then merged in chunk order by one function (`_merge`). Prefill and
 batched steps run a token's chunks one after another on one thread (`attention_kernel`); a lone decode token
 may hand its chunks to all threads and merge afterwards (`attention_split_kernel`). Both give the same bits.
@@ -29,12 +29,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .fp import BLOCK, attn_block, exp_f32, f16_bits
+from .fp import BLOCK, MAX_ROWS, ST, attn_block_1, attn_block_2, attn_block_3, attn_block_4, exp_f32, f16_bits
 from .checks import as_f32, check
 from .scratch import per_thread
 
 CHUNK = 128            # keys per softmax chunk (a multiple of BLOCK): the unit of split-K for decode
-ST = 32                # floats of a row's chunk state: max, 16 lane sums; padded to two cache lines
 NEG = np.float32(-np.inf)
 
 
@@ -78,9 +77,19 @@ def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
         jhi = min(b - j, BLOCK)
         ko = (blk * KVH + g) * hd * BLOCK
         vo = (blk * KVH + g) * BLOCK * hdv
-        for r in range(h0, h0 + G):
-            attn_block(o, (lane * H + r) * hdv, st, (lane * H + r) * ST, q, (t * H + r) * hd, k_pool, ko,
-                       v_pool, vo, hd, hdv, scale, jlo, jhi)
+        r = h0
+        while r < h0 + G:                        # the group's rows, up to MAX_ROWS per call
+            n = min(MAX_ROWS, h0 + G - r)
+            oo, so, qo = (lane * H + r) * hdv, (lane * H + r) * ST, (t * H + r) * hd
+            if n == 4:
+                attn_block_4(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
+            elif n == 3:
+                attn_block_3(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
+            elif n == 2:
+                attn_block_2(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
+            else:
+                attn_block_1(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
+            r += n
 
 
 @njit(cache=True)

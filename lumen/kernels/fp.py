@@ -13,7 +13,7 @@ Contents:
     exp_f32(x)                          scalar exp: range reduction and a degree-6 polynomial, all fma
     sumsq(x, xo, n)                     sum of x[xo + i]^2: 4 accumulators of 16 lanes, fixed final tree
     f16_bits(x) / f16_value(h)          f32 <-> IEEE half bits (uint16), round to nearest even
-    attn_block(...)                     one query row against one 16-key block of a paged KV cache (below)
+    attn_block_R(...)                   R = 1..4 query rows against one 16-key block of a paged KV cache
 
 Every function takes whole C-contiguous arrays and flat element offsets (no views: see simd.py).
 """
@@ -115,7 +115,7 @@ def _hsum(builder, v):
 
 @intrinsic
 def exp_f32(typingctx, x):
-    """exp(x) for a float32 x, the same function as the vector exp of attn_block (see _exp)."""
+    """exp(x) for a float32 x, the same function as the vector exp of the attention blocks (see _exp)."""
     def codegen(context, builder, sig, args):
         return _exp(builder, args[0])
     return types.float32(types.float32), codegen
@@ -173,23 +173,28 @@ def sumsq(typingctx, x, xo, n):
     return types.float32(x, types.intp, types.intp), codegen
 
 
-# ---------------------------------------------------------------- attention: one query row, one KV block
+# ---------------------------------------------------------------- attention: R query rows, one KV block
 
-@intrinsic
-def attn_block(typingctx, o, oo, st, so, q, qo, k, ko, v, vo, hd, hdv, scale, jlo, jhi):
-    """Continue one query row's online softmax over the keys jlo .. jhi-1 (0 <= jlo < jhi <= 16) of one block.
+ST = 32                        # floats of a row's softmax state: max, 16 lane sums, padding (two cache lines)
+MAX_ROWS = 4                   # query rows per attn_block call (the heads of one kv group, 4 at a time)
 
-    q.flat[qo:qo+hd] f32            the query row (already scaled by nothing: `scale` multiplies q.k)
-    k.flat[ko:ko+hd*16] u16 (f16)   the block's keys, transposed: k[d, j] (lanes = keys)
-    v.flat[vo:vo+16*hdv] u16 (f16)  the block's values, v[j, d] (lanes = dims)
-    st.flat[so:so+17] f32           the row's state: running max m, then 16 lane sums of exp(s - m)
-    o.flat[oo:oo+hdv] f32           the row's unnormalised output
+
+def _make_attn_block(R: int):
+    """attn_block_<R>: continue the online softmax of R consecutive query rows over the keys jlo .. jhi-1
+    (0 <= jlo < jhi <= 16) of one KV block. The rows share each converted K and V vector.
+
+    q.flat[qo + r*hd : ... + hd] f32      query row r
+    k.flat[ko : ko + hd*16] u16 (f16)     the block's keys, transposed: k[d, j] (lanes = keys)
+    v.flat[vo : vo + 16*hdv] u16 (f16)    the block's values, v[j, d] (lanes = dims)
+    st.flat[so + r*ST : ... + 17] f32     row r's state: running max m, then 16 lane sums of exp(s - m)
+    o.flat[oo + r*hdv : ... + hdv] f32    row r's unnormalised output
     hd % 4 == 0 and hdv % 16 == 0 (lumen.config checks head sizes).
 
-    Scores: s[j] = scale * sum_d q[d] k[d, j] with 4 accumulators (d % 4), (a0 + a1) + (a2 + a3): a fixed
-    order per key, whatever the block's neighbours. Keys outside jlo..jhi are masked (their bytes may be
-    anything, even NaN). If the block's max exceeds m, the lane sums and o are rescaled by exp(m - m_new).
-    Then the lane sums take exp(s - m) lane by lane and o += exp(s_j - m) v[j] for j in order, with fma."""
+    Per row, in an order that depends on nothing but the row's own keys: s[j] = scale * sum_d q[d] k[d, j] with 4
+    accumulators (d % 4) combined as (a0 + a1) + (a2 + a3); keys outside jlo..jhi masked (their bytes may be
+    anything, even NaN); m' = max(m, max_j s[j]); alpha = exp(m - m') (0 when m = -inf, exactly 1 when the max
+    did not grow); lane sums = lane sums * alpha + exp(s - m'); o = o * alpha, then o += exp(s_j - m') v[j]
+    for j in key order, by fma. The row count R changes how much work shares a load, never a row's sums."""
     def codegen(context, builder, sig, args):
         (o_, oo_, st_, so_, q_, qo_, k_, ko_, v_, vo_, hd_, hdv_, scale_, jlo_, jhi_) = args
         ta = sig.args
@@ -198,58 +203,75 @@ def attn_block(typingctx, o, oo, st, so, q, qo, k, ko, v, vo, hd, hdv, scale, jl
         qp = _ptr(context, builder, ta[4], q_, _F32, qo_)
         kp = _ptr(context, builder, ta[6], k_, _I16, ko_)
         vp = _ptr(context, builder, ta[8], v_, _I16, vo_)
+        i64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
+        qrow = [builder.gep(qp, [builder.mul(i64(r), hd_)]) for r in range(R)]
+        orow = [builder.gep(op, [builder.mul(i64(r), hdv_)]) for r in range(R)]
+        srow = [builder.gep(sp, [i64(r * ST)]) for r in range(R)]
 
         def load_h(ptr, off):                  # 16 halves at ptr + off -> <16 x float>
             hv = builder.load(builder.bitcast(builder.gep(ptr, [off]), _VH.as_pointer()), align=2)
             return builder.fpext(hv, _VF)
 
-        # scores: 4 accumulators over d, lanes = keys
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(4)]
-        with cgutils.for_range(builder, builder.sdiv(hd_, ir.Constant(_I64, 4))) as loop:
-            d0 = builder.mul(loop.index, ir.Constant(_I64, 4))
+        # scores: per row 4 accumulators over d, lanes = keys; each K vector converted once for all rows
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(4)] for _ in range(R)]
+        with cgutils.for_range(builder, builder.sdiv(hd_, i64(4))) as loop:
+            d0 = builder.mul(loop.index, i64(4))
             for u in range(4):
-                d = builder.add(d0, ir.Constant(_I64, u))
-                kv = load_h(kp, builder.mul(d, ir.Constant(_I64, BLOCK)))
-                qd = _splat(builder, builder.load(builder.gep(qp, [d])))
-                builder.store(_fma(builder, qd, kv, builder.load(accs[u])), accs[u])
-        a = [builder.load(s) for s in accs]
-        s = builder.fmul(builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3])), _splat(builder, scale_))
+                d = builder.add(d0, i64(u))
+                kv = load_h(kp, builder.mul(d, i64(BLOCK)))
+                for r in range(R):
+                    qd = _splat(builder, builder.load(builder.gep(qrow[r], [d])))
+                    builder.store(_fma(builder, qd, kv, builder.load(accs[r][u])), accs[r][u])
         lane = ir.Constant(_VI, list(range(LANES)))
         lo = _splat(builder, builder.trunc(jlo_, _I32), _VI)
         hi = _splat(builder, builder.trunc(jhi_, _I32), _VI)
         valid = builder.and_(builder.icmp_signed(">=", lane, lo), builder.icmp_signed("<", lane, hi))
-        s = builder.select(valid, s, _const(_NEG_INF, _VF))
+        sc = _splat(builder, scale_)
+        neg_inf = ir.Constant(_F32, _NEG_INF)
+        pbuf = cgutils.alloca_once(builder, _VF, size=R)          # the rows' probabilities, for the PV loop
+        alphas = []
+        for r in range(R):
+            a = [builder.load(x) for x in accs[r]]
+            s = builder.fmul(builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3])), sc)
+            s = builder.select(valid, s, _const(_NEG_INF, _VF))
+            m_old = builder.load(srow[r])
+            m_new = _max(builder, _hmax(builder, s), m_old)
+            grew = builder.fcmp_ordered(">", m_new, m_old)
+            alpha = builder.select(grew, builder.select(builder.fcmp_ordered("==", m_old, neg_inf),
+                                                        ir.Constant(_F32, 0.0),
+                                                        _exp(builder, builder.fsub(m_old, m_new))),
+                                   ir.Constant(_F32, 1.0))
+            m = builder.select(grew, m_new, m_old)
+            builder.store(m, srow[r])
+            p = builder.select(valid, _exp(builder, builder.fsub(s, _splat(builder, m))), ir.Constant(_VF, None))
+            lsp = builder.bitcast(builder.gep(srow[r], [i64(1)]), _VF.as_pointer())
+            builder.store(builder.fadd(builder.fmul(builder.load(lsp, align=4), _splat(builder, alpha)), p), lsp,
+                          align=4)
+            builder.store(p, builder.gep(pbuf, [i64(r)]))
+            alphas.append(_splat(builder, alpha))
+        pf = builder.bitcast(pbuf, _F32.as_pointer())                # (R, 16) floats
 
-        # running max; rescale the lane sums and o when it grows
-        m_old = builder.load(sp)
-        m_new = _max(builder, _hmax(builder, s), m_old)
-        lsp = builder.bitcast(builder.gep(sp, [ir.Constant(_I64, 1)]), _VF.as_pointer())
-        nv = builder.sdiv(hdv_, ir.Constant(_I64, LANES))
-        with builder.if_then(builder.fcmp_ordered(">", m_new, m_old)):
-            alpha = builder.select(builder.fcmp_ordered("==", m_old, ir.Constant(_F32, _NEG_INF)),
-                                   ir.Constant(_F32, 0.0), _exp(builder, builder.fsub(m_old, m_new)))
-            av = _splat(builder, alpha)
-            builder.store(builder.fmul(builder.load(lsp, align=4), av), lsp, align=4)
-            with cgutils.for_range(builder, nv) as dl:
-                pv = builder.bitcast(builder.gep(op, [builder.mul(dl.index, ir.Constant(_I64, LANES))]),
-                                     _VF.as_pointer())
-                builder.store(builder.fmul(builder.load(pv, align=4), av), pv, align=4)
-            builder.store(m_new, sp)
-        m = builder.load(sp)
-        p = builder.select(valid, _exp(builder, builder.fsub(s, _splat(builder, m))), ir.Constant(_VF, None))
-        builder.store(builder.fadd(builder.load(lsp, align=4), p), lsp, align=4)
-
-        # o += p_j v_j for the valid keys, in key order
-        with cgutils.for_range(builder, nv) as dl:
-            off = builder.mul(dl.index, ir.Constant(_I64, LANES))
-            pv = builder.bitcast(builder.gep(op, [off]), _VF.as_pointer())
-            acc = cgutils.alloca_once_value(builder, builder.load(pv, align=4))
-            with cgutils.for_range_slice(builder, jlo_, jhi_, ir.Constant(_I64, 1)) as (j, _):
+        # o = o * alpha + sum_j p_j v_j, key by key; each V vector converted once for all rows
+        with cgutils.for_range(builder, builder.sdiv(hdv_, i64(LANES))) as dl:
+            off = builder.mul(dl.index, i64(LANES))
+            ptrs = [builder.bitcast(builder.gep(orow[r], [off]), _VF.as_pointer()) for r in range(R)]
+            acc = [cgutils.alloca_once_value(builder, builder.fmul(builder.load(ptrs[r], align=4), alphas[r]))
+                   for r in range(R)]
+            with cgutils.for_range_slice(builder, jlo_, jhi_, i64(1)) as (j, _):
                 vv = load_h(vp, builder.add(builder.mul(j, hdv_), off))
-                pj = _splat(builder, builder.extract_element(p, builder.trunc(j, _I32)))
-                builder.store(_fma(builder, pj, vv, builder.load(acc)), acc)
-            builder.store(builder.load(acc), pv, align=4)
+                for r in range(R):
+                    pj = _splat(builder, builder.load(builder.gep(pf, [builder.add(i64(r * LANES), j)])))
+                    builder.store(_fma(builder, pj, vv, builder.load(acc[r])), acc[r])
+            for r in range(R):
+                builder.store(builder.load(acc[r]), ptrs[r], align=4)
         return context.get_dummy_value()
 
-    ip = types.intp
-    return types.void(o, ip, st, ip, q, ip, k, ip, v, ip, ip, ip, types.float32, ip, ip), codegen
+    def typer(typingctx, o, oo, st, so, q, qo, k, ko, v, vo, hd, hdv, scale, jlo, jhi):
+        ip = types.intp
+        return types.void(o, ip, st, ip, q, ip, k, ip, v, ip, ip, ip, types.float32, ip, ip), codegen
+
+    typer.__name__ = f"attn_block_{R}"
+    return intrinsic(typer)
+
+
+attn_block_1, attn_block_2, attn_block_3, attn_block_4 = (_make_attn_block(R) for R in range(1, MAX_ROWS + 1))

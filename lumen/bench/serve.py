@@ -1,0 +1,319 @@
+"""A load generator for any OpenAI-compatible server, in the manner of `vllm bench serve`.
+
+    python -m lumen.bench serve --url http://127.0.0.1:8000 [--endpoint completions|chat] [--num-prompts 64]
+        [--request-rate R (Poisson) | --max-concurrency C] [--input-len N] [--output-len N] [--ignore-eos]
+        [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--probe-health] [--json FILE]
+
+Requests are streamed (SSE) over plain OpenAI HTTP (httpx), so the same run measures Lumen
+(`python -m lumen.serve`) and llama.cpp's llama-server. Prompts are lumen/bench/data/prompts.json taken as
+`lumen.bench offline` takes them (round-robin over its kinds, max_tokens 16..256 by request); --input-len cuts
+or repeats each to N tokens (through the server's /tokenize and /detokenize, which both servers have) and
+--output-len sets every max_tokens (with --ignore-eos every request makes exactly that many).
+
+Per request: TTFT (send -> first non-empty text chunk), ITL (gaps between text chunks; one token each on both
+servers), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E. Output tokens are the server's usage
+(stream_options.include_usage) when it reports it, else the number of text chunks. Reported: request, output
+and total token throughput; TTFT, TPOT, ITL, E2E mean/p50/p90/p99; goodput (requests/s meeting every SLO
+given); with --probe-health, the latency of GET /health sampled every --probe-interval-ms during the load.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
+llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
+  pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+  cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
+  cmake --build build -j --target llama-server
+  build/bin/llama-server -m MODEL.gguf -t 2 -np 16 -c 8192 --host 127.0.0.1 --port 8080   # -nr where AMX
+                                                   # weight repacking dies with an illegal instruction
+  python -m lumen.bench serve --url http://127.0.0.1:8080 --max-concurrency 16 --output-len 128 --ignore-eos
+-np 16 gives 16 slots of -c / 16 tokens each (8192 / 16 = 512 here)."""
+
+
+@dataclass
+class Outcome:
+    """One request: times in seconds from its send."""
+    ok: bool
+    error: str = ""
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    ttft: float | None = None
+    itl: list = field(default_factory=list)
+    e2e: float = 0.0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lumen.bench serve", description=__doc__.splitlines()[0],
+                                 epilog=LLAMA_SERVER, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                    help="/v1/completions (default) or /v1/chat/completions")
+    ap.add_argument("--model", help="model id to send (default: the first of GET /v1/models)")
+    ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests to send (default 64)")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second, Poisson arrivals (default inf: all at once)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    ap.add_argument("--input-len", type=int, default=None, help="cut or repeat every prompt to N tokens")
+    ap.add_argument("--output-len", type=int, default=None, help="max_tokens of every request")
+    ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (every request makes max_tokens)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default 0)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
+    ap.add_argument("--probe-health", action="store_true", help="sample GET /health latency during the load")
+    ap.add_argument("--probe-interval-ms", type=float, default=50.0, help="between health probes (default 50)")
+    ap.add_argument("--label", default=None, help="a name for this run in the JSON")
+    ap.add_argument("--json", metavar="FILE", help="write the results here")
+    return ap
+
+
+# ---- the requests
+async def _model_id(client) -> str:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def _fit_prompt(client, text: str, n: int) -> str:
+    """The text cut or repeated to n tokens, through the server's /tokenize and /detokenize (llama-server's
+    shape, which lumen.serve also takes)."""
+    r = await client.post("/tokenize", json={"content": text})
+    r.raise_for_status()
+    ids = r.json()["tokens"]
+    if not ids:
+        raise ValueError("the server tokenized a prompt to no tokens")
+    ids = (ids * (n // len(ids) + 1))[:n]
+    r = await client.post("/detokenize", json={"tokens": ids})
+    r.raise_for_status()
+    return r.json()["content"]
+
+
+def _payload(endpoint: str, model: str, prompt: str, max_tokens: int, args) -> dict:
+    p = {"model": model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
+         "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        p["ignore_eos"] = True
+    if endpoint == "chat":
+        p["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        p["prompt"] = prompt
+    return p
+
+
+async def send(client, path: str, payload: dict) -> Outcome:
+    """One streamed request, timed chunk by chunk."""
+    t0 = time.perf_counter()
+    res = Outcome(ok=False)
+    last = t0
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=payload) as r:
+            if r.status_code != 200:
+                body = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {body[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    res.ok = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"])[:200]
+                    break
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = usage.get("completion_tokens", 0)
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                for c in obj.get("choices") or []:
+                    text = c.get("text") or (c.get("delta") or {}).get("content") or ""
+                    if text:
+                        now = time.perf_counter()
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        chunks += 1
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - t0
+    if res.ok and not res.output_tokens:
+        res.output_tokens = chunks
+    return res
+
+
+async def probe_health(client, interval: float, stop: asyncio.Event, out: list) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            r = await client.get("/health")
+            if r.status_code == 200:
+                out.append(time.perf_counter() - t)
+        except Exception:  # noqa: BLE001 - a missed probe is just missing
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run(args) -> dict:
+    import httpx
+    from .offline import workload
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=timeout, limits=limits) as client, \
+            httpx.AsyncClient(base_url=args.url, headers=headers, timeout=timeout) as prober:
+        model = args.model or await _model_id(client)
+        reqs = workload(args.num_prompts)
+        if args.input_len is not None:
+            reqs = [(await _fit_prompt(client, p, args.input_len), n) for p, n in reqs]
+        if args.output_len is not None:
+            reqs = [(p, args.output_len) for p, _ in reqs]
+        path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+        warm = await send(client, path, _payload(args.endpoint, model, reqs[0][0], 4, args))
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+
+        rng = random.Random(args.seed)
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(prompt, n):
+            if gate is None:
+                return await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+            async with gate:
+                return await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+
+        stop, health = asyncio.Event(), []
+        probe = asyncio.create_task(probe_health(prober, args.probe_interval_ms / 1e3, stop, health)) \
+            if args.probe_health else None
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt, n in reqs:
+            tasks.append(asyncio.create_task(one(prompt, n)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        outcomes = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        stop.set()
+        if probe is not None:
+            await probe
+    return summarize(outcomes, duration, health if args.probe_health else None, args, model)
+
+
+# ---- the numbers
+def _stats(values_s: list[float]) -> dict:
+    if not values_s:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = np.asarray(values_s) * 1e3
+    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99))}
+
+
+def summarize(outcomes: list[Outcome], duration: float, health: list | None, args, model: str) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    out_tokens = sum(o.output_tokens for o in ok)
+    prompt_known = all(o.prompt_tokens is not None for o in ok)
+    in_tokens = sum(o.prompt_tokens for o in ok) if ok and prompt_known else None
+    res = {"label": args.label, "url": args.url, "endpoint": args.endpoint, "model": model,
+           "num_prompts": len(outcomes), "request_rate": None if args.request_rate == float("inf")
+           else args.request_rate, "max_concurrency": args.max_concurrency, "input_len": args.input_len,
+           "output_len": args.output_len, "ignore_eos": args.ignore_eos,
+           "completed": len(ok), "failed": len(outcomes) - len(ok),
+           "errors": sorted({o.error for o in outcomes if not o.ok})[:5], "duration_s": duration,
+           "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+           "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+           "total_token_throughput": None if in_tokens is None else (in_tokens + out_tokens) / duration,
+           "ttft_ms": _stats([o.ttft for o in ok if o.ttft is not None]),
+           "tpot_ms": _stats([o.tpot for o in ok if o.tpot is not None]),
+           "itl_ms": _stats([g for o in ok for g in o.itl]),
+           "e2e_ms": _stats([o.e2e for o in ok])}
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        def good(o: Outcome) -> bool:
+            if args.slo_ttft_ms is not None and (o.ttft is None or o.ttft * 1e3 > args.slo_ttft_ms):
+                return False
+            return args.slo_tpot_ms is None or o.tpot is None or o.tpot * 1e3 <= args.slo_tpot_ms
+        res["slo_ttft_ms"], res["slo_tpot_ms"] = args.slo_ttft_ms, args.slo_tpot_ms
+        res["goodput"] = sum(good(o) for o in ok) / duration
+    if health is not None:
+        res["health_probes"] = len(health)
+        res["health_ms"] = _stats(health) | {"max": max(health) * 1e3 if health else None}
+    return res
+
+
+def report(res: dict) -> str:
+    def f(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+    lines = ["============ Serving Benchmark Result ============",
+             f"{'Successful requests:':<40}{res['completed']}",
+             f"{'Failed requests:':<40}{res['failed']}",
+             f"{'Benchmark duration (s):':<40}{f(res['duration_s'])}",
+             f"{'Total input tokens:':<40}{f(res['total_input_tokens'], 'd')}",
+             f"{'Total generated tokens:':<40}{res['total_output_tokens']}",
+             f"{'Request throughput (req/s):':<40}{f(res['request_throughput'])}",
+             f"{'Output token throughput (tok/s):':<40}{f(res['output_throughput'])}",
+             f"{'Total token throughput (tok/s):':<40}{f(res['total_token_throughput'])}"]
+    if "goodput" in res:
+        lines.append(f"{'Request goodput (req/s):':<40}{f(res['goodput'])}")
+    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+        lines.append(f"{title:-^50}")
+        short = key.split("_")[0].upper()
+        for stat, name in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99")):
+            label = f"{name} {short} (ms):"
+            lines.append(f"{label:<40}{f(res[key][stat])}")
+    if "health_ms" in res:
+        h = res["health_ms"]
+        lines.append(f"{'GET /health during the load':-^50}")
+        lines.append(f"{'Probes:':<40}{res['health_probes']}")
+        for stat in ("p50", "p99", "max"):
+            label = f"{stat.upper()} (ms):"
+            lines.append(f"{label:<40}{f(h[stat])}")
+    if res["errors"]:
+        lines.append(f"{'Errors':-^50}")
+        lines += res["errors"]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.num_prompts < 1:
+        ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if not args.request_rate > 0:
+        ap.error(f"--request-rate must be positive, got {args.request_rate}")
+    for name in ("max_concurrency", "input_len", "output_len"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    try:
+        res = asyncio.run(run(args))
+    except Exception as e:  # noqa: BLE001 - unreachable server, bad URL, HTTP errors: one line
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0 if res["completed"] else 1
