@@ -1,0 +1,351 @@
+"""`python -m lumen.serve` as a user starts it (a subprocess on a free port of 127.0.0.1):
+
+- load with faults: 64 concurrent streaming clients with distinct prompts, greedy and seeded sampling, one in
+  four disconnecting mid-stream, three rounds: every completed stream equals the same request run alone with
+  Model.generate token for token (a cut one is a prefix of it), no KV block is held at the end of a round
+  (/metrics), the cut requests were aborted, and RSS after round 3 <= RSS after round 1 + 50 MB;
+- `python -m lumen.bench serve` against it (and against llama-server when it is built; skipped otherwise);
+- shutdown under load: SIGTERM with requests in flight; the short ones finish, the long ones are told (an error
+  event, then [DONE]) when --shutdown-timeout runs out, none hangs, and the exit code is 0;
+- the command line: --api-key, --served-model-name, one log line per request with its id, SIGINT -> exit 0,
+  a bad --model -> one error line and exit 1.
+Every wait is bounded."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import lumen
+from lumen import SamplingParams
+from lumen.bench.offline import load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", "/tmp/lcpp/build/bin/llama-server"))
+N_CLIENTS = 64
+SHUTDOWN_TIMEOUT = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server subprocess: its URL, pid and log; waits until /health answers."""
+
+    def __init__(self, args: list[str], log: Path, health_timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.p = subprocess.Popen([*args, "--port", str(self.port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                  cwd=ROOT)
+        t0 = time.monotonic()
+        while True:
+            assert self.p.poll() is None, f"the server exited ({self.p.returncode}):\n{self.tail()}"
+            assert time.monotonic() - t0 < health_timeout, f"the server did not come up:\n{self.tail()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+                raise AssertionError(f"the server did not stop within {timeout} s:\n{self.tail()}")
+        return self.p.returncode
+
+
+def lumen_serve(model_path, *extra) -> list[str]:
+    return [sys.executable, "-m", "lumen.serve", "--model", str(model_path), "--threads", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return lumen.load(smollm2_path, ctx=2048, threads=2)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    """The server the load, the benchmark and (last) the shutdown test share."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "1024", "--kv-cache-mb", "64", "--max-num-seqs", "16",
+                            "--served-model-name", "smol", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)), log)
+    yield proc
+    proc.stop(timeout=SHUTDOWN_TIMEOUT + 30)
+
+
+def metrics(url: str) -> dict:
+    out: dict = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("lumen:"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0][len("lumen:"):]
+            if 'finished_reason="' in name:
+                key += ":" + name.split('finished_reason="')[1].split('"')[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def wait_idle(url: str, aborted: float, timeout: float = 60.0) -> dict:
+    """/metrics once nothing runs or waits and `aborted` requests have been counted as aborted."""
+    t0 = time.monotonic()
+    while True:
+        m = metrics(url)
+        if (m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
+                and m.get("request_success_total:abort", 0) >= aborted):
+            return m
+        assert time.monotonic() - t0 < timeout, m
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# load with faults
+
+def requests_of_the_load() -> list[dict]:
+    """64 distinct prompts from the committed dataset (cut to 160 characters), greedy (even) or seeded sampling
+    (odd); every fourth client disconnects after three chunks of a long (ignore_eos) request."""
+    items = load_prompts()
+    by_kind: dict = {}
+    for it in items:
+        by_kind.setdefault(it["kind"], []).append(it["prompt"][:160])
+    prompts = [p for group in zip(*by_kind.values()) for p in group][:N_CLIENTS]
+    assert len(set(prompts)) == N_CLIENTS
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        body = {"model": "smol", "prompt": prompt, "max_tokens": 10 + 3 * (i % 4), "stream": True,
+                "return_token_ids": True}
+        body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "top_k": 40,
+                                                           "seed": 1000 + i})
+        if i % 4 == 3:
+            body.update(max_tokens=200, ignore_eos=True)
+        reqs.append({"body": body, "cut": i % 4 == 3})
+    return reqs
+
+
+async def one_client(client: httpx.AsyncClient, req: dict) -> dict:
+    """Stream one request; a `cut` client closes the connection after three token chunks."""
+    ids, prompt_ids, done, finish = [], None, False, None
+    async with client.stream("POST", "/v1/completions", json=req["body"]) as r:
+        assert r.status_code == 200, await r.aread()
+        chunks = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            for c in ev["choices"]:
+                prompt_ids = c.get("prompt_token_ids", prompt_ids)
+                ids += c["token_ids"]
+                finish = c["finish_reason"] or finish
+            chunks += 1
+            if req["cut"] and chunks >= 3:
+                break
+    return {"ids": ids, "prompt_ids": prompt_ids, "done": done, "finish": finish}
+
+
+async def one_round(url: str, reqs: list[dict]) -> list[dict]:
+    limits = httpx.Limits(max_connections=N_CLIENTS + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        return await asyncio.wait_for(asyncio.gather(*(one_client(client, r) for r in reqs)), 300)
+
+
+def test_load_with_faults(server, model):
+    reqs = requests_of_the_load()
+    end_ids = model.tokenizer.eot_ids
+    refs: dict[int, list[int]] = {}
+    rss = []
+    aborted = metrics(server.url).get("request_success_total:abort", 0.0)
+    for round_ in range(3):
+        t0 = time.monotonic()
+        results = asyncio.run(one_round(server.url, reqs))
+        took = time.monotonic() - t0
+        cut = sum(r["cut"] for r in reqs)
+        m = wait_idle(server.url, aborted + cut)                           # every cut stream is aborted
+        assert m["request_success_total:abort"] == aborted + cut, m
+        assert m["kv_cache_usage_perc"] == 0 and m["kv_cache_free_blocks"] == m["kv_cache_total_blocks"], m
+        aborted = m["request_success_total:abort"]
+        rss.append(server.rss_mb())
+        print(f"round {round_ + 1}: {len(reqs)} clients in {took:.1f} s, {cut} cut and aborted, RSS {rss[-1]:.0f} MB, "
+              f"prefix-cache hit rate {m['prefix_cache_hit_rate']:.2f}")
+        for i, (req, res) in enumerate(zip(reqs, results)):
+            body = req["body"]
+            params = SamplingParams(**{k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                            "ignore_eos") if k in body})
+            got = [t for t in res["ids"] if t not in end_ids]
+            if req["cut"]:                                             # a prefix of what it would have made
+                assert not res["done"] and 1 <= len(res["ids"]) < body["max_tokens"]
+                want = [t.id for t in model.generate(res["prompt_ids"],
+                                                     params=params.replace(max_tokens=len(res["ids"])))]
+            else:
+                assert res["done"] and res["finish"] in ("stop", "length"), res
+                if i not in refs:
+                    refs[i] = [t.id for t in model.generate(res["prompt_ids"], params=params)]
+                want = refs[i]
+            assert got == want, (round_, i, body)
+    assert rss[2] <= rss[0] + 50, rss
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the load generator
+
+def bench(url: str, out: Path, *extra) -> dict:
+    r = subprocess.run([sys.executable, "-m", "lumen.bench", "serve", "--url", url, "--num-prompts", "6",
+                        "--max-concurrency", "3", "--input-len", "24", "--output-len", "6", "--ignore-eos",
+                        "--probe-health", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out),
+                        *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Serving Benchmark Result" in r.stdout and "P99 TTFT (ms)" in r.stdout
+    return json.loads(out.read_text())
+
+
+def test_bench_serve(server, tmp_path):
+    res = bench(server.url, tmp_path / "lumen.json")
+    assert res["model"] == "smol" and res["completed"] == 6 and res["failed"] == 0
+    assert res["total_output_tokens"] == 36 and res["total_input_tokens"] == 6 * 24
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = res[key]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
+    assert res["goodput"] == pytest.approx(res["request_throughput"])
+    assert res["health_probes"] > 0 and res["health_ms"]["p99"] > 0
+    chat = bench(server.url, tmp_path / "chat.json", "--endpoint", "chat", "--request-rate", "20")
+    assert chat["completed"] == 6 and chat["total_output_tokens"] == 36
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"llama-server is not built at {LLAMA_SERVER}")
+def test_bench_serve_llama_server(smollm2_path, tmp_path):
+    """The same load generator against llama.cpp's llama-server (-nr: its AMX repacking crashes on some CPUs)."""
+    port = free_port()
+    log = tmp_path / "llama.log"
+    p = subprocess.Popen([str(LLAMA_SERVER), "-m", str(smollm2_path), "-t", "2", "-np", "3", "-c", "1024", "-nr",
+                          "--host", "127.0.0.1", "--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert p.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() - t0 < 120, log.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        res = bench(url, tmp_path / "llama.json")
+        assert res["completed"] == 6 and res["total_output_tokens"] == 36
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shutdown under load (last: it stops the shared server)
+
+async def stream_until_end(client, body: dict, started: asyncio.Event) -> dict:
+    text_chunks, error, done = 0, None, False
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                error = ev["error"]
+                continue
+            text_chunks += 1
+            started.set()
+    return {"chunks": text_chunks, "error": error, "done": done}
+
+
+def test_shutdown_under_load(server):
+    short = {"prompt": "A short one:", "max_tokens": 8, "temperature": 0, "stream": True}
+    long = {"prompt": "A long one:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            events = [asyncio.Event() for _ in range(8)]
+            tasks = [asyncio.create_task(stream_until_end(client, long if i % 2 else short, events[i]))
+                     for i in range(8)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events[1::2])), 120)
+            t_signal = time.monotonic()
+            server.p.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient(timeout=5) as other:
+                with pytest.raises(httpx.HTTPError):                 # the port is closed
+                    await other.get(server.url + "/health")
+            results = await asyncio.wait_for(asyncio.gather(*tasks), SHUTDOWN_TIMEOUT + 60)
+            return results, time.monotonic() - t_signal
+    results, took = asyncio.run(go())
+    for i, r in enumerate(results):
+        assert r["done"], r                                          # every stream ended with [DONE]
+        if i % 2 == 0:
+            assert r["error"] is None and r["chunks"] >= 1, r        # the short ones finished
+        else:
+            assert r["error"]["code"] == 503 and "shutting down" in r["error"]["message"], r
+    assert took < SHUTDOWN_TIMEOUT + 30
+    assert server.p.wait(60) == 0, server.tail()
+    log = server.log.read_text()
+    assert "shutting down" in log and "Traceback" not in log
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the command line
+
+def test_cli_api_key_name_log_and_sigint(smollm2_path, tmp_path):
+    log = tmp_path / "cli.log"
+    proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "512", "--kv-cache-mb", "16", "--api-key", "k3y",
+                            "--served-model-name", "my-model"), log)
+    try:
+        url = proc.url
+        assert httpx.get(url + "/v1/models").status_code == 401
+        key = {"Authorization": "Bearer k3y"}
+        assert httpx.get(url + "/v1/models", headers=key).json()["data"][0]["id"] == "my-model"
+        r = httpx.post(url + "/v1/completions", headers=key | {"X-Request-Id": "cli-req-1"}, timeout=60,
+                       json={"model": "my-model", "prompt": "Hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["model"] == "my-model"
+    finally:
+        code = proc.stop(signal.SIGINT)
+    assert code == 0, proc.tail()
+    lines = [ln for ln in log.read_text().splitlines() if "id=cli-req-1" in ln]
+    assert len(lines) == 1 and '"POST /v1/completions" 200' in lines[0] and "completion=3" in lines[0], lines
+    assert "127.0.0.1:" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_cli_bad_model_is_one_error_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(tmp_path / "nope.gguf")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
