@@ -87,12 +87,21 @@ def load_engine(model: str, *, threads: int | None, max_model_len: int | None, m
     """The engine, warmed up (one token through the forward pass)."""
     from ..engine.engine import Engine
     from ..engine.sampling import SamplingParams
+    from ..kernels.attention import BLOCK
     engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
                     enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill)
     if engine.max_model_len > engine.config.ctx_train:
         raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
                          "model was trained on")
+    fits = engine.blocks.n_blocks * BLOCK                # tokens the KV pool holds
+    if fits < engine.max_model_len:
+        if max_model_len is not None:
+            raise LumenError(f"the KV cache holds {fits} tokens, fewer than --max-model-len {max_model_len}; raise "
+                             "--kv-cache-mb or lower --max-model-len")
+        log.warning("max_model_len lowered from %d to %d: the KV cache (--kv-cache-mb) holds no more",
+                    engine.max_model_len, fits)
+        engine.max_model_len = fits
     engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
     return engine
 
@@ -142,6 +151,10 @@ def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_lev
     _server_class()(config, worker, shutdown_timeout).run()
 
 
+def _interrupt(sig, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_body_mb <= 0 or args.shutdown_timeout < 0:
         ap.error("--max-body-mb must be positive and --shutdown-timeout not negative")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
@@ -165,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        print("stopped before serving", file=sys.stderr)
+        return 0
     s = engine.stats()
     log.info("serving %r (%s) on http://%s:%d: %d threads, max_model_len %d, %d KV blocks, max_num_seqs %d%s",
              name, engine.parts.path, args.host, args.port, engine.threads, engine.max_model_len, s["kv_blocks"],

@@ -13,10 +13,12 @@ Observed as requests advance and finish:
     lumen:time_to_first_token_seconds, lumen:inter_token_latency_seconds, lumen:e2e_request_latency_seconds,
     lumen:request_queue_time_seconds   histograms
     lumen:request_success_total{finished_reason=stop|length|abort|error}
+And prometheus_client's process_* metrics (process_resident_memory_bytes: the soak benchmark's RSS).
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.sequence import RequestOutput
@@ -85,6 +87,7 @@ class Metrics:
         self.finished = Counter("lumen:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         r.register(_EngineState(engine, model_name))
+        ProcessCollector(registry=r)         # process_resident_memory_bytes and friends (Linux), for soak runs
         self._started: set[str] = set()      # requests whose prompt tokens are counted
 
     def observe(self, out: RequestOutput) -> None:

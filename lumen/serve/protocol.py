@@ -160,6 +160,10 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
         raise ApiError(400, f"seed must be in [0, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ApiError(400, f"{name} must be in [-2, 2], got {v}", name)
     repeat = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty
     kw = dict(max_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
               top_k=0 if req.top_k == -1 else _or(req.top_k, 0), min_p=_or(req.min_p, 0.0),

@@ -97,6 +97,9 @@ class EngineWorker:
         this submission stays queued."""
         if self.draining:
             raise ShuttingDown(SHUTDOWN)
+        if len(prompts) > self.max_queue:
+            raise ValueError(f"the request asks for {len(prompts)} completions (prompts x n); the server queues at "
+                             f"most {self.max_queue}")
         if self.engine.num_waiting + len(prompts) > self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); try again later")
         rids: list[str] = []
