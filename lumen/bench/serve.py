@@ -15,6 +15,12 @@ servers), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E. Output tokens are the 
 (stream_options.include_usage) when it reports it, else the number of text chunks. Reported: request, output
 and total token throughput; TTFT, TPOT, ITL, E2E mean/p50/p90/p99; goodput (requests/s meeting every SLO
 given); with --probe-health, the latency of GET /health sampled every --probe-interval-ms during the load.
+
+Soak: --duration S keeps sending for S seconds (--request-rate R for a steady Poisson rate, or
+--max-concurrency C clients back to back) and reports each --window of seconds: requests finished, output
+tok/s, TTFT and ITL p99, and the server's RSS (process_resident_memory_bytes from its /metrics, which
+lumen.serve exports); then the drift from the first window to the last. The issue's soak is
+`--duration 600 --request-rate R --window 60`.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ class Outcome:
     ttft: float | None = None
     itl: list = field(default_factory=list)
     e2e: float = 0.0
+    finished_at: float = 0.0       # seconds from the start of the load
 
     @property
     def tpot(self) -> float | None:
@@ -79,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
     ap.add_argument("--probe-health", action="store_true", help="sample GET /health latency during the load")
     ap.add_argument("--probe-interval-ms", type=float, default=50.0, help="between health probes (default 50)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="soak: send requests for this many seconds (cycling through the prompts) instead of "
+                         "--num-prompts; needs --request-rate or --max-concurrency")
+    ap.add_argument("--window", type=float, default=60.0,
+                    help="soak: report latency, throughput and the server's RSS per window of this many seconds")
     ap.add_argument("--label", default=None, help="a name for this run in the JSON")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     return ap
@@ -177,6 +189,28 @@ async def probe_health(client, interval: float, stop: asyncio.Event, out: list) 
             pass
 
 
+async def server_rss_mb(client) -> float | None:
+    """The server's resident memory from its /metrics (process_resident_memory_bytes, which lumen.serve
+    exports), or None when it has no such metric."""
+    try:
+        r = await client.get("/metrics")
+        for line in r.text.splitlines():
+            if line.startswith("process_resident_memory_bytes "):
+                return float(line.split()[1]) / 2 ** 20
+    except Exception:  # noqa: BLE001 - no metrics, no RSS
+        pass
+    return None
+
+
+async def sample_rss(client, interval: float, stop: asyncio.Event, t0: float, out: list) -> None:
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+        out.append((time.perf_counter() - t0, await server_rss_mb(client)))
+
+
 async def run(args) -> dict:
     import httpx
     from .offline import workload
@@ -197,29 +231,52 @@ async def run(args) -> dict:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
 
         rng = random.Random(args.seed)
+        rate = args.request_rate
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def one(prompt, n):
             if gate is None:
-                return await send(client, path, _payload(args.endpoint, model, prompt, n, args))
-            async with gate:
-                return await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+                res = await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+            else:
+                async with gate:
+                    res = await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+            res.finished_at = time.perf_counter() - t0
+            return res
 
-        stop, health = asyncio.Event(), []
-        probe = asyncio.create_task(probe_health(prober, args.probe_interval_ms / 1e3, stop, health)) \
-            if args.probe_health else None
+        stop, health, rss = asyncio.Event(), [], [(0.0, await server_rss_mb(prober))]
         t0 = time.perf_counter()
+        side = [asyncio.create_task(probe_health(prober, args.probe_interval_ms / 1e3, stop, health))] \
+            if args.probe_health else []
+        if args.duration:
+            side.append(asyncio.create_task(sample_rss(prober, args.window, stop, t0, rss)))
         tasks = []
-        for prompt, n in reqs:
-            tasks.append(asyncio.create_task(one(prompt, n)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        outcomes = await asyncio.gather(*tasks)
+        if args.duration and rate == float("inf"):            # closed loop: max_concurrency clients, back to back
+            async def client_loop(k):
+                out, i = [], k
+                while time.perf_counter() - t0 < args.duration:
+                    out.append(await one(*reqs[i % len(reqs)]))
+                    i += args.max_concurrency
+                return out
+            loops = [asyncio.create_task(client_loop(k)) for k in range(args.max_concurrency)]
+            outcomes = [o for batch in await asyncio.gather(*loops) for o in batch]
+        else:
+            i = 0
+            while (i < len(reqs)) if not args.duration else (time.perf_counter() - t0 < args.duration):
+                tasks.append(asyncio.create_task(one(*reqs[i % len(reqs)])))
+                i += 1
+                if rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(rate))
+            outcomes = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         stop.set()
-        if probe is not None:
-            await probe
-    return summarize(outcomes, duration, health if args.probe_health else None, args, model)
+        await asyncio.gather(*side)
+        if args.duration:
+            rss.append((duration, await server_rss_mb(prober)))
+    res = summarize(outcomes, duration, health if args.probe_health else None, args, model)
+    if args.duration:
+        res["windows"] = windows(outcomes, rss, args.window, args.duration, duration)
+        res["drift"] = drift(res["windows"])
+    return res
 
 
 # ---- the numbers
@@ -262,6 +319,38 @@ def summarize(outcomes: list[Outcome], duration: float, health: list | None, arg
     return res
 
 
+def windows(outcomes: list[Outcome], rss: list, window: float, planned: float, duration: float) -> list[dict]:
+    """The soak run cut into windows by finish time: per window, requests, output tok/s, TTFT and ITL p50/p99,
+    and the server's RSS at the window's end."""
+    out = []
+    n = max(1, int(round(planned / window)))             # the requests still running at the end: in the last one
+    for k in range(n):
+        a, b = k * window, (k + 1) * window if k < n - 1 else max(duration, planned)
+        done = [o for o in outcomes if o.ok and a <= o.finished_at and (o.finished_at < b or k == n - 1)]
+        at_end = [mb for t, mb in rss if t <= b + 1e-6 and mb is not None]
+        out.append({"start_s": a, "end_s": b, "completed": len(done),
+                    "output_throughput": sum(o.output_tokens for o in done) / max(b - a, 1e-9),
+                    "ttft_ms": _stats([o.ttft for o in done if o.ttft is not None]),
+                    "itl_ms": _stats([g for o in done for g in o.itl]),
+                    "rss_mb": at_end[-1] if at_end else None})
+    return out
+
+
+def drift(wins: list[dict]) -> dict:
+    """First window against last: RSS growth and latency change."""
+    first, last = wins[0], wins[-1]
+    rss = [w["rss_mb"] for w in wins if w["rss_mb"] is not None]
+
+    def ratio(key, stat):
+        x, y = first[key][stat], last[key][stat]
+        return y / x if x and y is not None else None
+    return {"rss_first_mb": rss[0] if rss else None, "rss_last_mb": rss[-1] if rss else None,
+            "rss_growth_mb": rss[-1] - rss[0] if len(rss) > 1 else None,
+            "ttft_p99_ratio": ratio("ttft_ms", "p99"), "itl_p99_ratio": ratio("itl_ms", "p99"),
+            "throughput_ratio": last["output_throughput"] / first["output_throughput"]
+            if first["output_throughput"] else None}
+
+
 def report(res: dict) -> str:
     def f(v, spec=".2f"):
         return "-" if v is None else format(v, spec)
@@ -290,6 +379,18 @@ def report(res: dict) -> str:
         for stat in ("p50", "p99", "max"):
             label = f"{stat.upper()} (ms):"
             lines.append(f"{label:<40}{f(h[stat])}")
+    if "windows" in res:
+        lines.append(f"{'Soak: per window':-^50}")
+        lines.append(f"{'window s':>10}{'done':>6}{'tok/s':>8}{'TTFT p99':>10}{'ITL p99':>9}{'RSS MB':>8}")
+        for w in res["windows"]:
+            lines.append(f"{w['start_s']:>4.0f}-{w['end_s']:<5.0f}{w['completed']:>6}{w['output_throughput']:>8.1f}"
+                         f"{f(w['ttft_ms']['p99'], '.0f'):>10}{f(w['itl_ms']['p99'], '.0f'):>9}"
+                         f"{f(w['rss_mb'], '.0f'):>8}")
+        d = res["drift"]
+        lines.append(f"{'RSS growth first -> last (MB):':<40}{f(d['rss_growth_mb'], '+.1f')}")
+        lines.append(f"{'TTFT p99 last / first:':<40}{f(d['ttft_p99_ratio'])}")
+        lines.append(f"{'ITL p99 last / first:':<40}{f(d['itl_p99_ratio'])}")
+        lines.append(f"{'Output tok/s last / first:':<40}{f(d['throughput_ratio'])}")
     if res["errors"]:
         lines.append(f"{'Errors':-^50}")
         lines += res["errors"]
@@ -304,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if not args.request_rate > 0:
         ap.error(f"--request-rate must be positive, got {args.request_rate}")
+    if args.duration is not None and (args.duration <= 0 or args.window <= 0):
+        ap.error("--duration and --window must be positive")
+    if args.duration and args.request_rate == float("inf") and not args.max_concurrency:
+        ap.error("--duration needs --request-rate or --max-concurrency (else it would send without bound)")
     for name in ("max_concurrency", "input_len", "output_len"):
         v = getattr(args, name)
         if v is not None and v < 1:
