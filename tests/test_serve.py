@@ -404,6 +404,8 @@ BAD_REQUESTS = [
     ("logit_bias key", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit_bias token outside vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"9999999": 1}}, None),
     ("stop_token_ids outside vocab", "/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 7]}, None),
+    ("presence_penalty > 2", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ("more choices than the queue holds", "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "n": 64}, None),
     ("min_tokens > max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
@@ -537,6 +539,22 @@ def test_500_for_that_request_only(http, server, model, monkeypatch):
     assert http.post("/v1/completions", json=good).json()["choices"][0]["text"] == want
     wait_idle(engine)
     assert engine.stats()["kv_free_blocks"] == engine.stats()["kv_blocks"]
+
+
+def test_chat_template_override_and_none(model):
+    """--chat-template's text replaces the GGUF's; a model without one answers chat with a 400 that says so; a
+    template that does not compile stops the server from starting."""
+    from lumen.serve.prompts import Prompter
+    from lumen.serve.protocol import ApiError, ChatMessage
+    from lumen.format.chat import ChatTemplateError
+    with live_server(model, chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}") as s:
+        r = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hey"}]}).json()
+        assert r["tokens"] == model.tokenize("[user] hey\n")
+    with pytest.raises(ApiError) as e:
+        Prompter(model.tokenizer, None).chat([ChatMessage(role="user", content="hi")])
+    assert e.value.status == 400 and "no chat template" in e.value.message and "--chat-template" in e.value.message
+    with pytest.raises(ChatTemplateError):
+        Prompter(model.tokenizer, "{% for %}")
 
 
 def test_still_serving_after_the_errors(http, model):

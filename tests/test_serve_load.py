@@ -237,6 +237,9 @@ def test_bench_serve(server, tmp_path):
     assert res["health_probes"] > 0 and res["health_ms"]["p99"] > 0
     chat = bench(server.url, tmp_path / "chat.json", "--endpoint", "chat", "--request-rate", "20")
     assert chat["completed"] == 6 and chat["total_output_tokens"] == 36
+    soak = bench(server.url, tmp_path / "soak.json", "--duration", "3", "--window", "1", "--request-rate", "4")
+    assert len(soak["windows"]) == 3 and soak["completed"] == sum(w["completed"] for w in soak["windows"]) > 0
+    assert all(w["rss_mb"] > 100 for w in soak["windows"]) and soak["drift"]["rss_growth_mb"] is not None
 
 
 @pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"llama-server is not built at {LLAMA_SERVER}")
@@ -325,18 +328,30 @@ def test_shutdown_under_load(server):
 # ---------------------------------------------------------------------------------------------------------
 # the command line
 
-def test_cli_api_key_name_log_and_sigint(smollm2_path, tmp_path):
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}\n{% endfor %}<|im_start|>assistant: "
+
+
+def test_cli_flags_log_line_and_sigint(smollm2_path, model, tmp_path):
     log = tmp_path / "cli.log"
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
     proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "512", "--kv-cache-mb", "16", "--api-key", "k3y",
-                            "--served-model-name", "my-model"), log)
+                            "--served-model-name", "my-model", "--chat-template", str(tmp_path / "chat.jinja")), log)
     try:
         url = proc.url
         assert httpx.get(url + "/v1/models").status_code == 401
         key = {"Authorization": "Bearer k3y"}
-        assert httpx.get(url + "/v1/models", headers=key).json()["data"][0]["id"] == "my-model"
+        card = httpx.get(url + "/v1/models", headers=key).json()["data"][0]
+        assert card["id"] == "my-model" and card["max_model_len"] == 512
         r = httpx.post(url + "/v1/completions", headers=key | {"X-Request-Id": "cli-req-1"}, timeout=60,
                        json={"model": "my-model", "prompt": "Hello", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["model"] == "my-model"
+        messages = [{"role": "user", "content": "Hi there"}]
+        r = httpx.post(url + "/tokenize", headers=key, json={"messages": messages}).json()
+        assert r["tokens"] == model.tokenize("<|im_start|>user: Hi there\n<|im_start|>assistant: ", special=True)
+        r = httpx.post(url + "/v1/chat/completions", headers=key, timeout=60,
+                       json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(model.tokenize(
+            "<|im_start|>user: Hi there\n<|im_start|>assistant: ", special=True))
     finally:
         code = proc.stop(signal.SIGINT)
     assert code == 0, proc.tail()
@@ -345,7 +360,15 @@ def test_cli_api_key_name_log_and_sigint(smollm2_path, tmp_path):
     assert "127.0.0.1:" in log.read_text() and "Traceback" not in log.read_text()
 
 
-def test_cli_bad_model_is_one_error_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(tmp_path / "nope.gguf")],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+@pytest.mark.parametrize("args, says", [
+    (["--model", "/nonexistent/nope.gguf"], "nope.gguf"),
+    (["--max-model-len", "9000"], "trained on"),
+    (["--max-model-len", "2048", "--kv-cache-mb", "8"], "--kv-cache-mb"),
+    (["--chat-template", "/nonexistent/t.jinja"], "t.jinja"),
+], ids=["no such model", "beyond the trained context", "KV cache too small", "no such template"])
+def test_cli_startup_errors_are_one_line(smollm2_path, args, says):
+    cmd = lumen_serve(smollm2_path, *args) if args[0] != "--model" else [sys.executable, "-m", "lumen.serve", *args]
+    r = subprocess.run([*cmd, "--port", str(free_port())], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and err[-1].startswith("error:") and says in err[-1], r.stderr
+    assert "Traceback" not in r.stderr
