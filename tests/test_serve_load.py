@@ -303,6 +303,7 @@ def test_shutdown_under_load(server):
             events = [asyncio.Event() for _ in range(8)]
             tasks = [asyncio.create_task(stream_until_end(client, long if i % 2 else short, events[i]))
                      for i in range(8)]
+            whole = asyncio.create_task(client.post("/v1/completions", json=long | {"stream": False}))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events[1::2])), 120)
             t_signal = time.monotonic()
             server.p.send_signal(signal.SIGTERM)
@@ -310,9 +311,11 @@ def test_shutdown_under_load(server):
             async with httpx.AsyncClient(timeout=5) as other:
                 with pytest.raises(httpx.HTTPError):                 # the port is closed
                     await other.get(server.url + "/health")
-            results = await asyncio.wait_for(asyncio.gather(*tasks), SHUTDOWN_TIMEOUT + 60)
+            results = await asyncio.wait_for(asyncio.gather(*tasks, whole), SHUTDOWN_TIMEOUT + 60)
             return results, time.monotonic() - t_signal
     results, took = asyncio.run(go())
+    whole = results.pop()                                            # a non-streamed one: a 503 in its place
+    assert whole.status_code == 503 and "shutting down" in whole.json()["error"]["message"], whole.text
     for i, r in enumerate(results):
         assert r["done"], r                                          # every stream ended with [DONE]
         if i % 2 == 0:
