@@ -275,6 +275,18 @@ def test_stop_logit_bias_and_vllm_extras(http, model):
     assert r["usage"]["completion_tokens"] == 5                               # EOS biased up, yet ignored
 
 
+def test_null_parameters_are_defaults(http):
+    """OpenAI's spec lets clients send null for parameters they leave alone (some do)."""
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "temperature", "top_p", "stop", "seed", "logit_bias",
+                           "presence_penalty", "frequency_penalty", "user", "max_tokens"])
+    r = http.post("/v1/completions", json=nulls | {"prompt": "Hi", "max_tokens": 2, "echo": None, "logprobs": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = http.post("/v1/chat/completions", json=nulls | {"messages": MESSAGES, "max_tokens": 2, "logprobs": None,
+                                                        "top_logprobs": None, "tools": None, "tool_choice": None,
+                                                        "response_format": None, "max_completion_tokens": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+
+
 def test_request_id_honoured_and_echoed(http):
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "req-42"})
     assert r.headers["x-request-id"] == "req-42" and r.json()["id"] == "cmpl-req-42"
@@ -398,6 +410,7 @@ BAD_REQUESTS = [
     ("token outside vocab", "/v1/completions", {"prompt": [10 ** 7]}, None),
     ("negative token", "/v1/completions", {"prompt": [-1]}, None),
     ("prompt over the context", "/v1/completions", {"prompt": LONG}, None),
+    ("200k-character prompt", "/v1/completions", {"prompt": "word " * 40000}, "prompt"),
     ("prompt + max_tokens over the context", "/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, None),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("stop not strings", "/v1/completions", {"prompt": "x", "stop": [1]}, "stop"),
@@ -488,6 +501,7 @@ def test_429_queue_full_then_serving(model):
                     time.sleep(0.01)
                 r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
                 assert_error(r, 429)
+                assert r.headers["retry-after"] == "1"
         wait_idle(s.engine)
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
         assert s.engine.stats()["kv_free_blocks"] == s.engine.stats()["kv_blocks"]
@@ -551,10 +565,10 @@ def test_chat_template_override_and_none(model):
         r = httpx.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hey"}]}).json()
         assert r["tokens"] == model.tokenize("[user] hey\n")
     with pytest.raises(ApiError) as e:
-        Prompter(model.tokenizer, None).chat([ChatMessage(role="user", content="hi")])
+        Prompter(model.tokenizer, None, MAX_MODEL_LEN).chat([ChatMessage(role="user", content="hi")])
     assert e.value.status == 400 and "no chat template" in e.value.message and "--chat-template" in e.value.message
     with pytest.raises(ChatTemplateError):
-        Prompter(model.tokenizer, "{% for %}")
+        Prompter(model.tokenizer, "{% for %}", MAX_MODEL_LEN)
 
 
 def test_still_serving_after_the_errors(http, model):

@@ -56,7 +56,8 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        retry = {"Retry-After": "1"} if e.status in (429, 503) else None      # the openai client honours it
+        return JSONResponse(e.body(), status_code=e.status, headers=retry)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -78,7 +79,7 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         req = P.parse(await request.body(), P.CompletionRequest)
         check_model(req.model)
         params = P.completion_params(req, settings.max_n)
-        prompts = prompter.completion(req.prompt)
+        prompts = await asyncio.to_thread(prompter.completion, req.prompt)
         echo = None
         if req.echo:
             texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) \
@@ -91,7 +92,7 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         req = P.parse(await request.body(), P.ChatCompletionRequest)
         check_model(req.model)
         params = P.chat_params(req, settings.max_n)
-        prompts = [prompter.chat(req.messages, req.add_generation_prompt)]
+        prompts = [await asyncio.to_thread(prompter.chat, req.messages, req.add_generation_prompt)]
         return await generate(request, "chat", req, prompts, params)
 
     async def generate(request: Request, kind: str, req, prompts: list[list[int]], params, echo=None):
@@ -159,13 +160,14 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         check_model(req.model)
         add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
         if req.messages is not None:
-            ids = prompter.encode(prompter.render(req.messages, req.add_generation_prompt), add_special=add is not False)
+            text = prompter.render(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:                                    # vLLM: special tokens added by default
-            ids = prompter.encode(req.prompt, add_special=add is not False)
+            text, add = req.prompt, add is not False
         elif req.content is not None:                                   # llama-server: not by default
-            ids = prompter.encode(req.content, add_special=bool(add))
+            text, add = req.content, bool(add)
         else:
             raise P.ApiError(400, "give prompt, content or messages", "prompt")
+        ids = await asyncio.to_thread(prompter.encode, text, add_special=add is not False)
         tokens = ids
         if req.with_pieces:
             tokens = []

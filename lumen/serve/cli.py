@@ -75,7 +75,7 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
     from .prompts import Prompter
     from .worker import EngineWorker
     template = chat_template if chat_template is not None else chat_template_from_metadata(engine.parts.gguf.metadata)
-    prompter = Prompter(engine.tokenizer, template)
+    prompter = Prompter(engine.tokenizer, template, engine.max_model_len)
     metrics = Metrics(engine, model_name)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics)
     settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n)

@@ -4,6 +4,8 @@ chat template (the GGUF's, or --chat-template's), tokenized as llama-server and 
 - text is tokenized with the model's BOS default, and special-token text in it ("<|im_start|>") is parsed as
   those tokens (both servers do; lumen.generate does it only for --chat or --special);
 - a rendered conversation that already starts with the BOS text gets no second BOS.
+A text too long to fit max_model_len however it tokenizes is refused before tokenizing (the app tokenizes in a
+worker thread, so a long prompt does not hold up the event loop).
 """
 from __future__ import annotations
 
@@ -12,9 +14,13 @@ from .protocol import ApiError, ChatMessage
 
 
 class Prompter:
-    def __init__(self, tokenizer, chat_template: str | None):
+    def __init__(self, tokenizer, chat_template: str | None, max_model_len: int):
         """chat_template: the template text (None: the model has none, chat requests are refused)."""
         self.tok = tokenizer
+        # a text longer than this many characters makes more than max_model_len tokens: refused untokenized
+        longest = max(len(tokenizer.token_bytes(i, special=True)) for i in range(tokenizer.n_vocab))
+        self.max_chars = max_model_len * max(1, longest)
+        self.max_model_len = max_model_len
         self.template = chat_template
         if chat_template is not None:
             compile_template(chat_template)             # a bad --chat-template fails at startup
@@ -23,6 +29,9 @@ class Prompter:
         self._pieces: dict[int, tuple[str, bytes]] = {}
 
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        if len(text) > self.max_chars:
+            raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
+                                "(max_model_len) can be", "prompt")
         add_bos = add_special and self.tok.add_bos_default and not (self.bos_text and text.startswith(self.bos_text))
         return self.tok.encode(text, add_bos=add_bos, special=True)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from ..engine.sampler import SamplerError
@@ -72,6 +72,12 @@ class _Sampling(_Body):
     user: str | None = None
     return_token_ids: bool = False
 
+    @field_validator("n", "stream", "min_tokens", "ignore_eos", "return_token_ids", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info: ValidationInfo):
+        """OpenAI's spec lets a client send null for a parameter it leaves at its default."""
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -84,6 +90,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, v):
+        return False if v is None else v
 
 
 class ContentPart(BaseModel):
@@ -108,6 +119,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
+
+    @field_validator("logprobs", "add_generation_prompt", mode="before")
+    @classmethod
+    def _null_flags(cls, v, info: ValidationInfo):
+        return cls.model_fields[info.field_name].default if v is None else v
 
 
 class TokenizeRequest(_Body):
