@@ -197,6 +197,20 @@ def test_n_choices_seed_plus_index(http, model):
     assert len({tuple(c["token_ids"]) for c in a["choices"]}) > 1
     assert a["usage"]["prompt_tokens"] == len(ids)                         # the prompt counted once
     assert a["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in a["choices"])
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        events = sse_events(r)
+    for c in a["choices"]:                                                 # streamed choices interleave
+        mine = [x for e in events for x in e["choices"] if x["index"] == c["index"]]
+        assert "".join(x["text"] for x in mine) == c["text"] and mine[-1]["finish_reason"] == c["finish_reason"]
+        assert [t for x in mine for t in x["token_ids"]] == c["token_ids"]
+    chat = {"messages": MESSAGES, "max_tokens": 6, "seed": 3, "n": 2}
+    whole = http.post("/v1/chat/completions", json=chat).json()["choices"]
+    with http.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+        events = sse_events(r)
+    for c in whole:
+        deltas = [x["delta"] for e in events for x in e["choices"] if x["index"] == c["index"]]
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        assert "".join(d.get("content", "") for d in deltas) == c["message"]["content"]
 
 
 def test_prompt_forms_and_choice_order(http, model):

@@ -47,6 +47,30 @@ llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
 
 
 @dataclass
+class Load:
+    """What one run sends, and where (the command line's flags, by name)."""
+    url: str = "http://127.0.0.1:8000"
+    endpoint: str = "completions"
+    model: str | None = None
+    api_key: str | None = None
+    num_prompts: int = 64
+    request_rate: float = float("inf")
+    max_concurrency: int | None = None
+    input_len: int | None = None
+    output_len: int | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    probe_health: bool = False
+    probe_interval_ms: float = 50.0
+    duration: float | None = None
+    window: float = 60.0
+    label: str | None = None
+
+
+@dataclass
 class Outcome:
     """One request: times in seconds from its send."""
     ok: bool
@@ -117,12 +141,12 @@ async def _fit_prompt(client, text: str, n: int) -> str:
     return r.json()["content"]
 
 
-def _payload(endpoint: str, model: str, prompt: str, max_tokens: int, args) -> dict:
-    p = {"model": model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
+def _payload(load: Load, model: str, prompt: str, max_tokens: int) -> dict:
+    p = {"model": model, "max_tokens": max_tokens, "temperature": load.temperature, "stream": True,
          "stream_options": {"include_usage": True}}
-    if args.ignore_eos:
+    if load.ignore_eos:
         p["ignore_eos"] = True
-    if endpoint == "chat":
+    if load.endpoint == "chat":
         p["messages"] = [{"role": "user", "content": prompt}]
     else:
         p["prompt"] = prompt
@@ -211,57 +235,57 @@ async def sample_rss(client, interval: float, stop: asyncio.Event, t0: float, ou
         out.append((time.perf_counter() - t0, await server_rss_mb(client)))
 
 
-async def run(args) -> dict:
+async def run(load: Load) -> dict:
     import httpx
     from .offline import workload
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
     timeout = httpx.Timeout(None, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=timeout, limits=limits) as client, \
-            httpx.AsyncClient(base_url=args.url, headers=headers, timeout=timeout) as prober:
-        model = args.model or await _model_id(client)
-        reqs = workload(args.num_prompts)
-        if args.input_len is not None:
-            reqs = [(await _fit_prompt(client, p, args.input_len), n) for p, n in reqs]
-        if args.output_len is not None:
-            reqs = [(p, args.output_len) for p, _ in reqs]
-        path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-        warm = await send(client, path, _payload(args.endpoint, model, reqs[0][0], 4, args))
+    async with httpx.AsyncClient(base_url=load.url, headers=headers, timeout=timeout, limits=limits) as client, \
+            httpx.AsyncClient(base_url=load.url, headers=headers, timeout=timeout) as prober:
+        model = load.model or await _model_id(client)
+        reqs = workload(load.num_prompts)
+        if load.input_len is not None:
+            reqs = [(await _fit_prompt(client, p, load.input_len), n) for p, n in reqs]
+        if load.output_len is not None:
+            reqs = [(p, load.output_len) for p, _ in reqs]
+        path = "/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions"
+        warm = await send(client, path, _payload(load, model, reqs[0][0], 4))
         if not warm.ok:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
 
-        rng = random.Random(args.seed)
-        rate = args.request_rate
-        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        rng = random.Random(load.seed)
+        rate = load.request_rate
+        gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
         async def one(prompt, n):
             if gate is None:
-                res = await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+                res = await send(client, path, _payload(load, model, prompt, n))
             else:
                 async with gate:
-                    res = await send(client, path, _payload(args.endpoint, model, prompt, n, args))
+                    res = await send(client, path, _payload(load, model, prompt, n))
             res.finished_at = time.perf_counter() - t0
             return res
 
         stop, health, rss = asyncio.Event(), [], [(0.0, await server_rss_mb(prober))]
         t0 = time.perf_counter()
-        side = [asyncio.create_task(probe_health(prober, args.probe_interval_ms / 1e3, stop, health))] \
-            if args.probe_health else []
-        if args.duration:
-            side.append(asyncio.create_task(sample_rss(prober, args.window, stop, t0, rss)))
+        side = [asyncio.create_task(probe_health(prober, load.probe_interval_ms / 1e3, stop, health))] \
+            if load.probe_health else []
+        if load.duration:
+            side.append(asyncio.create_task(sample_rss(prober, load.window, stop, t0, rss)))
         tasks = []
-        if args.duration and rate == float("inf"):            # closed loop: max_concurrency clients, back to back
+        if load.duration and rate == float("inf"):            # closed loop: max_concurrency clients, back to back
             async def client_loop(k):
                 out, i = [], k
-                while time.perf_counter() - t0 < args.duration:
+                while time.perf_counter() - t0 < load.duration:
                     out.append(await one(*reqs[i % len(reqs)]))
-                    i += args.max_concurrency
+                    i += load.max_concurrency
                 return out
-            loops = [asyncio.create_task(client_loop(k)) for k in range(args.max_concurrency)]
+            loops = [asyncio.create_task(client_loop(k)) for k in range(load.max_concurrency)]
             outcomes = [o for batch in await asyncio.gather(*loops) for o in batch]
         else:
             i = 0
-            while (i < len(reqs)) if not args.duration else (time.perf_counter() - t0 < args.duration):
+            while (i < len(reqs)) if not load.duration else (time.perf_counter() - t0 < load.duration):
                 tasks.append(asyncio.create_task(one(*reqs[i % len(reqs)])))
                 i += 1
                 if rate != float("inf"):
@@ -270,11 +294,11 @@ async def run(args) -> dict:
         duration = time.perf_counter() - t0
         stop.set()
         await asyncio.gather(*side)
-        if args.duration:
+        if load.duration:
             rss.append((duration, await server_rss_mb(prober)))
-    res = summarize(outcomes, duration, health if args.probe_health else None, args, model)
-    if args.duration:
-        res["windows"] = windows(outcomes, rss, args.window, args.duration, duration)
+    res = summarize(outcomes, duration, health if load.probe_health else None, load, model)
+    if load.duration:
+        res["windows"] = windows(outcomes, rss, load.window, load.duration, duration)
         res["drift"] = drift(res["windows"])
     return res
 
@@ -288,15 +312,15 @@ def _stats(values_s: list[float]) -> dict:
             "p99": float(np.percentile(v, 99))}
 
 
-def summarize(outcomes: list[Outcome], duration: float, health: list | None, args, model: str) -> dict:
+def summarize(outcomes: list[Outcome], duration: float, health: list | None, load: Load, model: str) -> dict:
     ok = [o for o in outcomes if o.ok]
     out_tokens = sum(o.output_tokens for o in ok)
     prompt_known = all(o.prompt_tokens is not None for o in ok)
     in_tokens = sum(o.prompt_tokens for o in ok) if ok and prompt_known else None
-    res = {"label": args.label, "url": args.url, "endpoint": args.endpoint, "model": model,
-           "num_prompts": len(outcomes), "request_rate": None if args.request_rate == float("inf")
-           else args.request_rate, "max_concurrency": args.max_concurrency, "input_len": args.input_len,
-           "output_len": args.output_len, "ignore_eos": args.ignore_eos,
+    res = {"label": load.label, "url": load.url, "endpoint": load.endpoint, "model": model,
+           "num_prompts": len(outcomes), "request_rate": None if load.request_rate == float("inf")
+           else load.request_rate, "max_concurrency": load.max_concurrency, "input_len": load.input_len,
+           "output_len": load.output_len, "ignore_eos": load.ignore_eos,
            "completed": len(ok), "failed": len(outcomes) - len(ok),
            "errors": sorted({o.error for o in outcomes if not o.ok})[:5], "duration_s": duration,
            "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
@@ -306,12 +330,12 @@ def summarize(outcomes: list[Outcome], duration: float, health: list | None, arg
            "tpot_ms": _stats([o.tpot for o in ok if o.tpot is not None]),
            "itl_ms": _stats([g for o in ok for g in o.itl]),
            "e2e_ms": _stats([o.e2e for o in ok])}
-    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+    if load.slo_ttft_ms is not None or load.slo_tpot_ms is not None:
         def good(o: Outcome) -> bool:
-            if args.slo_ttft_ms is not None and (o.ttft is None or o.ttft * 1e3 > args.slo_ttft_ms):
+            if load.slo_ttft_ms is not None and (o.ttft is None or o.ttft * 1e3 > load.slo_ttft_ms):
                 return False
-            return args.slo_tpot_ms is None or o.tpot is None or o.tpot * 1e3 <= args.slo_tpot_ms
-        res["slo_ttft_ms"], res["slo_tpot_ms"] = args.slo_ttft_ms, args.slo_tpot_ms
+            return load.slo_tpot_ms is None or o.tpot is None or o.tpot * 1e3 <= load.slo_tpot_ms
+        res["slo_ttft_ms"], res["slo_tpot_ms"] = load.slo_ttft_ms, load.slo_tpot_ms
         res["goodput"] = sum(good(o) for o in ok) / duration
     if health is not None:
         res["health_probes"] = len(health)
@@ -414,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
     try:
-        res = asyncio.run(run(args))
+        res = asyncio.run(run(Load(**{k: v for k, v in vars(args).items() if k != "json"})))
     except Exception as e:  # noqa: BLE001 - unreachable server, bad URL, HTTP errors: one line
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
