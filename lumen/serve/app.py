@@ -22,7 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import LumenError
+from ..engine.engine import RequestError
+from ..engine.sampler import SamplerError
+from ..errors import ContextError
 from . import protocol as P
 from .metrics import CONTENT_TYPE, Metrics
 from .prompts import Prompter
@@ -81,10 +83,9 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         params = P.completion_params(req, settings.max_n)
         prompts = await asyncio.to_thread(prompter.completion, req.prompt)
         echo = None
-        if req.echo:
-            texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) \
-                else None
-            echo = texts if texts is not None else [engine.tokenizer.decode(p) for p in prompts]
+        if req.echo:                              # each prompt's text: as sent, or its token ids decoded
+            sent = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+            echo = [p if isinstance(p, str) else engine.tokenizer.decode(ids) for p, ids in zip(sent, prompts)]
         return await generate(request, "completion", req, prompts, params, echo)
 
     @app.post("/v1/chat/completions")
@@ -100,7 +101,8 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         reply = Reply(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{rid}", settings.model_id,
                       int(time.time()), prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
                       return_token_ids=req.return_token_ids, echo=echo)
-        sub = submit([p for p in prompts for _ in params], params * len(prompts))
+        sub = submit([p for p in prompts for _ in params], params * len(prompts),
+                     "prompt" if kind == "completion" else "messages")
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
             return StreamingResponse(stream(request, reply, sub, index, req.include_usage),
@@ -120,15 +122,19 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         request.state.usage = reply.usage()
         return JSONResponse(reply.body())
 
-    def submit(prompts, params):
+    def submit(prompts, params, prompt_param: str):
         try:
             return worker.submit(prompts, params)
         except ShuttingDown as e:
             raise P.ApiError(503, str(e)) from None
         except QueueFull as e:
             raise P.ApiError(429, str(e)) from None
-        except (LumenError, ValueError) as e:     # the engine's RequestError, ContextError, SamplerError
-            raise P.ApiError(400, str(e), "prompt" if "prompt" in str(e) else None) from None
+        except SamplerError as e:                 # a token id in the params outside the vocabulary
+            raise P.ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
+        except (ContextError, RequestError) as e:     # the prompt: too long, empty, ids outside the vocabulary
+            raise P.ApiError(400, str(e), prompt_param) from None
+        except ValueError as e:
+            raise P.ApiError(400, str(e), "n") from None
 
     async def stream(request: Request, reply: Reply, sub, index: dict, include_usage: bool):
         finished = False
@@ -224,8 +230,8 @@ def _failure(sub, finals) -> tuple[int, str] | None:
     for out in finals:
         if out.finish_reason == "error":
             return 500, f"internal error: {out.error}"
-        if out.finish_reason == "abort":
-            return 500, "the request was aborted"
+        if out.finish_reason == "abort":          # nobody but a gone client's watcher aborts without a failure
+            return 499, "the client disconnected"
     return None
 
 

@@ -17,6 +17,7 @@ from ..engine.sampler import SamplerError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "client_closed_request",
                500: "server_error", 503: "service_unavailable"}
 # what a union field holds, said once instead of one pydantic error per member of the union
 EXPECTED = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists",

@@ -92,9 +92,9 @@ class EngineWorker:
 
     # ---- requests (called on the event loop)
     def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
-        """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, or the engine's
-        ValueError (RequestError, ContextError, SamplerError) for a request it cannot serve; then nothing of
-        this submission stays queued."""
+        """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, ValueError for more
+        requests than the queue could ever hold, or the engine's ValueError (RequestError, ContextError,
+        SamplerError) for a request it cannot serve; then nothing of this submission stays queued."""
         if self.draining:
             raise ShuttingDown(SHUTDOWN)
         if len(prompts) > self.max_queue:
