@@ -32,7 +32,6 @@ import numpy as np
 
 from ..errors import LumenError
 
-Sampler = Callable[[np.ndarray], int]
 LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 
 TOPK_ROWS = 64      # small top-k: logits viewed as (TOPK_ROWS, V / TOPK_ROWS), column maxima give a threshold
@@ -188,45 +187,68 @@ def _draw(w: np.ndarray, u: float) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # the sampler
 
+class Sampler:
+    """logits (n_vocab,) float32 -> token id, with `make_sampler`'s settings. Calling it draws from its own
+    numpy Generator (one uniform per token); `pick(logits, u)` takes the uniform from the caller (the engine keys
+    uniforms by request and position, lumen.engine.sampling), and `distribution(logits)` gives the probabilities
+    the draw uses (what speculative decoding verifies against). Logits are not modified."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None):
+        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
+        self.greedy = temperature == 0.0
+        self._rng = np.random.default_rng(seed)
+        self._inv_temp = np.float32(1.0 / temperature) if temperature else np.float32(0.0)
+        self._min_p_log = math.log(min_p) if min_p > 0.0 else -math.inf
+
+    def __call__(self, logits: np.ndarray) -> int:
+        return self.pick(logits, 0.0 if self.greedy else float(self._rng.random()))
+
+    def pick(self, logits: np.ndarray, u: float) -> int:
+        """The token drawn with the uniform u in [0, 1) (greedy: the argmax, u unused)."""
+        x = _as_logits(logits)
+        if self.greedy:
+            i = int(np.argmax(x))                    # first maximum (a NaN would come first)
+            if not math.isfinite(float(x[i])):       # NaN, +inf or all -inf: raise
+                _checked_max(x)
+            return i
+        ids, w = self._weights(x)
+        i = _draw(w, u)
+        return i if ids is None else int(ids[i])
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(ids, p): the probabilities of the draw, p (c,) float64 summing to 1 over the token ids (c,), or over
+        the whole vocabulary when ids is None. Greedy: all mass on the argmax."""
+        x = _as_logits(logits)
+        if self.greedy:
+            return np.array([self.pick(x, 0.0)]), np.ones(1)
+        ids, w = self._weights(x)
+        w = w.astype(np.float64)
+        return ids, w / w.sum()
+
+    def _weights(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """top-k -> top-p -> min-p -> temperature: (ids (c,) or None for all, unnormalised weights f32)."""
+        m = _checked_max(x)
+        kept = _candidates(x, m, self.top_k, self.top_p, float(np.float32(m + self._min_p_log)))
+        whole = kept is None or kept.dtype == np.bool_
+        w = np.subtract(x if whole else x[kept], np.float32(m))   # (V,) or (c,)
+        w *= self._inv_temp
+        np.exp(w, out=w)                             # exp((logit - max) / temperature)
+        if kept is not None and whole:
+            w *= kept                                # zero weight outside the kept mask
+        return (None if whole else kept), w
+
+
 def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None) -> Sampler:
     """Build a sampler `logits (n_vocab,) float32 -> token id`.
 
     temperature 0 is greedy (argmax, ties: lowest id; the other settings do not change the argmax and are
     ignored). Otherwise top-k -> top-p -> min-p -> temperature -> draw (module docstring). top_k 0, top_p 1 and
-    min_p 0 are off. The callable owns a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
+    min_p 0 are off. Called, it uses a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
     exactly one uniform per token, so the same seed and logits give the same tokens. Logits are not modified.
     """
     temperature, top_k, top_p, min_p = _check_sampler_params(temperature, top_k, top_p, min_p, seed)
-
-    if temperature == 0.0:
-        def greedy(logits: np.ndarray) -> int:
-            x = _as_logits(logits)
-            i = int(np.argmax(x))                    # first maximum (a NaN would come first)
-            if not math.isfinite(float(x[i])):       # NaN, +inf or all -inf: raise
-                _checked_max(x)
-            return i
-        return greedy
-
-    rng = np.random.default_rng(seed)
-    inv_temp = np.float32(1.0 / temperature)
-    min_p_log = math.log(min_p) if min_p > 0.0 else -math.inf
-
-    def sample(logits: np.ndarray) -> int:
-        x = _as_logits(logits)
-        m = _checked_max(x)
-        u = float(rng.random())
-        kept = _candidates(x, m, top_k, top_p, float(np.float32(m + min_p_log)))
-        whole = kept is None or kept.dtype == np.bool_
-        w = np.subtract(x if whole else x[kept], np.float32(m))   # (V,) or (c,)
-        w *= inv_temp
-        np.exp(w, out=w)                             # exp((logit - max) / temperature)
-        if kept is not None and whole:
-            w *= kept                                # zero weight outside the kept mask
-        i = _draw(w, u)
-        return i if whole else int(kept[i])
-
-    return sample
+    return Sampler(temperature, top_k, top_p, min_p, seed)
 
 
 def _candidates(x: np.ndarray, m: float, top_k: int, top_p: float, min_logit: float) -> np.ndarray | None:

@@ -1,0 +1,219 @@
+"""Speculative decoding: a drafter proposes up to k tokens for a request, and one forward pass of the target
+verifies them all (the engine runs the request's pending token and its drafts as k + 1 rows of its batch).
+
+Drafters, behind one interface (`propose(seqs_and_room) -> {seq: Draft}`):
+    NgramDrafter     prompt lookup: the last n tokens (n from n_max down to n_min) matched against the prompt and
+                     the output so far; what followed the most recent match is proposed, one token at a time
+    DraftModel       a second GGUF model with the target's vocabulary, run by its own runner and block pool
+                     (the engine's machinery), batched over the requests that speculate
+Each proposed token is a function of the tokens before it alone (the n-gram lookup, or the draft model's
+token at that position with a uniform keyed by request and position), so what a seeded request samples does
+not depend on how many tokens were drafted at once.
+
+Verification (`verify`), per position i = 0 .. k of the k + 1 logits rows:
+    greedy       accept draft i while it equals the target's argmax; the first mismatch emits the target's token,
+                 and if all k are accepted the target's next token is emitted too. The target's logits are the
+                 bits plain decoding computes (batch invariance), so the output is bit-identical to it.
+    sampling     the rule of Leviathan et al. and Chen et al.: accept draft d with probability min(1, p(d) / q(d));
+                 on rejection emit a token drawn from the residual max(0, p - q) / Z and stop; after k
+                 acceptances draw the next token from p. The output distribution equals the target's.
+Rejected tokens' KV entries are dropped: the sequence's computed length stops at its accepted tokens and the
+blocks past it are freed (lumen.engine.scheduler.Scheduler.computed).
+
+Adaptive k (`choose_k`): per request, an exponential average of its acceptance rate alpha; the expected tokens of
+a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against the step time the engine measured for that many
+more tokens (lumen.engine.costs.StepCosts); k = 0 (plain decode) when speculation does not pay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import ACCEPT, PICK, RESIDUAL, uniform
+
+RULES = ("exact", "accept_all", "no_residual")   # the last two are wrong on purpose: the statistical test's foils
+
+
+@dataclass
+class Draft:
+    tokens: list                                    # proposed ids
+    q: list | None = None                           # per token: (ids or None, probs) the draft drew from; None: a
+                                                    # point mass on the token (the n-gram drafter)
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its drafter's index, its acceptance average, its counts."""
+    index: dict = field(default_factory=dict)       # n -> {ngram tuple: position after its last occurrence}
+    indexed: int = 0                                # tokens indexed so far
+    alpha: float = 0.7                              # acceptance rate estimate (exponential average)
+    steps: int = 0                                  # verification steps
+    proposed: int = 0
+    accepted: int = 0
+
+
+# ---------------------------------------------------------------- drafters
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        if not 1 <= n_min <= n_max <= 16:
+            raise ValueError(f"ngram sizes must satisfy 1 <= n_min <= n_max <= 16, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+
+    def _update(self, st: SpecState, tokens: list) -> None:
+        """Index every n-gram that a known token follows: key -> position of that token (latest wins)."""
+        for n in range(self.n_min, self.n_max + 1):
+            st.index.setdefault(n, {})
+        L = len(tokens)
+        for e in range(max(st.indexed, self.n_min), L):     # n-grams ending just before position e
+            for n in range(self.n_min, min(self.n_max, e) + 1):
+                st.index[n][tuple(tokens[e - n:e])] = e
+        st.indexed = max(st.indexed, L)
+
+    def next_token(self, st: SpecState, tokens: list, tail: list, overlay: dict) -> int | None:
+        """What followed the most recent occurrence of the longest matching suffix of tokens + tail among the
+        n-grams of tokens + tail (overlay: those that end inside the tail), so a token proposed at a position
+        depends on the tokens before it and nothing else."""
+        ctx = (tokens[-self.n_max:] + tail)[-self.n_max:]
+        for n in range(min(self.n_max, len(ctx)), self.n_min - 1, -1):
+            key = tuple(ctx[-n:])
+            e = overlay.get((n, key))
+            if e is not None:
+                return tail[e - len(tokens)]
+            e = st.index[n].get(key)
+            if e is not None:
+                return tokens[e] if e < len(tokens) else tail[e - len(tokens)]
+        return None
+
+    def propose(self, requests: list) -> dict:
+        """requests: [(seq, k)] -> {seq: Draft}; a sequence with no match gets no draft."""
+        out = {}
+        for seq, k in requests:
+            st = seq.spec
+            tokens = seq.tokens
+            self._update(st, tokens)
+            tail: list = []
+            overlay: dict = {}
+            while len(tail) < k:
+                t = self.next_token(st, tokens, tail, overlay)
+                if t is None:
+                    break
+                e = len(tokens) + len(tail)              # t's position; index the n-grams it follows
+                ctx = (tokens[-self.n_max:] + tail)[-self.n_max:]
+                for n in range(self.n_min, min(self.n_max, len(ctx)) + 1):
+                    overlay[(n, tuple(ctx[-n:]))] = e
+                tail.append(t)
+            if tail:
+                out[seq] = Draft(tail)
+        return out
+
+
+# ---------------------------------------------------------------- verification
+
+def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") -> tuple[list, int]:
+    """(emitted tokens, drafts accepted) of one request whose next position is pos: row(i) gives the processed
+    logits of its i-th verified position (the drafts before i accepted), i = 0 .. k. `sampler` is its
+    lumen.engine.sampler.Sampler; uniforms are keyed by (key, position, use)."""
+    k = len(draft.tokens)
+    emitted: list = []
+    for i in range(k + 1):
+        x = row(i)
+        if sampler.greedy:
+            t = sampler.pick(x, 0.0)
+            emitted.append(t)
+            if i == k or draft.tokens[i] != t:
+                return emitted, i
+            continue
+        ids, p = sampler.distribution(x)
+        if i == k:                                   # all accepted: the target's next token
+            emitted.append(_draw(ids, p, uniform(key, pos + i, PICK)))
+            return emitted, k
+        d = draft.tokens[i]
+        p_d = _prob(ids, p, d)
+        q_ids, q = (None, None) if draft.q is None else draft.q[i]
+        q_d = 1.0 if q is None else _prob(q_ids, q, d)
+        u = uniform(key, pos + i, ACCEPT)
+        if rule == "accept_all" or (rule == "exact" and u * q_d < p_d) or (rule == "no_residual" and q_d <= p_d):
+            emitted.append(d)
+            continue
+        if rule == "no_residual":                     # wrong on purpose: a fresh draw from p, not the residual
+            emitted.append(_draw(ids, p, uniform(key, pos + i, RESIDUAL)))
+            return emitted, i
+        r_ids, r = _residual(ids, p, q_ids, q, d)
+        emitted.append(_draw(r_ids, r, uniform(key, pos + i, RESIDUAL)))
+        return emitted, i
+    raise AssertionError("unreachable")
+
+
+def _prob(ids: np.ndarray | None, p: np.ndarray, t: int) -> float:
+    if ids is None:
+        return float(p[t]) if 0 <= t < p.size else 0.0
+    hit = np.flatnonzero(ids == t)
+    return float(p[hit[0]]) if hit.size else 0.0
+
+
+def _residual(ids, p, q_ids, q, d) -> tuple[np.ndarray | None, np.ndarray]:
+    """max(0, p - q), over p's support (q is zero elsewhere by the sign); q None: a point mass on d."""
+    r = p.copy()
+    if q is None:
+        where = np.flatnonzero(ids == d) if ids is not None else np.array([d])
+        r[where] = 0.0
+    else:
+        dense_q = _dense(q_ids, q, ids, p.size)
+        r = np.maximum(r - dense_q, 0.0)
+    s = r.sum()
+    if s <= 0.0:                                     # p == q: the draft was certain to be accepted
+        return ids, p
+    return ids, r / s
+
+
+def _dense(q_ids, q, ids, n) -> np.ndarray:
+    """q laid over p's support: ids (n,) token ids (None: the whole vocabulary, n = V)."""
+    if ids is None:
+        out = np.zeros(n)
+        if q_ids is None:
+            out[:q.size] = q
+        else:
+            out[q_ids] = q
+        return out
+    qmap = dict(zip(range(q.size), q)) if q_ids is None else dict(zip(q_ids.tolist(), q.tolist()))
+    return np.array([qmap.get(int(t), 0.0) for t in ids])
+
+
+def _draw(ids, p, u: float) -> int:
+    c = np.cumsum(p)
+    i = min(int(np.searchsorted(c, u * c[-1], side="right")), p.size - 1)
+    while p[i] == 0.0 and i > 0:
+        i -= 1
+    return i if ids is None else int(ids[i])
+
+
+# ---------------------------------------------------------------- adaptive k
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verification step yields with k drafts at acceptance rate alpha (the bonus token included)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def choose_k(alpha: float, k_max: int, cost) -> int:
+    """The k in 0 .. k_max with the most tokens per second, by cost(extra tokens) = the step's predicted time."""
+    best, best_rate = 0, 1.0 / cost(0)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / cost(k)
+        if rate > best_rate * 1.0001:
+            best, best_rate = k, rate
+    return best
+
+
+def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.3) -> None:
+    """Fold one verification into the acceptance average (the share of proposed tokens accepted)."""
+    if proposed:
+        st.alpha = (1 - weight) * st.alpha + weight * (accepted / proposed)
+        st.steps += 1
+        st.proposed += proposed
+        st.accepted += accepted
