@@ -5,16 +5,13 @@ stopping and detokenizing happen in the engine, so the server answers what `Mode
     POST /tokenize, /detokenize                    vLLM's and llama-server's shapes
     GET  /v1/models, /v1/models/{id}, /health, /metrics
 
-Every request passes the `Gate` first: its X-Request-Id (honoured, or made, and echoed), the API key, the body
-size bound (413), one log line when the response ends, and a 500 for that request alone if a handler fails.
+Every request passes the Gate first (lumen.serve.gate: request id, API key, body bound, log line, 500s).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -28,11 +25,11 @@ from ..errors import ContextError
 from . import protocol as P
 from .metrics import CONTENT_TYPE, Metrics
 from .prompts import Prompter
-from .responses import DONE, Reply, dumps, sse
+from .gate import Gate
+from .responses import DONE, Reply, sse
 from .worker import EngineWorker, QueueFull, ShuttingDown
 
 log = logging.getLogger("lumen.serve")
-OPEN_PATHS = ("/health", "/metrics")          # answered without the API key
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -242,98 +239,3 @@ async def _disconnected(request: Request) -> None:
             pass
     except Exception:                                # noqa: BLE001 - a broken connection is a gone client
         pass
-
-
-class Gate:
-    """Pure ASGI middleware in front of every route (see the module docstring)."""
-
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = headers.get("x-request-id") or uuid.uuid4().hex
-        state = scope.setdefault("state", {})
-        state["request_id"] = rid
-        t0 = time.perf_counter()
-        status = [0]
-
-        async def send_(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-                msg = dict(msg, headers=[*msg.get("headers", []), (b"x-request-id", rid.encode("latin-1"))])
-            await send(msg)
-            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
-                self._log(scope, status[0], rid, time.perf_counter() - t0, state.get("usage"))
-
-        async def reply(code: int, message: str, extra: list | None = None):
-            body = dumps(P.error_body(code, message)).encode()
-            await send_({"type": "http.response.start", "status": code,
-                         "headers": [(b"content-type", b"application/json"), *(extra or [])]})
-            await send_({"type": "http.response.body", "body": body})
-
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
-            return await reply(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                               [(b"www-authenticate", b"Bearer")])
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await self._read_body(headers, receive)
-            if body is None:
-                return await reply(413, f"the request body is larger than {self.max_body} bytes")
-            receive = _replay(body, receive)
-        try:
-            await self.app(scope, receive, send_)
-        except Exception as e:                       # noqa: BLE001 - whatever a handler broke: 500, that request
-            log.exception("request %s failed", rid)
-            if status[0] == 0:
-                await reply(500, f"internal error: {type(e).__name__}: {e}")
-
-    def _authorized(self, headers: dict) -> bool:
-        auth = headers.get("authorization", "")
-        key = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        return hmac.compare_digest(key.encode(), self.api_key.encode())
-
-    async def _read_body(self, headers: dict, receive) -> bytes | None:
-        """The whole body, or None once it is past the bound (Content-Length or counted)."""
-        try:
-            if int(headers.get("content-length", 0)) > self.max_body:
-                return None
-        except ValueError:
-            pass
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                break
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                return None
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
-        return b"".join(chunks)
-
-    @staticmethod
-    def _log(scope, status: int, rid: str, seconds: float, usage: dict | None) -> None:
-        client = scope.get("client")
-        who = f"{client[0]}:{client[1]}" if client else "-"
-        extra = ""
-        if usage:
-            extra = (f" prompt={usage['prompt_tokens']} completion={usage['completion_tokens']} "
-                     f"cached={usage['prompt_tokens_details']['cached_tokens']}")
-        log.info('%s "%s %s" %d %.3fs id=%s%s', who, scope["method"], scope["path"], status, seconds, rid, extra)
-
-
-def _replay(body: bytes, receive):
-    """A receive that gives the buffered body once, then what the client sends next (its disconnect)."""
-    sent = [False]
-
-    async def receive_():
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-    return receive_
-
