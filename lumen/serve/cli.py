@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %r (%s) on http://%s:%d: %d threads, max_model_len %d, %d KV blocks, max_num_seqs %d%s",
              name, engine.parts.path, args.host, args.port, engine.threads, engine.max_model_len, s["kv_blocks"],
              engine.max_num_seqs, ", API key required" if args.api_key else "")
-    serve(app, worker, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-          log_level=args.log_level)
+    try:
+        serve(app, worker, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+              log_level=args.log_level)
+    except KeyboardInterrupt:                          # a signal before uvicorn took them over: nothing in flight
+        pass
     log.info("stopped")
     return 0
