@@ -410,6 +410,8 @@ BAD_REQUESTS = [
     ("top_p 0", "/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("top_p > 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("min_p > 1", "/v1/completions", {"prompt": "x", "min_p": 2}, "min_p"),
+    ("repetition_penalty 0", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("repeat_penalty 0", "/v1/completions", {"prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),
     ("max_tokens 0", "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("n 0", "/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, "n"),

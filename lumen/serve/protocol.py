@@ -191,9 +191,12 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
               logit_bias=dict(req.logit_bias or {}))
     try:
         return SamplingParams(**kw)
-    except SamplerError as e:
-        field = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), field if field in kw else None) from None
+    except SamplerError as e:                    # named as the engine names it; said as the client said it
+        field, rest = str(e).split(" ", 1)
+        if field == "repeat_penalty" and req.repetition_penalty is not None:
+            field = "repetition_penalty"
+        raise ApiError(400, f"{field} {rest}", field if field in kw or field == "repetition_penalty" else None) \
+            from None
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
