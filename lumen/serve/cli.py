@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name (python -m lumen.models) or path to a .gguf file (default {DEFAULT_MODEL})")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="default 8000")
     ap.add_argument("--api-key", default=os.environ.get("LUMEN_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                          "(default: $LUMEN_API_KEY, else none)")
