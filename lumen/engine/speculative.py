@@ -111,6 +111,101 @@ class NgramDrafter:
         return out
 
 
+class DraftModel:
+    """A second model with the target's vocabulary, run by its own runner (the engine's forward pass) over its
+    own block pool. Each speculating request has a row of its block table; the draft's cache holds the request's
+    tokens up to `done[seq]`, and catches up (prefill of the new tokens) before drafting. Drafts of all requests
+    are made together: one batched forward per drafted position."""
+    name = "draft"
+
+    def __init__(self, model, engine, *, threads: int):
+        from ..kernels.attention import BLOCK
+        from .block_manager import BlockManager
+        from .llm import Model, load_parts
+        from .runner import Runner
+        parts = model.parts if isinstance(model, Model) else load_parts(model)
+        if parts.config.n_vocab != engine.config.n_vocab:
+            raise ValueError(f"the draft model's vocabulary has {parts.config.n_vocab} tokens, the target's "
+                             f"{engine.config.n_vocab}: they must share one")
+        self.parts = parts
+        max_blocks = -(-engine.max_model_len // BLOCK)
+        rows = engine.max_num_seqs
+        self.max_tokens = max(engine.max_num_batched_tokens, rows * 16)
+        self.runner = Runner(parts.config, parts.bundle, parts.rope_freqs, n_blocks=rows * max_blocks,
+                             max_tokens=self.max_tokens, max_rows=rows, max_blocks=max_blocks, n_threads=threads)
+        self.blocks = BlockManager(rows * max_blocks, self.runner.table, prefix_caching=False)
+        self.state: dict = {}                        # seq -> [row, n_blocks, done]
+
+    def forget(self, seq) -> None:
+        st = self.state.pop(seq, None)
+        if st is not None:
+            self.blocks.release(st[0], st[1])
+            self.blocks.give_row(st[0])
+
+    def _forward(self, items: list, sample: bool):
+        """One draft forward over items [(seq, state, tokens)]; the last row of each is sampled when asked."""
+        r, i, rows = self.runner, 0, []
+        for seq, st, toks in items:
+            need = self.blocks.blocks_for(st[2] + len(toks)) - st[1]
+            if need > 0:
+                self.blocks.allocate(st[0], st[1], st[1] + need)
+                st[1] += need
+            i = r.set_tokens(i, toks, st[2], st[0])
+            st[2] += len(toks)
+            rows.append(i - 1)
+        r.set_out_rows(rows if sample else rows[-1:])
+        return r.forward(i, len(rows) if sample else 1)
+
+    def propose(self, requests: list) -> dict:
+        """requests: [(seq, k)] -> {seq: Draft}: the draft's own tokens, drawn with the request's sampler and a
+        uniform keyed by its position (DRAFT use), their distributions kept for verification. The draft's cache
+        first catches up with the request's tokens (prefill chunks), then each drafted position is one batched
+        forward of every request still drafting."""
+        from .sampling import DRAFT
+        for seq in [q for q in self.state if q.finished]:
+            self.forget(seq)
+        active = []
+        for seq, k in requests:
+            st = self.state.get(seq)
+            if st is None:
+                st = self.state[seq] = [self.blocks.take_row(), 0, 0]
+            st[2] = min(st[2], len(seq.tokens) - 1)  # past the tokens the draft agrees with: stale
+            if self.blocks.blocks_for(len(seq.tokens) + k) - st[1] > self.blocks.num_free:
+                continue                             # no room in the draft's pool: no draft this step
+            active.append((seq, k, st))
+        while True:                                  # catch up, everything but the pending token
+            items, room = [], self.max_tokens
+            for seq, _, st in active:
+                n = min(len(seq.tokens) - 1 - st[2], room)
+                if n > 0:
+                    items.append((seq, st, seq.tokens[st[2]:st[2] + n]))
+                    room -= n
+            if not items:
+                break
+            self._forward(items, sample=False)
+        drafts = {seq: ([], []) for seq, _, _ in active}
+        for step in range(max((k for _, k, _ in active), default=0)):
+            items = [(seq, st, [seq.tokens[-1]] if step == 0 else [drafts[seq][0][-1]])
+                     for seq, k, st in active if step < k]
+            logits = self._forward(items, sample=True)
+            for j, (seq, st, _) in enumerate(items):
+                ch = seq.chooser
+                x = ch.process(logits[j], seq.tokens + drafts[seq][0], len(seq.output_ids) + step)
+                if ch.sampler.greedy:
+                    t, q = ch.sampler.pick(x, 0.0), None
+                else:
+                    ids, p = ch.sampler.distribution(x)
+                    t, q = _draw(ids, p, uniform(ch.key, len(seq.tokens) + step, DRAFT)), (ids, p)
+                drafts[seq][0].append(t)
+                drafts[seq][1].append(q)
+        out = {}
+        for seq, _, st in active:
+            toks, qs = drafts[seq]
+            if toks:
+                out[seq] = Draft(toks, None if all(q is None for q in qs) else qs)
+        return out
+
+
 # ---------------------------------------------------------------- verification
 
 def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") -> tuple[list, int]:
