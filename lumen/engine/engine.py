@@ -36,7 +36,6 @@ from .sampling import SamplingParams
 from .scheduler import Scheduled, Scheduler
 from .costs import StepCosts
 from .sequence import RequestOutput, Sequence, Status
-from .speculative import Draft as _Draft
 from .speculative import DraftModel, NgramDrafter, SpecState, choose_k, update_alpha, verify
 
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
@@ -115,6 +114,7 @@ class Engine:
         if draft_model is not None:
             self.draft = DraftModel(draft_model, self, threads=self.threads)
         self.costs = StepCosts()
+        self.spec_rule = "exact"        # the acceptance rule; tests set a wrong one to show their test fails it
         self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []     # outputs made outside step() (aborts), returned by the next
@@ -228,11 +228,16 @@ class Engine:
         return choose_k(st.alpha, k_max, cost)
 
     def _draft(self, plan: list[Scheduled]) -> None:
-        """Fill in the drafts of the planned sequences that reserved room for them."""
+        """Fill in the drafts of the planned sequences that reserved room for them. A sampled request that
+        speculates also gets the draft's token for the position after its verified ones (and for a position it
+        samples without drafting), which lumen.engine.speculative.verify decides by the acceptance rule."""
         by_kind: dict[str, list] = {}
         for s in plan:
-            if s.k:
-                by_kind.setdefault(s.seq.params.speculative, []).append((s.seq, s.k))
+            seq = s.seq
+            extra = int(s.samples and seq.spec is not None and not seq.chooser.sampler.greedy
+                        and bool(seq.output_ids))
+            if s.k or extra:
+                by_kind.setdefault(seq.params.speculative, []).append((seq, s.k + extra))
         got = {}
         if "ngram" in by_kind:
             got.update(self.ngram.propose(by_kind["ngram"]))
@@ -241,7 +246,7 @@ class Engine:
         for s in plan:
             d = got.get(s.seq)
             if d is not None:
-                s.draft, s.q = d.tokens, d.q
+                s.draft, s.q, s.proposal = d.tokens[:s.k], d.q, d
 
     def _run(self, plan: list[Scheduled], prof) -> tuple[np.ndarray, int]:
         """Fill the runner's batch from the plan and run the forward pass; logits of the sampled rows (a
@@ -300,7 +305,7 @@ class Engine:
                 emitted.append(t)
                 if seq.finish_reason is not None:
                     break
-            if s.draft:
+            if s.proposal is not None and s.draft:
                 a = min(accepted, len(emitted))
                 update_alpha(seq.spec, len(s.draft), a)
                 seq.metrics.spec_proposed += len(s.draft)
@@ -319,7 +324,7 @@ class Engine:
         """(tokens, drafts accepted) for a sequence whose logits start at logits[row]."""
         ch = seq.chooser
         hist, n_out = seq.tokens, len(seq.output_ids)
-        if not s.draft:
+        if s.proposal is None:
             x = ch.process(logits[row], hist, n_out)
             tok = ch.pick(x, len(hist))
             if seq.logprobs is not None:
@@ -331,7 +336,7 @@ class Engine:
             if i not in done:
                 done[i] = ch.process(logits[row + i], hist + s.draft[:i], n_out + i)
             return done[i]
-        toks, accepted = verify(processed, _Draft(s.draft, s.q), ch.key, len(hist), ch.sampler)
+        toks, accepted = verify(processed, s.proposal, len(s.draft), ch.key, len(hist), ch.sampler, self.spec_rule)
         if seq.logprobs is not None:
             for i, t in enumerate(toks):
                 seq.logprobs.append(ch.logprobs(processed(i), t))

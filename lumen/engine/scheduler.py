@@ -28,6 +28,7 @@ class Scheduled:
     k: int = 0                 # room reserved for speculative tokens
     draft: list = field(default_factory=list)   # the drafted tokens (<= k), run after them and verified
     q: list | None = None      # the draft's distributions, per drafted token (None: point masses)
+    proposal: object = None    # the drafter's lumen.engine.speculative.Draft (may hold one more token than draft)
 
     @property
     def samples(self) -> bool:

@@ -208,11 +208,14 @@ class DraftModel:
 
 # ---------------------------------------------------------------- verification
 
-def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") -> tuple[list, int]:
-    """(emitted tokens, drafts accepted) of one request whose next position is pos: row(i) gives the processed
-    logits of its i-th verified position (the drafts before i accepted), i = 0 .. k. `sampler` is its
-    lumen.engine.sampler.Sampler; uniforms are keyed by (key, position, use)."""
-    k = len(draft.tokens)
+def verify(row, draft: Draft, k: int, key: int, pos: int, sampler, rule: str = "exact") -> tuple[list, int]:
+    """(emitted tokens, drafts accepted) of one request whose next position is pos, k of whose drafted tokens
+    the target ran: row(i) gives the processed logits of its i-th verified position (the drafts before i
+    accepted), i = 0 .. k. draft.tokens may hold one more token than k, the draft's token for position k: a
+    sampled request then decides that position by the same acceptance rule, so every position's token is the
+    same function of the draft and the keyed uniforms whether the target verified it in this step or not
+    (without a draft token there, the plain draw). `sampler` is its lumen.engine.sampler.Sampler; uniforms are
+    keyed by (key, position, use)."""
     emitted: list = []
     for i in range(k + 1):
         x = row(i)
@@ -223,9 +226,9 @@ def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") 
                 return emitted, i
             continue
         ids, p = sampler.distribution(x)
-        if i == k:                                   # all accepted: the target's next token
+        if i >= len(draft.tokens):                   # no draft token for this position: the plain draw
             emitted.append(_draw(ids, p, uniform(key, pos + i, PICK)))
-            return emitted, k
+            return emitted, i
         d = draft.tokens[i]
         p_d = _prob(ids, p, d)
         q_ids, q = (None, None) if draft.q is None else draft.q[i]
@@ -233,13 +236,15 @@ def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") 
         u = uniform(key, pos + i, ACCEPT)
         if rule == "accept_all" or (rule == "exact" and u * q_d < p_d) or (rule == "no_residual" and q_d <= p_d):
             emitted.append(d)
+            if i == k:                               # the draft's token for the position after the verified ones
+                return emitted, k
             continue
         if rule == "no_residual":                     # wrong on purpose: a fresh draw from p, not the residual
             emitted.append(_draw(ids, p, uniform(key, pos + i, RESIDUAL)))
-            return emitted, i
+            return emitted, min(i, k)
         r_ids, r = _residual(ids, p, q_ids, q, d)
         emitted.append(_draw(r_ids, r, uniform(key, pos + i, RESIDUAL)))
-        return emitted, i
+        return emitted, min(i, k)
     raise AssertionError("unreachable")
 
 
