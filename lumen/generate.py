@@ -76,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("--special", action="store_true", help="parse special-token text in a plain prompt")
+    sp = ap.add_argument_group("speculative decoding (greedy output is identical; sampled output has the same "
+                               "distribution)")
+    sp.add_argument("--speculative", choices=["ngram", "draft"],
+                    help="draft tokens by prompt lookup (ngram) or with --draft-model, verified in one pass")
+    sp.add_argument("--draft-model", help="a model sharing the target's vocabulary (registry name or .gguf path)")
+    sp.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="the most tokens drafted per step (default 5; the engine adapts k to the acceptance)")
+    sp.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup matches (default 1)")
+    sp.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the lookup matches (default 4)")
     return ap
 
 
@@ -151,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         model = load_model(args.model, args.ctx, args.threads, args.force_ctx)
         t_load = time.perf_counter() - t0
+        if args.speculative == "draft" and not args.draft_model:
+            raise LumenError("--speculative draft needs --draft-model")
+        if args.draft_model and args.speculative != "draft":
+            raise LumenError("--draft-model is used with --speculative draft")
+        if args.speculative:
+            draft = load_model(args.draft_model, args.ctx, args.threads, args.force_ctx) if args.draft_model else None
+            model.speculation(draft_model=draft, num_speculative_tokens=args.num_speculative_tokens or 5,
+                              ngram_min=args.ngram_min, ngram_max=args.ngram_max)
         with status_while_compiling(err, "compiling kernels (first run only; cached afterwards)..."):
             t_compile = model.warmup()
         prompt, special = args.prompt, args.special
@@ -166,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                              top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                              repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop, special=special,
-                             stats=stats)
+                             stats=stats, speculative=args.speculative,
+                             num_speculative_tokens=args.num_speculative_tokens)
         out = sys.stdout
         for tok in gen:
             out.write(tok.text)
@@ -185,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     line = (f"prompt {stats.prompt_tokens} tok | TTFT {stats.ttft_s * 1e3:.0f} ms | prefill "
             f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT {stats.tpot_s * 1e3:.1f} ms"
             f" | {stats.gen_tokens} generated ({stats.stop_reason}) | load {t_load:.2f} s"
-            + (f" | compile {t_compile:.1f} s" if t_compile > 1.0 else ""))
+            + (f" | compile {t_compile:.1f} s" if t_compile > 1.0 else "")
+            + (f" | {args.speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "
+               f"{stats.mean_accepted_length:.2f} tok/step" if stats.spec_steps else ""))
     if err.is_terminal:
         err.print(f"[dim]{line}[/]")
     else:

@@ -34,7 +34,9 @@ from .block_manager import BlockManager
 from .runner import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduled, Scheduler
+from .costs import StepCosts
 from .sequence import RequestOutput, Sequence, Status
+from .speculative import DraftModel, NgramDrafter, SpecState, choose_k, update_alpha, verify
 
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
 
@@ -58,10 +60,15 @@ class Engine:
     def __init__(self, model, *, threads: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_mb: float | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 pack_cache: bool | None = None, _runner: Runner | None = None):
+                 pack_cache: bool | None = None, draft_model=None, num_speculative_tokens: int = 5,
+                 ngram_min: int = 1, ngram_max: int = 4, _runner: Runner | None = None):
         """model: a registry name, a .gguf path, or a loaded lumen.Model (its weights are shared).
         max_model_len: longest prompt + output (default: the model's trained context).
-        kv_cache_mb: the KV block pool's size (default min(1024, a fifth of the available memory))."""
+        kv_cache_mb: the KV block pool's size (default min(1024, a fifth of the available memory)).
+        Speculative decoding (per request: SamplingParams(speculative="ngram" | "draft")): draft_model, a
+        model with the target's vocabulary (name, path or lumen.Model) for "draft"; num_speculative_tokens, the
+        most tokens drafted per step (a request may ask for fewer); ngram_min/ngram_max, the n-gram sizes the
+        "ngram" drafter matches (lumen.engine.speculative)."""
         from .llm import Model, load_parts
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -99,6 +106,15 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    chunked_prefill=enable_chunked_prefill)
+        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {num_speculative_tokens!r}")
+        self.k_max = num_speculative_tokens
+        self.ngram = NgramDrafter(ngram_min, ngram_max)
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftModel(draft_model, self, threads=self.threads)
+        self.costs = StepCosts()
+        self.spec_rule = "exact"        # the acceptance rule; tests set a wrong one to show their test fails it
         self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []     # outputs made outside step() (aborts), returned by the next
@@ -133,6 +149,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a lumen.SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.n_vocab)
+        if params.speculative == "draft" and self.draft is None:
+            raise RequestError("speculative='draft' needs a draft model: Engine(..., draft_model=...)")
         ids = self._prompt_ids(prompt, params)
         n = len(ids)
         if n >= self.max_model_len:
@@ -152,6 +170,8 @@ class Engine:
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens, self.tokenizer, self.end_ids)
+            if params.speculative is not None:
+                seq.spec = SpecState()
             self._seqs[rid] = seq
             self.scheduler.add(seq)
         return rid
@@ -164,7 +184,7 @@ class Engine:
                 return
             self.scheduler.finish(seq, "abort")
             seq.metrics.finished = time.perf_counter()
-            self._pending.append(seq.output([], ""))
+            self._pending.append(seq.output([], []))
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -175,79 +195,152 @@ class Engine:
         """Run one step; returns an output for every request that advanced or ended."""
         prof = profiler_active()
         prof.begin_step("decode")
+        t0 = time.perf_counter()
         with self._lock:
             outs, self._pending = self._pending, []
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(speculate=self._speculate)
         if not plan:
             prof.cancel_step()
             return outs
         self.steps += 1
         prof.lap("schedule")
-        logits = self._run(plan, prof)
+        self._draft(plan)
+        logits, n_tokens = self._run(plan, prof)
         with self._lock:
             outs += self._postprocess(plan, logits, prof)
+        self.costs.add(n_tokens, time.perf_counter() - t0)
         prof.end_step()
         return outs
 
-    def _run(self, plan: list[Scheduled], prof) -> np.ndarray:
-        """Fill the runner's batch from the plan and run the forward pass; logits of the sampled rows."""
+    # ---- speculative decoding (lumen.engine.speculative)
+    def _speculate(self, seq: Sequence, room: int, planned: int) -> int:
+        """Drafted tokens for a decoding sequence: k with the most expected tokens per second of step time, by
+        its acceptance rate and the step times measured for that many tokens (0: plain decode pays more)."""
+        st = seq.spec
+        k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
+        if k_max <= 0:
+            return 0
+        base = planned + 1
+        c0 = self.costs.predict(base)
+        if c0 is None or not self.costs.known(base + k_max):       # not measured yet: explore both ends
+            return 0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max
+        cost = lambda k: self.costs.predict(base + k) or c0  # noqa: E731
+        return choose_k(st.alpha, k_max, cost)
+
+    def _draft(self, plan: list[Scheduled]) -> None:
+        """Fill in the drafts of the planned sequences that reserved room for them. A sampled request that
+        speculates also gets the draft's token for the position after its verified ones (and for a position it
+        samples without drafting), which lumen.engine.speculative.verify decides by the acceptance rule."""
+        by_kind: dict[str, list] = {}
+        for s in plan:
+            seq = s.seq
+            extra = int(s.samples and seq.spec is not None and not seq.chooser.sampler.greedy
+                        and bool(seq.output_ids))
+            if s.k or extra:
+                by_kind.setdefault(seq.params.speculative, []).append((seq, s.k + extra))
+        got = {}
+        if "ngram" in by_kind:
+            got.update(self.ngram.propose(by_kind["ngram"]))
+        if "draft" in by_kind:
+            got.update(self.draft.propose(by_kind["draft"]))
+        for s in plan:
+            d = got.get(s.seq)
+            if d is not None:
+                s.draft, s.q, s.proposal = d.tokens[:s.k], d.q, d
+
+    def _run(self, plan: list[Scheduled], prof) -> tuple[np.ndarray, int]:
+        """Fill the runner's batch from the plan and run the forward pass; logits of the sampled rows (a
+        speculating sequence: its last 1 + len(draft) rows), and the step's token count."""
         r = self.runner
         i, out_rows, kv_tokens, n_decode = 0, [], 0, 0
         for s in plan:
             seq = s.seq
-            i = r.set_tokens(i, seq.tokens[s.start:s.start + s.n], s.start, seq.row)
-            kv_tokens += s.start + s.n
+            toks = seq.tokens[s.start:s.start + s.n]
+            i = r.set_tokens(i, toks + s.draft if s.draft else toks, s.start, seq.row)
+            kv_tokens += s.start + s.n + len(s.draft)
             n_decode += s.n == 1
             if s.samples:
-                out_rows.append(i - 1)
+                out_rows.extend(range(i - 1 - len(s.draft), i))
         phase = "decode" if n_decode == len(plan) else "prefill" if n_decode == 0 else "mixed"
         n_out = r.set_out_rows(out_rows)
         if prof.enabled:
             prof.describe(phase, i, len(plan), kv_tokens)
             prof.lap("prepare")
-        return r.forward(i, n_out)
+        return r.forward(i, n_out), i
 
     def _postprocess(self, plan: list[Scheduled], logits: np.ndarray, prof) -> list[RequestOutput]:
-        """Advance every planned sequence by what was computed, sample the ones whose logits came back, then
-        detokenize, check their stops and free the finished."""
+        """Advance every planned sequence by what was computed, choose the tokens of the ones whose logits came
+        back (verifying their drafts), then detokenize, check their stops and free the finished."""
         now = time.perf_counter()
-        sampled, k = [], 0
+        chosen, k = [], 0
         for s in plan:
             seq = s.seq
             row = k
-            k += s.samples
+            k += (1 + len(s.draft)) if s.samples else 0
             if seq.finished:                        # aborted while the step ran
                 continue
             if seq.metrics.first_scheduled is None:
                 seq.metrics.first_scheduled = now
-            self.scheduler.computed(s)
-            if s.samples:
-                try:
-                    sampled.append((seq, self._sample(seq, logits[row])))
-                except SamplerError as e:           # NaN logits and the like: this request only
-                    sampled.append((seq, str(e)))
+            if not s.samples:
+                self.scheduler.computed(s)
+                continue
+            try:
+                toks, accepted = self._choose(seq, s, logits, row)
+            except SamplerError as e:               # NaN logits and the like: this request only
+                chosen.append((s, str(e), 0))
+                continue
+            chosen.append((s, toks, accepted))
         prof.lap("sample")
         outs = []
-        for seq, tok in sampled:
-            if isinstance(tok, str):
-                seq.error = tok
+        for s, toks, accepted in chosen:
+            seq = s.seq
+            if isinstance(toks, str):
+                seq.error = toks
                 self._finish(seq, "error", now)
-                outs.append(seq.output([], ""))
+                outs.append(seq.output([], []))
                 continue
-            text = seq.append(tok, now)
+            pieces, emitted = [], []
+            for t in toks:
+                pieces.append(seq.append(t, now))
+                emitted.append(t)
+                if seq.finish_reason is not None:
+                    break
+            if s.proposal is not None and s.draft:
+                a = min(accepted, len(emitted))
+                update_alpha(seq.spec, len(s.draft), a)
+                seq.metrics.spec_proposed += len(s.draft)
+                seq.metrics.spec_accepted += a
+                seq.metrics.spec_steps += 1
+                self.scheduler.computed(s, n_accepted=a)
+            else:
+                self.scheduler.computed(s)
             if seq.finish_reason is not None:
                 self._finish(seq, None, now)
-            outs.append(seq.output([tok], text))
+            outs.append(seq.output(emitted, pieces))
         prof.lap("detokenize")
         return outs
 
-    def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
+    def _choose(self, seq: Sequence, s: Scheduled, logits: np.ndarray, row: int) -> tuple[list, int]:
+        """(tokens, drafts accepted) for a sequence whose logits start at logits[row]."""
         ch = seq.chooser
-        x = ch.process(logits, seq.tokens, len(seq.output_ids))
-        tok = ch.sample(x)
+        hist, n_out = seq.tokens, len(seq.output_ids)
+        if s.proposal is None:
+            x = ch.process(logits[row], hist, n_out)
+            tok = ch.pick(x, len(hist))
+            if seq.logprobs is not None:
+                seq.logprobs.append(ch.logprobs(x, tok))
+            return [tok], 0
+        done: dict[int, np.ndarray] = {}
+
+        def processed(i: int) -> np.ndarray:        # row i sees the drafts before it as history
+            if i not in done:
+                done[i] = ch.process(logits[row + i], hist + s.draft[:i], n_out + i)
+            return done[i]
+        toks, accepted = verify(processed, s.proposal, len(s.draft), ch.key, len(hist), ch.sampler, self.spec_rule)
         if seq.logprobs is not None:
-            seq.logprobs.append(ch.logprobs(x, tok))
-        return tok
+            for i, t in enumerate(toks):
+                seq.logprobs.append(ch.logprobs(processed(i), t))
+        return toks, accepted
 
     def _finish(self, seq: Sequence, reason: str | None, now: float) -> None:
         self.scheduler.finish(seq, reason)

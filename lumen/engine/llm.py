@@ -98,6 +98,17 @@ class GenStats:
     decode_s: float = 0.0
     stop_reason: str = ""
     itl_s: list = field(default_factory=list)  # inter-token latencies of decode steps
+    spec_proposed: int = 0                     # speculative decoding: tokens drafted, accepted, verify steps
+    spec_accepted: int = 0
+    spec_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.spec_accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -149,6 +160,7 @@ class Model:
                              max_blocks=nb, n_threads=self.threads)
         self.n_past = 0                              # positions 0 .. n_past-1 are in the cache
         self._engine = None
+        self._spec = {}                              # speculative decoding options of the engine (speculation())
         self.reset()
 
     # ---- tokenizer ----
@@ -233,14 +245,24 @@ class Model:
             from .engine import Engine
             self._engine = Engine(self, max_model_len=self.n_ctx, max_num_seqs=1,
                                   max_num_batched_tokens=self.n_batch, enable_prefix_caching=False,
-                                  _runner=self.runner)
+                                  _runner=self.runner, **self._spec)
         return self._engine
+
+    def speculation(self, *, draft_model=None, num_speculative_tokens: int = 5, ngram_min: int = 1,
+                    ngram_max: int = 4) -> None:
+        """Set up speculative decoding for generate(..., speculative="ngram" | "draft"): draft_model (a
+        lumen.Model, name or path sharing this model's vocabulary) for "draft", the most tokens drafted per step,
+        the n-gram sizes the "ngram" drafter matches (lumen.engine.speculative)."""
+        self._spec = dict(draft_model=draft_model, num_speculative_tokens=num_speculative_tokens,
+                          ngram_min=ngram_min, ngram_max=ngram_max)
+        self._engine = None
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_last_n: int = 64,
                  seed: int | None = None, stop: Sequence[str] = (), special: bool = False,
-                 stats: GenStats | None = None, params: SamplingParams | None = None) -> Iterator[Token]:
+                 stats: GenStats | None = None, params: SamplingParams | None = None,
+                 speculative: str | None = None, num_speculative_tokens: int | None = None) -> Iterator[Token]:
         """Yield generated tokens as they are produced, from a fresh sequence.
 
         prompt: text (tokenized with the model's BOS default; `special` parses special-token text) or token ids.
@@ -248,6 +270,7 @@ class Model:
         (the text before it is yielded, the stop string itself is not). The end-of-generation token itself is
         yielded only if it releases held-back text (a possible stop-string prefix), with that text.
         params: a SamplingParams instead of the keyword arguments (for everything else it holds).
+        speculative: "ngram" or "draft" (see speculation()) drafts tokens and verifies them in one pass.
         """
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
@@ -257,7 +280,8 @@ class Model:
             params = SamplingParams(max_tokens=max_tokens or None, temperature=temperature, top_k=top_k,
                                     top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                    repeat_last_n=repeat_last_n, seed=seed, stop=tuple(stop), special=special)
+                                    repeat_last_n=repeat_last_n, seed=seed, stop=tuple(stop), special=special,
+                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, special=params.special)
         else:
@@ -290,15 +314,17 @@ class Model:
                     stats.gen_tokens = m.generated_tokens
                     stats.itl_s = m.itl
                     stats.decode_s = sum(m.itl)
+                    stats.spec_proposed, stats.spec_accepted = m.spec_proposed, m.spec_accepted
+                    stats.spec_steps = m.spec_steps
                     if done:
                         stats.stop_reason = ("eos" if out.finish_reason == "stop" and out.stop_reason is None
                                              else out.finish_reason)
                         if out.error:
                             raise LumenError(out.error)
-                    for tok in out.delta_token_ids:
-                        if tok in engine.end_ids and not out.delta_text:
+                    for tok, text in zip(out.delta_token_ids, out.delta_pieces):
+                        if tok in engine.end_ids and not text:
                             continue
-                        yield Token(tok, out.delta_text)
+                        yield Token(tok, text)
         finally:
             if not done:
                 engine.abort(rid)

@@ -4,9 +4,14 @@ Everything `Model.generate` accepts, plus what serving needs (in the manner of v
 per request (its own RNG, so its tokens do not depend on what runs beside it), ignore_eos, stop_token_ids,
 min_tokens, logprobs (the top-k log-probabilities of each sampled token) and logit_bias.
 
-Order per token: logit_bias, min_tokens (end tokens masked), penalties (lumen.sampler.make_logits_processors),
-then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.sampler.make_sampler). logprobs are the
-log-softmax of the logits after bias and penalties, before temperature and truncation.
+Order per token: logit_bias, min_tokens (end tokens masked), penalties (lumen.engine.sampler.make_logits_processors),
+then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampler.make_sampler), drawn with a
+uniform keyed by the request's seed and the token's position (`uniform`). logprobs are the log-softmax of the
+logits after bias and penalties, before temperature and truncation.
+
+Seeds: a seeded request's tokens are reproducible for the same engine configuration. With speculative decoding
+the tokens it samples may differ from those of plain sampling with the same seed (the drafts change which
+uniforms decide), but their distribution is the same.
 """
 from __future__ import annotations
 
@@ -19,6 +24,26 @@ import numpy as np
 from .sampler import SamplerError, StopChecker, make_logits_processors, make_sampler
 
 MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
+PICK, ACCEPT, RESIDUAL, DRAFT = range(4)   # what a keyed uniform is for (see `uniform`)
+_M64 = (1 << 64) - 1
+
+
+def uniform(key: int, pos: int, use: int) -> float:
+    """A uniform in [0, 1) that depends on (key, position, use) alone (splitmix64 of their mix). A request draws
+    the uniform that decides its token at a position from its key and that position, so its tokens do not
+    depend on how the engine grouped its steps (speculative drafts of any length, preemption, batching)."""
+    z = (key + 0x9E3779B97F4A7C15 * (4 * pos + use + 1)) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+def request_key(seed: int | None) -> int:
+    """A request's key: mixed from its seed, or fresh entropy without one."""
+    if seed is None:
+        import os
+        return int.from_bytes(os.urandom(8), "little")
+    return int(uniform(int(seed) & _M64, 0, 0) * (1 << 53)) ^ (int(seed) >> 11)
 
 
 def _fail(name: str, msg: str, value) -> None:
@@ -136,14 +161,19 @@ class TokenChooser:
     def __init__(self, params: SamplingParams, end_ids: frozenset):
         p = params
         self.params = p
-        self.sample = make_sampler(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                                   seed=p.seed)
+        self.sampler = make_sampler(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                    seed=p.seed)
+        self.key = request_key(p.seed)
         self.penalize = make_logits_processors(repeat_penalty=p.repeat_penalty, presence_penalty=p.presence_penalty,
                                                frequency_penalty=p.frequency_penalty, last_n=p.repeat_last_n)
         self.bias_ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
         self.bias = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else end_ids)
         self.mask_ids = np.array(sorted(self.stop_ids | end_ids), np.int64)
+
+    def pick(self, logits: np.ndarray, pos: int) -> int:
+        """The token at position pos from its processed logits."""
+        return self.sampler.pick(logits, 0.0 if self.sampler.greedy else uniform(self.key, pos, PICK))
 
     def process(self, logits: np.ndarray, history: Sequence[int], n_generated: int) -> np.ndarray:
         """logits (V,) after bias, min_tokens and penalties (modified in place)."""

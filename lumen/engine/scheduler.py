@@ -25,7 +25,10 @@ class Scheduled:
     seq: Sequence
     start: int                 # first position computed this step (== seq.num_computed)
     n: int                     # tokens of seq.tokens computed this step
-    draft: list = field(default_factory=list)   # speculative tokens run after them (verified, maybe rejected)
+    k: int = 0                 # room reserved for speculative tokens
+    draft: list = field(default_factory=list)   # the drafted tokens (<= k), run after them and verified
+    q: list | None = None      # the draft's distributions, per drafted token (None: point masses)
+    proposal: object = None    # the drafter's lumen.engine.speculative.Draft (may hold one more token than draft)
 
     @property
     def samples(self) -> bool:
@@ -52,9 +55,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the plan of one step
-    def schedule(self, budget: int | None = None, draft_for=None) -> list[Scheduled]:
-        """budget: this step's token budget (default max_num_batched_tokens). draft_for(seq, room) -> list of
-        speculative tokens for a decoding sequence (at most `room`), or None."""
+    def schedule(self, budget: int | None = None, speculate=None) -> list[Scheduled]:
+        """budget: this step's token budget (default max_num_batched_tokens). speculate(seq, room, planned) -> how
+        many tokens (<= room) to draft for a decoding sequence that speculates, given the tokens planned so far;
+        room for them is reserved (Scheduled.k) and the drafts are filled in after scheduling."""
         budget = self.budget if budget is None else budget
         bm = self.blocks
         plan: list[Scheduled] = []
@@ -65,11 +69,11 @@ class Scheduler:
             if n < seq.num_tokens - seq.num_computed and not self.chunked_prefill:
                 i += 1
                 continue
-            draft = []
-            if draft_for is not None and n == 1 and seq.num_tokens - seq.num_computed == 1:
+            k = 0
+            if speculate is not None and seq.spec is not None and n == 1 and seq.num_tokens - seq.num_computed == 1:
                 room = min(budget - 1, seq.max_tokens - len(seq.output_ids) - 1)
-                draft = draft_for(seq, room) or [] if room > 0 else []
-            need = bm.blocks_for(seq.num_computed + n + len(draft)) - seq.n_blocks
+                k = speculate(seq, room, self.budget - budget) if room > 0 else 0
+            need = bm.blocks_for(seq.num_computed + n + k) - seq.n_blocks
             while need > 0 and not bm.can_allocate(need):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -80,8 +84,8 @@ class Scheduler:
             if need > 0:
                 bm.allocate(seq.row, seq.n_blocks, seq.n_blocks + need)
                 seq.n_blocks += need
-            plan.append(Scheduled(seq, seq.num_computed, n, draft))
-            budget -= n + len(draft)
+            plan.append(Scheduled(seq, seq.num_computed, n, k))
+            budget -= n + k
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

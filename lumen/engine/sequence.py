@@ -31,7 +31,8 @@ class RequestMetrics:
     generated_tokens: int = 0
     preemptions: int = 0
     spec_proposed: int = 0             # speculative tokens proposed and verified
-    spec_accepted: int = 0
+    spec_accepted: int = 0             # ... and accepted
+    spec_steps: int = 0                # verification steps
 
     @property
     def queue_s(self) -> float:
@@ -54,7 +55,13 @@ class RequestMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
+        """Share of the drafted tokens that were accepted."""
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification step: the accepted drafts plus the target's own token."""
+        return (self.spec_accepted + self.spec_steps) / self.spec_steps if self.spec_steps else None
 
 
 @dataclass
@@ -73,6 +80,7 @@ class RequestOutput:
     logprobs: list | None = None        # per generated token: (log p, [(id, log p) of the top k])
     error: str | None = None
     stop_reason: object = None          # what stopped it: the stop string or stop token id; None for EOS
+    delta_pieces: list = field(default_factory=list)   # the text each delta token released (joined: delta_text)
 
 
 class Sequence:
@@ -139,8 +147,8 @@ class Sequence:
         self.text += text
         return text
 
-    def output(self, delta_ids: list, delta_text: str) -> RequestOutput:
+    def output(self, delta_ids: list, pieces: list) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
-                             self.finished, self.finish_reason, self.metrics, delta_ids, delta_text,
+                             self.finished, self.finish_reason, self.metrics, delta_ids, "".join(pieces),
                              None if self.logprobs is None else list(self.logprobs), self.error,
-                             self.stop_reason)
+                             self.stop_reason, pieces)

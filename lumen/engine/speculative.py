@@ -111,13 +111,111 @@ class NgramDrafter:
         return out
 
 
+class DraftModel:
+    """A second model with the target's vocabulary, run by its own runner (the engine's forward pass) over its
+    own block pool. Each speculating request has a row of its block table; the draft's cache holds the request's
+    tokens up to `done[seq]`, and catches up (prefill of the new tokens) before drafting. Drafts of all requests
+    are made together: one batched forward per drafted position."""
+    name = "draft"
+
+    def __init__(self, model, engine, *, threads: int):
+        from ..kernels.attention import BLOCK
+        from .block_manager import BlockManager
+        from .llm import Model, load_parts
+        from .runner import Runner
+        parts = model.parts if isinstance(model, Model) else load_parts(model)
+        if parts.config.n_vocab != engine.config.n_vocab:
+            raise ValueError(f"the draft model's vocabulary has {parts.config.n_vocab} tokens, the target's "
+                             f"{engine.config.n_vocab}: they must share one")
+        self.parts = parts
+        max_blocks = -(-engine.max_model_len // BLOCK)
+        rows = engine.max_num_seqs
+        self.max_tokens = max(engine.max_num_batched_tokens, rows * 16)
+        self.runner = Runner(parts.config, parts.bundle, parts.rope_freqs, n_blocks=rows * max_blocks,
+                             max_tokens=self.max_tokens, max_rows=rows, max_blocks=max_blocks, n_threads=threads)
+        self.blocks = BlockManager(rows * max_blocks, self.runner.table, prefix_caching=False)
+        self.state: dict = {}                        # seq -> [row, n_blocks, done]
+
+    def forget(self, seq) -> None:
+        st = self.state.pop(seq, None)
+        if st is not None:
+            self.blocks.release(st[0], st[1])
+            self.blocks.give_row(st[0])
+
+    def _forward(self, items: list, sample: bool):
+        """One draft forward over items [(seq, state, tokens)]; the last row of each is sampled when asked."""
+        r, i, rows = self.runner, 0, []
+        for seq, st, toks in items:
+            need = self.blocks.blocks_for(st[2] + len(toks)) - st[1]
+            if need > 0:
+                self.blocks.allocate(st[0], st[1], st[1] + need)
+                st[1] += need
+            i = r.set_tokens(i, toks, st[2], st[0])
+            st[2] += len(toks)
+            rows.append(i - 1)
+        r.set_out_rows(rows if sample else rows[-1:])
+        return r.forward(i, len(rows) if sample else 1)
+
+    def propose(self, requests: list) -> dict:
+        """requests: [(seq, k)] -> {seq: Draft}: the draft's own tokens, drawn with the request's sampler and a
+        uniform keyed by its position (DRAFT use), their distributions kept for verification. The draft's cache
+        first catches up with the request's tokens (prefill chunks), then each drafted position is one batched
+        forward of every request still drafting."""
+        from .sampling import DRAFT
+        for seq in [q for q in self.state if q.finished]:
+            self.forget(seq)
+        active = []
+        for seq, k in requests:
+            st = self.state.get(seq)
+            if st is None:
+                st = self.state[seq] = [self.blocks.take_row(), 0, 0]
+            st[2] = min(st[2], len(seq.tokens) - 1)  # past the tokens the draft agrees with: stale
+            if self.blocks.blocks_for(len(seq.tokens) + k) - st[1] > self.blocks.num_free:
+                continue                             # no room in the draft's pool: no draft this step
+            active.append((seq, k, st))
+        while True:                                  # catch up, everything but the pending token
+            items, room = [], self.max_tokens
+            for seq, _, st in active:
+                n = min(len(seq.tokens) - 1 - st[2], room)
+                if n > 0:
+                    items.append((seq, st, seq.tokens[st[2]:st[2] + n]))
+                    room -= n
+            if not items:
+                break
+            self._forward(items, sample=False)
+        drafts = {seq: ([], []) for seq, _, _ in active}
+        for step in range(max((k for _, k, _ in active), default=0)):
+            items = [(seq, st, [seq.tokens[-1]] if step == 0 else [drafts[seq][0][-1]])
+                     for seq, k, st in active if step < k]
+            logits = self._forward(items, sample=True)
+            for j, (seq, st, _) in enumerate(items):
+                ch = seq.chooser
+                x = ch.process(logits[j], seq.tokens + drafts[seq][0], len(seq.output_ids) + step)
+                if ch.sampler.greedy:
+                    t, q = ch.sampler.pick(x, 0.0), None
+                else:
+                    ids, p = ch.sampler.distribution(x)
+                    t, q = _draw(ids, p, uniform(ch.key, len(seq.tokens) + step, DRAFT)), (ids, p)
+                drafts[seq][0].append(t)
+                drafts[seq][1].append(q)
+        out = {}
+        for seq, _, st in active:
+            toks, qs = drafts[seq]
+            if toks:
+                out[seq] = Draft(toks, None if all(q is None for q in qs) else qs)
+        return out
+
+
 # ---------------------------------------------------------------- verification
 
-def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") -> tuple[list, int]:
-    """(emitted tokens, drafts accepted) of one request whose next position is pos: row(i) gives the processed
-    logits of its i-th verified position (the drafts before i accepted), i = 0 .. k. `sampler` is its
-    lumen.engine.sampler.Sampler; uniforms are keyed by (key, position, use)."""
-    k = len(draft.tokens)
+def verify(row, draft: Draft, k: int, key: int, pos: int, sampler, rule: str = "exact") -> tuple[list, int]:
+    """(emitted tokens, drafts accepted) of one request whose next position is pos, k of whose drafted tokens
+    the target ran: row(i) gives the processed logits of its i-th verified position (the drafts before i
+    accepted), i = 0 .. k. draft.tokens may hold one more token than k, the draft's token for position k: a
+    sampled request then decides that position by the same acceptance rule, so every position's token is the
+    same function of the draft and the keyed uniforms whether the target verified it in this step or not
+    (without a draft token there, the plain draw). `sampler` is its lumen.engine.sampler.Sampler; uniforms are
+    keyed by (key, position, use)."""
     emitted: list = []
     for i in range(k + 1):
         x = row(i)
@@ -128,9 +226,9 @@ def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") 
                 return emitted, i
             continue
         ids, p = sampler.distribution(x)
-        if i == k:                                   # all accepted: the target's next token
+        if i >= len(draft.tokens):                   # no draft token for this position: the plain draw
             emitted.append(_draw(ids, p, uniform(key, pos + i, PICK)))
-            return emitted, k
+            return emitted, i
         d = draft.tokens[i]
         p_d = _prob(ids, p, d)
         q_ids, q = (None, None) if draft.q is None else draft.q[i]
@@ -138,13 +236,15 @@ def verify(row, draft: Draft, key: int, pos: int, sampler, rule: str = "exact") 
         u = uniform(key, pos + i, ACCEPT)
         if rule == "accept_all" or (rule == "exact" and u * q_d < p_d) or (rule == "no_residual" and q_d <= p_d):
             emitted.append(d)
+            if i == k:                               # the draft's token for the position after the verified ones
+                return emitted, k
             continue
         if rule == "no_residual":                     # wrong on purpose: a fresh draw from p, not the residual
             emitted.append(_draw(ids, p, uniform(key, pos + i, RESIDUAL)))
-            return emitted, i
+            return emitted, min(i, k)
         r_ids, r = _residual(ids, p, q_ids, q, d)
         emitted.append(_draw(r_ids, r, uniform(key, pos + i, RESIDUAL)))
-        return emitted, i
+        return emitted, min(i, k)
     raise AssertionError("unreachable")
 
 

@@ -1,0 +1,237 @@
+"""Speculative decoding: greedy output bit-identical to plain decoding (n-gram lookup and a draft model), the
+sampled output distribution equal to the target's (a chi-square test that two wrong acceptance rules fail),
+seeded requests reproducible, requests with and without speculation in one step, and across preemption."""
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
+
+import lumen
+import synth
+from goldens import corpus
+from lumen import Engine, SamplingParams
+from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens
+
+
+def write_tiny(path, seed: int, n_vocab: int = 16, sharp: float = 8.0):
+    """A 2-layer llama with a 16-token vocabulary (14 letters, "ab", an end token) and F16 weights; `sharp`
+    scales the embedding so the next-token distributions are neither flat nor certain."""
+    d = dict(n_embd=64, n_ff=96, n_head=4, n_head_kv=2, n_layer=2, head_dim=16)
+    rng = np.random.default_rng(seed)
+    toks = [chr(ord("a") + i) for i in range(n_vocab - 2)] + ["ab", "<eos>"]
+    tensors = synth.model_tensors("llama", n_vocab, rng, d)
+    tensors["token_embd.weight"] *= sharp
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(d["n_layer"])
+    w.add_context_length(256)
+    w.add_embedding_length(d["n_embd"])
+    w.add_feed_forward_length(d["n_ff"])
+    w.add_head_count(d["n_head"])
+    w.add_head_count_kv(d["n_head_kv"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(toks)
+    w.add_token_types([1] * (n_vocab - 1) + [3])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(n_vocab - 1)
+    w.add_eos_token_id(n_vocab - 1)
+    w.add_add_bos_token(False)
+    for name, arr in tensors.items():
+        if arr.ndim == 2:
+            w.add_tensor(name, arr.astype(np.float16), raw_dtype=T.F16)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    target = lumen.load(write_tiny(d / "target.gguf", 1), ctx=128, threads=2)
+    draft = lumen.load(write_tiny(d / "draft.gguf", 2), ctx=128, threads=2)
+    return target, draft
+
+
+# ---------------------------------------------------------------- greedy: bit-identical output
+
+def prompts(model):
+    text = corpus()["ppl_text"]
+    ids = model.tokenize(text * 3)
+    code = model.tokenize("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n")
+    return [ids[:200] + ids[:60], code, ids[300:340]]     # repeats (drafts accepted), code, plain prose
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_greedy_ngram_is_bit_identical(name, smollm2_path, gemma3_path):
+    m = lumen.load(smollm2_path if name == "smollm2-135m" else gemma3_path, ctx=1024, threads=2)
+    m.speculation(num_speculative_tokens=4)
+    accepted = 0
+    for ids in prompts(m):
+        plain = m.engine.generate([ids], SamplingParams(max_tokens=48, temperature=0))[0]
+        spec = m.engine.generate([ids], SamplingParams(max_tokens=48, temperature=0, speculative="ngram"))[0]
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        accepted += spec.metrics.spec_accepted
+    assert accepted > 0                                   # the repeated passage was drafted and accepted
+
+
+def test_greedy_draft_model_is_bit_identical(tiny):
+    target, draft = tiny
+    eng = Engine(target, max_model_len=128, max_num_seqs=8, kv_cache_mb=4, draft_model=draft,
+                 num_speculative_tokens=3)
+    same = Engine(target, max_model_len=128, max_num_seqs=8, kv_cache_mb=4, draft_model=target,
+                  num_speculative_tokens=3)
+    for i, ids in enumerate([[0, 1, 2, 3], [5, 4, 3], list(range(14)) * 3]):
+        p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        plain = eng.generate([ids], p)[0]
+        spec = eng.generate([ids], p.replace(speculative="draft"))[0]
+        assert spec.token_ids == plain.token_ids, i
+        selfspec = same.generate([ids], p.replace(speculative="draft"))[0]     # the target drafting for itself
+        assert selfspec.token_ids == plain.token_ids
+        assert selfspec.metrics.spec_accepted == selfspec.metrics.spec_proposed > 0   # every draft accepted
+
+
+# ---------------------------------------------------------------- sampling: the target's distribution
+
+N_SAMPLES = 20_000
+POSITIONS = 4
+PROMPT = [0, 1, 2, 3]
+PARAMS = SamplingParams(max_tokens=POSITIONS, temperature=1.0, ignore_eos=True)
+
+
+def exact_marginals(model) -> list[np.ndarray]:
+    """The target's marginal distribution of each of the first POSITIONS sampled tokens, by enumerating every
+    prefix (16^3 of them for the last position): one teacher-forced pass per prefix gives its next-token p."""
+    V = model.config.n_vocab
+    out = [np.zeros(V) for _ in range(POSITIONS)]
+
+    def walk(prefix, weight, depth):
+        x = np.float64(model.logits(PROMPT + prefix)[-1])
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        out[depth] += weight * p
+        if depth + 1 < POSITIONS:
+            for t in range(V):
+                walk(prefix + [t], weight * p[t], depth + 1)
+    walk([], 1.0, 0)
+    return out
+
+
+def sample_marginals(target, draft, rule: str) -> list[np.ndarray]:
+    eng = Engine(target, max_model_len=16, max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_mb=8,
+                 draft_model=draft, num_speculative_tokens=2, enable_prefix_caching=False)
+    eng.spec_rule = rule
+    p = PARAMS.replace(speculative="draft", num_speculative_tokens=2)
+    outs = eng.generate([PROMPT] * N_SAMPLES, [p.replace(seed=i) for i in range(N_SAMPLES)])
+    V = target.config.n_vocab
+    counts = np.zeros((POSITIONS, V))
+    for o in outs:
+        assert len(o.token_ids) == POSITIONS
+        counts[np.arange(POSITIONS), o.token_ids] += 1
+    assert sum(o.metrics.spec_proposed for o in outs) > N_SAMPLES     # the draft really proposed (k up to 2)
+    return counts
+
+
+def chi2(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
+    """Pearson's chi-square statistic and its degrees of freedom, over the bins with expected count >= 5 (the
+    rest pooled into one)."""
+    n = counts.sum()
+    exp = n * p
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    keep = e > 0
+    return float(((obs[keep] - e[keep]) ** 2 / e[keep]).sum()), int(keep.sum()) - 1
+
+
+# chi-square critical value at p = 1e-4 for up to 15 degrees of freedom is below 45; the tests use 50
+CHI2_LIMIT = 50.0
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+    return exact_marginals(tiny[0])
+
+
+def test_sampling_keeps_the_target_distribution(tiny, exact):
+    counts = sample_marginals(*tiny, "exact")
+    for i in range(POSITIONS):
+        stat, dof = chi2(counts[i], exact[i])
+        tv = 0.5 * np.abs(counts[i] / N_SAMPLES - exact[i]).sum()
+        print(f"\nposition {i}: chi2 {stat:.1f} (dof {dof}), total variation {tv:.4f}")
+        assert stat < CHI2_LIMIT and tv < 0.02
+
+
+@pytest.mark.parametrize("rule", ["accept_all", "no_residual"])
+def test_wrong_acceptance_rules_fail_the_same_test(tiny, exact, rule):
+    """The same statistic catches both wrong rules: accepting every draft token, and accepting when the draft's
+    probability is no higher than the target's, else drawing afresh from the target (not the residual)."""
+    counts = sample_marginals(*tiny, rule)
+    stats = [chi2(counts[i], exact[i])[0] for i in range(POSITIONS)]
+    print(f"\n{rule}: chi2 per position {[round(s, 1) for s in stats]}")
+    assert max(stats) > CHI2_LIMIT
+
+
+# ---------------------------------------------------------------- seeds, mixed batches, preemption
+
+def test_seeded_speculation_is_reproducible_and_batch_invariant(tiny):
+    """A seeded request samples the same tokens alone or beside others, whatever k the engine picked."""
+    target, draft = tiny
+    p = SamplingParams(max_tokens=20, temperature=0.9, top_k=8, seed=7, ignore_eos=True, speculative="draft")
+    eng = Engine(target, max_model_len=64, max_num_seqs=8, kv_cache_mb=4, draft_model=draft)
+    alone = eng.generate([[1, 2, 3]], p)[0].token_ids
+    mixed = eng.generate([[4, 5], [1, 2, 3], [7] * 10, [1, 2, 3]],
+                         [p.replace(seed=1), p, SamplingParams(max_tokens=20, temperature=0),
+                          p.replace(num_speculative_tokens=1)])
+    assert mixed[1].token_ids == alone and mixed[3].token_ids == alone
+    plain = eng.generate([[1, 2, 3]], p.replace(speculative=None))[0].token_ids   # same seed, no drafts
+    assert len(plain) == len(alone)
+
+
+def test_mixed_batch_and_preemption_greedy(smollm2_path):
+    """Requests speculating (n-gram) and not, in one engine whose pool forces preemption: each equals its
+    plain run alone."""
+    m = lumen.load(smollm2_path, ctx=1024, threads=2)
+    ids = prompts(m)
+    reqs = [(ids[0], "ngram"), (ids[1], None), (ids[2], "ngram"), (ids[0][:120], None), (ids[1] * 2, "ngram")]
+    alone = [m.engine.generate([r], SamplingParams(max_tokens=40, temperature=0))[0].token_ids for r, _ in reqs]
+    tight = Engine(m, max_model_len=512, max_num_seqs=5, max_num_batched_tokens=128,
+                   kv_cache_mb=26 * m.runner.kv_bytes_per_block / 2 ** 20)
+    outs = tight.generate([r for r, _ in reqs], [SamplingParams(max_tokens=40, temperature=0, speculative=s)
+                                                 for _, s in reqs])
+    assert [o.token_ids for o in outs] == alone
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.blocks.num_free == tight.blocks.n_blocks
+    assert any(o.metrics.spec_accepted for o in outs)
+
+
+# ---------------------------------------------------------------- the drafter and the choice of k
+
+def test_ngram_drafter_proposes_what_followed():
+    class S:
+        pass
+    seq = S()
+    seq.spec = SpecState()
+    seq.tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    d = NgramDrafter(1, 3).propose([(seq, 3)])[seq]
+    assert d.tokens == [4, 5, 9]                 # "1 2 3" was followed by 4 5 9
+    seq.tokens = [7, 8, 6]
+    seq.spec = SpecState()
+    assert NgramDrafter(1, 3).propose([(seq, 3)]) == {}          # nothing to match
+
+
+def test_choose_k_weighs_acceptance_against_measured_cost():
+    flat = lambda k: 1.0 + 0.01 * k            # noqa: E731  bandwidth-bound: extra tokens nearly free
+    steep = lambda k: 1.0 + 1.0 * k            # noqa: E731  compute-bound: each token costs a step
+    assert choose_k(0.9, 8, flat) == 8
+    assert choose_k(0.05, 8, flat) <= 1
+    assert choose_k(0.9, 8, steep) == 0          # speculation does not pay: plain decode
+    assert math.isclose(expected_tokens(0.5, 2), 1.75)
