@@ -33,11 +33,13 @@ PROBE = textwrap.dedent("""
         import importlib
         from numba.core.registry import CPUDispatcher
         for mod in ("lumen.kernels.attention", "lumen.kernels.matmul", "lumen.kernels.norm", "lumen.kernels.rope",
-                    "lumen.kernels.activation", "lumen.kernels.dequant", "lumen.forward", "lumen.timer"):
+                    "lumen.kernels.activation", "lumen.kernels.dequant", "lumen.kernels.layout", "lumen.kernels.policy",
+                    "lumen.engine.forward",
+                    "lumen.timer"):
             m = importlib.import_module(mod)
             for name, d in vars(m).items():
                 cache_file = getattr(getattr(d, "_cache", None), "_cache_file", None)   # None: not cached
-                if isinstance(d, CPUDispatcher) and name != "forward_kernel" and cache_file is not None:
+                if isinstance(d, CPUDispatcher) and name != "forward" and cache_file is not None:
                     for key in cache_file._load_index():
                         d.compile(key[0])
     import lumen
