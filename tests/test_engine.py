@@ -62,12 +62,12 @@ class Recorder:
 
     def __init__(self, engine):
         self.rows = {}
-        orig = engine._sample
+        orig = engine._choose
 
-        def sample(seq, logits):
-            self.rows.setdefault(seq.request_id, []).append(logits.copy())
-            return orig(seq, logits)
-        engine._sample = sample
+        def choose(seq, s, logits, row):
+            self.rows.setdefault(seq.request_id, []).append(logits[row].copy())
+            return orig(seq, s, logits, row)
+        engine._choose = choose
 
 
 def run_engine(model, reqs, **kw):
@@ -242,14 +242,14 @@ def test_nan_logits_affect_that_request_only(model):
     eng = Engine(model, max_model_len=256, max_num_seqs=4, kv_cache_mb=16)
     p = SamplingParams(max_tokens=5, temperature=0)
     ref = eng.generate([[5, 6, 7], [8, 9, 10]], p)
-    orig = eng._sample
+    orig = eng._choose
     bad = {}
 
-    def sample(seq, logits):
+    def choose(seq, s, logits, row):
         if seq.request_id == bad.get("id"):
-            logits[:] = np.nan
-        return orig(seq, logits)
-    eng._sample = sample
+            logits[row] = np.nan
+        return orig(seq, s, logits, row)
+    eng._choose = choose
     a = eng.add_request([5, 6, 7], p)
     bad["id"] = eng.add_request([8, 9, 10], p)
     outs = {}

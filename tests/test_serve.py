@@ -537,13 +537,13 @@ def test_500_for_that_request_only(http, server, model, monkeypatch):
     """An engine failure inside one request (its sampler raises) and a handler that raises: each a 500 for
     that request; a request beside it and the next ones are served."""
     engine = server.engine
-    orig = engine._sample
+    orig = engine._choose
 
-    def sample(seq, logits):
+    def choose(seq, s, logits, row):
         if seq.params.seed == 999:
             raise SamplerError("injected failure")
-        return orig(seq, logits)
-    monkeypatch.setattr(engine, "_sample", sample)
+        return orig(seq, s, logits, row)
+    monkeypatch.setattr(engine, "_choose", choose)
     good = {"prompt": "The capital of Italy is", "max_tokens": 8, "temperature": 0}
 
     async def side_by_side():
