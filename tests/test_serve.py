@@ -591,3 +591,20 @@ def test_still_serving_after_the_errors(http, model):
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_speculative_request_equals_plain_and_is_counted(http, model):
+    """A request asking for n-gram speculation gets exactly the greedy tokens of a plain run; /metrics counts
+    its drafted and accepted tokens; a bad speculative field is a 400 naming it."""
+    text = "one two three four five six seven eight nine ten. one two three four five six seven eight nine"
+    before = metrics(http)
+    body = {"prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    spec = http.post("/v1/completions", json={**body, "speculative": "ngram", "num_speculative_tokens": 4}).json()
+    assert spec["choices"][0]["text"] == plain
+    after = metrics(http)
+    drafted = after["spec_decode_num_draft_tokens_total"] - before.get("spec_decode_num_draft_tokens_total", 0)
+    accepted = after["spec_decode_num_accepted_tokens_total"] - before.get("spec_decode_num_accepted_tokens_total", 0)
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert_error(http.post("/v1/completions", json={**body, "speculative": "eagle"}), 400, "speculative")
+    assert_error(http.post("/v1/completions", json={**body, "speculative": "draft"}), 400)   # no draft model

@@ -39,6 +39,7 @@ class Settings:
     api_key: str | None = None
     max_body_bytes: int = 16 * 2 ** 20
     max_n: int = 64                           # choices per request
+    speculative: str | None = None            # the default speculative decoding of requests that do not say
 
 
 def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settings: Settings) -> FastAPI:
@@ -77,7 +78,7 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
     async def completions(request: Request):
         req = P.parse(await request.body(), P.CompletionRequest)
         check_model(req.model)
-        params = P.completion_params(req, settings.max_n)
+        params = P.speculation(P.completion_params(req, settings.max_n), req, settings.speculative)
         prompts = await asyncio.to_thread(prompter.completion, req.prompt)
         echo = None
         if req.echo:                              # each prompt's text: as sent, or its token ids decoded
@@ -89,7 +90,7 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
     async def chat_completions(request: Request):
         req = P.parse(await request.body(), P.ChatCompletionRequest)
         check_model(req.model)
-        params = P.chat_params(req, settings.max_n)
+        params = P.speculation(P.chat_params(req, settings.max_n), req, settings.speculative)
         prompts = [await asyncio.to_thread(prompter.chat, req.messages, req.add_generation_prompt)]
         return await generate(request, "chat", req, prompts, params)
 

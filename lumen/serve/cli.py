@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV block pool size (default: min(1024, a fifth of the available memory))")
     eng.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     eng.add_argument("--no-chunked-prefill", action="store_true", help="turn chunked prefill off")
+    sp = ap.add_argument_group("speculative decoding (a request may choose with \"speculative\": \"ngram\" | "
+                               "\"draft\" | \"none\" and \"num_speculative_tokens\")")
+    sp.add_argument("--speculative", choices=["ngram", "draft"], help="the default for requests that do not say")
+    sp.add_argument("--draft-model", help="a model sharing the target's vocabulary, for \"draft\"")
+    sp.add_argument("--num-speculative-tokens", type=int, default=5, help="most tokens drafted per step (default 5)")
+    sp.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup matches (default 1)")
+    sp.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the lookup matches (default 4)")
     return ap
 
 
@@ -67,7 +74,8 @@ def model_id(model: str, served_name: str | None) -> str:
 
 
 def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
-             max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20):
+             max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20,
+             speculative: str | None = None):
     """The FastAPI app over an engine, and its worker (started by the app's lifespan)."""
     from ..format.chat import chat_template_from_metadata
     from .app import Settings, build_app
@@ -78,19 +86,22 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
     prompter = Prompter(engine.tokenizer, template, engine.max_model_len)
     metrics = Metrics(engine, model_name)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics)
-    settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n)
+    settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
+                        speculative=speculative)
     return build_app(worker, prompter, metrics, settings), worker
 
 
 def load_engine(model: str, *, threads: int | None, max_model_len: int | None, max_num_seqs: int,
-                max_num_batched_tokens: int, kv_cache_mb: float | None, prefix_caching: bool, chunked_prefill: bool):
-    """The engine, warmed up (one token through the forward pass)."""
+                max_num_batched_tokens: int, kv_cache_mb: float | None, prefix_caching: bool, chunked_prefill: bool,
+                **speculation):
+    """The engine, warmed up (one token through the forward pass). speculation: Engine's draft_model,
+    num_speculative_tokens, ngram_min, ngram_max."""
     from ..engine.engine import Engine
     from ..engine.sampling import SamplingParams
     from ..kernels.attention import BLOCK
     engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
-                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill)
+                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, **speculation)
     if engine.max_model_len > engine.config.ctx_train:
         raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
                          "model was trained on")
@@ -165,16 +176,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-body-mb must be positive and --shutdown-timeout not negative")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
+    if args.speculative == "draft" and not args.draft_model:
+        ap.error("--speculative draft needs --draft-model")
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
         engine = load_engine(args.model, threads=args.threads, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              kv_cache_mb=args.kv_cache_mb, prefix_caching=not args.no_prefix_caching,
-                             chunked_prefill=not args.no_chunked_prefill)
+                             chunked_prefill=not args.no_chunked_prefill, draft_model=args.draft_model,
+                             num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                             ngram_max=args.ngram_max)
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
-                               max_body_bytes=int(args.max_body_mb * 2 ** 20))
+                               max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -86,6 +86,13 @@ class Metrics:
                                          registry=r).labels(model_name)
         self.finished = Counter("lumen:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
+        self.spec_drafts = Counter("lumen:spec_decode_num_draft_tokens", "Speculative tokens drafted and verified.",
+                                   labels, registry=r).labels(model_name)
+        self.spec_accepted = Counter("lumen:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                                     labels, registry=r).labels(model_name)
+        self.spec_steps = Counter("lumen:spec_decode_num_verify_steps", "Steps that verified drafted tokens "
+                                  "(mean accepted length = (accepted + verify steps) / verify steps).", labels,
+                                  registry=r).labels(model_name)
         r.register(_EngineState(engine, model_name))
         ProcessCollector(registry=r)         # process_resident_memory_bytes and friends (Linux), for soak runs
         self._started: set[str] = set()      # requests whose prompt tokens are counted
@@ -102,6 +109,10 @@ class Metrics:
             return
         self._started.discard(out.request_id)
         self.finished.labels(self.model_name, out.finish_reason or "error").inc()
+        if m.spec_steps:
+            self.spec_drafts.inc(m.spec_proposed)
+            self.spec_accepted.inc(m.spec_accepted)
+            self.spec_steps.inc(m.spec_steps)
         if m.ttft_s is not None:
             self.ttft.observe(m.ttft_s)
             self.queue.observe(m.queue_s)

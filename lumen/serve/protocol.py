@@ -72,6 +72,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
+    speculative: str | None = None             # Lumen: "ngram", "draft" or "none" (default: the server's)
+    num_speculative_tokens: int | None = None
 
     @field_validator("n", "stream", "min_tokens", "ignore_eos", "return_token_ids", mode="before")
     @classmethod
@@ -197,6 +199,21 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
             field = "repetition_penalty"
         raise ApiError(400, f"{field} {rest}", field if field in kw or field == "repetition_penalty" else None) \
             from None
+
+
+def speculation(params: list[SamplingParams], req: _Sampling, default: str | None) -> list[SamplingParams]:
+    """The request's speculative decoding ("speculative": "ngram" | "draft" | "none"; absent: the server's
+    --speculative) and its num_speculative_tokens."""
+    kind = default if req.speculative is None else req.speculative
+    if kind not in (None, "none", "ngram", "draft"):
+        raise ApiError(400, f"speculative must be \"ngram\", \"draft\" or \"none\", got {kind!r}", "speculative")
+    k = req.num_speculative_tokens
+    if k is not None and not 1 <= k <= 16:
+        raise ApiError(400, f"num_speculative_tokens must be in [1, 16], got {k}", "num_speculative_tokens")
+    kind = None if kind == "none" else kind
+    if kind is None and k is None:
+        return params
+    return [p.replace(speculative=kind, num_speculative_tokens=k) for p in params]
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
