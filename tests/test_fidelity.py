@@ -56,7 +56,7 @@ def measured(model_name, model_path, committed):
     noise = []  # one (chunk, V) block of N(0, SIGMA^2), drawn once and added to every chunk
 
     def logits_of(a, b):
-        assert m.state.n_past == a
+        assert m.n_past == a
         z = m.prefill(ids[a:b], all_logits=True)                          # (b - a, V) float32
         if not noise:
             noise.append(np.random.default_rng(0).standard_normal(z.shape, dtype=np.float32) * np.float32(SIGMA))

@@ -196,7 +196,7 @@ def summary(kl: np.ndarray, agree: np.ndarray) -> dict:
 
 def measure(name: str, model_path: str, text: str, llama_python: str) -> dict:
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from lumen.model import open_gguf
+    from lumen.engine.llm import open_gguf
     from ref_forward import RefModel, compare
 
     file, sha = MODELS[name]
@@ -255,7 +255,7 @@ def main(argv=None):
     if not args.llama_python:
         ap.error("--llama-python is required")
 
-    from lumen.models import resolve
+    from lumen.model.store import resolve
 
     with open(args.corpus, encoding="utf-8") as f:
         text = golden_text(json.load(f))
