@@ -19,7 +19,9 @@ samples with its own RNG, so its tokens are too.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+from collections import deque
 import threading
 import time
 from typing import Iterator, Sequence as Seq
@@ -34,10 +36,12 @@ from .block_manager import BlockManager
 from .runner import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduled, Scheduler
-from .costs import StepCosts
+from .budget import MeasuredBudget
+from .costs import StepCosts, calibrate
 from .sequence import RequestOutput, Sequence, Status
 from .speculative import DraftModel, NgramDrafter, SpecState, choose_k, update_alpha, verify
 
+log = logging.getLogger("lumen.engine")
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
 
 
@@ -61,14 +65,21 @@ class Engine:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_mb: float | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  pack_cache: bool | None = None, draft_model=None, num_speculative_tokens: int = 5,
-                 ngram_min: int = 1, ngram_max: int = 4, _runner: Runner | None = None):
+                 ngram_min: int = 1, ngram_max: int = 4, scheduler: str = "fcfs", slo_ttft_s: float | None = None,
+                 slo_tpot_s: float | None = None, explain: bool = False, cost_grid: str = "full",
+                 _runner: Runner | None = None):
         """model: a registry name, a .gguf path, or a loaded lumen.Model (its weights are shared).
         max_model_len: longest prompt + output (default: the model's trained context).
         kv_cache_mb: the KV block pool's size (default min(1024, a fifth of the available memory)).
         Speculative decoding (per request: SamplingParams(speculative="ngram" | "draft")): draft_model, a
         model with the target's vocabulary (name, path or lumen.Model) for "draft"; num_speculative_tokens, the
         most tokens drafted per step (a request may ask for fewer); ngram_min/ngram_max, the n-gram sizes the
-        "ngram" drafter matches (lumen.engine.speculative)."""
+        "ngram" drafter matches (lumen.engine.speculative).
+        scheduler: "fcfs" (a fixed token budget, max_num_batched_tokens) or "measured": each step's budget chosen
+        from this machine's measured step costs (lumen.engine.costs, lumen.engine.budget), for the SLO targets
+        slo_ttft_s and slo_tpot_s when given (goodput), else for throughput; max_num_batched_tokens is then the
+        largest budget. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs) or "tiny" (tests). explain: log
+        every step's decision (predicted and measured cost, the alternative rejected)."""
         from .llm import Model, load_parts
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -114,6 +125,20 @@ class Engine:
         if draft_model is not None:
             self.draft = DraftModel(draft_model, self, threads=self.threads)
         self.costs = StepCosts()
+        if scheduler not in ("fcfs", "measured"):
+            raise ValueError(f"scheduler must be 'fcfs' or 'measured', got {scheduler!r}")
+        for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if scheduler == "fcfs" and (slo_ttft_s is not None or slo_tpot_s is not None):
+            raise ValueError("SLO targets need scheduler='measured'")
+        self.cost_model = self.budgeter = None
+        if scheduler == "measured":
+            self.cost_model = calibrate(self, tiny=cost_grid == "tiny")
+            self.budgeter = MeasuredBudget(self.cost_model, max_tokens=self.max_num_batched_tokens,
+                                           slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        self.explain = explain
+        self.decisions: deque = deque(maxlen=4096)  # the measured scheduler's decisions, newest last
         self.spec_rule = "exact"        # the acceptance rule; tests set a wrong one to show their test fails it
         self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
@@ -198,17 +223,25 @@ class Engine:
         t0 = time.perf_counter()
         with self._lock:
             outs, self._pending = self._pending, []
-            plan = self.scheduler.schedule(speculate=self._speculate)
+            decision = self.budgeter.decide(self.scheduler, t0) if self.budgeter is not None else None
+            plan = self.scheduler.schedule(budget=decision and decision.budget, speculate=self._speculate)
         if not plan:
             prof.cancel_step()
             return outs
         self.steps += 1
         prof.lap("schedule")
         self._draft(plan)
-        logits, n_tokens = self._run(plan, prof)
+        logits, n_tokens, n_keys = self._run(plan, prof)
         with self._lock:
             outs += self._postprocess(plan, logits, prof)
-        self.costs.add(n_tokens, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        self.costs.add(n_tokens, wall)
+        if self.cost_model is not None:
+            self.cost_model.observe(n_tokens, len(plan), n_keys, wall)
+            decision.measured_s = wall
+            self.decisions.append(decision)
+            if self.explain:
+                log.info(decision.line(self.steps))
         prof.end_step()
         return outs
 
@@ -248,25 +281,27 @@ class Engine:
             if d is not None:
                 s.draft, s.q, s.proposal = d.tokens[:s.k], d.q, d
 
-    def _run(self, plan: list[Scheduled], prof) -> tuple[np.ndarray, int]:
+    def _run(self, plan: list[Scheduled], prof) -> tuple[np.ndarray, int, int]:
         """Fill the runner's batch from the plan and run the forward pass; logits of the sampled rows (a
-        speculating sequence: its last 1 + len(draft) rows), and the step's token count."""
+        speculating sequence: its last 1 + len(draft) rows), the step's tokens and the keys attention reads."""
         r = self.runner
-        i, out_rows, kv_tokens, n_decode = 0, [], 0, 0
+        i, out_rows, kv_tokens, n_keys, n_decode = 0, [], 0, 0, 0
         for s in plan:
             seq = s.seq
             toks = seq.tokens[s.start:s.start + s.n]
             i = r.set_tokens(i, toks + s.draft if s.draft else toks, s.start, seq.row)
-            kv_tokens += s.start + s.n + len(s.draft)
+            n = s.n + len(s.draft)
+            kv_tokens += s.start + n
+            n_keys += n * s.start + n * (n + 1) // 2
             n_decode += s.n == 1
             if s.samples:
                 out_rows.extend(range(i - 1 - len(s.draft), i))
         phase = "decode" if n_decode == len(plan) else "prefill" if n_decode == 0 else "mixed"
         n_out = r.set_out_rows(out_rows)
         if prof.enabled:
-            prof.describe(phase, i, len(plan), kv_tokens)
+            prof.describe(phase, i, len(plan), kv_tokens, tuple(s.seq.request_id for s in plan))
             prof.lap("prepare")
-        return r.forward(i, n_out), i
+        return r.forward(i, n_out), i, n_keys
 
     def _postprocess(self, plan: list[Scheduled], logits: np.ndarray, prof) -> list[RequestOutput]:
         """Advance every planned sequence by what was computed, choose the tokens of the ones whose logits came

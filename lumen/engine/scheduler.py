@@ -59,7 +59,8 @@ class Scheduler:
         """budget: this step's token budget (default max_num_batched_tokens). speculate(seq, room, planned) -> how
         many tokens (<= room) to draft for a decoding sequence that speculates, given the tokens planned so far;
         room for them is reserved (Scheduled.k) and the drafts are filled in after scheduling."""
-        budget = self.budget if budget is None else budget
+        budget = self.budget if budget is None else min(budget, self.budget)
+        start_budget = budget
         bm = self.blocks
         plan: list[Scheduled] = []
         i = 0
@@ -72,7 +73,7 @@ class Scheduler:
             k = 0
             if speculate is not None and seq.spec is not None and n == 1 and seq.num_tokens - seq.num_computed == 1:
                 room = min(budget - 1, seq.max_tokens - len(seq.output_ids) - 1)
-                k = speculate(seq, room, self.budget - budget) if room > 0 else 0
+                k = speculate(seq, room, start_budget - budget) if room > 0 else 0
             need = bm.blocks_for(seq.num_computed + n + k) - seq.n_blocks
             while need > 0 and not bm.can_allocate(need):
                 victim = self.running[-1]

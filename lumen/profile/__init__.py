@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,9 @@ class Step:
     n_seqs: int = 1
     kv_tokens: int = 0  # keys attention reads (per layer, summed over the step's tokens)
     wall_s: float = 0.0
+    t0: float = 0.0     # time.perf_counter() at its start and end (the clock of RequestMetrics)
+    t1: float = 0.0
+    requests: tuple = ()  # the engine requests that ran in it
 
 
 @dataclass
@@ -97,14 +101,14 @@ class Profiler:
 
     # ---- recording (called by the runner and the engine) ----
     def begin_step(self, phase: str, n_tokens: int = 0, n_seqs: int = 1, kv_tokens: int = 0) -> None:
-        self._open = Step(len(self.steps), phase, n_tokens, n_seqs, kv_tokens)
+        self._open = Step(len(self.steps), phase, n_tokens, n_seqs, kv_tokens, t0=time.perf_counter())
         self._excluded = 0
         self._t0 = self._last = ticks()
 
-    def describe(self, phase: str, n_tokens: int, n_seqs: int, kv_tokens: int) -> None:
+    def describe(self, phase: str, n_tokens: int, n_seqs: int, kv_tokens: int, requests: tuple = ()) -> None:
         """Set the open step's shape once it is known (the engine knows it after scheduling)."""
         st = self._open
-        st.phase, st.n_tokens, st.n_seqs, st.kv_tokens = phase, n_tokens, n_seqs, kv_tokens
+        st.phase, st.n_tokens, st.n_seqs, st.kv_tokens, st.requests = phase, n_tokens, n_seqs, kv_tokens, requests
 
     def end_step(self, at: int | None = None) -> None:
         """Close the step at tick `at` (now by default)."""
@@ -114,6 +118,7 @@ class Profiler:
         if self._paused:  # closed while paused (generate returned to its consumer): the step ended at the pause
             at, self._paused = self._paused_at, False
         st.wall_s = ((ticks() if at is None else at) - self._t0 - self._excluded) / tick_rate()
+        st.t1 = time.perf_counter()
         self.steps.append(st)
         self._open = None
 

@@ -356,6 +356,10 @@ def print_machine(lim: dict, console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--engine" in argv or "--serving" in argv or any(a.startswith("--serving=") for a in argv):
+        from .serving_cli import main as cost_main          # the engine's step costs, a serving profile
+        return cost_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     from rich.console import Console

@@ -118,7 +118,10 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         if fail is not None:
             raise P.ApiError(*fail)
         request.state.usage = reply.usage()
-        return JSONResponse(reply.body())
+        response = JSONResponse(reply.body())
+        for out in reply.finals.values():
+            worker.sent(_all_at_once(out))
+        return response
 
     def submit(prompts, params, prompt_param: str):
         try:
@@ -134,6 +137,10 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         except ValueError as e:
             raise P.ApiError(400, str(e), "n") from None
 
+    def _all_at_once(out):                        # a non-streamed reply sends every token with the response
+        from dataclasses import replace
+        return replace(out, delta_token_ids=out.token_ids)
+
     async def stream(request: Request, reply: Reply, sub, index: dict, include_usage: bool):
         finished = False
         try:
@@ -147,6 +154,7 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
                 chunk = reply.chunk(index[out.request_id], out, include_usage)
                 if chunk is not None:
                     yield sse(chunk)
+                worker.sent(out)
             else:
                 request.state.usage = reply.usage()
                 if include_usage:

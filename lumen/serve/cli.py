@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV block pool size (default: min(1024, a fifth of the available memory))")
     eng.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     eng.add_argument("--no-chunked-prefill", action="store_true", help="turn chunked prefill off")
+    eng.add_argument("--scheduler", choices=["fcfs", "measured"], default="fcfs",
+                     help="fcfs: a fixed token budget; measured: each step's budget from this machine's measured "
+                          "step costs, for the SLO targets when given (default fcfs)")
+    eng.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target of the measured scheduler")
+    eng.add_argument("--slo-tpot-ms", type=float, default=None, help="mean TPOT target of the measured scheduler")
+    eng.add_argument("--explain", action="store_true", help="log every step's scheduling decision")
+    ap.add_argument("--profile", metavar="FILE", help="record a serving profile, written to FILE at shutdown "
+                                                      "(report: python -m lumen.profile --serving FILE)")
     sp = ap.add_argument_group("speculative decoding (a request may choose with \"speculative\": \"ngram\" | "
                                "\"draft\" | \"none\" and \"num_speculative_tokens\")")
     sp.add_argument("--speculative", choices=["ngram", "draft"], help="the default for requests that do not say")
@@ -75,7 +83,7 @@ def model_id(model: str, served_name: str | None) -> str:
 
 def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
              max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20,
-             speculative: str | None = None):
+             speculative: str | None = None, profile_path: str | None = None):
     """The FastAPI app over an engine, and its worker (started by the app's lifespan)."""
     from ..format.chat import chat_template_from_metadata
     from .app import Settings, build_app
@@ -85,7 +93,7 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
     template = chat_template if chat_template is not None else chat_template_from_metadata(engine.parts.gguf.metadata)
     prompter = Prompter(engine.tokenizer, template, engine.max_model_len)
     metrics = Metrics(engine, model_name)
-    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics)
+    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics, profile_path=profile_path)
     settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
                         speculative=speculative)
     return build_app(worker, prompter, metrics, settings), worker
@@ -93,15 +101,15 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
 
 def load_engine(model: str, *, threads: int | None, max_model_len: int | None, max_num_seqs: int,
                 max_num_batched_tokens: int, kv_cache_mb: float | None, prefix_caching: bool, chunked_prefill: bool,
-                **speculation):
-    """The engine, warmed up (one token through the forward pass). speculation: Engine's draft_model,
-    num_speculative_tokens, ngram_min, ngram_max."""
+                **engine_kw):
+    """The engine, warmed up (one token through the forward pass). engine_kw: the rest of Engine's options
+    (speculative decoding, the measured-cost scheduler)."""
     from ..engine.engine import Engine
     from ..engine.sampling import SamplingParams
     from ..kernels.attention import BLOCK
     engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
-                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, **speculation)
+                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, **engine_kw)
     if engine.max_model_len > engine.config.ctx_train:
         raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
                          "model was trained on")
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
     if args.speculative == "draft" and not args.draft_model:
         ap.error("--speculative draft needs --draft-model")
+    if args.scheduler == "fcfs" and (args.slo_ttft_ms is not None or args.slo_tpot_ms is not None):
+        ap.error("--slo-ttft-ms and --slo-tpot-ms need --scheduler measured")
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
@@ -186,10 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                              kv_cache_mb=args.kv_cache_mb, prefix_caching=not args.no_prefix_caching,
                              chunked_prefill=not args.no_chunked_prefill, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                             ngram_max=args.ngram_max)
+                             ngram_max=args.ngram_max, scheduler=args.scheduler,
+                             slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
+                             slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain)
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
-                               max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative)
+                               max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,
+                               profile_path=args.profile)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

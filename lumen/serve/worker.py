@@ -44,11 +44,40 @@ class Submission:
         self.failure: tuple[int, str] | None = None  # (status, message) when the server ended it
 
 
+class Recorder:
+    """The serving profile of a server run (`lumen.serve --profile FILE`): the engine thread's profiler and, per
+    request, when its tokens were sent; written to FILE when the server stops (lumen/profile/serving.py)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.prof = None                              # set by the engine thread, which runs inside the profile
+        self.sent: dict[str, list] = {}
+        self.traces: list = []
+
+    def on_sent(self, out: RequestOutput) -> None:
+        import time
+        self.sent.setdefault(out.request_id, []).extend([time.perf_counter()] * len(out.delta_token_ids))
+        if out.finished:
+            from ..profile.serving import trace_of
+            tr = trace_of(out)
+            sent = self.sent.pop(out.request_id, [])
+            tr.sent = sent if len(sent) == len(tr.made) else None
+            self.traces.append(tr)
+
+    def save(self) -> None:
+        from ..profile import serving
+        if self.prof is not None:
+            serving.save(self.path, self.prof, self.traces)
+            log.info("serving profile of %d requests written to %s (python -m lumen.profile --serving %s)",
+                     len(self.traces), self.path, self.path)
+
+
 class EngineWorker:
-    def __init__(self, engine, *, max_queue: int = 256, metrics=None):
+    def __init__(self, engine, *, max_queue: int = 256, metrics=None, profile_path: str | None = None):
         self.engine = engine
         self.max_queue = max_queue
         self.metrics = metrics
+        self.recorder = Recorder(profile_path) if profile_path else None
         self.draining = False
         self._subs: dict[str, Submission] = {}       # engine request id -> its submission
         self._wake = threading.Event()
@@ -86,6 +115,13 @@ class EngineWorker:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.recorder is not None:
+            self.recorder.save()
+
+    def sent(self, out: RequestOutput) -> None:
+        """The HTTP layer sent this output's tokens (for the serving profile)."""
+        if self.recorder is not None:
+            self.recorder.on_sent(out)
 
     def submissions(self) -> list[Submission]:
         return list({id(s): s for s in self._subs.values()}.values())
@@ -135,6 +171,14 @@ class EngineWorker:
     def _run(self) -> None:
         import numba
         numba.set_num_threads(self.engine.threads)
+        if self.recorder is None:
+            return self._steps()
+        from ..profile import profile
+        with profile() as prof:                       # this thread's steps, recorded op by op
+            self.recorder.prof = prof
+            self._steps()
+
+    def _steps(self) -> None:
         engine, loop = self.engine, self._loop
         while True:
             if not engine.has_unfinished():

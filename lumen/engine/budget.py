@@ -1,0 +1,92 @@
+"""The measured-cost scheduler's choice: how many tokens each step may take, from what steps cost here.
+
+A fixed token budget (vLLM's max_num_batched_tokens) is right for one machine, model and load at best. Here every
+step asks the cost model (lumen.engine.costs) what its candidates would cost and decides:
+
+with SLO targets (slo_ttft_s, slo_tpot_s): the decodes that run this step each have a budget: the longest step
+    that keeps their mean time per output token within slo_tpot (their tokens so far times the target, minus the
+    time since their first token); the step may take as long as the tightest of those (never less than one
+    target TPOT). Prefill tokens (running prefills first, then the waiting requests) ride along in the largest
+    chunk whose predicted step time fits that limit. When nothing is decoding, or the oldest waiting request
+    would miss its TTFT at that pace while it still can make it, the chunk grows to what its deadline needs.
+    A request that cannot make its TTFT any more does not set the pace.
+without targets: the most tokens per second a step can do: the largest chunk (up to max_num_batched_tokens).
+
+Every decision is kept (`Decision`) with the predicted cost, the alternative it rejected and why, and, after the
+step, the measured cost: `Engine(explain=True)` / `lumen.serve --explain` logs them one line per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHUNKS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+@dataclass
+class Decision:
+    decodes: int
+    budget: int                  # tokens this step may take
+    predicted_s: float
+    limit_s: float | None        # the decodes' step-time limit (None: no target or no decodes)
+    rejected: str                # the alternative turned down, and why
+    measured_s: float | None = None
+
+    def line(self, step: int) -> str:
+        meas = "" if self.measured_s is None else f", measured {self.measured_s * 1e3:.1f} ms"
+        lim = "" if self.limit_s is None else f" (limit {self.limit_s * 1e3:.1f} ms)"
+        return (f"step {step}: {self.decodes} decodes, budget {self.budget} tokens -> predicted "
+                f"{self.predicted_s * 1e3:.1f} ms{lim}{meas}; rejected {self.rejected}")
+
+
+class MeasuredBudget:
+    def __init__(self, model, *, max_tokens: int, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):
+        self.model = model
+        self.max_tokens = max_tokens
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+
+    def decide(self, scheduler, now: float) -> Decision:
+        running = scheduler.running
+        decoding = [s for s in running if s.num_tokens - s.num_computed == 1]
+        D = len(decoding)
+        K_d = sum(s.num_tokens for s in decoding)
+        S = min(len(running) + len(scheduler.waiting), scheduler.max_num_seqs)
+        prefill_left = sum(s.num_tokens - s.num_computed for s in running if s.num_tokens - s.num_computed > 1)
+        prefill_left += sum(s.num_tokens for s in scheduler.waiting)
+        room = max(0, self.max_tokens - D)
+        cands = [c for c in CHUNKS if c < min(room, prefill_left)] + [min(room, prefill_left)]
+        cost = lambda c: self.model.predict(D + c, S, K_d + c * (c + 1) // 2)  # noqa: E731 (chunk at its start)
+        if self.slo_tpot_s is None and self.slo_ttft_s is None or prefill_left == 0:
+            c = cands[-1]
+            return Decision(D, D + c, cost(c), None, "nothing: no target, the most tokens per step" if prefill_left
+                            else "nothing: no prefill waiting")
+        limit = None
+        if D and self.slo_tpot_s is not None:
+            budgets = [self.slo_tpot_s * max(1, len(s.output_ids)) - (now - (s.metrics.first_token or now))
+                       for s in decoding]
+            limit = max(self.slo_tpot_s, min(budgets))
+        fits = [c for c in cands if limit is None or cost(c) <= limit] or [0]
+        c = fits[-1]
+        why = "nothing larger" if c == cands[-1] else \
+            f"chunk {cands[cands.index(c) + 1]} (predicted {cost(cands[cands.index(c) + 1]) * 1e3:.1f} ms > limit)"
+        urgent = self._urgent(scheduler, now)
+        if urgent is not None and self.slo_ttft_s is not None and c < cands[-1]:
+            need, left = urgent                   # prefill tokens before its first token, seconds to its deadline
+            steps = -(-need // max(c, 1)) if c else float("inf")
+            if steps * cost(c) > left:            # at this pace it misses its TTFT: the smallest chunk that makes it
+                for c2 in cands:
+                    if c2 > c and -(-need // c2) * cost(c2) <= left:
+                        why = f"chunk {c} (the oldest waiting request would miss its TTFT)"
+                        c = c2
+                        break
+        return Decision(D, D + c, cost(c), limit, why)
+
+    def _urgent(self, scheduler, now: float):
+        """(prefill tokens left, seconds to its TTFT deadline) of the oldest request still able to make it."""
+        cands = [s for s in scheduler.running if s.metrics.first_token is None] + list(scheduler.waiting)
+        cands.sort(key=lambda s: s.metrics.arrival)
+        for s in cands:
+            left = s.metrics.arrival + self.slo_ttft_s - now
+            need = s.num_tokens - s.num_computed
+            if left > self.model.predict(min(need, self.max_tokens), 1, need):
+                return need, left
+        return None
