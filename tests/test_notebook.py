@@ -10,17 +10,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "profile_smollm2.ipynb"
-SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_context", "bandwidth", "startup")
+SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_context", "bandwidth", "startup",
+           "batch_decode_scaling", "chunked_prefill_itl", "prefix_cache", "cost_model_accuracy",
+           "where_p99_itl_comes_from", "budget_sweep")
+SERVING = ROOT / "notebooks" / "serving.ipynb"
+SERVING_SMALL = ('MODEL = "smollm2-135m"\nN_REQUESTS = 4\nRATE = 8.0\nDECODES = 2\nCHUNK = 16\nREPEATS = 1\n'
+                 'GRID = "tiny"\n')
 SMALL = 'MODEL = "smollm2-135m"\nPROMPT_TOKENS = 8\nGEN_TOKENS = 4\nATTN_LENGTHS = [4, 16]\nREPEATS = 1\n'
 
 
-def test_notebook_is_stored_without_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("path", [NOTEBOOK, SERVING], ids=lambda p: p.stem)
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
             assert cell.outputs == [], f"cell {i} has stored outputs; clear them before committing"
             assert cell.execution_count is None, f"cell {i} has an execution count; clear it before committing"
+
+
+def test_serving_notebook_runs_and_settles_its_question(smollm2_path):
+    from nbclient import NotebookClient
+    nb = nbformat.read(SERVING, as_version=4)
+    params = [c for c in nb.cells if c.cell_type == "code" and "N_REQUESTS =" in c.source]
+    assert len(params) == 1, "the serving notebook needs exactly one parameters cell"
+    params[0].source = SERVING_SMALL
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "compute-bound past T*" in text and "TTFT p50" in text and "coverage min" in text
+    assert "VERDICT: merging a 16-token chunk into 2 decodes" in text
 
 
 def test_notebook_runs_with_small_parameters(smollm2_path):
@@ -42,7 +62,7 @@ def test_notebook_runs_with_small_parameters(smollm2_path):
 def test_profiling_script_quick(script, smollm2_path):
     env = dict(os.environ, MPLBACKEND="Agg")
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / f"{script}.py"), "--quick"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     verdicts = [line for line in r.stdout.splitlines() if line.startswith("VERDICT:")]
     assert len(verdicts) == 1, r.stdout[-2000:]

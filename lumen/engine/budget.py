@@ -53,7 +53,8 @@ class MeasuredBudget:
         prefill_left = sum(s.num_tokens - s.num_computed for s in running if s.num_tokens - s.num_computed > 1)
         prefill_left += sum(s.num_tokens for s in scheduler.waiting)
         room = max(0, self.max_tokens - D)
-        cands = [c for c in CHUNKS if c < min(room, prefill_left)] + [min(room, prefill_left)]
+        most = min(room, prefill_left)
+        cands = [0] + [c for c in CHUNKS if c < most] + ([most] if most > 0 else [])
         cost = lambda c: self.model.predict(D + c, S, K_d + c * (c + 1) // 2)  # noqa: E731 (chunk at its start)
         if self.slo_tpot_s is None and self.slo_ttft_s is None or prefill_left == 0:
             c = cands[-1]
@@ -65,7 +66,7 @@ class MeasuredBudget:
                        for s in decoding]
             limit = max(self.slo_tpot_s, min(budgets))
         fits = [c for c in cands if limit is None or cost(c) <= limit] or [0]
-        c = fits[-1]
+        c = fits[-1]                              # cands ascend, cost grows with c
         why = "nothing larger" if c == cands[-1] else \
             f"chunk {cands[cands.index(c) + 1]} (predicted {cost(cands[cands.index(c) + 1]) * 1e3:.1f} ms > limit)"
         urgent = self._urgent(scheduler, now)
