@@ -62,8 +62,8 @@ class MeasuredBudget:
                             else "nothing: no prefill waiting")
         limit = None
         if D and self.slo_tpot_s is not None:
-            budgets = [self.slo_tpot_s * max(1, len(s.output_ids)) - (now - (s.metrics.first_token or now))
-                       for s in decoding]
+            budgets = [self.slo_tpot_s * max(1, len(s.output_ids))
+                       - (0.0 if s.metrics.first_token is None else now - s.metrics.first_token) for s in decoding]
             limit = max(self.slo_tpot_s, min(budgets))
         fits = [c for c in cands if limit is None or cost(c) <= limit] or [0]
         c = fits[-1]                              # cands ascend, cost grows with c

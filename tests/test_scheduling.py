@@ -1,0 +1,134 @@
+"""Measured-cost scheduling: the step cost model (fit, calibration and its cache, drift), the budget decisions
+for SLO targets, and the engine running on them with the same outputs as the fixed budget (batch invariance)."""
+import logging
+import math
+
+import numpy as np
+import pytest
+
+import lumen
+from lumen import Engine, SamplingParams
+from lumen.engine.budget import MeasuredBudget
+from lumen.engine.costs import CostModel, Fit, cache_path, calibrate, fit
+
+
+def test_fit_recovers_a_known_cost_surface():
+    truth = Fit(knee=48, floor=0.006, per_token=40e-6, per_seq=50e-6, per_key=2e-9)
+    rng = np.random.default_rng(0)
+    samples = []
+    for T, S, K in [(1, 1, 100), (4, 4, 800), (16, 16, 4000), (32, 1, 528), (128, 1, 8256), (512, 1, 131328),
+                    (64, 8, 3000), (256, 4, 40000), (1024, 1, 524800), (8, 8, 16000)]:
+        samples.append((T, S, K, truth.predict(T, S, K) * (1 + 0.01 * rng.standard_normal())))
+    got = fit(samples)
+    assert got.knee == 48
+    assert math.isclose(got.floor, truth.floor, rel_tol=0.1)
+    assert math.isclose(got.per_token, truth.per_token, rel_tol=0.1)
+    assert got.rel_err_median < 0.02
+    assert all(v >= 0 for v in (got.floor, got.per_token, got.per_seq, got.per_key))
+
+
+def test_drift_scales_predictions_and_refit_follows():
+    cm = CostModel(Fit(knee=8, floor=0.01, per_token=1e-3, per_seq=0, per_key=0), [(1, 1, 1, 0.01), (64, 1, 1, 0.066)])
+    for _ in range(100):                          # the machine got twice as slow
+        cm.observe(1, 1, 1, 0.02)
+    assert 1.8 < cm.drift < 2.05 and cm.drifting
+    assert math.isclose(cm.predict(1, 1, 1), 0.02, rel_tol=0.1)
+    cm.REFIT = 110
+    for _ in range(10):
+        cm.observe(64, 1, 1, 0.132)
+    assert cm.drift == 1.0 and cm.fit.predict(1, 1, 1) > 0.012   # refitted on the recent steps
+
+
+class FakeSeq:
+    def __init__(self, n_tokens, computed, n_out, first_token, arrival):
+        self.tokens = [1] * n_tokens
+        self.num_computed = computed
+        self.output_ids = [1] * n_out
+        self.metrics = type("M", (), {"first_token": first_token, "arrival": arrival})()
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+
+class FakeScheduler:
+    def __init__(self, running, waiting, max_num_seqs=16):
+        self.running, self.waiting, self.max_num_seqs = running, waiting, max_num_seqs
+
+
+LINEAR = CostModel(Fit(knee=16, floor=0.010, per_token=0.001, per_seq=0.0, per_key=0.0))   # 10 ms + 1 ms/token
+
+
+def test_budget_without_targets_takes_the_most_tokens():
+    b = MeasuredBudget(LINEAR, max_tokens=512)
+    sch = FakeScheduler([FakeSeq(101, 100, 5, 0.0, 0.0)], [FakeSeq(300, 0, 0, None, 0.0)])
+    d = b.decide(sch, now=1.0)
+    assert d.budget == 1 + 300 and d.limit_s is None
+
+
+def test_budget_keeps_the_decodes_tpot():
+    """Decodes at their TPOT budget limit the chunk that rides along: 10 ms + 1 ms/token past 16 tokens under a
+    50 ms limit leaves room for about 56 tokens; with no decodes the prefill takes all it can."""
+    b = MeasuredBudget(LINEAR, max_tokens=512, slo_ttft_s=10.0, slo_tpot_s=0.05)
+    dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(4)]   # 10 tokens in 0.55 s: 0.05 left
+    sch = FakeScheduler(dec, [FakeSeq(400, 0, 0, None, arrival=0.9)])
+    d = b.decide(sch, now=1.0)
+    assert math.isclose(d.limit_s, 0.05, rel_tol=1e-6)
+    assert d.predicted_s <= d.limit_s and 4 + 32 <= d.budget <= 4 + 56
+    assert "limit" in d.rejected
+    alone = b.decide(FakeScheduler([], [FakeSeq(400, 0, 0, None, arrival=0.9)]), now=1.0)
+    assert alone.budget == 400
+
+
+def test_budget_grows_the_chunk_for_a_ttft_deadline():
+    """The oldest waiting request would miss its 2 s TTFT at the pace the decodes allow (a 50 ms step floor, so
+    small chunks take many steps): the chunk grows to what its deadline needs."""
+    steep = CostModel(Fit(knee=16, floor=0.050, per_token=0.001, per_seq=0.0, per_key=0.0))
+    b = MeasuredBudget(steep, max_tokens=1024, slo_ttft_s=2.0, slo_tpot_s=0.06)
+    dec = [FakeSeq(51, 50, 20, first_token=0.0, arrival=0.0)]                  # 20 tokens in 1 s: 0.2 s left
+    waiting = FakeSeq(900, 0, 0, None, arrival=0.0)                              # 1 s left, 900 tokens to go
+    d = b.decide(FakeScheduler(dec, [waiting]), now=1.0)
+    assert d.budget - 1 == 900 and "TTFT" in d.rejected
+    late = b.decide(FakeScheduler(dec, [FakeSeq(900, 0, 0, None, arrival=-0.5)]), now=1.0)   # cannot make it
+    assert late.budget - 1 < 900
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return lumen.load(smollm2_path, ctx=64, threads=2)
+
+
+def test_calibration_is_cached_per_model_machine_and_code(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    eng = Engine(model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_mb=8)
+    first = calibrate(eng, repeats=1)
+    assert first.source == "measured" and cache_path(eng).is_file() and len(first.samples) >= 10
+    again = calibrate(eng)
+    assert again.source.startswith("cache") and again.samples == first.samples
+    other = Engine(model, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, kv_cache_mb=8)
+    assert cache_path(other) != cache_path(eng)                      # another engine shape: another table
+
+
+def test_measured_scheduler_gives_the_same_outputs(model, caplog):
+    """Budgets change how steps are cut, never what a request produces; every decision is logged with explain."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, 40000, n).tolist() for n in (5, 70, 200, 33, 150)]
+    p = SamplingParams(max_tokens=12, temperature=0)
+    fixed = Engine(model, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96, kv_cache_mb=32)
+    measured = Engine(model, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_mb=32,
+                      scheduler="measured", slo_ttft_s=1.0, slo_tpot_s=0.05, cost_grid="tiny", explain=True)
+    with caplog.at_level(logging.INFO, logger="lumen.engine"):
+        got = measured.generate(prompts, p)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fixed.generate(prompts, p)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lumen.engine"]
+    assert len(lines) == measured.steps and all("predicted" in ln and "measured" in ln for ln in lines)
+    assert all(d.measured_s is not None for d in measured.decisions)
+
+
+def test_bad_scheduler_settings(model):
+    with pytest.raises(ValueError, match="scheduler"):
+        Engine(model, max_model_len=64, kv_cache_mb=4, scheduler="magic")
+    with pytest.raises(ValueError, match="need scheduler='measured'"):
+        Engine(model, max_model_len=64, kv_cache_mb=4, slo_tpot_s=0.05)
+    with pytest.raises(ValueError, match="slo_ttft_s"):
+        Engine(model, max_model_len=64, kv_cache_mb=4, scheduler="measured", slo_ttft_s=-1, cost_grid="tiny")
