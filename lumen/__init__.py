@@ -34,8 +34,23 @@ def _compile_cache_dir() -> str:
     return str(lumen_home() / "numba" / h.hexdigest()[:16])
 
 
+def _prune_compile_caches(keep: str, n: int = 3) -> None:
+    """When this code's cache is new, drop all but the n most recently used caches of other code."""
+    import shutil
+    parent = os.path.dirname(keep)
+    try:
+        others = [e for e in os.scandir(parent) if e.is_dir() and e.path != keep]
+        others.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+        for e in others[n - 1:]:
+            shutil.rmtree(e.path, ignore_errors=True)
+    except OSError:
+        pass
+
+
 if "NUMBA_CACHE_DIR" not in os.environ:
     os.environ["NUMBA_CACHE_DIR"] = _compile_cache_dir()
+    if not os.path.isdir(os.environ["NUMBA_CACHE_DIR"]):
+        _prune_compile_caches(os.environ["NUMBA_CACHE_DIR"])
     import sys as _sys
     if "numba" in _sys.modules:                        # imported before lumen: it read its config already
         import numba.core.config

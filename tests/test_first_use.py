@@ -142,3 +142,13 @@ def test_compile_cache_dir(tmp_path):
     import lumen
     assert lumen._compile_cache_dir().endswith(os.path.basename(_cache_dir(tmp_path, LUMEN_HOME="{tmp}/x")))
 
+
+
+def test_old_compile_caches_are_pruned(tmp_path):
+    """A new compile cache (new code) keeps the two most recently used of the others, no more."""
+    old = tmp_path / "home" / "numba"
+    for i, name in enumerate(["a", "b", "c", "d"]):
+        (old / name).mkdir(parents=True)
+        os.utime(old / name, (1000 + i, 1000 + i))
+    mine = _cache_dir(tmp_path, LUMEN_HOME="{tmp}/home")
+    assert sorted(p.name for p in old.iterdir() if str(p) != mine) == ["c", "d"]
