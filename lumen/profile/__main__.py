@@ -9,9 +9,10 @@ The prompt is exactly --prompt-tokens tokens (a fixed text's tokens repeated, BO
 generation is greedy. A warm-up generate (JIT compile) runs before the profiled one and is not reported.
 
 Tables: per op type and phase (calls, ms, share of the phase's wall time, us/call, GB/s, GFLOP/s, FLOP/byte and
-share of the op's roofline bound = min(peak, intensity x bandwidth), with the int-dot peak for the matmuls (their
-dot products are integer) and the f32 FMA peak for the rest); ms per layer and phase; the per-decode-step
-Python/dispatch overhead; per-step coverage. --phase/--op/--layer restrict the tables to those records.
+share of the op's roofline bound = min(peak, intensity x bandwidth), with the int8 dot peak (vpdpbusd,
+lumen.machine) for the matmuls (their dot products are integer) and the f32 FMA peak for the rest); ms per layer
+and phase; the per-decode-step Python/dispatch overhead; per-step coverage. --phase/--op/--layer restrict the
+tables to those records.
 
 --json F writes the profiler's steps and records plus the summary tables and machine limits. --plot F.png writes
 two PNGs: F.png, the roofline (every op type a point per phase, the bandwidth and compute ceilings), and
@@ -112,10 +113,10 @@ def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, 
     from lumen.profile import Agg
     bw = lim["bw_gbps"] if threads > 1 else lim.get("bw_1t_gbps", lim["bw_gbps"])
     fma = lim["fma_gflops"] if threads > 1 else lim.get("fma_1t_gflops", lim["fma_gflops"])
-    idot = lim["int_dot_gops"] if threads > 1 else lim.get("int_dot_1t_gops", lim["int_dot_gops"])
+    idot = lim["int8_dot_gops"] if threads > 1 else lim.get("int8_dot_1t_gops", lim["int8_dot_gops"])
     prof.select(phase, op, layer)  # LumenError on an unknown phase, op or layer
     phases = [phase] if phase else [p for p in PHASES if any(s.phase == p for s in prof.steps)]
-    out = {"limits": {"bw_gbps": bw, "fma_gflops": fma, "int_dot_gops": idot, "threads": threads},
+    out = {"limits": {"bw_gbps": bw, "fma_gflops": fma, "int8_dot_gops": idot, "threads": threads},
            "ops": {}, "layers": {}, "phases": {}}
     for ph in phases:
         steps = [s for s in prof.steps if s.phase == ph]
@@ -175,7 +176,7 @@ def print_report(s: dict, lim: dict, title: str, console) -> None:
     L = s["limits"]
     console.print(f"[bold]{title}[/]")
     console.print(f"machine: {lim.get('cpu', '?')} | {L['threads']} threads | read {L['bw_gbps']:.1f} GB/s | "
-                  f"f32 FMA {L['fma_gflops']:.0f} GFLOP/s | int16 dot {L['int_dot_gops']:.0f} GOP/s")
+                  f"f32 FMA {L['fma_gflops']:.0f} GFLOP/s | int8 dot {L['int8_dot_gops']:.0f} GOP/s")
     for ph, rows in s["ops"].items():
         p = s["phases"][ph]
         t = Table(title=f"{ph}: {p['tokens']} tokens in {p['steps']} steps, {p['wall_ms']:.1f} ms, "
@@ -225,10 +226,10 @@ def plot(s: dict, path: str, title: str) -> tuple[str, str]:
     pts = [(ph, r) for ph, rows in s["ops"].items() for r in rows if r["gflops"] > 0
            and r["intensity"] > 0]
     xs = [r["intensity"] for _, r in pts] or [0.1, 10]
-    lo, hi = min(xs + [0.05]) / 2, max(xs + [L["int_dot_gops"] / L["bw_gbps"] * 4]) * 2
+    lo, hi = min(xs + [0.05]) / 2, max(xs + [L["int8_dot_gops"] / L["bw_gbps"] * 4]) * 2
     x = np.logspace(np.log10(lo), np.log10(hi), 200)
-    ax.plot(x, np.minimum(x * L["bw_gbps"], L["int_dot_gops"]), "k-", lw=1.5,
-            label=f"int16 dot roof: {L['bw_gbps']:.1f} GB/s, {L['int_dot_gops']:.0f} GOP/s")
+    ax.plot(x, np.minimum(x * L["bw_gbps"], L["int8_dot_gops"]), "k-", lw=1.5,
+            label=f"int8 dot roof: {L['bw_gbps']:.1f} GB/s, {L['int8_dot_gops']:.0f} GOP/s")
     ax.plot(x, np.minimum(x * L["bw_gbps"], L["fma_gflops"]), "k--", lw=1.2,
             label=f"f32 FMA roof: {L['fma_gflops']:.0f} GFLOP/s")
     for ph, r in pts:
@@ -349,10 +350,10 @@ def print_machine(lim: dict, console) -> None:
     t.add_column(f"{lim['threads']} threads", justify="right")
     t.add_row("memory read GB/s", f"{lim['bw_1t_gbps']:.1f}", f"{lim['bw_gbps']:.1f}")
     t.add_row("f32 FMA GFLOP/s", f"{lim.get('fma_1t_gflops', float('nan')):.0f}", f"{lim['fma_gflops']:.0f}")
-    t.add_row("int16 dot GOP/s", f"{lim.get('int_dot_1t_gops', float('nan')):.0f}", f"{lim['int_dot_gops']:.0f}")
+    t.add_row("int8 dot GOP/s", f"{lim.get('int8_dot_1t_gops', float('nan')):.0f}", f"{lim['int8_dot_gops']:.0f}")
     console.print(t)
     console.print(f"measured {lim.get('measured_at', '?')}; ridge points: FMA {lim['fma_gflops'] / lim['bw_gbps']:.1f}, "
-                  f"int dot {lim['int_dot_gops'] / lim['bw_gbps']:.1f} FLOP/byte")
+                  f"int dot {lim['int8_dot_gops'] / lim['bw_gbps']:.1f} FLOP/byte")
 
 
 def main(argv: list[str] | None = None) -> int:
