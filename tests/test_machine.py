@@ -26,6 +26,14 @@ def test_int8_dot_kernel_is_the_dot_it_counts():
     assert np.array_equal(out[:8], ref.astype(np.int32)), (out[:8], ref)
 
 
+def test_aligned_arrays_start_on_a_cache_line():
+    from lumen.machine import aligned
+    for shape, dtype in (((2, 16384), np.uint8), ((3, 5), np.int32), ((7,), np.float32)):
+        for _ in range(4):
+            a = aligned(shape, dtype)
+            assert a.ctypes.data % 64 == 0 and a.shape == shape and a.dtype == dtype and not a.any()
+
+
 def test_measure_small():
     from lumen.machine import INT8_ISA, measure
     d = measure(threads=2, **SMALL)
