@@ -156,7 +156,7 @@ def test_roofline_figure_names_every_op(full):
 
 LIM = {"bw_gbps": 16.0, "fma_gflops": 94.0, "int8_dot_gops": 377.0, "l1d_bytes": 48 << 10, "l2_bytes": 2 << 20,
        "l3_bytes": 300 << 20, "measured_at": "then"}
-SIZES = {"weight_bytes": 111e6, "kv_cache_bytes": 15e6, "n_layer": 30}
+SIZES = {"matrix_bytes": 111e6, "kv_cache_bytes": 15e6, "n_layer": 30}
 
 
 @pytest.mark.parametrize("op, phase, per_call, bound_by, roof, says", [

@@ -75,15 +75,16 @@ def make_prompt(model, n: int) -> list[int]:
 
 
 def model_bytes(model) -> dict:
-    """The model's data as the profile counts it: its GGUF tensors' bytes; the packed weights one token's forward
-    reads (every matrix once and an embedding row, lumen/profile/costs.py's weight bytes); the KV cache allocated;
-    attention's f32 query and output rows per token and layer (costs.py counts them with its KV reads)."""
+    """The model's data as the profile counts it: its GGUF tensors' bytes; the packed weights a forward step reads
+    (every matrix once, and an embedding row per token: lumen/profile/costs.py's weight bytes); the KV cache
+    allocated; attention's f32 query and output rows per token and layer (costs.py counts them with its KV reads)."""
     from lumen.engine.forward import MATS
     from lumen.kernels.layout import matrix_nbytes
     w, c = model.runner.w, model.config
     mats = [int(i) for name in MATS for i in getattr(w, name)] + [int(w.output)]
     return {"gguf_tensor_bytes": sum(t.nbytes for t in model.gguf.tensors.values()),
-            "weight_bytes": sum(matrix_nbytes(w.packs.table[i]) for i in mats) + int(w.token_embd.shape[1]),
+            "matrix_bytes": sum(matrix_nbytes(w.packs.table[i]) for i in mats),
+            "embed_row_bytes": int(w.token_embd.shape[1]),
             "kv_cache_bytes": sum(a.nbytes for a in model.runner.kv), "n_layer": c.n_layer,
             "attn_act_bytes": 4 * (c.q_dim + c.n_head * c.head_dim_v)}
 

@@ -54,7 +54,7 @@ def above_roof_note(r: dict, phase: str, L: dict, sizes: dict | None) -> str:
                 f"have been taken under more load than this run; re-measure with --machine --remeasure")
     stream = f"faster than the memory roof, which streams a 1 GB array ({L['bw_gbps']:.1f} GB/s)"
     per_call = r["bytes_per_call"]
-    resident = sizes and sizes["weight_bytes"] + sizes["kv_cache_bytes"]
+    resident = sizes and sizes["matrix_bytes"] + sizes["kv_cache_bytes"]
     held = _cache_holding(resident, L) if resident else None
     if r["op"] == "attention" and phase != "decode" and sizes:
         layer_kv = sizes["kv_cache_bytes"] / sizes["n_layer"]
@@ -78,9 +78,9 @@ def above_roof_note(r: dict, phase: str, L: dict, sizes: dict | None) -> str:
 
 
 def decode_bytes(prof, sizes: dict) -> dict:
-    """What a decode step reads, from its records: weights (the packed matrices and an embedding row: sizes'
-    weight_bytes, as lumen/profile/costs.py counts them), KV (attention's bytes less its query and output rows)
-    and activations (the rest), against the model's GGUF tensor bytes."""
+    """What a decode step reads, from its records: weights (every packed matrix once and an embedding row per
+    token, as lumen/profile/costs.py counts them), KV (attention's bytes less its query and output rows) and
+    activations (the rest), against the model's GGUF tensor bytes."""
     steps = [s for s in prof.steps if s.phase == "decode"]
     recs = prof.select("decode")
     n = max(1, len(steps))
@@ -88,7 +88,7 @@ def decode_bytes(prof, sizes: dict) -> dict:
     total = sum(r.bytes for r in recs) / n
     attn = [r for r in recs if r.op == "attention"]
     kv = (sum(r.bytes for r in attn) / n - tokens * sizes["n_layer"] * sizes["attn_act_bytes"]) if attn else 0.0
-    weights = tokens * sizes["weight_bytes"]
+    weights = sizes["matrix_bytes"] + tokens * sizes["embed_row_bytes"]
     out = {"total": total, "weights": weights, "kv": kv, "activations": total - weights - kv,
            "gguf_tensors": sizes["gguf_tensor_bytes"]}
     out["line"] = (f"decode reads {total / 1e6:.1f} MB per step: {weights / 1e6:.1f} MB weights (GGUF tensors "
