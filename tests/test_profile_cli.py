@@ -51,6 +51,7 @@ def _rows(out: str, title: str) -> list[list[str]]:
 
 
 def test_report_tables(full):
+    from lumen.profile.report import matmul_ops
     r, _ = full
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -62,7 +63,7 @@ def test_report_tables(full):
     for phase in ("prefill", "decode"):
         rows = _rows(out, phase + ":")
         ops = {row[0] for row in rows}
-        assert {"q", "down", "attention", "output", "embed"} <= ops
+        assert {*matmul_ops(), "attention", "embed"} <= ops
         for row in rows:
             for cell in row[1:8]:
                 assert math.isfinite(float(cell.rstrip("%")))
@@ -103,7 +104,7 @@ def test_json_and_plots(full):
     assert s["run"]["prompt_tokens"] == 16 and s["run"]["gen_tokens"] == 4
     assert data["machine"]["bw_gbps"] == 20.0 and data["machine"]["int8_dot_gops"] == 300.0
     dec = {row["op"]: row for row in s["ops"]["decode"]}
-    q = dec["q"]
+    q = dec["o"]
     assert q["calls"] == 30 * 3 and q["gflops"] > 0 and q["intensity"] > 0
     # the matmul bound uses the int8 dot peak, the rest the FMA peak, both against the bandwidth
     assert q["roof"] == "int8 dot" and q["bound_gflops"] == pytest.approx(min(300.0, q["intensity"] * 20.0))
@@ -122,23 +123,23 @@ def test_roofline_figure_names_every_op(full):
     """A panel per phase, a point per op with FLOPs, each op once in the legend with a style of its own, the roofs
     with their measured values."""
     import matplotlib.pyplot as plt
-    from lumen.profile.report import MATMULS, op_styles, roofline_figure
+    from lumen.profile.report import matmul_ops, op_styles, roofline_figure
     _, d = full
     s = json.loads((d / "p.json").read_text())["summary"]
     fig = roofline_figure(s, "test")
     try:
         plotted = {ph: {r["op"] for r in rows if r["gflops"] > 0} for ph, rows in s["ops"].items()}
         ops = set().union(*plotted.values())
-        assert len(ops) >= 15
+        assert len(ops) >= 12
         labels = [t.get_text() for t in fig.legends[0].get_texts()]
         entries: dict[str, list[str]] = {}
         for lb in labels:
             if lb.removesuffix(" (matmul)") in ops:
                 entries.setdefault(lb.removesuffix(" (matmul)"), []).append(lb)
         assert sorted(entries) == sorted(ops) and all(len(v) == 1 for v in entries.values())  # each op once
-        assert all(v[0].endswith(" (matmul)") == (op in MATMULS) for op, v in entries.items())
+        assert all(v[0].endswith(" (matmul)") == (op in matmul_ops()) for op, v in entries.items())
         assert any("300 GOP/s" in lb for lb in labels) and any("100 GFLOP/s" in lb for lb in labels)
-        styles = op_styles(sorted(ops))
+        styles = op_styles(sorted(ops), matmul_ops())
         looks = {(st["marker"], str(st.get("color", st.get("facecolors"))), str(st["edgecolors"]))
                  for st in styles.values()}
         assert len(looks) == len(ops)                                # no two ops look alike

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import statistics
 
-MATMULS = ("q", "k", "v", "o", "gate", "up", "down", "output")
-WEIGHT_OPS = MATMULS + ("embed",)            # ops whose bytes are mostly model weights
 GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize")
 PHASES = ("prefill", "decode")
 INT8, FMA, MEMORY = "int8 dot", "f32 FMA", "memory"
 
 
 # ---- the numbers ----
+def matmul_ops() -> tuple[str, ...]:
+    """The ops that are matmuls, whose work is int8 dots: lumen/profile/costs.py's matmul ops and the head."""
+    from .costs import MAT_OF
+    return (*MAT_OF, "output")
+
+
 def roofs(lim: dict, threads: int) -> dict:
     """The ceilings for a run on `threads` threads: the 1-thread limits for 1 thread, else the all-thread ones."""
     one = threads == 1
@@ -63,7 +67,7 @@ def above_roof_note(r: dict, phase: str, L: dict, sizes: dict | None) -> str:
             return (f"its bytes count every key once per query that reads it ({_mb(per_call)} per call), but a "
                     f"chunk's queries share the layer's keys, whose K and V ({_mb(layer_kv)} at most) stay in the "
                     f"{where} cache after the first read: far fewer bytes come from memory than counted")
-    if r["op"] in WEIGHT_OPS or r["op"] == "attention":
+    if r["roof"] == INT8 or r["op"] in ("embed", "attention"):
         if held:
             return (f"its data ({_mb(per_call)} per call) comes back once per step, and the model's packed weights "
                     f"and KV cache ({_mb(resident)} in all) fit in the {held} cache, so it stays cached from one "
@@ -103,6 +107,7 @@ def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, 
     decode overhead, coverage, and (given the model's sizes) the bytes a decode step reads."""
     from lumen.profile import Agg
     L = roofs(lim, threads)
+    matmuls = matmul_ops()
     prof.select(phase, op, layer)  # LumenError on an unknown phase, op or layer
     phases = [phase] if phase else [p for p in PHASES if any(s.phase == p for s in prof.steps)]
     out = {"limits": L, "ops": {}, "layers": {}, "phases": {}, "notes": {}}
@@ -119,7 +124,7 @@ def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, 
                 by_layer.setdefault(r.layer, Agg()).add(r)
         rows, notes = [], {}
         for name, a in sorted(by_op.items(), key=lambda kv: -kv[1].seconds):
-            roof, peak = (INT8, L["int8_dot_gops"]) if name in MATMULS else (FMA, L["fma_gflops"])
+            roof, peak = (INT8, L["int8_dot_gops"]) if name in matmuls else (FMA, L["fma_gflops"])
             bound, bound_by, share = None, None, None
             if a.flops > 0:
                 bound = min(peak, a.intensity * L["bw_gbps"])
@@ -243,7 +248,7 @@ def op_order(ops) -> list[str]:
     return [o for o in OPS if o in ops] + sorted(o for o in ops if o not in OPS)
 
 
-def op_styles(ops: list[str]) -> dict[str, dict]:
+def op_styles(ops: list[str], matmuls) -> dict[str, dict]:
     """op -> scatter style. Matmuls are filled, every other op hollow; within each kind every op has its own
     marker and colour, so no two ops look alike even without their labels."""
     import matplotlib.pyplot as plt
@@ -251,7 +256,7 @@ def op_styles(ops: list[str]) -> dict[str, dict]:
     markers = ["o", "s", "D", "^", "v", "p", "h", "<", ">", "P", "X", "*", "8", "d"]
     out = {}
     for kind in (True, False):
-        names = [o for o in ops if (o in MATMULS) == kind]
+        names = [o for o in ops if (o in matmuls) == kind]
         for i, op in enumerate(names):
             c = colours[(i + (0 if kind else 3)) % len(colours)]
             m = markers[(i + i // len(markers)) % len(markers)]
@@ -319,7 +324,8 @@ def roofline_figure(s: dict, title: str):
     phases = list(s["ops"]) or ["(no phase)"]
     pts = {ph: [r for r in s["ops"].get(ph, []) if r["gflops"] > 0 and r["intensity"] > 0] for ph in phases}
     plotted = op_order({r["op"] for rows in pts.values() for r in rows})
-    style = op_styles(plotted)
+    matmuls = {r["op"] for rows in pts.values() for r in rows if r["roof"] == INT8}
+    style = op_styles(plotted, matmuls)
     xs = [r["intensity"] for rows in pts.values() for r in rows] or [0.1, 10.0]
     ys = [r["gflops"] for rows in pts.values() for r in rows] or [1.0]
     x = np.logspace(np.log10(min(xs) / 3), np.log10(max(max(xs), i8 / bw) * 4), 300)
@@ -392,7 +398,7 @@ def roofline_figure(s: dict, title: str):
         handles.append(Line2D([], [], ls="", marker=st["marker"], markersize=8,
                               markerfacecolor=st.get("color", st.get("facecolors")),
                               markeredgecolor=st["edgecolors"], markeredgewidth=st["linewidths"],
-                              label=o + (" (matmul)" if o in MATMULS else "")))
+                              label=o + (" (matmul)" if o in matmuls else "")))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1 - 3.2 / fig.get_figwidth(), 1 - 0.75 / height),
                fontsize=8, frameon=False, title="op (one point per phase)", title_fontsize=8.5, labelspacing=0.7)
     return fig
