@@ -1,17 +1,25 @@
 """This machine's limits, measured once with Numba kernels and cached: the ceilings of the roofline.
 
     from lumen.machine import limits
-    limits()   # {'bw_1t_gbps', 'bw_gbps', 'fma_gflops', 'int_dot_gops', 'threads', 'cpu', 'cores', ...}
+    limits()   # {'bw_1t_gbps', 'bw_gbps', 'fma_gflops', 'int8_dot_gops', 'threads', 'cpu', 'cores', ...}
 
 - bw_1t_gbps / bw_gbps: memory read bandwidth, one thread / all threads: a vectorized f32 sum streaming a ~1 GB
   array (best of several passes).
-- fma_gflops: f32 FMA throughput on all threads: 128 independent accumulators per thread (16 ymm registers, enough
-  to cover the FMA latency on both pipes), 2 FLOP per multiply-add.
-- int_dot_gops: int16 x int16 dot products summed into int32 lanes (the narrowing of KERNELS.md that gets
-  vpmaddwd), L1-resident, all threads, 2 ops per multiply-add (the unit the profiler counts matmul work in).
+- fma_1t_gflops / fma_gflops: f32 FMA throughput: 128 independent accumulators per thread (16 ymm registers,
+  enough to cover the FMA latency on both pipes), 2 FLOP per multiply-add. The roof of every op but the matmuls.
+- int8_dot_1t_gops / int8_dot_gops: the matmuls' roof. u8 x i8 dot products into int32 lanes with the building
+  block of the matmul tile kernels (lumen.kernels.simd._dpbusd: vpdpbusd on 256-bit vectors with AVX512-VNNI,
+  32 multiply-adds per instruction), 16 independent accumulators, weights loaded from a 16 KB block in L1 as
+  the tiles load them (aligned to a cache line), activations broadcast in registers. 2 ops per multiply-add, the
+  unit the profiler counts matmul work in. Without AVX512-VNNI (or with LUMEN_NO_VNNI=1) the same block compiles to the portable vector
+  IR the tile kernels then run, and that is measured instead; int8_dot_isa names which. The tiles also spend
+  instructions on zero points and the float epilogue, so a matmul reaches a part of this, never more.
+- l1d_bytes / l2_bytes / l3_bytes: the data cache sizes of one core (sysfs; 0 when unknown). An op whose bytes
+  per call fit in a cache can read faster than bw_gbps, which streams from memory.
 
 These are what Numba code reaches here, not the vendor's peak. The result is cached as JSON in
-`$LUMEN_HOME/machine.json` and is reused only on the same CPU model string and core count.
+`$LUMEN_HOME/machine.json` and is reused only on the same CPU model string and core count, and only when
+written by this VERSION of the kernels.
 """
 from __future__ import annotations
 
@@ -24,14 +32,22 @@ import time
 from pathlib import Path
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .errors import LumenError
+from .kernels import simd
 from .model.store import lumen_home
 
-VERSION = 1  # bump when a kernel below changes what it measures
+VERSION = 3  # bump when a kernel below changes what it measures (2: the int8 dot of the tiles; 3: aligned)
 FMA_W = 128  # accumulators per thread (f32)
-DOT_N = 512  # int16 elements per dot product (2 KB per operand: L1)
+DOT_ACC = 16  # independent int32x8 accumulators of the int8 dot (covers vpdpbusd's latency on two pipes)
+DOT_RUN = 32  # 32-byte weight vectors per unrolled run (1 KB)
+DOT_BYTES = 16 << 10  # weight bytes the int8 dot cycles over (L1 on any AVX512 core)
+INT8_ISA = ("vpdpbusd, 256-bit (AVX512-VNNI)" if simd.VNNI
+            else "portable vector IR (no AVX512-VNNI: the tile kernels run this too)")
 
 
 # ---- kernels ----
@@ -56,17 +72,42 @@ def fma_kernel(n, m, c):
     return acc.sum()
 
 
-@njit(fastmath=True, cache=True, nogil=True)
-def dot_kernel(a, b, n):
-    """n dot products of a (k,) and b (k,) int16 into int32 (each step narrowed to int32, so LLVM emits
-    vpmaddwd rather than 64-bit lanes)."""
-    t = np.int32(0)
-    for _ in range(n):
-        s = np.int32(0)
-        for i in range(a.size):
-            s = np.int32(s + np.int32(a[i]) * np.int32(b[i]))
-        t = np.int32(t + s)
-    return t
+@intrinsic
+def _int8_dot(typingctx, out, w, x, n):
+    """out (8,) i32 = per lane, over n passes of w (DOT_RUN * 32 k,) u8 read as 32-byte vectors: the u8 x i8 dot
+    of each vector with 4 bytes of x (32,) i8 broadcast, into DOT_ACC accumulators in turn (simd._dpbusd)."""
+    def codegen(context, builder, sig, args):
+        out_v, w_v, x_v, n_v = args
+        ta = sig.args
+        i64 = ir.IntType(64)
+        wp = simd._data(context, builder, ta[1], w_v, simd._I8)
+        xp = simd._data(context, builder, ta[2], x_v, simd._I8)
+        runs = builder.udiv(context.make_array(ta[1])(context, builder, w_v).nitems, ir.Constant(i64, 32 * DOT_RUN))
+        xb = [simd._bcast32(builder, xp, k) for k in range(8)]
+        slots = [cgutils.alloca_once_value(builder, ir.Constant(simd._V8I32, None)) for _ in range(DOT_ACC)]
+        with cgutils.for_range(builder, n_v):
+            with cgutils.for_range(builder, runs) as run:
+                base = builder.gep(wp, [builder.mul(run.index, ir.Constant(i64, 32 * DOT_RUN))])
+                acc = [builder.load(s) for s in slots]
+                for j in range(DOT_RUN):
+                    acc[j % DOT_ACC] = simd._dpbusd(builder, acc[j % DOT_ACC], simd._vload(builder, base, 32 * j),
+                                                    xb[j % 8])
+                for s, a in zip(slots, acc):
+                    builder.store(a, s)
+        total = builder.load(slots[0])
+        for s in slots[1:]:
+            total = builder.add(total, builder.load(s))
+        op = simd._data(context, builder, ta[0], out_v, simd._I32)
+        builder.store(total, builder.bitcast(op, simd._V8I32.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(out, w, x, types.intp), codegen
+
+
+@njit(cache=True, nogil=True)
+def int8_dot_kernel(out, w, x, n):
+    """n passes of int8 dots over w (k,) u8 (k a multiple of 1 KB, L1-resident) and x (32,) i8 into out (8,) i32:
+    2 k n ops."""
+    _int8_dot(out, w, x, n)
 
 
 # ---- measuring ----
@@ -100,18 +141,48 @@ def _on_threads(calls: list) -> None:
         t.join()
 
 
-def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000, dot_rounds: int = 200_000,
+def aligned(shape: tuple, dtype, align: int = 64) -> np.ndarray:
+    """A zeroed array whose data starts on an `align`-byte boundary (a cache line): a vector load that crosses a
+    line costs two, which here took the int8 dot from 378 to 299 GOP/s (a 32-byte load at offset 16 of a line)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = np.zeros(n + align, np.uint8)
+    off = (-buf.ctypes.data) % align
+    return buf[off:off + n].view(dtype).reshape(shape)
+
+
+def cache_sizes() -> dict:
+    """Data cache bytes of one core per level, from sysfs: {'l1d_bytes', 'l2_bytes', 'l3_bytes'} (0: unknown)."""
+    out = {"l1d_bytes": 0, "l2_bytes": 0, "l3_bytes": 0}
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind = int((d / "level").read_text()), (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or level not in (1, 2, 3):
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        try:
+            out[f"l{level}{'d' if level == 1 else ''}_bytes"] = int(size.rstrip("KMG")) * unit
+        except ValueError:
+            pass
+    return out
+
+
+def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000, dot_rounds: int = 500_000,
             threads: int | None = None) -> dict:
     """Measure the limits now: about 10 s at the default sizes (a quiet machine); smaller sizes for tests."""
     threads = threads or os.cpu_count() or 1
-    out = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "version": VERSION}
+    out = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "version": VERSION, **cache_sizes()}
     a = np.ones(max(bw_bytes // 4, 1024 * threads), np.float32)  # (n,) f32; allocating faults the pages in
     step = (a.size + threads - 1) // threads
     parts = [a[i * step:(i + 1) * step] for i in range(threads)]
     m, c = np.float32(0.999), np.float32(1e-3)
-    x = (np.arange(threads * DOT_N) % 7 - 3).astype(np.int16).reshape(threads, DOT_N)  # (threads, DOT_N)
-    y = (np.arange(threads * DOT_N) % 5 - 2).astype(np.int16).reshape(threads, DOT_N)
-    sum_kernel(a[:1024]), fma_kernel(1, m, c), dot_kernel(x[0], y[0], 1)  # compile (or load) outside the timing
+    w = aligned((threads, DOT_BYTES), np.uint8)                                              # (threads, 16 KB)
+    w[:] = (np.arange(threads * DOT_BYTES) % 251).reshape(threads, DOT_BYTES)
+    x = (np.arange(32) % 7 - 3).astype(np.int8)                                             # (32,) i8
+    acc = np.zeros((threads, 16), np.int32)  # (threads, 16): one 64-byte line per thread, lanes 0..7 written
+    sum_kernel(a[:1024]), fma_kernel(1, m, c), int8_dot_kernel(acc[0], w[0], x, 1)  # compile (or load) first
 
     out["bw_1t_gbps"] = a.nbytes / _best(lambda: sum_kernel(a), reps) / 1e9
     out["bw_gbps"] = a.nbytes / _best(lambda: _on_threads([lambda p=p: sum_kernel(p) for p in parts]), reps) / 1e9
@@ -120,10 +191,11 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
     out["fma_1t_gflops"] = flops / _best(lambda: fma_kernel(fma_rounds, m, c), reps) / 1e9
     out["fma_gflops"] = flops * threads / _best(
         lambda: _on_threads([lambda: fma_kernel(fma_rounds, m, c)] * threads), reps) / 1e9
-    ops = 2 * DOT_N * dot_rounds
-    out["int_dot_1t_gops"] = ops / _best(lambda: dot_kernel(x[0], y[0], dot_rounds), reps) / 1e9
-    out["int_dot_gops"] = ops * threads / _best(
-        lambda: _on_threads([lambda t=t: dot_kernel(x[t], y[t], dot_rounds) for t in range(threads)]), reps) / 1e9
+    ops = 2 * DOT_BYTES * dot_rounds
+    out["int8_dot_1t_gops"] = ops / _best(lambda: int8_dot_kernel(acc[0], w[0], x, dot_rounds), reps) / 1e9
+    out["int8_dot_gops"] = ops * threads / _best(lambda: _on_threads(
+        [lambda t=t: int8_dot_kernel(acc[t], w[t], x, dot_rounds) for t in range(threads)]), reps) / 1e9
+    out["int8_dot_isa"] = INT8_ISA
     out["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return out
 
@@ -133,7 +205,8 @@ def cache_path() -> Path:
 
 
 def _valid(d: dict) -> bool:
-    keys = ("bw_1t_gbps", "bw_gbps", "fma_gflops", "int_dot_gops", "threads", "cpu")
+    keys = ("bw_1t_gbps", "bw_gbps", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops", "int8_dot_isa", "threads",
+            "cpu")
     return (isinstance(d, dict) and all(k in d for k in keys) and d.get("cpu") == cpu_model()
             and d.get("cores") == os.cpu_count() and d.get("version") == VERSION)
 
@@ -146,7 +219,9 @@ def limits(measure_if_missing: bool = True, remeasure: bool = False) -> dict:
             d = json.loads(path.read_text())
             if _valid(d):
                 return d
-            why = "was measured on another CPU or thread count"
+            why = ("was measured by an older version of these kernels"
+                   if isinstance(d, dict) and d.get("version") != VERSION
+                   else "was measured on another CPU or thread count")
         except FileNotFoundError:
             why = "is missing"
         except (OSError, ValueError):

@@ -1,15 +1,18 @@
-"""`python -m lumen.profile` as a subprocess on SmolLM2 with a fake machine cache, and lumen.machine.measure."""
+"""`python -m lumen.profile` as a subprocess on SmolLM2 with a fake machine cache, and its report and plots
+(lumen/profile/report.py). lumen.machine itself: tests/test_machine.py."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 FAKE = {"cpu": None, "cores": os.cpu_count(), "threads": os.cpu_count(), "version": None, "bw_1t_gbps": 10.0,
-        "bw_gbps": 20.0, "fma_1t_gflops": 50.0, "fma_gflops": 100.0, "int_dot_1t_gops": 40.0,
-        "int_dot_gops": 80.0, "measured_at": "fake"}
+        "bw_gbps": 20.0, "fma_1t_gflops": 50.0, "fma_gflops": 100.0, "int8_dot_1t_gops": 150.0,
+        "int8_dot_gops": 300.0, "int8_dot_isa": "fake isa", "l1d_bytes": 48 << 10, "l2_bytes": 2 << 20,
+        "l3_bytes": 32 << 20, "measured_at": "fake"}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,7 @@ def _rows(out: str, title: str) -> list[list[str]]:
 
 
 def test_report_tables(full):
+    from lumen.profile.report import matmul_ops
     r, _ = full
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -55,17 +59,40 @@ def test_report_tables(full):
     for title in ("prefill: 16 tokens", "decode: 3 tokens", "ms per layer", "Python/dispatch overhead"):
         assert title in out, out
     assert "coverage decode: min" in out and "coverage prefill: min" in out
+    assert "int8 dot 300 GOP/s (roof of the matmuls: fake isa)" in out and "memory read 20.0 GB/s" in out
     for phase in ("prefill", "decode"):
         rows = _rows(out, phase + ":")
         ops = {row[0] for row in rows}
-        assert {"q", "down", "attention", "output", "embed"} <= ops
+        assert {*matmul_ops(), "attention", "embed"} <= ops
         for row in rows:
             for cell in row[1:8]:
                 assert math.isfinite(float(cell.rstrip("%")))
+            assert row[8] in ("memory", "int8 dot", "f32 FMA", "-")
+            if row[9].endswith("*"):                        # above its roof: explained under the table
+                assert re.search(rf"^\* {row[0]} at {row[9][:-2]}% of its roof: ", out, re.M), (row, out)
     layers = _rows(out, "ms per layer")
     assert [int(row[0]) for row in layers] == list(range(30))
     over = {row[0]: float(row[1]) for row in _rows(out, "Python/dispatch overhead")}
     assert {"schedule", "prepare", "dispatch", "return", "sample", "detokenize", "unattributed", "total"} <= set(over)
+
+
+def test_decode_bytes_line(full, smollm2_path):
+    """Bytes per decode step: weights (every packed matrix once and an embedding row) + KV + activations."""
+    from lumen.format.gguf import GGUFFile
+    r, d = full
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"^decode reads ([\d.]+) MB per step: ([\d.]+) MB weights \(GGUF tensors ([\d.]+) MB\), "
+                  r"([\d.]+) MB KV, ([\d.]+) MB activations$", r.stdout, re.M)
+    assert m, r.stdout
+    total, weights, gguf, kv, act = map(float, m.groups())
+    g = GGUFFile(smollm2_path)
+    assert gguf == pytest.approx(sum(t.nbytes for t in g.tensors.values()) / 1e6, abs=0.05)
+    g.close()
+    assert total == pytest.approx(weights + kv + act, abs=0.15)
+    assert 0.9 * gguf < weights < 1.5 * gguf       # repacked (zero points, f32 scales, a q8 head), not another model
+    assert 0 < kv < weights and 0 < act < 0.1 * weights
+    b = json.loads((d / "p.json").read_text())["summary"]["decode_bytes"]
+    assert b["total"] == pytest.approx(b["weights"] + b["kv"] + b["activations"])
 
 
 def test_json_and_plots(full):
@@ -75,19 +102,79 @@ def test_json_and_plots(full):
     assert data["records"] and data["steps"][0]["phase"] == "prefill"
     s = data["summary"]
     assert s["run"]["prompt_tokens"] == 16 and s["run"]["gen_tokens"] == 4
-    assert data["machine"]["bw_gbps"] == 20.0
+    assert data["machine"]["bw_gbps"] == 20.0 and data["machine"]["int8_dot_gops"] == 300.0
     dec = {row["op"]: row for row in s["ops"]["decode"]}
-    q = dec["q"]
+    q = dec["o"]
     assert q["calls"] == 30 * 3 and q["gflops"] > 0 and q["intensity"] > 0
-    # the matmul bound uses the int-dot peak, the rest the FMA peak, both against the bandwidth
-    assert q["bound_gflops"] == pytest.approx(min(80.0, q["intensity"] * 20.0))
+    # the matmul bound uses the int8 dot peak, the rest the FMA peak, both against the bandwidth
+    assert q["roof"] == "int8 dot" and q["bound_gflops"] == pytest.approx(min(300.0, q["intensity"] * 20.0))
     assert q["roofline_share"] == pytest.approx(q["gflops"] / q["bound_gflops"])
     att = dec["attention"]
-    assert att["bound_gflops"] == pytest.approx(min(100.0, att["intensity"] * 20.0))
+    assert att["roof"] == "f32 FMA" and att["bound_gflops"] == pytest.approx(min(100.0, att["intensity"] * 20.0))
+    for ph, rows in s["ops"].items():   # every op above its roof has its note
+        assert {row["op"] for row in rows if (row["roofline_share"] or 0) > 1} == set(s["notes"][ph])
     assert 0.9 <= s["phases"]["decode"]["coverage_min"] <= 1.0
     for name in ("p.png", "p-ops.png"):
         blob = (d / name).read_bytes()
         assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 10_000
+
+
+def test_roofline_figure_names_every_op(full):
+    """A panel per phase, a point per op with FLOPs, each op once in the legend with a style of its own, the roofs
+    with their measured values."""
+    import matplotlib.pyplot as plt
+    from lumen.profile.report import matmul_ops, op_styles, roofline_figure
+    _, d = full
+    s = json.loads((d / "p.json").read_text())["summary"]
+    fig = roofline_figure(s, "test")
+    try:
+        plotted = {ph: {r["op"] for r in rows if r["gflops"] > 0} for ph, rows in s["ops"].items()}
+        ops = set().union(*plotted.values())
+        assert len(ops) >= 12
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+        entries: dict[str, list[str]] = {}
+        for lb in labels:
+            if lb.removesuffix(" (matmul)") in ops:
+                entries.setdefault(lb.removesuffix(" (matmul)"), []).append(lb)
+        assert sorted(entries) == sorted(ops) and all(len(v) == 1 for v in entries.values())  # each op once
+        assert all(v[0].endswith(" (matmul)") == (op in matmul_ops()) for op, v in entries.items())
+        assert any("300 GOP/s" in lb for lb in labels) and any("100 GFLOP/s" in lb for lb in labels)
+        styles = op_styles(sorted(ops), matmul_ops())
+        looks = {(st["marker"], str(st.get("color", st.get("facecolors"))), str(st["edgecolors"]))
+                 for st in styles.values()}
+        assert len(looks) == len(ops)                                # no two ops look alike
+        axes = fig.get_axes()
+        assert [ax.get_title().split(":")[0] for ax in axes] == ["prefill", "decode"]
+        for ax, ph in zip(axes, ["prefill", "decode"]):
+            assert len(ax.collections) == len(plotted[ph])           # one point per op
+            texts = " ".join(t.get_text() for t in ax.texts)
+            assert "int8 dot 300 GOP/s" in texts and "f32 FMA 100 GFLOP/s" in texts and "memory read 20.0 GB/s" in texts
+            assert all(op in texts for op in plotted[ph])            # every point labelled in place
+        assert "FLOP per byte" in axes[0].get_xlabel() and "GFLOP/s" in axes[0].get_ylabel()
+    finally:
+        plt.close(fig)
+
+
+LIM = {"bw_gbps": 16.0, "fma_gflops": 94.0, "int8_dot_gops": 377.0, "l1d_bytes": 48 << 10, "l2_bytes": 2 << 20,
+       "l3_bytes": 300 << 20, "measured_at": "then"}
+SIZES = {"matrix_bytes": 111e6, "kv_cache_bytes": 15e6, "n_layer": 30}
+
+
+@pytest.mark.parametrize("op, phase, per_call, bound_by, roof, says", [
+    ("attn_residual", "decode", 6.9e3, "memory", "f32 FMA", "activations the op before it just wrote, from the L1"),
+    ("output", "decode", 32e6, "memory", "int8 dot", "fit in the L3 (314.6 MB) cache, so it stays cached"),
+    ("attention", "prefill", 51e6, "memory", "f32 FMA", "a chunk's queries share the layer's keys"),
+    ("attention", "decode", 0.4e6, "memory", "f32 FMA", "fit in the L3"),
+    ("act", "prefill", 400e6, "memory", "f32 FMA", "unexplained"),
+    ("down", "prefill", 1e6, "int8 dot", "int8 dot", "above the measured int8 dot peak (377)"),
+])
+def test_above_roof_notes(op, phase, per_call, bound_by, roof, says):
+    """An op above its roof is explained by where its data fits, or said to be unexplained."""
+    from lumen.profile.report import above_roof_note
+    row = {"op": op, "bytes_per_call": per_call, "bound_by": bound_by, "roof": roof}
+    assert says in above_roof_note(row, phase, LIM, SIZES)
+    if op == "output":   # a model that does not fit in L3 leaves the point unexplained
+        assert "unexplained" in above_roof_note(row, phase, dict(LIM, l3_bytes=32 << 20), SIZES)
 
 
 def test_filters(home, smollm2_path):
@@ -124,27 +211,5 @@ def test_unwritable_path_fails_before_the_run(home, smollm2_path, tmp_path):
 def test_machine_prints_cached_limits(home):
     r = run(home, "--machine")
     assert r.returncode == 0, r.stderr
-    assert "memory read GB/s" in r.stdout and "20.0" in r.stdout and "int16 dot GOP/s" in r.stdout
-
-
-def test_missing_cache_is_measured(tmp_path, monkeypatch, capsys):
-    """limits() measures on a missing or foreign cache (here with small sizes), says so, and caches it."""
-    import lumen.machine as machine
-    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
-    real = machine.measure
-    monkeypatch.setattr(machine, "measure", lambda: real(bw_bytes=1 << 22, reps=2, fma_rounds=1000, dot_rounds=100))
-    with pytest.raises(machine.LumenError, match="missing"):
-        machine.limits(measure_if_missing=False)
-    d = machine.limits()
-    assert "is missing; measuring this machine" in capsys.readouterr().err
-    assert json.loads((tmp_path / "machine.json").read_text()) == d
-    (tmp_path / "machine.json").write_text(json.dumps(dict(d, cpu="another CPU", bw_gbps=-1)))
-    assert machine.limits()["bw_gbps"] > 0
-
-
-def test_measure_small():
-    from lumen.machine import measure
-    d = measure(bw_bytes=1 << 22, reps=2, fma_rounds=2000, dot_rounds=200, threads=2)
-    for k in ("bw_1t_gbps", "bw_gbps", "fma_1t_gflops", "fma_gflops", "int_dot_1t_gops", "int_dot_gops"):
-        assert math.isfinite(d[k]) and d[k] > 0, (k, d)
-    assert d["threads"] == 2 and d["cpu"]
+    assert "memory read GB/s" in r.stdout and "20.0" in r.stdout
+    assert re.search(r"int8 dot GOP/s +│ +150 │ +300", r.stdout) and "int8 dot: fake isa" in r.stdout

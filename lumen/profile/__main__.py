@@ -8,14 +8,17 @@
 The prompt is exactly --prompt-tokens tokens (a fixed text's tokens repeated, BOS first when the model adds one);
 generation is greedy. A warm-up generate (JIT compile) runs before the profiled one and is not reported.
 
-Tables: per op type and phase (calls, ms, share of the phase's wall time, us/call, GB/s, GFLOP/s, FLOP/byte and
-share of the op's roofline bound = min(peak, intensity x bandwidth), with the int-dot peak for the matmuls (their
-dot products are integer) and the f32 FMA peak for the rest); ms per layer and phase; the per-decode-step
-Python/dispatch overhead; per-step coverage. --phase/--op/--layer restrict the tables to those records.
+Tables: per op type and phase (calls, ms, share of the phase's wall time, us/call, GB/s, GFLOP/s, FLOP/byte, what
+bounds it and its share of its roofline bound = min(peak, intensity x bandwidth), with the int8 dot peak
+(vpdpbusd, measured by lumen.machine) for the matmuls and the f32 FMA peak for the rest, and a note explaining any
+op above its roof); the bytes a decode step reads against the model's GGUF tensor bytes; ms per layer and phase;
+the per-decode-step Python/dispatch overhead; per-step coverage. --phase/--op/--layer restrict the tables to those
+records. The numbers, tables and plots are lumen/profile/report.py.
 
 --json F writes the profiler's steps and records plus the summary tables and machine limits. --plot F.png writes
-two PNGs: F.png, the roofline (every op type a point per phase, the bandwidth and compute ceilings), and
-F-ops.png (F's stem + "-ops"), the time per token of each op, stacked, for prefill and decode.
+two PNGs: F.png, the roofline (a panel per phase, a point per op type with its own marker and colour, the memory,
+int8 dot and f32 FMA roofs with their measured values), and F-ops.png (F's stem + "-ops"), the time per token of
+each op, stacked, for prefill and decode.
 
 Not imported by the package (lumen.profile is the profiler context manager, lumen/__init__.py); run with -m.
 """
@@ -27,18 +30,15 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
+from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries it grew into a busy port, and its markets drew merchants from "
         "distant lands who brought new languages, foods and ideas with them.")
-MATMULS = ("q", "k", "v", "o", "gate", "up", "down", "output")
-GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize")
-PHASES = ("prefill", "decode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +74,21 @@ def make_prompt(model, n: int) -> list[int]:
     return ids[:n]
 
 
+def model_bytes(model) -> dict:
+    """The model's data as the profile counts it: its GGUF tensors' bytes; the packed weights a forward step reads
+    (every matrix once, and an embedding row per token: lumen/profile/costs.py's weight bytes); the KV cache
+    allocated; attention's f32 query and output rows per token and layer (costs.py counts them with its KV reads)."""
+    from lumen.engine.forward import MATS
+    from lumen.kernels.layout import matrix_nbytes
+    w, c = model.runner.w, model.config
+    mats = [int(i) for name in MATS for i in getattr(w, name)] + [int(w.output)]
+    return {"gguf_tensor_bytes": sum(t.nbytes for t in model.gguf.tensors.values()),
+            "matrix_bytes": sum(matrix_nbytes(w.packs.table[i]) for i in mats),
+            "embed_row_bytes": int(w.token_embd.shape[1]),
+            "kv_cache_bytes": sum(a.nbytes for a in model.runner.kv), "n_layer": c.n_layer,
+            "attn_act_bytes": 4 * (c.q_dim + c.n_head * c.head_dim_v)}
+
+
 def check_writable(path: str, what: str) -> str | None:
     """Why `path` cannot be written, or None."""
     p = Path(path)
@@ -85,11 +100,6 @@ def check_writable(path: str, what: str) -> str | None:
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         return f"cannot write {what} to {path}: permission denied"
     return None
-
-
-def ops_png(path: str) -> str:
-    p = Path(path)
-    return str(p.with_name(p.stem + "-ops" + (p.suffix or ".png")))
 
 
 # ---- the run ----
@@ -105,174 +115,6 @@ def profiled_run(model, prompt_tokens: int, gen_tokens: int):
         for _ in model.generate(ids, max_tokens=gen_tokens, stats=stats):
             pass
     return prof, stats
-
-
-def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, layer: int | None) -> dict:
-    """The report's numbers: per-op rows per phase, ms per layer, decode overhead, coverage."""
-    from lumen.profile import Agg
-    bw = lim["bw_gbps"] if threads > 1 else lim.get("bw_1t_gbps", lim["bw_gbps"])
-    fma = lim["fma_gflops"] if threads > 1 else lim.get("fma_1t_gflops", lim["fma_gflops"])
-    idot = lim["int_dot_gops"] if threads > 1 else lim.get("int_dot_1t_gops", lim["int_dot_gops"])
-    prof.select(phase, op, layer)  # LumenError on an unknown phase, op or layer
-    phases = [phase] if phase else [p for p in PHASES if any(s.phase == p for s in prof.steps)]
-    out = {"limits": {"bw_gbps": bw, "fma_gflops": fma, "int_dot_gops": idot, "threads": threads},
-           "ops": {}, "layers": {}, "phases": {}}
-    for ph in phases:
-        steps = [s for s in prof.steps if s.phase == ph]
-        wall = sum(s.wall_s for s in steps)
-        tokens = sum(s.n_tokens for s in steps)
-        recs = prof.select(ph, op, layer)
-        by_op: dict[str, Agg] = {}
-        by_layer: dict[int, Agg] = {}
-        for r in recs:
-            by_op.setdefault(r.op, Agg()).add(r)
-            if r.layer >= 0:
-                by_layer.setdefault(r.layer, Agg()).add(r)
-        rows = []
-        for name, a in sorted(by_op.items(), key=lambda kv: -kv[1].seconds):
-            peak = idot if name in MATMULS else fma
-            if a.flops > 0:
-                bound = min(peak, a.intensity * bw)
-                roof = a.gflops / bound
-            elif a.bytes > 0:
-                bound, roof = None, a.gbps / bw  # pure data movement: bandwidth is the bound
-            else:
-                bound, roof = None, None
-            rows.append({"op": name, "calls": a.calls, "ms": a.seconds * 1e3,
-                         "share": a.seconds / wall if wall else 0.0, "us_per_call": a.seconds / a.calls * 1e6,
-                         "gbps": a.gbps, "gflops": a.gflops, "intensity": a.intensity,
-                         "bound_gflops": bound, "roofline_share": roof})
-        out["ops"][ph] = rows
-        out["layers"][ph] = {il: a.seconds * 1e3 for il, a in sorted(by_layer.items())}
-        cov = prof.coverage(ph)
-        shares = sorted(s for _, _, s in cov)
-        out["phases"][ph] = {"steps": len(steps), "tokens": tokens, "wall_ms": wall * 1e3,
-                             "tok_per_s": tokens / wall if wall else 0.0,
-                             "coverage_min": shares[0] if shares else 1.0,
-                             "coverage_median": statistics.median(shares) if shares else 1.0,
-                             "unattributed_ms": prof.unattributed_s(ph) * 1e3}
-    if "decode" in phases:
-        n = max(1, out["phases"]["decode"]["steps"])
-        wall = out["phases"]["decode"]["wall_ms"] / 1e3
-        glue = prof.by_op("decode")
-        rows = [{"op": g, "us_per_step": glue[g].seconds / n * 1e6 if g in glue else 0.0,
-                 "share": (glue[g].seconds / wall if wall else 0.0) if g in glue else 0.0} for g in GLUE]
-        un = prof.unattributed_s("decode")
-        rows.append({"op": "unattributed", "us_per_step": un / n * 1e6, "share": un / wall if wall else 0.0})
-        rows.append({"op": "total", "us_per_step": sum(r["us_per_step"] for r in rows),
-                     "share": sum(r["share"] for r in rows)})
-        out["overhead"] = rows
-    return out
-
-
-# ---- printing ----
-def _f(v, fmt):
-    return "-" if v is None else format(v, fmt)
-
-
-def print_report(s: dict, lim: dict, title: str, console) -> None:
-    from rich.table import Table
-    L = s["limits"]
-    console.print(f"[bold]{title}[/]")
-    console.print(f"machine: {lim.get('cpu', '?')} | {L['threads']} threads | read {L['bw_gbps']:.1f} GB/s | "
-                  f"f32 FMA {L['fma_gflops']:.0f} GFLOP/s | int16 dot {L['int_dot_gops']:.0f} GOP/s")
-    for ph, rows in s["ops"].items():
-        p = s["phases"][ph]
-        t = Table(title=f"{ph}: {p['tokens']} tokens in {p['steps']} steps, {p['wall_ms']:.1f} ms, "
-                        f"{p['tok_per_s']:.1f} tok/s", title_justify="left")
-        for col in ("op", "calls", "ms", "share", "us/call", "GB/s", "GFLOP/s", "FLOP/B", "of roofline"):
-            t.add_column(col, justify="left" if col == "op" else "right", no_wrap=True)
-        for r in rows:
-            t.add_row(r["op"], str(r["calls"]), f"{r['ms']:.2f}", f"{100 * r['share']:.1f}%",
-                      f"{r['us_per_call']:.1f}", f"{r['gbps']:.2f}", f"{r['gflops']:.2f}",
-                      f"{r['intensity']:.2f}", _f(None if r["roofline_share"] is None else 100 * r["roofline_share"],
-                                                  ".0f") + ("%" if r["roofline_share"] is not None else ""))
-        console.print(t)
-    if any(s["layers"].values()):
-        t = Table(title="ms per layer", title_justify="left")
-        t.add_column("layer", justify="right")
-        for ph in s["layers"]:
-            t.add_column(f"{ph} ms", justify="right")
-        layers = sorted({il for d in s["layers"].values() for il in d})
-        for il in layers:
-            t.add_row(str(il), *[f"{s['layers'][ph].get(il, 0.0):.2f}" for ph in s["layers"]])
-        console.print(t)
-    if "overhead" in s:
-        t = Table(title="Python/dispatch overhead per decode step", title_justify="left")
-        for col in ("part", "us/step", "share of decode"):
-            t.add_column(col, justify="left" if col == "part" else "right")
-        for r in s["overhead"]:
-            t.add_row(r["op"], f"{r['us_per_step']:.1f}", f"{100 * r['share']:.2f}%")
-        console.print(t)
-    for ph, p in s["phases"].items():
-        console.print(f"coverage {ph}: min {100 * p['coverage_min']:.1f}% median {100 * p['coverage_median']:.1f}% "
-                      f"per step | unattributed {p['unattributed_ms']:.2f} ms of {p['wall_ms']:.1f} ms")
-
-
-def plot(s: dict, path: str, title: str) -> tuple[str, str]:
-    """The roofline (path) and the stacked op times per token (path's stem + '-ops')."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    L = s["limits"]
-    ops = sorted({r["op"] for rows in s["ops"].values() for r in rows})
-    palette = list(plt.get_cmap("tab20").colors) + list(plt.get_cmap("Dark2").colors) + list(plt.get_cmap("Set1").colors)
-    color = {op: palette[i % len(palette)] for i, op in enumerate(ops)}
-    marker = {"prefill": "o", "decode": "^"}
-
-    fig, ax = plt.subplots(figsize=(10, 6.5))
-    pts = [(ph, r) for ph, rows in s["ops"].items() for r in rows if r["gflops"] > 0
-           and r["intensity"] > 0]
-    xs = [r["intensity"] for _, r in pts] or [0.1, 10]
-    lo, hi = min(xs + [0.05]) / 2, max(xs + [L["int_dot_gops"] / L["bw_gbps"] * 4]) * 2
-    x = np.logspace(np.log10(lo), np.log10(hi), 200)
-    ax.plot(x, np.minimum(x * L["bw_gbps"], L["int_dot_gops"]), "k-", lw=1.5,
-            label=f"int16 dot roof: {L['bw_gbps']:.1f} GB/s, {L['int_dot_gops']:.0f} GOP/s")
-    ax.plot(x, np.minimum(x * L["bw_gbps"], L["fma_gflops"]), "k--", lw=1.2,
-            label=f"f32 FMA roof: {L['fma_gflops']:.0f} GFLOP/s")
-    for ph, r in pts:
-        ax.scatter(r["intensity"], r["gflops"], marker=marker[ph], s=55, color=color[r["op"]],
-                   edgecolors="k", linewidths=0.5, zorder=3)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("achieved GFLOP/s (GOP/s for the integer matmuls)")
-    ax.set_title(f"Roofline: {title}")
-    ax.grid(True, which="both", alpha=0.3)
-    from matplotlib.lines import Line2D
-    handles = ax.get_legend_handles_labels()[0]
-    handles += [Line2D([], [], marker=marker[p], ls="", color="gray", markeredgecolor="k", label=p)
-                for p in s["ops"]]
-    handles += [Line2D([], [], marker="s", ls="", color=color[op], label=op)
-                for op in ops if any(r["op"] == op for _, r in pts)]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-    path2 = ops_png(path)
-    fig, ax = plt.subplots(figsize=(9, 6.5))
-    phases = list(s["ops"])
-    per_tok = {ph: {r["op"]: r["ms"] / max(1, s["phases"][ph]["tokens"]) for r in s["ops"][ph]} for ph in phases}
-    order = sorted(ops, key=lambda op: -sum(per_tok[ph].get(op, 0.0) for ph in phases))
-    bottom = np.zeros(len(phases))
-    for op in order:
-        v = np.array([per_tok[ph].get(op, 0.0) for ph in phases])
-        ax.bar(phases, v, bottom=bottom, color=color[op], label=op, width=0.55, edgecolor="white", linewidth=0.4)
-        bottom += v
-    un = np.array([s["phases"][ph]["unattributed_ms"] / max(1, s["phases"][ph]["tokens"]) for ph in phases])
-    ax.bar(phases, un, bottom=bottom, color="lightgray", hatch="//", label="unattributed", width=0.55)
-    for i, ph in enumerate(phases):
-        ax.text(i, bottom[i] + un[i], f"{bottom[i] + un[i]:.2f} ms/token", ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("ms per token")
-    ax.set_title(f"Time per token by op: {title}")
-    ax.set_ylim(0, max(bottom + un) * 1.1 if len(phases) else 1)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path2, dpi=110)
-    plt.close(fig)
-    return path, path2
 
 
 # ---- overhead: timers off vs compiled out vs on ----
@@ -341,20 +183,6 @@ def overhead(model, model_arg: str, prompt_tokens: int, gen_tokens: int, threads
     return out
 
 
-def print_machine(lim: dict, console) -> None:
-    from rich.table import Table
-    t = Table(title=f"machine limits: {lim['cpu']}, {lim['cores']} cores", title_justify="left")
-    t.add_column("limit")
-    t.add_column("1 thread", justify="right")
-    t.add_column(f"{lim['threads']} threads", justify="right")
-    t.add_row("memory read GB/s", f"{lim['bw_1t_gbps']:.1f}", f"{lim['bw_gbps']:.1f}")
-    t.add_row("f32 FMA GFLOP/s", f"{lim.get('fma_1t_gflops', float('nan')):.0f}", f"{lim['fma_gflops']:.0f}")
-    t.add_row("int16 dot GOP/s", f"{lim.get('int_dot_1t_gops', float('nan')):.0f}", f"{lim['int_dot_gops']:.0f}")
-    console.print(t)
-    console.print(f"measured {lim.get('measured_at', '?')}; ridge points: FMA {lim['fma_gflops'] / lim['bw_gbps']:.1f}, "
-                  f"int dot {lim['int_dot_gops'] / lim['bw_gbps']:.1f} FLOP/byte")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--engine" in argv or "--serving" in argv or any(a.startswith("--serving=") for a in argv):
@@ -392,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
             print_machine(lim, console)
             return 0
         from lumen import load
-        t0 = time.perf_counter()
         model = load(args.model, ctx=args.prompt_tokens + args.gen_tokens + 1, threads=args.threads)
         if args.overhead:
             overhead(model, args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.repeats, console)
@@ -401,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             prof, stats = profiled_run(model, args.prompt_tokens, args.gen_tokens)
         title = (f"{model.config.name or model.path.name} ({model.config.arch}), {stats.prompt_tokens} prompt + "
                  f"{stats.gen_tokens} generated tokens ({stats.stop_reason}), {model.threads} threads")
-        s = summarize(prof, lim, model.threads, args.phase, args.op, args.layer)
+        s = summarize(prof, lim, model.threads, args.phase, args.op, args.layer, model_bytes(model))
         s["run"] = {"model": str(model.path), "prompt_tokens": stats.prompt_tokens, "gen_tokens": stats.gen_tokens,
                     "stop_reason": stats.stop_reason, "threads": model.threads,
                     "prefill_tps": stats.prefill_tps, "decode_tps": stats.decode_tps}

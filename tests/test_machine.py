@@ -1,0 +1,94 @@
+"""lumen.machine: the int8 dot kernel against numpy, the measured limits, their cache, and the fallback without
+AVX512-VNNI (LUMEN_NO_VNNI=1 in a subprocess with its own Numba cache)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+SMALL = dict(bw_bytes=1 << 22, reps=2, fma_rounds=2000, dot_rounds=200)
+
+
+def test_int8_dot_kernel_is_the_dot_it_counts():
+    """Per lane l: the sum over passes and 32-byte vectors j of w[j, l, :] (u8) . x[4 (j % 8):][:4] (i8)."""
+    from lumen.machine import DOT_BYTES, int8_dot_kernel
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 256, DOT_BYTES).astype(np.uint8)      # (16 KB,) u8: the whole unsigned range
+    x = rng.integers(-128, 128, 32).astype(np.int8)           # (32,) i8: the whole signed range
+    out = np.zeros(16, np.int32)
+    int8_dot_kernel(out, w, x, 3)
+    wv = w.reshape(-1, 8, 4).astype(np.int64)                 # (vectors, lanes, 4 bytes)
+    quad = x.reshape(8, 4).astype(np.int64)[np.arange(wv.shape[0]) % 8]   # (vectors, 4): the broadcast quad
+    ref = 3 * np.einsum("jlb,jb->l", wv, quad)
+    assert np.array_equal(out[:8], ref.astype(np.int32)), (out[:8], ref)
+
+
+def test_aligned_arrays_start_on_a_cache_line():
+    from lumen.machine import aligned
+    for shape, dtype in (((2, 16384), np.uint8), ((3, 5), np.int32), ((7,), np.float32)):
+        for _ in range(4):
+            a = aligned(shape, dtype)
+            assert a.ctypes.data % 64 == 0 and a.shape == shape and a.dtype == dtype and not a.any()
+
+
+def test_measure_small():
+    from lumen.machine import INT8_ISA, measure
+    d = measure(threads=2, **SMALL)
+    for k in ("bw_1t_gbps", "bw_gbps", "fma_1t_gflops", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops"):
+        assert math.isfinite(d[k]) and d[k] > 0, (k, d)
+    assert d["threads"] == 2 and d["cpu"] and d["int8_dot_isa"] == INT8_ISA
+    for k in ("l1d_bytes", "l2_bytes", "l3_bytes"):
+        assert isinstance(d[k], int) and d[k] >= 0
+
+
+def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys):
+    """limits() measures on a missing, older-version or foreign cache (here with small sizes), says so, and caches
+    the int8 dot rate with the rest."""
+    import lumen.machine as machine
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    real = machine.measure
+    monkeypatch.setattr(machine, "measure", lambda: real(**SMALL))
+    with pytest.raises(machine.LumenError, match="missing"):
+        machine.limits(measure_if_missing=False)
+    d = machine.limits()
+    assert "is missing; measuring this machine" in capsys.readouterr().err
+    cached = json.loads((tmp_path / "machine.json").read_text())
+    assert cached == d and cached["version"] == machine.VERSION
+    assert cached["int8_dot_gops"] > 0 and cached["int8_dot_1t_gops"] > 0 and cached["int8_dot_isa"]
+    assert machine.limits() == d                                   # valid: read back, not measured
+    # a cache written before the int8 dot was measured (version 1: an int16 dot) is measured again
+    old = {k: v for k, v in d.items() if not k.startswith("int8_dot")}
+    (tmp_path / "machine.json").write_text(json.dumps(dict(old, version=1, int_dot_gops=21.0)))
+    assert machine.limits()["int8_dot_gops"] > 0
+    assert "older version of these kernels" in capsys.readouterr().err
+    (tmp_path / "machine.json").write_text(json.dumps(dict(d, cpu="another CPU", bw_gbps=-1)))
+    assert machine.limits()["bw_gbps"] > 0
+    assert "another CPU" in capsys.readouterr().err
+
+
+NO_VNNI = """
+import re, sys, numpy as np
+import lumen.kernels.simd as simd
+from lumen.machine import int8_dot_kernel, measure
+d = measure(bw_bytes=1 << 22, reps=2, fma_rounds=2000, dot_rounds=200, threads=1)
+asm = int8_dot_kernel.inspect_asm(int8_dot_kernel.signatures[0])
+print(simd.VNNI, "vpdpbusd" in asm, d["int8_dot_1t_gops"], d["int8_dot_isa"], sep="|")
+"""
+
+
+@pytest.mark.parametrize("no_vnni", ["0", "1"])
+def test_the_kernel_is_the_tiles_instruction(tmp_path, no_vnni):
+    """With AVX512-VNNI the int8 dot compiles to vpdpbusd; without it (LUMEN_NO_VNNI=1 here) it compiles to the
+    portable IR the tile kernels then run, is still measured, and says so."""
+    import lumen.kernels.simd as simd
+    env = dict(os.environ, LUMEN_NO_VNNI=no_vnni, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    r = subprocess.run([sys.executable, "-c", NO_VNNI], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    vnni, has_dp, rate, isa = r.stdout.strip().split("|")
+    assert vnni == str(simd.VNNI and no_vnni == "0")
+    assert has_dp == vnni                         # vpdpbusd in the machine code exactly when VNNI is on
+    assert float(rate) > 0
+    assert ("vpdpbusd" in isa) == (vnni == "True") and ("no AVX512-VNNI" in isa) == (vnni == "False")
