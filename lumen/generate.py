@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeat-last-n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable; escapes processed)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="keep generating past end-of-generation tokens (for fixed-length benchmarks)")
     ap.add_argument("--no-escape", action="store_true",
                     help="take --prompt, --system and --stop literally (no escape processing)")
     ap.add_argument("--ctx", type=int, default=None,
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                              repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop, special=special,
                              stats=stats, speculative=args.speculative,
-                             num_speculative_tokens=args.num_speculative_tokens)
+                             num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos)
         out = sys.stdout
         for tok in gen:
             out.write(tok.text)

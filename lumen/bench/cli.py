@@ -1,9 +1,9 @@
-"""`python -m lumen.bench [single|batch|offline|serve] ...`: pick the benchmark, pass it the rest of the arguments."""
+"""`python -m lumen.bench [single|batch|offline|serve|spec] ...`: pick the benchmark, pass it the rest."""
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("single", "batch", "offline", "serve")
+COMMANDS = ("single", "batch", "offline", "serve", "spec")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
         from .offline import main as run
     elif cmd == "serve":
         from .serve import main as run
+    elif cmd == "spec":
+        from .spec import main as run
     else:
         from .single import main as run
     return run(argv)

@@ -262,7 +262,8 @@ class Model:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_last_n: int = 64,
                  seed: int | None = None, stop: Sequence[str] = (), special: bool = False,
                  stats: GenStats | None = None, params: SamplingParams | None = None,
-                 speculative: str | None = None, num_speculative_tokens: int | None = None) -> Iterator[Token]:
+                 speculative: str | None = None, num_speculative_tokens: int | None = None,
+                 ignore_eos: bool = False) -> Iterator[Token]:
         """Yield generated tokens as they are produced, from a fresh sequence.
 
         prompt: text (tokenized with the model's BOS default; `special` parses special-token text) or token ids.
@@ -271,6 +272,7 @@ class Model:
         yielded only if it releases held-back text (a possible stop-string prefix), with that text.
         params: a SamplingParams instead of the keyword arguments (for everything else it holds).
         speculative: "ngram" or "draft" (see speculation()) drafts tokens and verifies them in one pass.
+        ignore_eos: keep going past end-of-generation tokens (fixed-length benchmarks).
         """
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
@@ -281,7 +283,8 @@ class Model:
                                     top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                     repeat_last_n=repeat_last_n, seed=seed, stop=tuple(stop), special=special,
-                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                                    ignore_eos=ignore_eos)
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, special=params.special)
         else:

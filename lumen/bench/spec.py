@@ -1,0 +1,182 @@
+"""Speculative decoding per workload kind: `lumen.generate` with and without `--speculative ngram`, interleaved.
+
+    python -m lumen.bench spec --model smollm2-135m [-n 160] [-r 5] [-t 2] [--prompts-per-kind 3]
+        [--kinds code,extract,summarize,chat] [--num-speculative-tokens 5] [--llama-lookup PATH [--llama-args -nr]]
+        [--json FILE]
+
+The prompts are the committed request set (lumen/bench/data/prompts.json): the first --prompts-per-kind of each
+kind. Every run is its own `python -m lumen.generate` process at temperature 0 with --ignore-eos, so prompt and
+output lengths are fixed; the decode t/s and the acceptance come from its stats line. Repetition by repetition
+the plain and the speculative run of a prompt alternate (which goes first alternates too), so a noisy neighbour
+hits both. Per kind: the median over prompts and repetitions of decode t/s, of the per-pair speed-up, and the
+acceptance (accepted / drafted) and mean tokens per step. The two outputs of every pair must be the same text
+(greedy speculation is exact); a difference is reported and fails the run.
+
+--llama-lookup PATH runs llama.cpp's `llama-lookup` (prompt lookup decoding) on the same GGUF, prompts, thread
+count and -n, with its default draft length and --spec-draft-n-max 0 as its plain decode, interleaved likewise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KINDS = ("code", "extract", "summarize", "chat")
+_STATS = re.compile(r"decode ([\d.]+) tok/s .*?\| (\d+) generated")
+_SPEC = re.compile(r"ngram: (\d+)% of (\d+) drafted accepted, ([\d.]+) tok/step")
+_LL_SPEED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+_LL_N = re.compile(r"\b(n_drafted|n_accept|n_predict)\s*=\s*(\d+)")
+
+
+def prompts(kinds: list[str], per_kind: int) -> list[dict]:
+    items = json.loads((Path(__file__).parent / "data" / "prompts.json").read_text())["items"]
+    out = []
+    for kind in kinds:
+        some = [x for x in items if x["kind"] == kind][:per_kind]
+        if not some:
+            raise SystemExit(f"error: no prompts of kind {kind!r} in prompts.json (kinds: {', '.join(KINDS)})")
+        out += some
+    return out
+
+
+def run_lumen(model: str, prompt: str, n: int, threads: int, spec: bool, k: int) -> dict:
+    cmd = [sys.executable, "-m", "lumen.generate", "-m", model, "--no-escape", "-p", prompt, "-n", str(n),
+           "--ignore-eos", "--temp", "0", "-t", str(threads)]
+    if spec:
+        cmd += ["--speculative", "ngram", "--num-speculative-tokens", str(k)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"lumen.generate failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    m = _STATS.search(r.stderr)
+    if not m:
+        raise RuntimeError(f"no stats line in lumen.generate's output: {r.stderr.strip()[-300:]}")
+    row = {"tps": float(m.group(1)), "tokens": int(m.group(2)), "text": r.stdout}
+    s = _SPEC.search(r.stderr)
+    if spec:
+        row.update(accepted_pct=float(s.group(1)) if s else 0.0, drafted=int(s.group(2)) if s else 0,
+                   tok_per_step=float(s.group(3)) if s else 1.0)
+    return row
+
+
+def run_llama(binary: str, model: str, prompt: str, n: int, threads: int, draft: int | None, extra: list[str]
+              ) -> dict:
+    cmd = [binary, "-m", model, "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos", "-t", str(threads),
+           "-c", "4096", *extra]
+    if draft is not None:
+        cmd += ["--spec-draft-n-max", str(draft)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    out = r.stdout + r.stderr
+    m = _LL_SPEED.search(out)
+    if r.returncode != 0 or not m:
+        raise RuntimeError(f"llama-lookup failed ({r.returncode}): {out.strip()[-500:]}")
+    counts = dict((k, int(v)) for k, v in _LL_N.findall(out))
+    drafted, accepted = counts.get("n_drafted", 0), counts.get("n_accept", 0)
+    return {"tps": float(m.group(3)), "tokens": int(m.group(1)), "drafted": drafted,
+            "accepted_pct": 100.0 * accepted / drafted if drafted else 0.0}
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lumen.bench spec", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "-m", default="smollm2-135m")
+    ap.add_argument("-n", "--n-gen", type=int, default=160, help="generated tokens per run (default 160)")
+    ap.add_argument("-r", "--repetitions", type=int, default=5)
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--prompts-per-kind", type=int, default=3)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default {','.join(KINDS)})")
+    ap.add_argument("--num-speculative-tokens", type=int, default=5)
+    ap.add_argument("--llama-lookup", metavar="PATH", help="also run llama.cpp's llama-lookup, interleaved")
+    ap.add_argument("--llama-args", default="", help='extra llama-lookup flags, e.g. "-nr"')
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    if args.n_gen < 1 or args.repetitions < 1 or args.prompts_per_kind < 1 or args.num_speculative_tokens < 1:
+        ap.error("-n, -r, --prompts-per-kind and --num-speculative-tokens must be at least 1")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    for k in kinds:
+        if k not in KINDS:
+            ap.error(f"unknown kind {k!r} (kinds: {', '.join(KINDS)})")
+    if args.llama_lookup and not (os.path.isfile(args.llama_lookup) and os.access(args.llama_lookup, os.X_OK)):
+        ap.error(f"--llama-lookup {args.llama_lookup}: not an executable file")
+    from ..model.store import resolve
+    gguf = str(resolve(args.model))
+    extra = shlex.split(args.llama_args)
+    items = prompts(kinds, args.prompts_per_kind)
+    runs: list[dict] = []
+    mismatches = []
+    t_start = time.time()
+    for rep in range(args.repetitions):
+        for it in items:
+            order = (False, True) if (rep + len(runs)) % 2 == 0 else (True, False)
+            pair = {}
+            for spec in order:
+                pair[spec] = run_lumen(args.model, it["prompt"], args.n_gen, args.threads, spec,
+                                       args.num_speculative_tokens)
+            if pair[False]["text"] != pair[True]["text"]:
+                mismatches.append(it["id"])
+            row = {"id": it["id"], "kind": it["kind"], "rep": rep, "plain_tps": pair[False]["tps"],
+                   "spec_tps": pair[True]["tps"], "speedup": pair[True]["tps"] / pair[False]["tps"],
+                   "accepted_pct": pair[True]["accepted_pct"], "tok_per_step": pair[True]["tok_per_step"],
+                   "tokens": pair[False]["tokens"], "same_text": pair[False]["text"] == pair[True]["text"]}
+            if args.llama_lookup:
+                ll = {}
+                for draft in ((None, 0) if rep % 2 == 0 else (0, None)):
+                    ll[draft] = run_llama(args.llama_lookup, gguf, it["prompt"], args.n_gen, args.threads, draft,
+                                          extra)
+                row.update(llama_plain_tps=ll[0]["tps"], llama_lookup_tps=ll[None]["tps"],
+                           llama_speedup=ll[None]["tps"] / ll[0]["tps"], llama_accepted_pct=ll[None]["accepted_pct"])
+            runs.append(row)
+            print(f"  rep {rep + 1}/{args.repetitions} {it['id']:<14} plain {row['plain_tps']:6.1f}  ngram "
+                  f"{row['spec_tps']:6.1f} t/s ({row['speedup']:.2f}x, {row['accepted_pct']:.0f}% accepted)"
+                  + (f" | llama.cpp {row['llama_plain_tps']:.1f} / lookup {row['llama_lookup_tps']:.1f} "
+                     f"({row['llama_speedup']:.2f}x, {row['llama_accepted_pct']:.0f}%)" if args.llama_lookup else ""),
+                  file=sys.stderr, flush=True)
+    summary = []
+    for kind in kinds:
+        rs = [r for r in runs if r["kind"] == kind]
+        s = {"kind": kind, "prompts": len({r["id"] for r in rs}), "runs": len(rs),
+             "plain_tps": median([r["plain_tps"] for r in rs]), "spec_tps": median([r["spec_tps"] for r in rs]),
+             "speedup": median([r["speedup"] for r in rs]), "accepted_pct": median([r["accepted_pct"] for r in rs]),
+             "tok_per_step": median([r["tok_per_step"] for r in rs])}
+        if args.llama_lookup:
+            s.update(llama_plain_tps=median([r["llama_plain_tps"] for r in rs]),
+                     llama_lookup_tps=median([r["llama_lookup_tps"] for r in rs]),
+                     llama_speedup=median([r["llama_speedup"] for r in rs]),
+                     llama_accepted_pct=median([r["llama_accepted_pct"] for r in rs]))
+        summary.append(s)
+    head = (f"{args.model}, {args.threads} threads, -n {args.n_gen} (EOS ignored), temperature 0, "
+            f"k <= {args.num_speculative_tokens}, medians of {args.repetitions} repetitions x "
+            f"{args.prompts_per_kind} prompts per kind")
+    print(head)
+    cols = "| workload | plain t/s | ngram t/s | speed-up | accepted | tok/step |"
+    sep = "|---|---:|---:|---:|---:|---:|"
+    if args.llama_lookup:
+        cols += " llama.cpp plain t/s | llama-lookup t/s | speed-up | accepted |"
+        sep += "---:|---:|---:|---:|"
+    print(cols)
+    print(sep)
+    for s in summary:
+        line = (f"| {s['kind']} | {s['plain_tps']:.1f} | {s['spec_tps']:.1f} | {s['speedup']:.2f}x | "
+                f"{s['accepted_pct']:.0f}% | {s['tok_per_step']:.2f} |")
+        if args.llama_lookup:
+            line += (f" {s['llama_plain_tps']:.1f} | {s['llama_lookup_tps']:.1f} | {s['llama_speedup']:.2f}x | "
+                     f"{s['llama_accepted_pct']:.0f}% |")
+        print(line)
+    if mismatches:
+        print(f"error: speculative output differed from plain decoding on {sorted(set(mismatches))}",
+              file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "n_gen": args.n_gen,
+                                               "repetitions": args.repetitions, "summary": summary, "runs": runs,
+                                               "seconds": time.time() - t_start}, indent=1))
+    return 1 if mismatches else 0
