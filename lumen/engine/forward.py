@@ -28,18 +28,17 @@ from ..kernels.activation import add_kernel, add_kernel_par, geglu_kernel, geglu
     swiglu_kernel_par
 from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
 from ..kernels.dequant import dequant_row
-from ..kernels.layout import C_FAM, C_FMT, C_G, C_H, C_NIN, C_O, C_OG, C_Q, C_S, C_T, F32, Q4, R, o_len, q_len, \
-    s_len
-from ..kernels.matmul import batched_kernel, matvec_kernel, prepare_x
+from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
+from ..kernels.matmul import matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_kernel, rope_kernel_par
 from ..timer import ticks
 
 # ---- op ids: the timer's vocabulary (profile reports group by these names) ----
-OPS = ("embed", "attn_norm", "q", "k", "v", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
-       "attn_residual", "ffn_norm", "gate", "up", "act", "down", "post_ffn_norm", "ffn_residual",
-       "output_norm", "output")
+OPS = ("embed", "attn_norm", "qkv", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
+       "attn_residual", "ffn_norm", "gate_up", "act", "down", "post_ffn_norm", "ffn_residual", "output_norm",
+       "output")
 LAYER_OPS = range(OPS.index("attn_norm"), OPS.index("ffn_residual") + 1)
 N_LAYER_OPS = len(LAYER_OPS)
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")      # per layer
@@ -122,7 +121,8 @@ class MMScratch(NamedTuple):
     xq: np.ndarray               # (rows * max_in,) i8 activations rounded to 8 bits (reshaped per call)
     xd: np.ndarray               # (rows * max_in / 32,) f32 their scales
     xs: np.ndarray               # (rows * max_in / 16,) f32 their scaled half sums
-    xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families
+    xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
+                                 # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
     facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
 
 
@@ -156,36 +156,60 @@ def _mark(times, prof, i):
 
 
 @njit(cache=True)
-def mm(out, x, i, packs, scr):
-    """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
-    kernel (each weight tile applied to all N rows while cached) otherwise; both give the same bits per row."""
+def _mat(i, packs):
+    """Packed matrix i's (type, activation format, tiles (T, bytes) u8, F32 values (T, n_in, R), scale records)."""
     pk = packs.table
-    fam, T, G, H = pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_H]
-    n_in, fmt, OG = pk[i, C_NIN], pk[i, C_FMT], pk[i, C_OG]
-    qo, so, oo = pk[i, C_Q], pk[i, C_S], pk[i, C_O]
+    qt, fam, T, G, n_in = pk[i, C_QT], pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_NIN]
+    qo, so = pk[i, C_Q], pk[i, C_S]
     z = 0
+    sb = s_len(qt, T, G)
+    s = packs.s[so:so + sb].reshape((T, sb // T))
     if fam == F32:
-        q = packs.q[0:0].reshape((z, z, z, z, z))
-        qf = packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape((T, n_in, R))
-    elif fam == Q4:
-        q = packs.q[qo:qo + q_len(fam, T, G, n_in)].reshape((T, G, 4, R, 4))
-        qf = packs.qf[0:0].reshape((z, z, z))
-    else:
-        q = packs.q8[qo:qo + q_len(fam, T, G, n_in)].view(np.uint8).reshape((T, G, 8, R, 4))
-        qf = packs.qf[0:0].reshape((z, z, z))
-    s = packs.s[so:so + s_len(T, G, H)].reshape((T, G, H, R))
-    o = packs.o[oo:oo + o_len(T, OG)].reshape((T, OG, R))
-    N = x.shape[0]
-    nch = min(T, scr.facc.shape[0])
+        return qt, pk[i, C_FMT], packs.q[0:0].reshape((z, z)), packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape(
+            (T, n_in, R)), s
+    qb = q_len(fam, T, G, n_in)
+    return qt, pk[i, C_FMT], packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s
+
+
+@njit(cache=True)
+def _run(outs, qts, qs, qf, ss, n, x, fmt, scr):
+    """The activations x (N, n_in) rounded once to fmt (serially), then one parallel region over the tiles of the
+    first n matrices of the 3-tuples (lumen.kernels.matmul.matmul_kernel)."""
+    N, n_in = x.shape
+    G = n_in // 32
     xq = scr.xq[:N * n_in].reshape((N, n_in))
     xd = scr.xd[:N * G].reshape((N, G))
     xs = scr.xs[:N * G * 2].reshape((N, G, 2))
     xf = scr.xf[:N * n_in].reshape((N, n_in))
-    if N == 1:
-        matvec_kernel(out[0], fam, fmt, q, qf, s, o, x, xq, xd, xs, xf, scr.facc[:nch])
-    else:
-        prepare_x(xq, xd, xs, xf, x, fmt)
-        batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, scr.facc[:nch])
+    xi = scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2))   # xf is free for the 8-bit formats
+    prepare_x(xq, xd, xs, xi, xf, x, fmt)
+    matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, scr.facc)
+
+
+@njit(cache=True)
+def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, scr):
+    """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2, in one
+    parallel region over the tiles of all n (one activation row per pass for decode, NR rows per pass otherwise;
+    both give the same bits per row). Matrices whose activation formats differ, or of the F32 family, run one
+    after the other."""
+    qt0, fmt, q0, qf0, s0 = _mat(i0, packs)
+    qt1, fmt1, q1, qf1, s1 = _mat(i1, packs)
+    qt2, fmt2, q2, qf2, s2 = _mat(i2, packs)
+    fused = n == 1 or (qf0.shape[0] == 0 and qf1.shape[0] == 0 and fmt1 == fmt
+                       and (n == 2 or (qf2.shape[0] == 0 and fmt2 == fmt)))
+    if fused:
+        _run((o0, o1, o2), (qt0, qt1, qt2), (q0, q1, q2), qf0, (s0, s1, s2), n, x, fmt, scr)
+        return
+    _run((o0, o0, o0), (qt0, qt0, qt0), (q0, q0, q0), qf0, (s0, s0, s0), 1, x, fmt, scr)
+    _run((o1, o1, o1), (qt1, qt1, qt1), (q1, q1, q1), qf1, (s1, s1, s1), 1, x, fmt1, scr)
+    if n > 2:
+        _run((o2, o2, o2), (qt2, qt2, qt2), (q2, q2, q2), qf2, (s2, s2, s2), 1, x, fmt2, scr)
+
+
+@njit(cache=True)
+def mm(out, x, i, packs, scr):
+    """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i (mm3 of one matrix)."""
+    mm3(out, out, out, x, i, i, i, 1, packs, scr)
 
 
 @njit(cache=True)
@@ -263,20 +287,16 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # attention block
         _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
         _mark(times, prof, b + 0)
-        mm(q, xn, w.attn_q[il], w.packs, scr.mm)
-        _mark(times, prof, b + 1)
-        mm(k, xn, w.attn_k[il], w.packs, scr.mm)
-        _mark(times, prof, b + 2)
-        mm(v, xn, w.attn_v[il], w.packs, scr.mm)
+        mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], 3, w.packs, scr.mm)   # one parallel region
         if arch.qkv_bias:
             _add_bias(q, _vec(w, w.attn_q_bias, il))
             _add_bias(k, _vec(w, w.attn_k_bias, il))
             _add_bias(v, _vec(w, w.attn_v_bias, il))
-        _mark(times, prof, b + 3)
+        _mark(times, prof, b + 1)
         if arch.qk_norm:
             rmsnorm_heads_kernel(q3, q3, _vec(w, w.attn_q_norm, il), eps)
             rmsnorm_heads_kernel(k3, k3, _vec(w, w.attn_k_norm, il), eps)
-        _mark(times, prof, b + 4)
+        _mark(times, prof, b + 2)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         if par:
             rope_kernel_par(q3, batch.positions, cos, sin, arch.neox)
@@ -287,30 +307,28 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         _round_f16(q3)
         _round_f16(k3)
         _round_f16(v)
-        _mark(times, prof, b + 5)
+        _mark(times, prof, b + 3)
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
-        _mark(times, prof, b + 6)
+        _mark(times, prof, b + 4)
         if split:
             attention_split_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions[0], batch.seqs[0], batch.block_tables,
                                    arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm, at.po, at.pm)
         else:
             attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
                              arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
-        _mark(times, prof, b + 7)
+        _mark(times, prof, b + 5)
         mm(xn, att, w.attn_output[il], w.packs, scr.mm)
-        _mark(times, prof, b + 8)
+        _mark(times, prof, b + 6)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
-        _mark(times, prof, b + 9)
+        _mark(times, prof, b + 7)
         _add(x, xn, par)
-        _mark(times, prof, b + 10)
+        _mark(times, prof, b + 8)
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
-        _mark(times, prof, b + 11)
-        mm(ffa, xn, w.ffn_gate[il], w.packs, scr.mm)
-        _mark(times, prof, b + 12)
-        mm(ffb, xn, w.ffn_up[il], w.packs, scr.mm)
-        _mark(times, prof, b + 13)
+        _mark(times, prof, b + 9)
+        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], 2, w.packs, scr.mm)   # one region
+        _mark(times, prof, b + 10)
         if arch.gelu:
             if par:
                 geglu_kernel_par(ffa, ffa, ffb)
@@ -321,14 +339,14 @@ def forward(arch, w, kv, batch, scr, logits, prof):
                 swiglu_kernel_par(ffa, ffa, ffb)
             else:
                 swiglu_kernel(ffa, ffa, ffb)
-        _mark(times, prof, b + 14)
+        _mark(times, prof, b + 11)
         mm(xn, ffa, w.ffn_down[il], w.packs, scr.mm)
-        _mark(times, prof, b + 15)
+        _mark(times, prof, b + 12)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
-        _mark(times, prof, b + 16)
+        _mark(times, prof, b + 13)
         _add(x, xn, par)
-        _mark(times, prof, b + 17)
+        _mark(times, prof, b + 14)
 
     # output: final norm and the vocabulary projection, only for the rows to sample
     end = 1 + arch.n_layer * N_LAYER_OPS
