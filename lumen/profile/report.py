@@ -41,11 +41,15 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
 
 
+def _cache_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 def _cache_holding(nbytes: float, L: dict) -> str | None:
-    """The smallest cache of one core that holds nbytes, as 'L2 (2.0 MB)', or None."""
+    """The smallest cache of one core that holds nbytes, as 'L2 (2 MiB)', or None."""
     for key, name in (("l1d_bytes", "L1"), ("l2_bytes", "L2"), ("l3_bytes", "L3")):
         if L.get(key) and nbytes <= L[key]:
-            return f"{name} ({_mb(L[key])})"
+            return f"{name} ({_cache_size(L[key])})"
     return None
 
 
@@ -226,12 +230,14 @@ def print_machine(lim: dict, console) -> None:
     t.add_column(f"{lim['threads']} threads", justify="right")
     t.add_row("memory read GB/s", f"{lim['bw_1t_gbps']:.1f}", f"{lim['bw_gbps']:.1f}")
     t.add_row("f32 FMA GFLOP/s", f"{lim.get('fma_1t_gflops', float('nan')):.0f}", f"{lim['fma_gflops']:.0f}")
-    t.add_row("int8 dot GOP/s", f"{lim['int8_dot_1t_gops']:.0f}", f"{lim['int8_dot_gops']:.0f}")
+    t.add_row("int8 dot GOP/s (the roof)", f"{lim['int8_dot_1t_gops']:.0f}", f"{lim['int8_dot_gops']:.0f}")
+    for bits, r in sorted(lim.get("int8_dot_widths", {}).items(), key=lambda kv: int(kv[0])):
+        t.add_row(f"  {bits}-bit vectors", f"{r['1t_gops']:.0f}", f"{r['gops']:.0f}")
     console.print(t)
     console.print(f"int8 dot: {lim['int8_dot_isa']}, the matmul tiles' building block on L1-resident data",
                   markup=False)
-    caches = ", ".join(f"{n} {_mb(lim[k])}" for k, n in (("l1d_bytes", "L1d"), ("l2_bytes", "L2"), ("l3_bytes", "L3"))
-                       if lim.get(k))
+    caches = ", ".join(f"{n} {_cache_size(lim[k])}" for k, n in
+                       (("l1d_bytes", "L1d"), ("l2_bytes", "L2"), ("l3_bytes", "L3")) if lim.get(k))
     console.print(f"caches per core: {caches or 'unknown'}")
     console.print(f"measured {lim.get('measured_at', '?')}; ridge points: f32 FMA "
                   f"{lim['fma_gflops'] / lim['bw_gbps']:.1f}, int8 dot {lim['int8_dot_gops'] / lim['bw_gbps']:.1f} "
