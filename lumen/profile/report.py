@@ -285,9 +285,12 @@ def _label_groups(pts: list[tuple[float, float, str]]) -> list[tuple[float, floa
     return [(x, y, ops) for x, y, ops in groups]
 
 
-def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize: float) -> None:
+def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize: float,
+                  fixed: list[tuple[float, float, str, str]] = ()) -> None:
     """Write each (x, y, text, colour) beside its point, moving labels up until no two overlap (estimated in
-    axes fractions from the text length), with a leader line when a label had to move."""
+    axes fractions from the text length), with a leader line when a label had to move. `fixed` texts
+    (x, y, text, ha) are written first with their bottom at y, starting (ha 'left') or ending (ha 'right') at x,
+    and the labels keep clear of them too."""
     import math
     x0, x1 = (math.log10(v) for v in ax.get_xlim())
     y0, y1 = (math.log10(v) for v in ax.get_ylim())
@@ -295,6 +298,11 @@ def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize
     w_in, h_in = box.width * fig.get_figwidth(), box.height * fig.get_figheight()
     cw, lh = fontsize * 0.52 / 72 / w_in, fontsize * 1.3 / 72 / h_in   # a character's width, a line's height
     placed: list[tuple[float, float, float]] = []                     # (left, bottom, right) in axes fractions
+    for x, y, text, ha in fixed:
+        fx, fy = (math.log10(x) - x0) / (x1 - x0), (math.log10(y) - y0) / (y1 - y0)
+        left = fx if ha == "left" else fx - cw * len(text)
+        placed.append((left, fy, left + cw * len(text)))
+        ax.text(x, y, text, ha=ha, va="bottom", fontsize=fontsize, zorder=5)
     for x, y, text, colour in sorted(labels, key=lambda t: t[1]):
         fx, fy = (math.log10(x) - x0) / (x1 - x0), (math.log10(y) - y0) / (y1 - y0)
         width = cw * len(text)
@@ -371,10 +379,8 @@ def roofline_figure(s: dict, title: str):
         ax.plot(x, np.minimum(x * bw, i8), "-", color="0.15", lw=1.8, zorder=2)
         m = x >= fma / bw
         ax.plot(x[m], np.full(m.sum(), fma), "--", color="0.15", lw=1.4, zorder=2)
-        ax.text(x[-1] / 1.1, i8 * 1.1, f"int8 dot {i8:.0f} GOP/s\n(roof of the matmuls)", ha="right",
-                va="bottom", fontsize=8)
-        ax.text(x[-1] / 1.1, fma * 1.1, f"f32 FMA {fma:.0f} GFLOP/s\n(roof of the other ops)", ha="right",
-                va="bottom", fontsize=8)
+        roof_labels = [(x[-1] / 1.15, i8 * 1.08, f"int8 dot {i8:.0f} GOP/s: roof of the matmuls", "right"),
+                       (fma / bw * 1.15, fma * 1.08, f"f32 FMA {fma:.0f} GFLOP/s: roof of the other ops", "left")]
         box = ax.get_position()   # the memory roof's slope on screen: one decade up per decade right
         dx = box.width * fig.get_figwidth() / math.log10(x[-1] / x[0])
         dy = box.height * fig.get_figheight() / math.log10(y_hi / y_lo)
@@ -388,7 +394,7 @@ def roofline_figure(s: dict, title: str):
             over = [r["roofline_share"] for r in pts[ph] if r["op"] in ops and r["op"] in (s["notes"].get(ph) or {})]
             labels.append((px, py, ", ".join(ops) + (f" ({100 * max(over):.0f}% of roof*)" if over else ""),
                            "firebrick" if over else "0.15"))
-        _place_labels(ax, fig, labels, 7.5)
+        _place_labels(ax, fig, labels, 7.5, roof_labels)
         if ph in s["phases"]:
             p = s["phases"][ph]
             ax.set_title(f"{ph}: {p['tokens']} tokens in {p['steps']} steps, {p['tok_per_s']:.1f} tok/s",
