@@ -60,7 +60,7 @@ def above_roof_note(r: dict, phase: str, L: dict, sizes: dict | None) -> str:
         peak = L["int8_dot_gops"] if r["roof"] == INT8 else L["fma_gflops"]
         return (f"above the measured {r['roof']} peak ({peak:.0f}): the limits (measured {L['measured_at']}) may "
                 f"have been taken under more load than this run; re-measure with --machine --remeasure")
-    stream = f"faster than the memory roof, which streams a 1 GB array ({L['bw_gbps']:.1f} GB/s)"
+    stream = f"faster than the memory roof (a 1 GB stream, {L['bw_gbps']:.1f} GB/s)"
     per_call = r["bytes_per_call"]
     resident = sizes and sizes["matrix_bytes"] + sizes["kv_cache_bytes"]
     held = _cache_holding(resident, L) if resident else None
@@ -321,6 +321,22 @@ def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize
                     arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=3) if far else None)
 
 
+def _clear_spot(points: list[tuple[float, float]], bw: float, lo: float, hi: float) -> tuple[float, bool]:
+    """Where along the memory roof (x from lo to hi) a label about 0.7 decades long, above or below the line, has
+    the fewest points, or labels of points (about a decade to their right), near it: (x, above)."""
+    import math
+    best = None
+    for above in (True, False):
+        band = (-0.3, 0.6) if above else (-0.7, 0.2)
+        for k in range(12):
+            xm = lo * (hi / lo) ** (k / 11) if hi > lo else lo
+            near = sum(1 for px, py in points if -1.0 < math.log10(px / xm) < 0.9
+                       and band[0] < math.log10(py / (bw * px)) < band[1])
+            if best is None or near < best[0]:
+                best = (near, xm, above)
+    return best[1], best[2]
+
+
 def roofline_figure(s: dict, title: str):
     """One panel per phase on shared axes: the memory roof, the int8 dot roof (matmuls) and the f32 FMA roof
     (other ops), each with its measured value; a point per op type with FLOPs, its style kept across panels and
@@ -384,9 +400,9 @@ def roofline_figure(s: dict, title: str):
         box = ax.get_position()   # the memory roof's slope on screen: one decade up per decade right
         dx = box.width * fig.get_figwidth() / math.log10(x[-1] / x[0])
         dy = box.height * fig.get_figheight() / math.log10(y_hi / y_lo)
-        xm = x[0] * 1.6
-        ax.text(xm, xm * bw * 1.25, f"memory read {bw:.1f} GB/s", rotation=math.degrees(math.atan2(dy, dx)),
-                rotation_mode="anchor", ha="left", va="bottom", fontsize=8)
+        xm, above = _clear_spot([(r["intensity"], r["gflops"]) for r in pts[ph]], bw, x[0] * 1.3, fma / bw / 6)
+        ax.text(xm, xm * bw * (1.25 if above else 1 / 1.25), f"memory read {bw:.1f} GB/s", rotation_mode="anchor",
+                rotation=math.degrees(math.atan2(dy, dx)), ha="left", va="bottom" if above else "top", fontsize=8)
         labels = []
         for r in pts[ph]:
             ax.scatter(r["intensity"], r["gflops"], s=70, zorder=4, **style[r["op"]])
