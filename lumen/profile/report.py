@@ -364,8 +364,8 @@ def roofline_figure(s: dict, title: str):
     lines = [f"Each point is one op type over all its calls in the phase: x = its FLOPs / its bytes (weights, KV "
              f"cache and activations, estimated from shapes and types), y = its FLOPs / its time. Filled: the "
              f"matmuls, under the int8 dot roof; hollow: the other ops, under the f32 FMA roof. Roofs measured by "
-             f"lumen.machine for {L['threads']} thread(s) ({L['measured_at']}): int8 dot = {L['int8_dot_isa']} on "
-             f"L1-resident data; memory = a 1 GB array streamed."]
+             f"lumen.machine for {L['threads']} thread{'s' if L['threads'] != 1 else ''} ({L['measured_at']}): "
+             f"int8 dot = {L['int8_dot_isa']} on L1-resident data; memory = a 1 GB array streamed."]
     skipped = sorted({r["op"] for rows in s["ops"].values() for r in rows if r["gflops"] <= 0 and r["gbps"] > 0})
     if skipped:
         lines.append(f"Not plotted (no FLOPs, pure data movement): {', '.join(skipped)}.")
