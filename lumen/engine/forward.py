@@ -24,10 +24,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..kernels.activation import add_kernel, add_kernel_par, geglu_kernel, geglu_kernel_par, swiglu_kernel, \
-    swiglu_kernel_par
+from ..kernels.activation import add_kernel, add_kernel_par, gated
 from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
-from ..kernels.dequant import dequant_row
+from ..kernels.dequant import embed_row
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
 from ..kernels.matmul import matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
@@ -90,6 +89,7 @@ class Weights(NamedTuple):
     ffn_up: np.ndarray
     ffn_down: np.ndarray
     output: int                  # the output head's matrix id (token_embd's when tied)
+    kinds: object                # lumen.kernels.kinds.Kinds: the types and activation compiled for
     fvec: np.ndarray             # (n,) f32: every norm and bias vector; each below is (offset, length) into it
     attn_norm: np.ndarray        # (L, 2) i8
     ffn_norm: np.ndarray
@@ -172,9 +172,18 @@ def _mat(i, packs):
 
 
 @njit(cache=True)
-def _run(outs, qts, qs, qf, ss, n, x, fmt, scr):
-    """The activations x (N, n_in) rounded once to fmt (serially), then one parallel region over the tiles of the
-    first n matrices of the 3-tuples (lumen.kernels.matmul.matmul_kernel)."""
+def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
+    """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of the
+    Weights w: the activations rounded once (serially), then one parallel region over the tiles of all n (one
+    activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
+    whose activation formats differ, or of the F32 family, run one region each."""
+    qt0, f0, q0, qf0, s0 = _mat(i0, w.packs)
+    qt1, f1, q1, qf1, s1 = _mat(i1, w.packs)
+    qt2, f2, q2, qf2, s2 = _mat(i2, w.packs)
+    outs, qts, qs, qfs = (o0, o1, o2), (qt0, qt1, qt2), (q0, q1, q2), (qf0, qf1, qf2)
+    ss, fmts = (s0, s1, s2), (f0, f1, f2)
+    fused = n == 1 or (qf0.shape[0] == 0 and qf1.shape[0] == 0 and f1 == f0
+                       and (n == 2 or (qf2.shape[0] == 0 and f2 == f0)))
     N, n_in = x.shape
     G = n_in // 32
     xq = scr.xq[:N * n_in].reshape((N, n_in))
@@ -182,34 +191,20 @@ def _run(outs, qts, qs, qf, ss, n, x, fmt, scr):
     xs = scr.xs[:N * G * 2].reshape((N, G, 2))
     xf = scr.xf[:N * n_in].reshape((N, n_in))
     xi = scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2))   # xf is free for the 8-bit formats
-    prepare_x(xq, xd, xs, xi, xf, x, fmt)
-    matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, scr.facc)
+    for r in range(1 if fused else n):
+        if fused:
+            o, t, q, s, k = outs, qts, qs, ss, n
+        else:
+            o, t, k = (outs[r], outs[r], outs[r]), (qts[r], qts[r], qts[r]), np.int64(1)
+            q, s = (qs[r], qs[r], qs[r]), (ss[r], ss[r], ss[r])
+        prepare_x(xq, xd, xs, xi, xf, x, fmts[r])
+        matmul_kernel(o, t, q, qfs[r], s, k, xq, xd, xs, xi, xf, scr.facc, w.kinds)
 
 
-@njit(cache=True)
-def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, scr):
-    """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2, in one
-    parallel region over the tiles of all n (one activation row per pass for decode, NR rows per pass otherwise;
-    both give the same bits per row). Matrices whose activation formats differ, or of the F32 family, run one
-    after the other."""
-    qt0, fmt, q0, qf0, s0 = _mat(i0, packs)
-    qt1, fmt1, q1, qf1, s1 = _mat(i1, packs)
-    qt2, fmt2, q2, qf2, s2 = _mat(i2, packs)
-    fused = n == 1 or (qf0.shape[0] == 0 and qf1.shape[0] == 0 and fmt1 == fmt
-                       and (n == 2 or (qf2.shape[0] == 0 and fmt2 == fmt)))
-    if fused:
-        _run((o0, o1, o2), (qt0, qt1, qt2), (q0, q1, q2), qf0, (s0, s1, s2), n, x, fmt, scr)
-        return
-    _run((o0, o0, o0), (qt0, qt0, qt0), (q0, q0, q0), qf0, (s0, s0, s0), 1, x, fmt, scr)
-    _run((o1, o1, o1), (qt1, qt1, qt1), (q1, q1, q1), qf1, (s1, s1, s1), 1, x, fmt1, scr)
-    if n > 2:
-        _run((o2, o2, o2), (qt2, qt2, qt2), (q2, q2, q2), qf2, (s2, s2, s2), 1, x, fmt2, scr)
-
-
-@njit(cache=True)
-def mm(out, x, i, packs, scr):
+@njit(cache=True, inline="always")
+def mm(out, x, i, w, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i (mm3 of one matrix)."""
-    mm3(out, out, out, x, i, i, i, 1, packs, scr)
+    mm3(out, out, out, x, i, i, i, np.int64(1), w, scr)   # (n not a literal: one compiled mm3)
 
 
 @njit(cache=True)
@@ -277,9 +272,11 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         times[times.shape[0] - 1] = ticks()  # start
     # embedding lookup (dequantize the token rows); gemma scales it by sqrt(E)
     for t in range(N):
-        dequant_row(x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
+        embed_row(w.kinds, x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
     if arch.embd_scale != 1.0:
-        x *= arch.embd_scale
+        for t in range(N):
+            for j in range(E):
+                x[t, j] *= arch.embd_scale
     _mark(times, prof, 0)
 
     for il in range(arch.n_layer):
@@ -287,7 +284,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # attention block
         _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
         _mark(times, prof, b + 0)
-        mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], 3, w.packs, scr.mm)   # one parallel region
+        mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w, scr.mm)  # one region
         if arch.qkv_bias:
             _add_bias(q, _vec(w, w.attn_q_bias, il))
             _add_bias(k, _vec(w, w.attn_k_bias, il))
@@ -317,7 +314,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
             attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
                              arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
         _mark(times, prof, b + 5)
-        mm(xn, att, w.attn_output[il], w.packs, scr.mm)
+        mm(xn, att, w.attn_output[il], w, scr.mm)
         _mark(times, prof, b + 6)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
@@ -327,20 +324,11 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
         _mark(times, prof, b + 9)
-        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], 2, w.packs, scr.mm)   # one region
+        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)
         _mark(times, prof, b + 10)
-        if arch.gelu:
-            if par:
-                geglu_kernel_par(ffa, ffa, ffb)
-            else:
-                geglu_kernel(ffa, ffa, ffb)
-        else:
-            if par:
-                swiglu_kernel_par(ffa, ffa, ffb)
-            else:
-                swiglu_kernel(ffa, ffa, ffb)
+        gated(w.kinds, par, ffa, ffa, ffb)          # swiglu or geglu (arch.gelu), as the model's kinds say
         _mark(times, prof, b + 11)
-        mm(xn, ffa, w.ffn_down[il], w.packs, scr.mm)
+        mm(xn, ffa, w.ffn_down[il], w, scr.mm)
         _mark(times, prof, b + 12)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
@@ -353,12 +341,13 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     n_out = batch.out_rows.shape[0]
     xo = scr.xn[:n_out]
     for i in range(n_out):
-        xo[i] = x[batch.out_rows[i]]
+        for j in range(E):
+            xo[i, j] = x[batch.out_rows[i], j]
     on = w.output_norm
     _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
     _mark(times, prof, end)
     out = logits[:n_out]
-    mm(out, xo, w.output, w.packs, scr.mm)
+    mm(out, xo, w.output, w, scr.mm)
     if arch.softcap > 0:
         c = arch.softcap
         for i in range(n_out):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from .fp import exp_f32
 from .checks import as_f32, check
@@ -106,7 +107,7 @@ def swiglu_kernel(out, gate, up):
 def swiglu_kernel_par(out, gate, up):
     """out (N, n_ff) = silu(gate) * up, rows split across threads. out may be gate or up."""
     for r in prange(gate.shape[0]):
-        _swiglu_row(out, gate, up, r)
+        _swiglu_row(out, gate, up, np.int64(r))
 
 
 @njit(cache=True)  # serial: see swiglu_kernel
@@ -120,7 +121,7 @@ def geglu_kernel(out, gate, up):
 def geglu_kernel_par(out, gate, up):
     """out (N, n_ff) = gelu_tanh(gate) * up, rows split across threads. out may be gate or up."""
     for r in prange(gate.shape[0]):
-        _geglu_row(out, gate, up, r)
+        _geglu_row(out, gate, up, np.int64(r))
 
 
 @njit(cache=True)  # serial: memory-bound; below policy.PAR_ROWS rows a parallel region costs more
@@ -134,7 +135,29 @@ def add_kernel(x, y):
 def add_kernel_par(x, y):
     """x (N, dim) += y (N, dim), rows split across threads."""
     for r in prange(x.shape[0]):
-        _add_row(x, y, r)
+        _add_row(x, y, np.int64(r))
+
+
+def gated(kinds, par, out, gate, up):
+    """out = act(gate) * up with the model's gated activation (kinds.acts, lumen.kernels.kinds: SILU -> swiglu,
+    GELU -> geglu), by the row-parallel kernel when par. Compiled code only."""
+    raise NotImplementedError("gated runs in compiled code only")
+
+
+@overload(gated)
+def _gated(kinds, par, out, gate, up):
+    from .kinds import GELU
+    serial, parallel = (geglu_kernel, geglu_kernel_par) if kinds.acts == (GELU,) else (swiglu_kernel,
+                                                                                      swiglu_kernel_par)
+    if len(kinds.acts) > 1:
+        raise TypeError("gated: kinds.acts must name one activation")
+
+    def impl(kinds, par, out, gate, up):
+        if par:
+            parallel(out, gate, up)
+        else:
+            serial(out, gate, up)
+    return impl
 
 
 def _check_gated(out, gate, up) -> None:

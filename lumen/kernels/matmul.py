@@ -32,13 +32,13 @@ import math
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
+from lumen.kernels.kinds import ALL
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import (NR, absmax, f16_round, first_with_abs, quantize_block, tile_q4_0_1, tile_q4_0_n, tile_q4_1_1, tile_q4_1_n, tile_q4_k_1, tile_q4_k_n,
-                                tile_q5_0_1, tile_q5_0_n, tile_q5_1_1, tile_q5_1_n, tile_q5_k_1, tile_q5_k_n,
-                                tile_q6_k_1, tile_q6_k_n, tile_q8_0_1, tile_q8_0_n)
+from lumen.kernels.simd import NR, absmax, f16_round, first_with_abs, quantize_block
 
 
 class Packed(NamedTuple):
@@ -99,7 +99,7 @@ def _decode(raw: np.ndarray, qt: QT, n_in: int):
         blk = raw.reshape(rows, nsb, quant_info(qt).type_size)
         sc, mn = _k_scale_min(blk[..., 4:16])                                           # (rows, nsb, 8)
         p, qh = 16, None
-        if qt == _Q5_K:
+        if qt == QT.Q5_K:
             qh, p = blk[..., 16:48], 48                                                  # bit s: sub-block s
         ql = blk[..., p:p + 128].reshape(rows, nsb, 4, 32)
         u = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, nsb, 8, 32)
@@ -108,7 +108,7 @@ def _decode(raw: np.ndarray, qt: QT, n_in: int):
             u = u | (hb << 4).astype(np.uint8)
         return (u.reshape(rows, n_in), np.stack([sc, mn], axis=-1).reshape(rows, G, 2),
                 np.stack([_u16(blk[..., 0:2]), _u16(blk[..., 2:4])], axis=-1))
-    if qt == _Q6_K:
+    if qt == QT.Q6_K:
         nsb = n_in // 256
         blk = raw.reshape(rows, nsb, 210)
         ql = blk[..., 0:128].reshape(rows, nsb, 2, 64)
@@ -264,48 +264,38 @@ def round_x(xf, x, fmt):
 
 # ---- tiles of one matrix against N activation rows (both paths)
 
-_Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K), int(QT.Q5_0),
-                                                   int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K))
+_TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_1_1", "tile_q4_1_n"),
+          int(QT.Q4_K): ("tile_q4_k_1", "tile_q4_k_n"), int(QT.Q5_0): ("tile_q5_0_1", "tile_q5_0_n"),
+          int(QT.Q5_1): ("tile_q5_1_1", "tile_q5_1_n"), int(QT.Q5_K): ("tile_q5_k_1", "tile_q5_k_n"),
+          int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
+_TILE_ARGS = "out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G"
 
 
-@njit(cache=True)
-def tile_rows(qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
     """out.flat[oo + i ostride: + R] (i < nr, nr = 1 or NR) = the tile of type qt at q.flat[qo:], s.flat[so:] times
-    activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels)."""
-    if nr == 1:
-        if qt == _Q4_0:
-            tile_q4_0_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q4_1:
-            tile_q4_1_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q4_K:
-            tile_q4_k_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q5_0:
-            tile_q5_0_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q5_1:
-            tile_q5_1_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q5_K:
-            tile_q5_k_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q6_K:
-            tile_q6_k_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        else:
-            tile_q8_0_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-    else:
-        if qt == _Q4_0:
-            tile_q4_0_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q4_1:
-            tile_q4_1_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q4_K:
-            tile_q4_k_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q5_0:
-            tile_q5_0_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q5_1:
-            tile_q5_1_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q5_K:
-            tile_q5_k_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        elif qt == _Q6_K:
-            tile_q6_k_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-        else:
-            tile_q8_0_n(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
+    activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels), for the
+    quantized types in kinds.mats (lumen.kernels.kinds; compiled code only, see the overload)."""
+    raise NotImplementedError("tile_rows runs in compiled code only")
+
+
+@overload(tile_rows)
+def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+    """The dispatch, generated for the kinds' types only: an if-chain over qt, one tile kernel per branch."""
+    import lumen.kernels.simd as simd
+    qts = [t for t in kinds.mats if t in _TILES] or [int(QT.Q8_0)]
+    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}):"]
+    for which, cond in ((0, "if nr == 1:"), (1, "else:")):
+        lines.append(f"    {cond}")
+        for j, t in enumerate(qts):          # the last type takes the else branch (the table checked qt)
+            call = f"{_TILES[t][which]}({_TILE_ARGS})"
+            if len(qts) == 1:
+                lines.append(f"        {call}")
+            else:
+                kw = "if" if j == 0 else "elif" if j < len(qts) - 1 else "else"
+                lines.append(f"        {kw}{f' qt == {t}' if kw != 'else' else ''}:\n            {call}")
+    ns = {name: getattr(simd, name) for t in qts for name in _TILES[t]}
+    exec("\n".join(lines), ns)
+    return ns["impl"]
 
 
 @njit(cache=True)
@@ -320,10 +310,11 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(cache=True)
-def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1):
+def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W's tiles q (T, G * group bytes) u8 and s
     (T, record bytes) u8, or qf (T, n_in, R) f32 for the F32 family; x rounded by prepare_x (xq, xd, xs, xi or
-    xf). facc (1, R) f32: scratch for a last tile of fewer than R rows (and for the F32 family)."""
+    xf). NR rows per tile pass, the rest one at a time; a last tile of fewer than R rows goes through facc (1, R)
+    f32 (and so does every F32-family tile). One call site of the tile dispatch (each is code for every type)."""
     N, d_out = out.shape
     if qf.shape[0] > 0:
         for t in range(t0, t1):
@@ -337,32 +328,26 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1):
     n_in = 32 * G
     qb, sb = q.shape[1], s.shape[1]
     for t in range(t0, t1):
-        if (t + 1) * R <= d_out:
-            i = 0
-            while i + NR <= N:
-                tile_rows(qt, NR, out, i * d_out + t * R, d_out, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G,
-                          xs, 2 * i * G, xi, 2 * i * G, G)
-                i += NR
-            while i < N:
-                tile_rows(qt, 1, out, i * d_out + t * R, d_out, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G,
-                          xs, 2 * i * G, xi, 2 * i * G, G)
-                i += 1
-        else:
-            n = d_out - t * R
-            for i in range(N):
-                tile_rows(qt, 1, facc, 0, 0, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G, xi,
-                          2 * i * G, G)
-                for r in range(n):
+        full = (t + 1) * R <= d_out
+        i = 0
+        while i < N:
+            nr = NR if full and i + NR <= N else 1
+            dst, do, ds = (out, i * d_out + t * R, d_out) if full else (facc, 0, 0)
+            tile_rows(kinds, qt, nr, dst, do, ds, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G, xi,
+                      2 * i * G, G)
+            if not full:
+                for r in range(d_out - t * R):
                     out[i, t * R + r] = facc[0, r]
+            i += nr
 
 
 @njit(parallel=True, cache=True)
-def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc):
+def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, kinds):
     """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) weights of the 3-tuples qts (types), qs (tiles), ss
     (scale records), all over the same activations, already rounded (`prepare_x`); qf: the weight of an F32-family
     matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are
     split into contiguous chunks, one per thread (`tiles`). facc (threads, R) f32: per-chunk scratch
-    (lumen.kernels.scratch.per_thread)."""
+    (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for."""
     total = 0
     for m in range(n):
         total += ss[m].shape[0]
@@ -375,7 +360,8 @@ def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc):
             T = ss[m].shape[0]
             a, b = max(lo, base), min(hi, base + T)
             if a < b:
-                tiles(outs[m], qts[m], qs[m], qf, ss[m], xq, xd, xs, xi, xf, facc[ci:ci + 1], a - base, b - base)
+                tiles(outs[m], qts[m], qs[m], qf, ss[m], xq, xd, xs, xi, xf, facc[ci:ci + 1], a - base, b - base,
+                      kinds)
             base += T
 
 
@@ -445,7 +431,8 @@ def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
     facc = per_thread((numba.get_num_threads(), R), np.float32)
     q, qf = (_EMPTY_U8, w.q) if f32 else (w.q, _EMPTY_F32)
     qt = int(w.qtype)
-    matmul_kernel((out, out, out), (qt, qt, qt), (q, q, q), qf, (w.s, w.s, w.s), 1, xq, xd, xs, xi, xf, facc)
+    matmul_kernel((out, out, out), (qt, qt, qt), (q, q, q), qf, (w.s, w.s, w.s), 1, xq, xd, xs, xi, xf, facc,
+                  ALL)
     return out
 
 
