@@ -89,7 +89,7 @@ class Weights(NamedTuple):
     ffn_up: np.ndarray
     ffn_down: np.ndarray
     output: int                  # the output head's matrix id (token_embd's when tied)
-    kinds: object                # lumen.kernels.kinds.Kinds: the types and activation compiled for
+    kinds: np.ndarray            # (0,) lumen.kernels.kinds: its dtype names the types and activation compiled for
     fvec: np.ndarray             # (n,) f32: every norm and bias vector; each below is (offset, length) into it
     attn_norm: np.ndarray        # (L, 2) i8
     ffn_norm: np.ndarray
@@ -324,9 +324,9 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
         _mark(times, prof, b + 9)
-        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)
+        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)   # one region
         _mark(times, prof, b + 10)
-        gated(w.kinds, par, ffa, ffa, ffb)          # swiglu or geglu (arch.gelu), as the model's kinds say
+        gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
         _mark(times, prof, b + 11)
         mm(xn, ffa, w.ffn_down[il], w, scr.mm)
         _mark(times, prof, b + 12)

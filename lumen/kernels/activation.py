@@ -138,25 +138,39 @@ def add_kernel_par(x, y):
         _add_row(x, y, np.int64(r))
 
 
-def gated(kinds, par, out, gate, up):
-    """out = act(gate) * up with the model's gated activation (kinds.acts, lumen.kernels.kinds: SILU -> swiglu,
-    GELU -> geglu), by the row-parallel kernel when par. Compiled code only."""
+def gated(kinds, gelu, par, out, gate, up):
+    """out = act(gate) * up with the model's gated activation (gelu: geglu, else swiglu), by the row-parallel kernel
+    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled. Compiled code only."""
     raise NotImplementedError("gated runs in compiled code only")
 
 
 @overload(gated)
-def _gated(kinds, par, out, gate, up):
-    from .kinds import GELU
-    serial, parallel = (geglu_kernel, geglu_kernel_par) if kinds.acts == (GELU,) else (swiglu_kernel,
-                                                                                      swiglu_kernel_par)
-    if len(kinds.acts) > 1:
-        raise TypeError("gated: kinds.acts must name one activation")
-
-    def impl(kinds, par, out, gate, up):
-        if par:
-            parallel(out, gate, up)
-        else:
-            serial(out, gate, up)
+def _gated(kinds, gelu, par, out, gate, up):
+    from .kinds import GELU, SILU, sets
+    acts = sets(kinds)[2]
+    if acts == (GELU,):
+        def impl(kinds, gelu, par, out, gate, up):
+            if par:
+                geglu_kernel_par(out, gate, up)
+            else:
+                geglu_kernel(out, gate, up)
+    elif acts == (SILU,):
+        def impl(kinds, gelu, par, out, gate, up):
+            if par:
+                swiglu_kernel_par(out, gate, up)
+            else:
+                swiglu_kernel(out, gate, up)
+    else:
+        def impl(kinds, gelu, par, out, gate, up):
+            if gelu:
+                if par:
+                    geglu_kernel_par(out, gate, up)
+                else:
+                    geglu_kernel(out, gate, up)
+            elif par:
+                swiglu_kernel_par(out, gate, up)
+            else:
+                swiglu_kernel(out, gate, up)
     return impl
 
 

@@ -211,13 +211,14 @@ _ROWS = {_Q4_1: "row_q4_1", _Q8_0: "row_q8_0", _Q5_0: "row_q5_0", _Q4_K: "row_q4
 
 
 def embed_row(kinds, out, raw, lut, qtype):
-    """dequant_row for the types in kinds.embd only (lumen.kernels.kinds; compiled code only)."""
+    """dequant_row for the embedding types of the kinds only (lumen.kernels.kinds; compiled code only)."""
     raise NotImplementedError("embed_row runs in compiled code only")
 
 
 @overload(embed_row)
 def _embed_row(kinds, out, raw, lut, qtype):
-    types_ = [t for t in kinds.embd if t in _ROWS] or [_F32]
+    from .kinds import sets
+    types_ = [t for t in sets(kinds)[1] if t in _ROWS] or [_F32]
     lines = ["def impl(kinds, out, raw, lut, qtype):"]
     for j, t in enumerate(types_):        # the last type takes the else branch (the loader checked the type)
         kw = "if" if j == 0 else "elif" if j < len(types_) - 1 else "else"

@@ -36,7 +36,7 @@ from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
-from lumen.kernels.kinds import ALL
+from lumen.kernels.kinds import ALL, sets
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, absmax, f16_round, first_with_abs, quantize_block
 
@@ -274,7 +274,7 @@ _TILE_ARGS = "out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio,
 def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
     """out.flat[oo + i ostride: + R] (i < nr, nr = 1 or NR) = the tile of type qt at q.flat[qo:], s.flat[so:] times
     activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels), for the
-    quantized types in kinds.mats (lumen.kernels.kinds; compiled code only, see the overload)."""
+    matrix types of the kinds (lumen.kernels.kinds; compiled code only, see the overload)."""
     raise NotImplementedError("tile_rows runs in compiled code only")
 
 
@@ -282,7 +282,7 @@ def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs
 def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
     """The dispatch, generated for the kinds' types only: an if-chain over qt, one tile kernel per branch."""
     import lumen.kernels.simd as simd
-    qts = [t for t in kinds.mats if t in _TILES] or [int(QT.Q8_0)]
+    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
     lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}):"]
     for which, cond in ((0, "if nr == 1:"), (1, "else:")):
         lines.append(f"    {cond}")

@@ -22,7 +22,7 @@ from ..format.quants import ACT_FORMAT, QT
 from ..kernels.dequant import F16_TO_F32
 from ..kernels.layout import (C_DOUT, C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, DTYPES, F32, N_COLS, Packs, R,
                               buffer_of)
-from ..kernels.kinds import GELU, SILU, Kinds
+from ..kernels.kinds import GELU, SILU, kinds
 from ..kernels.matmul import prepare
 from ..format.quants import quant_info
 from .config import Config
@@ -121,9 +121,9 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None) ->
         packs, packs_from = pack_all(mats), "packed (cache off)"
     fvec = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
     rope = g.tensors.get("rope_freqs.weight")
-    kinds = Kinds(mats=packs.table[:, C_QT].tolist(), embd=(int(emb.qtype),),       # what forward compiles for
+    kset = kinds(mats=packs.table[:, C_QT].tolist(), embd=(int(emb.qtype),),       # what forward compiles for
                   acts=(GELU if cfg.act == "gelu" else SILU,))
-    bundle = Weights(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kinds,
+    bundle = Weights(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kset,
                      attn_q=ids["attn_q"], attn_k=ids["attn_k"], attn_v=ids["attn_v"],
                      attn_output=ids["attn_output"], ffn_gate=ids["ffn_gate"], ffn_up=ids["ffn_up"],
                      ffn_down=ids["ffn_down"], output=output, fvec=fvec,
