@@ -8,12 +8,15 @@
 - fma_1t_gflops / fma_gflops: f32 FMA throughput: 128 independent accumulators per thread (16 ymm registers,
   enough to cover the FMA latency on both pipes), 2 FLOP per multiply-add. The roof of every op but the matmuls.
 - int8_dot_1t_gops / int8_dot_gops: the matmuls' roof. u8 x i8 dot products into int32 lanes with the building
-  block of the matmul tile kernels (lumen.kernels.simd._dpbusd: vpdpbusd on 256-bit vectors with AVX512-VNNI,
-  32 multiply-adds per instruction), 16 independent accumulators, weights loaded from a 16 KB block in L1 as
-  the tiles load them (aligned to a cache line), activations broadcast in registers. 2 ops per multiply-add, the
-  unit the profiler counts matmul work in. Without AVX512-VNNI (or with LUMEN_NO_VNNI=1) the same block compiles to the portable vector
-  IR the tile kernels then run, and that is measured instead; int8_dot_isa names which. The tiles also spend
-  instructions on zero points and the float epilogue, so a matmul reaches a part of this, never more.
+  block of the matmul tile kernels (lumen.kernels.simd._dpbusd: vpdpbusd with AVX512-VNNI, 4 multiply-adds per
+  int32 lane), 16 independent accumulators, weights loaded from a 16 KB block in L1 as the tiles load them,
+  activations broadcast in registers; 2 ops per multiply-add, the unit the profiler counts matmul work in.
+  Measured on 256-bit and on 512-bit vectors (int8_dot_widths); the roof is the faster (int8_dot_isa names it),
+  whichever width the tiles use. The block starts on a cache line: a load across two lines costs two (here 378
+  -> 299 GOP/s for 256-bit loads at offset 16, 667 -> 318 for 512-bit ones). Without AVX512-VNNI (or with
+  LUMEN_NO_VNNI=1) the same block compiles to the portable vector IR the tiles then run, and that is measured.
+  The tiles also spend instructions on unpacking, zero points and the float epilogue, so a matmul reaches a part
+  of this, never more.
 - l1d_bytes / l2_bytes / l3_bytes: the data cache sizes of one core (sysfs; 0 when unknown). An op whose bytes
   per call fit in a cache can read faster than bw_gbps, which streams from memory.
 
@@ -41,13 +44,12 @@ from .errors import LumenError
 from .kernels import simd
 from .model.store import lumen_home
 
-VERSION = 3  # bump when a kernel below changes what it measures (2: the int8 dot of the tiles; 3: aligned)
+VERSION = 4  # bump when a kernel below changes what it measures (2: int8 dot; 3: aligned; 4: 256 and 512 bits)
 FMA_W = 128  # accumulators per thread (f32)
-DOT_ACC = 16  # independent int32x8 accumulators of the int8 dot (covers vpdpbusd's latency on two pipes)
-DOT_RUN = 32  # 32-byte weight vectors per unrolled run (1 KB)
+DOT_WIDTHS = (256, 512)  # vector bits of the int8 dot: the tiles use one, the roof is the faster
+DOT_ACC = 16  # independent int32 vector accumulators (covers vpdpbusd's latency on two pipes)
+DOT_RUN = 32  # weight vectors per unrolled run (1 KB at 256 bits, 2 KB at 512)
 DOT_BYTES = 16 << 10  # weight bytes the int8 dot cycles over (L1 on any AVX512 core)
-INT8_ISA = ("vpdpbusd, 256-bit (AVX512-VNNI)" if simd.VNNI
-            else "portable vector IR (no AVX512-VNNI: the tile kernels run this too)")
 
 
 # ---- kernels ----
@@ -72,42 +74,74 @@ def fma_kernel(n, m, c):
     return acc.sum()
 
 
-@intrinsic
-def _int8_dot(typingctx, out, w, x, n):
-    """out (8,) i32 = per lane, over n passes of w (DOT_RUN * 32 k,) u8 read as 32-byte vectors: the u8 x i8 dot
-    of each vector with 4 bytes of x (32,) i8 broadcast, into DOT_ACC accumulators in turn (simd._dpbusd)."""
+def _make_int8_dot(bits: int):
+    """The intrinsic dot(out, w, x, n): out[:bits / 32] (i32) = per lane, over n passes of w (u8, a multiple of
+    DOT_RUN vectors) read as bits-wide vectors, the u8 x i8 dot of each vector's 4 bytes per lane with one 4-byte
+    quad of x (32,) i8 broadcast (quad j % 8 for vector j), into DOT_ACC accumulators in turn (simd._dpbusd)."""
+    lanes, vbytes = bits // 32, bits // 8
+    vt = ir.VectorType(simd._I32, lanes)
+
     def codegen(context, builder, sig, args):
         out_v, w_v, x_v, n_v = args
         ta = sig.args
         i64 = ir.IntType(64)
         wp = simd._data(context, builder, ta[1], w_v, simd._I8)
         xp = simd._data(context, builder, ta[2], x_v, simd._I8)
-        runs = builder.udiv(context.make_array(ta[1])(context, builder, w_v).nitems, ir.Constant(i64, 32 * DOT_RUN))
-        xb = [simd._bcast32(builder, xp, k) for k in range(8)]
-        slots = [cgutils.alloca_once_value(builder, ir.Constant(simd._V8I32, None)) for _ in range(DOT_ACC)]
+        nitems = context.make_array(ta[1])(context, builder, w_v).nitems
+        runs = builder.udiv(nitems, ir.Constant(i64, vbytes * DOT_RUN))
+        xb = []
+        for k in range(8):
+            q = builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(i64, 4 * k)]), simd._I32.as_pointer()),
+                             align=1)
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), q, ir.Constant(simd._I32, 0))
+            xb.append(builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(vt, [0] * lanes)))
+        slots = [cgutils.alloca_once_value(builder, ir.Constant(vt, None)) for _ in range(DOT_ACC)]
         with cgutils.for_range(builder, n_v):
             with cgutils.for_range(builder, runs) as run:
-                base = builder.gep(wp, [builder.mul(run.index, ir.Constant(i64, 32 * DOT_RUN))])
+                base = builder.gep(wp, [builder.mul(run.index, ir.Constant(i64, vbytes * DOT_RUN))])
                 acc = [builder.load(s) for s in slots]
                 for j in range(DOT_RUN):
-                    acc[j % DOT_ACC] = simd._dpbusd(builder, acc[j % DOT_ACC], simd._vload(builder, base, 32 * j),
-                                                    xb[j % 8])
+                    wj = builder.load(builder.bitcast(builder.gep(base, [ir.Constant(i64, vbytes * j)]),
+                                                      vt.as_pointer()), align=1)
+                    acc[j % DOT_ACC] = simd._dpbusd(builder, acc[j % DOT_ACC], wj, xb[j % 8])
                 for s, a in zip(slots, acc):
                     builder.store(a, s)
         total = builder.load(slots[0])
         for s in slots[1:]:
             total = builder.add(total, builder.load(s))
         op = simd._data(context, builder, ta[0], out_v, simd._I32)
-        builder.store(total, builder.bitcast(op, simd._V8I32.as_pointer()), align=4)
+        builder.store(total, builder.bitcast(op, vt.as_pointer()), align=4)
         return context.get_dummy_value()
-    return types.void(out, w, x, types.intp), codegen
+
+    def typer(typingctx, out, w, x, n):
+        return types.void(out, w, x, types.intp), codegen
+
+    typer.__name__ = f"int8_dot_{bits}"
+    return intrinsic(typer)
+
+
+_dot256, _dot512 = _make_int8_dot(256), _make_int8_dot(512)
 
 
 @njit(cache=True, nogil=True)
-def int8_dot_kernel(out, w, x, n):
-    """n passes of int8 dots over w (k,) u8 (k a multiple of 1 KB, L1-resident) and x (32,) i8 into out (8,) i32:
-    2 k n ops."""
-    _int8_dot(out, w, x, n)
+def int8_dot_256(out, w, x, n):
+    """n passes of int8 dots over w (k,) u8 (k a multiple of 1 KB; L1-resident, 64-byte aligned) and x (32,) i8
+    in 256-bit vectors, summed per lane into out[:8] i32: 2 k n ops."""
+    _dot256(out, w, x, n)
+
+
+@njit(cache=True, nogil=True)
+def int8_dot_512(out, w, x, n):
+    """As int8_dot_256 in 512-bit vectors (k a multiple of 2 KB), into out[:16]."""
+    _dot512(out, w, x, n)
+
+
+INT8_DOT = {256: int8_dot_256, 512: int8_dot_512}
+
+
+def int8_isa(bits: int) -> str:
+    return (f"vpdpbusd, {bits}-bit (AVX512-VNNI)" if simd.VNNI
+            else f"portable vector IR, {bits}-bit (no AVX512-VNNI: the tile kernels run this too)")
 
 
 # ---- measuring ----
@@ -142,8 +176,7 @@ def _on_threads(calls: list) -> None:
 
 
 def aligned(shape: tuple, dtype, align: int = 64) -> np.ndarray:
-    """A zeroed array whose data starts on an `align`-byte boundary (a cache line): a vector load that crosses a
-    line costs two, which here took the int8 dot from 378 to 299 GOP/s (a 32-byte load at offset 16 of a line)."""
+    """A zeroed array whose data starts on an `align`-byte boundary (a cache line)."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
     buf = np.zeros(n + align, np.uint8)
     off = (-buf.ctypes.data) % align
@@ -181,8 +214,10 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
     w = aligned((threads, DOT_BYTES), np.uint8)                                              # (threads, 16 KB)
     w[:] = (np.arange(threads * DOT_BYTES) % 251).reshape(threads, DOT_BYTES)
     x = (np.arange(32) % 7 - 3).astype(np.int8)                                             # (32,) i8
-    acc = np.zeros((threads, 16), np.int32)  # (threads, 16): one 64-byte line per thread, lanes 0..7 written
-    sum_kernel(a[:1024]), fma_kernel(1, m, c), int8_dot_kernel(acc[0], w[0], x, 1)  # compile (or load) first
+    acc = aligned((threads, 32), np.int32)  # (threads, 32): a row of two cache lines per thread, 8 or 16 written
+    sum_kernel(a[:1024]), fma_kernel(1, m, c)                               # compile (or load) outside the timing
+    for kern in INT8_DOT.values():
+        kern(acc[0], w[0], x, 1)
 
     out["bw_1t_gbps"] = a.nbytes / _best(lambda: sum_kernel(a), reps) / 1e9
     out["bw_gbps"] = a.nbytes / _best(lambda: _on_threads([lambda p=p: sum_kernel(p) for p in parts]), reps) / 1e9
@@ -192,10 +227,16 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
     out["fma_gflops"] = flops * threads / _best(
         lambda: _on_threads([lambda: fma_kernel(fma_rounds, m, c)] * threads), reps) / 1e9
     ops = 2 * DOT_BYTES * dot_rounds
-    out["int8_dot_1t_gops"] = ops / _best(lambda: int8_dot_kernel(acc[0], w[0], x, dot_rounds), reps) / 1e9
-    out["int8_dot_gops"] = ops * threads / _best(lambda: _on_threads(
-        [lambda t=t: int8_dot_kernel(acc[t], w[t], x, dot_rounds) for t in range(threads)]), reps) / 1e9
-    out["int8_dot_isa"] = INT8_ISA
+    widths = {}
+    for bits, kern in INT8_DOT.items():
+        one = ops / _best(lambda: kern(acc[0], w[0], x, dot_rounds), reps) / 1e9
+        every = ops * threads / _best(
+            lambda: _on_threads([lambda t=t: kern(acc[t], w[t], x, dot_rounds) for t in range(threads)]), reps) / 1e9
+        widths[str(bits)] = {"1t_gops": one, "gops": every}
+    best = max(widths, key=lambda b: widths[b]["1t_gops"])
+    out["int8_dot_1t_gops"], out["int8_dot_gops"] = widths[best]["1t_gops"], widths[best]["gops"]
+    out["int8_dot_isa"] = int8_isa(int(best))
+    out["int8_dot_widths"] = widths
     out["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return out
 
@@ -205,8 +246,8 @@ def cache_path() -> Path:
 
 
 def _valid(d: dict) -> bool:
-    keys = ("bw_1t_gbps", "bw_gbps", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops", "int8_dot_isa", "threads",
-            "cpu")
+    keys = ("bw_1t_gbps", "bw_gbps", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops", "int8_dot_isa",
+            "int8_dot_widths", "threads", "cpu")
     return (isinstance(d, dict) and all(k in d for k in keys) and d.get("cpu") == cpu_model()
             and d.get("cores") == os.cpu_count() and d.get("version") == VERSION)
 

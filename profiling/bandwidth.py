@@ -17,7 +17,7 @@ import numpy as np
 
 import lumen
 
-MATMULS = ("q", "k", "v", "o", "gate", "up", "down", "output")
+MATMULS = ("qkv", "o", "gate_up", "down", "output")   # lumen.engine.forward.OPS (q/k/v, gate/up fused)
 
 
 def machine_bandwidth(threads: int) -> tuple[float, str]:

@@ -1,6 +1,6 @@
 """Where does start-up go for `python -m lumen.generate`, with a warm compile cache?
 
-    python profiling/startup.py [--quick] [--model smollm2-135m] [--runs 5] [-n 16] [--baseline DIR]
+    python profiling/startup.py [--quick] [--model smollm2-135m] [--runs 5] [-n 16] [--baseline DIR] [--cold]
 
 Every figure comes from fresh processes, so imports, page-cache hits and Numba's cache loading are the real ones.
 One throwaway run first warms Numba's compile cache and the packed-weight cache. Then, per run, interleaved:
@@ -15,6 +15,11 @@ One throwaway run first warms Numba's compile cache and the packed-weight cache.
 Both run with the packed-weight cache on (default) and off (LUMEN_PACK_CACHE=0), and with --baseline DIR also
 with the `lumen` package of another checkout (PYTHONPATH=DIR, e.g. `git worktree add /tmp/base HEAD~1`), all
 interleaved. Timestamps are CLOCK_MONOTONIC, shared by all processes. Figures are medians of --runs.
+
+`--cold` measures a first run on a fresh machine instead: per run, a new empty LUMEN_HOME (the model files linked
+in from the current one, so nothing is downloaded), so Numba's compile cache and the pack cache start empty; the
+plain CLI's spawn -> first token there (cold), then again in the same home (warm: everything cached), and with
+--baseline DIR the same for the other checkout, interleaved. Default 3 runs.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ from statistics import median
 
 PROMPT = "The capital of France is"
 MODES = {"cache on": {}, "cache off": {"LUMEN_PACK_CACHE": "0"}}
+# The children run outside any checkout: `python -m` puts the working directory first on sys.path, so started from
+# a repository root they would import its lumen whatever PYTHONPATH (--baseline) says.
+NEUTRAL_CWD = tempfile.gettempdir()
 
 
 def now() -> float:
@@ -114,7 +122,7 @@ def run_cli(cli_args: list[str], env: dict) -> dict:
     with tempfile.TemporaryFile() as err:
         t0 = now()
         p = subprocess.Popen([sys.executable, "-m", "lumen.generate", *cli_args], stdout=subprocess.PIPE,
-                             stderr=err, stdin=subprocess.DEVNULL, env=env)
+                             stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=NEUTRAL_CWD)
         first = os.read(p.stdout.fileno(), 1)
         t_first = now()
         rest = p.stdout.read()
@@ -135,7 +143,7 @@ def run_child(cli_args: list[str], env: dict) -> dict:
         out = os.path.join(tmp, "marks.json")
         t0 = now()
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out, "--", *cli_args],
-                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, cwd=NEUTRAL_CWD)
         if r.returncode != 0 or not os.path.exists(out):
             raise SystemExit(f"instrumented run failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
         with open(out) as f:
@@ -180,7 +188,10 @@ def main(argv=None) -> None:
     ap.add_argument("-n", type=int, default=16, help="tokens to generate")
     ap.add_argument("--quick", action="store_true", help="2 runs of 4 tokens (for tests)")
     ap.add_argument("--baseline", metavar="DIR", help="also run the lumen package in DIR (a checkout's root)")
+    ap.add_argument("--cold", action="store_true", help="first run with empty caches (fresh homes), then warm")
     a = ap.parse_args(argv)
+    if a.cold:
+        return cold_main(a)
     runs, n = (2, 4) if a.quick else (a.runs, a.n)
     cli = ["--model", a.model, "--prompt", PROMPT, "-n", str(n)]
     modes = dict(MODES)
@@ -222,6 +233,38 @@ def main(argv=None) -> None:
           f"without ({off / on:.2f}x){base}; weights {w_on * 1e3:.0f} ms vs {w_off * 1e3:.0f} ms (medians of "
           f"{runs}) -> {'within' if on <= 3.0 else 'over'} the 3 s target [load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores]")
+
+
+def cold_main(a) -> None:
+    """--cold: spawn -> first token with empty caches, then warm, in fresh homes (see the module doc)."""
+    from lumen.model.store import lumen_home
+    runs, n = (1, 4) if a.quick else (a.runs if a.runs != 5 else 3, a.n)
+    cli = ["--model", a.model, "--prompt", PROMPT, "-n", str(n)]
+    trees = {"lumen": None} | ({"baseline": os.path.abspath(a.baseline)} if a.baseline else {})
+    res = {name: {"cold": [], "warm": []} for name in trees}
+    models = lumen_home() / "models"
+    for _ in range(runs):
+        for name, tree in trees.items():
+            with tempfile.TemporaryDirectory() as home:
+                os.symlink(models, os.path.join(home, "models"))
+                env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "LUMEN_PACK_CACHE")}
+                env["LUMEN_HOME"] = home
+                if tree:
+                    env["PYTHONPATH"] = tree
+                for kind in ("cold", "warm"):
+                    r = run_cli(cli, env)
+                    res[name][kind].append(r["ttft"])
+                    print(f"{name} {kind}: first token {r['ttft']:.2f} s after spawn, wall {r['wall']:.2f} s; "
+                          f"{r['stats']}", flush=True)
+    print(f"\n{a.model}, prompt {PROMPT!r}, -n {n}; medians of {runs} fresh homes, interleaved")
+    for name in trees:
+        c, w = median(res[name]["cold"]), median(res[name]["warm"])
+        print(f"{name:10s} cold {c:6.2f} s   warm {w:6.2f} s   (runs: cold {', '.join(f'{x:.1f}' for x in res[name]['cold'])})")
+    c = median(res["lumen"]["cold"])
+    base = (f"; baseline cold {median(res['baseline']['cold']):.1f} s" if a.baseline else "")
+    print(f"VERDICT: {a.model} cold start (empty compile and pack caches): first token {c:.1f} s after spawn, warm "
+          f"{median(res['lumen']['warm']):.2f} s{base} (medians of {runs}) -> {'within' if c <= 20.0 else 'over'} the "
+          f"20 s target [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
 
 
 if __name__ == "__main__":

@@ -12,18 +12,21 @@ import pytest
 SMALL = dict(bw_bytes=1 << 22, reps=2, fma_rounds=2000, dot_rounds=200)
 
 
-def test_int8_dot_kernel_is_the_dot_it_counts():
-    """Per lane l: the sum over passes and 32-byte vectors j of w[j, l, :] (u8) . x[4 (j % 8):][:4] (i8)."""
-    from lumen.machine import DOT_BYTES, int8_dot_kernel
+@pytest.mark.parametrize("bits", [256, 512])
+def test_int8_dot_kernel_is_the_dot_it_counts(bits):
+    """Per lane l: the sum over passes and vectors j of w[j, l, :] (u8) . x[4 (j % 8):][:4] (i8)."""
+    from lumen.machine import DOT_BYTES, INT8_DOT, aligned
     rng = np.random.default_rng(0)
-    w = rng.integers(0, 256, DOT_BYTES).astype(np.uint8)      # (16 KB,) u8: the whole unsigned range
+    w = aligned((DOT_BYTES,), np.uint8)
+    w[:] = rng.integers(0, 256, DOT_BYTES)                    # (16 KB,) u8: the whole unsigned range
     x = rng.integers(-128, 128, 32).astype(np.int8)           # (32,) i8: the whole signed range
-    out = np.zeros(16, np.int32)
-    int8_dot_kernel(out, w, x, 3)
-    wv = w.reshape(-1, 8, 4).astype(np.int64)                 # (vectors, lanes, 4 bytes)
+    out = np.zeros(32, np.int32)
+    INT8_DOT[bits](out, w, x, 3)
+    lanes = bits // 32
+    wv = w.reshape(-1, lanes, 4).astype(np.int64)             # (vectors, lanes, 4 bytes)
     quad = x.reshape(8, 4).astype(np.int64)[np.arange(wv.shape[0]) % 8]   # (vectors, 4): the broadcast quad
     ref = 3 * np.einsum("jlb,jb->l", wv, quad)
-    assert np.array_equal(out[:8], ref.astype(np.int32)), (out[:8], ref)
+    assert np.array_equal(out[:lanes], ref.astype(np.int32)) and not out[lanes:].any(), (out, ref)
 
 
 def test_aligned_arrays_start_on_a_cache_line():
@@ -35,11 +38,16 @@ def test_aligned_arrays_start_on_a_cache_line():
 
 
 def test_measure_small():
-    from lumen.machine import INT8_ISA, measure
+    from lumen.machine import int8_isa, measure
     d = measure(threads=2, **SMALL)
     for k in ("bw_1t_gbps", "bw_gbps", "fma_1t_gflops", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops"):
         assert math.isfinite(d[k]) and d[k] > 0, (k, d)
-    assert d["threads"] == 2 and d["cpu"] and d["int8_dot_isa"] == INT8_ISA
+    assert d["threads"] == 2 and d["cpu"]
+    widths = d["int8_dot_widths"]
+    assert set(widths) == {"256", "512"} and all(v["1t_gops"] > 0 and v["gops"] > 0 for v in widths.values())
+    best = max(widths, key=lambda b: widths[b]["1t_gops"])      # the roof is the faster width, named
+    assert d["int8_dot_1t_gops"] == widths[best]["1t_gops"] and d["int8_dot_gops"] == widths[best]["gops"]
+    assert d["int8_dot_isa"] == int8_isa(int(best))
     for k in ("l1d_bytes", "l2_bytes", "l3_bytes"):
         assert isinstance(d[k], int) and d[k] >= 0
 
@@ -72,10 +80,12 @@ def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys)
 NO_VNNI = """
 import re, sys, numpy as np
 import lumen.kernels.simd as simd
-from lumen.machine import int8_dot_kernel, measure
+from lumen.machine import INT8_DOT, measure
 d = measure(bw_bytes=1 << 22, reps=2, fma_rounds=2000, dot_rounds=200, threads=1)
-asm = int8_dot_kernel.inspect_asm(int8_dot_kernel.signatures[0])
-print(simd.VNNI, "vpdpbusd" in asm, d["int8_dot_1t_gops"], d["int8_dot_isa"], sep="|")
+asm = {b: k.inspect_asm(k.signatures[0]) for b, k in INT8_DOT.items()}
+regs = {b: sorted({m[-3:] for m in re.findall(r"vpdpbusd\\s+%([xyz]mm)", a)}) for b, a in asm.items()}
+print(simd.VNNI, all("vpdpbusd" in a for a in asm.values()), regs[256], regs[512], d["int8_dot_1t_gops"],
+      d["int8_dot_isa"], sep="|")
 """
 
 
@@ -87,8 +97,10 @@ def test_the_kernel_is_the_tiles_instruction(tmp_path, no_vnni):
     env = dict(os.environ, LUMEN_NO_VNNI=no_vnni, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     r = subprocess.run([sys.executable, "-c", NO_VNNI], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    vnni, has_dp, rate, isa = r.stdout.strip().split("|")
+    vnni, has_dp, regs256, regs512, rate, isa = r.stdout.strip().split("|")
     assert vnni == str(simd.VNNI and no_vnni == "0")
     assert has_dp == vnni                         # vpdpbusd in the machine code exactly when VNNI is on
+    if vnni == "True":                            # on ymm and zmm registers: the two widths
+        assert (regs256, regs512) == ("['ymm']", "['zmm']"), r.stdout
     assert float(rate) > 0
     assert ("vpdpbusd" in isa) == (vnni == "True") and ("no AVX512-VNNI" in isa) == (vnni == "False")

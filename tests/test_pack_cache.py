@@ -24,8 +24,8 @@ from lumen.engine.llm import open_gguf
 from lumen.model.weights import load_weights
 from synth import write_model
 
-ARRAYS = ("table", "q", "q8", "qf", "s", "o")
-# one matrix type of every packing family (Q4, Q5, I8, F32) in each layer
+ARRAYS = ("table", "q", "qf", "s")
+# one matrix type of every packing family (Q4, Q5, Q8, F32) in each layer
 MIXED = {f"blk.{i}.{name}.weight": qt for i in range(2) for name, qt in (
     ("attn_q", T.Q4_0), ("attn_k", T.Q5_1), ("attn_v", T.Q8_0), ("attn_output", T.F16), ("ffn_gate", T.Q4_1),
     ("ffn_up", T.Q5_0), ("ffn_down", T.BF16))}
@@ -237,7 +237,7 @@ CORRUPTIONS = {
     "table offset overflows": lambda p: _patch(p, _table_cell(p, 1, P_Q), struct.pack("<q", (1 << 63) - 8)),
     "table rows swapped": lambda p: _patch(p, _table_cell(p, 0, 0), Path(p).read_bytes()[
         _table_cell(p, 1, 0):_table_cell(p, 2, 0)]),
-    "array missing from header": lambda p: p.write_bytes(p.read_bytes().replace(b'"q8"', b'"qx"', 1)),
+    "array missing from header": lambda p: p.write_bytes(p.read_bytes().replace(b'"qf"', b'"qx"', 1)),
     "array shorter in header": lambda p: _edit_header(p, lambda h: h["arrays"]["s"][1].__setitem__(0, 64)),
     "array dtype in header": lambda p: _edit_header(p, lambda h: h["arrays"]["qf"].__setitem__(0, "<f8")),
     "another key in header": lambda p: _edit_header(p, lambda h: h.__setitem__("key", "0" * 64)),

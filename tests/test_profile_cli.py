@@ -11,7 +11,9 @@ import pytest
 
 FAKE = {"cpu": None, "cores": os.cpu_count(), "threads": os.cpu_count(), "version": None, "bw_1t_gbps": 10.0,
         "bw_gbps": 20.0, "fma_1t_gflops": 50.0, "fma_gflops": 100.0, "int8_dot_1t_gops": 150.0,
-        "int8_dot_gops": 300.0, "int8_dot_isa": "fake isa", "l1d_bytes": 48 << 10, "l2_bytes": 2 << 20,
+        "int8_dot_gops": 300.0, "int8_dot_isa": "fake isa",
+        "int8_dot_widths": {"256": {"1t_gops": 75.0, "gops": 150.0}, "512": {"1t_gops": 150.0, "gops": 300.0}},
+        "l1d_bytes": 48 << 10, "l2_bytes": 2 << 20,
         "l3_bytes": 32 << 20, "measured_at": "fake"}
 
 
@@ -162,7 +164,7 @@ SIZES = {"matrix_bytes": 111e6, "kv_cache_bytes": 15e6, "n_layer": 30}
 
 @pytest.mark.parametrize("op, phase, per_call, bound_by, roof, says", [
     ("attn_residual", "decode", 6.9e3, "memory", "f32 FMA", "activations the op before it just wrote, from the L1"),
-    ("output", "decode", 32e6, "memory", "int8 dot", "fit in the L3 (314.6 MB) cache, so it stays cached"),
+    ("output", "decode", 32e6, "memory", "int8 dot", "fit in the L3 (300 MiB) cache, so it stays cached"),
     ("attention", "prefill", 51e6, "memory", "f32 FMA", "a chunk's queries share the layer's keys"),
     ("attention", "decode", 0.4e6, "memory", "f32 FMA", "fit in the L3"),
     ("act", "prefill", 400e6, "memory", "f32 FMA", "unexplained"),
@@ -212,4 +214,7 @@ def test_machine_prints_cached_limits(home):
     r = run(home, "--machine")
     assert r.returncode == 0, r.stderr
     assert "memory read GB/s" in r.stdout and "20.0" in r.stdout
-    assert re.search(r"int8 dot GOP/s +│ +150 │ +300", r.stdout) and "int8 dot: fake isa" in r.stdout
+    assert re.search(r"int8 dot GOP/s \(the roof\) +│ +150 │ +300", r.stdout) and "int8 dot: fake isa" in r.stdout
+    assert re.search(r"256-bit vectors +│ +75 │ +150", r.stdout)
+    assert re.search(r"512-bit vectors +│ +150 │ +300", r.stdout)
+    assert "caches per core: L1d 48 KiB, L2 2 MiB, L3 32 MiB" in r.stdout

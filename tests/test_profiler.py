@@ -38,10 +38,10 @@ def test_every_op_of_every_layer_is_recorded(profiled):
 def test_work_is_attached(profiled):
     m, prof, _ = profiled
     ops = prof.by_op("decode")
-    # the q projection reads its packed weight once per decode step: 576 x 576 Q4_1 packed
-    q = ops["q"]
+    # q, k and v run fused, one call per layer per decode step: 576 x (576 + 192 + 192) Q4_1
+    q = ops["qkv"]
     assert q.calls == 30 * len([s for s in prof.steps if s.phase == "decode"])
-    assert q.flops == q.calls * 2 * 576 * 576
+    assert q.flops == q.calls * 2 * 576 * (576 + 192 + 192)
     assert ops["attention"].bytes > 0 and ops["output"].flops == ops["output"].calls * 2 * 49152 * 576
 
 

@@ -1,6 +1,7 @@
 """llama-bench-style throughput of one model: prompt processing (pp) and token generation (tg), in tokens/s.
 
-    python -m lumen.bench [single] --model smollm2-135m -p 512 -n 128 -r 5 [--threads T] [--json F] [--compare llama.cpp]
+    python -m lumen.bench [single] --model smollm2-135m -p 512 -n 128 -r 5 [--threads T] [--json F]
+        [--compare llama.cpp] [--llama-bench PATH [--llama-args "--repack 0"]]
 
 Tests (each repeated r times, mean ± stdev of the per-repetition t/s, warm-up excluded):
     pp{p}   one batched prefill of p tokens into a fresh cache (n_batch = p, so it is a single forward call)
@@ -8,15 +9,24 @@ Tests (each repeated r times, mean ± stdev of the per-repetition t/s, warm-up e
     pp32, tg32  always added (the sizes the original Lumen measurements used); `--small 0` leaves them out,
                 `--small K` uses K instead of 32
 Token ids are fixed pseudo-random ids of the vocabulary (seed 0), the same for every engine, as llama-bench does.
-For tg it also reports the achieved weight bandwidth, GB/s = bytes one decode step reads x tok/s (Lumen: its
-repacked weights, `Model.weights.decode_bytes`; llama.cpp: the GGUF's tensor bytes), against the machine's
-measured read bandwidth (lumen.machine.limits, when available), and the peak RSS of the process.
+For tg it also reports the achieved weight bandwidth as the field defines it, GB/s = the GGUF's tensor bytes x
+tok/s, the same bytes for every engine (so a smaller packed layout cannot lower it), and its share of the machine's
+memory read bandwidth (lumen.machine, at the run's thread count), and the peak RSS of the process. The bytes
+Lumen's packed weights hold are printed beside the GGUF's.
 
-`--compare llama.cpp` loads llama-cpp-python on the same GGUF with the same thread count (CPU only, flash
-attention off, n_batch = n_ubatch = 512, weight repacking off: see tests/data/make_gemma3_longctx.py) and runs
-the two engines interleaved, repetition by repetition (Lumen rep 1, llama.cpp rep 1, Lumen rep 2, ...), so both
-see the same machine load; every figure gets the ratio Lumen/llama.cpp (of the means, and the median of the
-per-repetition ratios). Both engines share one process: the Lumen peak RSS is taken before llama.cpp loads.
+Comparison, interleaved repetition by repetition (Lumen rep 1, llama.cpp rep 1, Lumen rep 2, ...), so both see
+the same machine load; every figure gets the ratio Lumen/llama.cpp (of the means, and the median of the
+per-repetition ratios):
+- `--llama-bench PATH` (or $LLAMA_BENCH with --compare llama.cpp): llama.cpp's native `llama-bench`, one process
+  per repetition and test (`-r 1`, its own warm-up run, same thread count, its default batch sizes), the
+  strongest llama.cpp figure (no Python per token). `--llama-args` passes extra flags: on Xeons whose AMX tiles
+  the OS does not grant, llama.cpp's default weight repacking dies with an illegal instruction, so pass
+  `--llama-args "--repack 0"` there. Build it with shared/tools/llama_tools.sh.
+- `--compare llama.cpp` without the binary: llama-cpp-python on the same GGUF in this process (CPU only, flash
+  attention off, n_batch = n_ubatch = 512, weight repacking off: see tests/data/make_gemma3_longctx.py). The
+  Lumen peak RSS is taken before llama.cpp loads.
+When comparing, the machine's read bandwidth is measured in the same session (lumen.machine.measure, once per
+repetition, median), so the share of bandwidth and the engines see the same machine.
 """
 from __future__ import annotations
 
@@ -24,7 +34,10 @@ import argparse
 import json
 import os
 import resource
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -74,7 +87,8 @@ class LumenEngine:
         self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch)
         self.threads = self.model.threads
         self.n_vocab = self.model.config.n_vocab
-        self.weight_bytes = self.model.weights.decode_bytes
+        self.weight_bytes = gguf_tensor_bytes(path)
+        self.pack_bytes = self.model.weights.decode_bytes
 
     def warmup(self, ids: np.ndarray) -> float:
         t = time.perf_counter()
@@ -108,7 +122,6 @@ class LlamaCppEngine:
         import llama_cpp.llama_cpp as lc  # ImportError: the caller prints COMPARE_HINT
         from llama_cpp import Llama
 
-        from ..format.gguf import GGUFFile
         default_params = lc.llama_model_default_params
 
         def params_without_extra_bufts():
@@ -124,8 +137,7 @@ class LlamaCppEngine:
             lc.llama_model_default_params = default_params
         self.threads = threads
         self.n_vocab = self.llm.n_vocab()
-        g = GGUFFile(path)
-        self.weight_bytes = sum(t.data.nbytes for t in g.tensors.values())
+        self.weight_bytes = gguf_tensor_bytes(path)
 
     def warmup(self, ids: np.ndarray) -> float:
         t = time.perf_counter()
@@ -147,6 +159,62 @@ class LlamaCppEngine:
         for _ in range(n):
             llm.eval([tok])
         return time.perf_counter() - t
+
+
+class LlamaBenchEngine:
+    """llama.cpp's native llama-bench: one process per timed run (`-r 1`; it warms up itself first)."""
+    name = "llama-bench"
+
+    def __init__(self, binary: str, path, threads: int, extra: list[str], n_vocab: int):
+        self.binary, self.path, self.threads, self.extra = binary, str(path), threads, list(extra)
+        self.n_vocab = n_vocab
+        self.weight_bytes = gguf_tensor_bytes(path)
+
+    def _run(self, p: int, n: int) -> float:
+        """Seconds of one llama-bench test (pp p or tg n), from its JSON avg_ns."""
+        cmd = [self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-p", str(p), "-n", str(n),
+               "-o", "json", *self.extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        try:
+            rows = json.loads(r.stdout)
+            return float(rows[0]["avg_ns"]) / 1e9
+        except (ValueError, IndexError, KeyError, TypeError):
+            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"llama-bench failed (exit {r.returncode}): {' | '.join(tail)}") from None
+
+    def warmup(self, ids: np.ndarray) -> float:
+        t = time.perf_counter()
+        self._run(8, 0)
+        return time.perf_counter() - t
+
+    def pp(self, ids: np.ndarray) -> float:
+        return self._run(ids.size, 0)
+
+    def tg(self, tok: int, n: int) -> float:
+        return self._run(0, n)
+
+
+def find_llama_bench(path: str | None) -> str | None:
+    """The llama-bench binary: path, else $LLAMA_BENCH (`llama-bench` looked up on PATH when either is a bare
+    name); None if there is none."""
+    cand = path or os.environ.get("LLAMA_BENCH")
+    if cand and os.sep not in cand:
+        cand = shutil.which(cand)
+    return cand if cand and os.path.isfile(cand) and os.access(cand, os.X_OK) else None
+
+
+def gguf_tensor_bytes(path) -> int:
+    """Bytes of every tensor in the GGUF file: what a decode step reads by the field's definition."""
+    from ..format.gguf import GGUFFile
+    return sum(t.data.nbytes for t in GGUFFile(path).tensors.values())
+
+
+def session_bandwidth(threads: int) -> dict:
+    """The machine's memory read bandwidth now (lumen.machine.measure: a vectorized sum over 1 GB, best of 3),
+    at `threads` threads and at 1: {'bw_gbps', 'bw_1t_gbps'} (the compute peaks are not measured)."""
+    from ..machine import measure
+    d = measure(reps=3, fma_rounds=1, dot_rounds=1, threads=threads)
+    return {"bw_gbps": d["bw_gbps"], "bw_1t_gbps": d["bw_1t_gbps"]}
 
 
 def load_llama_cpp(path, threads: int, ctx: int, err=None):
@@ -173,11 +241,14 @@ def mean_std(v: list) -> tuple[float, float]:
     return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
 
 
-def run(engines: list, tests: list[Test], reps: int, ids: np.ndarray, on_rep=None) -> list[Figure]:
+def run(engines: list, tests: list[Test], reps: int, ids: np.ndarray, on_rep=None, each_rep=None) -> list[Figure]:
     """Time every test `reps` times on every engine, interleaved: rep r of test t runs on each engine in turn.
-    Returns the t/s figures, and a GB/s figure after each tg test."""
+    each_rep(r), if given, runs at the start of every repetition (the session's bandwidth measurement). Returns
+    the t/s figures, and a GB/s figure (the engine's weight_bytes x t/s) after each tg test."""
     figs = {t.name: Figure(t.name, "t/s", {e.name: [] for e in engines}) for t in tests}
     for r in range(reps):
+        if each_rep is not None:
+            each_rep(r)
         for t in tests:
             for e in engines:
                 s = e.pp(ids[:t.size]) if t.kind == "pp" else e.tg(int(ids[0]), t.size)
@@ -232,28 +303,32 @@ def render(rows: list[dict], engines: list, info: dict, console) -> None:
         table.add_column("paired", justify="right")
     bw = info.get("bw_gbps")
     if bw:
-        table.add_column("% bw", justify="right")
+        table.add_column("% bw", justify="right", no_wrap=True)
     for r in rows:
         cells = [r["test"], r["unit"]] + [f"{r[n]['mean']:.2f} ± {r[n]['std']:.2f}" for n in names]
         if len(names) == 2:
             cells += [f"{r['ratio']:.3f}", f"{r['ratio_median_paired']:.3f}"]
         if bw:
-            cells.append(f"{100 * r[names[0]]['mean'] / bw:.0f}%" if r["unit"] == "GB/s" else "")
+            cells.append(" | ".join(f"{100 * r[n]['mean'] / bw:.0f}%" for n in names) if r["unit"] == "GB/s" else "")
         table.add_row(*cells)
     console.print(table)
     console.print("figures are mean ± stdev over repetitions"
                   + (f"; ratio = {names[0]}/{names[1]} of the means, paired = median of the per-repetition ratios"
                      if len(names) == 2 else "")
-                  + (f"; % bw = {names[0]} GB/s / machine read bandwidth" if bw else ""), markup=False)
-    wb = ", ".join(f"{e.name} {e.weight_bytes / 1e6:.1f} MB" for e in engines)
-    console.print(f"weight bytes per decode step: {wb}", markup=False)
+                  + ("; GB/s = the GGUF's tensor bytes x tok/s; % bw = that / the machine's read bandwidth"
+                     + (" (" + " | ".join(names) + ")" if len(names) > 1 else "") if bw else
+                     "; GB/s = the GGUF's tensor bytes x tok/s"), markup=False)
+    console.print(f"bytes per decode step: GGUF tensors {info['gguf_bytes'] / 1e6:.1f} MB; Lumen's packed weights "
+                  f"{info['pack_bytes'] / 1e6:.1f} MB ({info['pack_bytes'] / info['gguf_bytes']:.3f}x)", markup=False)
     if bw:
-        console.print(f"machine read bandwidth: {bw:.1f} GB/s all threads, "
-                      f"{info.get('bw_1t_gbps') or float('nan'):.1f} GB/s one thread (lumen.machine)", markup=False)
+        how = (f"measured in this session, median of {info['bw_samples']}" if info.get("bw_samples")
+               else "lumen.machine's cached measurement")
+        console.print(f"machine read bandwidth: {bw:.1f} GB/s at {info['threads']} threads, "
+                      f"{info.get('bw_1t_gbps') or float('nan'):.1f} GB/s one thread ({how})", markup=False)
     else:
         console.print("machine limits unavailable", markup=False)
     console.print(f"peak RSS: Lumen {info['rss_lumen_mb']:.0f} MB (before llama.cpp loads); "
-                  f"process {info['rss_peak_mb']:.0f} MB", markup=False)
+                  f"process {info['rss_peak_mb']:.0f} MB; load average {info['load_avg']}", markup=False)
 
 
 # ---------------------------------------------------------------- CLI
@@ -268,7 +343,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--small", type=int, default=SMALL,
                     help=f"also run pp/tg of this size (default {SMALL}; 0 = off)")
     ap.add_argument("--json", metavar="FILE", help="write every figure, per repetition, to FILE")
-    ap.add_argument("--compare", choices=["llama.cpp"], help="also run llama-cpp-python, interleaved")
+    ap.add_argument("--compare", choices=["llama.cpp"],
+                    help="also run llama.cpp, interleaved: llama-bench when given (--llama-bench or $LLAMA_BENCH), "
+                         "else llama-cpp-python")
+    ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (implies --compare)")
+    ap.add_argument("--llama-args", default="", metavar="ARGS",
+                    help='extra llama-bench flags, e.g. "--repack 0" (Xeons without OS-granted AMX tiles)')
     return ap
 
 
@@ -289,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     validate(ap, args)
+    binary = None
+    if args.llama_bench or (args.compare and os.environ.get("LLAMA_BENCH")):
+        binary = find_llama_bench(args.llama_bench)
+        if binary is None:
+            ap.error(f"llama-bench not found or not executable: {args.llama_bench or os.environ.get('LLAMA_BENCH')}")
     from rich.console import Console
 
     from ..errors import LumenError
@@ -307,34 +392,58 @@ def main(argv: list[str] | None = None) -> int:
     engines = [lumen]
     warm = {lumen.name: lumen.warmup(ids)}
     rss_lumen = peak_rss_mb()
-    if args.compare == "llama.cpp":
-        llama = load_llama_cpp(path, lumen.threads, ctx + 64)
-        if llama is not None:
-            if llama.n_vocab != lumen.n_vocab:
-                print(f"error: llama.cpp sees {llama.n_vocab} vocabulary entries, Lumen {lumen.n_vocab}",
+    try:
+        if binary:
+            other = LlamaBenchEngine(binary, path, lumen.threads, shlex.split(args.llama_args), lumen.n_vocab)
+        elif args.compare == "llama.cpp":
+            other = load_llama_cpp(path, lumen.threads, ctx + 64)
+        else:
+            other = None
+        if other is not None:
+            if other.n_vocab != lumen.n_vocab:
+                print(f"error: llama.cpp sees {other.n_vocab} vocabulary entries, Lumen {lumen.n_vocab}",
                       file=sys.stderr)
                 return 1
-            warm[llama.name] = llama.warmup(ids)
-            engines.append(llama)
-    lim = machine_limits()
-    if lim is None:
-        print("machine limits unavailable", file=sys.stderr)
+            warm[other.name] = other.warmup(ids)
+            engines.append(other)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    bw_samples: list[dict] = []
+    if len(engines) > 1:
+        def each_rep(r):
+            bw_samples.append(session_bandwidth(lumen.threads))
+        lim = None
+    else:
+        each_rep = None
+        lim = machine_limits()
+        if lim is None:
+            print("machine limits unavailable", file=sys.stderr)
 
     def progress(r, t):
         print(f"\rrep {r + 1}/{args.repetitions} {t.name} done   ", end="", file=sys.stderr, flush=True)
 
-    figs = run(engines, tests, args.repetitions, ids, on_rep=progress if sys.stderr.isatty() else None)
+    try:
+        figs = run(engines, tests, args.repetitions, ids, on_rep=progress if sys.stderr.isatty() else None,
+                   each_rep=each_rep)
+    except RuntimeError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     if sys.stderr.isatty():
         print(file=sys.stderr)
+    if bw_samples:
+        lim = {k: statistics.median(b[k] for b in bw_samples) for k in ("bw_gbps", "bw_1t_gbps")}
     rows = summarise(figs, engines)
     info = {"model": str(args.model), "path": str(path), "threads": lumen.threads, "reps": args.repetitions,
             "tests": [t.name for t in tests], "engines": [e.name for e in engines],
-            "weight_bytes": {e.name: e.weight_bytes for e in engines},
-            "warmup_s": warm, "bw_gbps": (lim or {}).get("bw_gbps"), "bw_1t_gbps": (lim or {}).get("bw_1t_gbps"),
+            "weight_bytes": {e.name: e.weight_bytes for e in engines}, "gguf_bytes": lumen.weight_bytes,
+            "pack_bytes": lumen.pack_bytes, "warmup_s": warm, "bw_gbps": (lim or {}).get("bw_gbps"),
+            "bw_1t_gbps": (lim or {}).get("bw_1t_gbps"), "bw_samples": len(bw_samples),
+            "bw_session": bw_samples, "llama_args": args.llama_args if binary else None,
+            "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "rss_lumen_mb": rss_lumen, "rss_peak_mb": peak_rss_mb()}
     render(rows, engines, info, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "figures": rows}, f, indent=1)
     return 0
-

@@ -24,22 +24,20 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..kernels.activation import add_kernel, add_kernel_par, geglu_kernel, geglu_kernel_par, swiglu_kernel, \
-    swiglu_kernel_par
+from ..kernels.activation import add_kernel, add_kernel_par, gated
 from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
-from ..kernels.dequant import dequant_row
-from ..kernels.layout import C_FAM, C_FMT, C_G, C_H, C_NIN, C_O, C_OG, C_Q, C_S, C_T, F32, Q4, R, o_len, q_len, \
-    s_len
-from ..kernels.matmul import batched_kernel, matvec_kernel, prepare_x
+from ..kernels.dequant import embed_row
+from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
+from ..kernels.matmul import matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_kernel, rope_kernel_par
 from ..timer import ticks
 
 # ---- op ids: the timer's vocabulary (profile reports group by these names) ----
-OPS = ("embed", "attn_norm", "q", "k", "v", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
-       "attn_residual", "ffn_norm", "gate", "up", "act", "down", "post_ffn_norm", "ffn_residual",
-       "output_norm", "output")
+OPS = ("embed", "attn_norm", "qkv", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
+       "attn_residual", "ffn_norm", "gate_up", "act", "down", "post_ffn_norm", "ffn_residual", "output_norm",
+       "output")
 LAYER_OPS = range(OPS.index("attn_norm"), OPS.index("ffn_residual") + 1)
 N_LAYER_OPS = len(LAYER_OPS)
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")      # per layer
@@ -91,6 +89,7 @@ class Weights(NamedTuple):
     ffn_up: np.ndarray
     ffn_down: np.ndarray
     output: int                  # the output head's matrix id (token_embd's when tied)
+    kinds: np.ndarray            # (0,) lumen.kernels.kinds: its dtype names the types and activation compiled for
     fvec: np.ndarray             # (n,) f32: every norm and bias vector; each below is (offset, length) into it
     attn_norm: np.ndarray        # (L, 2) i8
     ffn_norm: np.ndarray
@@ -122,7 +121,8 @@ class MMScratch(NamedTuple):
     xq: np.ndarray               # (rows * max_in,) i8 activations rounded to 8 bits (reshaped per call)
     xd: np.ndarray               # (rows * max_in / 32,) f32 their scales
     xs: np.ndarray               # (rows * max_in / 16,) f32 their scaled half sums
-    xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families
+    xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
+                                 # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
     facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
 
 
@@ -156,36 +156,55 @@ def _mark(times, prof, i):
 
 
 @njit(cache=True)
-def mm(out, x, i, packs, scr):
-    """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i: the N=1 mat-vec kernel for decode, the batched
-    kernel (each weight tile applied to all N rows while cached) otherwise; both give the same bits per row."""
+def _mat(i, packs):
+    """Packed matrix i's (type, activation format, tiles (T, bytes) u8, F32 values (T, n_in, R), scale records)."""
     pk = packs.table
-    fam, T, G, H = pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_H]
-    n_in, fmt, OG = pk[i, C_NIN], pk[i, C_FMT], pk[i, C_OG]
-    qo, so, oo = pk[i, C_Q], pk[i, C_S], pk[i, C_O]
+    qt, fam, T, G, n_in = pk[i, C_QT], pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_NIN]
+    qo, so = pk[i, C_Q], pk[i, C_S]
     z = 0
+    sb = s_len(qt, T, G)
+    s = packs.s[so:so + sb].reshape((T, sb // T))
     if fam == F32:
-        q = packs.q[0:0].reshape((z, z, z, z, z))
-        qf = packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape((T, n_in, R))
-    elif fam == Q4:
-        q = packs.q[qo:qo + q_len(fam, T, G, n_in)].reshape((T, G, 4, R, 4))
-        qf = packs.qf[0:0].reshape((z, z, z))
-    else:
-        q = packs.q8[qo:qo + q_len(fam, T, G, n_in)].view(np.uint8).reshape((T, G, 8, R, 4))
-        qf = packs.qf[0:0].reshape((z, z, z))
-    s = packs.s[so:so + s_len(T, G, H)].reshape((T, G, H, R))
-    o = packs.o[oo:oo + o_len(T, OG)].reshape((T, OG, R))
-    N = x.shape[0]
-    nch = min(T, scr.facc.shape[0])
+        return qt, pk[i, C_FMT], packs.q[0:0].reshape((z, z)), packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape(
+            (T, n_in, R)), s
+    qb = q_len(fam, T, G, n_in)
+    return qt, pk[i, C_FMT], packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s
+
+
+@njit(cache=True)
+def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
+    """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of the
+    Weights w: the activations rounded once (serially), then one parallel region over the tiles of all n (one
+    activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
+    whose activation formats differ, or of the F32 family, run one region each."""
+    qt0, f0, q0, qf0, s0 = _mat(i0, w.packs)
+    qt1, f1, q1, qf1, s1 = _mat(i1, w.packs)
+    qt2, f2, q2, qf2, s2 = _mat(i2, w.packs)
+    outs, qts, qs, qfs = (o0, o1, o2), (qt0, qt1, qt2), (q0, q1, q2), (qf0, qf1, qf2)
+    ss, fmts = (s0, s1, s2), (f0, f1, f2)
+    fused = n == 1 or (qf0.shape[0] == 0 and qf1.shape[0] == 0 and f1 == f0
+                       and (n == 2 or (qf2.shape[0] == 0 and f2 == f0)))
+    N, n_in = x.shape
+    G = n_in // 32
     xq = scr.xq[:N * n_in].reshape((N, n_in))
     xd = scr.xd[:N * G].reshape((N, G))
     xs = scr.xs[:N * G * 2].reshape((N, G, 2))
     xf = scr.xf[:N * n_in].reshape((N, n_in))
-    if N == 1:
-        matvec_kernel(out[0], fam, fmt, q, qf, s, o, x, xq, xd, xs, xf, scr.facc[:nch])
-    else:
-        prepare_x(xq, xd, xs, xf, x, fmt)
-        batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, scr.facc[:nch])
+    xi = scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2))   # xf is free for the 8-bit formats
+    for r in range(1 if fused else n):
+        if fused:
+            o, t, q, s, k = outs, qts, qs, ss, n
+        else:
+            o, t, k = (outs[r], outs[r], outs[r]), (qts[r], qts[r], qts[r]), np.int64(1)
+            q, s = (qs[r], qs[r], qs[r]), (ss[r], ss[r], ss[r])
+        prepare_x(xq, xd, xs, xi, xf, x, fmts[r])
+        matmul_kernel(o, t, q, qfs[r], s, k, xq, xd, xs, xi, xf, scr.facc, w.kinds)
+
+
+@njit(cache=True, inline="always")
+def mm(out, x, i, w, scr):
+    """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i (mm3 of one matrix)."""
+    mm3(out, out, out, x, i, i, i, np.int64(1), w, scr)   # (n not a literal: one compiled mm3)
 
 
 @njit(cache=True)
@@ -253,9 +272,11 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         times[times.shape[0] - 1] = ticks()  # start
     # embedding lookup (dequantize the token rows); gemma scales it by sqrt(E)
     for t in range(N):
-        dequant_row(x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
+        embed_row(w.kinds, x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
     if arch.embd_scale != 1.0:
-        x *= arch.embd_scale
+        for t in range(N):
+            for j in range(E):
+                x[t, j] *= arch.embd_scale
     _mark(times, prof, 0)
 
     for il in range(arch.n_layer):
@@ -263,20 +284,16 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # attention block
         _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
         _mark(times, prof, b + 0)
-        mm(q, xn, w.attn_q[il], w.packs, scr.mm)
-        _mark(times, prof, b + 1)
-        mm(k, xn, w.attn_k[il], w.packs, scr.mm)
-        _mark(times, prof, b + 2)
-        mm(v, xn, w.attn_v[il], w.packs, scr.mm)
+        mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w, scr.mm)  # one region
         if arch.qkv_bias:
             _add_bias(q, _vec(w, w.attn_q_bias, il))
             _add_bias(k, _vec(w, w.attn_k_bias, il))
             _add_bias(v, _vec(w, w.attn_v_bias, il))
-        _mark(times, prof, b + 3)
+        _mark(times, prof, b + 1)
         if arch.qk_norm:
             rmsnorm_heads_kernel(q3, q3, _vec(w, w.attn_q_norm, il), eps)
             rmsnorm_heads_kernel(k3, k3, _vec(w, w.attn_k_norm, il), eps)
-        _mark(times, prof, b + 4)
+        _mark(times, prof, b + 2)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         if par:
             rope_kernel_par(q3, batch.positions, cos, sin, arch.neox)
@@ -287,60 +304,50 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         _round_f16(q3)
         _round_f16(k3)
         _round_f16(v)
-        _mark(times, prof, b + 5)
+        _mark(times, prof, b + 3)
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
-        _mark(times, prof, b + 6)
+        _mark(times, prof, b + 4)
         if split:
             attention_split_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions[0], batch.seqs[0], batch.block_tables,
                                    arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm, at.po, at.pm)
         else:
             attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
                              arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
-        _mark(times, prof, b + 7)
-        mm(xn, att, w.attn_output[il], w.packs, scr.mm)
-        _mark(times, prof, b + 8)
+        _mark(times, prof, b + 5)
+        mm(xn, att, w.attn_output[il], w, scr.mm)
+        _mark(times, prof, b + 6)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
-        _mark(times, prof, b + 9)
+        _mark(times, prof, b + 7)
         _add(x, xn, par)
-        _mark(times, prof, b + 10)
+        _mark(times, prof, b + 8)
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
+        _mark(times, prof, b + 9)
+        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)   # one region
+        _mark(times, prof, b + 10)
+        gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
         _mark(times, prof, b + 11)
-        mm(ffa, xn, w.ffn_gate[il], w.packs, scr.mm)
+        mm(xn, ffa, w.ffn_down[il], w, scr.mm)
         _mark(times, prof, b + 12)
-        mm(ffb, xn, w.ffn_up[il], w.packs, scr.mm)
-        _mark(times, prof, b + 13)
-        if arch.gelu:
-            if par:
-                geglu_kernel_par(ffa, ffa, ffb)
-            else:
-                geglu_kernel(ffa, ffa, ffb)
-        else:
-            if par:
-                swiglu_kernel_par(ffa, ffa, ffb)
-            else:
-                swiglu_kernel(ffa, ffa, ffb)
-        _mark(times, prof, b + 14)
-        mm(xn, ffa, w.ffn_down[il], w.packs, scr.mm)
-        _mark(times, prof, b + 15)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
-        _mark(times, prof, b + 16)
+        _mark(times, prof, b + 13)
         _add(x, xn, par)
-        _mark(times, prof, b + 17)
+        _mark(times, prof, b + 14)
 
     # output: final norm and the vocabulary projection, only for the rows to sample
     end = 1 + arch.n_layer * N_LAYER_OPS
     n_out = batch.out_rows.shape[0]
     xo = scr.xn[:n_out]
     for i in range(n_out):
-        xo[i] = x[batch.out_rows[i]]
+        for j in range(E):
+            xo[i, j] = x[batch.out_rows[i], j]
     on = w.output_norm
     _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
     _mark(times, prof, end)
     out = logits[:n_out]
-    mm(out, xo, w.output, w.packs, scr.mm)
+    mm(out, xo, w.output, w, scr.mm)
     if arch.softcap > 0:
         c = arch.softcap
         for i in range(n_out):

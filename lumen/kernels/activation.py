@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from .fp import exp_f32
 from .checks import as_f32, check
@@ -106,7 +107,7 @@ def swiglu_kernel(out, gate, up):
 def swiglu_kernel_par(out, gate, up):
     """out (N, n_ff) = silu(gate) * up, rows split across threads. out may be gate or up."""
     for r in prange(gate.shape[0]):
-        _swiglu_row(out, gate, up, r)
+        _swiglu_row(out, gate, up, np.int64(r))
 
 
 @njit(cache=True)  # serial: see swiglu_kernel
@@ -120,7 +121,7 @@ def geglu_kernel(out, gate, up):
 def geglu_kernel_par(out, gate, up):
     """out (N, n_ff) = gelu_tanh(gate) * up, rows split across threads. out may be gate or up."""
     for r in prange(gate.shape[0]):
-        _geglu_row(out, gate, up, r)
+        _geglu_row(out, gate, up, np.int64(r))
 
 
 @njit(cache=True)  # serial: memory-bound; below policy.PAR_ROWS rows a parallel region costs more
@@ -134,7 +135,43 @@ def add_kernel(x, y):
 def add_kernel_par(x, y):
     """x (N, dim) += y (N, dim), rows split across threads."""
     for r in prange(x.shape[0]):
-        _add_row(x, y, r)
+        _add_row(x, y, np.int64(r))
+
+
+def gated(kinds, gelu, par, out, gate, up):
+    """out = act(gate) * up with the model's gated activation (gelu: geglu, else swiglu), by the row-parallel kernel
+    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled. Compiled code only."""
+    raise NotImplementedError("gated runs in compiled code only")
+
+
+@overload(gated)
+def _gated(kinds, gelu, par, out, gate, up):
+    from .kinds import GELU, SILU, sets
+    acts = sets(kinds)[2]
+    if acts == (GELU,):
+        def impl(kinds, gelu, par, out, gate, up):
+            if par:
+                geglu_kernel_par(out, gate, up)
+            else:
+                geglu_kernel(out, gate, up)
+    elif acts == (SILU,):
+        def impl(kinds, gelu, par, out, gate, up):
+            if par:
+                swiglu_kernel_par(out, gate, up)
+            else:
+                swiglu_kernel(out, gate, up)
+    else:
+        def impl(kinds, gelu, par, out, gate, up):
+            if gelu:
+                if par:
+                    geglu_kernel_par(out, gate, up)
+                else:
+                    geglu_kernel(out, gate, up)
+            elif par:
+                swiglu_kernel_par(out, gate, up)
+            else:
+                swiglu_kernel(out, gate, up)
+    return impl
 
 
 def _check_gated(out, gate, up) -> None:

@@ -160,7 +160,8 @@ def attention_kernel(out, q, k_pool, v_pool, positions, seqs, bt, window, scale,
     G = H // KVH
     lanes = o.shape[0]
     n_items = N * KVH
-    for lane in prange(lanes):
+    for lane_ in prange(lanes):
+        lane = np.int64(lane_)                   # (one signature for the callees: prange counts in uint64)
         for item in range(lane, n_items, lanes):
             t = item // KVH
             g = item - t * KVH
@@ -180,11 +181,13 @@ def attention_split_kernel(out, q, k_pool, v_pool, p, s, bt, window, scale, o, s
     c0 = j0 // CHUNK
     nc = (j1 - 1) // CHUNK + 1 - c0
     n_items = KVH * nc
-    for lane in prange(lanes):
+    zero = np.int64(0)                           # (not a literal: one signature for the callees)
+    for lane_ in prange(lanes):
+        lane = np.int64(lane_)
         for item in range(lane, n_items, lanes):
             g = item // nc
             c = c0 + item - g * nc
-            _chunk(o, st, lane, g * G, G, q, 0, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK),
+            _chunk(o, st, lane, g * G, G, q, zero, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK),
                    min(j1, (c + 1) * CHUNK), scale)
             for h in range(g * G, g * G + G):
                 pm[c - c0, h, 0] = st[lane, h, 0]
@@ -195,8 +198,8 @@ def attention_split_kernel(out, q, k_pool, v_pool, p, s, bt, window, scale, o, s
         rm[0, h, 0] = NEG
         rm[0, h, 1] = 0.0
         for c in range(nc):
-            _merge(ro, rm, 0, h, po, c, h, pm[c, h, 0], pm[c, h, 1])
-    _finish(out, 0, 0, H, ro, rm, 0)
+            _merge(ro, rm, zero, h, po, c, h, pm[c, h, 0], pm[c, h, 1])
+    _finish(out, zero, zero, H, ro, rm, zero)
 
 
 @njit(cache=True)  # serial: a copy of N * n_kv * (head_dim + head_dim_v) values

@@ -10,6 +10,7 @@ should not hang on that argument. These kernels are not on the hot path.
 """
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from lumen.format.quants import QT, quant_info, row_bytes
 
@@ -203,6 +204,31 @@ def dequant_row(out, raw, lut, qtype):
         row_f16(out, raw, lut)
     elif qtype == _BF16:
         row_bf16(out, raw, lut)
+
+
+_ROWS = {_Q4_1: "row_q4_1", _Q8_0: "row_q8_0", _Q5_0: "row_q5_0", _Q4_K: "row_q4_k", _Q6_K: "row_q6_k",
+         _Q4_0: "row_q4_0", _Q5_1: "row_q5_1", _Q5_K: "row_q5_k", _F32: "row_f32", _F16: "row_f16", _BF16: "row_bf16"}
+
+
+def embed_row(kinds, out, raw, lut, qtype):
+    """dequant_row for the embedding types of the kinds only (lumen.kernels.kinds; compiled code only)."""
+    raise NotImplementedError("embed_row runs in compiled code only")
+
+
+@overload(embed_row)
+def _embed_row(kinds, out, raw, lut, qtype):
+    from .kinds import sets
+    types_ = [t for t in sets(kinds)[1] if t in _ROWS] or [_F32]
+    lines = ["def impl(kinds, out, raw, lut, qtype):"]
+    for j, t in enumerate(types_):        # the last type takes the else branch (the loader checked the type)
+        kw = "if" if j == 0 else "elif" if j < len(types_) - 1 else "else"
+        if len(types_) == 1:
+            lines.append(f"    {_ROWS[t]}(out, raw, lut)")
+        else:
+            lines.append(f"    {kw}{f' qtype == {t}' if kw != 'else' else ''}:\n        {_ROWS[t]}(out, raw, lut)")
+    ns = {_ROWS[t]: globals()[_ROWS[t]] for t in types_}
+    exec("\n".join(lines), ns)
+    return ns["impl"]
 
 
 @njit(parallel=True, cache=True)

@@ -2,15 +2,27 @@
 flat buffers, and the size arithmetic. lumen.kernels.matmul packs and reads this layout; the weights loader,
 the pack cache and the profiler size and check it through the functions here, never with their own copies.
 
-A matrix W (d_out, n_in) of a quantized type is packed into T = ceil(d_out / R) tiles of R rows, G = n_in / 32
-groups of 32 columns, with the row index innermost (lanes = rows):
-    family  types               q (values)                         s (scales)      o (offsets)
-    Q4      Q4_0 Q4_1 Q4_K      (T, G, 4, R, 4) u8 nibble pairs     (T, G, H, R)    (T, OG, R)
-    Q5      Q5_0 Q5_1 Q5_K      (T, G, 8, R, 4) u8                  f32, H = 1      f32, OG = G or 0
-    I8      Q8_0 Q6_K           (T, G, 8, R, 4) u8                  H = 2 for Q6_K
-    F32     F32 F16 BF16        (T, n_in, R) f32                    (T, 0, 1, R)    (T, 0, R)
-All matrices of a model live in five flat buffers by dtype (`Packs`): q (Q4 nibbles), q8 (Q5 and I8 bytes, held
-as int8), qf (F32 values), s, o. Row i of `Packs.table` (n_mats, N_COLS) i8 describes matrix i (columns below).
+A matrix W (d_out, n_in) is packed into T = ceil(d_out / R) tiles of R rows (the last one padded with zero rows),
+G = n_in / 32 groups of 32 columns. The packs hold no more bytes than the GGUF tensor (scales stay f16 and are
+converted in registers; 5- and 6-bit values stay nibbles plus bit planes), so a decode step reads what the GGUF
+holds. Per tile, the weights of group g are GROUP_BYTES[family] bytes with the row index before the 4 columns of
+an int32 lane ("lanes = rows"):
+    family  types              group bytes (u8)
+    Q4      Q4_0 Q4_1 Q4_K     nib (4, R, 4): byte [k, r, b] = low 4 bits of column 4k+b | of column 16+4k+b << 4
+    Q5      Q5_0 Q5_1 Q5_K     nib, then (R,) u32 fifth bits: byte b bit k of row r's word = bit 4 of column 4k+b
+    Q6      Q6_K               nib, then (2, R) u32 bits 4-5: word j, byte b, bits 2m..2m+1 = column 4(4j+m)+b
+    Q8      Q8_0               (8, R, 4): byte [k, r, b] = column 4k+b + 128
+    F32     F32 F16 BF16       f32 values (n_in, R) per tile, in the qf buffer
+The unsigned value u of a column is (nibble | plane bits << 4); the kernel computes sum (u - z) x with the type's
+zero point z (Q4 8, Q5 16, Q6 32, Q8 128). Per tile, the scales of every group, then of every 256-block (K types),
+in one byte record (the s buffer), the row index innermost:
+    scales  types              per group                    per 256 columns
+    D       Q4_0 Q5_0 Q8_0     f16 d (R,)                   -
+    DM      Q4_1 Q5_1          f16 d (R,), f16 m (R,)       -
+    K       Q4_K Q5_K          u8 sc (R,), u8 min (R,)      f16 d (R,), f16 dmin (R,)
+    K6      Q6_K               i8 sc0 (R,), i8 sc1 (R,)     f16 d (R,)
+All matrices of a model live in three flat buffers (`Packs`): q (u8 weights of every quantized family), qf (F32
+values) and s (u8 scale records). Row i of `Packs.table` (n_mats, N_COLS) i8 describes matrix i (columns below).
 """
 from __future__ import annotations
 
@@ -21,90 +33,120 @@ from numba import njit
 
 from ..format.quants import QT
 
-R = 64                                           # rows per tile: the vector loop length
-Q4, Q5, I8, F32 = 0, 1, 2, 3
-FAMILY = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5,
-          QT.Q8_0: I8, QT.Q6_K: I8, QT.F32: F32, QT.F16: F32, QT.BF16: F32}
-K_RUNS = {Q4: 4, Q5: 8, I8: 8}                   # runs of R*4 bytes per group
+R = 64                                           # rows per tile: 4 vectors of 16 int32 lanes
+Q4, Q5, Q6, Q8, F32 = 0, 1, 2, 3, 4              # weight families
+SC_D, SC_DM, SC_K, SC_K6, SC_NONE = 0, 1, 2, 3, 4  # scale formats
+# qtype -> (family, scale format, zero point)
+FORMAT = {QT.Q4_0: (Q4, SC_D, 8), QT.Q4_1: (Q4, SC_DM, 8), QT.Q4_K: (Q4, SC_K, 8),
+          QT.Q5_0: (Q5, SC_D, 16), QT.Q5_1: (Q5, SC_DM, 16), QT.Q5_K: (Q5, SC_K, 16),
+          QT.Q6_K: (Q6, SC_K6, 32), QT.Q8_0: (Q8, SC_D, 128),
+          QT.F32: (F32, SC_NONE, 0), QT.F16: (F32, SC_NONE, 0), QT.BF16: (F32, SC_NONE, 0)}
+FAMILY = {qt: f[0] for qt, f in FORMAT.items()}
+NIB_BYTES = 4 * R * 4                            # the nibbles of one group of a tile
+GROUP_BYTES = (NIB_BYTES, NIB_BYTES + 4 * R, NIB_BYTES + 8 * R, 8 * R * 4, 0)   # by family
 
-# table columns: family, tiles, groups of 32, scale halves, n_in, d_out, offsets into q|q8|qf, s, o, offset
-# groups (0: the type has no offsets), activation format (lumen.quants.ACT_*)
-COLUMNS = ("fam", "T", "G", "H", "n_in", "d_out", "q", "s", "o", "OG", "fmt")
-(C_FAM, C_T, C_G, C_H, C_NIN, C_DOUT, C_Q, C_S, C_O, C_OG, C_FMT) = range(len(COLUMNS))
+# table columns: GGML type, family, tiles, groups of 32, n_in, d_out, offset into q (or qf), offset into s,
+# activation format (lumen.format.quants.ACT_*)
+COLUMNS = ("qt", "fam", "T", "G", "n_in", "d_out", "q", "s", "fmt")
+(C_QT, C_FAM, C_T, C_G, C_NIN, C_DOUT, C_Q, C_S, C_FMT) = range(len(COLUMNS))
 N_COLS = len(COLUMNS)
 
 
 class Packs(NamedTuple):
     """Every packed matrix of a model, concatenated by dtype; matrix i is described by table[i]."""
     table: np.ndarray  # (n_mats, N_COLS) i8
-    q: np.ndarray      # (n,) u8: Q4 family nibbles
-    q8: np.ndarray     # (n,) i8: Q5 and I8 family bytes (read as the u8 they are)
+    q: np.ndarray      # (n,) u8: the weights of the quantized families
     qf: np.ndarray     # (n,) f32: F32 family values
-    s: np.ndarray      # (n,) f32 scales
-    o: np.ndarray      # (n,) f32 offsets
+    s: np.ndarray      # (n,) u8: scale records
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.q8, self.qf, self.s, self.o))
+        return sum(a.nbytes for a in (self.q, self.qf, self.s))
 
 
-BUFFERS = ("q", "q8", "qf", "s", "o")
-DTYPES = {"table": np.int64, "q": np.uint8, "q8": np.int8, "qf": np.float32, "s": np.float32, "o": np.float32}
+BUFFERS = ("q", "qf", "s")
+DTYPES = {"table": np.int64, "q": np.uint8, "qf": np.float32, "s": np.uint8}
 
 
 @njit(cache=True)
 def q_len(fam, T, G, n_in):
-    """Values of a packed matrix's q array (its elements in the family's buffer)."""
+    """Elements of a packed matrix's weights in its buffer (bytes of q, or f32 values of qf)."""
     if fam == F32:
         return T * n_in * R
-    if fam == Q4:
-        return T * G * 4 * R * 4
-    return T * G * 8 * R * 4
+    return T * G * (NIB_BYTES + 4 * R if fam == Q5 else NIB_BYTES + 8 * R if fam == Q6 else
+                    8 * R * 4 if fam == Q8 else NIB_BYTES)
 
 
 @njit(cache=True)
-def s_len(T, G, H):
-    return T * G * H * R
+def s_tile(sc, G):
+    """Bytes of one tile's scale record."""
+    if sc == SC_D:
+        return G * 2 * R
+    if sc == SC_DM:
+        return G * 4 * R
+    if sc == SC_K:
+        return G * 2 * R + (G // 8) * 4 * R
+    if sc == SC_K6:
+        return G * 2 * R + (G // 8) * 2 * R
+    return 0
+
+
+_K_TYPES = (int(QT.Q4_K), int(QT.Q5_K))
+_DM_TYPES = (int(QT.Q4_1), int(QT.Q5_1))
+_D_TYPES = (int(QT.Q4_0), int(QT.Q5_0), int(QT.Q8_0))
+_Q6_K = int(QT.Q6_K)
 
 
 @njit(cache=True)
-def o_len(T, OG):
-    return T * OG * R
+def scale_format(qt):
+    """The scale format (SC_*) of GGML type qt."""
+    if qt in _D_TYPES:
+        return SC_D
+    if qt in _DM_TYPES:
+        return SC_DM
+    if qt in _K_TYPES:
+        return SC_K
+    if qt == _Q6_K:
+        return SC_K6
+    return SC_NONE
+
+
+@njit(cache=True)
+def s_len(qt, T, G):
+    """Bytes of a packed matrix's scale records."""
+    return T * s_tile(scale_format(qt), G)
 
 
 def buffer_of(fam: int) -> str:
     """Which flat buffer holds a family's values."""
-    return "q" if fam == Q4 else "qf" if fam == F32 else "q8"
+    return "qf" if fam == F32 else "q"
 
 
 def matrix_nbytes(row: np.ndarray) -> int:
-    """Bytes of the packed matrix described by a table row: values, scales and offsets."""
-    fam, T, G, H, n_in, OG = (int(row[c]) for c in (C_FAM, C_T, C_G, C_H, C_NIN, C_OG))
-    item = 4 if fam == F32 else 1
-    return q_len(fam, T, G, n_in) * item + 4 * s_len(T, G, H) + 4 * o_len(T, OG)
+    """Bytes of the packed matrix described by a table row: weights and scales (what one pass over it reads)."""
+    qt, fam, T, G, n_in = (int(row[c]) for c in (C_QT, C_FAM, C_T, C_G, C_NIN))
+    return q_len(fam, T, G, n_in) * (4 if fam == F32 else 1) + s_len(qt, T, G)
 
 
 def check_table(table: np.ndarray, expected: np.ndarray, sizes: dict) -> str | None:
-    """Why `table` cannot describe matrices whose (family, format, d_out, n_in, tiles) are `expected`
-    (n_mats, 5), packed into buffers of `sizes` (name -> length), or None if it can: groups, halves and
-    offset groups fit each matrix, and every slice the kernels take lies inside its buffer, the slices of each
-    buffer adding up to its length. The kernels do not check bounds; this does, before any call."""
+    """Why `table` cannot describe matrices whose (type, activation format, d_out, n_in, tiles) are `expected`
+    (n_mats, 5), packed into buffers of `sizes` (name -> length), or None if it can: family and groups fit each
+    matrix, and every slice the kernels take lies inside its buffer, the slices of each buffer adding up to its
+    length. The kernels do not check bounds; this does, before any call."""
     if table.ndim != 2 or table.shape[1] != N_COLS or table.shape[0] != expected.shape[0]:
         return f"table shape {table.shape}, expected {(expected.shape[0], N_COLS)}"
-    got = table[:, [C_FAM, C_FMT, C_DOUT, C_NIN, C_T]]
+    got = table[:, [C_QT, C_FMT, C_DOUT, C_NIN, C_T]]
     if not np.array_equal(got, expected):
         i = int(np.argwhere((got != expected).any(axis=1))[0, 0])
         return f"table row {i} is {got[i].tolist()}, the tensor needs {expected[i].tolist()}"
-    fam, T, G, H, n_in, OG = (table[:, c] for c in (C_FAM, C_T, C_G, C_H, C_NIN, C_OG))
-    if not (np.all(G == np.where(fam == F32, 0, n_in // 32)) and np.all((H == 1) | (H == 2))
-            and np.all((OG == 0) | (OG == G))):
-        return "table groups/halves/offset groups do not fit the tensors"
+    fam_ok = [int(row[C_FAM]) == FAMILY[QT(int(row[C_QT]))] for row in table]
+    if not all(fam_ok) or not np.all(table[:, C_G] == np.where(table[:, C_FAM] == F32, 0, table[:, C_NIN] // 32)):
+        return "table families/groups do not fit the tensors"
     spans = {name: [] for name in BUFFERS}
     for row in table:
-        f, t, g, h, n, og = (int(row[c]) for c in (C_FAM, C_T, C_G, C_H, C_NIN, C_OG))
+        qt, f, t, g, n = (int(row[c]) for c in (C_QT, C_FAM, C_T, C_G, C_NIN))
         spans[buffer_of(f)].append((int(row[C_Q]), q_len(f, t, g, n)))
-        spans["s"].append((int(row[C_S]), s_len(t, g, h)))
-        spans["o"].append((int(row[C_O]), o_len(t, og)))
+        spans["s"].append((int(row[C_S]), s_len(qt, t, g)))
     for name, lst in spans.items():
         if any(off < 0 or off + n > sizes[name] for off, n in lst) or sum(n for _, n in lst) != sizes[name]:
             return f"table slices of {name} do not fit its {sizes[name]} values"

@@ -1,30 +1,25 @@
 """Quantized matmul: out (N, d_out) f32 = x (N, n_in) f32 @ W.T, W a GGUF-quantized (d_out, n_in) weight.
 
 How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind each choice):
-- `prepare(raw, qtype)` repacks the raw GGUF bytes once, at load time, into tiles of R = 64 rows laid out
-  with the row index before the 4 columns of an int32 lane ("lanes = rows", as ggml's repacked kernels), so a
-  group of 32 columns of 64 rows is 8 (or 4 for nibbles) runs of 256 contiguous bytes. Four families:
-    Q4  (Q4_0, Q4_1, Q4_K): nibbles q (T, G, 4, R, 4) u8: byte [k, r, b] = column 4k+b | column 16+4k+b << 4,
-                            value = s*(nib-8) + o
-    Q5  (Q5_0, Q5_1, Q5_K): bytes q (T, G, 8, R, 4) u8 = q5 (0..31), value = s*(q5-16) + o. Nibbles plus
-                            fifth-bit masks cost 5 G MAC/s per core against 25 for a byte plane (measured with
-                            the int16 kernels), so these weights take 9 bits per value instead of 5.5-6.
-    I8  (Q8_0, Q6_K):       bytes q (T, G, 8, R, 4) u8 = value + 128 (Q8_0) or q6 (0..63, value q6-32, a scale
-                            per 16 columns)
-    F32 (F32, F16, BF16):   f32 values  q (T, n_in, R) f32
-  with G = n_in / 32 groups of 32 columns, T = ceil(d_out / R) tiles, scales s (T, G, H, R) f32 (H = 2 halves
-  of 16 for Q6_K, else 1) and offsets o (T, G, R) f32, or (T, 0, R) for types without one.
+- `prepare(raw, qtype)` repacks the raw GGUF bytes once, at load time, into the layout of lumen.kernels.layout:
+  tiles of R = 64 rows with the row index before the 4 columns of an int32 lane ("lanes = rows", as ggml's
+  repacked kernels), no larger than the GGUF tensor: nibbles, the fifth bits (Q5) or the top two bits (Q6_K) as
+  bit planes, Q8_0 bytes (+128), and the scales as the GGUF stores them (f16 d, f16 m, 6-bit K-quant scales and
+  mins as bytes, Q6_K's int8 sub-block scales). The F32 family (F32, F16, BF16) is kept as f32 (T, n_in, R).
 - Activations are rounded once per call the way llama.cpp's CPU backend rounds them for the weight type
   (`quantize_x`, lumen.quants.ACT_FORMAT): 8-bit blocks of 32 with an f16 scale (Q8_0/Q8_1) for the 32-block
   types, 8-bit blocks of 256 with an f32 scale (Q8_K) for the K types, f16 / bf16 for F16 / BF16 weights. So the
   products are the ones llama.cpp computes, and every dot product of the 8-bit families is an exact integer:
-  unsigned weight bytes times signed activation bytes, 4 products per int32 lane (vpdpbusd where the CPU has
-  AVX512-VNNI, lumen.kernels.simd), minus the zero point times the activations' sum. Offsets cost one multiply
-  per group: o * xs. Measured per core against the int16-lane loops this replaced (same bits), N = 512, real
-  weights: Q4_1 2.8x, Q4_K 2.5x, Q5_0 2.8x, Q6_K 3.8x, Q8_0 4.1x; N = 1 Q8_0 head 2.1x.
-- N = 1 (`matvec`): each thread takes a contiguous chunk of tiles; one parallel region per call.
-- N > 1 (`matmul_batched`): each tile is applied to all N activation rows while it is in cache, with the same
-  tile function as the N=1 path, so the two paths agree bit for bit.
+  unsigned weight bytes times signed activation bytes (vpdpbusd where the CPU has AVX512-VNNI,
+  lumen.kernels.simd), minus the zero point times the activations' integer sum; the scales are expanded in
+  registers and the float epilogue (simd) is the same operations in the same order for every path.
+- N = 1 (decode): the tile kernel streams one tile's groups in memory order with its 64 row sums in registers.
+- N > 1 (batched): each tile is applied to NR = 4 activation rows per pass, each weight vector loaded and unpacked
+  once for the 4 rows (the remaining rows one at a time), while the tile is in cache. Every row gets the same
+  operations as in the N = 1 kernel, so the two paths agree bit for bit.
+- Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
+  to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once, serially
+  (`prepare_x`).
 `matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
 correct, but slow; the forward pass should call prepare once at load time).
 """
@@ -32,18 +27,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
-import math
-
-from lumen.kernels.layout import F32, FAMILY, I8, Q4, Q5, R
+from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
+from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
+from lumen.kernels.kinds import ALL, sets
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import (tile_nib_offset, tile_nib_scale, tile_u8_offset5, tile_u8_scale5, tile_u8_scale8,
-                                tile_u8_two)
-from lumen.format.quants import ACT_BF16, ACT_F16, ACT_F32, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info, row_bytes
-
+from lumen.kernels.simd import NR, absmax, f16_round, first_with_abs, quantize_block
 
 
 class Packed(NamedTuple):
@@ -52,102 +47,76 @@ class Packed(NamedTuple):
     d_out: int
     n_in: int
     family: int
-    q: np.ndarray      # Q4 (T,G,4,R,4) u8 | Q5, I8 (T,G,8,R,4) u8 | F32 (T,n_in,R) f32
-    s: np.ndarray      # (T,G,H,R) f32 scales; F32 family: (T,0,1,R)
-    o: np.ndarray      # (T,G,R) f32 offsets, or (T,0,R)
+    q: np.ndarray      # quantized: (T, G * GROUP_BYTES[family]) u8 | F32: (T, n_in, R) f32
+    s: np.ndarray      # (T, scale record bytes) u8; F32: (T, 0)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.s.nbytes + self.o.nbytes
+        return self.q.nbytes + self.s.nbytes
 
 
 # ---------------------------------------------------------------- load time: raw GGUF bytes -> Packed
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """(..., 2) u8 little-endian f16 -> (...) f32."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+def _u16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) u8 little-endian -> (...) u16 (an f16's bits, kept as they are)."""
+    return np.ascontiguousarray(b).view(np.uint16)[..., 0]
 
 
 def _k_scale_min(sc: np.ndarray):
-    """(rows, nb, 12) u8 packed 6-bit scales/mins -> sc, m (rows, nb, 8) as f32."""
+    """(rows, nb, 12) u8 packed 6-bit scales/mins -> sc, m (rows, nb, 8) u8."""
     d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
     scale = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 0x30)], axis=-1)
     mins = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return scale.astype(np.float32), mins.astype(np.float32)
+    return scale.astype(np.uint8), mins.astype(np.uint8)
 
 
-def _decode(raw: np.ndarray, qtype, n_in: int):
-    """raw (rows, row_bytes) u8 -> (values (rows, n_in) int, scale (rows, G, H) f32, offset (rows, G) f32 or None).
-
-    values are what the family's kernel multiplies: Q4 nibble 0..15, Q5 0..31, I8 signed int8, F32 floats.
-    """
-    rows = raw.shape[0]
-    G = n_in // 32
-    qt = QT(int(qtype))
-    if qt == QT.F32:
-        return raw.view(np.float32), None, None
-    if qt == QT.F16:
-        return raw.view(np.float16).astype(np.float32), None, None
-    if qt == QT.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32), None, None
-
+def _decode(raw: np.ndarray, qt: QT, n_in: int):
+    """raw (rows, row_bytes) u8 -> (u (rows, n_in) u8 unsigned values, per-group scale fields (rows, G, P),
+    per-256-block scale fields (rows, G/8, P') or None). u is what the kernel multiplies before the zero point:
+    Q4 nibble 0..15, Q5 0..31, Q6_K 0..63, Q8_0 value + 128. Scale fields are the GGUF's own bits: f16 as u16,
+    K-quant 6-bit scales and mins as u8, Q6_K's int8 scales as u8."""
+    rows, G = raw.shape[0], n_in // 32
     if qt in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1):
         blk = raw.reshape(rows, G, quant_info(qt).type_size)
-        d = _f16(blk[..., 0:2])
+        d = _u16(blk[..., 0:2])
         if qt == QT.Q8_0:
-            return blk[..., 2:].view(np.int8).reshape(rows, n_in), d[..., None], None
+            u = (blk[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            return u.reshape(rows, n_in), d[..., None], None
         has_m = qt in (QT.Q4_1, QT.Q5_1)
         p = 4 if has_m else 2
-        m = _f16(blk[..., 2:4]) if has_m else None
+        fields = np.stack([d, _u16(blk[..., 2:4])], axis=-1) if has_m else d[..., None]
         qh = None
         if qt in (QT.Q5_0, QT.Q5_1):
             qh = np.ascontiguousarray(blk[..., p:p + 4]).view(np.uint32)[..., 0]      # (rows, G)
             p += 4
         nib = blk[..., p:p + 16]
-        q = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int32)             # (rows, G, 32)
+        u = np.concatenate([nib & 15, nib >> 4], axis=-1)                               # (rows, G, 32)
         if qh is not None:
-            q |= ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
-        # kernel value is s*(q - zero) + o with zero = 8 (Q4) or 16 (Q5): fold zero*s into the offset
-        zero = 16 if qh is not None else 8
-        if has_m:
-            off = m + np.float32(zero) * d
-        else:                                                        # symmetric: s*(q-zero) exactly
-            off = None
-        return q.reshape(rows, n_in), d[..., None], off
-
+            u = u | (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        return u.reshape(rows, n_in), fields, None
     if qt in (QT.Q4_K, QT.Q5_K):
         nsb = n_in // 256
         blk = raw.reshape(rows, nsb, quant_info(qt).type_size)
-        d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
-        sc, mn = _k_scale_min(blk[..., 4:16])
-        ds = d[..., None] * sc                                        # (rows, nsb, 8) sub-block scales
-        dm = dmin[..., None] * mn
-        p = 16
-        qh = None
+        sc, mn = _k_scale_min(blk[..., 4:16])                                           # (rows, nsb, 8)
+        p, qh = 16, None
         if qt == QT.Q5_K:
-            qh = blk[..., 16:48]                                      # (rows, nsb, 32): bit s = sub-block s
-            p = 48
+            qh, p = blk[..., 16:48], 48                                                  # bit s: sub-block s
         ql = blk[..., p:p + 128].reshape(rows, nsb, 4, 32)
-        q = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, nsb, 8, 32).astype(np.int32)
+        u = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, nsb, 8, 32)
         if qh is not None:
             hb = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
-            q |= hb.astype(np.int32) << 4
-        zero = 16 if qh is not None else 8
-        off = (np.float32(zero) * ds - dm).reshape(rows, G)
-        return q.reshape(rows, n_in), ds.reshape(rows, G, 1), off
-
+            u = u | (hb << 4).astype(np.uint8)
+        return (u.reshape(rows, n_in), np.stack([sc, mn], axis=-1).reshape(rows, G, 2),
+                np.stack([_u16(blk[..., 0:2]), _u16(blk[..., 2:4])], axis=-1))
     if qt == QT.Q6_K:
         nsb = n_in // 256
         blk = raw.reshape(rows, nsb, 210)
         ql = blk[..., 0:128].reshape(rows, nsb, 2, 64)
         qh = blk[..., 128:192].reshape(rows, nsb, 2, 32)
-        sc = blk[..., 192:208].view(np.int8).astype(np.float32)      # (rows, nsb, 16)
-        d = _f16(blk[..., 208:210])
         lo = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
-        hi = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=3)  # (rows, nsb, 2, 4, 32)
-        q = (lo | (hi << 4)).astype(np.int16) - 32
-        s = (d[..., None] * sc).reshape(rows, G, 2)
-        return q.reshape(rows, n_in).astype(np.int8), s, None
+        hi = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=3)                # (rows, nsb, 2, 4, 32)
+        return ((lo | (hi << 4)).reshape(rows, n_in), blk[..., 192:208].reshape(rows, G, 2),
+                _u16(blk[..., 208:210])[..., None])
     raise AssertionError(qt)
 
 
@@ -159,11 +128,23 @@ def _tiles(a: np.ndarray, T: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
 
 
-def _quads(a: np.ndarray, T: int) -> np.ndarray:
-    """(rows, G, K, 4) -> (T, G, K, R, 4): pad rows to T*R with zeros, rows before the 4 bytes of a lane."""
-    pad = np.zeros((T * R,) + a.shape[1:], dtype=a.dtype)
-    pad[:a.shape[0]] = a
-    return np.ascontiguousarray(pad.reshape((T, R) + a.shape[1:]).transpose(0, 2, 3, 1, 4))
+def _planes(u: np.ndarray, fam: int, T: int, G: int) -> np.ndarray:
+    """u (T*R, n_in) u8 unsigned values -> (T, G * GROUP_BYTES[fam]) u8 (lumen.kernels.layout)."""
+    u = u.reshape(T, R, G, 32)
+    if fam == Q8:                                                   # (T, G, 8, R, 4)
+        return np.ascontiguousarray(u.reshape(T, R, G, 8, 4).transpose(0, 2, 3, 1, 4)).reshape(T, -1)
+    lo = (u & 15).reshape(T, R, G, 2, 4, 4)
+    parts = [(lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(T, G, -1)]  # (T, G, 4, R, 4)
+    hi = (u >> 4).astype(np.uint32)
+    byte = 8 * np.arange(4, dtype=np.uint32)
+    if fam == Q6:                                                   # Q6: 2 words, byte b bits 2m.. = column 4(4j+m)+b
+        h = hi.reshape(T, R, G, 2, 4, 4) << (byte[None, :] + 2 * np.arange(4, dtype=np.uint32)[:, None])
+        parts.append(h.sum(axis=(4, 5), dtype=np.uint32).transpose(0, 2, 3, 1))             # (T, G, 2, R)
+    elif fam == Q5:                                                 # Q5: byte b bit k = column 4k+b
+        h = hi.reshape(T, R, G, 8, 4) << (byte[None, :] + np.arange(8, dtype=np.uint32)[:, None])
+        parts.append(h.sum(axis=(3, 4), dtype=np.uint32).transpose(0, 2, 1))                 # (T, G, R)
+    return np.concatenate([np.ascontiguousarray(p).view(np.uint8).reshape(T, G, -1) for p in parts],
+                          axis=2).reshape(T, -1)
 
 
 def prepare(raw: np.ndarray, qtype) -> Packed:
@@ -175,44 +156,36 @@ def prepare(raw: np.ndarray, qtype) -> Packed:
     _check(raw.shape[1] % info.type_size == 0 and raw.shape[1] > 0,
            f"{info.name} rows must be a whole number of {info.type_size}-byte blocks, got {raw.shape[1]} bytes")
     raw = np.ascontiguousarray(raw)
+    qt = QT(int(qtype))
     d_out = raw.shape[0]
     n_in = raw.shape[1] // info.type_size * info.block_size
-    fam = FAMILY[QT(int(qtype))]
+    fam = FORMAT[qt][0]
     _check(fam == F32 or n_in % 32 == 0, f"n_in = {n_in} must be a multiple of 32")
     T = (d_out + R - 1) // R
     G = n_in // 32
-    vals, s, o = _decode(raw, qtype, n_in)
-    f32_empty = np.zeros((T, 0, R), np.float32)
     if fam == F32:
-        return Packed(int(qtype), d_out, n_in, fam, _tiles(vals.astype(np.float32), T),
-                      np.zeros((T, 0, 1, R), np.float32), f32_empty)
-    s_t = _tiles(s.astype(np.float32), T)
-    o_t = f32_empty if o is None else _tiles(o.astype(np.float32), T)
-    if fam == Q4:                                # nibbles: column 4k+b low, 16+4k+b high (lumen.kernels.simd)
-        v = vals.reshape(d_out, G, 2, 4, 4)
-        q = _quads(((v[:, :, 0] & 15) | ((v[:, :, 1] & 15) << 4)).astype(np.uint8), T)
-    else:                                        # unsigned u = value + zero point: Q5 raw 0..31, I8 + 32/128
-        z = {Q5: 0, I8: 32 if s.shape[2] == 2 else 128}[fam]
-        q = _quads((vals.astype(np.int16) + z).astype(np.uint8).reshape(d_out, G, 8, 4), T)
-    return Packed(int(qtype), d_out, n_in, fam, q, s_t, o_t)
+        if qt == QT.F32:
+            vals = raw.view(np.float32)
+        elif qt == QT.F16:
+            vals = raw.view(np.float16).astype(np.float32)
+        else:
+            vals = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return Packed(int(qtype), d_out, n_in, fam, _tiles(vals, T), np.zeros((T, 0), np.uint8))
+    u, per_g, per_b = _decode(raw, qt, n_in)
+    pad = np.zeros((T * R, n_in), np.uint8)
+    pad[:d_out] = u
+    s = _tiles(per_g, T).reshape(T, -1).view(np.uint8)                      # (T, G, P, R) fields
+    if per_b is not None:
+        s = np.concatenate([s, _tiles(per_b, T).reshape(T, -1).view(np.uint8)], axis=1)
+    s = np.ascontiguousarray(s)
+    assert s.shape[1] == s_tile(FORMAT[qt][1], G)
+    return Packed(int(qtype), d_out, n_in, fam, _planes(pad, fam, T, G), s)
 
-
-# ---------------------------------------------------------------- kernels
 
 @njit(cache=True, inline="always")
 def round_f16(v):
     """v rounded to the nearest float16 value (ties to even, subnormals, overflow to inf), returned as f32."""
-    a = abs(np.float64(v))
-    if a == 0.0 or a != a:
-        return np.float32(v)
-    if a >= 65520.0:
-        r = np.inf
-    elif a < 6.103515625e-05:                       # f16 subnormal grid: multiples of 2^-24
-        r = np.rint(a * 16777216.0) / 16777216.0
-    else:
-        m, e = math.frexp(a)                        # a = m * 2^e, m in [0.5, 1): keep 11 significant bits
-        r = math.ldexp(np.rint(m * 2048.0), e - 11)
-    return np.float32(r if v > 0 else -r)
+    return f16_round(np.float32(v))
 
 
 @njit(cache=True, inline="always")
@@ -227,14 +200,17 @@ def round_bf16(v):
 
 
 @njit(cache=True)
-def quantize_x(xq, xd, xs, x, fmt):
-    """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G, 2) f32 <- x (N, n_in) f32, N <= Np; rows >= N are zeroed.
+def quantize_x(xq, xd, xs, xi, x, fmt):
+    """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G, 2) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
+    are zeroed.
 
     As llama.cpp's CPU backend quantizes activations for the weight type (lumen.quants.ACT_FORMAT):
       ACT_Q8  (Q8_0/Q8_1): blocks of 32, q = rint(x * 127/amax), scale d = f16(amax/127)
-      ACT_Q8K (Q8_K):      blocks of 256, iscale = -127/max (max: the value of largest |x|), q = min(127,
+      ACT_Q8K (Q8_K):      blocks of 256, iscale = -127/max (max: the first value of largest |x|), q = min(127,
                            rint(iscale * x)), d = 1/iscale (f32)
-    xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xs[g, h] = d * sum(q) over half h."""
+    (the vector parts in lumen.kernels.simd: absmax, first_with_abs, quantize_block). x, xq, xi C-contiguous.
+    xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xi[g, h] = sum(q) over half h (16 values)
+    and xs[g, h] = d * xi[g, h]."""
     N, n = x.shape
     G = n // 32
     for i in range(xq.shape[0]):
@@ -245,33 +221,26 @@ def quantize_x(xq, xd, xs, x, fmt):
                 xd[i, g] = 0.0
                 xs[i, g, 0] = 0.0
                 xs[i, g, 1] = 0.0
+                xi[i, g, 0] = 0
+                xi[i, g, 1] = 0
             continue
         B = 32 if fmt == ACT_Q8 else 256
         for b0 in range(0, n, B):
-            amax = np.float32(0.0)
-            mx = np.float32(0.0)
-            for j in range(b0, b0 + B):
-                a = abs(x[i, j])
-                if a > amax:
-                    amax = a
-                    mx = x[i, j]
+            xo = i * n + b0
+            amax = absmax(x, xo, B)
             if fmt == ACT_Q8:
                 d = round_f16(amax / np.float32(127.0))
                 inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-                for j in range(b0, b0 + B):
-                    xq[i, j] = np.int8(np.rint(x[i, j] * inv))
+                quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), inv, B, False)
             else:
+                mx = first_with_abs(x, xo, B, amax)
                 iscale = np.float32(-127.0) / mx if amax > 0 else np.float32(0.0)
                 d = np.float32(1.0) / iscale if amax > 0 else np.float32(0.0)
-                for j in range(b0, b0 + B):
-                    xq[i, j] = np.int8(min(np.float32(127.0), np.rint(x[i, j] * iscale)))
+                quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), iscale, B, True)
             for g in range(b0 // 32, (b0 + B) // 32):
                 xd[i, g] = d
-                for h in range(2):
-                    sm = np.int32(0)
-                    for j in range(32 * g + 16 * h, 32 * g + 16 * h + 16):
-                        sm += np.int32(xq[i, j])
-                    xs[i, g, h] = d * np.float32(sm)
+                xs[i, g, 0] = d * np.float32(xi[i, g, 0])
+                xs[i, g, 1] = d * np.float32(xi[i, g, 1])
 
 
 @njit(cache=True)
@@ -291,34 +260,42 @@ def round_x(xf, x, fmt):
                 xf[i, k] = x[i, k]
 
 
-# ---- one tile of R rows against one activation row, accumulated in facc (R,) f32 (both paths)
 
-@njit(cache=True)
-def tile_mv(facc, c, fam, q, t, s, o, xq, xd, xs, i):
-    """facc[c] (R,) = tile t of q . activation row i of xq, for the 8-bit families. q (T, G, 4, R, 4) u8 nibbles
-    (Q4) or (T, G, 8, R, 4) u8 (Q5, I8), s (T, G, H, R), o (T, OG, R); xq (Np, n_in), xd (Np, G), xs (Np, G, 2).
-    Whole arrays and indices, no views (lumen.kernels.simd, where the tile kernels are).
 
-    Per group of 32 columns the integer sums of each half, sum (u - z) x = sum u x - z sum x, are exact; the
-    float epilogue is the one ggml's x86 dot products apply per block: acc = fma(d_w * d_x, sum, acc)
-    (then fma(min, d_x * sum x, acc); Q6_K: fma(d_x, fma(s0, sum0, s1 * sum1), acc))."""
-    G, K, H, OG, n_in = q.shape[1], q.shape[2], s.shape[2], o.shape[1], xq.shape[1]
-    fo, qo, so, oo = c * R, t * G * K * R * 4, t * G * H * R, t * OG * R
-    xo, xdo, xso = i * n_in, i * G, i * G * 2
-    if fam == Q4:
-        if OG > 0:
-            tile_nib_offset(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
-        else:
-            tile_nib_scale(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
-    elif fam == Q5:
-        if OG > 0:
-            tile_u8_offset5(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
-        else:
-            tile_u8_scale5(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
-    elif H == 2:
-        tile_u8_two(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
-    else:
-        tile_u8_scale8(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G)
+# ---- tiles of one matrix against N activation rows (both paths)
+
+_TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_1_1", "tile_q4_1_n"),
+          int(QT.Q4_K): ("tile_q4_k_1", "tile_q4_k_n"), int(QT.Q5_0): ("tile_q5_0_1", "tile_q5_0_n"),
+          int(QT.Q5_1): ("tile_q5_1_1", "tile_q5_1_n"), int(QT.Q5_K): ("tile_q5_k_1", "tile_q5_k_n"),
+          int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
+_TILE_ARGS = "out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G"
+
+
+def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+    """out.flat[oo + i ostride: + R] (i < nr, nr = 1 or NR) = the tile of type qt at q.flat[qo:], s.flat[so:] times
+    activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels), for the
+    matrix types of the kinds (lumen.kernels.kinds; compiled code only, see the overload)."""
+    raise NotImplementedError("tile_rows runs in compiled code only")
+
+
+@overload(tile_rows)
+def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+    """The dispatch, generated for the kinds' types only: an if-chain over qt, one tile kernel per branch."""
+    import lumen.kernels.simd as simd
+    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
+    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}):"]
+    for which, cond in ((0, "if nr == 1:"), (1, "else:")):
+        lines.append(f"    {cond}")
+        for j, t in enumerate(qts):          # the last type takes the else branch (the table checked qt)
+            call = f"{_TILES[t][which]}({_TILE_ARGS})"
+            if len(qts) == 1:
+                lines.append(f"        {call}")
+            else:
+                kw = "if" if j == 0 else "elif" if j < len(qts) - 1 else "else"
+                lines.append(f"        {kw}{f' qt == {t}' if kw != 'else' else ''}:\n            {call}")
+    ns = {name: getattr(simd, name) for t in qts for name in _TILES[t]}
+    exec("\n".join(lines), ns)
+    return ns["impl"]
 
 
 @njit(cache=True)
@@ -332,59 +309,68 @@ def tile_f32_mv(facc, w, x):
             facc[r] += w[k, r] * xk
 
 
-@njit(parallel=True, cache=True)
-def matvec_kernel(out, fam, fmt, q, qf, s, o, x, xq2, xd2, xs2, xf2, facc):
-    """out (d_out,) = W . x for one activation row. The weight is in q for the 8-bit families, qf for F32 (the
-    other is empty). x (1, n_in) f32 is first rounded (serially) to the activation format fmt: into xq2
-    (1, n_in) i8, xd2 (1, G), xs2 (1, G, 2) for the 8-bit formats, into xf2 (1, n_in) f32 for the float ones.
-    facc (nch, R) f32: per-chunk scratch (lumen.kernels.scratch.per_thread); nch chunks of tiles."""
-    T = s.shape[0]
-    d_out = out.shape[0]
-    nch = facc.shape[0]
-    if fam != F32:
-        quantize_x(xq2, xd2, xs2, x, fmt)
-    else:
-        round_x(xf2, x, fmt)
-    for c in prange(nch):
-        for t in range(c * T // nch, (c + 1) * T // nch):
-            if fam == F32:
-                tile_f32_mv(facc[c], qf[t], xf2[0])
-            else:
-                tile_mv(facc, c, fam, q, t, s, o, xq2, xd2, xs2, 0)
-            n = min(R, d_out - t * R)
-            for r in range(n):
-                out[t * R + r] = facc[c, r]
-
-
-# ---- N > 1: per tile of R weight rows, applied to all N activation rows while it is in cache
-
-@njit(parallel=True, cache=True)
-def batched_kernel(out, fam, q, qf, s, o, xq, xd, xs, xf, facc):
-    """out (N, d_out) = W . x for N activation rows, already rounded (`prepare_x`): xq (Np, n_in) i8, xd (Np, G),
-    xs (Np, G, 2) for the 8-bit formats, xf (Np, n_in) f32 for the float ones. Each tile of R weight rows is
-    applied to all N rows before the next (it stays in L1/L2), with the same tile functions as matvec_kernel,
-    so every output equals matvec's bit for bit. Weight arrays and scratch as in matvec_kernel."""
-    T = s.shape[0]
+@njit(cache=True)
+def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
+    """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W's tiles q (T, G * group bytes) u8 and s
+    (T, record bytes) u8, or qf (T, n_in, R) f32 for the F32 family; x rounded by prepare_x (xq, xd, xs, xi or
+    xf). NR rows per tile pass, the rest one at a time; a last tile of fewer than R rows goes through facc (1, R)
+    f32 (and so does every F32-family tile). One call site of the tile dispatch (each is code for every type)."""
     N, d_out = out.shape
-    nch = facc.shape[0]
-    for c in prange(nch):
-        for t in range(c * T // nch, (c + 1) * T // nch):
+    if qf.shape[0] > 0:
+        for t in range(t0, t1):
             n = min(R, d_out - t * R)
             for i in range(N):
-                if fam == F32:
-                    tile_f32_mv(facc[c], qf[t], xf[i])
-                else:
-                    tile_mv(facc, c, fam, q, t, s, o, xq, xd, xs, i)
+                tile_f32_mv(facc[0], qf[t], xf[i])
                 for r in range(n):
-                    out[i, t * R + r] = facc[c, r]
+                    out[i, t * R + r] = facc[0, r]
+        return
+    G = xq.shape[1] // 32
+    n_in = 32 * G
+    qb, sb = q.shape[1], s.shape[1]
+    for t in range(t0, t1):
+        full = (t + 1) * R <= d_out
+        i = 0
+        while i < N:
+            nr = NR if full and i + NR <= N else 1
+            dst, do, ds = (out, i * d_out + t * R, d_out) if full else (facc, 0, 0)
+            tile_rows(kinds, qt, nr, dst, do, ds, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G, xi,
+                      2 * i * G, G)
+            if not full:
+                for r in range(d_out - t * R):
+                    out[i, t * R + r] = facc[0, r]
+            i += nr
+
+
+@njit(parallel=True, cache=True)
+def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, kinds):
+    """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) weights of the 3-tuples qts (types), qs (tiles), ss
+    (scale records), all over the same activations, already rounded (`prepare_x`); qf: the weight of an F32-family
+    matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are
+    split into contiguous chunks, one per thread (`tiles`). facc (threads, R) f32: per-chunk scratch
+    (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for."""
+    total = 0
+    for m in range(n):
+        total += ss[m].shape[0]
+    nch = min(facc.shape[0], total)
+    for c in prange(nch):
+        ci = np.int64(c)
+        lo, hi = ci * total // nch, (ci + 1) * total // nch
+        base = 0
+        for m in range(n):
+            T = ss[m].shape[0]
+            a, b = max(lo, base), min(hi, base + T)
+            if a < b:
+                tiles(outs[m], qts[m], qs[m], qf, ss[m], xq, xd, xs, xi, xf, facc[ci:ci + 1], a - base, b - base,
+                      kinds)
+            base += T
 
 
 @njit(cache=True)
-def prepare_x(xq, xd, xs, xf, x, fmt):
-    """Round x (N, n_in) to activation format fmt: into xq (N, n_in) i8, xd (N, G), xs (N, G, 2) for the 8-bit
-    formats, into xf (N, n_in) f32 for the float ones. The input of batched_kernel."""
+def prepare_x(xq, xd, xs, xi, xf, x, fmt):
+    """Round x (N, n_in) to activation format fmt: into xq (N, n_in) i8, xd (N, G), xs (N, G, 2) f32, xi (N, G, 2)
+    i32 for the 8-bit formats, into xf (N, n_in) f32 for the float ones. The input of matmul_kernel."""
     if fmt == ACT_Q8 or fmt == ACT_Q8K:
-        quantize_x(xq, xd, xs, x, fmt)
+        quantize_x(xq, xd, xs, xi, x, fmt)
     else:
         round_x(xf, x, fmt)
 
@@ -431,15 +417,23 @@ def _check_io(out, x, w: Packed):
     raise AssertionError("unreachable: _io_ok and the checks disagree")
 
 
-def _weights(w: Packed):
-    """(q, qf) kernel arguments: the family's array in its slot, an empty array of fixed type in the other."""
-    if w.family == F32:
-        return _EMPTY_U8_5, w.q
-    return w.q, _EMPTY_F32_3
-
-
-def _chunks(T: int) -> int:
-    return max(1, min(T, numba.get_num_threads()))
+def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
+    N = x.shape[0]
+    G = w.n_in // 32
+    fmt = ACT_FORMAT[QT(int(w.qtype))]
+    f32 = w.family == F32
+    xq = np.zeros((N, 0 if f32 else w.n_in), np.int8)
+    xd = np.zeros((N, 0 if f32 else G), np.float32)
+    xs = np.zeros((N, 0 if f32 else G, 2), np.float32)
+    xi = np.zeros((N, 0 if f32 else G, 2), np.int32)
+    xf = np.zeros((N, w.n_in if f32 else 0), np.float32)
+    prepare_x(xq, xd, xs, xi, xf, x, fmt)
+    facc = per_thread((numba.get_num_threads(), R), np.float32)
+    q, qf = (_EMPTY_U8, w.q) if f32 else (w.q, _EMPTY_F32)
+    qt = int(w.qtype)
+    matmul_kernel((out, out, out), (qt, qt, qt), (q, q, q), qf, (w.s, w.s, w.s), 1, xq, xd, xs, xi, xf, facc,
+                  ALL)
+    return out
 
 
 def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
@@ -447,39 +441,16 @@ def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     w = _packed(w, qtype)
     _check_io(out, x, w)
     _check(x.shape[0] == 1, f"matvec takes one activation row, got N = {x.shape[0]} (use matmul_batched)")
-    T, G, nch = w.s.shape[0], w.n_in // 32, _chunks(w.s.shape[0])
-    fmt = ACT_FORMAT[QT(int(w.qtype))]
-    if w.family == F32:
-        xq, xd, xs, xf = _EMPTY_I8_2, _EMPTY_F32_2, _EMPTY_F32_3, np.empty((1, w.n_in), np.float32)
-    else:
-        xq = np.empty((1, w.n_in), np.int8)
-        xd = np.empty((1, G), np.float32)
-        xs = np.empty((1, G, 2), np.float32)
-        xf = _EMPTY_F32_2
-    facc = per_thread((nch, R), np.float32)
-    matvec_kernel(out[0], w.family, fmt, *_weights(w), w.s, w.o, x, xq, xd, xs, xf, facc)
-    return out
+    return _run(out, x, w)
 
 
 def matmul_batched(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     """out (N, d_out) f32 = x (N, n_in) f32 @ W.T for any N >= 1, the prefill path: each 64-row weight tile is
-    read once (and unpacked once) for all N rows; the results equal matvec's row by row, bit for bit.
+    read once (and unpacked once per NR rows) for all N rows; the results equal matvec's row by row, bit for bit.
     w: Packed or raw (d_out, row_bytes) u8."""
     w = _packed(w, qtype)
     _check_io(out, x, w)
-    N = x.shape[0]
-    nch = _chunks(w.s.shape[0])
-    G = w.n_in // 32
-    fmt = ACT_FORMAT[QT(int(w.qtype))]
-    f32 = w.family == F32
-    xq = np.empty((N, 0 if f32 else w.n_in), np.int8)
-    xd = np.empty((N, 0 if f32 else G), np.float32)
-    xs = np.empty((N, 0 if f32 else G, 2), np.float32)
-    xf = np.empty((N, w.n_in if f32 else 0), np.float32)
-    prepare_x(xq, xd, xs, xf, x, fmt)
-    facc = per_thread((nch, R), np.float32)
-    batched_kernel(out, w.family, *_weights(w), w.s, w.o, xq, xd, xs, xf, facc)
-    return out
+    return _run(out, x, w)
 
 
 def matmul(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
@@ -489,7 +460,5 @@ def matmul(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:
     return matmul_batched(out, x, w, qtype)
 
 
-_EMPTY_U8_5 = np.zeros((0, 0, 0, 0, 0), np.uint8)
-_EMPTY_I8_2 = np.zeros((0, 0), np.int8)
-_EMPTY_F32_2 = np.zeros((0, 0), np.float32)
-_EMPTY_F32_3 = np.zeros((0, 0, 2), np.float32)
+_EMPTY_U8 = np.zeros((0, 0), np.uint8)
+_EMPTY_F32 = np.zeros((0, 0, R), np.float32)

@@ -46,7 +46,7 @@ def rmsnorm_kernel(out, x, w, eps):
 def rmsnorm_kernel_par(out, x, w, eps):
     """out (N, dim) = rmsnorm(x (N, dim)) * w (dim,), rows split across threads. out may be x."""
     for r in prange(x.shape[0]):
-        _rmsnorm_row(out, x, r, w, eps)
+        _rmsnorm_row(out, x, np.int64(r), w, eps)
 
 
 @njit(cache=True)  # serial: gemma decode is 4 + 1 heads of 256, well under a parallel region
@@ -61,7 +61,7 @@ def rmsnorm_heads_kernel_par(out, x, w, eps):
     o2 = out.reshape((-1, out.shape[2]))
     x2 = x.reshape((-1, x.shape[2]))
     for r in prange(x2.shape[0]):
-        _rmsnorm_row(o2, x2, r, w, eps)
+        _rmsnorm_row(o2, x2, np.int64(r), w, eps)
 
 
 def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -85,7 +85,7 @@ def rope_kernel(x, positions, cos, sin, neox):
 def rope_kernel_par(x, positions, cos, sin, neox):
     """x (N, n_heads, head_dim) rotated in place, tokens split across threads (see rope_kernel)."""
     for t in prange(x.shape[0]):
-        _rope_token(x, t, cos, sin, positions[t], neox)
+        _rope_token(x, np.int64(t), cos, sin, positions[t], neox)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:

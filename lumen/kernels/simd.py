@@ -1,20 +1,27 @@
-"""The quantized tile kernels, written as LLVM vector IR: one 64-row weight tile times one activation row.
+"""The quantized tile kernels, written as LLVM vector IR: one 64-row weight tile times 1 or NR activation rows.
 
 LLVM never emits vpdpbusd from Numba loops (shared/KERNELS.md), and the int16-lane loops it does emit top out
-at about 25 G MAC/s per core here (3 instructions per 16 products, accumulators stored on every step).
-vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products to an int32 lane: 32 products per
-256-bit instruction. These intrinsics emit it directly when the CPU has AVX512-VNNI with AVX512-VL
-(llvm.x86.avx512.vpdpbusd.256), and otherwise the same arithmetic as portable vector IR (widen, multiply, add)
-that any LLVM target compiles; the integers are the same either way. The 64 row sums stay in registers across
-the groups of a tile, and the float epilogue runs on them in place.
+at about 25 G MAC/s per core here. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products
+to an int32 lane: 64 products per 512-bit instruction. These intrinsics emit it directly when the CPU has
+AVX512-VNNI (llvm.x86.avx512.vpdpbusd.512), and otherwise the same arithmetic as portable vector IR (widen,
+multiply, add) that any LLVM target compiles; the integers are the same either way.
 
-Weight layout of one group (32 columns j of 64 rows r), lanes = rows, 4 consecutive columns per int32 lane:
-  u8 layout  (8, 64, 4) u8:  w[k, r, b] = column 4k + b of row r, unsigned: the kernel's value is u - z
-  nib layout (4, 64, 4) u8:  w[k, r, b] = column 4k + b in the low nibble, column 16 + 4k + b in the high one
-Per group and half h (16 columns): sum (u - z) x = sum u x - z sum x, an exact integer (|.| < 2^20), then the
-float epilogue of lumen.kernels.matmul (d_w * d_x * sum, + min * d_x * sum x; Q6_K a scale per half).
-Measured per core (one 640-column tile in L1, in-njit loop): the group dots alone 118-164 G MAC/s; whole
-tiles against the Numba loops they replaced, at N = 512 on real weights: 2.5-4.1x.
+The weights are read in the compact layout of lumen.kernels.layout (nibbles plus bit planes, f16 / u8 / i8 scales)
+and unpacked in registers: per group of 32 columns and 16 rows, 8 vectors of 4 unsigned bytes per lane
+(u = nibble | plane bits << 4). Per group and half h (16 columns), sum (u - z) x = sum u x - z sum x is an exact
+integer (|.| < 2^21); z sum x comes from the activations' integer half sums (xi). The float epilogue is the one
+llama.cpp's x86 dot products apply per block, every operation rounded on its own (never fused into an FMA):
+    D   f + (d_w * d_x) * sum
+    DM  f + ((d_w * d_x) * sum + o * (d_x sum x)),  o = m + z d_w
+    K   as DM with d_w = d * sc, o = z d_w - dmin * min  (d, dmin f16; sc, min 6-bit)
+    K6  f + d_x * (s0 * sum0 + s1 * sum1),  s_h = d * sc_h
+where d_x sum x = xs[0] + xs[1] (the activations' scaled half sums). The scale arithmetic is the one the previous
+f32 layout did once at load time, in the same order, so the outputs are the same bits.
+
+Two loop orders, the same operations per row and group in the same order (so the same bits):
+- 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
+- NR rows (batched): 16 rows at a time, groups inner; each weight vector is loaded and unpacked once and used for
+  NR activation rows, whose bytes are broadcast from memory into vpdpbusd.
 """
 from __future__ import annotations
 
@@ -26,16 +33,25 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .layout import GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
+
 _features = llvm.get_host_cpu_features()
-# LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; give it its own NUMBA_CACHE_DIR,
-# because Numba's cache key knows the CPU but not this switch).
+# LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; lumen/__init__.py gives that build its
+# own compile cache, because Numba's cache key knows the CPU but not this switch).
 VNNI = (bool(_features.get("avx512vnni", False) and _features.get("avx512vl", False))
         and os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0"))
 
-ROWS = 64                      # rows of a tile (lumen.kernels.matmul.R)
-_I8, _I32 = ir.IntType(8), ir.IntType(32)
+ROWS = R                       # rows of a tile
+LANES = 16                     # rows per vector (int32 lanes of a 512-bit register)
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_F16, _F32 = ir.HalfType(), ir.FloatType()
 _V8I32 = ir.VectorType(_I32, 8)
 _V32I8 = ir.VectorType(_I8, 32)
+_VI = ir.VectorType(_I32, LANES)
+_VB = ir.VectorType(_I8, 4 * LANES)
+_VF = ir.VectorType(_F32, LANES)
+_VH = ir.VectorType(_F16, LANES)
+_VB8 = ir.VectorType(_I8, LANES)
 
 
 def _data(context, builder, aty, aval, elty, off=None):
@@ -44,6 +60,8 @@ def _data(context, builder, aty, aval, elty, off=None):
     ptr = arr.data if off is None else builder.gep(arr.data, [off])
     return builder.bitcast(ptr, elty.as_pointer())
 
+
+# ---- 256-bit helpers (lumen.machine's int8 dot measures with these)
 
 def _bcast32(builder, xp, quad):
     """The 4 bytes x[4 quad .. 4 quad + 3] as one int32, broadcast to 8 lanes."""
@@ -54,49 +72,56 @@ def _bcast32(builder, xp, quad):
 
 
 def _dpbusd(builder, acc, u, x):
-    """acc (8 x i32) + per lane: sum of 4 u8 bytes of u times the 4 i8 bytes of x (both 8 x i32 views)."""
+    """acc + per lane: sum of 4 u8 bytes of u times the 4 i8 bytes of x (8 or 16 x i32 vectors)."""
+    vt = acc.type
+    n = vt.count
     if VNNI:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V8I32] * 3),
-                                            "llvm.x86.avx512.vpdpbusd.256")
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3),
+                                            f"llvm.x86.avx512.vpdpbusd.{32 * n}")
         return builder.call(fn, [acc, u, x])
-    ub = builder.zext(builder.bitcast(u, _V32I8), ir.VectorType(_I32, 32))
-    xb = builder.sext(builder.bitcast(x, _V32I8), ir.VectorType(_I32, 32))
+    wide = ir.VectorType(_I32, 4 * n)
+    ub = builder.zext(builder.bitcast(u, ir.VectorType(_I8, 4 * n)), wide)
+    xb = builder.sext(builder.bitcast(x, ir.VectorType(_I8, 4 * n)), wide)
     p = builder.mul(ub, xb)
-    undef = ir.Constant(ir.VectorType(_I32, 32), ir.Undefined)
+    undef = ir.Constant(wide, ir.Undefined)
     for b in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(p, undef, ir.Constant(_V8I32, list(range(b, 32, 4)))))
+        acc = builder.add(acc, builder.shuffle_vector(p, undef, ir.Constant(ir.VectorType(_I32, n),
+                                                                              list(range(b, 4 * n, 4)))))
     return acc
 
 
-def _vload(builder, base, byte_off):
-    p = builder.bitcast(builder.gep(base, [ir.Constant(_I32, byte_off)]), _V8I32.as_pointer())
-    return builder.load(p, align=1)
+def _vload(builder, base, byte_off, ty=_V8I32):
+    """A vector of type ty at base (i8*) + byte_off (an int constant or i64 value)."""
+    off = ir.Constant(_I32, byte_off) if isinstance(byte_off, int) else byte_off
+    return builder.load(builder.bitcast(builder.gep(base, [off]), ty.as_pointer()), align=1)
 
 
 # The intrinsics take whole C-contiguous arrays and flat element offsets into them, not views: a view made in
 # a hot loop costs an atomic increment and decrement of the parent's reference count, and when two threads do
 # that on one array the count's cache line moves between the cores on every call.
 
+def _i64(v):
+    return ir.Constant(_I64, v)
 
-# ---- a whole tile: the group dots and the float epilogue, with the 64 row sums in registers across groups
 
-_F32 = ir.FloatType()
-_V8F32 = ir.VectorType(_F32, 8)
-MODE_SCALE, MODE_OFFSET, MODE_TWO = 0, 1, 2   # d*sum | d*sum + min*sum(x) | two scales, one per half of 16
+def _ivec(v):
+    v &= 0xFFFFFFFF
+    return ir.Constant(_VI, [v - (1 << 32) if v >= 1 << 31 else v] * LANES)
 
 
 def _splat(builder, val, vty):
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, vty.count),
+                                                                                   [0] * vty.count))
 
 
 def _constrained(builder, op, a, b):
-    """a op b, each rounded on its own: the constrained intrinsics are never fused into an FMA by the backend
-    (Numba's target allows contraction, which turned the epilogue's multiply-adds into FMAs: a 1-ulp change that
-    moved Gemma's perplexity by 2%). The epilogue keeps the rounding of the Numba loops it replaced."""
+    """a op b, rounded on its own: the constrained intrinsics are never fused into an FMA by the backend (Numba's
+    target allows contraction, which turned the epilogue's multiply-adds into FMAs: a 1-ulp change that moved
+    Gemma's perplexity by 2%)."""
     fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V8F32, [_V8F32, _V8F32, ir.MetaDataType(), ir.MetaDataType()]),
-        f"llvm.experimental.constrained.{op}.v8f32")
+        builder.module, ir.FunctionType(_VF, [_VF, _VF, ir.MetaDataType(), ir.MetaDataType()]),
+        f"llvm.experimental.constrained.{op}.v{LANES}f32")
     return builder.call(fn, [a, b, ir.MetaDataString(builder.module, "round.tonearest"),
                              ir.MetaDataString(builder.module, "fpexcept.ignore")])
 
@@ -109,96 +134,264 @@ def _add(builder, a, b):
     return _constrained(builder, "fadd", a, b)
 
 
-def _fload(builder, base, off):
-    """8 floats at base + off (elements)."""
-    return builder.load(builder.bitcast(builder.gep(base, [off]), _V8F32.as_pointer()), align=4)
+def _sub(builder, a, b):
+    return _constrained(builder, "fsub", a, b)
 
 
-def _make_tile(nib: bool, mode: int, z: int):
-    K = 4 if nib else 8                        # 256-byte runs per group
+def _unpack(builder, fam, wg):
+    """The 8 quads (4 unsigned bytes per lane, columns 4k..4k+3) of 16 rows of one group: wg (i8*) points at the
+    group's bytes plus the rows' offset in a 256-byte run."""
+    if fam == Q8:
+        return [_vload(builder, wg, k * ROWS * 4, _VI) for k in range(8)]
+    m0f = _ivec(0x0F0F0F0F)
+    ws = [_vload(builder, wg, k * ROWS * 4, _VI) for k in range(4)]
+    u = [builder.and_(w, m0f) for w in ws] + [builder.and_(builder.lshr(w, _ivec(4)), m0f) for w in ws]
+    if fam == Q5:                        # byte b bit k of the plane word -> bit 4 of quad k's byte b
+        hb = _vload(builder, wg, NIB_BYTES, _VI)
+        for k in range(8):
+            sh = builder.shl(hb, _ivec(4 - k)) if k < 4 else builder.lshr(hb, _ivec(k - 4)) if k > 4 else hb
+            u[k] = builder.or_(u[k], builder.and_(sh, _ivec(0x10101010)))
+    elif fam == Q6:                      # word j byte b bits 2m, 2m+1 -> bits 4, 5 of quad 4j+m's byte b
+        for j in range(2):
+            hb = _vload(builder, wg, NIB_BYTES + j * ROWS * 4, _VI)
+            for m in range(4):
+                sh = builder.shl(hb, _ivec(4 - 2 * m)) if m < 2 else hb if m == 2 else builder.lshr(hb, _ivec(2))
+                u[4 * j + m] = builder.or_(u[4 * j + m], builder.and_(sh, _ivec(0x30303030)))
+    return u
+
+
+def _scales(builder, sc, z, sp, g, G, v1, v2):
+    """The scale vectors of 16 rows in group g: (d_w, o) or (s0, s1). sp (i8*): the tile's scale record; v1, v2:
+    the rows' offset in bytes of a u8 / f16 row vector."""
+    if sc == SC_D:
+        sg = builder.gep(sp, [builder.add(builder.mul(g, _i64(2 * ROWS)), v2)])
+        return builder.fpext(_vload(builder, sg, 0, _VH), _VF), None
+    zf = ir.Constant(_VF, [float(z)] * LANES)
+    if sc == SC_DM:
+        sg = builder.gep(sp, [builder.add(builder.mul(g, _i64(4 * ROWS)), v2)])
+        d = builder.fpext(_vload(builder, sg, 0, _VH), _VF)
+        m = builder.fpext(_vload(builder, sg, 2 * ROWS, _VH), _VF)
+        return d, _add(builder, m, _mul(builder, zf, d))
+    sg = builder.gep(sp, [builder.add(builder.mul(g, _i64(2 * ROWS)), v1)])
+    blk = builder.add(builder.mul(G, _i64(2 * ROWS)),
+                      builder.mul(builder.udiv(g, _i64(8)), _i64((4 if sc == SC_K else 2) * ROWS)))
+    sb = builder.gep(sp, [builder.add(blk, v2)])
+    d = builder.fpext(_vload(builder, sb, 0, _VH), _VF)
+    if sc == SC_K:
+        scale = builder.uitofp(_vload(builder, sg, 0, _VB8), _VF)
+        mn = builder.uitofp(_vload(builder, sg, ROWS, _VB8), _VF)
+        dmin = builder.fpext(_vload(builder, sb, 2 * ROWS, _VH), _VF)
+        dw = _mul(builder, d, scale)
+        return dw, _sub(builder, _mul(builder, zf, dw), _mul(builder, dmin, mn))
+    assert sc == SC_K6
+    return (_mul(builder, d, builder.sitofp(_vload(builder, sg, 0, _VB8), _VF)),
+            _mul(builder, d, builder.sitofp(_vload(builder, sg, ROWS, _VB8), _VF)))
+
+
+def _row_group(builder, sc, z, f, u, scl, xg, xig, dg, sxg):
+    """f (16 row sums) + group g's contribution for one activation row: xg (i8*) its 32 bytes, xig (i32*) its two
+    integer half sums, dg (f32*) its scale, sxg (f32*) its two scaled half sums. The integer sums start from
+    -z * sum x (so no subtraction after), one per half for K6, one for the whole group otherwise."""
+    zsh = ir.Constant(_I32, z.bit_length() - 1)          # z is a power of two
+    c0 = builder.shl(builder.load(xig), zsh)
+    c1 = builder.shl(builder.load(builder.gep(xig, [ir.Constant(_I32, 1)])), zsh)
+    if sc == SC_K6:
+        a = [_splat(builder, builder.neg(c0), _VI), _splat(builder, builder.neg(c1), _VI)]
+    else:
+        a = [_splat(builder, builder.neg(builder.add(c0, c1)), _VI)] * 2
+    for k in range(8):
+        p = builder.bitcast(builder.gep(xg, [ir.Constant(_I32, 4 * k)]), _I32.as_pointer())
+        j = k // 4 if sc == SC_K6 else 0
+        a[j] = _dpbusd(builder, a[j], u[k], _splat(builder, builder.load(p, align=1), _VI))
+    sd = _splat(builder, builder.load(dg), _VF)
+    if sc == SC_K6:
+        s0, s1 = scl
+        a0, a1 = builder.sitofp(a[0], _VF), builder.sitofp(a[1], _VF)
+        return _add(builder, f, _mul(builder, sd, _add(builder, _mul(builder, s0, a0), _mul(builder, s1, a1))))
+    dw, o = scl
+    t = _mul(builder, _mul(builder, dw, sd), builder.sitofp(a[0], _VF))
+    if sc in (SC_DM, SC_K):
+        sx = builder.fadd(builder.load(sxg), builder.load(builder.gep(sxg, [ir.Constant(_I32, 1)])))
+        t = _add(builder, t, _mul(builder, o, _splat(builder, sx, _VF)))
+    return _add(builder, f, t)
+
+
+def _make_tile(fam: int, sc: int, z: int, nr: int):
+    NV = ROWS // LANES
+    gbytes = GROUP_BYTES[fam]
 
     def codegen(context, builder, sig, args):
-        (facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G) = args
+        (out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G) = args
         ta = sig.args
-        fp = _data(context, builder, ta[0], facc, _F32, fo)
-        qp = _data(context, builder, ta[2], q, _I8, qo)
-        sp = _data(context, builder, ta[4], s, _F32, so)
-        op = _data(context, builder, ta[6], o, _F32, oo)
-        xp = _data(context, builder, ta[8], xq, _I8, xo)
-        dp = _data(context, builder, ta[10], xd, _F32, xdo)
-        sxp = _data(context, builder, ta[12], xs, _F32, xso)
-        i64 = ir.IntType(64)
-        zero_i = ir.Constant(_V8I32, None)
-        f_slots = [cgutils.alloca_once_value(builder, ir.Constant(_V8F32, None)) for _ in range(ROWS // 8)]
-        zb = z * 0x01010101
-        zv = ir.Constant(_V8I32, [zb - (1 << 32) if zb >= 1 << 31 else zb] * 8)
-        mask = ir.Constant(_V8I32, [0x0F0F0F0F] * 8)
-        four = ir.Constant(_V8I32, [4] * 8)
-        with cgutils.for_range(builder, G) as loop:
-            g = loop.index
-            wg = builder.gep(qp, [builder.mul(g, ir.Constant(i64, K * ROWS * 4))])
-            xg = builder.gep(xp, [builder.mul(g, ir.Constant(i64, 32))])
-            xb = [_bcast32(builder, xg, k) for k in range(8)]
-            c = []                              # z * sum of x over each half, in every lane
-            for h in range(2):
-                acc = zero_i
-                for k in range(4 * h, 4 * h + 4):
-                    acc = _dpbusd(builder, acc, zv, xb[k])
-                c.append(acc)
-            sd = _splat(builder, builder.load(builder.gep(dp, [g])), _V8F32)
-            if mode == MODE_OFFSET:
-                sx_s = builder.fadd(builder.load(builder.gep(sxp, [builder.mul(g, ir.Constant(i64, 2))])),
-                                    builder.load(builder.gep(sxp, [builder.add(builder.mul(g, ir.Constant(i64, 2)),
-                                                                               ir.Constant(i64, 1))])))
-                sx = _splat(builder, sx_s, _V8F32)
-            H = 2 if mode == MODE_TWO else 1
-            for vec in range(ROWS // 8):
-                a = [zero_i, zero_i]
-                for k in range(4 if nib else 8):
-                    w = _vload(builder, wg, k * ROWS * 4 + vec * 32)
-                    if nib:
-                        a[0] = _dpbusd(builder, a[0], builder.and_(w, mask), xb[k])
-                        a[1] = _dpbusd(builder, a[1], builder.and_(builder.lshr(w, four), mask), xb[4 + k])
-                    else:
-                        a[k // 4] = _dpbusd(builder, a[k // 4], w, xb[k])
-                sbase = builder.add(builder.mul(g, ir.Constant(i64, H * ROWS)), ir.Constant(i64, vec * 8))
-                f = builder.load(f_slots[vec])
-                if mode == MODE_TWO:        # f + d_x * (s0 * sum0 + s1 * sum1)
-                    s0 = _fload(builder, sp, sbase)
-                    s1 = _fload(builder, sp, builder.add(sbase, ir.Constant(i64, ROWS)))
-                    a0 = builder.sitofp(builder.sub(a[0], c[0]), _V8F32)
-                    a1 = builder.sitofp(builder.sub(a[1], c[1]), _V8F32)
-                    f = _add(builder, f, _mul(builder, sd, _add(builder, _mul(builder, s0, a0), _mul(builder, s1, a1))))
-                else:                       # f + ((d_w * d_x) * sum (+ min * (d_x * sum x)))
-                    sv = _fload(builder, sp, sbase)
-                    ai = builder.sub(builder.add(a[0], a[1]), builder.add(c[0], c[1]))
-                    t = _mul(builder, _mul(builder, sv, sd), builder.sitofp(ai, _V8F32))
-                    if mode == MODE_OFFSET:
-                        ov = _fload(builder, op, builder.add(builder.mul(g, ir.Constant(i64, ROWS)),
-                                                             ir.Constant(i64, vec * 8)))
-                        t = _add(builder, t, _mul(builder, ov, sx))
-                    f = _add(builder, f, t)
-                builder.store(f, f_slots[vec])
-        for vec in range(ROWS // 8):
-            p = builder.bitcast(builder.gep(fp, [ir.Constant(i64, vec * 8)]), _V8F32.as_pointer())
-            builder.store(builder.load(f_slots[vec]), p, align=4)
+        fp = _data(context, builder, ta[0], out, _F32, oo)
+        qp = _data(context, builder, ta[3], q, _I8, qo)
+        sp = _data(context, builder, ta[5], s, _I8, so)
+        xp = _data(context, builder, ta[7], xq, _I8, xo)
+        dp = _data(context, builder, ta[9], xd, _F32, xdo)
+        sxp = _data(context, builder, ta[11], xs, _F32, xso)
+        xip = _data(context, builder, ta[13], xi, _I32, xio)
+
+        def row(g, i):
+            """Pointers to activation row i's bytes, half sums, scale and scaled half sums of group g."""
+            gi = builder.add(g, builder.mul(G, _i64(i)))
+            j2 = builder.mul(gi, _i64(2))
+            return (builder.gep(xp, [builder.mul(gi, _i64(32))]), builder.gep(xip, [j2]), builder.gep(dp, [gi]),
+                    builder.gep(sxp, [j2]))
+
+        if nr == 1:      # groups outer: the 64 row sums in registers, the weights read in memory order
+            f_slots = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(NV)]
+            with cgutils.for_range(builder, G) as loop:
+                g = loop.index
+                wgrp = builder.gep(qp, [builder.mul(g, _i64(gbytes))])
+                ptrs = row(g, 0)
+                for vec in range(NV):
+                    u = _unpack(builder, fam, builder.gep(wgrp, [_i64(vec * LANES * 4)]))
+                    scl = _scales(builder, sc, z, sp, g, G, _i64(vec * LANES), _i64(vec * LANES * 2))
+                    builder.store(_row_group(builder, sc, z, builder.load(f_slots[vec]), u, scl, *ptrs), f_slots[vec])
+            for vec in range(NV):
+                p = builder.bitcast(builder.gep(fp, [_i64(vec * LANES)]), _VF.as_pointer())
+                builder.store(builder.load(f_slots[vec]), p, align=4)
+            return context.get_dummy_value()
+
+        # nr rows: 16 weight rows at a time, groups inner; each weight vector unpacked once for the nr rows
+        f_slots = [cgutils.alloca_once(builder, _VF) for _ in range(nr)]
+        with cgutils.for_range(builder, _i64(NV)) as vloop:
+            v1 = builder.mul(vloop.index, _i64(LANES))
+            v2 = builder.mul(vloop.index, _i64(LANES * 2))
+            v4 = builder.mul(vloop.index, _i64(LANES * 4))
+            for i in range(nr):
+                builder.store(ir.Constant(_VF, None), f_slots[i])
+            with cgutils.for_range(builder, G) as loop:
+                g = loop.index
+                u = _unpack(builder, fam, builder.gep(qp, [builder.add(builder.mul(g, _i64(gbytes)), v4)]))
+                scl = _scales(builder, sc, z, sp, g, G, v1, v2)
+                for i in range(nr):
+                    builder.store(_row_group(builder, sc, z, builder.load(f_slots[i]), u, scl, *row(g, i)),
+                                  f_slots[i])
+            for i in range(nr):
+                p = builder.bitcast(builder.gep(fp, [builder.add(builder.mul(ostride, _i64(i)), v1)]),
+                                    _VF.as_pointer())
+                builder.store(builder.load(f_slots[i]), p, align=4)
         return context.get_dummy_value()
 
-    def typer(typingctx, facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G):
+    def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
         ip = types.intp
-        return types.void(facc, ip, q, ip, s, ip, o, ip, xq, ip, xd, ip, xs, ip, ip), codegen
+        return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip), codegen
 
-    typer.__name__ = f"tile_{'nib' if nib else 'u8'}_{mode}"
+    typer.__name__ = f"tile_{fam}_{sc}_{z}_x{nr}"
     return intrinsic(typer)
 
 
-# tile_<layout>_<mode>(facc, fo, q, qo, s, so, o, oo, xq, xo, xd, xdo, xs, xso, G): facc.flat[fo : fo + 64] =
-# the 64 rows of one tile (G groups at q.flat[qo:], scales at s.flat[so:] (G, H, 64), offsets at o.flat[oo:]
-# (G, 64)) times one activation row (xq.flat[xo:] (32 G) i8, its scales xd.flat[xdo:] (G), its scaled half sums
-# xs.flat[xso:] (G, 2)). Per group: d_x * d_w[r] * sum (u - z) x (+ min[r] * d_x * sum x), in that order.
-tile_nib_scale = _make_tile(True, MODE_SCALE, 8)     # Q4_0
-tile_nib_offset = _make_tile(True, MODE_OFFSET, 8)   # Q4_1, Q4_K
-tile_u8_scale5 = _make_tile(False, MODE_SCALE, 16)   # Q5_0
-tile_u8_offset5 = _make_tile(False, MODE_OFFSET, 16)  # Q5_1, Q5_K
-tile_u8_scale8 = _make_tile(False, MODE_SCALE, 128)  # Q8_0
-tile_u8_two = _make_tile(False, MODE_TWO, 32)        # Q6_K
+NR = 4   # activation rows per pass of the batched tile kernels
+
+# tile_<type>_<rows>(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+# out.flat[oo + i * ostride : + 64] = the 64 rows of one tile (G groups at q.flat[qo:], its scale record at
+# s.flat[so:]) times activation row i (xq.flat[xo + 32 G i:] (32 G) i8, its scales xd.flat[xdo + G i:] (G), its
+# scaled half sums xs.flat[xso + 2 G i:] (G, 2), its integer half sums xi.flat[xio + 2 G i:] (G, 2)), i < rows.
+tile_q4_0_1, tile_q4_0_n = _make_tile(0, SC_D, 8, 1), _make_tile(0, SC_D, 8, NR)
+tile_q4_1_1, tile_q4_1_n = _make_tile(0, SC_DM, 8, 1), _make_tile(0, SC_DM, 8, NR)
+tile_q4_k_1, tile_q4_k_n = _make_tile(0, SC_K, 8, 1), _make_tile(0, SC_K, 8, NR)
+tile_q5_0_1, tile_q5_0_n = _make_tile(Q5, SC_D, 16, 1), _make_tile(Q5, SC_D, 16, NR)
+tile_q5_1_1, tile_q5_1_n = _make_tile(Q5, SC_DM, 16, 1), _make_tile(Q5, SC_DM, 16, NR)
+tile_q5_k_1, tile_q5_k_n = _make_tile(Q5, SC_K, 16, 1), _make_tile(Q5, SC_K, 16, NR)
+tile_q6_k_1, tile_q6_k_n = _make_tile(Q6, SC_K6, 32, 1), _make_tile(Q6, SC_K6, 32, NR)
+tile_q8_0_1, tile_q8_0_n = _make_tile(Q8, SC_D, 128, 1), _make_tile(Q8, SC_D, 128, NR)
+
+
+@intrinsic
+def prefetch_lines(typingctx, a, off, nbytes):
+    """Prefetch a.flat[off : off + nbytes] (bytes of a u8 array) into L2, one prefetcht1 per 64-byte line."""
+    def codegen(context, builder, sig, args):
+        arr, o, n = args
+        p = _data(context, builder, sig.args[0], arr, _I8, o)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32,
+                                                                                            _I32, _I32]),
+                                            "llvm.prefetch.p0")
+        lines = builder.udiv(builder.add(n, _i64(63)), _i64(64))
+        with cgutils.for_range(builder, lines) as loop:
+            builder.call(fn, [builder.gep(p, [builder.mul(loop.index, _i64(64))]), ir.Constant(_I32, 0),
+                              ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.void(a, types.intp, types.intp), codegen
+
+
+# ---- activation rounding (lumen.kernels.matmul.quantize_x): the vector parts of one block of 32 or 256 values
+
+def _fcall(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+@intrinsic
+def absmax(typingctx, x, xo, n):
+    """max |x.flat[xo : xo + n]| (n a multiple of 16; NaNs are skipped, as the scalar `if a > amax` does), f32."""
+    def codegen(context, builder, sig, args):
+        arr, o, cnt = args
+        p = _data(context, builder, sig.args[0], arr, _F32, o)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_VF, None))
+        with cgutils.for_range(builder, builder.udiv(cnt, _i64(LANES))) as loop:
+            v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, _i64(LANES))]),
+                                             _VF.as_pointer()), align=4)
+            a = _fcall(builder, f"llvm.fabs.v{LANES}f32", _VF, [v])
+            builder.store(_fcall(builder, f"llvm.maxnum.v{LANES}f32", _VF, [builder.load(acc), a]), acc)
+        return _fcall(builder, f"llvm.vector.reduce.fmax.v{LANES}f32", _F32, [builder.load(acc)])
+    return types.float32(x, types.intp, types.intp), codegen
+
+
+@intrinsic
+def first_with_abs(typingctx, x, xo, n, amax):
+    """The first value of x.flat[xo : xo + n] whose |value| == amax (0 if none; n a multiple of 16), f32."""
+    def codegen(context, builder, sig, args):
+        arr, o, cnt, am = args
+        p = _data(context, builder, sig.args[0], arr, _F32, o)
+        found = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        done = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
+        amv = _splat(builder, am, _VF)
+        i16 = ir.IntType(LANES)
+        with cgutils.for_range(builder, builder.udiv(cnt, _i64(LANES))) as loop:
+            v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, _i64(LANES))]),
+                                             _VF.as_pointer()), align=4)
+            eq = builder.fcmp_ordered("==", _fcall(builder, f"llvm.fabs.v{LANES}f32", _VF, [v]), amv)
+            m = builder.bitcast(eq, i16)
+            hit = builder.and_(builder.icmp_unsigned("!=", m, ir.Constant(i16, 0)), builder.not_(builder.load(done)))
+            with builder.if_then(hit):
+                k = _fcall(builder, f"llvm.cttz.i{LANES}", i16, [m, ir.Constant(ir.IntType(1), 1)])
+                builder.store(builder.extract_element(v, k), found)
+                builder.store(ir.Constant(ir.IntType(1), 1), done)
+        return builder.load(found)
+    return types.float32(x, types.intp, types.intp, types.float32), codegen
+
+
+@intrinsic
+def quantize_block(typingctx, x, xo, q, qo, xi, xio, scale, n, cap):
+    """q.flat[qo + j] = int8(rint(x.flat[xo + j] * scale)) (cap: min(127, .) first), j < n (a multiple of 16), and
+    xi.flat[xio + h] = the sum of q's h-th run of 16 values (i32)."""
+    def codegen(context, builder, sig, args):
+        xa, xo_, qa, qo_, ia, io_, sc, cnt, cp = args
+        xp = _data(context, builder, sig.args[0], xa, _F32, xo_)
+        qp = _data(context, builder, sig.args[2], qa, _I8, qo_)
+        ip = _data(context, builder, sig.args[4], ia, _I32, io_)
+        scv = _splat(builder, sc, _VF)
+        c127 = ir.Constant(_VF, [127.0] * LANES)
+        with cgutils.for_range(builder, builder.udiv(cnt, _i64(LANES))) as loop:
+            off = builder.mul(loop.index, _i64(LANES))
+            v = builder.load(builder.bitcast(builder.gep(xp, [off]), _VF.as_pointer()), align=4)
+            r = _fcall(builder, f"llvm.rint.v{LANES}f32", _VF, [builder.fmul(v, scv)])
+            capped = builder.select(builder.fcmp_ordered("<", r, c127), r, c127)   # min(127, r): 127 unless r < 127
+            r = builder.select(cp, capped, r)
+            qi = builder.fptosi(r, _VI)
+            builder.store(builder.trunc(qi, _VB8), builder.bitcast(builder.gep(qp, [off]), _VB8.as_pointer()),
+                          align=1)
+            builder.store(_fcall(builder, f"llvm.vector.reduce.add.v{LANES}i32", _I32, [qi]),
+                          builder.gep(ip, [loop.index]))
+        return context.get_dummy_value()
+    return types.void(x, types.intp, q, types.intp, xi, types.intp, types.float32, types.intp, types.boolean), codegen
+
+
+@intrinsic
+def f16_round(typingctx, v):
+    """v (f32) rounded to the nearest float16 value (ties to even, subnormals, overflow to inf), as f32: one
+    vcvtps2ph / vcvtph2ps pair where the CPU has F16C."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], _F16), _F32)
+    return types.float32(types.float32), codegen

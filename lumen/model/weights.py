@@ -20,8 +20,9 @@ import numpy as np
 from ..format.gguf import GGUFFile
 from ..format.quants import ACT_FORMAT, QT
 from ..kernels.dequant import F16_TO_F32
-from ..kernels.layout import (C_DOUT, C_FAM, C_FMT, C_G, C_H, C_NIN, C_O, C_OG, C_Q, C_S, C_T, F32, FAMILY, N_COLS,
-                              Packs, R, buffer_of)
+from ..kernels.layout import (C_DOUT, C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, DTYPES, F32, N_COLS, Packs, R,
+                              buffer_of)
+from ..kernels.kinds import GELU, SILU, kinds
 from ..kernels.matmul import prepare
 from ..format.quants import quant_info
 from .config import Config
@@ -33,21 +34,21 @@ VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "a
 
 
 def expected_rows(mats: list) -> np.ndarray:
-    """(n_mats, 5) i8: family, activation format, d_out, n_in, tiles of each [(raw (rows, row_bytes), qtype)],
+    """(n_mats, 5) i8: GGML type, activation format, d_out, n_in, tiles of each [(raw (rows, row_bytes), qtype)],
     from the GGUF tensors alone (what lumen.kernels.layout.check_table checks a table against)."""
     out = np.zeros((len(mats), 5), np.int64)
     for i, (raw, qtype) in enumerate(mats):
         qt = QT(int(qtype))
         info = quant_info(qt)
         d_out = raw.shape[0]
-        out[i] = FAMILY[qt], ACT_FORMAT[qt], d_out, raw.shape[1] // info.type_size * info.block_size, -(-d_out // R)
+        out[i] = int(qt), ACT_FORMAT[qt], d_out, raw.shape[1] // info.type_size * info.block_size, -(-d_out // R)
     return out
 
 
 def pack_all(mats: list) -> Packs:
     """[(raw (rows, row_bytes) u8, qtype)] -> Packs, in order."""
     table = np.zeros((len(mats), N_COLS), np.int64)
-    parts = {k: [] for k in ("q", "q8", "qf", "s", "o")}
+    parts = {k: [] for k in ("q", "qf", "s")}
     size = dict.fromkeys(parts, 0)
 
     def put(kind, arr):
@@ -59,14 +60,13 @@ def pack_all(mats: list) -> Packs:
     for i, (raw, qtype) in enumerate(mats):
         p = prepare(raw, qtype)
         row = table[i]
-        row[[C_FAM, C_T, C_G, C_H, C_NIN, C_DOUT]] = (p.family, p.s.shape[0], p.n_in // 32 if p.family != F32 else 0,
-                                                      p.s.shape[2], p.n_in, p.d_out)
+        row[[C_QT, C_FAM, C_T, C_G, C_NIN, C_DOUT]] = (int(qtype), p.family, p.s.shape[0],
+                                                       p.n_in // 32 if p.family != F32 else 0, p.n_in, p.d_out)
         row[C_Q] = put(buffer_of(p.family), p.q)
         row[C_FMT] = ACT_FORMAT[QT(int(qtype))]
         row[C_S] = put("s", p.s)
-        row[C_O], row[C_OG] = put("o", p.o), p.o.shape[1]
-    dt = dict(q=np.uint8, q8=np.int8, qf=np.float32, s=np.float32, o=np.float32)
-    flat = {k: (np.concatenate(v) if v else np.zeros(0, dt[k])).astype(dt[k], copy=False) for k, v in parts.items()}
+    flat = {k: (np.concatenate(v) if v else np.zeros(0, DTYPES[k])).astype(DTYPES[k], copy=False)
+            for k, v in parts.items()}
     return Packs(table=table, **flat)
 
 
@@ -121,7 +121,9 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None) ->
         packs, packs_from = pack_all(mats), "packed (cache off)"
     fvec = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
     rope = g.tensors.get("rope_freqs.weight")
-    bundle = Weights(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs,
+    kset = kinds(mats=packs.table[:, C_QT].tolist(), embd=(int(emb.qtype),),       # what forward compiles for
+                  acts=(GELU if cfg.act == "gelu" else SILU,))
+    bundle = Weights(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kset,
                      attn_q=ids["attn_q"], attn_k=ids["attn_k"], attn_v=ids["attn_v"],
                      attn_output=ids["attn_output"], ffn_gate=ids["ffn_gate"], ffn_up=ids["ffn_up"],
                      ffn_down=ids["ffn_down"], output=output, fvec=fvec,

@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         with console.status("compiling and warming up (first run only; cached afterwards)..."):
             prof, stats = profiled_run(model, args.prompt_tokens, args.gen_tokens)
+        threads = f"{model.threads} thread{'s' if model.threads != 1 else ''}"
         title = (f"{model.config.name or model.path.name} ({model.config.arch}), {stats.prompt_tokens} prompt + "
-                 f"{stats.gen_tokens} generated tokens ({stats.stop_reason}), {model.threads} threads")
+                 f"{stats.gen_tokens} generated tokens ({stats.stop_reason}), {threads}")
         s = summarize(prof, lim, model.threads, args.phase, args.op, args.layer, model_bytes(model))
         s["run"] = {"model": str(model.path), "prompt_tokens": stats.prompt_tokens, "gen_tokens": stats.gen_tokens,
                     "stop_reason": stats.stop_reason, "threads": model.threads,
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(data))
             console.print(f"wrote {args.json}")
         if args.plot:
-            p1, p2 = plot(s, args.plot, f"{model.config.name or model.path.name}, {model.threads} threads")
+            p1, p2 = plot(s, args.plot, f"{model.config.name or model.path.name}, {threads}")
             console.print(f"wrote {p1} and {p2}")
     except (LumenError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

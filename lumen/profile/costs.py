@@ -16,8 +16,8 @@ from ..kernels.layout import C_DOUT, C_NIN, matrix_nbytes
 # per runner, per (N, n_out): the costs that do not depend on positions. Weak keys: an id() key could be reused
 # by a later runner and hand it another model's costs.
 _STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-MAT_OF = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
-          "down": "ffn_down"}
+MAT_OF = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+          "down": ("ffn_down",)}       # the matmul ops (q, k, v and gate, up run fused) and their matrices
 
 
 def keys_read(positions: np.ndarray, window: int) -> int:
@@ -51,8 +51,10 @@ def forward_costs(runner, batch) -> list[tuple[int, str, int, int]]:
             for op_id in LAYER_OPS:
                 op = OPS[op_id]
                 if op in MAT_OF:
-                    b, d_out, n_in = mat(int(getattr(w, MAT_OF[op])[il]))
-                    row.append([il, op, b + act * (n_in + d_out), 2 * N * d_out * n_in])
+                    ms = [mat(int(getattr(w, m)[il])) for m in MAT_OF[op]]
+                    n_in = ms[0][2]
+                    row.append([il, op, sum(b + act * d_out for b, d_out, _ in ms) + act * n_in,
+                                sum(2 * N * d_out * n_in for _, d_out, _ in ms)])
                 elif op == "attention":
                     row.append([il, op, 0, 0])          # filled per call from the positions
                 else:

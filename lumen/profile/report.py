@@ -41,11 +41,15 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
 
 
+def _cache_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 def _cache_holding(nbytes: float, L: dict) -> str | None:
-    """The smallest cache of one core that holds nbytes, as 'L2 (2.0 MB)', or None."""
+    """The smallest cache of one core that holds nbytes, as 'L2 (2 MiB)', or None."""
     for key, name in (("l1d_bytes", "L1"), ("l2_bytes", "L2"), ("l3_bytes", "L3")):
         if L.get(key) and nbytes <= L[key]:
-            return f"{name} ({_mb(L[key])})"
+            return f"{name} ({_cache_size(L[key])})"
     return None
 
 
@@ -56,7 +60,7 @@ def above_roof_note(r: dict, phase: str, L: dict, sizes: dict | None) -> str:
         peak = L["int8_dot_gops"] if r["roof"] == INT8 else L["fma_gflops"]
         return (f"above the measured {r['roof']} peak ({peak:.0f}): the limits (measured {L['measured_at']}) may "
                 f"have been taken under more load than this run; re-measure with --machine --remeasure")
-    stream = f"faster than the memory roof, which streams a 1 GB array ({L['bw_gbps']:.1f} GB/s)"
+    stream = f"faster than the memory roof (a 1 GB stream, {L['bw_gbps']:.1f} GB/s)"
     per_call = r["bytes_per_call"]
     resident = sizes and sizes["matrix_bytes"] + sizes["kv_cache_bytes"]
     held = _cache_holding(resident, L) if resident else None
@@ -226,12 +230,14 @@ def print_machine(lim: dict, console) -> None:
     t.add_column(f"{lim['threads']} threads", justify="right")
     t.add_row("memory read GB/s", f"{lim['bw_1t_gbps']:.1f}", f"{lim['bw_gbps']:.1f}")
     t.add_row("f32 FMA GFLOP/s", f"{lim.get('fma_1t_gflops', float('nan')):.0f}", f"{lim['fma_gflops']:.0f}")
-    t.add_row("int8 dot GOP/s", f"{lim['int8_dot_1t_gops']:.0f}", f"{lim['int8_dot_gops']:.0f}")
+    t.add_row("int8 dot GOP/s (the roof)", f"{lim['int8_dot_1t_gops']:.0f}", f"{lim['int8_dot_gops']:.0f}")
+    for bits, r in sorted(lim.get("int8_dot_widths", {}).items(), key=lambda kv: int(kv[0])):
+        t.add_row(f"  {bits}-bit vectors", f"{r['1t_gops']:.0f}", f"{r['gops']:.0f}")
     console.print(t)
     console.print(f"int8 dot: {lim['int8_dot_isa']}, the matmul tiles' building block on L1-resident data",
                   markup=False)
-    caches = ", ".join(f"{n} {_mb(lim[k])}" for k, n in (("l1d_bytes", "L1d"), ("l2_bytes", "L2"), ("l3_bytes", "L3"))
-                       if lim.get(k))
+    caches = ", ".join(f"{n} {_cache_size(lim[k])}" for k, n in
+                       (("l1d_bytes", "L1d"), ("l2_bytes", "L2"), ("l3_bytes", "L3")) if lim.get(k))
     console.print(f"caches per core: {caches or 'unknown'}")
     console.print(f"measured {lim.get('measured_at', '?')}; ridge points: f32 FMA "
                   f"{lim['fma_gflops'] / lim['bw_gbps']:.1f}, int8 dot {lim['int8_dot_gops'] / lim['bw_gbps']:.1f} "
@@ -279,9 +285,12 @@ def _label_groups(pts: list[tuple[float, float, str]]) -> list[tuple[float, floa
     return [(x, y, ops) for x, y, ops in groups]
 
 
-def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize: float) -> None:
+def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize: float,
+                  fixed: list[tuple[float, float, str, str]] = ()) -> None:
     """Write each (x, y, text, colour) beside its point, moving labels up until no two overlap (estimated in
-    axes fractions from the text length), with a leader line when a label had to move."""
+    axes fractions from the text length), with a leader line when a label had to move. `fixed` texts
+    (x, y, text, ha) are written first with their bottom at y, starting (ha 'left') or ending (ha 'right') at x,
+    and the labels keep clear of them too."""
     import math
     x0, x1 = (math.log10(v) for v in ax.get_xlim())
     y0, y1 = (math.log10(v) for v in ax.get_ylim())
@@ -289,6 +298,11 @@ def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize
     w_in, h_in = box.width * fig.get_figwidth(), box.height * fig.get_figheight()
     cw, lh = fontsize * 0.52 / 72 / w_in, fontsize * 1.3 / 72 / h_in   # a character's width, a line's height
     placed: list[tuple[float, float, float]] = []                     # (left, bottom, right) in axes fractions
+    for x, y, text, ha in fixed:
+        fx, fy = (math.log10(x) - x0) / (x1 - x0), (math.log10(y) - y0) / (y1 - y0)
+        left = fx if ha == "left" else fx - cw * len(text)
+        placed.append((left, fy, left + cw * len(text)))
+        ax.text(x, y, text, ha=ha, va="bottom", fontsize=fontsize, zorder=5)
     for x, y, text, colour in sorted(labels, key=lambda t: t[1]):
         fx, fy = (math.log10(x) - x0) / (x1 - x0), (math.log10(y) - y0) / (y1 - y0)
         width = cw * len(text)
@@ -305,6 +319,22 @@ def _place_labels(ax, fig, labels: list[tuple[float, float, str, str]], fontsize
         ax.annotate(text, (x, y), xytext=(left, bottom), textcoords="axes fraction", fontsize=fontsize,
                     color=colour, va="bottom", ha="left", zorder=5,
                     arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=3) if far else None)
+
+
+def _clear_spot(points: list[tuple[float, float]], bw: float, lo: float, hi: float) -> tuple[float, bool]:
+    """Where along the memory roof (x from lo to hi) a label about 0.7 decades long, above or below the line, has
+    the fewest points, or labels of points (about a decade to their right), near it: (x, above)."""
+    import math
+    best = None
+    for above in (True, False):
+        band = (-0.3, 0.6) if above else (-0.7, 0.2)
+        for k in range(12):
+            xm = lo * (hi / lo) ** (k / 11) if hi > lo else lo
+            near = sum(1 for px, py in points if -1.0 < math.log10(px / xm) < 0.9
+                       and band[0] < math.log10(py / (bw * px)) < band[1])
+            if best is None or near < best[0]:
+                best = (near, xm, above)
+    return best[1], best[2]
 
 
 def roofline_figure(s: dict, title: str):
@@ -334,8 +364,8 @@ def roofline_figure(s: dict, title: str):
     lines = [f"Each point is one op type over all its calls in the phase: x = its FLOPs / its bytes (weights, KV "
              f"cache and activations, estimated from shapes and types), y = its FLOPs / its time. Filled: the "
              f"matmuls, under the int8 dot roof; hollow: the other ops, under the f32 FMA roof. Roofs measured by "
-             f"lumen.machine for {L['threads']} thread(s) ({L['measured_at']}): int8 dot = {L['int8_dot_isa']} on "
-             f"L1-resident data; memory = a 1 GB array streamed."]
+             f"lumen.machine for {L['threads']} thread{'s' if L['threads'] != 1 else ''} ({L['measured_at']}): "
+             f"int8 dot = {L['int8_dot_isa']} on L1-resident data; memory = a 1 GB array streamed."]
     skipped = sorted({r["op"] for rows in s["ops"].values() for r in rows if r["gflops"] <= 0 and r["gbps"] > 0})
     if skipped:
         lines.append(f"Not plotted (no FLOPs, pure data movement): {', '.join(skipped)}.")
@@ -365,16 +395,14 @@ def roofline_figure(s: dict, title: str):
         ax.plot(x, np.minimum(x * bw, i8), "-", color="0.15", lw=1.8, zorder=2)
         m = x >= fma / bw
         ax.plot(x[m], np.full(m.sum(), fma), "--", color="0.15", lw=1.4, zorder=2)
-        ax.text(x[-1] / 1.1, i8 * 1.1, f"int8 dot {i8:.0f} GOP/s\n(roof of the matmuls)", ha="right",
-                va="bottom", fontsize=8)
-        ax.text(x[-1] / 1.1, fma * 1.1, f"f32 FMA {fma:.0f} GFLOP/s\n(roof of the other ops)", ha="right",
-                va="bottom", fontsize=8)
+        roof_labels = [(x[-1] / 1.15, i8 * 1.08, f"int8 dot {i8:.0f} GOP/s: roof of the matmuls", "right"),
+                       (fma / bw * 1.15, fma * 1.08, f"f32 FMA {fma:.0f} GFLOP/s: roof of the other ops", "left")]
         box = ax.get_position()   # the memory roof's slope on screen: one decade up per decade right
         dx = box.width * fig.get_figwidth() / math.log10(x[-1] / x[0])
         dy = box.height * fig.get_figheight() / math.log10(y_hi / y_lo)
-        xm = x[0] * 1.6
-        ax.text(xm, xm * bw * 1.25, f"memory read {bw:.1f} GB/s", rotation=math.degrees(math.atan2(dy, dx)),
-                rotation_mode="anchor", ha="left", va="bottom", fontsize=8)
+        xm, above = _clear_spot([(r["intensity"], r["gflops"]) for r in pts[ph]], bw, x[0] * 1.3, fma / bw / 6)
+        ax.text(xm, xm * bw * (1.25 if above else 1 / 1.25), f"memory read {bw:.1f} GB/s", rotation_mode="anchor",
+                rotation=math.degrees(math.atan2(dy, dx)), ha="left", va="bottom" if above else "top", fontsize=8)
         labels = []
         for r in pts[ph]:
             ax.scatter(r["intensity"], r["gflops"], s=70, zorder=4, **style[r["op"]])
@@ -382,7 +410,7 @@ def roofline_figure(s: dict, title: str):
             over = [r["roofline_share"] for r in pts[ph] if r["op"] in ops and r["op"] in (s["notes"].get(ph) or {})]
             labels.append((px, py, ", ".join(ops) + (f" ({100 * max(over):.0f}% of roof*)" if over else ""),
                            "firebrick" if over else "0.15"))
-        _place_labels(ax, fig, labels, 7.5)
+        _place_labels(ax, fig, labels, 7.5, roof_labels)
         if ph in s["phases"]:
             p = s["phases"][ph]
             ax.set_title(f"{ph}: {p['tokens']} tokens in {p['steps']} steps, {p['tok_per_s']:.1f} tok/s",

@@ -1,0 +1,46 @@
+"""Which kernels a forward pass needs, as a compile-time value: the weight types of its matrices, the type of its
+token embedding, its gated activation.
+
+Numba compiles every branch of a function whatever the data. The forward pass used to dispatch on runtime type
+ids, so it compiled the tile kernels of all 8 quantized types (at 2 row counts), the row dequantizers of all 11
+types and both activations, for every model; each compiled function is optimised again inside every caller that
+links it (numba.core.codegen: a library's final module holds its callees), so a cold start paid for them several
+times over. The kinds travel in the Weights bundle, and their Numba type carries the sets, so the dispatchers
+(lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.embed_row, lumen.kernels.activation.gated) generate code for
+what the model has and nothing else; the forward pass is compiled (and cached) once per set.
+
+The value is a zero-length array whose structured dtype names the kinds (fields m<type>, e<type>, a<act>): Numba's
+dispatcher types arrays in its C fast path, so the bundle costs nothing per call (a Python object of a custom type
+sent it down the slow path: 37 us per call instead of 1, measured on a small NamedTuple, 320-410 us per decode
+step on the real bundles).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..format.quants import QT
+
+QUANTIZED = tuple(sorted(int(q) for q in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K,
+                                          QT.Q8_0)))
+FLOATS = tuple(sorted(int(q) for q in (QT.F32, QT.F16, QT.BF16)))
+SILU, GELU = 0, 1
+ACTS = (SILU, GELU)
+
+
+def kinds(mats=QUANTIZED + FLOATS, embd=QUANTIZED + FLOATS, acts=ACTS) -> np.ndarray:
+    """mats: the GGML types of the packed matrices; embd: the types the embedding lookup dequantizes; acts: the
+    gated activations (SILU, GELU). The defaults hold everything (one compiled variant for any model: the kernels'
+    public entry points use it)."""
+    names = ([f"m{int(q)}" for q in sorted({int(q) for q in mats})] + [f"e{int(q)}" for q in sorted({int(q) for q in embd})]
+             + [f"a{int(a)}" for a in sorted({int(a) for a in acts})])
+    return np.zeros(0, dtype=np.dtype([(n, np.uint8) for n in names]))
+
+
+def sets(kinds_type) -> tuple[tuple, tuple, tuple]:
+    """(mats, embd, acts) of a kinds value's Numba type (at compile time, in an overload)."""
+    names = list(kinds_type.dtype.fields)
+    pick = lambda p: tuple(sorted(int(n[1:]) for n in names if n[0] == p))  # noqa: E731
+    return pick("m"), pick("e"), pick("a")
+
+
+ALL = kinds()
