@@ -90,7 +90,7 @@ def attention_params():
 def test_attention(gate, benchmark, model, H, Hkv, D, ctx, phase):
     """decode: one query at position ctx-1 over ctx keys; prefill: ctx queries at 0..ctx-1 (causal)."""
     from lumen.kernels.attention import BLOCK, attention, attention_scratch, kv_pools, kv_store
-    from lumen.engine.forward import SPLIT_K_MIN_KEYS
+    from lumen.kernels.policy import split_attention
     rng = np.random.default_rng(0)
     k_pool, v_pool = kv_pools(-(-ctx // BLOCK), Hkv, D, D)           # the paged f16 cache, blocks in order
     kv = rng.standard_normal((ctx, Hkv, D)).astype(np.float32)
@@ -100,7 +100,7 @@ def test_attention(gate, benchmark, model, H, Hkv, D, ctx, phase):
     q = rng.standard_normal((N, H, D)).astype(np.float32)             # (N, n_heads, hd)
     out = np.empty((N, H, D), np.float32)
     scratch = attention_scratch(H, D, ctx)
-    split = N == 1 and ctx > SPLIT_K_MIN_KEYS                         # the kernel the forward pass picks
+    split = split_attention(N, pos0 + 1)                              # the kernel the forward pass picks
     run = gate.replay(out, attention, out, q, k_pool, v_pool, pos0 + np.arange(N), np.zeros(N, np.int64), table,
                       D ** -0.5, 0, scratch, split)
     _gate(gate, benchmark, f"attention-{model}-H{H}x{Hkv}-D{D}-{phase}-ctx{ctx}", run)
@@ -120,7 +120,7 @@ def test_decode_step(gate, benchmark):
     m.prefill(np.arange(10, 74))
 
     def step():
-        m.state.n_past = 64
+        m.n_past = 64
         m.decode(100)
     _gate(gate, benchmark, "decode-step-smollm2-135m-pos64", gate.python_loop(step, rounds=21))
 
