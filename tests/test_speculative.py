@@ -12,7 +12,7 @@ import lumen
 import synth
 from goldens import corpus
 from lumen import Engine, SamplingParams
-from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens
+from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens, update_alpha
 
 
 def write_tiny(path, seed: int, n_vocab: int = 16, sharp: float = 8.0):
@@ -88,7 +88,8 @@ def test_greedy_draft_model_is_bit_identical(tiny):
     eng = Engine(target, max_model_len=128, max_num_seqs=8, kv_cache_mb=4, draft_model=draft,
                  num_speculative_tokens=3)
     same = Engine(target, max_model_len=128, max_num_seqs=8, kv_cache_mb=4, draft_model=target,
-                  num_speculative_tokens=3)
+                  num_speculative_tokens=3, adaptive_k=False)        # always drafts (the tiny model's steps are
+                                                                     # too short for drafting to pay)
     for i, ids in enumerate([[0, 1, 2, 3], [5, 4, 3], list(range(14)) * 3]):
         p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         plain = eng.generate([ids], p)[0]
@@ -127,7 +128,7 @@ def exact_marginals(model) -> list[np.ndarray]:
 
 def sample_marginals(target, draft, rule: str) -> list[np.ndarray]:
     eng = Engine(target, max_model_len=16, max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_mb=8,
-                 draft_model=draft, num_speculative_tokens=2, enable_prefix_caching=False)
+                 draft_model=draft, num_speculative_tokens=2, enable_prefix_caching=False, adaptive_k=False)
     eng.spec_rule = rule
     p = PARAMS.replace(speculative="draft", num_speculative_tokens=2)
     outs = eng.generate([PROMPT] * N_SAMPLES, [p.replace(seed=i) for i in range(N_SAMPLES)])
@@ -226,6 +227,22 @@ def test_ngram_drafter_proposes_what_followed():
     seq.tokens = [7, 8, 6]
     seq.spec = SpecState()
     assert NgramDrafter(1, 3).propose([(seq, 3)]) == {}          # nothing to match
+
+
+def test_acceptance_is_kept_per_match_length():
+    """A draft after a long match and one after a short match are judged apart: poor 1-token matches must not
+    stop the drafting of 3-token matches (and the other way round)."""
+    st, dr = SpecState(), NgramDrafter(1, 3)
+    assert dr.match(st, [1, 2, 3, 4, 5, 9, 1, 2, 3]) == 3
+    assert dr.match(st, [1, 2, 3, 4, 5, 9, 1, 2, 3, 8, 5]) == 1
+    assert dr.match(st, [6, 7]) is None
+    d = NgramDrafter(1, 3).propose([(type("S", (), {"spec": SpecState(), "tokens": [1, 2, 3, 4, 1, 2, 3]})(), 2)])
+    assert [x.n for x in d.values()] == [3]
+    for _ in range(10):
+        update_alpha(st, 4, 0, n=1)
+        update_alpha(st, 4, 4, n=3)
+    assert st.alpha_n[1] < 0.05 and st.alpha_n[3] > 0.95
+    assert st.steps == 20 and st.proposed == 80 and st.accepted == 40
 
 
 def test_choose_k_weighs_acceptance_against_measured_cost():

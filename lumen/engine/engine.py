@@ -65,7 +65,7 @@ class Engine:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_mb: float | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  pack_cache: bool | None = None, draft_model=None, num_speculative_tokens: int = 5,
-                 ngram_min: int = 1, ngram_max: int = 4, scheduler: str = "fcfs", slo_ttft_s: float | None = None,
+                 ngram_min: int = 1, ngram_max: int = 4, adaptive_k: bool = True, scheduler: str = "fcfs", slo_ttft_s: float | None = None,
                  slo_tpot_s: float | None = None, explain: bool = False, cost_grid: str = "full",
                  _runner: Runner | None = None):
         """model: a registry name, a .gguf path, or a loaded lumen.Model (its weights are shared).
@@ -74,7 +74,8 @@ class Engine:
         Speculative decoding (per request: SamplingParams(speculative="ngram" | "draft")): draft_model, a
         model with the target's vocabulary (name, path or lumen.Model) for "draft"; num_speculative_tokens, the
         most tokens drafted per step (a request may ask for fewer); ngram_min/ngram_max, the n-gram sizes the
-        "ngram" drafter matches (lumen.engine.speculative).
+        "ngram" drafter matches (lumen.engine.speculative); adaptive_k, choose each step's k from the request's
+        acceptance rate and the measured step costs (False: always the most, as a fixed-k engine does).
         scheduler: "fcfs" (a fixed token budget, max_num_batched_tokens) or "measured": each step's budget chosen
         from this machine's measured step costs (lumen.engine.costs, lumen.engine.budget), for the SLO targets
         slo_ttft_s and slo_tpot_s when given (goodput), else for throughput; max_num_batched_tokens is then the
@@ -120,6 +121,7 @@ class Engine:
         if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {num_speculative_tokens!r}")
         self.k_max = num_speculative_tokens
+        self.adaptive_k = bool(adaptive_k)
         self.ngram = NgramDrafter(ngram_min, ngram_max)
         self.draft = None
         if draft_model is not None:
@@ -253,12 +255,20 @@ class Engine:
         k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
         if k_max <= 0:
             return 0
+        alpha = st.alpha
+        if seq.params.speculative == "ngram":
+            n = self.ngram.match(st, seq.tokens)
+            if n is None:
+                return 0                                            # nothing to draft from
+            alpha = st.alpha_n.get(n, alpha)
+        if not self.adaptive_k:
+            return k_max
         base = planned + 1
         c0 = self.costs.predict(base)
         if c0 is None or not self.costs.known(base + k_max):       # not measured yet: explore both ends
             return 0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max
         cost = lambda k: self.costs.predict(base + k) or c0  # noqa: E731
-        return choose_k(st.alpha, k_max, cost)
+        return choose_k(alpha, k_max, cost)
 
     def _draft(self, plan: list[Scheduled]) -> None:
         """Fill in the drafts of the planned sequences that reserved room for them. A sampled request that
@@ -342,7 +352,7 @@ class Engine:
                     break
             if s.proposal is not None and s.draft:
                 a = min(accepted, len(emitted))
-                update_alpha(seq.spec, len(s.draft), a)
+                update_alpha(seq.spec, len(s.draft), a, n=s.proposal.n)
                 seq.metrics.spec_proposed += len(s.draft)
                 seq.metrics.spec_accepted += a
                 seq.metrics.spec_steps += 1
