@@ -39,7 +39,7 @@ from .scheduler import Scheduled, Scheduler
 from .budget import MeasuredBudget
 from .costs import StepCosts, calibrate
 from .sequence import RequestOutput, Sequence, Status
-from .speculative import DraftModel, NgramDrafter, SpecState, choose_k, update_alpha, verify
+from .speculative import PRIOR, DraftModel, NgramDrafter, SpecState, choose_k, skipped, update_alpha, verify
 
 log = logging.getLogger("lumen.engine")
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
@@ -226,7 +226,8 @@ class Engine:
         with self._lock:
             outs, self._pending = self._pending, []
             decision = self.budgeter.decide(self.scheduler, t0) if self.budgeter is not None else None
-            plan = self.scheduler.schedule(budget=decision and decision.budget, speculate=self._speculate)
+            plan = self.scheduler.schedule(budget=decision and decision.budget, speculate=self._speculate,
+                                           max_running=decision and decision.max_running)
         if not plan:
             prof.cancel_step()
             return outs
@@ -255,12 +256,12 @@ class Engine:
         k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
         if k_max <= 0:
             return 0
-        alpha = st.alpha
+        alpha, n = st.alpha, None
         if seq.params.speculative == "ngram":
             n = self.ngram.match(st, seq.tokens)
             if n is None:
                 return 0                                            # nothing to draft from
-            alpha = st.alpha_n.get(n, alpha)
+            alpha = st.alpha_n.get(n, PRIOR)
         if not self.adaptive_k:
             return k_max
         base = planned + 1
@@ -268,7 +269,10 @@ class Engine:
         if c0 is None or not self.costs.known(base + k_max):       # not measured yet: explore both ends
             return 0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max
         cost = lambda k: self.costs.predict(base + k) or c0  # noqa: E731
-        return choose_k(alpha, k_max, cost)
+        k = choose_k(alpha, k_max, cost)
+        if k == 0 and n is not None:
+            skipped(st, n)
+        return k
 
     def _draft(self, plan: list[Scheduled]) -> None:
         """Fill in the drafts of the planned sequences that reserved room for them. A sampled request that

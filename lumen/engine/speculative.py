@@ -33,6 +33,8 @@ import numpy as np
 
 from .sampling import ACCEPT, PICK, RESIDUAL, uniform
 
+PRIOR = 0.7          # the acceptance rate assumed before any is measured
+RECOVER = 0.05       # per skipped chance, an n whose drafts were judged not to pay moves this share back to PRIOR
 RULES = ("exact", "accept_all", "no_residual")   # the last two are wrong on purpose: the statistical test's foils
 
 
@@ -49,8 +51,8 @@ class SpecState:
     """One request's speculation: its drafter's index, its acceptance average, its counts."""
     index: dict = field(default_factory=dict)       # n -> {ngram tuple: position after its last occurrence}
     indexed: int = 0                                # tokens indexed so far
-    alpha: float = 0.7                              # acceptance rate estimate (exponential average)
-    alpha_n: dict = field(default_factory=dict)     # the n-gram drafter: the same, per match length n
+    alpha: float = PRIOR                            # acceptance rate estimate (exponential average)
+    alpha_n: dict = field(default_factory=dict)     # the n-gram drafter: the same, per match length n (from PRIOR)
     steps: int = 0                                  # verification steps
     proposed: int = 0
     accepted: int = 0
@@ -329,7 +331,15 @@ def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.
     if proposed:
         st.alpha = (1 - weight) * st.alpha + weight * (accepted / proposed)
         if n:
-            st.alpha_n[n] = (1 - weight) * st.alpha_n.get(n, st.alpha) + weight * (accepted / proposed)
+            st.alpha_n[n] = (1 - weight) * st.alpha_n.get(n, PRIOR) + weight * (accepted / proposed)
         st.steps += 1
         st.proposed += proposed
         st.accepted += accepted
+
+
+def skipped(st: SpecState, n: int) -> None:
+    """A match of length n was not drafted (its acceptance did not pay): its estimate drifts back towards the
+    prior, so a request whose text turns to copying again gets to draft again (without drafting, the estimate
+    would never be corrected)."""
+    a = st.alpha_n.get(n, PRIOR)
+    st.alpha_n[n] = a + RECOVER * (PRIOR - a)
