@@ -93,6 +93,25 @@ def test_budget_grows_the_chunk_for_a_ttft_deadline():
     assert late.budget - 1 < 900
 
 
+def test_admission_stops_where_the_decodes_would_miss_their_tpot():
+    """10 ms a step plus 10 ms a sequence against a 45 ms TPOT target: 3 sequences decode within it (40 ms), 4 do
+    not (50 ms), so no fourth request is admitted while 3 run; the scheduler honours the cap."""
+    per_seq = CostModel(Fit(knee=64, floor=0.010, per_token=0.0, per_seq=0.010, per_key=0.0))
+    b = MeasuredBudget(per_seq, max_tokens=512, slo_ttft_s=2.0, slo_tpot_s=0.045)
+    dec = [FakeSeq(51, 50, 1, first_token=0.99, arrival=0.0) for _ in range(3)]
+    d = b.decide(FakeScheduler(dec, [FakeSeq(40, 0, 0, None, arrival=0.5)]), now=1.0)
+    assert d.max_running == 3 and "at most 3 running" in d.line(1)
+    assert MeasuredBudget(per_seq, max_tokens=512).decide(FakeScheduler(dec, []), now=1.0).max_running is None
+
+
+def test_scheduler_admits_up_to_max_running(model):
+    eng = Engine(model, max_model_len=64, max_num_seqs=8, kv_cache_mb=8)
+    for i in range(5):
+        eng.add_request([10 + i, 11, 12], SamplingParams(max_tokens=4, temperature=0))
+    plan = eng.scheduler.schedule(max_running=2)
+    assert len(plan) == 2 and len(eng.scheduler.running) == 2 and eng.num_waiting == 3
+
+
 @pytest.fixture(scope="module")
 def model(smollm2_path):
     return lumen.load(smollm2_path, ctx=64, threads=2)

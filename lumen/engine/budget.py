@@ -9,7 +9,9 @@ with SLO targets (slo_ttft_s, slo_tpot_s): the decodes that run this step each h
     target TPOT). Prefill tokens (running prefills first, then the waiting requests) ride along in the largest
     chunk whose predicted step time fits that limit. When nothing is decoding, or the oldest waiting request
     would miss its TTFT at that pace while it still can make it, the chunk grows to what its deadline needs.
-    A request that cannot make its TTFT any more does not set the pace.
+    A request that cannot make its TTFT any more does not set the pace. Admission: no more requests run at once
+    than can decode together within the TPOT target (predicted), so a load beyond what meets the targets waits
+    in the queue instead of making every running request miss them.
 without targets: the most tokens per second a step can do: the largest chunk (up to max_num_batched_tokens).
 
 Every decision is kept (`Decision`) with the predicted cost, the alternative it rejected and why, and, after the
@@ -30,11 +32,13 @@ class Decision:
     limit_s: float | None        # the decodes' step-time limit (None: no target or no decodes)
     rejected: str                # the alternative turned down, and why
     measured_s: float | None = None
+    max_running: int | None = None   # admit no request past this many running (None: max_num_seqs)
 
     def line(self, step: int) -> str:
         meas = "" if self.measured_s is None else f", measured {self.measured_s * 1e3:.1f} ms"
         lim = "" if self.limit_s is None else f" (limit {self.limit_s * 1e3:.1f} ms)"
-        return (f"step {step}: {self.decodes} decodes, budget {self.budget} tokens -> predicted "
+        cap = "" if self.max_running is None else f", at most {self.max_running} running"
+        return (f"step {step}: {self.decodes} decodes, budget {self.budget} tokens{cap} -> predicted "
                 f"{self.predicted_s * 1e3:.1f} ms{lim}{meas}; rejected {self.rejected}")
 
 
@@ -60,7 +64,13 @@ class MeasuredBudget:
             c = cands[-1]
             return Decision(D, D + c, cost(c), None, "nothing: no target, the most tokens per step" if prefill_left
                             else "nothing: no prefill waiting")
-        limit = None
+        limit = cap = None
+        if self.slo_tpot_s is not None:
+            k_avg = K_d / D if D else 0.0
+            cap = 1                               # the most sequences that decode together within the target
+            while cap < scheduler.max_num_seqs and self.model.predict(cap + 1, cap + 1, k_avg * (cap + 1)) \
+                    <= self.slo_tpot_s:
+                cap += 1
         if D and self.slo_tpot_s is not None:
             budgets = [self.slo_tpot_s * max(1, len(s.output_ids))
                        - (0.0 if s.metrics.first_token is None else now - s.metrics.first_token) for s in decoding]
@@ -79,7 +89,7 @@ class MeasuredBudget:
                         why = f"chunk {c} (the oldest waiting request would miss its TTFT)"
                         c = c2
                         break
-        return Decision(D, D + c, cost(c), limit, why)
+        return Decision(D, D + c, cost(c), limit, why, max_running=cap)
 
     def _urgent(self, scheduler, now: float):
         """(prefill tokens left, seconds to its TTFT deadline) of the oldest request still able to make it."""

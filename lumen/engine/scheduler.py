@@ -55,8 +55,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the plan of one step
-    def schedule(self, budget: int | None = None, speculate=None) -> list[Scheduled]:
-        """budget: this step's token budget (default max_num_batched_tokens). speculate(seq, room, planned) -> how
+    def schedule(self, budget: int | None = None, speculate=None, max_running: int | None = None) -> list[Scheduled]:
+        """budget: this step's token budget (default max_num_batched_tokens); max_running: admit waiting requests
+        only while fewer run (default max_num_seqs). speculate(seq, room, planned) -> how
         many tokens (<= room) to draft for a decoding sequence that speculates, given the tokens planned so far;
         room for them is reserved (Scheduled.k) and the drafts are filled in after scheduling."""
         budget = self.budget if budget is None else min(budget, self.budget)
@@ -88,7 +89,8 @@ class Scheduler:
             plan.append(Scheduled(seq, seq.num_computed, n, k))
             budget -= n + k
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        cap = self.max_num_seqs if max_running is None else min(max_running, self.max_num_seqs)
+        while self.waiting and budget > 0 and len(self.running) < cap:
             seq = self.waiting[0]
             cached = bm.match_prefix(seq.tokens, seq.num_tokens - 1)   # the last token is always computed
             start = len(cached) * BLOCK
