@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import statistics
 
+from lumen.kernels.policy import PAR_ROWS
+
 GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize")
 PHASES = ("prefill", "decode")
 INT8, FMA, MEMORY = "int8 dot", "f32 FMA", "memory"
@@ -102,6 +104,10 @@ def decode_bytes(prof, sizes: dict) -> dict:
     out["line"] = (f"decode reads {total / 1e6:.1f} MB per step: {weights / 1e6:.1f} MB weights (GGUF tensors "
                    f"{out['gguf_tensors'] / 1e6:.1f} MB), {kv / 1e6:.1f} MB KV, "
                    f"{out['activations'] / 1e6:.1f} MB activations")
+    if tokens < PAR_ROWS:      # row-wise ops run serially (lumen.kernels.policy): matmuls and attention fork
+        mats = matmul_ops()
+        out["parallel_regions"] = sum(r.op in mats or r.op == "attention" for r in recs) / n
+        out["line"] += f"; {out['parallel_regions']:.0f} parallel regions per step (matmuls, attention)"
     return out
 
 
@@ -200,7 +206,7 @@ def print_report(s: dict, lim: dict, title: str, console) -> None:
             share = next(r["roofline_share"] for r in rows if r["op"] == op)
             console.print(f"* {op} at {100 * share:.0f}% of its roof: {note}", markup=False)
     if s.get("decode_bytes"):
-        console.print(s["decode_bytes"]["line"], markup=False)
+        console.print(s["decode_bytes"]["line"], markup=False, soft_wrap=True)     # one line, for grep
     if any(s["layers"].values()):
         t = Table(title="ms per layer", title_justify="left")
         t.add_column("layer", justify="right")
