@@ -147,19 +147,27 @@ def requests_of_the_load() -> list[dict]:
     return reqs
 
 
+async def sse_events(r):
+    """The JSON events of an SSE response, then None for its `data: [DONE]` (the stream's proper end)."""
+    async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            yield None
+            return
+        yield json.loads(line[6:])
+
+
 async def one_client(client: httpx.AsyncClient, req: dict) -> dict:
     """Stream one request; a `cut` client closes the connection after three token chunks."""
     ids, prompt_ids, done, finish = [], None, False, None
     async with client.stream("POST", "/v1/completions", json=req["body"]) as r:
         assert r.status_code == 200, await r.aread()
         chunks = 0
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        async for ev in sse_events(r):
+            if ev is None:
                 done = True
                 break
-            ev = json.loads(line[6:])
             assert "error" not in ev, ev
             for c in ev["choices"]:
                 prompt_ids = c.get("prompt_token_ids", prompt_ids)
@@ -279,13 +287,10 @@ async def stream_until_end(client, body: dict, started: asyncio.Event) -> dict:
     text_chunks, error, done = 0, None, False
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        async for ev in sse_events(r):
+            if ev is None:
                 done = True
                 break
-            ev = json.loads(line[6:])
             if "error" in ev:
                 error = ev["error"]
                 continue

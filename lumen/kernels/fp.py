@@ -89,26 +89,25 @@ def _exp(builder, x):
     return builder.fmul(p, scale)
 
 
-def _hmax(builder, v):
-    """Largest lane of v (exact whatever the order; fixed halving tree)."""
+def _fold(builder, v, op):
+    """op over the lanes of v in a fixed halving tree: op(v[i], v[i + 8]), then with [i + 4], [i + 2], [i + 1]."""
     n = LANES
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        v = _max(builder, lo, hi)
+        v = op(lo, hi)
     return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _hmax(builder, v):
+    """Largest lane of v (exact whatever the order)."""
+    return _fold(builder, v, lambda a, b: _max(builder, a, b))
 
 
 def _hsum(builder, v):
-    """Sum of the lanes of v in a fixed halving tree: (v[i] + v[i + 8]), then (+ [i + 4]), (+ [i + 2]), (+ [i + 1])."""
-    n = LANES
-    while n > 1:
-        n //= 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        v = builder.fadd(lo, hi)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+    """Sum of the lanes of v, in _fold's fixed order."""
+    return _fold(builder, v, builder.fadd)
 
 
 # ---------------------------------------------------------------- scalar helpers
