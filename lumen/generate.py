@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lumen.generate", description="Generate text with a GGUF model.",
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                    help=f"registry name (see python -m lumen.models) or path to a .gguf file (default {DEFAULT_MODEL})")
+                    help=f"registry name (see python -m lumen.models) or path to a .gguf file "
+                         f"(default {DEFAULT_MODEL})")
     ap.add_argument("--prompt", "-p", help="the prompt (escapes processed); read from stdin, as is, when absent")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")

@@ -63,7 +63,8 @@ def main(argv=None) -> None:
     achieved = statistics.median(per_step)
     wall = statistics.median(s.wall_s for s in prof.steps)
     print(f"decode step: {wall * 1e3:.2f} ms median of {gen} ({1 / wall:.0f} tok/s), "
-          f"{statistics.median(step_b.values()) / 1e6:.1f} MB per step (weights alone {model.weights.decode_bytes / 1e6:.1f} MB)")
+          f"{statistics.median(step_b.values()) / 1e6:.1f} MB per step "
+          f"(weights alone {model.weights.decode_bytes / 1e6:.1f} MB)")
     print(f"achieved: {achieved:.2f} GB/s per step (min {min(per_step):.2f}, max {max(per_step):.2f}); "
           f"matmul ops alone {mat_b / mat_s / 1e9:.2f} GB/s")
     print(f"machine: {bw:.2f} GB/s from {source}; {model.threads} threads")

@@ -8,8 +8,8 @@ One throwaway run first warms Numba's compile cache and the packed-weight cache.
   the process to the first byte of text on its stdout (the first token), process wall time and peak RSS;
 - the same CLI, instrumented (this script re-runs itself with --child, wraps the functions below, then runs
   lumen.generate's main): interpreter start, imports, CLI set-up (argparse, rich, model resolve), GGUF parse and
-  config check (lumen.engine.llm.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix repack
-  or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
+  config check (lumen.engine.llm.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix
+  repack or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
   first call (type the arguments, load the compiled code from the cache; a cache miss is reported), the warm-up
   decode step, tokenize, the first prefill, and prefill end -> first token on stdout.
 Both run with the packed-weight cache on (default) and off (LUMEN_PACK_CACHE=0), and with --baseline DIR also
@@ -259,7 +259,8 @@ def cold_main(a) -> None:
     print(f"\n{a.model}, prompt {PROMPT!r}, -n {n}; medians of {runs} fresh homes, interleaved")
     for name in trees:
         c, w = median(res[name]["cold"]), median(res[name]["warm"])
-        print(f"{name:10s} cold {c:6.2f} s   warm {w:6.2f} s   (runs: cold {', '.join(f'{x:.1f}' for x in res[name]['cold'])})")
+        runs = ", ".join(f"{x:.1f}" for x in res[name]["cold"])
+        print(f"{name:10s} cold {c:6.2f} s   warm {w:6.2f} s   (runs: cold {runs})")
     c = median(res["lumen"]["cold"])
     base = (f"; baseline cold {median(res['baseline']['cold']):.1f} s" if a.baseline else "")
     print(f"VERDICT: {a.model} cold start (empty compile and pack caches): first token {c:.1f} s after spawn, warm "

@@ -65,7 +65,8 @@ class Engine:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_mb: float | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  pack_cache: bool | None = None, draft_model=None, num_speculative_tokens: int = 5,
-                 ngram_min: int = 1, ngram_max: int = 4, adaptive_k: bool = True, scheduler: str = "fcfs", slo_ttft_s: float | None = None,
+                 ngram_min: int = 1, ngram_max: int = 4, adaptive_k: bool = True, scheduler: str = "fcfs",
+                 slo_ttft_s: float | None = None,
                  slo_tpot_s: float | None = None, explain: bool = False, cost_grid: str = "full",
                  _runner: Runner | None = None):
         """model: a registry name, a .gguf path, or a loaded lumen.Model (its weights are shared).

@@ -20,8 +20,8 @@ Speed: every stage keeps a prefix of the (logit desc, id asc) order, so only log
 (np.sort, fast), and a prefix is rebuilt from its last logit and the number of ties with it it holds. Top-k is
 O(V) without a sort; top-p after top-k sorts k values; top-p without top-k sorts min-p's survivors or the
 1024, then 32768 largest logits (TOP_P_TRIES), and the whole vocabulary only when those hold less than top_p
-of the mass (a flat distribution). Weights are float32 exp, summed in float64 (block sums pairwise in float32), so the top-p cutoff
-is exact up to about 1e-6 of probability mass.
+of the mass (a flat distribution). Weights are float32 exp, summed in float64 (block sums pairwise in float32),
+so the top-p cutoff is exact up to about 1e-6 of probability mass.
 """
 from __future__ import annotations
 

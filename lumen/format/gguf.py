@@ -211,7 +211,8 @@ class GGUFFile:
         self.metadata = meta
 
         align = meta.get("general.alignment", 32)
-        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1) or align > 1 << 16:
+        if (not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1)
+                or align > 1 << 16):
             raise GGUFError(f"{p}: general.alignment must be a power of two, got {align!r}")
         self.alignment = align
 

@@ -51,7 +51,8 @@ def row_bytes(qtype, n_cols: int) -> int:
     """Bytes of one row of n_cols values of qtype. GGUFError if n_cols is not a whole number of blocks."""
     info = quant_info(qtype)
     if n_cols <= 0 or n_cols % info.block_size:
-        raise GGUFError(f"{info.name} row of {n_cols} values is not a positive multiple of the block size {info.block_size}")
+        raise GGUFError(f"{info.name} row of {n_cols} values is not a positive multiple of the block size "
+                        f"{info.block_size}")
     return n_cols // info.block_size * info.type_size
 
 

@@ -31,7 +31,8 @@ def kinds(mats=QUANTIZED + FLOATS, embd=QUANTIZED + FLOATS, acts=ACTS) -> np.nda
     """mats: the GGML types of the packed matrices; embd: the types the embedding lookup dequantizes; acts: the
     gated activations (SILU, GELU). The defaults hold everything (one compiled variant for any model: the kernels'
     public entry points use it)."""
-    names = ([f"m{int(q)}" for q in sorted({int(q) for q in mats})] + [f"e{int(q)}" for q in sorted({int(q) for q in embd})]
+    names = ([f"m{int(q)}" for q in sorted({int(q) for q in mats})]
+             + [f"e{int(q)}" for q in sorted({int(q) for q in embd})]
              + [f"a{int(a)}" for a in sorted({int(a) for a in acts})])
     return np.zeros(0, dtype=np.dtype([(n, np.uint8) for n in names]))
 

@@ -10,17 +10,17 @@ the directory. At most KEEP files per GGUF stem are kept (the oldest are deleted
 Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's
 identity (size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing
 code (the source bytes of every lumen/kernels/*.py (matmul.py packs, with helpers it may take from its
-neighbours; layout.py holds the table columns), model/weights.py, format/quants.py and this file) and numpy's version. A change
-to any of them is another key, so a stale file is never read (an edit to any kernel costs one repack). If one
-of those sources was modified after this process imported Lumen, the code running may not be the code on disk:
-the cache is then not used at all (neither read nor written) in this process.
+neighbours; layout.py holds the table columns), model/weights.py, format/quants.py and this file) and numpy's
+version. A change to any of them is another key, so a stale file is never read (an edit to any kernel costs one
+repack). If one of those sources was modified after this process imported Lumen, the code running may not be the
+code on disk: the cache is then not used at all (neither read nor written) in this process.
 
 File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, arrays: {name: [dtype, shape, offset]}},
 the arrays at 64-byte aligned offsets, the trailer b"LUMENEND". Written to a temporary file in the same
 directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A miss is packed and written under
 the cache's file lock (fcntl.flock on .lock), so processes loading a model at once pack it once and the others
-read that file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every table row
-against the GGUF tensor it packs (family, activation format, sizes, and that its slices lie inside the buffers
+read that file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every
+table row against the GGUF tensor it packs (family, activation format, sizes, and that its slices lie inside the buffers
 as lumen.engine.forward.mm takes them: lumen.kernels.layout.check_table), because the compiled kernels do not
 check bounds. Anything wrong -> the file is ignored and rewritten.
 The arrays are read into ordinary memory, not mapped: decode over a copy-on-write mapping of the file measured

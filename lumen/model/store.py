@@ -310,7 +310,8 @@ def _verify(name: str) -> Path:
     """verify() with the lock held."""
     spec, path = MODELS[name], model_path(name)
     if not path.exists():
-        raise FetchError(f"{name} has not been fetched yet ({path}); fetch it with python -m lumen.models --fetch {name}")
+        raise FetchError(f"{name} has not been fetched yet ({path}); fetch it with "
+                         f"python -m lumen.models --fetch {name}")
     digest = sha256_file(path)
     if digest != spec.sha256:
         path.unlink()

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lumen.profile",
                                  description="Profile a generate run op by op against this machine's roofline.")
     ap.add_argument("--machine", action="store_true", help="print this machine's measured limits and exit")
-    ap.add_argument("--remeasure", action="store_true", help="measure the machine limits again (with --machine or a run)")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="measure the machine limits again (with --machine or a run)")
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="registry name or path to a .gguf file")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
     ap.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate (default 128)")

@@ -198,6 +198,7 @@ def summary_line(rep: dict) -> str:
     parts = rep.get("ttft_p99_parts", {})
     top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
     return (f"TTFT p50 {rep.get('ttft_p50_s', 0) * 1e3:.0f} ms p99 {rep.get('ttft_p99_s', 0) * 1e3:.0f} ms "
-            f"(p99: {', '.join(f'{k} {100 * v:.0f}%' for k, v in top)}); ITL p50 {rep.get('itl_p50_s', 0) * 1e3:.1f} ms "
+            f"(p99: {', '.join(f'{k} {100 * v:.0f}%' for k, v in top)}); "
+            f"ITL p50 {rep.get('itl_p50_s', 0) * 1e3:.1f} ms "
             f"p99 {rep.get('itl_p99_s', 0) * 1e3:.1f} ms; coverage min {100 * rep['coverage_min']:.1f}%")
 
