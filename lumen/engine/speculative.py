@@ -53,6 +53,7 @@ class SpecState:
     indexed: int = 0                                # tokens indexed so far
     alpha: float = PRIOR                            # acceptance rate estimate (exponential average)
     alpha_n: dict = field(default_factory=dict)     # the n-gram drafter: the same, per match length n (from PRIOR)
+    matched: tuple = (-1, None)                     # (tokens, n) of the last match: k's choice and the draft share it
     steps: int = 0                                  # verification steps
     proposed: int = 0
     accepted: int = 0
@@ -81,12 +82,19 @@ class NgramDrafter:
     def match(self, st: SpecState, tokens: list) -> int | None:
         """The length n of the longest suffix of tokens that occurred before (None: nothing to draft). A long
         match is a far better draft than a short one (code and quoting: about 0.8 of the tokens after a 4-token
-        match are accepted, 0.3 after a 1- or 2-token match), so the acceptance rate is kept per n."""
+        match are accepted, 0.3 after a 1- or 2-token match), so the acceptance rate is kept per n. A request's
+        tokens only grow, so the match of a length is computed once (the engine asks when it picks k, the draft
+        again)."""
+        if st.matched[0] == len(tokens):
+            return st.matched[1]
         self._update(st, tokens)
+        found = None
         for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
             if tuple(tokens[-n:]) in st.index[n]:
-                return n
-        return None
+                found = n
+                break
+        st.matched = (len(tokens), found)
+        return found
 
     def next_token(self, st: SpecState, tokens: list, tail: list, overlay: dict) -> int | None:
         """What followed the most recent occurrence of the longest matching suffix of tokens + tail among the
