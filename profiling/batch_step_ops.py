@@ -31,12 +31,10 @@ def profile_steps(eng, B: int, context: int, tokens: int, rng) -> tuple[float, d
     with lumen.profile() as prof:
         while eng.has_unfinished():
             eng.step()
-    steps = {s.step for s in prof.steps if s.phase == "decode" and s.n_seqs == B}
-    ops: dict[str, float] = {}
-    for r in prof.records:
-        if r.step in steps:
-            ops[r.op] = ops.get(r.op, 0.0) + r.seconds * 1e3 / len(steps)
-    return sum(s.wall_s for s in prof.steps if s.step in steps) * 1e3 / len(steps), ops
+    steps = [s for s in prof.steps if s.phase == "decode"]          # all B sequences decode in every one
+    assert all(s.n_seqs == B for s in steps), "a decode step with another batch size"
+    ops = {op: a.seconds * 1e3 / len(steps) for op, a in prof.by_op("decode").items()}
+    return sum(s.wall_s for s in steps) * 1e3 / len(steps), ops
 
 
 def main(argv=None) -> None:

@@ -25,12 +25,8 @@ def run(model, prompt: str, n: int, spec: str | None) -> tuple[int, float, float
     with lumen.profile() as prof:
         for _ in model.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True, speculative=spec):
             pass
-    steps = [s for s in prof.steps if s.phase != "prefill"]
-    ids = {s.step for s in steps}
-    ops: dict[str, float] = {}
-    for r in prof.records:
-        if r.step in ids:
-            ops[r.op] = ops.get(r.op, 0.0) + r.seconds * 1e3 / len(steps)
+    steps = [s for s in prof.steps if s.phase == "decode"]          # the first token comes from the prefill
+    ops = {op: a.seconds * 1e3 / len(steps) for op, a in prof.by_op("decode").items()}
     return (len(steps), sum(s.n_tokens for s in steps) / len(steps), sum(s.wall_s for s in steps) * 1e3 / len(steps),
             ops)
 
