@@ -3,8 +3,8 @@
 Each case is a runner `run(k)` doing k repetitions of its work, almost all of it in compiled code: a kernel case
 replays the Numba calls its public entry point makes (recorded once, then looped inside one compiled function,
 so the Python wrapper and Numba's argument dispatch are not timed); the decode step and the prefill call the
-Model methods. It is timed against a reference (an L2-resident int16 multiply-add loop, compiled), interleaved
-batch by batch: ref batch, case batch, ref batch, case batch, ... The normalised figure of a case is the median
+Model methods. It is timed against a reference (an L2-resident int16 multiply-add loop, compiled; for a case
+that streams its bytes from memory, a streaming read of as many bytes), interleaved batch by batch: ref batch, case batch, ref batch, case batch, ... The normalised figure of a case is the median
 over rounds of (case CPU s per call) / (reference CPU s per pass). Machine load slows both sides of a pair
 alike, so this ratio moves far less than either time. Each round of a kernel case runs on its own copy of the
 case's arrays (their placement in memory moves the figure by several %). The gate fails a case whose
@@ -83,8 +83,19 @@ def ref_kernel(acc, q, x, reps):
                     acc[r] = np.int16(acc[r] + np.int16(q[g, j, r]) * xl + np.int16(q[g, j + 16, r]) * xh)
 
 
+@njit(fastmath=True, cache=True)
+def stream_kernel(words, reps):
+    """reps passes of a sum over words (u64): one read of every byte, as fast as one thread streams."""
+    acc = np.uint64(0)
+    for _ in range(reps):
+        for i in range(words.shape[0]):
+            acc += words[i]
+    return acc
+
+
 class Reference:
     """run(k): k passes of ref_kernel, in one compiled call; next() moves to the next of COPIES replicas."""
+    name = "int16 L2"
 
     def __init__(self):
         rng = np.random.default_rng(0)
@@ -99,6 +110,26 @@ class Reference:
 
     def __call__(self, k: int) -> None:
         ref_kernel(*self.replicas[self.i], k)
+
+
+class StreamReference:
+    """run(k): k streaming reads of a buffer of `nbytes` (rounded up to MiB), for a case that reads about as many
+    bytes per call (the decode step reads the model): its speed is the speed of memory (or of whatever part of
+    the cache the host leaves to this guest), which differs from host to host and minute to minute while the
+    int16 loop's does not (README, 3a: the decode step read 1.26-1.31 of its baseline over the int16 loop on
+    another host of the same CPU key, with no code change)."""
+
+    def __init__(self, nbytes: int):
+        mib = -(-nbytes // (1 << 20))
+        self.name = f"stream {mib} MiB"
+        self.words = np.random.default_rng(0).integers(0, 1 << 62, mib << 17, dtype=np.uint64)
+        self(1)
+
+    def next(self) -> None:
+        pass
+
+    def __call__(self, k: int) -> None:
+        stream_kernel(self.words, k)
 
 
 # ---------------------------------------------------------------- case runners
@@ -262,9 +293,10 @@ def load_baselines(path: Path = BASELINE) -> dict:
 
 class Gate:
     """Measures cases and gates them against baseline.json; collects everything for the session report."""
+    COPY_MAX_BYTES = COPY_MAX_BYTES
 
     def __init__(self):
-        self.ref = None
+        self.refs = {}  # reference name -> reference
         self.baselines = load_baselines()
         self.results = {}
         self.cpu = cpu_info()
@@ -291,11 +323,19 @@ class Gate:
                 f"of other CPUs are not comparable (known: {known}). Record one on this machine, at rest: "
                 f"LUMEN_BENCH=1 LUMEN_BENCH_WRITE=1 python -m pytest -q tests/benchmarks (README.md)")
 
-    def measure(self, case_id: str, run) -> dict:
-        """Time run(k) against the reference, interleaved. The batch sizes come from the baseline when it has
-        this case (a gate run repeats the baseline's workload), else from a calibration."""
-        if self.ref is None:
-            self.ref = Reference()
+    def reference(self, stream_bytes: int = 0):
+        """The int16 L2 loop, or (stream_bytes > 0) a streaming read of that many bytes; one of each per run."""
+        ref = StreamReference(stream_bytes) if stream_bytes else None
+        name = ref.name if ref else Reference.name
+        if name not in self.refs:
+            self.refs[name] = ref or Reference()
+        return self.refs[name]
+
+    def measure(self, case_id: str, run, stream_bytes: int = 0) -> dict:
+        """Time run(k) against the reference, interleaved: the int16 L2 loop, or for a case that reads
+        stream_bytes > 0 bytes from memory per call, a streaming read of as many. The batch sizes come from the
+        baseline when it has this case (a gate run repeats the baseline's workload), else from a calibration."""
+        ref = self.reference(stream_bytes)
         if hasattr(run, "new_copies") and self.results.get(case_id):
             run.new_copies()  # a remeasurement: other placements, so the attempts are independent
         run(1)  # warm (compiled loops, caches)
@@ -305,20 +345,20 @@ class Gate:
         if base and (not WRITE or WRITE_CHILD) and "k_ref" in base:
             k, k_ref = base["k"], base["k_ref"]
         else:
-            t_call, t_ref = per_call(run), per_call(self.ref)
+            t_call, t_ref = per_call(run), per_call(ref)
             k = max(1, math.ceil(BATCH_S / t_call))
             k_ref = max(1, round(k * t_call / t_ref))  # the reference batch lasts as long as the case batch
         rounds = LONG_ROUNDS if k == 1 else getattr(run, "rounds", ROUNDS)
         wall, cpu = [], []  # per round: (case, reference) seconds per call / per pass
         for _ in range(rounds):
-            self.ref.next()
+            ref.next()
             if hasattr(run, "next"):
                 run.next()
-            rw, rc = time_batch(self.ref, k_ref)
+            rw, rc = time_batch(ref, k_ref)
             cw, cc = time_batch(run, k, INJECT)
             wall.append((cw, rw))
             cpu.append((cc, rc))
-        res = {"k": k, "k_ref": k_ref,
+        res = {"k": k, "k_ref": k_ref, "reference": ref.name,
                "case_s_median": statistics.median(c for c, _ in wall),
                "ref_s_median": statistics.median(r for _, r in wall)}
         for name, pairs in (("wall", wall), ("cpu", cpu)):
@@ -355,6 +395,9 @@ class Gate:
         base = self.cases.get(case_id)
         if base is None or "k_ref" not in base:  # a failure, not a skip: CI must not pass without gating
             pytest.fail(f"{case_id}: not in the {self.describe()} (write it: see tests/benchmarks/README.md)")
+        if base.get("reference", Reference.name) != res["reference"]:
+            pytest.fail(f"{case_id}: measured against the {res['reference']} reference, its baseline against the "
+                        f"{base.get('reference', Reference.name)} one (rewrite it: see tests/benchmarks/README.md)")
         base = dict(base, norm=base[f"norm_{METRIC}"])
         limit = base["norm"] * THRESHOLD
         rels = []
@@ -462,7 +505,8 @@ def pytest_sessionfinish(session, exitstatus):
             norms = {m: [p[cid][m] for p in passes if cid in p] for m in
                      ("norm_wall", "norm_cpu", "norm_wall_min", "norm_cpu_min")}
             r["write_norms"] = norms[f"norm_{METRIC}"]
-            cases[cid] = {"metric": METRIC, "k": r["k"], "k_ref": r["k_ref"], "spread": round(r["spread"], 4),
+            cases[cid] = {"metric": METRIC, "k": r["k"], "k_ref": r["k_ref"], "reference": r["reference"],
+                          "spread": round(r["spread"], 4),
                           "write_norms": r["write_norms"], **{m: statistics.median(v) for m, v in norms.items()},
                           "case_ms": round(1e3 * r["case_s_median"], 5)}
             cases[cid]["norm"] = cases[cid][f"norm_{METRIC}"]
