@@ -1,12 +1,13 @@
-"""Which reference tracks the decode step's CPU time as memory conditions change? (tests/benchmarks, item 3a)
+"""Which gate reference tracks the decode step's CPU time as memory conditions change? (tests/benchmarks, 3a)
 
-    python profiling/gate_reference.py [--rounds 15] [--neighbour]
+    python profiling/gate_reference.py [--runs 12] [--pause 15] [--neighbour]
 
-One thread. Interleaved rounds of: the gate's int16 L2 loop (1600 passes), three decode steps at position 64,
-a streaming u64 sum over as many bytes as one SmolLM2 decode step reads (Weights.decode_bytes), three decode
-steps again. Prints the medians of the step's time after each reference and of step / int16 loop (the steps
-after it) and step / stream (the steps after it), as the gate pairs them. --neighbour runs a 256 MB np.copyto loop in another process
-on the other vCPU during the rounds (memory traffic from a neighbour); compare with a quiet run.
+One thread. Each run is 15 interleaved rounds of: the gate's int16 L2 loop (1600 passes), a streaming u64 sum over
+as many bytes as one SmolLM2 decode step reads (Weights.decode_bytes), the gate's int8 matvec over as many bytes
+(conftest.MemoryReference), and two decode steps at position 64. A run prints its medians of each time and of
+step / each reference; the last line gives each ratio's spread over the runs, (max - min) / median: the
+reference whose ratio spreads least tracks the step best. --neighbour runs a 256 MB np.copyto loop in another
+process on the other vCPU (a neighbour's memory traffic) during every run; compare with a quiet series.
 """
 from __future__ import annotations
 
@@ -19,13 +20,24 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "benchmarks"))
 import conftest as gate  # noqa: E402  (the gate's own references)
 
 NEIGHBOUR = """import numpy as np, time
-a = np.ones(1 << 28, np.uint8); b = np.empty_like(a); t = time.time() + 600
+a = np.ones(1 << 28, np.uint8); b = np.empty_like(a); t = time.time() + 3600
 while time.time() < t: np.copyto(b, a)"""
+
+
+@njit(fastmath=True, cache=True)
+def stream_sum(words, reps):
+    """reps passes of a sum over words (u64): one read of every byte, as fast as one thread streams."""
+    acc = np.uint64(0)
+    for _ in range(reps):
+        for i in range(words.shape[0]):
+            acc += words[i]
+    return acc
 
 
 def cpu(f) -> float:
@@ -36,7 +48,8 @@ def cpu(f) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=12)
+    ap.add_argument("--pause", type=float, default=15.0, help="seconds between runs (default 15)")
     ap.add_argument("--neighbour", action="store_true")
     a = ap.parse_args()
     import lumen
@@ -48,26 +61,39 @@ def main() -> None:
     def step():
         m.n_past = 64
         m.decode(100)
-    ref, stream = gate.Reference(), gate.StreamReference(m.weights.decode_bytes)
+    nbytes = m.weights.decode_bytes
+    int16, matvec = gate.Reference(), gate.MemoryReference(nbytes)
+    words = np.random.default_rng(0).integers(0, 1 << 62, nbytes // 8, dtype=np.uint64)
+    stream_sum(words[:8], 1)
     step()
+    refs = {"int16 L2": lambda: int16(1600), f"stream {nbytes >> 20} MiB": lambda: stream_sum(words, 1),
+            matvec.name: lambda: matvec(1)}
+    per_pass = {"int16 L2": 1600}
     nb = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if a.neighbour else None
+    ratios = {name: [] for name in refs}
     try:
         time.sleep(1 if nb else 0)
-        rows = []
-        for _ in range(a.rounds):
-            ref.next()
-            r = cpu(lambda: ref(1600)) / 1600
-            w = cpu(lambda: [step() for _ in range(3)]) / 3   # after the L2 loop: the model may still be cached
-            s = cpu(lambda: stream(1))
-            d = cpu(lambda: [step() for _ in range(3)]) / 3   # after the stream: the model was evicted
-            rows.append((r, s, d, w))
+        for run in range(a.runs):
+            if run:
+                time.sleep(a.pause)
+            rows = []
+            for _ in range(15):
+                int16.next()
+                t = {name: cpu(f) / per_pass.get(name, 1) for name, f in refs.items()}
+                t["step"] = cpu(lambda: [step() for _ in range(2)]) / 2
+                rows.append(t)
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            rel = {name: statistics.median(r["step"] / r[name] for r in rows) for name in refs}
+            for name in refs:
+                ratios[name].append(rel[name])
+            print(f"{time.strftime('%H:%M:%S')} {'neighbour' if nb else 'quiet'}: step {med['step'] * 1e3:.3f} ms; "
+                  + "; ".join(f"{name} {med[name] * 1e3:.4g} ms, step / it {rel[name]:.4g}" for name in refs),
+                  flush=True)
     finally:
         if nb:
             nb.kill()
-    r, s, d, w = (statistics.median(v) for v in zip(*rows))
-    print(f"{'neighbour' if nb else 'quiet'}: int16 pass {r * 1e6:.2f} us, {stream.name} {s * 1e3:.2f} ms, step "
-          f"after the int16 loop {w * 1e3:.3f} ms, after the stream {d * 1e3:.3f} ms | step / int16 "
-          f"{statistics.median(x[3] / x[0] for x in rows):.0f}, step / stream {statistics.median(x[2] / x[1] for x in rows):.4f}")
+    print("spread of step / reference over the runs: " + ", ".join(
+        f"{name} {(max(v) - min(v)) / statistics.median(v):.1%}" for name, v in ratios.items()))
 
 
 if __name__ == "__main__":

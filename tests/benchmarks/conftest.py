@@ -1,15 +1,15 @@
 """Benchmark regression gates: machinery. See README.md in this folder for the commands and the measurements.
 
 Each case is a runner `run(k)` doing k repetitions of its work, almost all of it in compiled code: a kernel case
-replays the Numba calls its public entry point makes (recorded once, then looped inside one compiled function,
-so the Python wrapper and Numba's argument dispatch are not timed); the decode step and the prefill call the
-Model methods. It is timed against a reference (an L2-resident int16 multiply-add loop, compiled; for a case
-that streams its bytes from memory, a streaming read of as many bytes), interleaved batch by batch: ref batch, case batch, ref batch, case batch, ... The normalised figure of a case is the median
-over rounds of (case CPU s per call) / (reference CPU s per pass). Machine load slows both sides of a pair
-alike, so this ratio moves far less than either time. Each round of a kernel case runs on its own copy of the
-case's arrays (their placement in memory moves the figure by several %). The gate fails a case whose
-normalised figure exceeds its committed baseline x THRESHOLD on a majority of up to ATTEMPTS measurements (a
-first one clearly under the limit passes at once).
+replays the Numba calls its public entry point makes (recorded once, then looped inside one compiled function, so
+the Python wrapper and Numba's argument dispatch are not timed); the decode step and the prefill call the Model
+methods. It is timed against a reference (an L2-resident int16 multiply-add loop, compiled; for a case that reads
+its bytes from memory, a plain int8 matvec over as many bytes), interleaved batch by batch: ref batch, case batch,
+ref batch, case batch, ... The normalised figure of a case is the median over rounds of (case CPU s per call) /
+(reference CPU s per pass). Machine load slows both sides of a pair alike, so this ratio moves far less than
+either time. Each round of a kernel case runs on its own copy of the case's arrays (their placement in memory
+moves the figure by several %). The gate fails a case whose normalised figure exceeds its committed baseline x
+THRESHOLD on a majority of up to ATTEMPTS measurements (a first one clearly under the limit passes at once).
 
 One baseline per CPU: baseline.json maps a CPU key (cpu_key(): the model name from lumen.machine.cpu_model(), the
 CPU count and the vector ISA flags that decide kernel speed) to that CPU's cases. A run gates against the entry of
@@ -84,13 +84,15 @@ def ref_kernel(acc, q, x, reps):
 
 
 @njit(fastmath=True, cache=True)
-def stream_kernel(words, reps):
-    """reps passes of a sum over words (u64): one read of every byte, as fast as one thread streams."""
-    acc = np.uint64(0)
+def matvec_kernel(w, x, out, reps):
+    """out (R,) i32 = reps passes of w (R, K) i8 . x (K,) i8: a plain int8 matrix-vector product, one read of every
+    byte of w with a little integer work per byte, as a quantized N = 1 matmul does (not Lumen's kernels)."""
     for _ in range(reps):
-        for i in range(words.shape[0]):
-            acc += words[i]
-    return acc
+        for r in range(w.shape[0]):
+            acc = np.int32(0)
+            for k in range(w.shape[1]):
+                acc += np.int32(w[r, k]) * np.int32(x[k])
+            out[r] = acc
 
 
 class Reference:
@@ -112,24 +114,29 @@ class Reference:
         ref_kernel(*self.replicas[self.i], k)
 
 
-class StreamReference:
-    """run(k): k streaming reads of a buffer of `nbytes` (rounded up to MiB), for a case that reads about as many
-    bytes per call (the decode step reads the model): its speed is the speed of memory (or of whatever part of
-    the cache the host leaves to this guest), which differs from host to host and minute to minute while the
-    int16 loop's does not (README, 3a: the decode step read 1.26-1.31 of its baseline over the int16 loop on
-    another host of the same CPU key, with no code change)."""
+class MemoryReference:
+    """run(k): k passes of matvec_kernel over a matrix of `nbytes` (rounded up to MiB), for a case that reads about
+    as many bytes per call from memory (the decode step reads the whole model). The int16 loop stays in L2 and
+    does not see how fast this guest's memory and last-level cache are at the moment, which differs from host to
+    host and minute to minute; a pure streaming read sees it, but differently from a case that also computes
+    (README, 3a: measured)."""
+
+    K = 4096
 
     def __init__(self, nbytes: int):
         mib = -(-nbytes // (1 << 20))
-        self.name = f"stream {mib} MiB"
-        self.words = np.random.default_rng(0).integers(0, 1 << 62, mib << 17, dtype=np.uint64)
+        self.name = f"int8 matvec {mib} MiB"
+        rng = np.random.default_rng(0)
+        self.w = rng.integers(-128, 128, (mib << 20) // self.K * self.K, dtype=np.int8).reshape(-1, self.K)
+        self.x = rng.integers(-128, 128, self.K, dtype=np.int8)
+        self.out = np.zeros(self.w.shape[0], np.int32)
         self(1)
 
     def next(self) -> None:
         pass
 
     def __call__(self, k: int) -> None:
-        stream_kernel(self.words, k)
+        matvec_kernel(self.w, self.x, self.out, k)
 
 
 # ---------------------------------------------------------------- case runners
@@ -323,19 +330,19 @@ class Gate:
                 f"of other CPUs are not comparable (known: {known}). Record one on this machine, at rest: "
                 f"LUMEN_BENCH=1 LUMEN_BENCH_WRITE=1 python -m pytest -q tests/benchmarks (README.md)")
 
-    def reference(self, stream_bytes: int = 0):
-        """The int16 L2 loop, or (stream_bytes > 0) a streaming read of that many bytes; one of each per run."""
-        ref = StreamReference(stream_bytes) if stream_bytes else None
+    def reference(self, memory_bytes: int = 0):
+        """The int16 L2 loop, or (memory_bytes > 0) an int8 matvec over that many bytes; one of each per run."""
+        ref = MemoryReference(memory_bytes) if memory_bytes else None
         name = ref.name if ref else Reference.name
         if name not in self.refs:
             self.refs[name] = ref or Reference()
         return self.refs[name]
 
-    def measure(self, case_id: str, run, stream_bytes: int = 0) -> dict:
+    def measure(self, case_id: str, run, memory_bytes: int = 0) -> dict:
         """Time run(k) against the reference, interleaved: the int16 L2 loop, or for a case that reads
-        stream_bytes > 0 bytes from memory per call, a streaming read of as many. The batch sizes come from the
+        memory_bytes > 0 bytes from memory per call, an int8 matvec over as many. The batch sizes come from the
         baseline when it has this case (a gate run repeats the baseline's workload), else from a calibration."""
-        ref = self.reference(stream_bytes)
+        ref = self.reference(memory_bytes)
         if hasattr(run, "new_copies") and self.results.get(case_id):
             run.new_copies()  # a remeasurement: other placements, so the attempts are independent
         run(1)  # warm (compiled loops, caches)

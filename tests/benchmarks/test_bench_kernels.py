@@ -73,9 +73,9 @@ def test_matmul(gate, benchmark, model, qtype, n_in, d_out, tensor, N):
     x = np.random.default_rng(0).standard_normal((N, n_in)).astype(np.float32)
     out = np.empty((N, d_out), np.float32)
     run = gate.replay(out, matvec if N == 1 else matmul_batched, out, x, w, w.qtype)
-    # an output head at N = 1 streams its weights from memory (too large for a replica per round): memory reference
-    stream = w.nbytes if N == 1 and w.nbytes > gate.COPY_MAX_BYTES else 0
-    _gate(gate, benchmark, f"matmul-{model}-{qtype}-{tensor}-{d_out}x{n_in}-N{N}", run, stream)
+    # an output head at N = 1 reads its weights from memory (too large for a replica per round): memory reference
+    mem = w.nbytes if N == 1 and w.nbytes > gate.COPY_MAX_BYTES else 0
+    _gate(gate, benchmark, f"matmul-{model}-{qtype}-{tensor}-{d_out}x{n_in}-N{N}", run, mem)
 
 
 def attention_params():
@@ -125,7 +125,7 @@ def test_decode_step(gate, benchmark):
         m.n_past = 64
         m.decode(100)
     _gate(gate, benchmark, "decode-step-smollm2-135m-pos64", gate.python_loop(step, rounds=21),
-          stream_bytes=m.weights.decode_bytes)
+          memory_bytes=m.weights.decode_bytes)
 
 
 def test_prefill_512(gate, benchmark):
@@ -138,9 +138,9 @@ def test_prefill_512(gate, benchmark):
     _gate(gate, benchmark, "prefill-smollm2-135m-512", gate.python_loop(prefill))
 
 
-def _gate(gate, benchmark, case_id, run, stream_bytes=0):
-    res = gate.measure(case_id, run, stream_bytes)
+def _gate(gate, benchmark, case_id, run, memory_bytes=0):
+    res = gate.measure(case_id, run, memory_bytes)
     benchmark.extra_info.update({k: v for k, v in res.items() if not k.startswith("ratios")})
     if not benchmark.disabled:  # with --benchmark-enable: pytest-benchmark's own stats of run(k) too
         benchmark.pedantic(run, args=(res["k"],), rounds=3)
-    gate.check(case_id, res, lambda: gate.measure(case_id, run, stream_bytes))
+    gate.check(case_id, res, lambda: gate.measure(case_id, run, memory_bytes))
