@@ -1,6 +1,6 @@
 """Which gate reference tracks the decode step's CPU time as memory conditions change? (tests/benchmarks, 3a)
 
-    python profiling/gate_reference.py [--runs 12] [--pause 15] [--neighbour]
+    python profiling/gate_reference.py [--quick] [--runs 12] [--pause 15] [--neighbour]
 
 One thread. Each run is 15 interleaved rounds of: the gate's int16 L2 loop (1600 passes), a streaming u64 sum over
 as many bytes as one SmolLM2 decode step reads (Weights.decode_bytes), the gate's int8 matvec over as many bytes
@@ -8,10 +8,12 @@ as many bytes as one SmolLM2 decode step reads (Weights.decode_bytes), the gate'
 step / each reference; the last line gives each ratio's spread over the runs, (max - min) / median: the
 reference whose ratio spreads least tracks the step best. --neighbour runs a 256 MB np.copyto loop in another
 process on the other vCPU (a neighbour's memory traffic) during every run; compare with a quiet series.
+--quick: 2 runs of 3 rounds, no pause (for tests).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -50,8 +52,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=12)
     ap.add_argument("--pause", type=float, default=15.0, help="seconds between runs (default 15)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds per run (default 15)")
     ap.add_argument("--neighbour", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="2 runs of 3 rounds, no pause (for tests)")
     a = ap.parse_args()
+    if a.quick:
+        a.runs, a.rounds, a.pause = 2, 3, 0.0
     import lumen
     numba.set_num_threads(1)
     m = lumen.load("smollm2-135m", ctx=1024, n_batch=512)
@@ -77,7 +83,7 @@ def main() -> None:
             if run:
                 time.sleep(a.pause)
             rows = []
-            for _ in range(15):
+            for _ in range(a.rounds):
                 int16.next()
                 t = {name: cpu(f) / per_pass.get(name, 1) for name, f in refs.items()}
                 t["step"] = cpu(lambda: [step() for _ in range(2)]) / 2
@@ -92,8 +98,12 @@ def main() -> None:
     finally:
         if nb:
             nb.kill()
-    print("spread of step / reference over the runs: " + ", ".join(
-        f"{name} {(max(v) - min(v)) / statistics.median(v):.1%}" for name, v in ratios.items()))
+    spread = {name: (max(v) - min(v)) / statistics.median(v) for name, v in ratios.items()}
+    best = min(spread, key=spread.get)
+    print(f"VERDICT: spread of step / reference over {a.runs} runs ({'neighbour' if nb else 'quiet'}): "
+          + ", ".join(f"{name} {x:.1%}" for name, x in spread.items())
+          + f"; the {best} reference tracks the decode step best [load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores]")
 
 
 if __name__ == "__main__":
