@@ -13,6 +13,11 @@ IMPORT_TIME_NS = time.time_ns()
 # keeps back-to-back parallel regions fast (decode 86-113 tok/s against 78-90 with the default, quiet machine) and
 # yields under load; OMP_WAIT_POLICY=passive costs 2x decode (36-38 tok/s). Set before Numba starts its threads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Past as many threads as CPUs (a second thread that runs parallel regions has a pool of its own), libgomp spins
+# only its throttled count: 100 with the wait policy unset, 1000 with it active (GOMP_SPINCOUNT still bounds
+# both). A thread that runs from the second pool decoded at 186 tok/s unset, 313 active, 330 alone (2-vCPU EPYC
+# Zen 5, SmolLM2); lumen.kernels.work.release_threads ends a pool that is no longer used.
+os.environ.setdefault("OMP_WAIT_POLICY", "active")
 # Numba's compile cache, keyed by the compiled code. Numba checks a cached function against its own source file
 # only, but the forward pass inlines kernels from other files: after an edit to a kernel, the cached forward pass
 # would still run the old kernel. So the cache lives in $LUMEN_HOME/numba/<hash of every source file that holds

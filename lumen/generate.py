@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context length to allocate (default 2048, or the model's trained context if smaller)")
     ap.add_argument("--force-ctx", action="store_true",
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
-    ap.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
+    ap.add_argument("--threads", "-t", type=int, default=None,
+                    help="the most threads (default: all cores); fewer while other processes want the cores")
+    ap.add_argument("--fixed-threads", action="store_true", help="always run --threads threads")
     ap.add_argument("--special", action="store_true", help="parse special-token text in a plain prompt")
     sp = ap.add_argument_group("speculative decoding (greedy output is identical; sampled output has the same "
                                "distribution)")
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             if not stdin_prompt:
                 args.prompt = process_escapes(args.prompt)
         t0 = time.perf_counter()
-        model = load_model(args.model, args.ctx, args.threads, args.force_ctx)
+        model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
+                           adaptive_threads=not args.fixed_threads)
         t_load = time.perf_counter() - t0
         if args.speculative == "draft" and not args.draft_model:
             raise LumenError("--speculative draft needs --draft-model")

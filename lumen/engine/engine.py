@@ -68,7 +68,7 @@ class Engine:
                  ngram_min: int = 1, ngram_max: int = 4, adaptive_k: bool = True, scheduler: str = "fcfs",
                  slo_ttft_s: float | None = None,
                  slo_tpot_s: float | None = None, explain: bool = False, cost_grid: str = "full",
-                 _runner: Runner | None = None):
+                 adaptive_threads: bool = True, _runner: Runner | None = None):
         """model: a registry name, a .gguf path, or a loaded lumen.Model (its weights are shared).
         max_model_len: longest prompt + output (default: the model's trained context).
         kv_cache_mb: the KV block pool's size (default min(1024, a fifth of the available memory)).
@@ -81,7 +81,9 @@ class Engine:
         from this machine's measured step costs (lumen.engine.costs, lumen.engine.budget), for the SLO targets
         slo_ttft_s and slo_tpot_s when given (goodput), else for throughput; max_num_batched_tokens is then the
         largest budget. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs) or "tiny" (tests). explain: log
-        every step's decision (predicted and measured cost, the alternative rejected)."""
+        every step's decision (predicted and measured cost, the alternative rejected). threads: the most threads
+        a step uses; adaptive_threads: fewer while other processes (or a server's event loop) want the cores
+        (lumen.engine.threads), else always `threads`."""
         from .llm import Model, load_parts
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -111,7 +113,7 @@ class Engine:
                 raise ValueError(f"kv_cache_mb={kv_cache_mb} holds no block ({per_block} bytes each)")
             _runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=n_blocks,
                              max_tokens=max_num_batched_tokens, max_rows=max_num_seqs, max_blocks=max_blocks,
-                             n_threads=self.threads)
+                             n_threads=self.threads, adaptive_threads=adaptive_threads)
         self.runner = _runner
         self.max_num_seqs = min(max_num_seqs, _runner.max_rows)
         self.max_num_batched_tokens = min(max_num_batched_tokens, _runner.max_tokens)

@@ -124,6 +124,7 @@ class MMScratch(NamedTuple):
     xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
                                  # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
     facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
+    work: np.ndarray             # (8,) i8 the work counter of the matmul regions (lumen.kernels.work), own line
 
 
 class AttnScratch(NamedTuple):
@@ -198,7 +199,7 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
             o, t, k = (outs[r], outs[r], outs[r]), (qts[r], qts[r], qts[r]), np.int64(1)
             q, s = (qs[r], qs[r], qs[r]), (ss[r], ss[r], ss[r])
         prepare_x(xq, xd, xs, xi, xf, x, fmts[r])
-        matmul_kernel(o, t, q, qfs[r], s, k, xq, xd, xs, xi, xf, scr.facc, w.kinds)
+        matmul_kernel(o, t, q, qfs[r], s, k, xq, xd, xs, xi, xf, scr.facc, scr.work, w.kinds)
 
 
 @njit(cache=True, inline="always")

@@ -127,11 +127,13 @@ class Model:
     """A loaded model. Construct with `lumen.load(name_or_path, ctx=..., threads=...)`."""
 
     def __init__(self, path: str | os.PathLike, *, ctx: int | None = None, threads: int | None = None,
-                 n_batch: int = DEFAULT_BATCH, pack_cache: bool | None = None, parts: ModelParts | None = None):
+                 n_batch: int = DEFAULT_BATCH, pack_cache: bool | None = None, parts: ModelParts | None = None,
+                 adaptive_threads: bool = True):
         """ctx: tokens of context to allocate (None: DEFAULT_CTX, or the trained context if smaller; beyond the
         trained context warns). n_batch: prefill chunk size. pack_cache: read the repacked weights from the
         on-disk cache (lumen.model.packcache) when valid, store them there otherwise; None = on unless
-        LUMEN_PACK_CACHE=0."""
+        LUMEN_PACK_CACHE=0. threads: the most threads a forward pass uses; adaptive_threads: fewer while other
+        processes want the cores (lumen.engine.threads), else always `threads`."""
         if parts is None:
             g, cfg = open_gguf(path)
             tok = build_tokenizer(g.metadata)
@@ -157,7 +159,7 @@ class Model:
         self.n_batch = min(n_batch, ctx)
         nb = -(-ctx // BLOCK)
         self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=nb, max_tokens=self.n_batch, max_rows=1,
-                             max_blocks=nb, n_threads=self.threads)
+                             max_blocks=nb, n_threads=self.threads, adaptive_threads=adaptive_threads)
         self.n_past = 0                              # positions 0 .. n_past-1 are in the cache
         self._engine = None
         self._spec = {}                              # speculative decoding options of the engine (speculation())

@@ -1,7 +1,8 @@
 """The model runner: owns one model's forward-pass bundles (weights, KV pool, scratch) and turns a step's plan
 into the forward pass's Batch, runs it, and hands back the logits of the rows to sample.
 
-Sizes are fixed at construction: at most `max_tokens` tokens per step, `max_rows` sequences holding blocks
+Each forward pass runs on the threads the Governor gives it (lumen.engine.threads): up to n_threads, fewer while
+other processes (or the server's own event loop) want the cores. Sizes are fixed at construction: at most `max_tokens` tokens per step, `max_rows` sequences holding blocks
 (rows of the block table), `max_blocks` blocks per sequence, `n_blocks` blocks in the pool. Nothing on the
 per-step path allocates except the small views of the preallocated batch arrays.
 """
@@ -14,8 +15,10 @@ from ..kernels.dequant import F16_TO_F32
 from ..kernels.layout import R
 from ..kernels.rope import rope_cache
 from ..kernels.scratch import per_thread
+from ..kernels.work import counters
 from ..model.config import ROPE_NEOX, Config
 from ..profile import active as profiler_active
+from .threads import Governor
 from .forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
 
 f32 = np.float32
@@ -43,7 +46,8 @@ def make_scratch(cfg: Config, max_tokens: int, max_pos: int, n_threads: int) -> 
     max_in = max(E, F, H * hdv)
     G = max_in // 32
     mm = MMScratch(xq=np.zeros(B * max_in, np.int8), xd=np.zeros(B * G, f32), xs=np.zeros(B * G * 2, f32),
-                   xf=np.zeros(B * max_in, f32), facc=per_thread((n_threads, R), f32))
+                   xf=np.zeros(B * max_in, f32), facc=per_thread((n_threads, R), f32),
+                   work=counters(n_threads))
     return Scratch(x=np.zeros((B, E), f32), xn=np.zeros((B, E), f32), q=np.zeros((B, H * hd), f32),
                    k=np.zeros((B, KV_ * hd), f32), v=np.zeros((B, KV_ * hdv), f32), att=np.zeros((B, H * hdv), f32),
                    ffa=np.zeros((B, F), f32), ffb=np.zeros((B, F), f32), mm=mm,
@@ -53,7 +57,7 @@ def make_scratch(cfg: Config, max_tokens: int, max_pos: int, n_threads: int) -> 
 
 class Runner:
     def __init__(self, cfg: Config, weights: Weights, rope_freqs, *, n_blocks: int, max_tokens: int, max_rows: int,
-                 max_blocks: int, n_threads: int):
+                 max_blocks: int, n_threads: int, adaptive_threads: bool = True):
         self.cfg = cfg
         self.max_tokens, self.max_rows, self.max_blocks = max_tokens, max_rows, max_blocks
         max_pos = max_blocks * BLOCK
@@ -72,6 +76,7 @@ class Runner:
         self._out_rows = np.zeros(max_tokens, np.int64)
         self.logits = np.zeros((0, cfg.n_vocab), f32)               # grown to the most rows a step samples
         self._entry = None                                          # the compiled forward, called directly
+        self.governor = Governor(n_threads, adaptive_threads)       # each step's thread count (threads.py)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -96,6 +101,7 @@ class Runner:
         own = prof.enabled and not prof.in_step
         if own:
             prof.begin_step(phase, n, n_seqs, kv_tokens)
+        self.governor.threads()
         args = (self.arch, self.w, self.kv, batch, self.scr, out, prof.enabled)
         if self._entry is None:                   # the first call types the arguments and compiles (or loads);
             forward(*args)                        # every later call has the same types, checked above, so it

@@ -156,6 +156,7 @@ class DraftModel:
         self.max_tokens = max(engine.max_num_batched_tokens, rows * 16)
         self.runner = Runner(parts.config, parts.bundle, parts.rope_freqs, n_blocks=rows * max_blocks,
                              max_tokens=self.max_tokens, max_rows=rows, max_blocks=max_blocks, n_threads=threads)
+        self.runner.governor = engine.runner.governor          # one thread count for the engine's steps
         self.blocks = BlockManager(rows * max_blocks, self.runner.table, prefix_caching=False)
         self.state: dict = {}                        # seq -> [row, n_blocks, done]
 

@@ -38,6 +38,7 @@ from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, 
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
 from lumen.kernels.kinds import ALL, sets
 from lumen.kernels.scratch import per_thread
+from lumen.kernels.work import STATIC, claim, counters
 from lumen.kernels.simd import NR, absmax, f16_round, first_with_abs, quantize_block
 
 
@@ -342,27 +343,48 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
 
 
 @njit(parallel=True, cache=True)
-def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, kinds):
+def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, work, kinds):
     """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) weights of the 3-tuples qts (types), qs (tiles), ss
     (scale records), all over the same activations, already rounded (`prepare_x`); qf: the weight of an F32-family
-    matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are
-    split into contiguous chunks, one per thread (`tiles`). facc (threads, R) f32: per-chunk scratch
-    (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for."""
+    matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are cut
+    into chunks of consecutive tiles (lumen.kernels.work.chunk_size) that the region's workers take from the
+    counter work[0] (lumen.kernels.work.fetch_add) until none is left (`tiles`); work[1] = STATIC gives each
+    worker one contiguous share instead (the old split, for measurements). facc (threads, R) f32: per-worker
+    scratch (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is
+    compiled for.
+
+    Dynamic, not static: with each thread a fixed contiguous half, a thread the OS took off its core for a
+    moment held the region back by its whole half. Measured, 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode, 2 threads
+    (profiling/shared_machine.py): alone the same speed; beside a process that sleeps 1 ms in a loop, see
+    the module docstring of lumen/kernels/work.py. A tile's outputs are one worker's, computed the same way
+    whichever worker it is, so the bits do not depend on the distribution."""
     total = 0
     for m in range(n):
         total += ss[m].shape[0]
-    nch = min(facc.shape[0], total)
-    for c in prange(nch):
+    nw = min(facc.shape[0], total)
+    static = work[0] == STATIC
+    per = work[1]
+    for c in range(nw):
+        work[8 * (c + 1)] = 0
+    for c in prange(nw):
         ci = np.int64(c)
-        lo, hi = ci * total // nch, (ci + 1) * total // nch
-        base = 0
-        for m in range(n):
-            T = ss[m].shape[0]
-            a, b = max(lo, base), min(hi, base + T)
-            if a < b:
-                tiles(outs[m], qts[m], qs[m], qf, ss[m], xq, xd, xs, xi, xf, facc[ci:ci + 1], a - base, b - base,
-                      kinds)
-            base += T
+        for v in range(nw if not static else 1):        # its own share first, then the others' (stealing)
+            owner = (ci + v) % nw
+            lo, hi = owner * total // nw, (owner + 1) * total // nw
+            size = max(np.int64(1), (hi - lo) // per) if not static else hi - lo
+            while True:
+                k = claim(work, 8 * (owner + 1), (hi - lo + size - 1) // size, v == 0)
+                if k < 0:
+                    break
+                a0, b0 = lo + k * size, min(hi, lo + (k + 1) * size)
+                base = 0
+                for m in range(n):
+                    T = ss[m].shape[0]
+                    a, b = max(a0, base), min(b0, base + T)
+                    if a < b:
+                        tiles(outs[m], qts[m], qs[m], qf, ss[m], xq, xd, xs, xi, xf, facc[ci:ci + 1], a - base,
+                              b - base, kinds)
+                    base += T
 
 
 @njit(cache=True)
@@ -432,7 +454,7 @@ def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
     q, qf = (_EMPTY_U8, w.q) if f32 else (w.q, _EMPTY_F32)
     qt = int(w.qtype)
     matmul_kernel((out, out, out), (qt, qt, qt), (q, q, q), qf, (w.s, w.s, w.s), 1, xq, xd, xs, xi, xf, facc,
-                  ALL)
+                  counters(facc.shape[0]), ALL)
     return out
 
 

@@ -1,0 +1,161 @@
+"""How many threads a step runs on: as many as the machine has cores left over, measured while it runs.
+
+A step is about 150 fork-join parallel regions (lumen.engine.forward). Each ends at a barrier, so it runs at the
+pace of its slowest thread: when another process wants a core, the OS takes it from one of our threads for a
+scheduler slice and the other waits. Measured on a 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode
+(profiling/shared_machine.py): alone 2 threads give 340 tok/s and 1 thread 280; beside one busy process 2
+threads give 57 and 1 thread still 280. A server's own event loop and a client on the same cores are such a
+neighbour too. So the number of threads follows what others use:
+
+    others = (CPU time of every allowed core, from /proc/stat) - (CPU time of our compute threads)
+             over the last window (WINDOW_S), in cores
+    fewer threads when others > (cores - threads) + DOWN, more when others < (cores - threads - 1) + UP
+
+Our compute threads are the calling thread and the OpenMP workers of its parallel regions (their run time from
+/proc/self/task/<tid>/schedstat), so the server's event loop counts as a neighbour, as it is. Reading the two
+files every WINDOW_S costs about 30 us; between windows `threads()` is a clock read and a compare. The thread
+count never changes a result: every kernel gives the same bits on any number of threads (tests/test_determinism).
+
+`Governor(max_threads, adaptive=False)` (or LUMEN_FIXED_THREADS=1, `--fixed-threads`) keeps max_threads always.
+Where /proc is missing (not Linux) it keeps max_threads too.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+
+WINDOW_S = 0.1        # seconds between readings
+DOWN = 0.25           # cores of others' demand beyond the free ones before a thread is given up
+UP = 0.10             # ... and below which one is taken back (after UP_WINDOWS readings in a row)
+UP_WINDOWS = 2
+PAUSE_S = 2.0         # a reading over a longer interval is too old to act on
+log = logging.getLogger("lumen.engine")
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def busy_seconds(cpus: list[int]) -> float | None:
+    """CPU seconds spent not idle on `cpus` since boot (user, nice, system, irq, softirq; not idle, iowait or
+    steal), or None where /proc/stat cannot be read."""
+    want = {f"cpu{c}" for c in cpus}
+    total = 0
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if not line.startswith(b"cpu"):
+                    break
+                parts = line.split()
+                if parts[0].decode() in want:
+                    v = [int(x) for x in parts[1:8]]
+                    total += v[0] + v[1] + v[2] + v[5] + v[6]
+    except OSError:
+        return None
+    return total / _HZ
+
+
+def schedstat(tids: list[int]) -> tuple[float, float, int]:
+    """Summed over the threads `tids` of this process: seconds run, seconds waited for a core (runnable, not
+    running), times switched in (/proc/self/task/<tid>/schedstat; a gone thread counts 0)."""
+    run = wait = n = 0
+    for t in tids:
+        try:
+            with open(f"/proc/self/task/{t}/schedstat", "rb") as f:
+                a, b, c = f.read().split()[:3]
+            run, wait, n = run + int(a), wait + int(b), n + int(c)
+        except (OSError, ValueError):
+            pass
+    return run / 1e9, wait / 1e9, n
+
+
+class Governor:
+    """The thread count of each step, from the cores that others leave us (see the module docstring)."""
+
+    def __init__(self, max_threads: int, adaptive: bool = True):
+        self.max = max_threads
+        self.n = max_threads
+        self.cpus = _allowed_cpus()
+        self.adaptive = (adaptive and max_threads > 1 and os.environ.get("LUMEN_FIXED_THREADS", "0") in ("", "0")
+                         and busy_seconds(self.cpus) is not None)
+        self.others = 0.0                     # the last reading: others' demand, in cores
+        self.wait = 0.0                       # ... our compute threads' wait for a core, in cores
+        self.switches_per_step = 0.0          # ... their context switches per step (barrier sleeps)
+        self.changes = 0                      # how often n changed
+        self.steps = 0
+        self._set: tuple[int, int] | None = None   # (thread ident, n) last given to numba.set_num_threads
+        self._tids: dict[int, list[int]] = {}      # calling thread ident -> its compute threads' tids
+        self._last: tuple[float, float, float] | None = None
+        self._ups = 0
+
+    def threads(self) -> int:
+        """The thread count for the step the calling thread is about to run (set in Numba for that thread)."""
+        self.steps += 1
+        if self.adaptive:
+            now = time.monotonic()
+            if self._last is None or now - self._last[0] >= WINDOW_S:
+                self._read(now)
+        ident = threading.get_ident()
+        if self._set != (ident, self.n):
+            import numba
+            numba.set_num_threads(self.n)
+            self._set = (ident, self.n)
+        return self.n
+
+    def _compute_tids(self) -> list[int]:
+        ident = threading.get_ident()
+        tids = self._tids.get(ident)
+        if tids is None:
+            import numba
+            from ..kernels.work import compute_thread_ids
+            before = numba.get_num_threads()
+            numba.set_num_threads(self.max)
+            tids = compute_thread_ids(self.max)
+            numba.set_num_threads(before)
+            tids = sorted(set(tids) | {threading.get_native_id()})
+            self._tids[ident] = tids
+        return tids
+
+    def _read(self, now: float) -> None:
+        busy = busy_seconds(self.cpus)
+        ours, wait, switches = schedstat(self._compute_tids())
+        if busy is None:
+            return
+        last, self._last = self._last, (now, busy, ours, wait, switches, self.steps)
+        if last is None or now - last[0] > PAUSE_S:    # the first reading, or after a long pause: a baseline only
+            return                                      # (a short pause is a reading of others alone: used)
+        dt = now - last[0]
+        self.others = max(0.0, ((busy - last[1]) - (ours - last[2])) / dt)
+        self.wait = (wait - last[3]) / dt
+        self.switches_per_step = (switches - last[4]) / max(1, self.steps - last[5])
+        self.decide(self.others)
+
+    def decide(self, others: float) -> int:
+        """Apply one reading of others' demand (cores): the new thread count."""
+        cores, n = len(self.cpus), self.n
+        down = self._target(cores, others, DOWN)
+        up = self._target(cores, others, UP)
+        if down < self.n:
+            self.n, self._ups = down, 0
+            self.changes += 1
+        elif up > self.n:
+            self._ups += 1
+            if self._ups >= UP_WINDOWS:
+                self.n, self._ups = up, 0
+                self.changes += 1
+        else:
+            self._ups = 0
+        if self.n != n:
+            log.debug("threads %d -> %d: others use %.2f of %d cores (our threads waited %.2f, %.1f switches a "
+                      "step)", n, self.n, others, cores, self.wait, self.switches_per_step)
+        return self.n
+
+    def _target(self, cores: int, others: float, margin: float) -> int:
+        return max(1, min(self.max, cores - math.ceil(max(0.0, others - margin))))

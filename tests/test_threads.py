@@ -1,0 +1,227 @@
+"""Speed that holds on a shared machine: the thread governor, the matmul regions' work distribution, the
+OpenMP pool release and the benchmarks' co-runners.
+
+The performance itself is measured by benchmarks (`lumen.bench single|batch --corunner sleep,busy`,
+profiling/shared_machine.py); here: that each part decides and computes what it should.
+"""
+import hashlib
+import threading
+import time
+
+import numba
+import numpy as np
+import pytest
+
+import lumen
+from lumen.bench.corunner import corunner, parse_kinds, ratio_rows
+from lumen.engine import threads as T
+from lumen.engine.threads import Governor, busy_seconds, schedstat
+from lumen.kernels import work
+from lumen.kernels.matmul import Packed, matmul_batched, prepare
+from lumen.format.quants import QT, quant_info
+
+MAX = numba.config.NUMBA_NUM_THREADS
+
+
+def _gov(max_threads=2, cores=2):
+    g = Governor(max_threads, adaptive=True)
+    g.cpus = list(range(cores))
+    return g
+
+
+# ---- the governor's rule, on readings given to it
+
+def test_busy_neighbour_takes_a_thread_and_gives_it_back():
+    g = _gov()
+    assert g.n == 2
+    assert g.decide(1.0) == 1              # one busy process on 2 cores: one thread
+    assert g.decide(1.0) == 1
+    assert g.decide(0.0) == 1              # the neighbour left: one reading is not enough to grow ...
+    assert g.decide(0.0) == 2              # ... UP_WINDOWS in a row are
+    assert g.changes == 2
+
+
+def test_light_neighbour_keeps_every_thread():
+    g = _gov()
+    for others in (0.02, 0.1, 0.2, 0.25, 0.0, 0.24):   # a sleeping loop, a log shipper: below DOWN
+        assert g.decide(others) == 2
+    assert g.changes == 0
+
+
+def test_hysteresis_between_down_and_up():
+    g = _gov()
+    assert g.decide(0.3) == 1              # beyond DOWN: give one up
+    for _ in range(5):
+        assert g.decide(0.15) == 1         # between UP and DOWN: stay
+    assert g.decide(0.05) == 1
+    assert g.decide(0.05) == 2
+
+
+def test_many_cores_give_up_what_others_use():
+    g = _gov(max_threads=8, cores=8)
+    assert g.decide(2.9) == 5              # 8 - ceil(2.9 - DOWN)
+    assert g.decide(0.0) == 5
+    assert g.decide(0.0) == 8              # back up in one move once it is all free
+    assert g.decide(100.0) == 1            # never below one
+
+
+def test_fixed_threads_never_change(monkeypatch):
+    g = Governor(2, adaptive=False)
+    assert not g.adaptive
+    monkeypatch.setenv("LUMEN_FIXED_THREADS", "1")
+    assert not Governor(2).adaptive
+    assert not Governor(1).adaptive        # nothing to choose
+
+
+def test_threads_sets_numba_for_the_calling_thread():
+    if MAX < 2:
+        pytest.skip("needs 2 threads")
+    g = Governor(MAX, adaptive=False)
+    numba.set_num_threads(1)
+    assert g.threads() == MAX and numba.get_num_threads() == MAX
+    g.n = 1
+    assert g.threads() == 1 and numba.get_num_threads() == 1
+    seen = []
+    t = threading.Thread(target=lambda: seen.append((g.threads(), numba.get_num_threads())))
+    t.start()
+    t.join()
+    assert seen == [(1, 1)]                # set again on a thread that had not been told
+    numba.set_num_threads(MAX)
+
+
+def test_readings_come_from_proc():
+    cpus = T._allowed_cpus()
+    b0 = busy_seconds(cpus)
+    if b0 is None:
+        pytest.skip("no /proc/stat")
+    tids = work.compute_thread_ids(numba.get_num_threads())
+    assert threading.get_native_id() in tids and len(tids) == numba.get_num_threads()
+    r0, w0, n0 = schedstat(tids)
+    x = 0
+    t = time.thread_time()
+    while time.thread_time() - t < 0.05:   # spin on this thread: its run time grows
+        x += 1
+    r1, w1, n1 = schedstat(tids)
+    assert r1 - r0 >= 0.04 and w1 >= w0 and n1 >= n0
+    assert busy_seconds(cpus) >= b0
+
+
+def test_a_busy_neighbour_is_read_as_one(monkeypatch):
+    """The reading itself, end to end: a spinning process beside this one reads as about one core of others'
+    demand (it gets one core of two), which the rule turns into one thread."""
+    if len(T._allowed_cpus()) != 2 or busy_seconds(T._allowed_cpus()) is None:
+        pytest.skip("written for 2 cores with /proc")
+    g = Governor(2)
+    g.threads()
+    with corunner("busy", seconds=10):
+        time.sleep(0.3)
+        g._read(time.monotonic())          # a reading over an interval where only the neighbour ran
+        time.sleep(0.3)
+        g._read(time.monotonic())
+    assert g.others > 0.6, g.others
+    assert g.n == 1
+
+
+# ---- the matmul regions: who computes a tile never changes its bits
+
+@pytest.mark.parametrize("qt", [QT.Q4_1, QT.Q4_K, QT.Q8_0])
+def test_distribution_does_not_change_bits(qt):
+    rng = np.random.default_rng(0)
+    info = quant_info(qt)
+    n_in, d_out = 512, 64 * 9 + 5          # 10 tiles, the last one partial
+    raw = rng.integers(0, 256, (d_out, n_in // info.block_size * info.type_size), dtype=np.uint8)
+    if qt in (QT.Q4_1, QT.Q8_0):           # keep the f16 scales finite
+        blk = raw.reshape(d_out, -1, info.type_size)
+        blk[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if qt == QT.Q4_1:
+            blk[..., 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
+    else:
+        blk = raw.reshape(d_out, -1, info.type_size)
+        blk[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        blk[..., 2:4] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    w = prepare(raw, qt)
+    x = rng.standard_normal((5, n_in)).astype(np.float32)
+    ref = matmul_batched(np.zeros((5, d_out), np.float32), x, w, qt)
+    assert np.isfinite(ref).all()
+    hashes = set()
+    for static in (True, False):
+        for per in (1, 2, 7):
+            for threads in sorted({1, MAX}):
+                numba.set_num_threads(threads)
+                out = _run_with(w, x, static, per)
+                hashes.add(hashlib.sha256(out.tobytes()).hexdigest())
+    numba.set_num_threads(MAX)
+    assert hashes == {hashlib.sha256(ref.tobytes()).hexdigest()}
+
+
+def _run_with(w: Packed, x, static: bool, per: int):
+    from lumen.format.quants import ACT_FORMAT
+    from lumen.kernels.kinds import ALL
+    from lumen.kernels.layout import R
+    from lumen.kernels.matmul import matmul_kernel, prepare_x
+    from lumen.kernels.scratch import per_thread
+    N, G = x.shape[0], w.n_in // 32
+    xq, xd = np.zeros((N, w.n_in), np.int8), np.zeros((N, G), np.float32)
+    xs, xi = np.zeros((N, G, 2), np.float32), np.zeros((N, G, 2), np.int32)
+    xf = np.zeros((N, 0), np.float32)
+    prepare_x(xq, xd, xs, xi, xf, x, ACT_FORMAT[QT(w.qtype)])
+    facc = per_thread((MAX, R), np.float32)
+    wk = work.counters(MAX, static=static)
+    wk[1] = per
+    out = np.zeros((N, w.d_out), np.float32)
+    qt = int(w.qtype)
+    matmul_kernel((out, out, out), (qt, qt, qt), (w.q, w.q, w.q), np.zeros((0, 0, R), np.float32), (w.s, w.s, w.s),
+                  1, xq, xd, xs, xi, xf, facc, wk, ALL)
+    return out
+
+
+def test_claims_split_a_share_between_owner_and_thief():
+    """The share's word: the owner takes chunks from the front, a thief from the back, never the same one."""
+    wk = work.counters(2)
+    n = 5
+    taken = []
+    for own in (True, False, True, False, False, True, True):
+        taken.append(int(_claim(wk, 8, n, own)))
+    assert taken == [0, 4, 1, 3, 2, -1, -1]
+
+
+@numba.njit
+def _claim(wk, i, n, own):
+    return work.claim(wk, i, n, own)
+
+
+def test_release_threads_then_parallel_work_again():
+    m = lumen.load("smollm2-135m", ctx=64)
+    a = m.logits([1, 2, 3])
+    assert work.release_threads() in (True, False)    # False where the threading layer is not OpenMP
+    b = m.logits([1, 2, 3])
+    assert np.array_equal(a, b)
+
+
+# ---- co-runners
+
+def test_corunner_kinds_are_bounded_and_stopped():
+    for kind in ("sleep", "busy"):
+        with corunner(kind, seconds=5) as p:
+            assert p.poll() is None                     # running
+        assert p.poll() is not None                     # stopped when the block ends
+    with corunner("busy", seconds=0.2) as p:
+        p.wait(timeout=5)                               # and bounded by its own deadline
+        assert p.returncode == 0
+    with corunner("none") as p:
+        assert p is None
+    with pytest.raises(ValueError, match="co-runner"):
+        with corunner("loud"):
+            pass
+
+
+def test_corunner_flag_parsing_and_ratios():
+    assert parse_kinds(None) == [] and parse_kinds("busy, sleep,busy") == ["busy", "sleep"]
+    with pytest.raises(ValueError, match="--corunner"):
+        parse_kinds("none")
+    with pytest.raises(ValueError, match="--corunner"):
+        parse_kinds("sleep,noisy")
+    values = {"none": {("tg", "Lumen"): [100.0, 200.0, 100.0]},
+              "busy": {("tg", "Lumen"): [50.0, 50.0, 90.0]}}
+    (row,) = ratio_rows(values, ["busy"])
+    assert row["ratio"] == pytest.approx(0.5) and row["median"] == 50.0 and row["idle_median"] == 100.0
