@@ -508,7 +508,8 @@ def test_429_queue_full_then_serving(model):
     with live_server(model, max_num_seqs=1, max_queue=1) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         body = {"prompt": "Count to a thousand:", "max_tokens": 800, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as first:
-            next(first.iter_lines())
+            lines = first.iter_lines()        # kept: a dropped iterator closes the stream, the server aborts it
+            next(lines)
             with c.stream("POST", "/v1/completions", json=body) as second:
                 assert second.status_code == 200
                 t0 = time.monotonic()

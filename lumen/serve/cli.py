@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     eng = ap.add_argument_group("engine")
-    eng.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
+    eng.add_argument("--threads", "-t", type=int, default=None,
+                     help="the most threads a step runs on (default: all cores); fewer while other processes or "
+                          "this server's event loop want the cores (lumen.engine.threads)")
+    eng.add_argument("--fixed-threads", action="store_true", help="always run --threads threads")
     eng.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (default 16)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
     eng.add_argument("--kv-cache-mb", type=float, default=None,
@@ -107,6 +110,7 @@ def load_engine(model: str, *, threads: int | None, max_model_len: int | None, m
     from ..engine.engine import Engine
     from ..engine.sampling import SamplingParams
     from ..kernels.attention import BLOCK
+    from ..kernels.work import release_threads
     engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
                     enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, **engine_kw)
@@ -122,6 +126,7 @@ def load_engine(model: str, *, threads: int | None, max_model_len: int | None, m
                     engine.max_model_len, fits)
         engine.max_model_len = fits
     engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
+    release_threads()              # the engine thread steps from now on: only its OpenMP pool may exist
     return engine
 
 
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                              num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                              ngram_max=args.ngram_max, scheduler=args.scheduler,
                              slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
-                             slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain)
+                             slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain,
+                             adaptive_threads=not args.fixed_threads)
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
                                max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,

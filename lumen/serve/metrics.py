@@ -7,6 +7,9 @@ Read from the engine when scraped:
     lumen:prefix_cache_queries_total, lumen:prefix_cache_hits_total   counters, prompt tokens
     lumen:prefix_cache_hit_rate                                  gauge, hits / queries since start
     lumen:num_preemptions_total                                  counter
+    lumen:compute_threads, lumen:compute_threads_max             gauges: the step's threads now, and the most
+    lumen:cpu_others_cores                                       gauge: what others used (lumen.engine.threads)
+    lumen:compute_threads_changes_total                          counter
 Observed as requests advance and finish:
     lumen:prompt_tokens_total          prompt tokens of requests that produced a first token
     lumen:generation_tokens_total      tokens generated
@@ -65,6 +68,13 @@ class _EngineState:
                     s["prefix_hit_tokens"] / q if q else 0.0)
         yield counter("num_preemptions", "Preemptions (a request's blocks freed, recomputed later).",
                       s["preemptions"])
+        g = self.engine.runner.governor
+        yield gauge("compute_threads", "Threads the engine's steps run on now (lumen.engine.threads).", g.n)
+        yield gauge("compute_threads_max", "The most threads a step may run on (--threads).", g.max)
+        yield gauge("cpu_others_cores", "Cores' worth of CPU that other processes and the server's other threads "
+                    "used at the governor's last reading.", g.others)
+        yield counter("compute_threads_changes", "Times the thread governor changed the step's thread count.",
+                      g.changes)
 
 
 class Metrics:

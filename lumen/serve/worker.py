@@ -26,6 +26,15 @@ log = logging.getLogger("lumen.serve")
 SHUTDOWN = "the server is shutting down"
 
 
+def _name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (top -H, /proc/<pid>/task/*/comm; Linux only)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)      # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class QueueFull(Exception):
     """The waiting queue is full: try again later."""
 
@@ -170,6 +179,7 @@ class EngineWorker:
     # ---- the engine thread
     def _run(self) -> None:
         import numba
+        _name_os_thread("lumen-engine")              # and the OpenMP workers it starts, which inherit the name
         numba.set_num_threads(self.engine.threads)
         if self.recorder is None:
             return self._steps()
