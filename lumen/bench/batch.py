@@ -1,7 +1,7 @@
 """llama-batched-bench-style throughput of the engine: npl sequences, each npp prompt tokens then ntg generated.
 
     python -m lumen.bench batch --model smollm2-135m -npp 128 -ntg 128 -npl 1,2,4,8,16 [-t T] [-r R] [--json F]
-        [--compare llama.cpp [--llama-batched-bench PATH]]
+        [--compare llama.cpp [--llama-batched-bench PATH]] [--corunner sleep,busy] [--fixed-threads]
 
 Per parallel level npl (each repeated r times, medians reported), as llama-batched-bench measures it:
     PP  the npl prompts (distinct fixed pseudo-random ids, npp each) prefilled in one engine step:
@@ -10,6 +10,9 @@ Per parallel level npl (each repeated r times, medians reported), as llama-batch
         and the step time T_TG / ntg
 The engine runs with max_num_seqs = npl, a token budget of npl * npp (so the prompts are one step and the decode
 steps are pure), greedy sampling, EOS ignored, and no prefix caching (every prompt is distinct anyway).
+
+--corunner sleep,busy runs every repetition idle and beside each co-runner in turn (lumen.bench.corunner) and
+prints each engine's gen t/s beside each, with its ratio to the same engine's idle figure in the same repetition.
 
 --compare llama.cpp runs llama.cpp's own `llama-batched-bench` on the same GGUF, shapes and thread count
 (-b 2048 -ub 512 and its defaults otherwise), interleaved with Lumen repetition by repetition. The binary comes
@@ -35,6 +38,7 @@ import time
 
 import numpy as np
 
+from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
 
 
@@ -113,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare", choices=["llama.cpp"], help="also run llama-batched-bench, interleaved")
     ap.add_argument("--llama-batched-bench", metavar="PATH", help="the llama-batched-bench binary")
     ap.add_argument("--llama-args", default="", help="extra arguments for llama-batched-bench (e.g. \"-nr\")")
+    ap.add_argument("--corunner", metavar="KINDS", default=None,
+                    help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "
+                         "interleaved with the idle one, and print each engine's ratio to its own idle figure")
+    ap.add_argument("--fixed-threads", action="store_true",
+                    help="always run --threads threads (default: fewer while other processes want the cores)")
     return ap
 
 
@@ -128,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag} must be at least 1, got {v}")
     if not levels or levels[0] < 1:
         ap.error(f"-npl levels must be positive, got {args.npl!r}")
+    try:
+        kinds = parse_kinds(args.corunner)
+    except ValueError as e:
+        ap.error(str(e))
     binary = None
     if args.compare:
         binary = find_llama_batched_bench(args.llama_batched_bench)
@@ -142,33 +155,36 @@ def main(argv: list[str] | None = None) -> int:
     from ..model.store import resolve
     try:
         path = resolve(args.model)
-        model = load(path, ctx=64, threads=args.threads)
+        model = load(path, ctx=64, threads=args.threads, adaptive_threads=not args.fixed_threads)
         top = levels[-1]
         per_block = model.runner.kv_bytes_per_block
         blocks = top * (-(-(args.npp + args.ntg + 1) // 16)) + 1
         engine = Engine(model, max_model_len=args.npp + args.ntg + 1, max_num_seqs=top,
                         max_num_batched_tokens=top * args.npp, kv_cache_mb=blocks * per_block / 2 ** 20,
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, adaptive_threads=not args.fixed_threads)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     ids = token_ids(model.config.n_vocab, top * args.npp)
     run_lumen(engine, min(args.npp, 8), 2, 1, ids)                    # warm-up: compile / load the kernels
-    reps: dict[str, dict[int, list]] = {"Lumen": {b: [] for b in levels}}
-    if binary:
-        reps["llama.cpp"] = {b: [] for b in levels}
+    engines = ["Lumen", "llama.cpp"] if binary else ["Lumen"]
+    beside = {k: {e: {b: [] for b in levels} for e in engines} for k in ["none", *kinds]}
+    reps = beside["none"]
     extra = shlex.split(args.llama_args)
     for r in range(args.repetitions):
-        for b in levels:
-            reps["Lumen"][b].append(figures(run_lumen(engine, args.npp, args.ntg, b, ids), args.npp, args.ntg, b))
-        if binary:
-            try:
-                got = run_llama(binary, str(path), args.npp, args.ntg, levels, model.threads, extra)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            for b in levels:
-                reps["llama.cpp"][b].append(figures(got[b], args.npp, args.ntg, b))
+        for kind in ["none", *kinds]:                      # idle, then beside each co-runner, every repetition
+            with corunner(kind, seconds=3600):
+                for b in levels:
+                    beside[kind]["Lumen"][b].append(figures(run_lumen(engine, args.npp, args.ntg, b, ids), args.npp,
+                                                            args.ntg, b))
+                if binary:
+                    try:
+                        got = run_llama(binary, str(path), args.npp, args.ntg, levels, model.threads, extra)
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        print(f"error: {e}", file=sys.stderr)
+                        return 1
+                    for b in levels:
+                        beside[kind]["llama.cpp"][b].append(figures(got[b], args.npp, args.ntg, b))
         if sys.stderr.isatty():
             print(f"\rrep {r + 1}/{args.repetitions} done  ", end="", file=sys.stderr, flush=True)
     if sys.stderr.isatty():
@@ -186,9 +202,18 @@ def main(argv: list[str] | None = None) -> int:
             if eng != "Lumen":
                 ratio += f"  (Lumen {med['Lumen'][b]['tg_tps'] / f['tg_tps']:.2f}x)"
             t.add_row(str(b), eng, f"{f['pp_tps']:.1f}", f"{f['tg_tps']:.1f}", f"{f['step_ms']:.2f}", ratio)
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    ratios = []
+    if kinds:
+        values = {k: {(f"gen t/s npl={b}", e): [x["tg_tps"] for x in beside[k][e][b]] for e in engines
+                      for b in levels} for k in beside}
+        ratios = ratio_rows(values, kinds)
+        render_ratios(ratios, console, f"beside co-runners, {model.threads} threads, {args.repetitions} reps "
+                                       f"(load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": str(path), "npp": args.npp, "ntg": args.ntg, "threads": model.threads,
-                       "levels": levels, "repetitions": reps, "medians": med, "rss_mb": peak_rss_mb()}, fh, indent=1)
+                       "levels": levels, "repetitions": reps, "medians": med, "rss_mb": peak_rss_mb(),
+                       "corunners": ratios}, fh, indent=1)
     return 0

@@ -1,7 +1,7 @@
 """llama-bench-style throughput of one model: prompt processing (pp) and token generation (tg), in tokens/s.
 
     python -m lumen.bench [single] --model smollm2-135m -p 512 -n 128 -r 5 [--threads T] [--json F]
-        [--compare llama.cpp] [--llama-bench PATH [--llama-args "--repack 0"]]
+        [--compare llama.cpp] [--llama-bench PATH [--llama-args "--repack 0"]] [--corunner sleep,busy]
 
 Tests (each repeated r times, mean ± stdev of the per-repetition t/s, warm-up excluded):
     pp{p}   one batched prefill of p tokens into a fresh cache (n_batch = p, so it is a single forward call)
@@ -25,6 +25,10 @@ per-repetition ratios):
 - `--compare llama.cpp` without the binary: llama-cpp-python on the same GGUF in this process (CPU only, flash
   attention off, n_batch = n_ubatch = 512, weight repacking off: see tests/data/make_gemma3_longctx.py). The
   Lumen peak RSS is taken before llama.cpp loads.
+Beside co-runners (a user's machine is never idle): `--corunner sleep,busy` runs every repetition idle and
+beside each co-runner in turn (lumen.bench.corunner: a process that sleeps 1 ms in a loop; one that spins a Python
+loop), and prints each engine's figures beside each, with their ratio to the same engine's idle figure in the
+same repetition. Lumen runs with its thread governor (lumen.engine.threads) unless --fixed-threads.
 When comparing, the machine's read bandwidth is measured in the same session (lumen.machine.measure, once per
 repetition, median), so the share of bandwidth and the engines see the same machine.
 """
@@ -43,6 +47,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
 LLAMA_BATCH = 512   # llama.cpp's n_batch = n_ubatch (llama-bench's default)
@@ -82,9 +88,9 @@ def peak_rss_mb() -> float:
 class LumenEngine:
     name = "Lumen"
 
-    def __init__(self, path, threads: int | None, ctx: int, n_batch: int):
+    def __init__(self, path, threads: int | None, ctx: int, n_batch: int, adaptive_threads: bool = True):
         from ..engine.llm import Model
-        self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch)
+        self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch, adaptive_threads=adaptive_threads)
         self.threads = self.model.threads
         self.n_vocab = self.model.config.n_vocab
         self.weight_bytes = gguf_tensor_bytes(path)
@@ -264,6 +270,30 @@ def run(engines: list, tests: list[Test], reps: int, ids: np.ndarray, on_rep=Non
     return out
 
 
+def run_beside(engines: list, tests: list[Test], reps: int, ids: np.ndarray, kinds: list[str], each_rep=None):
+    """`run` once per repetition idle and once beside each co-runner (lumen.bench.corunner), interleaved:
+    (the idle figures, {kind: {(test, engine): per-repetition t/s}} with kind "none" the idle ones)."""
+    idle: list[Figure] = []
+    values: dict = {k: {} for k in ["none", *kinds]}
+    for r in range(reps):
+        for kind in ["none", *kinds]:
+            with corunner(kind, seconds=3600):
+                figs = run(engines, tests, 1, ids, each_rep=(lambda _, r=r: each_rep(r)) if each_rep and kind == "none"
+                           else None)
+            for f in figs:
+                if f.unit == "t/s":
+                    for name, v in f.values.items():
+                        values[kind].setdefault((f.test, name), []).extend(v)
+            if kind == "none":
+                if not idle:
+                    idle = figs
+                else:
+                    for old, new in zip(idle, figs):
+                        for name in old.values:
+                            old.values[name].extend(new.values[name])
+    return idle, values
+
+
 def summarise(figs: list[Figure], engines: list) -> list[dict]:
     rows = []
     for f in figs:
@@ -349,6 +379,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (implies --compare)")
     ap.add_argument("--llama-args", default="", metavar="ARGS",
                     help='extra llama-bench flags, e.g. "--repack 0" (Xeons without OS-granted AMX tiles)')
+    ap.add_argument("--corunner", metavar="KINDS", default=None,
+                    help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "
+                         "interleaved with the idle one, and print each engine's ratio to its own idle figure")
+    ap.add_argument("--fixed-threads", action="store_true",
+                    help="always run --threads threads (default: fewer while other processes want the cores, "
+                         "lumen.engine.threads)")
     return ap
 
 
@@ -363,6 +399,10 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
     max_t = numba.config.NUMBA_NUM_THREADS
     if args.threads is not None and not 1 <= args.threads <= max_t:
         ap.error(f"--threads must be between 1 and {max_t} (the cores Numba can use), got {args.threads}")
+    try:
+        args.corunners = parse_kinds(args.corunner)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1)
     try:
         path = resolve(args.model)
-        lumen = LumenEngine(path, args.threads, ctx, max_pp)
+        lumen = LumenEngine(path, args.threads, ctx, max_pp, adaptive_threads=not args.fixed_threads)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -423,9 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     def progress(r, t):
         print(f"\rrep {r + 1}/{args.repetitions} {t.name} done   ", end="", file=sys.stderr, flush=True)
 
+    beside: dict = {}
     try:
-        figs = run(engines, tests, args.repetitions, ids, on_rep=progress if sys.stderr.isatty() else None,
-                   each_rep=each_rep)
+        if args.corunners:
+            figs, beside = run_beside(engines, tests, args.repetitions, ids, args.corunners, each_rep)
+        else:
+            figs = run(engines, tests, args.repetitions, ids, on_rep=progress if sys.stderr.isatty() else None,
+                       each_rep=each_rep)
     except RuntimeError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
@@ -443,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "rss_lumen_mb": rss_lumen, "rss_peak_mb": peak_rss_mb()}
     render(rows, engines, info, console)
+    ratios = ratio_rows(beside, args.corunners) if beside else []
+    if ratios:
+        render_ratios(ratios, console, f"beside co-runners, {lumen.threads} threads, {args.repetitions} reps "
+                                       f"(load average {info['load_avg']})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "figures": rows}, f, indent=1)
+            json.dump({"info": info, "figures": rows, "corunners": ratios}, f, indent=1)
     return 0
