@@ -8,12 +8,18 @@ threads give 57 and 1 thread still 280. A server's own event loop and a client o
 neighbour too. So the number of threads follows what others use:
 
     others = (CPU time of every allowed core, from /proc/stat) - (CPU time of our compute threads)
-             over the last window (WINDOW_S), in cores
-    fewer threads when others > (cores - threads) + DOWN, more when others < (cores - threads - 1) + UP
+             over the last SLOW_S, in cores
+    wait   = the time our compute threads spent runnable but not running, over the last WINDOW_S, in cores
+    fewer threads when others > (cores - threads) + DOWN or wait > WAIT_DOWN,
+    more when others < (cores - threads - 1) + UP in UP_WINDOWS readings in a row
 
-Our compute threads are the calling thread and the OpenMP workers of its parallel regions (their run time from
-/proc/self/task/<tid>/schedstat), so the server's event loop counts as a neighbour, as it is. Reading the two
-files every WINDOW_S costs about 30 us; between windows `threads()` is a clock read and a compare. The thread
+Our compute threads are the calling thread and the OpenMP workers of its parallel regions (their run time and
+wait from /proc/self/task/<tid>/schedstat, in ns), so the server's event loop counts as a neighbour, as it is.
+/proc/stat counts in clock ticks (10 ms), too coarse for a short window, so `others` spans SLOW_S; `wait` is
+exact, so a neighbour that arrives costs at most WINDOW_S at the old count. Measured beside one busy process at
+2 threads: wait 0.5-0.8 cores; beside a 1 ms sleeping loop 0.02-0.05; the server at concurrency 1 (its event loop
+and a client on the same cores) 0.09. Reading the files every WINDOW_S costs about 30 us; between readings
+`threads()` is a clock read and a compare. The thread
 count never changes a result: every kernel gives the same bits on any number of threads (tests/test_determinism).
 
 `Governor(max_threads, adaptive=False)` (or LUMEN_FIXED_THREADS=1, `--fixed-threads`) keeps max_threads always.
@@ -27,10 +33,12 @@ import os
 import threading
 import time
 
-WINDOW_S = 0.1        # seconds between readings
+WINDOW_S = 0.05       # seconds between readings of our threads' wait
+SLOW_S = 0.2          # seconds over which others' demand is read
 DOWN = 0.25           # cores of others' demand beyond the free ones before a thread is given up
-UP = 0.10             # ... and below which one is taken back (after UP_WINDOWS readings in a row)
-UP_WINDOWS = 2
+WAIT_DOWN = 0.25      # cores' worth of waiting for a core (our threads, summed) before a thread is given up
+UP = 0.10             # others' demand below the free cores less one by this: a thread is taken back ...
+UP_WINDOWS = 2        # ... after this many SLOW_S readings in a row
 PAUSE_S = 2.0         # a reading over a longer interval is too old to act on
 log = logging.getLogger("lumen.engine")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -92,7 +100,8 @@ class Governor:
         self.steps = 0
         self._set: tuple[int, int] | None = None   # (thread ident, n) last given to numba.set_num_threads
         self._tids: dict[int, list[int]] = {}      # calling thread ident -> its compute threads' tids
-        self._last: tuple[float, float, float] | None = None
+        self._last: tuple | None = None            # the last reading: (time, busy, ours, wait, switches, steps)
+        self._slow: tuple | None = None            # the reading others' demand is measured from
         self._ups = 0
 
     def threads(self) -> int:
@@ -128,29 +137,37 @@ class Governor:
         ours, wait, switches = schedstat(self._compute_tids())
         if busy is None:
             return
-        last, self._last = self._last, (now, busy, ours, wait, switches, self.steps)
+        snap = (now, busy, ours, wait, switches, self.steps)
+        last, self._last = self._last, snap
         if last is None or now - last[0] > PAUSE_S:    # the first reading, or after a long pause: a baseline only
-            return                                      # (a short pause is a reading of others alone: used)
+            self._slow = snap                           # (a short pause is a reading of others alone: used)
+            return
         dt = now - last[0]
-        self.others = max(0.0, ((busy - last[1]) - (ours - last[2])) / dt)
-        self.wait = (wait - last[3]) / dt
+        self.wait = max(0.0, (wait - last[3]) / dt)
         self.switches_per_step = (switches - last[4]) / max(1, self.steps - last[5])
-        self.decide(self.others)
+        slow = now - self._slow[0] >= SLOW_S
+        if slow:
+            s, self._slow = self._slow, snap
+            self.others = max(0.0, ((busy - s[1]) - (ours - s[2])) / (now - s[0]))
+        self.decide(self.others, self.wait, slow)
 
-    def decide(self, others: float) -> int:
-        """Apply one reading of others' demand (cores): the new thread count."""
+    def decide(self, others: float, wait: float = 0.0, slow: bool = True) -> int:
+        """Apply one reading: others' demand and our threads' wait for a core (cores); slow: others is a new
+        SLOW_S reading (only those count towards taking a thread back). Returns the new thread count."""
         cores, n = len(self.cpus), self.n
         down = self._target(cores, others, DOWN)
+        if wait > WAIT_DOWN:
+            down = min(down, max(1, self.n - 1))
         up = self._target(cores, others, UP)
         if down < self.n:
             self.n, self._ups = down, 0
             self.changes += 1
-        elif up > self.n:
+        elif slow and up > self.n:
             self._ups += 1
             if self._ups >= UP_WINDOWS:
                 self.n, self._ups = up, 0
                 self.changes += 1
-        else:
+        elif slow:
             self._ups = 0
         if self.n != n:
             log.debug("threads %d -> %d: others use %.2f of %d cores (our threads waited %.2f, %.1f switches a "
