@@ -239,7 +239,7 @@ def test_metrics_per_replica(server, http):
         for series in ("num_requests_running", "kv_cache_total_blocks", "prefix_cache_queries_total",
                        "generation_tokens_total", "router_requests_in_flight"):
             assert series in m[r], (r, sorted(m[r]))
-        assert m[r]["kv_cache_usage_perc"] == 0 and m[r]["router_requests_in_flight"] == 0
+        assert m[r]["router_requests_in_flight"] == 0            # the router's own count: current
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from ..worker import EngineWorker, QueueFull, ShuttingDown
 from .remote import Accepted, Failed, Refused, pack, refusal
@@ -70,9 +71,9 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         bm, s = self.engine.blocks, self.engine.stats()
-        return {"replica": self.replica, "pid": os.getpid(), "running": s["running"], "waiting": s["waiting"],
-                "kv_usage": s["kv_usage"], "blocks": [name[:NAME_BYTES] for name in list(bm.by_name)],
-                "metrics": self.metrics.render()}
+        return {"replica": self.replica, "pid": os.getpid(), "taken_at": time.time(), "running": s["running"],
+                "waiting": s["waiting"], "kv_usage": s["kv_usage"],
+                "blocks": [name[:NAME_BYTES] for name in list(bm.by_name)], "metrics": self.metrics.render()}
 
     def check_health(self) -> None:
         t = self.worker._thread

@@ -6,7 +6,7 @@ Prefix-aware (policy "prefix"): name the prompt's leading full blocks as the eng
 run of them, unless that replica has more than `imbalance` requests in flight beyond the least loaded one
 (overloaded): then to the least loaded. No match: the least loaded. A replica's cache is known from two sources:
 what it reports every routing-stats period (its named blocks, so evictions are seen) and what this router sent
-it since (so a prefix routed a moment ago counts before the replica reports it). Ties on the match go to the
+it (a prefix routed a moment ago counts while its request runs, and until a report taken after it completed). Ties on the match go to the
 least loaded; ties on the load to the replica that was sent fewer requests so far.
 
 Policy "pow2" is Ray Serve's default procedure (power of two choices: two random replicas, the one with the
@@ -29,7 +29,7 @@ from ...engine.block_manager import block_digest
 from ...kernels.attention import BLOCK
 from .replica import NAME_BYTES
 
-ROUTED_TTL_S = 30.0                            # how long a routed prefix counts before the replica's reports
+INF = float("inf")
 CHOSEN_TTL_S = 30.0                            # a request chosen for a replica but never routed: forgotten
 
 
@@ -47,31 +47,41 @@ def block_names(tokens: list[int], limit: int | None = None) -> list[bytes]:
 
 
 class PrefixIndex:
-    """Per replica: the block names it reported and those routed to it since (with when)."""
+    """Per replica: the block names in its last report (and when it took it), and the names of the requests
+    routed to it: those count while in flight and until a report taken after they completed says otherwise."""
 
     def __init__(self):
-        self.reported: dict[str, set[bytes]] = {}
-        self.routed: dict[str, dict[bytes, float]] = {}
+        self.reported: dict[str, tuple[set[bytes], float]] = {}
+        self.routed: dict[str, dict[bytes, float]] = {}           # name -> completed at (inf: in flight)
 
-    def report(self, replica: str, names) -> None:
-        self.reported[replica] = set(names)
+    def report(self, replica: str, names, taken_at: float) -> None:
+        if replica not in self.reported or self.reported[replica][1] < taken_at:
+            self.reported[replica] = (set(names), taken_at)
+            d = self.routed.get(replica, {})
+            for n in [n for n, t in d.items() if t < taken_at]:
+                del d[n]                                            # the report knows better now
 
-    def add(self, replica: str, names: list[bytes], now: float) -> None:
+    def add(self, replica: str, names: list[bytes]) -> None:
         d = self.routed.setdefault(replica, {})
         for n in names:
-            d[n] = now
+            d[n] = INF
+
+    def completed(self, replica: str, names: list[bytes], now: float) -> None:
+        d = self.routed.get(replica, {})
+        for n in names:
+            if n in d:
+                d[n] = now
 
     def drop(self, replica: str) -> None:
         self.reported.pop(replica, None)
         self.routed.pop(replica, None)
 
-    def match(self, replica: str, names: list[bytes], now: float) -> int:
+    def match(self, replica: str, names: list[bytes]) -> int:
         """Leading blocks of `names` the replica holds."""
-        rep, routed = self.reported.get(replica, set()), self.routed.get(replica, {})
+        rep, routed = self.reported.get(replica, (set(), 0.0))[0], self.routed.get(replica, {})
         k = 0
         for n in names:
-            t = routed.get(n)
-            if n not in rep and (t is None or now - t > ROUTED_TTL_S):
+            if n not in rep and n not in routed:
                 break
             k += 1
         return k
@@ -124,16 +134,16 @@ class LumenRouter(RequestRouter):
             two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
             if pending_request is not None:
                 with self.lock:
-                    self._chosen[pending_request.metadata.internal_request_id] = (None, "pow2", 0, time.monotonic())
+                    self._chosen[pending_request.metadata.internal_request_id] = (None, "pow2", 0, time.time())
             return [two]
         names = self._request_names(pending_request)
-        now = time.monotonic()
+        now = time.time()                             # the replicas' reports say when they were taken, in wall time
         with self.lock:
             for r in candidate_replicas:
-                blocks = r.routing_stats.get("blocks") if r.routing_stats else None
-                if blocks is not None:
-                    self.index.report(r.replica_id.unique_id, blocks)
-            matches = {r: self.index.match(r.replica_id.unique_id, names, now) for r in candidate_replicas}
+                st = r.routing_stats
+                if st and "blocks" in st:
+                    self.index.report(r.replica_id.unique_id, st["blocks"], st["taken_at"])
+            matches = {r: self.index.match(r.replica_id.unique_id, names) for r in candidate_replicas}
             self._chosen.pop(pending_request.metadata.internal_request_id, None)    # a retry: chosen again
             for key in [k for k, v in self._chosen.items() if now - v[3] > CHOSEN_TTL_S]:
                 del self._chosen[key]                 # chosen, then cancelled before it was routed
@@ -144,7 +154,7 @@ class LumenRouter(RequestRouter):
             order, decision = choose(matches, loads, routed, self.imbalance)
             first = order[0].replica_id.unique_id
             self._chosen[pending_request.metadata.internal_request_id] = (first, decision, matches[order[0]], now)
-            self.index.add(first, names, now)         # requests chosen at the same moment follow this one
+            self.index.add(first, names)              # requests chosen at the same moment follow this one
         return [[r] for r in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -157,15 +167,15 @@ class LumenRouter(RequestRouter):
                 decision, matched = "overloaded", 0
             self.inflight[rid] += 1
             self.routed[rid] += 1
-            self.index.add(rid, names, time.monotonic())
+            self.index.add(rid, names)
             self.decisions[decision] += 1
             self.matched_blocks += matched
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self.lock:
-            self._names.pop(internal_request_id, None)
-            self._chosen.pop(internal_request_id, None)
             rid = replica_id.unique_id
+            self.index.completed(rid, self._names.pop(internal_request_id, []), time.time())
+            self._chosen.pop(internal_request_id, None)
             if self.inflight[rid] > 0:
                 self.inflight[rid] -= 1
 
