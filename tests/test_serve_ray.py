@@ -3,7 +3,7 @@ thread each) behind one endpoint, started once for the module (a subprocess on a
 
 - the official openai client, completions and chat, streamed and not, each answer equal to Model.generate; a
   seeded stream equal token for token; X-Request-Id honoured and echoed once;
-- the error codes of the single process: every 400 row of test_serve's table, 404, 405, 413;
+- the error codes of the single process: every 400 row of test_serve's table, 404, 405, 413, 429;
 - routing: requests sharing a long prefix land on the replica that caches it (their cached_tokens), distinct
   prompts spread over both replicas; /metrics shows each replica's lumen: series with a replica label and the
   router's decisions; /health and /v1/models answer for the application;
@@ -32,6 +32,9 @@ from test_serve import assert_error, chat_ids, reference, sse_events, strip_end 
 from test_serve_load import Proc  # noqa: E402
 
 
+MAX_NUM_SEQS, MAX_QUEUE = 4, 2                  # per replica: 4 running, 2 waiting, then 429
+
+
 def ray_pids() -> set[int]:
     """Processes of a Ray instance on this machine (its GCS, raylet, workers and actors)."""
     r = subprocess.run(["pgrep", "-f", r"ray::|raylet|gcs_server|ray/_private/|default_worker\.py"],
@@ -51,7 +54,7 @@ def server(smollm2_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_ray") / "server.log"
     proc = Proc([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
                  "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", "64",
-                 "--max-num-seqs", "8", "--served-model-name", MODEL_ID, "--max-body-mb", str(MAX_BODY / 2 ** 20),
+                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL_ID, "--max-body-mb", str(MAX_BODY / 2 ** 20),
                  "--shutdown-timeout", "5"], log, health_timeout=240)
     proc.ray_before = before
     wait_replicas(proc.url, 2)
@@ -183,6 +186,36 @@ def test_404_405_413(http):
     big = json.dumps({"prompt": "x" * (MAX_BODY + 1)}).encode()
     assert_error(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_429_when_both_replicas_are_full(server):
+    """2 x (4 running + 2 waiting) long streams fill both replicas; the next request gets 429 from the replica it
+    was routed to, as from one process; once they are cut, requests are served again."""
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            streams = []
+            try:
+                for k in range(2 * (MAX_NUM_SEQS + MAX_QUEUE)):
+                    body = {"prompt": f"{k}: count to a thousand:", "max_tokens": 600, "ignore_eos": True,
+                            "stream": True}
+                    r = await c.send(c.build_request("POST", "/v1/completions", json=body), stream=True)
+                    streams.append(r)
+                    assert r.status_code == 200
+                return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            finally:
+                for r in streams:
+                    await r.aclose()
+    r = asyncio.run(asyncio.wait_for(go(), 90))
+    assert_error(r, 429)
+    assert r.headers["retry-after"] == "1"
+    t0 = time.monotonic()
+    while (r := httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                           timeout=60)).status_code == 429:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.2)
+    assert r.status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------------------
