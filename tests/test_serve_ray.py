@@ -303,13 +303,22 @@ def test_killed_replica_fails_its_requests_others_continue(server, model):
         t.start()
         time.sleep(0.3)
     assert all(e.wait(60) for e in started)
-    victim, victim_pid = sorted(pids.items())[0]
-    os.kill(int(victim_pid), signal.SIGKILL)
+    t0 = time.monotonic()
+    while True:                                     # where the two run (the replicas report every second)
+        m = replica_metrics(server.url)
+        running = {r: m[r].get("num_requests_running", 0) for r in replica_ids(m)}
+        if sum(running.values()) == 2:
+            break
+        assert time.monotonic() - t0 < 15, running
+        time.sleep(0.2)
+    victim = sorted(r for r in running if running[r] > 0)[0]
+    os.kill(int(pids[victim]), signal.SIGKILL)
     for t in threads:
         t.join(120)
-    if sorted(outcome.values()) != ["done", "error"]:
+    want = ["done"] * (2 - int(running[victim])) + ["error"] * int(running[victim])
+    if sorted(outcome.values()) != want:
         (server.log.parent / "kill.log").write_text(server.tail(400))
-    assert sorted(outcome.values()) == ["done", "error"], (outcome, pids, str(server.log.parent / "kill.log"))
+    assert sorted(outcome.values()) == want, (outcome, running, pids, str(server.log.parent / "kill.log"))
     r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
                    timeout=60)
     assert r.status_code == 200                     # the other replica serves meanwhile

@@ -257,8 +257,11 @@ def _main_ray(ap: argparse.ArgumentParser, args) -> int:
                      slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
                      slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain)
     try:
+        from ..engine.llm import open_gguf
+        from ..model.store import resolve
+        open_gguf(resolve(args.model))                 # a bad --model fails here, before Ray starts
         template = Path(args.chat_template).read_text() if args.chat_template else None
-    except OSError as e:
+    except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     settings = dict(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n,

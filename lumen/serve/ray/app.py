@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -27,6 +28,7 @@ from .router import LumenRouter
 log = logging.getLogger("lumen.serve")
 APP, INGRESS, ENGINE = "lumen", "LumenIngress", "LumenEngine"
 ROUTING_STATS_PERIOD_S = 1.0            # how often each replica reports its cached blocks, load and metrics
+MAX_CONSTRUCTOR_RETRIES = 2             # a replica that cannot load its engine: the start fails, not retried 20x
 
 
 @serve.ingress()
@@ -89,9 +91,10 @@ def build(model: str, *, model_name: str, engine_kw: dict, threads: int, replica
             request_router_kwargs={"policy": router,
                                    "imbalance": max_num_seqs // 2 if imbalance is None else imbalance}),
         health_check_period_s=health_check_period_s, graceful_shutdown_timeout_s=shutdown_timeout,
-        **scaling)
+        max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES, **scaling)
     ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout)
+                               max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout,
+                               max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
     return ingress.bind(engine.bind(model, model_name, dict(engine_kw, threads=threads), max_queue),
                         model, model_name, settings or {}, chat_template)
 
@@ -132,7 +135,12 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         log.warning("%d replicas x %d threads ask for more CPUs than this machine's %d: Ray will wait",
                     replicas, threads, cpus)
     try:
-        took = start(app, host=host, port=port, address=address)
+        try:
+            took = start(app, host=host, port=port, address=address)
+        except Exception as e:                        # noqa: BLE001 - Ray's and the replicas' failures: one line
+            print(f"error: the application did not start: {type(e).__name__}: {str(e).splitlines()[0]}",
+                  file=sys.stderr)
+            return 1
         log.info("serving on http://%s:%d: %d replica(s) x %d thread(s) on Ray (%s), ready in %.1f s", host, port,
                  replicas, threads, address or "a local instance", took)
         while not done.wait(0.5):
