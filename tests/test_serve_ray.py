@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 import lumen
-from lumen import SamplingParams
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
