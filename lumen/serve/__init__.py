@@ -8,4 +8,5 @@
     responses.py  engine outputs -> OpenAI responses, stream chunks, logprobs, usage
     worker.py     the engine's step loop in its own thread, bridged to asyncio
     metrics.py    /metrics (prometheus_client), vLLM's names with the lumen: prefix
+    ray/          --replicas N: the same app as a Ray Serve application over N engine replicas
 """

@@ -10,6 +10,7 @@ Every request passes the Gate first (lumen.serve.gate: request id, API key, body
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -99,8 +100,8 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
         reply = Reply(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{rid}", settings.model_id,
                       int(time.time()), prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
                       return_token_ids=req.return_token_ids, echo=echo)
-        sub = submit([p for p in prompts for _ in params], params * len(prompts),
-                     "prompt" if kind == "completion" else "messages")
+        sub = await submit([p for p in prompts for _ in params], params * len(prompts),
+                           "prompt" if kind == "completion" else "messages")
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
             return StreamingResponse(stream(request, reply, sub, index, req.include_usage),
@@ -123,9 +124,10 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
             worker.sent(_all_at_once(out))
         return response
 
-    def submit(prompts, params, prompt_param: str):
+    async def submit(prompts, params, prompt_param: str):
         try:
-            return worker.submit(prompts, params)
+            sub = worker.submit(prompts, params)     # a remote worker's submit is awaited: it answers once a
+            return await sub if inspect.isawaitable(sub) else sub     # replica took it (lumen.serve.ray.remote)
         except ShuttingDown as e:
             raise P.ApiError(503, str(e)) from None
         except QueueFull as e:

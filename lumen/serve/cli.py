@@ -66,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--explain", action="store_true", help="log every step's scheduling decision")
     ap.add_argument("--profile", metavar="FILE", help="record a serving profile, written to FILE at shutdown "
                                                       "(report: python -m lumen.profile --serving FILE)")
+    ry = ap.add_argument_group("scale out on Ray Serve (pip install -e '.[ray]'; lumen.serve.ray)")
+    ry.add_argument("--replicas", type=int, default=1, help="engine replicas behind this endpoint; more than one "
+                                                           "(or --ray-address) runs on Ray Serve (default 1: this "
+                                                           "process alone); --threads is then per replica")
+    ry.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` began here) instead of "
+                                          "starting a local instance")
+    ry.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas (Ray Serve's autoscaling_config)")
+    ry.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
+    ry.add_argument("--router", choices=["prefix", "pow2"], default="prefix",
+                    help="prefix: to the replica caching the longest prefix unless it is overloaded; pow2: Ray "
+                         "Serve's power of two choices (default prefix)")
     sp = ap.add_argument_group("speculative decoding (a request may choose with \"speculative\": \"ngram\" | "
                                "\"draft\" | \"none\" and \"num_speculative_tokens\")")
     sp.add_argument("--speculative", choices=["ngram", "draft"], help="the default for requests that do not say")
@@ -193,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--speculative draft needs --draft-model")
     if args.scheduler == "fcfs" and (args.slo_ttft_ms is not None or args.slo_tpot_ms is not None):
         ap.error("--slo-ttft-ms and --slo-tpot-ms need --scheduler measured")
+    if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None:
+        return _main_ray(ap, args)
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
@@ -226,3 +239,42 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("stopped")
     return 0
+
+
+def _main_ray(ap: argparse.ArgumentParser, args) -> int:
+    """--replicas N / --ray-address: the same server as a Ray Serve application (lumen.serve.ray)."""
+    if args.replicas < 1 or any(v is not None and v < 1 for v in (args.min_replicas, args.max_replicas)):
+        ap.error("--replicas, --min-replicas and --max-replicas must be at least 1")
+    if args.min_replicas is not None and args.max_replicas is not None and args.min_replicas > args.max_replicas:
+        ap.error("--min-replicas must not exceed --max-replicas")
+    if args.profile:
+        ap.error("--profile records one process; it does not work with --replicas")
+    try:
+        from .ray import app as ray_app
+    except ImportError as e:
+        print(f"error: --replicas needs Ray Serve (pip install -e '.[ray]'): {e}", file=sys.stderr)
+        return 1
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    engine_kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb,
+                     prefix_caching=not args.no_prefix_caching, chunked_prefill=not args.no_chunked_prefill,
+                     draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+                     ngram_min=args.ngram_min, ngram_max=args.ngram_max, scheduler=args.scheduler,
+                     slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
+                     slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain)
+    try:
+        from ..engine.llm import open_gguf
+        from ..model.store import resolve
+        open_gguf(resolve(args.model))                 # a bad --model fails here, before Ray starts
+        template = Path(args.chat_template).read_text() if args.chat_template else None
+    except (LumenError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    settings = dict(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n,
+                    speculative=args.speculative)
+    app = ray_app.build(args.model, model_name=model_id(args.model, args.served_model_name), engine_kw=engine_kw,
+                        threads=threads, replicas=args.replicas, min_replicas=args.min_replicas,
+                        max_replicas=args.max_replicas, router=args.router, max_queue=args.max_queue,
+                        settings=settings, chat_template=template, shutdown_timeout=args.shutdown_timeout)
+    return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
+                                replicas=args.replicas, threads=threads)

@@ -1,0 +1,154 @@
+"""The Ray Serve application: an ingress deployment serving lumen.serve.app's FastAPI app (the same routes,
+parameters, errors, SSE and X-Request-Id as one process) over an engine deployment of N replicas, and the
+process that starts it, serves until SIGTERM/SIGINT, and stops it.
+
+    build(...)      the Application: Ingress.bind(EngineReplica deployment.bind(...))
+    serve_on_ray()  ray.init (a local instance, or --ray-address's cluster), serve.run on --host:--port, wait for
+                    a signal, then delete the application (and stop Serve and the local instance if we began them)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from ..app import Settings, build_app
+from .metrics import ReplicaMetrics
+from .remote import ModelInfo, RemoteWorker
+from .replica import EngineReplica
+from .router import LumenRouter
+
+log = logging.getLogger("lumen.serve")
+APP, INGRESS, ENGINE = "lumen", "LumenIngress", "LumenEngine"
+ROUTING_STATS_PERIOD_S = 1.0            # how often each replica reports its cached blocks, load and metrics
+MAX_CONSTRUCTOR_RETRIES = 2             # a replica that cannot load its engine: the start fails, not retried 20x
+
+
+@serve.ingress()
+class Ingress:
+    """Tokenizes and validates (lumen.serve.app over a RemoteWorker); the replicas run the engines."""
+
+    async def __init__(self, engine, model: str, model_name: str, settings: dict, chat_template: str | None):
+        from ...format.chat import chat_template_from_metadata
+        from ..prompts import Prompter
+        info = await engine.info.remote()                     # the replicas' limits (one answers for all)
+        model_info = await asyncio.to_thread(ModelInfo, model, info["max_model_len"])
+        template = chat_template if chat_template is not None else \
+            chat_template_from_metadata(model_info.parts.gguf.metadata)
+        self.prompter = Prompter(model_info.tokenizer, template, model_info.max_model_len)
+        self.worker = RemoteWorker(engine, model_info)
+        self.metrics = ReplicaMetrics(ENGINE)
+        self.settings = Settings(model_id=model_name, **settings)
+
+    def __serve_build_asgi_app__(self):
+        app = build_app(self.worker, self.prompter, self.metrics, self.settings)
+        app.add_middleware(ProxyRequestId)
+        return app
+
+
+class ProxyRequestId:
+    """Ray's proxy puts X-Request-Id on every response (the client's, or the one it made and handed to the Gate):
+    the Gate's copy is dropped so the header is there once, as from one process."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                msg = dict(msg, headers=[(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"])
+            await send(msg)
+        return await self.app(scope, receive, send_ if scope["type"] == "http" else send)
+
+
+def build(model: str, *, model_name: str, engine_kw: dict, threads: int, replicas: int,
+          min_replicas: int | None = None, max_replicas: int | None = None, router: str = "prefix",
+          imbalance: int | None = None, max_queue: int = 256, settings: dict | None = None,
+          chat_template: str | None = None, shutdown_timeout: float = 30.0, health_check_period_s: float = 2.0):
+    """The application. engine_kw: cli.load_engine's options but threads (each replica runs `threads`, and asks
+    Ray for as many CPUs). min_replicas/max_replicas: Ray Serve's autoscaling bounds (replicas: the initial
+    count). router: "prefix" (lumen.serve.ray.router) or "pow2" (Ray's power of two choices)."""
+    max_num_seqs = engine_kw.get("max_num_seqs", 16)
+    scaling: dict = {"num_replicas": replicas}
+    if min_replicas is not None or max_replicas is not None:
+        lo = min_replicas if min_replicas is not None else 1
+        hi = max_replicas if max_replicas is not None else max(lo, replicas)
+        scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
+                                          "initial_replicas": min(max(replicas, lo), hi),
+                                          "target_ongoing_requests": max_num_seqs}}
+    engine = serve.deployment(
+        EngineReplica, name=ENGINE, ray_actor_options={"num_cpus": threads},
+        max_ongoing_requests=max_num_seqs + max_queue + 1,  # a full replica answers 429 itself, as one process
+        request_router_config=RequestRouterConfig(
+            request_router_class=LumenRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_router_kwargs={"policy": router,
+                                   "imbalance": max_num_seqs // 2 if imbalance is None else imbalance}),
+        health_check_period_s=health_check_period_s, graceful_shutdown_timeout_s=shutdown_timeout,
+        max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES, **scaling)
+    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout,
+                               max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
+    return ingress.bind(engine.bind(model, model_name, dict(engine_kw, threads=threads), max_queue),
+                        model, model_name, settings or {}, chat_template)
+
+
+def start(app, *, host: str, port: int, address: str | None = None, num_cpus: int | None = None,
+          log_to_driver: bool = True) -> float:
+    """Start Ray (a local instance, or join `address`) and Serve, run the application on host:port; returns
+    the seconds it took until the application answered."""
+    import ray
+    t0 = time.perf_counter()
+    if address:
+        ray.init(address=address, log_to_driver=log_to_driver)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=APP, route_prefix="/", blocking=False)
+    return time.perf_counter() - t0
+
+
+def stop(*, address: str | None = None) -> None:
+    """Delete the application; when Ray was started here, stop Serve and Ray too (no process is left)."""
+    import ray
+    try:
+        if address:
+            serve.delete(APP)
+        else:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int) -> int:
+    """Run the application until SIGTERM or SIGINT (the command line's Ray path)."""
+    done = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cpus = os.cpu_count() or 1
+    if not address and replicas * threads > cpus:
+        log.warning("%d replicas x %d threads ask for more CPUs than this machine's %d: Ray will wait",
+                    replicas, threads, cpus)
+    try:
+        try:
+            took = start(app, host=host, port=port, address=address)
+        except Exception as e:                        # noqa: BLE001 - Ray's and the replicas' failures: one line
+            print(f"error: the application did not start: {type(e).__name__}: {str(e).splitlines()[0]}",
+                  file=sys.stderr)
+            return 1
+        log.info("serving on http://%s:%d: %d replica(s) x %d thread(s) on Ray (%s), ready in %.1f s", host, port,
+                 replicas, threads, address or "a local instance", took)
+        while not done.wait(0.5):
+            pass
+        log.info("stopping")
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+        stop(address=address)
+    log.info("stopped")
+    return 0

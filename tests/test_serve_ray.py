@@ -1,0 +1,332 @@
+"""`python -m lumen.serve --replicas 2` as a user starts it: a local Ray instance with two engine replicas (one
+thread each) behind one endpoint, started once for the module (a subprocess on a free port of 127.0.0.1):
+
+- the official openai client, completions and chat, streamed and not, each answer equal to Model.generate; a
+  seeded stream equal token for token; X-Request-Id honoured and echoed once;
+- the error codes of the single process: every 400 row of test_serve's table, 404, 405, 413, 429;
+- routing: requests sharing a long prefix land on the replica that caches it (their cached_tokens), distinct
+  prompts spread over both replicas; /metrics shows each replica's lumen: series with a replica label and the
+  router's decisions; /health and /v1/models answer for the application;
+- a killed replica: its request in flight gets an error, the other replica's completes, Ray starts a new one;
+- shutdown: SIGINT stops the server with exit code 0 and leaves no Ray process behind.
+Every wait is bounded."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+import lumen
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from test_serve import BAD_REQUESTS, MAX_BODY, MAX_MODEL_LEN, MESSAGES, MODEL_ID, PROMPT  # noqa: E402
+from test_serve import assert_error, chat_ids, reference, sse_events, strip_end  # noqa: E402
+from test_serve_load import Proc  # noqa: E402
+
+
+MAX_NUM_SEQS, MAX_QUEUE = 4, 2                  # per replica: 4 running, 2 waiting, then 429
+
+
+def ray_pids() -> set[int]:
+    """Processes of a Ray instance on this machine (its GCS, raylet, workers and actors)."""
+    r = subprocess.run(["pgrep", "-f", r"ray::|raylet|gcs_server|ray/_private/|default_worker\.py"],
+                       capture_output=True, text=True)
+    return {int(p) for p in r.stdout.split()}
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return lumen.load(smollm2_path, ctx=2048, threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    """Two replicas on a local Ray instance; stopped (SIGINT) by test_shutdown_leaves_no_ray_process, or here."""
+    before = ray_pids()
+    log = tmp_path_factory.mktemp("serve_ray") / "server.log"
+    proc = Proc([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                 "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", "64",
+                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL_ID, "--max-body-mb", str(MAX_BODY / 2 ** 20),
+                 "--shutdown-timeout", "5"], log, health_timeout=240)
+    proc.ray_before = before
+    wait_replicas(proc.url, 2)
+    yield proc
+    proc.stop(signal.SIGINT, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def replica_metrics(url: str) -> dict[str, dict]:
+    """/metrics by replica: {replica: {series{labels but replica and model_name}: value}}, and under "" the
+    series without a replica label."""
+    out: dict[str, dict] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if not line.startswith("lumen:"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        labels = {}
+        if "{" in name:
+            name, rest = name.split("{", 1)
+            for part in rest.rstrip("}").split('",'):
+                if part:
+                    k, v = part.split("=", 1)
+                    labels[k] = v.strip('"')
+        replica = labels.pop("replica", "")
+        labels.pop("model_name", None)
+        key = name[len("lumen:"):] + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                                      if labels else "")
+        out.setdefault(replica, {})[key] = float(value)
+    return out
+
+
+def wait_replicas(url: str, n: int, timeout: float = 120.0, exclude: set = frozenset()) -> dict[str, dict]:
+    """/metrics by replica once n replicas (none of `exclude`) report."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            m = replica_metrics(url)
+            if len(replica_ids(m)) == n and not replica_ids(m) & set(exclude):
+                return m
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t0 < timeout, "the replicas did not report"
+        time.sleep(0.5)
+
+
+def replica_pids(m: dict) -> dict[str, str]:
+    """replica -> its process id, from lumen:replica_info{pid, replica}."""
+    return {r: k[len("replica_info{pid="):-1] for r in replica_ids(m) for k in m[r] if k.startswith("replica_info{")}
+
+
+def replica_ids(m: dict) -> set[str]:
+    return {r for r in m if r}
+
+
+def served(m: dict, replica: str) -> float:
+    return sum(v for k, v in m.get(replica, {}).items() if k.startswith("request_success_total"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the same API as one process
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_openai_client(server, model, kind, stream):
+    ids = model.tokenize(PROMPT) if kind == "completions" else chat_ids(model, MESSAGES)
+    want = model.detokenize(strip_end(model, reference(model, ids, max_tokens=12, temperature=0)))
+    kw = dict(model=MODEL_ID, max_tokens=12, temperature=0)
+    kw.update(prompt=PROMPT) if kind == "completions" else kw.update(messages=MESSAGES)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    api = client.completions if kind == "completions" else client.chat.completions
+    if stream:
+        text, finish, usage = "", None, None
+        for chunk in api.create(stream=True, stream_options={"include_usage": True}, **kw):
+            if chunk.usage is not None:
+                usage = chunk.usage
+                continue
+            c = chunk.choices[0]
+            text += c.text if kind == "completions" else c.delta.content or ""
+            finish = c.finish_reason or finish
+    else:
+        res = api.create(**kw)
+        c, usage = res.choices[0], res.usage
+        text, finish = (c.text if kind == "completions" else c.message.content), c.finish_reason
+    assert text == want
+    assert finish in ("stop", "length")
+    assert usage.prompt_tokens == len(ids) and 1 <= usage.completion_tokens <= 12
+
+
+def test_seeded_stream_and_logprobs_equal_generate(http, model):
+    body = {"prompt": "Once upon a time, in a small village,", "max_tokens": 20, "temperature": 0.9, "top_k": 40,
+            "top_p": 0.95, "seed": 7, "stream": True, "return_token_ids": True, "logprobs": 2}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r)
+    got = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+    ids = model.tokenize(body["prompt"])
+    assert got == reference(model, ids, max_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    assert sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c["logprobs"]) == len(got)
+
+
+def test_request_id_models_health(http):
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "ray-42"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-ray-42"
+    assert r.headers.get_list("x-request-id") == ["ray-42"]
+    assert len(http.get("/health").headers.get_list("x-request-id")) == 1
+    assert http.get("/health").json() == {"status": "ok"}
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL_ID]
+    assert http.get("/v1/models/" + MODEL_ID).json()["max_model_len"] == MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("path, body, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_400(http, path, body, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert_error(r, 400, param)
+
+
+def test_404_405_413(http):
+    assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
+    assert_error(http.get("/v1/models/gpt-4"), 404)
+    assert_error(http.get("/v2/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+    big = json.dumps({"prompt": "x" * (MAX_BODY + 1)}).encode()
+    assert_error(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_429_when_both_replicas_are_full(server):
+    """2 x (4 running + 2 waiting) long streams fill both replicas; the next request gets 429 from the replica it
+    was routed to, as from one process; once they are cut, requests are served again."""
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            streams = []
+            try:
+                for k in range(2 * (MAX_NUM_SEQS + MAX_QUEUE)):
+                    body = {"prompt": f"{k}: count to a thousand:", "max_tokens": 600, "ignore_eos": True,
+                            "stream": True}
+                    r = await c.send(c.build_request("POST", "/v1/completions", json=body), stream=True)
+                    streams.append(r)
+                    assert r.status_code == 200
+                return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            finally:
+                for r in streams:
+                    await r.aclose()
+    r = asyncio.run(asyncio.wait_for(go(), 90))
+    assert_error(r, 429)
+    assert r.headers["retry-after"] == "1"
+    t0 = time.monotonic()
+    while (r := httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                           timeout=60)).status_code == 429:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.2)
+    assert r.status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routing and metrics
+
+def long_prompt(model, seed: int, n: int) -> list[int]:
+    """n token ids of plain text (a different text per seed)."""
+    words = ["river", "mountain", "lantern", "harvest", "copper", "meadow", "signal", "orchard", "thunder", "pebble"]
+    text = " ".join(words[(seed * 7 + i * (seed + 3)) % len(words)] for i in range(n))
+    return model.tokenize(text)[:n]
+
+
+def test_shared_prefix_lands_on_one_replica_distinct_spread(http, server, model):
+    prefix = long_prompt(model, 1, 480)
+    first = http.post("/v1/completions", json={"prompt": prefix + [42], "max_tokens": 2, "temperature": 0})
+    assert first.status_code == 200
+    for i in range(4):                              # each later request finds the prefix cached where it went
+        r = http.post("/v1/completions", json={"prompt": prefix + [100 + i, 7], "max_tokens": 2,
+                                                "temperature": 0})
+        assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 480 // 16 * 16 - 16
+    before = replica_metrics(server.url)
+    results = []
+
+    def send(seed):                                 # distinct long prompts at once: the least loaded replica
+        body = {"prompt": long_prompt(model, 10 + seed, 200), "max_tokens": 48, "ignore_eos": True}
+        results.append(httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code)
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [200] * 4
+    t0 = time.monotonic()
+    while True:                                     # replicas report every second
+        m = replica_metrics(server.url)
+        grew = [r for r in replica_ids(m) if served(m, r) > served(before, r)]
+        if len(grew) == 2:
+            break
+        assert time.monotonic() - t0 < 15, (before, m)
+        time.sleep(0.5)
+    decisions = {k: v for k, v in m[""].items() if k.startswith("router_decisions_total")}
+    assert decisions.get("router_decisions_total{decision=prefix,policy=prefix}", 0) >= 4, decisions
+    assert decisions.get("router_decisions_total{decision=least_loaded,policy=prefix}", 0) >= 4, decisions
+
+
+def test_metrics_per_replica(server, http):
+    for k in range(2):                              # one request each (the second goes to the idle replica)
+        assert http.post("/v1/completions", json={"prompt": f"{k}", "max_tokens": 1}).status_code == 200
+    m = wait_replicas(server.url, 2)
+    reps = replica_ids(m)
+    assert len(reps) == 2
+    for r in reps:
+        for series in ("num_requests_running", "kv_cache_total_blocks", "prefix_cache_queries_total",
+                       "generation_tokens_total", "router_requests_in_flight"):
+            assert series in m[r], (r, sorted(m[r]))
+        assert m[r]["router_requests_in_flight"] == 0            # the router's own count: current
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a replica dies; the server stops
+
+def test_killed_replica_fails_its_requests_others_continue(server, model):
+    m = wait_replicas(server.url, 2)
+    pids = replica_pids(m)
+    assert len(pids) == 2
+    outcome: dict[int, str] = {}
+    started = [threading.Event(), threading.Event()]
+
+    def stream(k):                                  # two long distinct streams: one on each replica
+        body = {"prompt": long_prompt(model, 30 + k, 100), "max_tokens": 800, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    started[k].set()
+                    if line.startswith("data: {\"error\""):
+                        outcome[k] = "error"
+                    elif line == "data: [DONE]":
+                        outcome.setdefault(k, "done")
+        except httpx.HTTPError as e:
+            outcome[k] = f"broken: {e}"
+        started[k].set()
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    assert all(e.wait(60) for e in started)
+    t0 = time.monotonic()
+    while True:                                     # where the two run (the replicas report every second)
+        m = replica_metrics(server.url)
+        running = {r: m[r].get("num_requests_running", 0) for r in replica_ids(m)}
+        if sum(running.values()) == 2:
+            break
+        assert time.monotonic() - t0 < 15, running
+        time.sleep(0.2)
+    victim = sorted(r for r in running if running[r] > 0)[0]
+    os.kill(int(pids[victim]), signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    want = ["done"] * (2 - int(running[victim])) + ["error"] * int(running[victim])
+    if sorted(outcome.values()) != want:
+        (server.log.parent / "kill.log").write_text(server.tail(400))
+    assert sorted(outcome.values()) == want, (outcome, running, pids, str(server.log.parent / "kill.log"))
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200                     # the other replica serves meanwhile
+    wait_replicas(server.url, 2, timeout=150, exclude={victim})     # Ray started a new one
+
+
+def test_shutdown_leaves_no_ray_process(server):
+    assert server.stop(signal.SIGINT, timeout=90) == 0
+    t0 = time.monotonic()
+    while (left := ray_pids() - server.ray_before):
+        assert time.monotonic() - t0 < 30, f"Ray processes left: {left}"
+        time.sleep(0.5)
