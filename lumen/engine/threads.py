@@ -10,15 +10,17 @@ neighbour too. So the number of threads follows what others use:
     others = (CPU time of every allowed core, from /proc/stat) - (CPU time of our compute threads)
              over the last SLOW_S, in cores
     wait   = the time our compute threads spent runnable but not running, over the last WINDOW_S, in cores
-    fewer threads when others > (cores - threads) + DOWN or wait > WAIT_DOWN,
+    fewer threads when others > (cores - threads) + DOWN, or wait > WAIT_DOWN in WAIT_WINDOWS readings in a row,
     more when others < (cores - threads - 1) + UP in UP_WINDOWS readings in a row
 
 Our compute threads are the calling thread and the OpenMP workers of its parallel regions (their run time and
 wait from /proc/self/task/<tid>/schedstat, in ns), so the server's event loop counts as a neighbour, as it is.
 /proc/stat counts in clock ticks (10 ms), too coarse for a short window, so `others` spans SLOW_S; `wait` is
-exact, so a neighbour that arrives costs at most WINDOW_S at the old count. Measured beside one busy process at
-2 threads: wait 0.5-0.8 cores; beside a 1 ms sleeping loop 0.02-0.05; the server at concurrency 1 (its event loop
-and a client on the same cores) 0.09. Reading the files every WINDOW_S costs about 30 us; between readings
+exact, so a busy neighbour that arrives costs about WAIT_WINDOWS x WINDOW_S at the old count. Measured at 2 threads
+(profiling/shared_machine.py, the server's --log-level debug): beside one busy process wait 0.5-0.8 cores and
+others 0.47-1.0; beside a 1 ms sleeping loop 0.02-0.05 and 0-0.12; the server at concurrency 1 (its event loop and
+a client on the same cores) 0.09 and 0.1-0.25; at concurrency 16 0.26-0.38 and 0.10-0.19, where 2 threads still
+serve 1.35x what a governor that gave one up at wait 0.25 did (697.6 against 518.3 output tok/s). Reading the files every WINDOW_S costs about 30 us; between readings
 `threads()` is a clock read and a compare. The thread
 count never changes a result: every kernel gives the same bits on any number of threads (tests/test_determinism).
 
@@ -35,11 +37,13 @@ import time
 
 WINDOW_S = 0.05       # seconds between readings of our threads' wait
 SLOW_S = 0.2          # seconds over which others' demand is read
-DOWN = 0.25           # cores of others' demand beyond the free ones before a thread is given up
-WAIT_DOWN = 0.25      # cores' worth of waiting for a core (our threads, summed) before a thread is given up
+DOWN = 0.35           # cores of others' demand beyond the free ones before a thread is given up
+WAIT_DOWN = 0.45      # cores' worth of waiting for a core (our threads, summed), in WAIT_WINDOWS readings in a row,
+WAIT_WINDOWS = 2      # before a thread is given up without waiting for the slow reading
 UP = 0.10             # others' demand below the free cores less one by this: a thread is taken back ...
 UP_WINDOWS = 2        # ... after this many SLOW_S readings in a row
-PAUSE_S = 2.0         # a reading over a longer interval is too old to act on
+PAUSE_S = 10.0        # a reading over a longer interval is too old to act on; a shorter pause (no step ran) is a
+                      # clean reading of what others use: the first step after it is decided from it
 log = logging.getLogger("lumen.engine")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -100,9 +104,11 @@ class Governor:
         self.steps = 0
         self._set: tuple[int, int] | None = None   # (thread ident, n) last given to numba.set_num_threads
         self._tids: dict[int, list[int]] = {}      # calling thread ident -> its compute threads' tids
-        self._last: tuple | None = None            # the last reading: (time, busy, ours, wait, switches, steps)
+        self._last: tuple | None = None            # the last reading: (time, busy, ours, wait, switches, steps,
+                                                   # calling thread)
         self._slow: tuple | None = None            # the reading others' demand is measured from
         self._ups = 0
+        self._waits = 0
 
     def threads(self) -> int:
         """The thread count for the step the calling thread is about to run (set in Numba for that thread)."""
@@ -137,9 +143,10 @@ class Governor:
         ours, wait, switches = schedstat(self._compute_tids())
         if busy is None:
             return
-        snap = (now, busy, ours, wait, switches, self.steps)
+        snap = (now, busy, ours, wait, switches, self.steps, threading.get_ident())
         last, self._last = self._last, snap
-        if last is None or now - last[0] > PAUSE_S:    # the first reading, or after a long pause: a baseline only
+        if last is None or now - last[0] > PAUSE_S or last[6] != snap[6]:
+            # the first reading, after a long pause, or of another calling thread's compute threads: a baseline
             self._slow = snap                           # (a short pause is a reading of others alone: used)
             return
         dt = now - last[0]
@@ -156,11 +163,12 @@ class Governor:
         SLOW_S reading (only those count towards taking a thread back). Returns the new thread count."""
         cores, n = len(self.cpus), self.n
         down = self._target(cores, others, DOWN)
-        if wait > WAIT_DOWN:
+        self._waits = self._waits + 1 if wait > WAIT_DOWN else 0
+        if self._waits >= WAIT_WINDOWS:
             down = min(down, max(1, self.n - 1))
         up = self._target(cores, others, UP)
         if down < self.n:
-            self.n, self._ups = down, 0
+            self.n, self._ups, self._waits = down, 0, 0
             self.changes += 1
         elif slow and up > self.n:
             self._ups += 1
