@@ -39,7 +39,7 @@ from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, 
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
 from lumen.kernels.kinds import ALL, sets
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
+from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, quantize_block
 
 
 class Packed(NamedTuple):
@@ -272,24 +272,25 @@ _TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_
 _TILE_ARGS = "out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G"
 
 
-def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0):
+def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
     """out.flat[oo + i ostride: + R] (i < nr, nr = 1 or NR) = the tile of type qt at q.flat[qo:], s.flat[so:] times
     activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels); for nr = NR
-    only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1. For the matrix types of the kinds (lumen.kernels.kinds;
+    only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1, prefetching pfb bytes per group (0: none) from pf bytes
+    past the tile into L2 as it goes. For the matrix types of the kinds (lumen.kernels.kinds;
     compiled code only, see the overload)."""
     raise NotImplementedError("tile_rows runs in compiled code only")
 
 
 @overload(tile_rows)
-def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0):
+def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
     """The dispatch, generated for the kinds' types only: an if-chain over qt, one tile kernel per branch."""
     import lumen.kernels.simd as simd
     qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
-    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}, v0):"]
+    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}, v0, pf, pfb):"]
     for which, cond in ((0, "if nr == 1:"), (1, "else:")):
         lines.append(f"    {cond}")
         for j, t in enumerate(qts):          # the last type takes the else branch (the table checked qt)
-            call = f"{_TILES[t][which]}({_TILE_ARGS}{', v0' if which else ''})"
+            call = f"{_TILES[t][which]}({_TILE_ARGS}{', v0, pf, pfb' if which else ''})"
             if len(qts) == 1:
                 lines.append(f"        {call}")
             else:
@@ -336,17 +337,23 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
         full = (t + 1) * R <= d_out
         i0 = 0
         if full and nb > 0:
-            if t + 1 < t1:
-                prefetch_lines(q, (t + 1) * qb, qb)   # the next tile streams in while this one is computed
+            # the next tile streams into L2 while this one is computed: each of the P passes prefetches its 1/P
+            # share of it, spread over its groups (lumen.kernels.simd has the measurements)
+            P = nb // NR * (R // 16 // NVP)
+            chunk = -(-qb // P // 64) * 64
+            per = -(-chunk // G // 64) * 64 if t + 1 < t1 else zero
+            p = 0
             for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
                 for i in range(0, nb, NR):
+                    pb = per if p * chunk < qb else zero
                     tile_rows(kinds, qt, NR, out, i * d_out + t * R, d_out, q, t * qb, s, t * sb, xq, i * n_in,
-                              xd, i * G, xs, 2 * i * G, xi, 2 * i * G, G, np.int64(v0))
+                              xd, i * G, xs, 2 * i * G, xi, 2 * i * G, G, np.int64(v0), qb + p * chunk, pb)
+                    p += 1
             i0 = nb
         for i in range(i0, N):
             dst, do = (out, i * d_out + t * R) if full else (facc, zero)
             tile_rows(kinds, qt, 1, dst, do, zero, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G,
-                      xi, 2 * i * G, G, zero)
+                      xi, 2 * i * G, G, zero, zero, zero)
             if not full:
                 for r in range(d_out - t * R):
                     out[i, t * R + r] = facc[0, r]

@@ -22,9 +22,12 @@ Two loop orders, the same operations per row and group in the same order (so the
 - 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
 - NR = 4 rows (batched): half a tile (NVP = 2 vectors of 16 rows) per call, groups outer, the 4 x 2 row sums in
   8 registers; each weight vector is loaded and unpacked once and used for the 4 activation rows, whose bytes are
-  broadcast into vpdpbusd. The half tile reads the weights in memory order (the hardware prefetcher follows it,
-  and the caller prefetches the next tile into L2), so a pass that streams a tile from DRAM overlaps it with
-  compute. Q6_K keeps one vector at a time, groups inner (its unpack holds more registers).
+  broadcast into vpdpbusd. The half tile reads the weights in memory order. Q6_K keeps one vector at a time,
+  groups inner (its unpack holds more registers).
+  The next tile is prefetched into L2 while a tile is computed, each pass taking its share, spread over its
+  groups, so the DRAM stream overlaps the compute (us per matrix, same bench as below, SmolLM2 gate+up, N = 4 / 8 /
+  16 / 64 / 256: the whole next tile prefetched at once before the passes 38.1 / 42.6 / 83.6 / 214 / 739, spread
+  over the passes 21.5 / 33.2 / 61.2 / 198 / 746; spread over the first pass only 24.1 / 37.6 / 68.9 / 229 / 851).
   The shape was chosen by measurement (AMD EPYC Zen 5, 1 thread, every layer's matrices of a kind so the
   weights stream from DRAM, interleaved medians of 7, load 1.3-1.9 from neighbours; the int8 roof on this host
   is 1092 GOP/s per core, lumen.profile --machine): us per matrix at N = 4 / 8 / 16 / 64
@@ -287,14 +290,29 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
                 slot = f_slots[i][j]
                 builder.store(_row_group(builder, sc, z, builder.load(slot), u, scl, *ptrs[i]), slot)
 
+        pf, pfb = args[17], args[18]
+        pfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+
+        def prefetch(g):
+            """Prefetch the pfb bytes at pf + g pfb from the tile into L2 (pfb = 0: none): a pass spreads its share
+            of the next tile over its groups."""
+            base = builder.gep(qp, [builder.add(pf, builder.mul(g, pfb))])
+            with cgutils.for_range_slice(builder, _i64(0), pfb, _i64(64)) as (line, _):
+                builder.call(pfn, [builder.gep(base, [line]), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                                   ir.Constant(_I32, 1)])
+
         if groups_outer:  # the NVP x nr sums in registers, the weights read in memory order
             with cgutils.for_range(builder, G) as loop:
+                prefetch(loop.index)
                 ptrs = [row(loop.index, i) for i in range(nr)]
                 for j in range(NVP):
                     group(loop.index, j, ptrs)
         else:             # Q6: one vector at a time, groups inner (fewer live registers)
             for j in range(NVP):
                 with cgutils.for_range(builder, G) as loop:
+                    if j == 0:
+                        prefetch(loop.index)
                     group(loop.index, j, [row(loop.index, i) for i in range(nr)])
         for i in range(nr):
             for j in range(NVP):
@@ -307,8 +325,8 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
         def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
             return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip), codegen
     else:
-        def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0):
-            return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip, ip), codegen
+        def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
+            return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip, ip, ip, ip), codegen
 
     typer.__name__ = f"tile_{fam}_{sc}_{z}_x{nr}"
     return intrinsic(typer)
@@ -321,8 +339,9 @@ NVP = 2   # 16-row weight vectors per pass of the batched tile kernels (half a t
 # out.flat[oo + i * ostride : + 64] = the 64 rows of one tile (G groups at q.flat[qo:], its scale record at
 # s.flat[so:]) times activation row i (xq.flat[xo + 32 G i:] (32 G) i8, its scales xd.flat[xdo + G i:] (G), its
 # scaled half sums xs.flat[xso + 2 G i:] (G, 2), its integer half sums xi.flat[xio + 2 G i:] (G, 2)), i < 1;
-# tile_<type>_n(..., G, v0): the same for i < NR and the tile's rows 16 v0 .. 16 (v0 + NVP) - 1 only
-# (out.flat[oo + i * ostride + 16 v0 : + 16 NVP]).
+# tile_<type>_n(..., G, v0, pf, pfb): the same for i < NR and the tile's rows 16 v0 .. 16 (v0 + NVP) - 1 only
+# (out.flat[oo + i * ostride + 16 v0 : + 16 NVP]), prefetching q.flat[qo + pf + g pfb : + pfb] into L2 with group g
+# (pfb = 0: none; lumen.kernels.matmul.tiles spreads the next tile over a tile's passes this way).
 tile_q4_0_1, tile_q4_0_n = _make_tile(0, SC_D, 8, 1), _make_tile(0, SC_D, 8, NR)
 tile_q4_1_1, tile_q4_1_n = _make_tile(0, SC_DM, 8, 1), _make_tile(0, SC_DM, 8, NR)
 tile_q4_k_1, tile_q4_k_n = _make_tile(0, SC_K, 8, 1), _make_tile(0, SC_K, 8, NR)
