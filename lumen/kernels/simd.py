@@ -40,6 +40,10 @@ Two loop orders, the same operations per row and group in the same order (so the
     Gemma head Q8_0 262144x640:      before 9749 / 11176 / 16431 (N = 4 / 8 / 16), this 7791 / 10044 / 13273
     Gemma ffn_down Q6_K 640x2048:    16 x 4 groups inner 23.8 / 46.5 / 89.2 / 351; 32 x 4 groups outer
                                      36.6 / 66.4 / 129 / 494 (so Q6_K keeps groups inner)
+  End to end at 2 threads the gain did not show on this shared host: lumen.bench batch -npp 128 -ntg 64 -npl
+  4,8,16 -r 1, SmolLM2, the previous kernels and these alternated 3 times (load 1.5-1.7), median gen t/s 836 /
+  1046 / 1265 before, 816 / 1025 / 1268 after (per-run spread 5-10%); the engine's step holds attention, the
+  per-row ops and the glue besides the matmuls, and two threads share one memory stream.
   Splitting a row's 8 dot products over two integer accumulators (shorter dependency chains) was slower
   (N = 64: 246 against 197 us): it needs 8 more registers.
 """
