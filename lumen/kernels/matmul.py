@@ -14,9 +14,10 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   lumen.kernels.simd), minus the zero point times the activations' integer sum; the scales are expanded in
   registers and the float epilogue (simd) is the same operations in the same order for every path.
 - N = 1 (decode): the tile kernel streams one tile's groups in memory order with its 64 row sums in registers.
-- N > 1 (batched): each tile is applied to NR = 4 activation rows per pass, each weight vector loaded and unpacked
-  once for the 4 rows (the remaining rows one at a time), while the tile is in cache. Every row gets the same
-  operations as in the N = 1 kernel, so the two paths agree bit for bit.
+- N > 1 (batched): each half tile (32 rows) is applied to NR = 4 activation rows per pass, groups outer, each
+  weight vector loaded and unpacked once for the 4 rows (the remaining N % 4 rows one at a time with the N = 1
+  kernel), while the tile is in cache; the next tile is prefetched into L2 meanwhile (lumen.kernels.simd has the
+  measurements). Every row gets the same operations as in the N = 1 kernel, so the two paths agree bit for bit.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once, serially
   (`prepare_x`).
@@ -38,8 +39,8 @@ from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, 
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
 from lumen.kernels.kinds import ALL, sets
 from lumen.kernels.scratch import per_thread
+from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
-from lumen.kernels.simd import NR, absmax, f16_round, first_with_abs, quantize_block
 
 
 class Packed(NamedTuple):
@@ -272,23 +273,25 @@ _TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_
 _TILE_ARGS = "out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G"
 
 
-def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
     """out.flat[oo + i ostride: + R] (i < nr, nr = 1 or NR) = the tile of type qt at q.flat[qo:], s.flat[so:] times
-    activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels), for the
-    matrix types of the kinds (lumen.kernels.kinds; compiled code only, see the overload)."""
+    activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels); for nr = NR
+    only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1, prefetching pfb bytes per group (0: none) from pf bytes
+    past the tile into L2 as it goes. For the matrix types of the kinds (lumen.kernels.kinds;
+    compiled code only, see the overload)."""
     raise NotImplementedError("tile_rows runs in compiled code only")
 
 
 @overload(tile_rows)
-def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
     """The dispatch, generated for the kinds' types only: an if-chain over qt, one tile kernel per branch."""
     import lumen.kernels.simd as simd
     qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
-    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}):"]
+    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}, v0, pf, pfb):"]
     for which, cond in ((0, "if nr == 1:"), (1, "else:")):
         lines.append(f"    {cond}")
         for j, t in enumerate(qts):          # the last type takes the else branch (the table checked qt)
-            call = f"{_TILES[t][which]}({_TILE_ARGS})"
+            call = f"{_TILES[t][which]}({_TILE_ARGS}{', v0, pf, pfb' if which else ''})"
             if len(qts) == 1:
                 lines.append(f"        {call}")
             else:
@@ -314,8 +317,9 @@ def tile_f32_mv(facc, w, x):
 def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W's tiles q (T, G * group bytes) u8 and s
     (T, record bytes) u8, or qf (T, n_in, R) f32 for the F32 family; x rounded by prepare_x (xq, xd, xs, xi or
-    xf). NR rows per tile pass, the rest one at a time; a last tile of fewer than R rows goes through facc (1, R)
-    f32 (and so does every F32-family tile). One call site of the tile dispatch (each is code for every type)."""
+    xf). Per tile: the next tile prefetched, then each half tile over NR rows per pass, the rest (N % NR) one at a
+    time; a last tile of fewer than R rows goes one row at a time through facc (1, R) f32 (and so does every
+    F32-family tile). Two call sites of the tile dispatch (each is code for every type)."""
     N, d_out = out.shape
     if qf.shape[0] > 0:
         for t in range(t0, t1):
@@ -328,18 +332,32 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
     G = xq.shape[1] // 32
     n_in = 32 * G
     qb, sb = q.shape[1], s.shape[1]
+    nb = N - N % NR                                   # rows in passes of NR; the rest one at a time
+    zero = np.int64(0)
     for t in range(t0, t1):
         full = (t + 1) * R <= d_out
-        i = 0
-        while i < N:
-            nr = NR if full and i + NR <= N else 1
-            dst, do, ds = (out, i * d_out + t * R, d_out) if full else (facc, 0, 0)
-            tile_rows(kinds, qt, nr, dst, do, ds, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G, xi,
-                      2 * i * G, G)
+        i0 = 0
+        if full and nb > 0:
+            # the next tile streams into L2 while this one is computed: each of the P passes prefetches its 1/P
+            # share of it, spread over its groups (lumen.kernels.simd has the measurements)
+            P = nb // NR * (R // 16 // NVP)
+            chunk = -(-qb // P // 64) * 64
+            per = -(-chunk // G // 64) * 64 if t + 1 < t1 else zero
+            p = 0
+            for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
+                for i in range(0, nb, NR):
+                    pb = per if p * chunk < qb else zero
+                    tile_rows(kinds, qt, NR, out, i * d_out + t * R, d_out, q, t * qb, s, t * sb, xq, i * n_in,
+                              xd, i * G, xs, 2 * i * G, xi, 2 * i * G, G, np.int64(v0), qb + p * chunk, pb)
+                    p += 1
+            i0 = nb
+        for i in range(i0, N):
+            dst, do = (out, i * d_out + t * R) if full else (facc, zero)
+            tile_rows(kinds, qt, 1, dst, do, zero, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G,
+                      xi, 2 * i * G, G, zero, zero, zero)
             if not full:
                 for r in range(d_out - t * R):
                     out[i, t * R + r] = facc[0, r]
-            i += nr
 
 
 @njit(parallel=True, cache=True)

@@ -20,8 +20,32 @@ f32 layout did once at load time, in the same order, so the outputs are the same
 
 Two loop orders, the same operations per row and group in the same order (so the same bits):
 - 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
-- NR rows (batched): 16 rows at a time, groups inner; each weight vector is loaded and unpacked once and used for
-  NR activation rows, whose bytes are broadcast from memory into vpdpbusd.
+- NR = 4 rows (batched): half a tile (NVP = 2 vectors of 16 rows) per call, groups outer, the 4 x 2 row sums in
+  8 registers; each weight vector is loaded and unpacked once and used for the 4 activation rows, whose bytes are
+  broadcast into vpdpbusd. The half tile reads the weights in memory order. Q6_K keeps one vector at a time,
+  groups inner (its unpack holds more registers).
+  The next tile is prefetched into L2 while a tile is computed, each pass taking its share, spread over its
+  groups, so the DRAM stream overlaps the compute (us per matrix, same bench as below, SmolLM2 gate+up, N = 4 / 8 /
+  16 / 64 / 256: the whole next tile prefetched at once before the passes 38.1 / 42.6 / 83.6 / 214 / 739, spread
+  over the passes 21.5 / 33.2 / 61.2 / 198 / 746; spread over the first pass only 24.1 / 37.6 / 68.9 / 229 / 851).
+  The shape was chosen by measurement (AMD EPYC Zen 5, 1 thread, every layer's matrices of a kind so the
+  weights stream from DRAM, interleaved medians of 7, load 1.3-1.9 from neighbours; the int8 roof on this host
+  is 1092 GOP/s per core, lumen.profile --machine): us per matrix at N = 4 / 8 / 16 / 64
+    SmolLM2 gate+up Q4_1 1536x576, 33 MB:  16 rows x 4, groups inner (before)  36.7 / 53.8 / 79.0 / 246
+                                           64 rows x 4, groups outer           26.7 / 44.2 / 71.7 / 241
+                                           32 rows x 4, groups outer  (this)   25.9 / 38.4 / 57.4 / 194
+                                           32 rows x 8 / 64 x 2 / 16 x 4      44.9 / 44.6 / 56.6 at N = 8
+    Gemma gate+up Q5_0 2048x640:     before 64.9 / 74.1 / 104.5 / 315, this 42.8 / 57.0 / 93.0 / 320
+    Gemma attn_output Q4_K 640x1024: before 10.7 / 20.7 / 41.8 / 163,  this 10.3 / 18.8 / 36.2 / 142
+    Gemma head Q8_0 262144x640:      before 9749 / 11176 / 16431 (N = 4 / 8 / 16), this 7791 / 10044 / 13273
+    Gemma ffn_down Q6_K 640x2048:    16 x 4 groups inner 23.8 / 46.5 / 89.2 / 351; 32 x 4 groups outer
+                                     36.6 / 66.4 / 129 / 494 (so Q6_K keeps groups inner)
+  End to end at 2 threads the gain did not show on this shared host: lumen.bench batch -npp 128 -ntg 64 -npl
+  4,8,16 -r 1, SmolLM2, the previous kernels and these alternated 3 times (load 1.5-1.7), median gen t/s 836 /
+  1046 / 1265 before, 816 / 1025 / 1268 after (per-run spread 5-10%); the engine's step holds attention, the
+  per-row ops and the glue besides the matmuls, and two threads share one memory stream.
+  Splitting a row's 8 dot products over two integer accumulators (shorter dependency chains) was slower
+  (N = 64: 246 against 197 us): it needs 8 more registers.
 """
 from __future__ import annotations
 
@@ -219,9 +243,10 @@ def _row_group(builder, sc, z, f, u, scl, xg, xig, dg, sxg):
 def _make_tile(fam: int, sc: int, z: int, nr: int):
     NV = ROWS // LANES
     gbytes = GROUP_BYTES[fam]
+    groups_outer = fam != Q6      # the batched loop order (module doc: measured per family)
 
     def codegen(context, builder, sig, args):
-        (out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G) = args
+        (out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G) = args[:16]
         ta = sig.args
         fp = _data(context, builder, ta[0], out, _F32, oo)
         qp = _data(context, builder, ta[3], q, _I8, qo)
@@ -253,41 +278,74 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
                 builder.store(builder.load(f_slots[vec]), p, align=4)
             return context.get_dummy_value()
 
-        # nr rows: 16 weight rows at a time, groups inner; each weight vector unpacked once for the nr rows
-        f_slots = [cgutils.alloca_once(builder, _VF) for _ in range(nr)]
-        with cgutils.for_range(builder, _i64(NV)) as vloop:
-            v1 = builder.mul(vloop.index, _i64(LANES))
-            v2 = builder.mul(vloop.index, _i64(LANES * 2))
-            v4 = builder.mul(vloop.index, _i64(LANES * 4))
+        # nr rows x the NVP weight vectors v0 .. v0 + NVP - 1 (rows 16 v0 .. of the tile)
+        v0 = args[16]
+        vs = [builder.add(v0, _i64(j)) for j in range(NVP)]
+        f_slots = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(NVP)]
+                   for _ in range(nr)]
+
+        def group(g, j, ptrs):
+            """Add group g of vector vs[j] to the nr rows' sums: unpacked once, used nr times."""
+            v = vs[j]
+            u = _unpack(builder, fam, builder.gep(qp, [builder.add(builder.mul(g, _i64(gbytes)),
+                                                                   builder.mul(v, _i64(LANES * 4)))]))
+            scl = _scales(builder, sc, z, sp, g, G, builder.mul(v, _i64(LANES)), builder.mul(v, _i64(LANES * 2)))
             for i in range(nr):
-                builder.store(ir.Constant(_VF, None), f_slots[i])
+                slot = f_slots[i][j]
+                builder.store(_row_group(builder, sc, z, builder.load(slot), u, scl, *ptrs[i]), slot)
+
+        pf, pfb = args[17], args[18]
+        pfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+
+        def prefetch(g):
+            """Prefetch the pfb bytes at pf + g pfb from the tile into L2 (pfb = 0: none): a pass spreads its share
+            of the next tile over its groups."""
+            base = builder.gep(qp, [builder.add(pf, builder.mul(g, pfb))])
+            with cgutils.for_range_slice(builder, _i64(0), pfb, _i64(64)) as (line, _):
+                builder.call(pfn, [builder.gep(base, [line]), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                                   ir.Constant(_I32, 1)])
+
+        if groups_outer:  # the NVP x nr sums in registers, the weights read in memory order
             with cgutils.for_range(builder, G) as loop:
-                g = loop.index
-                u = _unpack(builder, fam, builder.gep(qp, [builder.add(builder.mul(g, _i64(gbytes)), v4)]))
-                scl = _scales(builder, sc, z, sp, g, G, v1, v2)
-                for i in range(nr):
-                    builder.store(_row_group(builder, sc, z, builder.load(f_slots[i]), u, scl, *row(g, i)),
-                                  f_slots[i])
-            for i in range(nr):
-                p = builder.bitcast(builder.gep(fp, [builder.add(builder.mul(ostride, _i64(i)), v1)]),
-                                    _VF.as_pointer())
-                builder.store(builder.load(f_slots[i]), p, align=4)
+                prefetch(loop.index)
+                ptrs = [row(loop.index, i) for i in range(nr)]
+                for j in range(NVP):
+                    group(loop.index, j, ptrs)
+        else:             # Q6: one vector at a time, groups inner (fewer live registers)
+            for j in range(NVP):
+                with cgutils.for_range(builder, G) as loop:
+                    if j == 0:
+                        prefetch(loop.index)
+                    group(loop.index, j, [row(loop.index, i) for i in range(nr)])
+        for i in range(nr):
+            for j in range(NVP):
+                p = builder.gep(fp, [builder.add(builder.mul(ostride, _i64(i)), builder.mul(vs[j], _i64(LANES)))])
+                builder.store(builder.load(f_slots[i][j]), builder.bitcast(p, _VF.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
-        ip = types.intp
-        return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip), codegen
+    ip = types.intp
+    if nr == 1:
+        def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+            return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip), codegen
+    else:
+        def typer(typingctx, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
+            return types.void(out, ip, ip, q, ip, s, ip, xq, ip, xd, ip, xs, ip, xi, ip, ip, ip, ip, ip), codegen
 
     typer.__name__ = f"tile_{fam}_{sc}_{z}_x{nr}"
     return intrinsic(typer)
 
 
-NR = 4   # activation rows per pass of the batched tile kernels
+NR = 4    # activation rows per pass of the batched tile kernels
+NVP = 2   # 16-row weight vectors per pass of the batched tile kernels (half a tile)
 
-# tile_<type>_<rows>(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+# tile_<type>_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
 # out.flat[oo + i * ostride : + 64] = the 64 rows of one tile (G groups at q.flat[qo:], its scale record at
 # s.flat[so:]) times activation row i (xq.flat[xo + 32 G i:] (32 G) i8, its scales xd.flat[xdo + G i:] (G), its
-# scaled half sums xs.flat[xso + 2 G i:] (G, 2), its integer half sums xi.flat[xio + 2 G i:] (G, 2)), i < rows.
+# scaled half sums xs.flat[xso + 2 G i:] (G, 2), its integer half sums xi.flat[xio + 2 G i:] (G, 2)), i < 1;
+# tile_<type>_n(..., G, v0, pf, pfb): the same for i < NR and the tile's rows 16 v0 .. 16 (v0 + NVP) - 1 only
+# (out.flat[oo + i * ostride + 16 v0 : + 16 NVP]), prefetching q.flat[qo + pf + g pfb : + pfb] into L2 with group g
+# (pfb = 0: none; lumen.kernels.matmul.tiles spreads the next tile over a tile's passes this way).
 tile_q4_0_1, tile_q4_0_n = _make_tile(0, SC_D, 8, 1), _make_tile(0, SC_D, 8, NR)
 tile_q4_1_1, tile_q4_1_n = _make_tile(0, SC_DM, 8, 1), _make_tile(0, SC_DM, 8, NR)
 tile_q4_k_1, tile_q4_k_n = _make_tile(0, SC_K, 8, 1), _make_tile(0, SC_K, 8, NR)
