@@ -314,6 +314,25 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(cache=True)
+def tiles_1(out, qt, q, s, xq, xd, xs, xi, facc, t0, t1, kinds):
+    """`tiles` for one activation row (decode), a function of its own: compiled inside `tiles` beside the batched
+    passes, the same loop decoded 7% slower (SmolLM2 tg128, 2-vCPU EPYC Zen 5, 3 alternated pairs: 309-326 against
+    335-347 tok/s)."""
+    d_out = out.shape[1]
+    G = xq.shape[1] // 32
+    qb, sb = q.shape[1], s.shape[1]
+    zero = np.int64(0)
+    for t in range(t0, t1):
+        full = (t + 1) * R <= d_out
+        dst, do = (out, t * R) if full else (facc, zero)
+        tile_rows(kinds, qt, 1, dst, do, zero, q, t * qb, s, t * sb, xq, zero, xd, zero, xs, zero, xi, zero, G, zero,
+                  zero, zero)
+        if not full:
+            for r in range(d_out - t * R):
+                out[0, t * R + r] = facc[0, r]
+
+
+@njit(cache=True)
 def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W's tiles q (T, G * group bytes) u8 and s
     (T, record bytes) u8, or qf (T, n_in, R) f32 for the F32 family; x rounded by prepare_x (xq, xd, xs, xi or
@@ -329,6 +348,8 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
                 for r in range(n):
                     out[i, t * R + r] = facc[0, r]
         return
+    if N == 1:
+        return tiles_1(out, qt, q, s, xq, xd, xs, xi, facc, t0, t1, kinds)
     G = xq.shape[1] // 32
     n_in = 32 * G
     qb, sb = q.shape[1], s.shape[1]
