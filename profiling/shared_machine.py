@@ -6,8 +6,8 @@
 1. Decode beside neighbours. Parallel regions per decode step (counted by the profiler), then decode tok/s alone,
    beside a process that sleeps 1 ms in a loop and beside one that spins (lumen.bench.corunner), interleaved, for:
    2 threads fixed with the old static split of each matmul region, 2 threads fixed with the share-stealing split
-   (lumen.kernels.work), 1 thread, and 2 threads governed (lumen.engine.threads); and llama-bench tg at 2 and 1
-   threads beside the same. Time lost per region = (step time beside it - alone) / regions.
+   (lumen.kernels.work), 1 thread, and 2 threads governed (lumen.engine.threads), each timed after 32 untimed
+   tokens (the steady state beside a neighbour that stays); and llama-bench tg at 2 and 1 threads beside the same. Time lost per region = (step time beside it - alone) / regions.
 2. The server at concurrency 1 (python -m lumen.serve, its load generator lumen.bench.serve in this process, on the
    same cores): per output token, the CPU time of the engine's compute threads (the engine thread, named
    lumen-engine, and the OpenMP workers it starts, which inherit the name), of the event loop (the main thread)
@@ -38,12 +38,14 @@ from lumen.kernels.work import STATIC
 KINDS = ("none", "sleep", "busy")
 
 
-def decode_tps(model, ids, n: int) -> float:
+def decode_tps(model, ids, n: int, settle: int = 32) -> float:
+    """Decode tok/s over n tokens, timed after `settle` tokens (the thread governor's readings settle on the
+    neighbour that is there: the steady state, not its arrival)."""
     t0 = None
-    for i, _ in enumerate(model.generate(ids, max_tokens=n, temperature=0, ignore_eos=True)):
-        if i == 0:
+    for i, _ in enumerate(model.generate(ids, max_tokens=n + settle, temperature=0, ignore_eos=True)):
+        if i == settle:
             t0 = time.perf_counter()
-    return (n - 1) / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0)
 
 
 def regions_per_step(model, ids, n: int) -> float:

@@ -68,6 +68,13 @@ def test_waiting_for_a_core_gives_a_thread_up_at_once():
     assert g.decide(0.0) == 1 and g.decide(0.0) == 2     # ... two slow ones in a row do
 
 
+def test_fast_readings_never_act_on_an_old_reading_of_others():
+    g = _gov()
+    assert g.decide(1.0) == 1                            # a neighbour, then it leaves
+    g.n = 2                                              # (as after taking the thread back)
+    assert g.decide(1.0, wait=0.0, slow=False) == 2      # the stale value of others moves nothing
+
+
 def test_many_cores_give_up_what_others_use():
     g = _gov(max_threads=8, cores=8)
     assert g.decide(2.9) == 5              # 8 - ceil(2.9 - DOWN)

@@ -42,8 +42,9 @@ WAIT_DOWN = 0.45      # cores' worth of waiting for a core (our threads, summed)
 WAIT_WINDOWS = 2      # before a thread is given up without waiting for the slow reading
 UP = 0.10             # others' demand below the free cores less one by this: a thread is taken back ...
 UP_WINDOWS = 2        # ... after this many SLOW_S readings in a row
-PAUSE_S = 10.0        # a reading over a longer interval is too old to act on; a shorter pause (no step ran) is a
-                      # clean reading of what others use: the first step after it is decided from it
+PAUSE_S = 1.0         # a reading over a longer interval is too old to act on; a shorter pause (no step ran) is a
+                      # clean reading of what others use: the first step after it is decided from it (over 10 s
+                      # pauses, a neighbour that had left still held the next 0.4 s at one thread)
 log = logging.getLogger("lumen.engine")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -162,7 +163,7 @@ class Governor:
         """Apply one reading: others' demand and our threads' wait for a core (cores); slow: others is a new
         SLOW_S reading (only those count towards taking a thread back). Returns the new thread count."""
         cores, n = len(self.cpus), self.n
-        down = self._target(cores, others, DOWN)
+        down = self._target(cores, others, DOWN) if slow else n     # a fast reading's `others` is the last slow one
         self._waits = self._waits + 1 if wait > WAIT_DOWN else 0
         if self._waits >= WAIT_WINDOWS:
             down = min(down, max(1, self.n - 1))
