@@ -75,6 +75,16 @@ def test_fast_readings_never_act_on_an_old_reading_of_others():
     assert g.decide(1.0, wait=0.0, slow=False) == 2      # the stale value of others moves nothing
 
 
+def test_after_a_long_pause_every_thread_again():
+    g = _gov()
+    g.adaptive = True
+    g.threads()                                          # a first reading: a baseline
+    g.decide(1.0)
+    assert g.n == 1
+    g._last = (g._last[0] - 2 * T.PAUSE_S,) + g._last[1:]   # the last reading is old now
+    assert g.threads() == 2
+
+
 def test_many_cores_give_up_what_others_use():
     g = _gov(max_threads=8, cores=8)
     assert g.decide(2.9) == 5              # 8 - ceil(2.9 - DOWN)

@@ -149,6 +149,14 @@ class Governor:
         if last is None or now - last[0] > PAUSE_S or last[6] != snap[6]:
             # the first reading, after a long pause, or of another calling thread's compute threads: a baseline
             self._slow = snap                           # (a short pause is a reading of others alone: used)
+            if last is not None and now - last[0] > PAUSE_S and self.n < self.max:
+                # what held a thread back may be gone: start from all of them. The wait readings give one up
+                # again within WAIT_WINDOWS x WINDOW_S if not, but a long step (a prefill) runs on what it is
+                # given: pp512 ran at 0.55x on an idle machine at the count a neighbour had left behind, while at
+                # 2 threads beside a busy neighbour it keeps 0.93x
+                log.debug("threads %d -> %d: after a %.1f s pause", self.n, self.max, now - last[0])
+                self.n, self._ups, self._waits = self.max, 0, 0
+                self.changes += 1
             return
         dt = now - last[0]
         self.wait = max(0.0, (wait - last[3]) / dt)
