@@ -81,7 +81,7 @@ def test_after_a_long_pause_every_thread_again():
     g.threads()                                          # a first reading: a baseline
     g.decide(1.0)
     assert g.n == 1
-    g._last = (g._last[0] - 2 * T.PAUSE_S,) + g._last[1:]   # the last reading is old now
+    g._last = (g._last[0] - 2 * T.RESET_S,) + g._last[1:]   # the last reading is old now
     assert g.threads() == 2
 
 
@@ -142,8 +142,11 @@ def test_a_busy_neighbour_is_read_as_one(monkeypatch):
     g = Governor(2)
     g.threads()
     with corunner("busy", seconds=10):
-        time.sleep(0.3)
-        g._read(time.monotonic())          # a reading over an interval where only the neighbour ran
+        time.sleep(0.2)
+        g._read(time.monotonic())          # after a pause: a baseline
+        for _ in range(3):                 # then readings over intervals where only the neighbour ran
+            time.sleep(0.1)
+            g._read(time.monotonic())
     assert g.others > 0.6, g.others
     assert g.n == 1
 

@@ -42,9 +42,10 @@ WAIT_DOWN = 0.45      # cores' worth of waiting for a core (our threads, summed)
 WAIT_WINDOWS = 2      # before a thread is given up without waiting for the slow reading
 UP = 0.10             # others' demand below the free cores less one by this: a thread is taken back ...
 UP_WINDOWS = 2        # ... after this many SLOW_S readings in a row
-PAUSE_S = 1.0         # a reading over a longer interval is too old to act on; a shorter pause (no step ran) is a
-                      # clean reading of what others use: the first step after it is decided from it (over 10 s
-                      # pauses, a neighbour that had left still held the next 0.4 s at one thread)
+PAUSE_S = 0.2         # a reading over a longer interval (no step ran) is no reading of now: a baseline only (read
+                      # over pauses, a neighbour that had left, or a benchmark's other engine, held the next steps
+                      # at one thread)
+RESET_S = 1.0         # after a pause longer than this, start again from max_threads
 log = logging.getLogger("lumen.engine")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -148,8 +149,8 @@ class Governor:
         last, self._last = self._last, snap
         if last is None or now - last[0] > PAUSE_S or last[6] != snap[6]:
             # the first reading, after a long pause, or of another calling thread's compute threads: a baseline
-            self._slow = snap                           # (a short pause is a reading of others alone: used)
-            if last is not None and now - last[0] > PAUSE_S and self.n < self.max:
+            self._slow = snap
+            if last is not None and now - last[0] > RESET_S and self.n < self.max:
                 # what held a thread back may be gone: start from all of them. The wait readings give one up
                 # again within WAIT_WINDOWS x WINDOW_S if not, but a long step (a prefill) runs on what it is
                 # given: pp512 ran at 0.55x on an idle machine at the count a neighbour had left behind, while at
