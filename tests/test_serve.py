@@ -458,12 +458,18 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path, body, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_400(http, path, body, param):
+    r = post_bad(http, path, body, param)
+    assert r.headers["x-request-id"]
+
+
+def post_bad(http, path: str, body, param):
+    """POST one of BAD_REQUESTS (JSON, or raw bytes) and check its 400 names `param`."""
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"content-type": "application/json"})
     else:
         r = http.post(path, json=body)
     assert_error(r, 400, param)
-    assert r.headers["x-request-id"]
+    return r
 
 
 def test_404_unknown_model_or_path(http):

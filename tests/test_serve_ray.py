@@ -27,7 +27,7 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from test_serve import BAD_REQUESTS, MAX_BODY, MAX_MODEL_LEN, MESSAGES, MODEL_ID, PROMPT  # noqa: E402
-from test_serve import assert_error, chat_ids, reference, sse_events, strip_end  # noqa: E402
+from test_serve import assert_error, chat_ids, post_bad, reference, sse_events, strip_end  # noqa: E402
 from test_serve_load import Proc  # noqa: E402
 
 
@@ -170,11 +170,7 @@ def test_request_id_models_health(http):
 
 @pytest.mark.parametrize("path, body, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_400(http, path, body, param):
-    if isinstance(body, bytes):
-        r = http.post(path, content=body, headers={"content-type": "application/json"})
-    else:
-        r = http.post(path, json=body)
-    assert_error(r, 400, param)
+    post_bad(http, path, body, param)
 
 
 def test_404_405_413(http):

@@ -1,8 +1,8 @@
 """How many threads a step runs on: as many as the machine has cores left over, measured while it runs.
 
-A step is about 150 fork-join parallel regions (lumen.engine.forward). Each ends at a barrier, so it runs at the
-pace of its slowest thread: when another process wants a core, the OS takes it from one of our threads for a
-scheduler slice and the other waits. Measured on a 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode
+A decode step is 121 fork-join parallel regions for SmolLM2 (lumen.engine.forward). Each ends at a barrier, so it
+runs at the pace of its slowest thread: when another process wants a core, the OS takes it from one of our threads
+for a scheduler slice and the other waits. Measured on a 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode
 (profiling/shared_machine.py): alone 2 threads give 340 tok/s and 1 thread 280; beside one busy process 2
 threads give 57 and 1 thread still 280. A server's own event loop and a client on the same cores are such a
 neighbour too. So the number of threads follows what others use:
@@ -20,8 +20,8 @@ exact, so a busy neighbour that arrives costs about WAIT_WINDOWS x WINDOW_S at t
 (profiling/shared_machine.py, the server's --log-level debug): beside one busy process wait 0.5-0.8 cores and
 others 0.47-1.0; beside a 1 ms sleeping loop 0.02-0.05 and 0-0.12; the server at concurrency 1 (its event loop and
 a client on the same cores) 0.09 and 0.1-0.25; at concurrency 16 0.26-0.38 and 0.10-0.19, where 2 threads still
-serve 1.35x what a governor that gave one up at wait 0.25 did (697.6 against 518.3 output tok/s). Reading the files every WINDOW_S costs about 30 us; between readings
-`threads()` is a clock read and a compare. The thread
+serve 1.35x what a governor that gave one up at wait 0.25 did (697.6 against 518.3 output tok/s). Reading the
+files every WINDOW_S costs about 30 us; between readings `threads()` is a clock read and a compare. The thread
 count never changes a result: every kernel gives the same bits on any number of threads (tests/test_determinism).
 
 `Governor(max_threads, adaptive=False)` (or LUMEN_FIXED_THREADS=1, `--fixed-threads`) keeps max_threads always.
@@ -137,6 +137,8 @@ class Governor:
             tids = compute_thread_ids(self.max)
             numba.set_num_threads(before)
             tids = sorted(set(tids) | {threading.get_native_id()})
+            if len(self._tids) >= 8:                  # threads come and go (tests, executors): keep a few
+                self._tids.clear()
             self._tids[ident] = tids
         return tids
 

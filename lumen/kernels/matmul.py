@@ -385,18 +385,14 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
 def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, work, kinds):
     """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) weights of the 3-tuples qts (types), qs (tiles), ss
     (scale records), all over the same activations, already rounded (`prepare_x`); qf: the weight of an F32-family
-    matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are cut
-    into chunks of consecutive tiles (lumen.kernels.work.chunk_size) that the region's workers take from the
-    counter work[0] (lumen.kernels.work.fetch_add) until none is left (`tiles`); work[1] = STATIC gives each
-    worker one contiguous share instead (the old split, for measurements). facc (threads, R) f32: per-worker
-    scratch (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is
-    compiled for.
-
-    Dynamic, not static: with each thread a fixed contiguous half, a thread the OS took off its core for a
-    moment held the region back by its whole half. Measured, 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode, 2 threads
-    (profiling/shared_machine.py): alone the same speed; beside a process that sleeps 1 ms in a loop, see
-    the module docstring of lumen/kernels/work.py. A tile's outputs are one worker's, computed the same way
-    whichever worker it is, so the bits do not depend on the distribution."""
+    matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are split
+    into one contiguous share per worker, cut into work[1] chunks; a worker claims its own share's chunks from the
+    front and, once it has none left, steals the others' from the back (lumen.kernels.work.claim) until none is
+    left (`tiles`); work[0] = STATIC keeps each worker to its own share (the old split, for measurements). facc
+    (threads, R) f32: per-worker scratch (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types
+    the tile dispatch is compiled for. A tile's outputs are one worker's, computed the same way whichever worker
+    it is, so the bits do not depend on the distribution (tests/test_threads.py); lumen/kernels/work.py has the
+    measurements."""
     total = 0
     for m in range(n):
         total += ss[m].shape[0]
