@@ -53,8 +53,8 @@ def allow_eog(masks: np.ndarray, vocab: GrammarVocab) -> None:
 
 def fill_masks(executor: llguidance.LLExecutor, masks: np.ndarray, items: Sequence[Item],
                vocab: GrammarVocab) -> None:
-    """Fill the rows of `items` in `masks` in ONE llguidance call (parallel over `executor`'s threads, GIL
-    released). See the module docstring for the row layout."""
+    """Fill the rows of `items` in `masks` with one batched llguidance call (two when some items have drafts and
+    some have none), parallel over `executor`'s threads, GIL released. See the module docstring for the layout."""
     check_rows(masks, vocab)
     n = masks.shape[0]
     spans = []
@@ -65,11 +65,12 @@ def fill_masks(executor: llguidance.LLExecutor, masks: np.ndarray, items: Sequen
     for a, b in spans:
         masks[a:b] = 0
     ptr, one = masks.ctypes.data, masks.shape[1] * 4
-    if any(len(d) for _, _, d in items):
-        executor.unsafe_compute_mask_ptr_with_draft_token(
-            [(m.ll, row, [m._ll_token(t) for t in d]) for m, row, d in items], ptr, one, n)
-    else:
-        executor.unsafe_compute_mask_ptr([(m.ll, row) for m, row, _ in items], ptr, one, n)
+    plain = [(m.ll, row) for m, row, d in items if not d]
+    drafted = [(m.ll, row, [m._ll_token(t) for t in d]) for m, row, d in items if d]
+    if plain:
+        executor.unsafe_compute_mask_ptr(plain, ptr, one, n)
+    if drafted:                       # llguidance's draft call takes only non-empty drafts
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, one, n)
     rows = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else np.zeros(0, np.int64)
     sub = masks[rows]
     allow_eog(sub, vocab)

@@ -18,7 +18,8 @@ json-schema-to-grammar rule), so a model that prefers whitespace must still writ
 whitespace characters, and none may come before the first `{` or after the last `}`. llguidance's own default
 (`whitespace_flexible`: any run of whitespace) lets a model write newlines until max_tokens. A schema's own
 top-level "x-guidance" options (llguidance's JSON options: whitespace_flexible, whitespace_pattern,
-item_separator, key_separator, lenient, ...) override the default. Keywords llguidance cannot enforce
+item_separator, key_separator, lenient, ...) apply on top; one that sets whitespace_flexible or
+whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": false}`: compact JSON). Keywords llguidance cannot enforce
 (uniqueItems, not, if/then, contains, propertyNames) are an error rather than silently ignored, so that every
 output validates against the schema; "x-guidance": {"lenient": true} accepts them and ignores them.
 """
@@ -100,7 +101,11 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 _fail("json_schema", f"the schema is not valid JSON: {e}")
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:
+            schema = {}                                       # any JSON value (llguidance takes objects only)
+        if schema is False:
+            _fail("json_schema", "the schema false matches nothing")
+        if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -152,7 +157,10 @@ def _to_grammar(kind: str, value: str) -> str:
     ll = llguidance.LLMatcher
     try:
         if kind == "json_schema":
-            return ll.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+            schema = json.loads(value)
+            own = schema.get("x-guidance") if isinstance(schema, dict) else None
+            ws_own = isinstance(own, dict) and ("whitespace_pattern" in own or "whitespace_flexible" in own)
+            return ll.grammar_from_json_schema(value, defaults=None if ws_own else JSON_OPTIONS)
         if kind == "json_object":
             return ll.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":

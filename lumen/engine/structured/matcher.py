@@ -39,7 +39,9 @@ class GrammarMatcher:
     def advance(self, token: int) -> None:
         """Commit one sampled token. StructuredOutputError if the grammar does not allow it here."""
         t = self._ll_token(token)
-        if self.ll.is_error() or self.ll.validate_tokens([t]) != 1:
+        # a stopped matcher still takes EOS (validate_tokens says 0 for it there)
+        end = t == self.vocab.eos_id and self.ll.is_stopped()
+        if self.ll.is_error() or not (end or self.ll.validate_tokens([t]) == 1):
             raise StructuredOutputError(f"token {token} is not allowed by the grammar here (after "
                                         f"{self.n_tokens} tokens){self._why()}")
         if not self.ll.consume_token(t):

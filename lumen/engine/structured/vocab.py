@@ -10,6 +10,8 @@ function. From Lumen's tokenizer:
   their text. A grammar therefore constrains exactly the text the user receives.
 - special: control and unknown tokens (which Lumen renders as nothing), and unused/undefined ones, are given to
   llguidance as 0xFF + their text: 0xFF never occurs in UTF-8, so no grammar text can be spelled with them.
+  A normal token whose bytes start with 0xFF (Gemma's byte token `<0xFF>`) looks special to llguidance for the
+  same reason; no UTF-8 text holds that byte, so no grammar could allow it anyway (`marker_ids` lists them).
 - end of sequence: llguidance knows one EOS token, `eos_id` (the vocabulary's eos, or its lowest end-of-generation
   token without one). A model ends a turn with any of its end-of-generation tokens (Gemma's `<end_of_turn>` besides
   `<eos>`), so the mask functions (lumen.engine.structured.bitmask) allow all of `eog_ids` wherever the grammar
@@ -79,6 +81,9 @@ class GrammarVocab:
         self.eog_ids: tuple[int, ...] = tuple(sorted({eos, *eog}))   # every token that ends a generation
         encoder = copy.copy(tok)             # shares the tables; only the space prefix differs
         encoder.add_space_prefix = False
+        # normal tokens llguidance reads as special (first byte 0xFF): never part of UTF-8 text
+        self.marker_ids: tuple[int, ...] = tuple(i for i, b in enumerate(token_bytes)
+                                                 if b[:1] == SPECIAL_MARKER and i not in special)
         self._wrapper = _Wrapper(token_bytes, list(self.special_ids), eos, tok.bos_id, encoder)
         self.ll = llguidance.LLTokenizer(self._wrapper)
         self._wrapper.tokens = []            # llguidance holds its own copy (~9 MB of bytes objects for Gemma)
