@@ -35,27 +35,11 @@ NEG_INF = np.float32(-np.inf)
 Item = tuple[GrammarMatcher, int, Sequence[int]]      # (matcher, first logits row, draft tokens)
 
 
-def check_rows(masks: np.ndarray, vocab: GrammarVocab) -> None:
-    if not (isinstance(masks, np.ndarray) and masks.dtype == np.int32 and masks.ndim == 2
-            and masks.shape[1] == vocab.mask_words and masks.flags.c_contiguous and masks.flags.writeable):
-        raise ValueError(f"bitmask rows must be a writeable C-contiguous int32 (n, {vocab.mask_words}) array, "
-                         f"got {getattr(masks, 'dtype', type(masks).__name__)} {getattr(masks, 'shape', '')}")
-
-
-def allow_eog(masks: np.ndarray, vocab: GrammarVocab) -> None:
-    """Where a row allows llguidance's EOS, allow every end-of-generation token of the model too."""
-    w, b = divmod(vocab.eos_id, 32)
-    allowed = (masks[:, w] >> b) & 1                   # (n,) 0/1
-    for t in vocab.eog_ids:
-        if t != vocab.eos_id:
-            masks[:, t // 32] |= (allowed << (t % 32)).astype(np.int32)
-
-
 def fill_masks(executor: llguidance.LLExecutor, masks: np.ndarray, items: Sequence[Item],
                vocab: GrammarVocab) -> None:
     """Fill the rows of `items` in `masks` with one batched llguidance call (two when some items have drafts and
     some have none), parallel over `executor`'s threads, GIL released. See the module docstring for the layout."""
-    check_rows(masks, vocab)
+    vocab.check_masks(masks)
     n = masks.shape[0]
     spans = []
     for m, row, draft in items:
@@ -71,10 +55,8 @@ def fill_masks(executor: llguidance.LLExecutor, masks: np.ndarray, items: Sequen
         executor.unsafe_compute_mask_ptr(plain, ptr, one, n)
     if drafted:                       # llguidance's draft call takes only non-empty drafts
         executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, one, n)
-    rows = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else np.zeros(0, np.int64)
-    sub = masks[rows]
-    allow_eog(sub, vocab)
-    masks[rows] = sub
+    if spans:
+        vocab.allow_end_tokens(masks, np.concatenate([np.arange(a, b) for a, b in spans]))
 
 
 class MaskFiller:

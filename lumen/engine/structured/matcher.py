@@ -85,10 +85,12 @@ class GrammarMatcher:
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the next token's allowed set into `row` (int32, vocab.mask_words, C-contiguous), end tokens
         included. One matcher, on this thread; a batch goes through lumen.engine.structured.bitmask.fill_masks."""
-        from .bitmask import allow_eog, check_rows
-        check_rows(row.reshape(1, -1), self.vocab)
+        if not (isinstance(row, np.ndarray) and row.ndim == 1 and row.flags.c_contiguous):
+            raise ValueError("fill_mask takes one C-contiguous int32 row (mask_words,)")
+        rows = row.reshape(1, -1)                   # (1, mask_words) view
+        self.vocab.check_masks(rows)
         self.ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        allow_eog(row.reshape(1, -1), self.vocab)
+        self.vocab.allow_end_tokens(rows)
 
     def _why(self) -> str:
         err = self.ll.get_error()

@@ -34,6 +34,7 @@ import time
 import weakref
 
 import llguidance
+import numpy as np
 
 from ...errors import LumenError
 from ...format.tokenizer import ATTR_BYTE, ATTR_NORMAL, ATTR_USER_DEFINED, Tokenizer
@@ -88,6 +89,23 @@ class GrammarVocab:
         self.ll = llguidance.LLTokenizer(self._wrapper)
         self._wrapper.tokens = []            # llguidance holds its own copy (~9 MB of bytes objects for Gemma)
         self.build_s = time.perf_counter() - t0
+
+    def check_masks(self, masks) -> None:
+        """masks must be a writeable C-contiguous int32 (n, mask_words) array (llguidance writes raw memory)."""
+        if not (isinstance(masks, np.ndarray) and masks.dtype == np.int32 and masks.ndim == 2
+                and masks.shape[1] == self.mask_words and masks.flags.c_contiguous and masks.flags.writeable):
+            raise ValueError(f"bitmask rows must be a writeable C-contiguous int32 (n, {self.mask_words}) array, "
+                             f"got {getattr(masks, 'dtype', type(masks).__name__)} {getattr(masks, 'shape', '')}")
+
+    def allow_end_tokens(self, masks: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """masks (n, mask_words), in place: where a row (of `rows`, default all) allows llguidance's EOS, allow
+        every end-of-generation token of the model too."""
+        rows = np.arange(masks.shape[0]) if rows is None else rows
+        w, b = divmod(self.eos_id, 32)
+        allowed = (masks[rows, w] >> b) & 1                # (len(rows),) 0/1
+        for t in self.eog_ids:
+            if t != self.eos_id:
+                masks[rows, t // 32] |= (allowed << (t % 32)).astype(np.int32)
 
     def tokenize(self, text: str) -> list[int]:
         """The tokenize callback llguidance uses (Lumen's encoder, no BOS, no added space)."""
