@@ -112,7 +112,8 @@ def test_constraint_errors(kind, value, message):
 
 def test_constraint_values_and_keys():
     a = Constraint.json_schema({"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}})
-    b = Constraint.json_schema('{ "type" : "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}')
+    b = Constraint.json_schema('{ "type" : "object", "properties": {"b": {"type": "integer"},\n'
+                               '  "a": {"type": "string"}}}')
     c = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}})
     assert a == b and a.key == b.key and hash(a) == hash(b)   # canonical text: whitespace does not matter
     assert a != c                                             # property order does (llguidance keeps it)

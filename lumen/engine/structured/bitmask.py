@@ -13,11 +13,13 @@ grammar-valid (GrammarMatcher.validate_draft), as the engine has truncated them 
 is advanced through them and rolled back inside llguidance, so its state is unchanged afterwards. Rows not in
 any item are left as they were; rows of an item that llguidance does not reach are left all-zero.
 
-Cost (measured with the CPU lock, see the closing note): one batched fill of 16 JSON-schema rows ~0.2-1 ms
-(Gemma 3, 262144 tokens; a few times less for SmolLM2), 1 row ~10-70 us; it runs beside the forward pass, so a
-step waits only for what is left of it. `apply_bitmask` (Numba, branch-free, vectorised): ~3 us a row for
-49152 tokens and ~15 us for 262144, whatever the mask holds (numpy's unpackbits + boolean index: 20-130 us and
-0.12-1.1 ms).
+Cost (python -m lumen.engine.structured.measure, CPU lock held but load average 7-9 from other work on the 2
+cores, so upper bounds): a batched fill along random JSON-schema walks, 1 row: median 20-36 us (SmolLM2, 49152
+tokens), 50-75 us (Gemma 3, 262144); 16 rows: median 1.1-2.7 ms, p90 5-9 ms (on a quiet core a row is ~26 us
+median and ~0.1 ms mean; free strings under a `format` or `pattern` regex cost up to ~4-8 ms a row). It runs
+beside the forward pass, so a step waits only for what is left of it. `apply_bitmask` (Numba, branch-free,
+vectorised): 2.1-2.8 us a row for 49152 tokens, 12-15 us for 262144, whatever the mask holds (numpy's unpackbits
++ boolean index: 20-130 us and 0.12-1.1 ms).
 """
 from __future__ import annotations
 

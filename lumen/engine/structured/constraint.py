@@ -19,9 +19,10 @@ whitespace characters, and none may come before the first `{` or after the last 
 (`whitespace_flexible`: any run of whitespace) lets a model write newlines until max_tokens. A schema's own
 top-level "x-guidance" options (llguidance's JSON options: whitespace_flexible, whitespace_pattern,
 item_separator, key_separator, lenient, ...) apply on top; one that sets whitespace_flexible or
-whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": false}`: compact JSON). Keywords llguidance cannot enforce
-(uniqueItems, not, if/then, contains, propertyNames) are an error rather than silently ignored, so that every
-output validates against the schema; "x-guidance": {"lenient": true} accepts them and ignores them.
+whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": false}`: compact JSON).
+Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propertyNames) are an error rather than
+silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
+them and ignores them.
 """
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ SCHEMAS = {
              "required": ["city"], "additionalProperties": False},
             {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
              "required": ["query"], "additionalProperties": False},
-            {"type": "object", "properties": {"to": {"type": "string", "format": "email"}, "subject": {"type": "string"},
-                                              "body": {"type": "string"}},
+            {"type": "object", "properties": {"to": {"type": "string", "format": "email"},
+                                              "subject": {"type": "string"}, "body": {"type": "string"}},
              "required": ["to", "subject"], "additionalProperties": False}]}},
         "required": ["name", "arguments"], "additionalProperties": False},
     "invoice": {"type": "object", "properties": {
@@ -44,12 +44,14 @@ SCHEMAS = {
         "date": {"type": "string", "format": "date"},
         "customer": {"type": "object", "properties": {
             "name": {"type": "string"}, "address": {"type": "object", "properties": {
-                "street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                "street": {"type": "string"}, "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
                 "country": {"type": "string", "minLength": 2, "maxLength": 2}},
                 "required": ["street", "city", "zip", "country"]}},
             "required": ["name", "address"]},
         "lines": {"type": "array", "minItems": 1, "maxItems": 50, "items": {"type": "object", "properties": {
-            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "price": {"type": "number", "minimum": 0},
+            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
+            "price": {"type": "number", "minimum": 0},
             "discount": {"anyOf": [{"type": "number"}, {"type": "null"}]}}, "required": ["sku", "qty", "price"]}},
         "paid": {"type": "boolean"}, "notes": {"type": ["string", "null"]}},
         "required": ["id", "date", "customer", "lines", "paid"]},
