@@ -119,6 +119,8 @@ def test_constraint_values_and_keys():
     assert a != c                                             # property order does (llguidance keeps it)
     assert Constraint.choice(["x", "y"]).key == ("choice", '["x", "y"]')
     assert Constraint.json_object() == Constraint.make("json_object")
+    assert Constraint.lark_or_gbnf('start: "a"').kind == "grammar_lark"        # Lark or GBNF, told apart
+    assert Constraint.lark_or_gbnf('root ::= "a"').kind == "grammar_gbnf"
     assert Constraint.make("json_schema", True) == Constraint.json_schema({})
     with pytest.raises(AttributeError):
         a.kind = "regex"                                      # frozen

@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..engine.structured import Constraint, StructuredOutputError, is_lark
+from ..engine.structured import Constraint, StructuredOutputError
 
 SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")           # structured_outputs' constraints
 SO_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback", "disable_additional_properties",
@@ -137,7 +137,7 @@ def _vllm(kind: str, value: Any, param: str, ws: dict):
         return lambda: _text(Constraint.regex, value, param)
     if kind == "choice":
         return lambda: _wrap(Constraint.choice, value, param)
-    return lambda: _text(lambda t: Constraint.lark(t) if is_lark(t) else Constraint.gbnf(t), value, param)
+    return lambda: _text(Constraint.lark_or_gbnf, value, param)
 
 
 # --- the values -----------------------------------------------------------------------------------------------

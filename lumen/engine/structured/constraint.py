@@ -58,7 +58,7 @@ class Constraint:
     grammar text (GBNF as given; `grammar` holds its Lark translation). Equal constraints compile once."""
     kind: str
     value: str
-    grammar: str = field(default="", compare=False, repr=False)   # llguidance's grammar (JSON text)
+    grammar: str = field(default="", init=False, compare=False, repr=False)   # llguidance's grammar, made here
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -67,9 +67,8 @@ class Constraint:
             _fail(self.kind, f"the value must be text, got {type(self.value).__name__}")
         if len(self.value) > MAX_TEXT:
             _fail(self.kind, f"{len(self.value)} characters, more than the {MAX_TEXT} accepted")
-        if not self.grammar:
-            object.__setattr__(self, "grammar", _to_grammar(self.kind, self.value))
-            _validate(self.kind, self.grammar)
+        object.__setattr__(self, "grammar", _to_grammar(self.kind, self.value))
+        _validate(self.kind, self.grammar)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -145,6 +144,14 @@ class Constraint:
     def gbnf(cls, text: str) -> Constraint:
         """A GBNF grammar (llama.cpp's grammar format), starting at `root`; translated to Lark."""
         return cls.make("grammar_gbnf", text)
+
+    @classmethod
+    def lark_or_gbnf(cls, text: str) -> Constraint:
+        """A grammar in either format: Lark when it has a `start:` rule (or `%llguidance`), else GBNF. For vLLM's
+        "grammar" field and the CLI's --grammar FILE."""
+        if not isinstance(text, str):
+            _fail("grammar_lark", f"expected a string, got {type(text).__name__}")
+        return cls.lark(text) if is_lark(text) else cls.gbnf(text)
 
 
 def is_lark(text: str) -> bool:
