@@ -13,13 +13,16 @@ grammar-valid (GrammarMatcher.validate_draft), as the engine has truncated them 
 is advanced through them and rolled back inside llguidance, so its state is unchanged afterwards. Rows not in
 any item are left as they were; rows of an item that llguidance does not reach are left all-zero.
 
-Cost (python -m lumen.engine.structured.measure, CPU lock held but load average 7-9 from other work on the 2
-cores, so upper bounds): a batched fill along random JSON-schema walks, 1 row: median 20-36 us (SmolLM2, 49152
-tokens), 50-75 us (Gemma 3, 262144); 16 rows: median 1.1-2.7 ms, p90 5-9 ms (on a quiet core a row is ~26 us
-median and ~0.1 ms mean; free strings under a `format` or `pattern` regex cost up to ~4-8 ms a row). It runs
-beside the forward pass, so a step waits only for what is left of it. `apply_bitmask` (Numba, branch-free,
-vectorised): 2.1-2.8 us a row for 49152 tokens, 12-15 us for 262144, whatever the mask holds (numpy's unpackbits
-+ boolean index: 20-130 us and 0.12-1.1 ms).
+Cost (CPU lock held, but load average 7-9 from other work on the 2 cores, so upper bounds). In real greedy
+generations of a JSON schema (a throwaway Engine subclass masking synchronously; SmolLM2 and Gemma 3 chat
+prompts, 43-47 tokens) one row takes 0.12-0.4 ms on either vocabulary (llguidance's slices keep Gemma's 262144
+tokens as cheap as SmolLM2's 49152), with 4-15 ms outliers that track the machine's load; synchronous masking
+added 0.3-1.0 ms a token to TPOTs of 12.6-14 ms (SmolLM2) and 25-27 ms (Gemma 3). Along the random walks of
+python -m lumen.engine.structured.measure: 1 row median 20-75 us, 16 rows in one call median 1.1-2.7 ms, p90
+5-9 ms (free strings under a `format` or `pattern` regex reach 4-8 ms a row). The filler runs it beside the
+forward pass, so a step waits only for what is left of it. `apply_bitmask` (Numba, branch-free, vectorised):
+2.1-2.8 us a row for 49152 tokens, 12-15 us for 262144, whatever the mask holds (numpy's unpackbits + boolean
+index: 20-130 us and 0.12-1.1 ms). Its first call in a process loads the Numba cache (~15 ms): warm it up.
 """
 from __future__ import annotations
 
