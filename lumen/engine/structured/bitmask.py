@@ -73,6 +73,7 @@ class MaskFiller:
         self.executor = llguidance.LLExecutor(threads)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lumen-masks")
         self._masks = np.zeros((max_rows, vocab.mask_words), np.int32)   # (max_rows, mask_words)
+        warm_up()
 
     def _buffer(self, n_rows: int) -> np.ndarray:
         if self._masks.shape[0] < n_rows:
@@ -110,6 +111,11 @@ def apply_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
     for t in range(full * 32, n):
         if not (mask[t // 32] >> (t % 32)) & 1:
             logits[t] = NEG_INF
+
+
+def warm_up() -> None:
+    """Load (or compile) the Numba mask kernels now rather than in a request's first step (~15 ms)."""
+    apply_bitmasks(np.zeros((1, 33), np.float32), np.full((1, 2), -1, np.int32), [0])
 
 
 @njit(cache=True, nogil=True)
