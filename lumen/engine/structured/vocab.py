@@ -24,7 +24,7 @@ Note: with a vocabulary whose add_space_prefix is set (not the case for SmolLM2 
 one leading space of a generation's first token; the grammar sees that space.
 
 Build cost (python -m lumen.engine.structured.measure, load average 7.5): SmolLM2 (49152 tokens) 0.24-0.32 s,
-Gemma 3 (262144 tokens) 1.9-2.4 s (0.09 s and 0.9 s on a quieter machine), mostly llguidance's token trie and
+Gemma 3 (262144 tokens) 1.9-2.4 s (0.14-0.2 s and 1.2 s in a quieter moment), mostly llguidance's token trie and
 its mask slices; once per tokenizer, so the engine should start it when it starts (GrammarCompiler does, on its
 thread).
 """
