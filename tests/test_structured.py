@@ -150,6 +150,32 @@ def test_compiler_caches_and_compiles_off_thread(toks):
         assert m1.n_tokens == 1 and m2.n_tokens == 0          # independent copies of the template
 
 
+def test_vocab_is_built_once_across_threads(smollm2_path):
+    tok = Tokenizer.from_metadata(GGUFFile(smollm2_path).metadata)     # a tokenizer no other test has used
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(grammar_vocab(tok))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 4 and all(v is got[0] for v in got)
+
+
+def test_compiler_cache_keeps_the_most_recent(toks):
+    with GrammarCompiler(toks["smollm2-135m"], max_entries=2) as compiler:
+        a, b, c = (Constraint.regex(r) for r in ("a+", "b+", "c+"))
+        fa = compiler.submit(a)
+        compiler.submit(b)
+        assert compiler.submit(a) is fa                       # a is now the most recent
+        compiler.submit(c)                                    # evicts b
+        assert compiler.submit(a) is fa
+        assert compiler.misses == 3 and compiler.hits == 2
+        compiler.submit(b)                                    # compiled again
+        assert compiler.misses == 4
+        with pytest.raises(ValueError):
+            GrammarCompiler(toks["smollm2-135m"], max_entries=0)
+
+
 def test_compiler_reports_vocabulary_errors(compilers):
     """A grammar llguidance can only reject against the vocabulary (a token id past its end): the future raises
     StructuredOutputError with llguidance's message, and the failure is cached."""
