@@ -1,0 +1,190 @@
+"""Constraint: what a request's output must match (a JSON schema, any JSON object, a regex, one of a list of
+strings, or a Lark or GBNF grammar), checked when it is made, as one immutable, hashable value.
+
+    c = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    c = Constraint.make("regex", r"\\d{3}-\\d{4}")      # kind names as in KINDS
+    c.grammar                                            # llguidance's grammar text, made once
+    c.key                                                # (kind, canonical text): the compile cache key
+
+Making one validates it without a tokenizer (llguidance's `LLMatcher.validate_grammar_with_warnings`, ~0.3 ms
+for a small schema), so the server can answer 400 before the request reaches the engine: a malformed value, a
+schema keyword llguidance cannot enforce, a regex or grammar that does not parse all raise StructuredOutputError
+with llguidance's message. What llguidance can only find against a model's vocabulary (rare: a grammar naming a
+token the vocabulary lacks) is reported by the compiler (lumen.engine.structured.compiler) the same way.
+
+JSON whitespace is bounded by default (issue 20, item 5): between two JSON tokens llguidance allows at most what
+`JSON_WHITESPACE` matches, one space or one or two newlines and then up to 20 spaces or tabs (llama.cpp's
+json-schema-to-grammar rule), so a model that prefers whitespace must still write a JSON token after at most 22
+whitespace characters, and none may come before the first `{` or after the last `}`. llguidance's own default
+(`whitespace_flexible`: any run of whitespace) lets a model write newlines until max_tokens. A schema's own
+top-level "x-guidance" options (llguidance's JSON options: whitespace_flexible, whitespace_pattern,
+item_separator, key_separator, lenient, ...) apply on top; one that sets whitespace_flexible or
+whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": false}`: compact JSON).
+Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propertyNames) are an error rather than
+silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
+them and ignores them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from ...errors import LumenError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar_lark", "grammar_gbnf")
+JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"        # one JSON whitespace gap: at most 22 characters
+JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}  # llguidance JSON options, before the schema's x-guidance
+MAX_TEXT = 1 << 20                                     # 1 MiB: longest schema / regex / grammar text accepted
+
+
+class StructuredOutputError(LumenError, ValueError):
+    """A constraint (JSON schema, regex, choice list or grammar) that is malformed or that llguidance rejects;
+    the message says which and carries llguidance's own."""
+
+
+def _fail(kind: str, msg: str) -> None:
+    raise StructuredOutputError(f"invalid {kind} constraint: {msg}")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One output constraint. `kind` is one of KINDS; `value` its canonical text: the schema as compact JSON
+    (key order kept: llguidance writes properties in schema order), the regex, the choices as a JSON list, the
+    grammar text (GBNF as given; `grammar` holds its Lark translation). Equal constraints compile once."""
+    kind: str
+    value: str
+    grammar: str = field(default="", init=False, compare=False, repr=False)   # llguidance's grammar, made here
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise StructuredOutputError(f"unknown constraint kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if not isinstance(self.value, str):
+            _fail(self.kind, f"the value must be text, got {type(self.value).__name__}")
+        if len(self.value) > MAX_TEXT:
+            _fail(self.kind, f"{len(self.value)} characters, more than the {MAX_TEXT} accepted")
+        object.__setattr__(self, "grammar", _to_grammar(self.kind, self.value))
+        _validate(self.kind, self.grammar)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.value
+
+    # --- constructors, one per kind ---------------------------------------------------------------------------
+    @classmethod
+    def make(cls, kind: str, value: Any = None) -> Constraint:
+        """A constraint of `kind` from a Python value: a schema (dict, bool or JSON text), a regex, a list of
+        strings, a grammar text; json_object takes no value."""
+        if kind == "json_schema":
+            return cls.json_schema(value)
+        if kind == "json_object":
+            if value is not None:
+                _fail(kind, "takes no value")
+            return cls.json_object()
+        if kind == "choice":
+            return cls.choice(value)
+        if kind in KINDS:
+            if not isinstance(value, str):
+                _fail(kind, f"expected a string, got {type(value).__name__}")
+            return cls(kind, value)
+        raise StructuredOutputError(f"unknown constraint kind {kind!r} (known: {', '.join(KINDS)})")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> Constraint:
+        """A JSON schema (a dict, true/false, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                _fail("json_schema", f"the schema is not valid JSON: {e}")
+        if schema is True:
+            schema = {}                                       # any JSON value (llguidance takes objects only)
+        if schema is False:
+            _fail("json_schema", "the schema false matches nothing")
+        if not isinstance(schema, dict):
+            _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
+        try:
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            _fail("json_schema", f"the schema cannot be written as JSON: {e}")
+        return cls("json_schema", text)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Any JSON object (OpenAI's response_format json_object)."""
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        """The whole output matches `pattern` (Rust regex syntax, as llguidance; no lookaround, no backrefs)."""
+        return cls.make("regex", pattern)
+
+    @classmethod
+    def choice(cls, options) -> Constraint:
+        """The output is exactly one of `options` (a non-empty list of strings)."""
+        if isinstance(options, (str, bytes)) or not isinstance(options, (list, tuple)):
+            _fail("choice", f"expected a list of strings, got {type(options).__name__}")
+        if not options:
+            _fail("choice", "the list of choices is empty")
+        bad = [o for o in options if not isinstance(o, str)]
+        if bad:
+            _fail("choice", f"every choice must be a string, got {bad[0]!r}")
+        return cls("choice", json.dumps(list(options), ensure_ascii=False))
+
+    @classmethod
+    def lark(cls, text: str) -> Constraint:
+        """A Lark grammar (llguidance's dialect: docs/syntax.md of guidance-ai/llguidance), starting at `start`."""
+        return cls.make("grammar_lark", text)
+
+    @classmethod
+    def gbnf(cls, text: str) -> Constraint:
+        """A GBNF grammar (llama.cpp's grammar format), starting at `root`; translated to Lark."""
+        return cls.make("grammar_gbnf", text)
+
+    @classmethod
+    def lark_or_gbnf(cls, text: str) -> Constraint:
+        """A grammar in either format: Lark when it has a `start:` rule (or `%llguidance`), else GBNF. For vLLM's
+        "grammar" field and the CLI's --grammar FILE."""
+        if not isinstance(text, str):
+            _fail("grammar_lark", f"expected a string, got {type(text).__name__}")
+        return cls.lark(text) if is_lark(text) else cls.gbnf(text)
+
+
+def is_lark(text: str) -> bool:
+    """Whether grammar text is Lark (a `start:` rule or `%llguidance`) rather than GBNF (`root ::= ...`), as
+    llguidance decides for its "grammar" format."""
+    return re.search(r"(?m)^\s*(%llguidance\b|start\s*:)", text) is not None
+
+
+def _to_grammar(kind: str, value: str) -> str:
+    """llguidance's grammar for a constraint's canonical value."""
+    ll = llguidance.LLMatcher
+    try:
+        if kind == "json_schema":
+            schema = json.loads(value)
+            own = schema.get("x-guidance") if isinstance(schema, dict) else None
+            ws_own = isinstance(own, dict) and ("whitespace_pattern" in own or "whitespace_flexible" in own)
+            return ll.grammar_from_json_schema(value, defaults=None if ws_own else JSON_OPTIONS)
+        if kind == "json_object":
+            return ll.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return ll.grammar_from_regex(value)
+        if kind == "choice":
+            # each choice a Lark string literal (JSON string syntax, which llguidance's Lark reads)
+            return ll.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(value)))
+        if kind == "grammar_lark":
+            return ll.grammar_from_lark(value)
+        return ll.grammar_from_lark(gbnf_to_lark(value))
+    except Exception as e:  # ValueError from llguidance, GbnfToLarkError (with its position) from the GBNF parser
+        _fail(kind, str(e))
+
+
+def _validate(kind: str, grammar: str) -> None:
+    """Compile `grammar` without a tokenizer; StructuredOutputError with llguidance's message if it fails."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        _fail(kind, messages[0].strip() if messages else "rejected by llguidance")
