@@ -71,7 +71,7 @@ __version__ = "0.1.0"
 # weights, the pack cache, the model store) -> kernels (Numba) -> engine (the forward pass, the runner, the block
 # manager, the scheduler, the engine loop, Model) -> interfaces (generate, perplexity, bench, serve, profile).
 _LAZY = {"Model": ("engine.llm", "Model"), "Engine": ("engine.engine", "Engine"),
-         "SamplingParams": ("engine.sampling", "SamplingParams"), "RequestOutput": ("engine.sequence", "RequestOutput")}
+         "SamplingParams": ("engine.sampling_params", "SamplingParams"), "RequestOutput": ("engine.sequence", "RequestOutput")}
 
 
 def __getattr__(name: str):

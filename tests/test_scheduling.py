@@ -9,7 +9,7 @@ import pytest
 import lumen
 from lumen import Engine, SamplingParams
 from lumen.engine.budget import MeasuredBudget
-from lumen.engine.costs import CostModel, Fit, cache_path, calibrate, fit
+from lumen.engine.step_costs import CostModel, Fit, cache_path, calibrate, fit
 
 
 def test_fit_recovers_a_known_cost_surface():
@@ -120,12 +120,12 @@ def model(smollm2_path):
 def test_calibration_is_cached_per_model_machine_and_code(model, tmp_path, monkeypatch):
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
     eng = Engine(model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_mb=8)
-    first = calibrate(eng, repeats=1)
-    assert first.source == "measured" and cache_path(eng).is_file() and len(first.samples) >= 10
-    again = calibrate(eng)
+    first = calibrate(eng.runner, eng.cost_key, repeats=1)
+    assert first.source == "measured" and cache_path(eng.cost_key).is_file() and len(first.samples) >= 10
+    again = calibrate(eng.runner, eng.cost_key)
     assert again.source.startswith("cache") and again.samples == first.samples
     other = Engine(model, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, kv_cache_mb=8)
-    assert cache_path(other) != cache_path(eng)                      # another engine shape: another table
+    assert cache_path(other.cost_key) != cache_path(eng.cost_key)                      # another engine shape: another table
 
 
 def test_measured_scheduler_gives_the_same_outputs(model, caplog):

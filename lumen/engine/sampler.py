@@ -62,7 +62,9 @@ def _integer(name: str, value) -> int:
     return int(value)
 
 
-def _check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float, int, float, float]:
+def check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float, int, float, float, int | None]:
+    """The one check of the sampler's settings (lumen.SamplingParams and make_sampler both call it): the values,
+    converted, or SamplerError naming the bad one."""
     temperature = _number("temperature", temperature)
     if not 0.0 <= temperature < math.inf:
         raise SamplerError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
@@ -75,9 +77,27 @@ def _check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float
     min_p = _number("min_p", min_p)
     if not 0.0 <= min_p <= 1.0:
         raise SamplerError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
-    if seed is not None and (_integer("seed", seed) < 0):
-        raise SamplerError(f"seed must be None or an integer >= 0, got {seed}")
-    return temperature, top_k, top_p, min_p
+    if seed is not None:
+        seed = _integer("seed", seed)
+        if not 0 <= seed < 2 ** 63:
+            raise SamplerError(f"seed must be None or an integer in [0, 2^63), got {seed}")
+    return temperature, top_k, top_p, min_p, seed
+
+
+def check_penalties(repeat_penalty, presence_penalty, frequency_penalty, last_n) -> tuple[float, float, float, int]:
+    """The one check of the penalties' settings (lumen.SamplingParams and make_logits_processors both call it)."""
+    repeat_penalty = _number("repeat_penalty", repeat_penalty)
+    if not 0.0 < repeat_penalty < math.inf:
+        raise SamplerError(f"repeat_penalty must be > 0 and finite (1 = off), got {repeat_penalty}")
+    presence_penalty = _number("presence_penalty", presence_penalty)
+    frequency_penalty = _number("frequency_penalty", frequency_penalty)
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not math.isfinite(v):
+            raise SamplerError(f"{name} must be finite (0 = off), got {v}")
+    last_n = _integer("last_n", last_n)
+    if last_n < -1:
+        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}")
+    return repeat_penalty, presence_penalty, frequency_penalty, last_n
 
 
 def _as_logits(logits) -> np.ndarray:
@@ -190,7 +210,7 @@ def _draw(w: np.ndarray, u: float) -> int:
 class Sampler:
     """logits (n_vocab,) float32 -> token id, with `make_sampler`'s settings. Calling it draws from its own
     numpy Generator (one uniform per token); `pick(logits, u)` takes the uniform from the caller (the engine keys
-    uniforms by request and position, lumen.engine.sampling), and `distribution(logits)` gives the probabilities
+    uniforms by request and position, lumen.engine.sampler.uniform), and `distribution(logits)` gives the probabilities
     the draw uses (what speculative decoding verifies against). Logits are not modified."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None):
@@ -247,8 +267,7 @@ def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     min_p 0 are off. Called, it uses a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
     exactly one uniform per token, so the same seed and logits give the same tokens. Logits are not modified.
     """
-    temperature, top_k, top_p, min_p = _check_sampler_params(temperature, top_k, top_p, min_p, seed)
-    return Sampler(temperature, top_k, top_p, min_p, seed)
+    return Sampler(*check_sampler_params(temperature, top_k, top_p, min_p, seed))
 
 
 def _candidates(x: np.ndarray, m: float, top_k: int, top_p: float, min_logit: float) -> np.ndarray | None:
@@ -302,18 +321,12 @@ def make_logits_processors(*, repeat_penalty: float = 1.0, presence_penalty: flo
     last_n 0 disables the penalties, -1 uses the whole history. With neutral settings the callable returns the
     logits untouched at once.
     """
-    repeat_penalty = _number("repeat_penalty", repeat_penalty)
-    if not 0.0 < repeat_penalty < math.inf:
-        raise SamplerError(f"repeat_penalty must be > 0 and finite (1 = off), got {repeat_penalty}")
-    presence_penalty = _number("presence_penalty", presence_penalty)
-    frequency_penalty = _number("frequency_penalty", frequency_penalty)
-    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if not math.isfinite(v):
-            raise SamplerError(f"{name} must be finite (0 = off), got {v}")
-    last_n = _integer("last_n", last_n)
-    if last_n < -1:
-        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}")
+    return penalizer(*check_penalties(repeat_penalty, presence_penalty, frequency_penalty, last_n))
 
+
+def penalizer(repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
+              last_n: int) -> LogitsProcessor:
+    """make_logits_processors for settings already checked (check_penalties)."""
     if last_n == 0 or (repeat_penalty == 1.0 and presence_penalty == 0.0 and frequency_penalty == 0.0):
         def identity(logits: np.ndarray, history_ids: Sequence[int]) -> np.ndarray:
             return logits
@@ -389,3 +402,28 @@ class StopChecker:
         """The held-back text, once generation ended without a stop string."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+# ---------------------------------------------------------------------------------------------------------
+# keyed uniforms: what decides a request's token at a position
+
+PICK, ACCEPT, RESIDUAL, DRAFT = range(4)   # what a keyed uniform is for (see `uniform`)
+_M64 = (1 << 64) - 1
+
+
+def uniform(key: int, pos: int, use: int) -> float:
+    """A uniform in [0, 1) that depends on (key, position, use) alone (splitmix64 of their mix). A request draws
+    the uniform that decides its token at a position from its key and that position, so its tokens do not
+    depend on how the engine grouped its steps (speculative drafts of any length, preemption, batching)."""
+    z = (key + 0x9E3779B97F4A7C15 * (4 * pos + use + 1)) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+def request_key(seed: int | None) -> int:
+    """A request's key: mixed from its seed, or fresh entropy without one."""
+    if seed is None:
+        import os
+        return int.from_bytes(os.urandom(8), "little")
+    return int(uniform(int(seed) & _M64, 0, 0) * (1 << 53)) ^ (int(seed) >> 11)
