@@ -5,7 +5,8 @@ per request (its own RNG, so its tokens do not depend on what runs beside it), i
 min_tokens, logprobs (the top-k log-probabilities of each sampled token) and logit_bias.
 
 Each field is checked once, here; the sampler's and the penalties' fields by the same functions that
-make_sampler and make_logits_processors call (lumen.engine.sampler.check_sampler_params, check_penalties).
+make_sampler and make_logits_processors call (lumen.engine.sampler.check_sampler_params,
+lumen.engine.logits_processors.check_penalties).
 
 Order per token (lumen.engine.sequence.TokenChooser): logit_bias, min_tokens (end tokens masked), penalties,
 then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampler), drawn with a uniform
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from .config import MAX_SPECULATIVE_TOKENS
-from .sampler import SamplerError, check_penalties, check_sampler_params
+from .logits_processors import check_penalties
+from .sampler import SamplerError, check_sampler_params
 
 MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
 

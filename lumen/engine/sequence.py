@@ -14,8 +14,10 @@ from typing import Sequence as Seq
 import numpy as np
 
 from ..errors import LumenError
-from .sampler import PICK, Sampler, StopChecker, penalizer, request_key, uniform
+from .logits_processors import penalizer
+from .sampler import PICK, Sampler, request_key, uniform
 from .sampling_params import SamplingParams
+from .stop_strings import StopChecker
 
 
 class Status(enum.Enum):
