@@ -29,7 +29,7 @@ from typing import Iterator, Sequence as Seq
 
 import numpy as np
 
-from ..errors import ContextError, LumenError
+from ..errors import LumenError
 from ..kernels.attention import BLOCK
 from ..profile import active as profiler_active
 from .block_manager import BlockManager
@@ -40,12 +40,13 @@ from .runner import Runner
 from .sampler import SamplerError
 from .sampling_params import SamplingParams
 from .scheduler import Scheduled, Scheduler
-from .sequence import RequestError, RequestMetrics, RequestOutput, Sequence, prompt_ids
+from .admission import RequestError, admit
+from .sequence import RequestMetrics, RequestOutput, Sequence
 from .speculative import DraftModel, Speculator
 from .step_costs import CostKey, StepCosts, calibrate
 
 log = logging.getLogger("lumen.engine")
-__all__ = ["Engine", "EngineConfig", "RequestError"]
+__all__ = ["Engine", "EngineConfig", "RequestError"]          # RequestError: lumen.engine.admission
 
 
 class Engine:
@@ -102,22 +103,8 @@ class Engine:
         """Queue a request; returns its id. Raises RequestError (a ValueError) when it cannot be served.
         metrics: a RequestMetrics for the engine to fill (default: a new one, in every output)."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a lumen.SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.config.n_vocab)
-        ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)
-        n, limit = len(ids), self.max_model_len
-        if n >= limit:
-            raise ContextError(f"the prompt has {n} tokens; max_model_len is {limit}, which must also leave room "
-                               f"for at least one generated token")
-        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
-        if n + max_tokens > limit:
-            raise ContextError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
-                               f"({limit})")
-        if self.blocks.blocks_for(n + max_tokens) > self.blocks.n_blocks:
-            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs "
-                               f"{self.blocks.blocks_for(n + max_tokens)} KV blocks but the pool has "
-                               f"{self.blocks.n_blocks}; raise kv_cache_mb or lower max_tokens")
+        ids, max_tokens = admit(prompt, params, self.tokenizer, self.config.n_vocab, self.max_model_len,
+                                self.blocks.n_blocks)
         with self._lock:
             rid = request_id if request_id is not None else self._prefix + str(next(self._ids))
             if rid in self._seqs:
@@ -147,14 +134,7 @@ class Engine:
         prof = profiler_active()
         prof.begin_step("decode")
         t0 = time.perf_counter()
-        with self._lock:
-            outs, self._pending = self._pending, []
-            decision = self.budgeter.decide(self.scheduler, t0) if self.budgeter is not None else None
-            budget = self.scheduler.step_budget(decision and decision.budget)
-            running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
-        k_of = self.speculator.propose(running, waiting, budget, self.scheduler.chunked_prefill)
-        with self._lock:
-            plan = self.scheduler.schedule(budget, k_of, max_running=decision and decision.max_running)
+        outs, plan, decision = self._schedule(t0)
         if not plan:
             prof.cancel_step()
             return outs
@@ -164,16 +144,32 @@ class Engine:
         logits, n_tokens, n_keys = self.runner.run_plan(plan, drafts, prof)
         with self._lock:
             outs += self._postprocess(plan, logits, prof)
-        wall = time.perf_counter() - t0
+        self._observe(decision, n_tokens, len(plan), n_keys, time.perf_counter() - t0)
+        prof.end_step()
+        return outs
+
+    def _schedule(self, now: float) -> tuple[list[RequestOutput], list[Scheduled], object]:
+        """(outputs made since the last step, this step's plan, the measured scheduler's decision or None). The
+        speculator drafts before the scheduler plans, outside the lock (a draft model runs a forward pass)."""
+        with self._lock:
+            outs, self._pending = self._pending, []
+            decision = self.budgeter.decide(self.scheduler, now) if self.budgeter is not None else None
+            budget = self.scheduler.step_budget(decision and decision.budget)
+            running = list(self.scheduler.running)
+            waiting = [s for s in self.scheduler.waiting if s.spec is not None]
+        k_of = self.speculator.propose(running, waiting, budget, self.scheduler.chunked_prefill)
+        with self._lock:
+            return outs, self.scheduler.schedule(budget, k_of, decision and decision.max_running), decision
+
+    def _observe(self, decision, n_tokens: int, n_seqs: int, n_keys: int, wall: float) -> None:
+        """What the step cost, for the speculator's choice of k and the measured scheduler's cost model."""
         self.costs.add(n_tokens, wall)
         if self.cost_model is not None:
-            self.cost_model.observe(n_tokens, len(plan), n_keys, wall)
+            self.cost_model.observe(n_tokens, n_seqs, n_keys, wall)
             decision.measured_s = wall
             self.decisions.append(decision)
             if self.engine_config.explain:
                 log.info(decision.line(self.steps))
-        prof.end_step()
-        return outs
 
     def _postprocess(self, plan: list[Scheduled], logits: np.ndarray, prof) -> list[RequestOutput]:
         """Choose the tokens of the sequences whose logits came back (verifying their drafts), advance every

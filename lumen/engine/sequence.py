@@ -13,7 +13,6 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from ..errors import LumenError
 from .logits_processors import penalizer
 from .sampler import PICK, Sampler, request_key, uniform
 from .sampling_params import SamplingParams
@@ -234,28 +233,3 @@ class TokenChooser:
             ids = ids[np.lexsort((ids, -x[ids]))]
             top = [(int(i), float(x[i] - lse)) for i in ids]
         return float(x[token] - lse), top
-
-
-class RequestError(LumenError, ValueError):
-    """A request cannot be served (bad prompt, too long, cannot ever fit); the engine is unaffected."""
-
-
-def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
-    """A prompt (text, or token ids) as checked token ids; RequestError when it is not one."""
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_bos=tokenizer.add_bos_default, special=special)
-    elif isinstance(prompt, (list, tuple, np.ndarray)):
-        if any(isinstance(t, (bool, np.bool_, float, np.floating)) for t in prompt):
-            raise RequestError("a token-id prompt must hold integers")
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise RequestError("a token-id prompt must hold integers") from None
-        bad = [t for t in ids if not 0 <= t < n_vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
-    else:
-        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-    if not ids:
-        raise RequestError("the prompt is empty (no tokens)")
-    return ids

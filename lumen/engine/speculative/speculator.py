@@ -14,6 +14,7 @@ verified ones (and for a position it samples without drafting), which verify dec
 """
 from __future__ import annotations
 
+from ..admission import RequestError
 from ..config import SpeculativeConfig
 from ..sequence import Sequence
 from ..step_costs import StepCosts
@@ -37,7 +38,6 @@ class Speculator:
     def admit(self, seq: Sequence) -> None:
         """A new request: its speculation state (None when it does not speculate)."""
         if seq.params.speculative == "draft" and self.draft is None:
-            from ..sequence import RequestError
             raise RequestError("speculative='draft' needs a draft model: Engine(..., draft_model=...)")
         seq.spec = SpecState() if seq.params.speculative is not None else None
 
@@ -47,6 +47,9 @@ class Speculator:
         tokens each running request takes are counted in the scheduler's order, so k is chosen against the step
         it will run in (see choose_k). A preempted request recomputing its tokens gets the one token a sampled
         request decides by the acceptance rule."""
+        if not any(seq.spec is not None for seq in [*running, *waiting]):
+            self._step = {}
+            return {}
         want, planned = [], 0
         for seq in running:
             if planned >= budget:
