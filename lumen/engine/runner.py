@@ -3,9 +3,10 @@ into the forward pass's Batch (`run_plan`), runs it, and hands back the logits o
 prefill/decode, the draft model and the cost calibration fill the batch themselves (`set_tokens`, `set_out_rows`).
 
 Each forward pass runs on the threads the Governor gives it (lumen.engine.threads): up to n_threads, fewer while
-other processes (or the server's own event loop) want the cores. Sizes are fixed at construction: at most `max_tokens` tokens per step, `max_rows` sequences holding blocks
-(rows of the block table), `max_blocks` blocks per sequence, `n_blocks` blocks in the pool. Nothing on the
-per-step path allocates except the small views of the preallocated batch arrays.
+other processes (or the server's own event loop) want the cores. Sizes are fixed at construction: at most
+`max_tokens` tokens per step, `max_rows` sequences holding blocks (rows of the block table), `max_blocks` blocks
+per sequence, `n_blocks` blocks in the pool. Nothing on the per-step path allocates except the small views of the
+preallocated batch arrays.
 """
 from __future__ import annotations
 
