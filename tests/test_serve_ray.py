@@ -118,6 +118,33 @@ def served(m: dict, replica: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the wire between the ingress and a replica, without Ray
+
+def test_refusals_and_outputs_cross_the_wire():
+    """A replica's refusal travels as a kind and comes back as the same class (so the ingress answers what one
+    process answers); an output travels without what the ingress already has and is put back together."""
+    from lumen.engine.engine import RequestError
+    from lumen.engine.sampler import SamplerError
+    from lumen.engine.sequence import RequestMetrics, RequestOutput
+    from lumen.errors import ContextError
+    from lumen.serve.ray.remote import REFUSALS, Stream, pack, refusal
+    from lumen.serve.worker import QueueFull, ShuttingDown, TooManyRequests
+    for e in (QueueFull("q"), ShuttingDown("s"), TooManyRequests("n"), SamplerError("x"), ContextError("c"),
+              RequestError("r"), ValueError("v")):
+        assert type(REFUSALS[refusal(e)](str(e))) is type(e)
+    stream, sent = Stream(["a"], [[1, 2, 3]]), {}
+    outs = [RequestOutput("a", [1, 2, 3], [7], "x", False, None, RequestMetrics(), delta_token_ids=[7],
+                          delta_text="x", logprobs=[(-0.5, [])]),
+            RequestOutput("a", [1, 2, 3], [7, 8], "xy", True, "length", RequestMetrics(prompt_tokens=3),
+                          delta_token_ids=[8], delta_text="y", logprobs=[(-0.5, []), (-0.25, [])])]
+    wire = [pack(o, sent) for o in outs]
+    assert [w.token_ids for w in wire] == [[], []] and wire[1].logprobs == [(-0.25, [])]
+    back = [stream.unpack(w) for w in wire]
+    assert back[-1].token_ids == [7, 8] and back[-1].text == "xy" and back[-1].prompt_token_ids == [1, 2, 3]
+    assert back[-1].logprobs == outs[-1].logprobs and back[-1].metrics.prompt_tokens == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the same API as one process
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
