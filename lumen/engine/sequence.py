@@ -138,6 +138,8 @@ class Sequence:
         self.metrics.__init__(arrival=time.perf_counter() if now is None else now,   # a reused one starts afresh
                               prompt_tokens=len(prompt_ids))
         self.spec = None                       # speculative state (lumen.engine.speculative), per request
+        self.grammar = None                    # structured output: its GrammarMatcher, once compiled
+        self.grammar_future = None             # ... and the compilation it waits for (lumen.engine.engine)
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +150,13 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def append(self, token: int, now: float) -> str:
-        """Add a sampled token; returns the text it releases. Sets finish_reason when a stop condition holds."""
+        """Add a sampled token; returns the text it releases. Sets finish_reason when a stop condition holds (a
+        structured-output request's grammar complete is one). StructuredOutputError, the sequence unchanged,
+        for a token its grammar does not allow."""
+        complete = False
+        if self.grammar is not None:
+            self.grammar.advance(token)
+            complete = self.grammar.is_stopped  # the grammar takes nothing more: finish with "stop"
         m = self.metrics
         if m.first_token is None:
             m.first_token = now
@@ -160,12 +168,12 @@ class Sequence:
         self.tokens.append(token)
         n = len(self.output_ids)
         ends = token in self.chooser.stop_ids and n > self.params.min_tokens
-        last = ends or n >= self.max_tokens
+        last = ends or complete or n >= self.max_tokens
         piece = "" if ends else self.detok.push(token)
         if last:
             piece += self.detok.flush()
         text, hit = self.stopper.feed(piece)
-        if hit or ends:
+        if hit or ends or complete:
             self.finish_reason = "stop"
             self.stop_reason = self.stopper.matched if hit else (token if token in self.params.stop_token_ids
                                                                  else None)
@@ -231,5 +239,5 @@ class TokenChooser:
         if k:
             ids = np.argpartition(-x, k - 1)[:k]
             ids = ids[np.lexsort((ids, -x[ids]))]
-            top = [(int(i), float(x[i] - lse)) for i in ids]
+            top = [(int(i), float(x[i] - lse)) for i in ids if x[i] > -np.inf]   # masked tokens are not offered
         return float(x[token] - lse), top
