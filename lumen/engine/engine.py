@@ -173,8 +173,9 @@ class Engine:
                 if error is None:
                     self.scheduler.add(seq)
                 else:
-                    seq.error = error
-                    self._finish(seq, "error", now)
+                    seq.error = error                   # in no queue, holding no blocks
+                    seq.finish("error", now)
+                    self._seqs.pop(seq.request_id, None)
                     outs.append(seq.output([], []))
             decision = self.budgeter.decide(self.scheduler, now) if self.budgeter is not None else None
             budget = self.scheduler.step_budget(decision and decision.budget)
