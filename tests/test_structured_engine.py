@@ -23,15 +23,25 @@ from lumen.engine.structured import Constraint, StructuredOutputError
 from lumen.errors import LumenError
 
 SEEDS = (0, 1, 2)
-# test_structured's schemas, with every object closed (a model left free to add properties writes until max_tokens)
-SCHEMAS = {**WALK_SCHEMAS, "anyof": {"type": "object", "properties": {
-    "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}, {"type": "null"}]},
-    "shape": {"anyOf": [{"type": "object", "properties": {"r": {"type": "integer", "maximum": 99}},
-                         "required": ["r"],
-                         "additionalProperties": False},
-                        {"type": "object", "properties": {"w": {"type": "integer"}, "h": {"type": "integer"}},
-                         "required": ["w", "h"], "additionalProperties": False}]}},
-    "required": ["value", "shape"], "additionalProperties": False}}
+
+
+def closed(schema):
+    """The schema with every object closed (additionalProperties false where it says nothing): a model left free
+    to add properties writes until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k not in ("const", "enum") else v for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+# test_structured's schemas (nested objects, enums, arrays with bounds, anyOf, const, patterns, integer ranges,
+# $refs), closed, with anyOf's number bounded (a free number's digits can also run to max_tokens)
+SCHEMAS = {name: closed(s) for name, s in WALK_SCHEMAS.items()}
+SCHEMAS["anyof"]["properties"]["shape"]["anyOf"][0]["properties"]["r"] = {"type": "integer", "maximum": 99}
 PROMPT = "Here is the data as JSON:\n"
 
 
