@@ -42,7 +42,8 @@ class RequestMetrics:
     spec_proposed: int = 0             # speculative tokens proposed and verified
     spec_accepted: int = 0             # ... and accepted
     spec_steps: int = 0                # verification steps
-    stop_reason: str = ""              # how it ended: "eos", "stop", "length", "abort" or "error" ("" meanwhile)
+    stop_reason: str = ""              # how it ended: "eos", "stop", "grammar" (complete), "length", "abort" or
+                                       # "error" ("" meanwhile)
 
     @property
     def queue_s(self) -> float:
@@ -140,6 +141,7 @@ class Sequence:
         self.spec = None                       # speculative state (lumen.engine.speculative), per request
         self.grammar = None                    # structured output: its GrammarMatcher, once compiled
         self.grammar_future = None             # ... and the compilation it waits for (lumen.engine.engine)
+        self.grammar_complete = False          # it ended because its grammar takes no more tokens
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +177,7 @@ class Sequence:
         text, hit = self.stopper.feed(piece)
         if hit or ends or complete:
             self.finish_reason = "stop"
+            self.grammar_complete = complete and not (hit or ends)
             self.stop_reason = self.stopper.matched if hit else (token if token in self.params.stop_token_ids
                                                                  else None)
         elif n >= self.max_tokens:
@@ -191,7 +194,8 @@ class Sequence:
             self.finish_reason = reason
         self.metrics.finished = now
         r = self.finish_reason or ""
-        self.metrics.stop_reason = "eos" if r == "stop" and self.stop_reason is None else r
+        self.metrics.stop_reason = ("grammar" if self.grammar_complete else "eos") if r == "stop" and \
+            self.stop_reason is None else r
 
     def output(self, delta_ids: list, pieces: list) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
