@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..kernels.attention import BLOCK
-
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -142,8 +140,3 @@ def kv_blocks(cfg: EngineConfig, bytes_per_block: int) -> int:
     if n < 1:
         raise ValueError(f"kv_cache_mb={mb} holds no block ({bytes_per_block} bytes each)")
     return n
-
-
-def blocks_for(n_tokens: int) -> int:
-    """Blocks that hold n_tokens tokens."""
-    return -(-n_tokens // BLOCK)
