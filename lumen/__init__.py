@@ -63,15 +63,17 @@ if "NUMBA_CACHE_DIR" not in os.environ:
 
 from .errors import ContextError, FetchError, GGUFError, LumenError, UnsupportedError
 
-__all__ = ["load", "profile", "Model", "Engine", "SamplingParams", "RequestOutput", "LumenError", "GGUFError",
-           "UnsupportedError", "FetchError", "ContextError"]
+__all__ = ["load", "profile", "Model", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "LumenError",
+           "GGUFError", "UnsupportedError", "FetchError", "ContextError"]
 __version__ = "0.1.0"
 
 # The layers, bottom up: format (GGUF file, quant types, tokenizer, chat template) -> model (Config, packed
 # weights, the pack cache, the model store) -> kernels (Numba) -> engine (the forward pass, the runner, the block
 # manager, the scheduler, the engine loop, Model) -> interfaces (generate, perplexity, bench, serve, profile).
 _LAZY = {"Model": ("engine.llm", "Model"), "Engine": ("engine.engine", "Engine"),
-         "SamplingParams": ("engine.sampling", "SamplingParams"), "RequestOutput": ("engine.sequence", "RequestOutput")}
+         "EngineConfig": ("engine.config", "EngineConfig"),
+         "SamplingParams": ("engine.sampling_params", "SamplingParams"),
+         "RequestOutput": ("engine.sequence", "RequestOutput")}
 
 
 def __getattr__(name: str):

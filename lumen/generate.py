@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {why}", file=sys.stderr)
             else:
                 prompt, special = rendered, True
-        from .engine.llm import GenStats
-        stats = GenStats()
+        from .engine.sequence import RequestMetrics
+        stats = RequestMetrics()
         gen = model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    line = (f"prompt {stats.prompt_tokens} tok | TTFT {stats.ttft_s * 1e3:.0f} ms | prefill "
-            f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT {stats.tpot_s * 1e3:.1f} ms"
+    line = (f"prompt {stats.prompt_tokens} tok | TTFT {stats.prefill_s * 1e3:.0f} ms | prefill "
+            f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT {(stats.tpot_s or 0.0) * 1e3:.1f} ms"
             f" | {stats.gen_tokens} generated ({stats.stop_reason}) | load {t_load:.2f} s"
             + (f" | compile {t_compile:.1f} s" if t_compile > 1.0 else "")
             + (f" | {args.speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "

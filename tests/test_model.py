@@ -209,7 +209,7 @@ def test_tied_output_and_qwen2_bias_are_used(tmp_path):
     write_model(b, "qwen2", seed=1)
     q = lumen.load(b, ctx=32)
     with_bias = q.logits(ids)
-    w = q.weights.bundle
+    w = q.parts.bundle
     off, n = w.attn_q_bias[0]
     w.fvec[off:off + n] = 0.0                                                      # zero blk.0 q bias
     assert np.abs(q.logits(ids) - with_bias).max() > 1e-3

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from lumen.errors import LumenError
-from lumen.engine.sampler import (StopChecker, _candidates, make_logits_processors, make_sampler)
+from lumen.engine.logits_processors import make_logits_processors
+from lumen.engine.sampler import _candidates, make_sampler
+from lumen.engine.stop_strings import StopChecker
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import pytest
 import lumen
 from lumen import Engine, SamplingParams
 from lumen.engine.budget import MeasuredBudget
-from lumen.engine.costs import CostModel, Fit, cache_path, calibrate, fit
+from lumen.engine.step_costs import CostModel, Fit, cache_path, calibrate, fit
 
 
 def test_fit_recovers_a_known_cost_surface():
@@ -120,12 +120,12 @@ def model(smollm2_path):
 def test_calibration_is_cached_per_model_machine_and_code(model, tmp_path, monkeypatch):
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
     eng = Engine(model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_mb=8)
-    first = calibrate(eng, repeats=1)
-    assert first.source == "measured" and cache_path(eng).is_file() and len(first.samples) >= 10
-    again = calibrate(eng)
+    first = calibrate(eng.runner, eng.cost_key, repeats=1)
+    assert first.source == "measured" and cache_path(eng.cost_key).is_file() and len(first.samples) >= 10
+    again = calibrate(eng.runner, eng.cost_key)
     assert again.source.startswith("cache") and again.samples == first.samples
     other = Engine(model, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, kv_cache_mb=8)
-    assert cache_path(other) != cache_path(eng)                      # another engine shape: another table
+    assert cache_path(other.cost_key) != cache_path(eng.cost_key)    # another engine shape: another table
 
 
 def test_measured_scheduler_gives_the_same_outputs(model, caplog):
@@ -151,3 +151,56 @@ def test_bad_scheduler_settings(model):
         Engine(model, max_model_len=64, kv_cache_mb=4, slo_tpot_s=0.05)
     with pytest.raises(ValueError, match="slo_ttft_s"):
         Engine(model, max_model_len=64, kv_cache_mb=4, scheduler="measured", slo_ttft_s=-1, cost_grid="tiny")
+
+
+# ---------------------------------------------------------------- the block manager's API, the engine's config
+
+def test_block_manager_api_admits_grows_names_and_frees():
+    """A request is admitted with its cached prefix, grows, has its full blocks named once computed, and frees
+    them; a second request with the same prefix shares those blocks; a request that does not fit changes
+    nothing. The scheduler sees only these calls (no reference counts, no names)."""
+    from lumen.engine.block_manager import BlockManager
+    from lumen.kernels.attention import BLOCK
+    bm = BlockManager(6, np.zeros((3, 6), np.int64))
+    toks = list(range(2 * BLOCK + 3))
+    miss = bm.cached_prefix(toks, len(toks) - 1)
+    assert miss.n_tokens == 0 and miss.blocks == []
+    assert bm.admit("a", miss, BLOCK, n_query=len(toks))           # a first chunk of one block
+    assert bm.grow("a", len(toks)) and len(bm.held("a")) == 3
+    bm.computed("a", toks, len(toks))                               # two full blocks named
+    hit = bm.cached_prefix(toks, len(toks) - 1)
+    assert hit.n_tokens == 2 * BLOCK and hit.blocks == bm.held("a")[:2]
+    assert bm.admit("b", hit, len(toks))                            # shares a's two blocks, one of its own
+    assert bm.held("b")[:2] == bm.held("a")[:2] and bm.num_free == 2
+    assert bm.hit_tokens == 2 * BLOCK and bm.query_tokens == len(toks)
+    assert not bm.grow("b", 6 * BLOCK) and len(bm.held("b")) == 3    # no room: nothing changed
+    assert not bm.admit("c", bm.cached_prefix([], 0), 5 * BLOCK) and bm.num_free == 2
+    bm.check()
+    bm.grow("a", len(toks) + 2 * BLOCK)                              # room for a draft, then rejected:
+    bm.computed("a", toks, len(toks))                                # the blocks past the tokens come back
+    assert len(bm.held("a")) == 3
+    bm.free("a")
+    bm.free("b")
+    bm.free("b")                                                     # freeing twice is a no-op
+    assert bm.num_free == 6 and bm.usage == 0.0
+    assert bm.cached_prefix(toks, len(toks) - 1).n_tokens == 2 * BLOCK   # freed, still cached
+    bm.check()
+
+
+def test_engine_config_checks_every_field_once():
+    from lumen.engine.config import EngineConfig, SpeculativeConfig
+    for bad, name in [(dict(max_num_seqs=0), "max_num_seqs"),
+                      (dict(max_num_batched_tokens=True), "max_num_batched_tokens"),
+                      (dict(max_model_len=1.5), "max_model_len"), (dict(kv_cache_mb=0), "kv_cache_mb"),
+                      (dict(num_kv_blocks=-1), "num_kv_blocks"), (dict(cost_grid="huge"), "cost_grid"),
+                      (dict(scheduler="measured", slo_tpot_s=float("inf")), "slo_tpot_s")]:
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**bad)
+    for bad, name in [(dict(num_speculative_tokens=17), "num_speculative_tokens"),
+                      (dict(ngram_min=3, ngram_max=2), "ngram_max")]:
+        with pytest.raises(ValueError, match=name):
+            SpeculativeConfig(**bad)
+    c = EngineConfig.from_kwargs(max_num_seqs=4, num_speculative_tokens=3, adaptive_k=False)
+    assert c.max_num_seqs == 4 and c.speculative == SpeculativeConfig(num_speculative_tokens=3, adaptive_k=False)
+    with pytest.raises(TypeError, match="max_num_seq\\b"):
+        EngineConfig.from_kwargs(max_num_seq=4)                      # a typo is an error, not a default

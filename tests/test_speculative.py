@@ -12,7 +12,9 @@ import lumen
 import synth
 from goldens import corpus
 from lumen import Engine, SamplingParams
-from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens, update_alpha
+from lumen.engine.sampler import PICK, RESIDUAL, uniform
+from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens, update_alpha, verify
+from lumen.engine.speculative.verify import draw, prob
 
 
 def write_tiny(path, seed: int, n_vocab: int = 16, sharp: float = 8.0):
@@ -126,10 +128,35 @@ def exact_marginals(model) -> list[np.ndarray]:
     return out
 
 
+def wrong_verify(rule: str):
+    """A deliberately wrong acceptance rule in lumen.engine.speculative.verify's place (the statistical test's
+    foils): "accept_all" keeps every draft token; "no_residual" accepts a draft token when the draft's
+    probability is no higher than the target's, and otherwise draws afresh from the target, not the residual."""
+    def verify_wrong(row, draft, k, key, pos, sampler):
+        emitted = []
+        for i in range(k + 1):
+            ids, p = sampler.distribution(row(i))
+            if i >= len(draft.tokens):
+                emitted.append(draw(ids, p, uniform(key, pos + i, PICK)))
+                return emitted, i
+            d = draft.tokens[i]
+            q_ids, q = (None, None) if draft.q is None else draft.q[i]
+            q_d = 1.0 if q is None else prob(q_ids, q, d)
+            if rule == "accept_all" or q_d <= prob(ids, p, d):
+                emitted.append(d)
+                if i == k:
+                    return emitted, k
+                continue
+            emitted.append(draw(ids, p, uniform(key, pos + i, RESIDUAL)))
+            return emitted, min(i, k)
+        raise AssertionError("unreachable")
+    return verify_wrong
+
+
 def sample_marginals(target, draft, rule: str) -> list[np.ndarray]:
     eng = Engine(target, max_model_len=16, max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_mb=8,
                  draft_model=draft, num_speculative_tokens=2, enable_prefix_caching=False, adaptive_k=False)
-    eng.spec_rule = rule
+    eng.speculator.verify_rule = verify if rule == "exact" else wrong_verify(rule)
     p = PARAMS.replace(speculative="draft", num_speculative_tokens=2)
     outs = eng.generate([PROMPT] * N_SAMPLES, [p.replace(seed=i) for i in range(N_SAMPLES)])
     V = target.config.n_vocab

@@ -47,10 +47,8 @@ def kv_efficiency(engine) -> float | None:
     """Filled slots / slots of allocated blocks right now; a shared block counts once (its fullest holder)."""
     from ..kernels.attention import BLOCK
     fill: dict[int, int] = {}
-    table = engine.blocks.table
     for seq in engine.scheduler.running:
-        for i in range(seq.n_blocks):
-            b = int(table[seq.row, i])
+        for i, b in enumerate(engine.blocks.held(seq.request_id)):
             fill[b] = max(fill.get(b, 0), min(BLOCK, max(0, seq.num_computed - i * BLOCK)))
     return sum(fill.values()) / (BLOCK * len(fill)) if fill else None
 

@@ -1,7 +1,7 @@
 """The measured-cost scheduler's choice: how many tokens each step may take, from what steps cost here.
 
 A fixed token budget (vLLM's max_num_batched_tokens) is right for one machine, model and load at best. Here every
-step asks the cost model (lumen.engine.costs) what its candidates would cost and decides:
+step asks the cost model (lumen.engine.step_costs) what its candidates would cost and decides:
 
 with SLO targets (slo_ttft_s, slo_tpot_s): the decodes that run this step each have a budget: the longest step
     that keeps their mean time per output token within slo_tpot (their tokens so far times the target, minus the
@@ -43,8 +43,10 @@ class Decision:
 
 
 class MeasuredBudget:
-    def __init__(self, model, *, max_tokens: int, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):
-        self.model = model
+    def __init__(self, cost_model, *, max_tokens: int, slo_ttft_s: float | None = None,
+                 slo_tpot_s: float | None = None):
+        """cost_model: what predicts a step's seconds from its shape (lumen.engine.step_costs.CostModel)."""
+        self.cost_model = cost_model
         self.max_tokens = max_tokens
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
 
@@ -59,7 +61,7 @@ class MeasuredBudget:
         room = max(0, self.max_tokens - D)
         most = min(room, prefill_left)
         cands = [0] + [c for c in CHUNKS if c < most] + ([most] if most > 0 else [])
-        cost = lambda c: self.model.predict(D + c, S, K_d + c * (c + 1) // 2)  # noqa: E731 (chunk at its start)
+        cost = lambda c: self.cost_model.predict(D + c, S, K_d + c * (c + 1) // 2)  # noqa: E731 (chunk at its start)
         if self.slo_tpot_s is None and self.slo_ttft_s is None or prefill_left == 0:
             c = cands[-1]
             return Decision(D, D + c, cost(c), None, "nothing: no target, the most tokens per step" if prefill_left
@@ -68,7 +70,7 @@ class MeasuredBudget:
         if self.slo_tpot_s is not None:
             k_avg = K_d / D if D else 0.0
             cap = 1                               # the most sequences that decode together within the target
-            while cap < scheduler.max_num_seqs and self.model.predict(cap + 1, cap + 1, k_avg * (cap + 1)) \
+            while cap < scheduler.max_num_seqs and self.cost_model.predict(cap + 1, cap + 1, k_avg * (cap + 1)) \
                     <= self.slo_tpot_s:
                 cap += 1
         if D and self.slo_tpot_s is not None:
@@ -98,6 +100,6 @@ class MeasuredBudget:
         for s in cands:
             left = s.metrics.arrival + self.slo_ttft_s - now
             need = s.num_tokens - s.num_computed
-            if left > self.model.predict(min(need, self.max_tokens), 1, need):
+            if left > self.cost_model.predict(min(need, self.max_tokens), 1, need):
                 return need, left
         return None

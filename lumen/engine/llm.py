@@ -1,84 +1,32 @@
 """lumen.Model: one loaded model and one sequence, the S = 1 face of the engine.
 
 `prefill` (a chunk of prompt tokens at once) and `decode` (one token) run the engine's forward pass on a single
-sequence whose blocks are the whole pool in order; `logits` is teacher-forced prefill; `generate` runs one
-request through the engine (lumen.engine.engine) and yields its tokens as they come.
+sequence whose blocks are the whole pool of the model's own runner, in order; `logits` is teacher-forced
+prefill. `generate` is a client of lumen.Engine like any other: it runs one request through `Model.engine` (an
+Engine over the same weights, with its own runner and KV pool, made on first use) and yields its tokens from the
+engine's stream. The two never share a runner, so `reset()` only ever touches the model's own cache.
 """
 from __future__ import annotations
 
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
+from functools import cached_property
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import ContextError, ContextWarning, GGUFError, LumenError
-from ..format.gguf import GGUFFile
+from ..errors import ContextError, ContextWarning, LumenError
 from ..kernels.attention import BLOCK
-from ..model.config import Config, check_tensors, config_from_metadata
-from ..model.weights import load_weights
+from .config import check_int
+from .engine import Engine
+from .parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
 from .runner import Runner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
+from .sequence import RequestMetrics
 
 DEFAULT_CTX = 2048
 DEFAULT_BATCH = 256
-
-
-def build_tokenizer(meta):
-    """The tokenizer described by the metadata. Any failure inside a tokenizer library on corrupt metadata
-    becomes a GGUFError, so a bad file never surfaces as a foreign exception."""
-    from ..format.tokenizer import Tokenizer
-    try:
-        return Tokenizer.from_metadata(meta)
-    except LumenError:
-        raise
-    except Exception as e:  # noqa: BLE001 - third-party tokenizer libraries raise anything on bad vocabularies
-        raise GGUFError(f"the tokenizer metadata is invalid: {type(e).__name__}: {e}") from e
-
-
-def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, Config]:
-    """Parse, validate and check a GGUF file against its architecture's tensor contract."""
-    from ..format.quants import SUPPORTED
-    g = GGUFFile(path)
-    cfg = config_from_metadata(g.metadata)
-    check_tensors(cfg, g.tensors, SUPPORTED)
-    return g, cfg
-
-
-@dataclass
-class ModelParts:
-    """What a GGUF file becomes, shared read-only by every Model and Engine made from it."""
-    path: Path
-    gguf: GGUFFile
-    config: Config
-    tokenizer: object
-    weights: object          # lumen.model.weights.LoadedWeights
-    bundle: object           # its lumen.engine.forward.Weights bundle
-    rope_freqs: np.ndarray | None
-
-    @staticmethod
-    def set_threads(threads: int | None) -> int:
-        """Set Numba's thread count for the calling thread (None: keep it); returns it."""
-        import numba
-        max_threads = numba.config.NUMBA_NUM_THREADS
-        if threads is not None:
-            if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= max_threads:
-                raise ValueError(f"threads must be between 1 and {max_threads}, got {threads!r}")
-            numba.set_num_threads(threads)
-        return numba.get_num_threads()
-
-
-def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None) -> ModelParts:
-    """A registry name (fetched on first use) or a .gguf path -> its parts."""
-    from ..model.store import resolve
-    path = resolve(model)
-    g, cfg = open_gguf(path)
-    tok = build_tokenizer(g.metadata)
-    w = load_weights(g, cfg, pack_cache=pack_cache)
-    return ModelParts(Path(path), g, cfg, tok, w, w.bundle, w.rope_freqs)
 
 
 class Token(NamedTuple):
@@ -88,39 +36,7 @@ class Token(NamedTuple):
     text: str
 
 
-@dataclass
-class GenStats:
-    """Timings of one generate() call. TTFT = prompt processing + first token; TPOT = mean time per later token."""
-    prompt_tokens: int = 0
-    gen_tokens: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    stop_reason: str = ""
-    itl_s: list = field(default_factory=list)  # inter-token latencies of decode steps
-    spec_proposed: int = 0                     # speculative decoding: tokens drafted, accepted, verify steps
-    spec_accepted: int = 0
-    spec_steps: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return (self.spec_accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return len(self.itl_s) / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def tpot_s(self) -> float:
-        return self.decode_s / len(self.itl_s) if self.itl_s else 0.0
+GenStats = RequestMetrics      # the one metrics type; generate(stats=RequestMetrics()) fills it (the old name)
 
 
 class Model:
@@ -141,29 +57,33 @@ class Model:
             g, cfg, tok = parts.gguf, parts.config, parts.tokenizer
         if ctx is None:
             ctx = min(DEFAULT_CTX, cfg.ctx_train)
-        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
-            raise ValueError(f"ctx must be a positive integer, got {ctx!r}")
+        check_int("ctx", ctx)
         if ctx > cfg.ctx_train:
             warnings.warn(ContextWarning(f"ctx={ctx} is beyond the {cfg.ctx_train} tokens this model was "
                                          "trained on (output past that is unreliable)"), stacklevel=2)
-        if not isinstance(n_batch, int) or isinstance(n_batch, bool) or n_batch < 1:
-            raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")
+        check_int("n_batch", n_batch)
         self.threads = ModelParts.set_threads(threads)
         if parts is None:
-            w = load_weights(g, cfg, pack_cache=pack_cache)
-            parts = ModelParts(Path(path), g, cfg, tok, w, w.bundle, w.rope_freqs)
+            parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)
         self.parts = parts
         self.path, self.gguf, self.config, self.tokenizer = parts.path, g, cfg, tok
         self.weights = parts.weights
         self.n_ctx = ctx
         self.n_batch = min(n_batch, ctx)
-        nb = -(-ctx // BLOCK)
-        self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=nb, max_tokens=self.n_batch, max_rows=1,
-                             max_blocks=nb, n_threads=self.threads, adaptive_threads=adaptive_threads)
+        self.adaptive_threads = adaptive_threads
         self.n_past = 0                              # positions 0 .. n_past-1 are in the cache
         self._engine = None
         self._spec = {}                              # speculative decoding options of the engine (speculation())
-        self.reset()
+
+    @cached_property
+    def runner(self) -> Runner:
+        """The runner of prefill / decode / logits (made on first use): one sequence, its blocks the pool in
+        order (block-table row 0 = 0, 1, 2, ...)."""
+        nb = -(-self.n_ctx // BLOCK)
+        r = Runner(self.config, self.parts.bundle, self.parts.rope_freqs, n_blocks=nb, max_tokens=self.n_batch,
+                   max_rows=1, max_blocks=nb, n_threads=self.threads, adaptive_threads=self.adaptive_threads)
+        r.table[0] = np.arange(nb)
+        return r
 
     # ---- tokenizer ----
     @property
@@ -183,7 +103,6 @@ class Model:
     def reset(self) -> None:
         """Forget the sequence: the next prefill starts at position 0."""
         self.n_past = 0
-        self.runner.table[0] = np.arange(self.runner.table.shape[1])
 
     def _check_ids(self, ids: np.ndarray) -> None:
         if ids.ndim != 1 or ids.size == 0:
@@ -241,13 +160,14 @@ class Model:
 
     # ---- generation: one request through the engine ----
     @property
-    def engine(self):
-        """The engine generate() runs on: this model's runner and pool, one sequence, no prefix caching."""
+    def engine(self) -> Engine:
+        """The engine generate() runs on (made on first use): this model's weights, one sequence, a KV pool of
+        n_ctx tokens, no prefix caching, the speculative options of speculation()."""
         if self._engine is None:
-            from .engine import Engine
-            self._engine = Engine(self, max_model_len=self.n_ctx, max_num_seqs=1,
-                                  max_num_batched_tokens=self.n_batch, enable_prefix_caching=False,
-                                  _runner=self.runner, **self._spec)
+            self._engine = Engine(self.parts, threads=self.threads, max_model_len=self.n_ctx, max_num_seqs=1,
+                                  max_num_batched_tokens=self.n_batch, num_kv_blocks=-(-self.n_ctx // BLOCK),
+                                  enable_prefix_caching=False, adaptive_threads=self.adaptive_threads,
+                                  **self._spec)
         return self._engine
 
     def speculation(self, *, draft_model=None, num_speculative_tokens: int = 5, ngram_min: int = 1,
@@ -263,7 +183,7 @@ class Model:
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_last_n: int = 64,
                  seed: int | None = None, stop: Sequence[str] = (), special: bool = False,
-                 stats: GenStats | None = None, params: SamplingParams | None = None,
+                 stats: RequestMetrics | None = None, params: SamplingParams | None = None,
                  speculative: str | None = None, num_speculative_tokens: int | None = None,
                  ignore_eos: bool = False) -> Iterator[Token]:
         """Yield generated tokens as they are produced, from a fresh sequence.
@@ -275,9 +195,10 @@ class Model:
         params: a SamplingParams instead of the keyword arguments (for everything else it holds).
         speculative: "ngram" or "draft" (see speculation()) drafts tokens and verifies them in one pass.
         ignore_eos: keep going past end-of-generation tokens (fixed-length benchmarks).
+        stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
+        prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        check_int("max_tokens", max_tokens, 0)
         if params is None:
             if max_tokens == 0:
                 return iter(())
@@ -297,43 +218,18 @@ class Model:
         if len(ids) + n_new > self.n_ctx:
             raise ContextError(f"the prompt ({len(ids)} tokens) plus max_tokens ({n_new}) exceeds the "
                                f"context of {self.n_ctx} tokens; use a larger ctx or fewer tokens")
-        stats = stats if stats is not None else GenStats()
-        stats.prompt_tokens = len(ids)
-        engine = self.engine
-        self.n_past = 0
-        rid = engine.add_request(ids, params)
-        return self._stream(engine, rid, stats)
+        return self._tokens(self.engine.stream(ids, params, metrics=stats), self.engine.end_ids)
 
-    def _stream(self, engine, rid: str, stats: GenStats) -> Iterator[Token]:
-        done = False
-        try:
-            while not done:
-                for out in engine.step():
-                    if out.request_id != rid:
-                        continue
-                    done = out.finished
-                    m = out.metrics
-                    if m.first_token is not None and not stats.ttft_s:
-                        stats.ttft_s = m.first_token - m.arrival
-                        stats.prefill_s = stats.ttft_s
-                    stats.gen_tokens = m.generated_tokens
-                    stats.itl_s = m.itl
-                    stats.decode_s = sum(m.itl)
-                    stats.spec_proposed, stats.spec_accepted = m.spec_proposed, m.spec_accepted
-                    stats.spec_steps = m.spec_steps
-                    if done:
-                        stats.stop_reason = ("eos" if out.finish_reason == "stop" and out.stop_reason is None
-                                             else out.finish_reason)
-                        if out.error:
-                            raise LumenError(out.error)
-                    for tok, text in zip(out.delta_token_ids, out.delta_pieces):
-                        if tok in engine.end_ids and not text:
-                            continue
-                        yield Token(tok, text)
-        finally:
-            if not done:
-                engine.abort(rid)
-            self.reset()
+    @staticmethod
+    def _tokens(outputs: Iterator, end_ids: frozenset) -> Iterator[Token]:
+        """The engine's outputs of one request as Tokens (an end token only when it releases text)."""
+        for out in outputs:
+            if out.finished and out.error:
+                raise LumenError(out.error)
+            for tok, text in zip(out.delta_token_ids, out.delta_pieces):
+                if tok in end_ids and not text:
+                    continue
+                yield Token(tok, text)
 
     def __repr__(self):
         c = self.config

@@ -1,17 +1,18 @@
 """The model runner: owns one model's forward-pass bundles (weights, KV pool, scratch) and turns a step's plan
-into the forward pass's Batch, runs it, and hands back the logits of the rows to sample.
+into the forward pass's Batch (`run_plan`), runs it, and hands back the logits of the rows to sample. Model's
+prefill/decode, the draft model and the cost calibration fill the batch themselves (`set_tokens`, `set_out_rows`).
 
 Each forward pass runs on the threads the Governor gives it (lumen.engine.threads): up to n_threads, fewer while
-other processes (or the server's own event loop) want the cores. Sizes are fixed at construction: at most `max_tokens` tokens per step, `max_rows` sequences holding blocks
-(rows of the block table), `max_blocks` blocks per sequence, `n_blocks` blocks in the pool. Nothing on the
-per-step path allocates except the small views of the preallocated batch arrays.
+other processes (or the server's own event loop) want the cores. Sizes are fixed at construction: at most
+`max_tokens` tokens per step, `max_rows` sequences holding blocks (rows of the block table), `max_blocks` blocks
+per sequence, `n_blocks` blocks in the pool. Nothing on the per-step path allocates except the small views of the
+preallocated batch arrays.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..kernels.attention import BLOCK, attention_scratch
-from ..kernels.dequant import F16_TO_F32
 from ..kernels.layout import R
 from ..kernels.rope import rope_cache
 from ..kernels.scratch import per_thread
@@ -132,3 +133,26 @@ class Runner:
     def set_out_rows(self, rows) -> int:
         self._out_rows[:len(rows)] = rows
         return len(rows)
+
+    def run_plan(self, plan: list, drafts: dict, prof) -> tuple[np.ndarray, int, int]:
+        """Run a step's plan (lumen.engine.scheduler.Scheduled entries; drafts: {seq: drafted tokens} of those
+        with room reserved for them, run after their pending token): the logits of the sampled rows (a request
+        with a draft: its last 1 + len(draft) rows), the step's tokens and the keys attention reads."""
+        i, out_rows, kv_tokens, n_keys, n_decode = 0, [], 0, 0, 0
+        for s in plan:
+            toks = s.seq.tokens[s.start:s.start + s.n]
+            draft = drafts.get(s.seq, ()) if s.k else ()
+            i = self.set_tokens(i, toks + draft if draft else toks, s.start, s.row)
+            n = s.n + len(draft)
+            kv_tokens += s.start + n
+            n_keys += n * s.start + n * (n + 1) // 2
+            n_decode += s.n == 1
+            if s.samples:
+                out_rows.extend(range(i - 1 - len(draft), i))
+        phase = "decode" if n_decode == len(plan) else "prefill" if n_decode == 0 else "mixed"
+        n_out = self.set_out_rows(out_rows)
+        if prof.enabled:
+            prof.describe(phase, i, len(plan), kv_tokens, tuple(s.seq.request_id for s in plan))
+            prof.lap("prepare")
+        return self.forward(i, n_out), i, n_keys
+

@@ -1,12 +1,13 @@
-"""Sampler, logits processors and stop strings: logits (n_vocab,) -> one token id, text -> text safe to print.
+"""The sampler: logits (n_vocab,) -> one token id.
 
 The sampler is built once by `make_sampler(...)` and is a pure callable `logits -> token id` that owns its RNG.
-Penalties are separate: `make_logits_processors(...)` returns `(logits, history_ids) -> logits`, applied by the
-caller before the sampler. Nothing here knows about models or tokenizers.
+Penalties are separate (lumen.engine.logits_processors), applied by the caller before the sampler; stop strings
+are lumen.engine.stop_strings. Nothing here knows about models or tokenizers. The engine draws each token with a
+uniform keyed by the request and the position (`uniform`, at the end).
 
 Chain order: llama.cpp's default sampler list (`common_params_sampling::samplers`, common/common.h) is
     penalties -> dry -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> xtc -> temperature, then dist.
-Lumen implements penalties (in `make_logits_processors`), top-k, top-p, min-p and temperature, in that order;
+Lumen implements penalties (lumen.engine.logits_processors), top-k, top-p, min-p and temperature, in that order;
 dry, top_n_sigma, typical_p and xtc are not implemented (in llama.cpp they are off by default). The steps
 follow src/llama-sampling.cpp:
   - top-k keeps the k largest logits;
@@ -26,13 +27,10 @@ so the top-p cutoff is exact up to about 1e-6 of probability mass.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from ..errors import LumenError
-
-LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 
 TOPK_ROWS = 64      # small top-k: logits viewed as (TOPK_ROWS, V / TOPK_ROWS), column maxima give a threshold
 SAMPLE_SIZE = 4096  # larger top-k reads its threshold guess off about this many strided logits
@@ -62,7 +60,9 @@ def _integer(name: str, value) -> int:
     return int(value)
 
 
-def _check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float, int, float, float]:
+def check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float, int, float, float, int | None]:
+    """The one check of the sampler's settings (lumen.SamplingParams and make_sampler both call it): the values,
+    converted, or SamplerError naming the bad one."""
     temperature = _number("temperature", temperature)
     if not 0.0 <= temperature < math.inf:
         raise SamplerError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
@@ -75,9 +75,11 @@ def _check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float
     min_p = _number("min_p", min_p)
     if not 0.0 <= min_p <= 1.0:
         raise SamplerError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
-    if seed is not None and (_integer("seed", seed) < 0):
-        raise SamplerError(f"seed must be None or an integer >= 0, got {seed}")
-    return temperature, top_k, top_p, min_p
+    if seed is not None:
+        seed = _integer("seed", seed)
+        if not 0 <= seed < 2 ** 63:
+            raise SamplerError(f"seed must be None or an integer in [0, 2^63), got {seed}")
+    return temperature, top_k, top_p, min_p, seed
 
 
 def _as_logits(logits) -> np.ndarray:
@@ -190,7 +192,7 @@ def _draw(w: np.ndarray, u: float) -> int:
 class Sampler:
     """logits (n_vocab,) float32 -> token id, with `make_sampler`'s settings. Calling it draws from its own
     numpy Generator (one uniform per token); `pick(logits, u)` takes the uniform from the caller (the engine keys
-    uniforms by request and position, lumen.engine.sampling), and `distribution(logits)` gives the probabilities
+    uniforms by request and position, lumen.engine.sampler.uniform), and `distribution(logits)` gives the probabilities
     the draw uses (what speculative decoding verifies against). Logits are not modified."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None):
@@ -247,8 +249,7 @@ def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     min_p 0 are off. Called, it uses a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
     exactly one uniform per token, so the same seed and logits give the same tokens. Logits are not modified.
     """
-    temperature, top_k, top_p, min_p = _check_sampler_params(temperature, top_k, top_p, min_p, seed)
-    return Sampler(temperature, top_k, top_p, min_p, seed)
+    return Sampler(*check_sampler_params(temperature, top_k, top_p, min_p, seed))
 
 
 def _candidates(x: np.ndarray, m: float, top_k: int, top_p: float, min_logit: float) -> np.ndarray | None:
@@ -289,103 +290,25 @@ def _candidates(x: np.ndarray, m: float, top_k: int, top_p: float, min_logit: fl
 
 
 # ---------------------------------------------------------------------------------------------------------
-# logits processors (penalties)
+# keyed uniforms: what decides a request's token at a position
 
-def make_logits_processors(*, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
-                           frequency_penalty: float = 0.0, last_n: int = 64) -> LogitsProcessor:
-    """Build `(logits (n_vocab,), history_ids) -> logits` applying llama.cpp's penalties, in place.
-
-    For each distinct token among the last `last_n` of `history_ids` (llama.cpp feeds the prompt tokens too),
-    with `count` its occurrences there:
-        logit = logit * repeat_penalty if logit <= 0 else logit / repeat_penalty
-        logit -= count * frequency_penalty + presence_penalty
-    last_n 0 disables the penalties, -1 uses the whole history. With neutral settings the callable returns the
-    logits untouched at once.
-    """
-    repeat_penalty = _number("repeat_penalty", repeat_penalty)
-    if not 0.0 < repeat_penalty < math.inf:
-        raise SamplerError(f"repeat_penalty must be > 0 and finite (1 = off), got {repeat_penalty}")
-    presence_penalty = _number("presence_penalty", presence_penalty)
-    frequency_penalty = _number("frequency_penalty", frequency_penalty)
-    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if not math.isfinite(v):
-            raise SamplerError(f"{name} must be finite (0 = off), got {v}")
-    last_n = _integer("last_n", last_n)
-    if last_n < -1:
-        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}")
-
-    if last_n == 0 or (repeat_penalty == 1.0 and presence_penalty == 0.0 and frequency_penalty == 0.0):
-        def identity(logits: np.ndarray, history_ids: Sequence[int]) -> np.ndarray:
-            return logits
-        return identity
-
-    def penalize(logits: np.ndarray, history_ids: Sequence[int]) -> np.ndarray:
-        window = history_ids[-last_n:] if last_n > 0 else history_ids
-        hist = np.asarray(window, dtype=np.int64)    # (<= last_n,)
-        if hist.size == 0:
-            return logits
-        ids, counts = np.unique(hist, return_counts=True)   # (d,) sorted, (d,)
-        if ids[0] < 0 or ids[-1] >= logits.shape[-1]:
-            raise SamplerError(f"history token ids must be in [0, {logits.shape[-1]}), "
-                               f"got {int(ids[0]) if ids[0] < 0 else int(ids[-1])}")
-        v = logits[ids]
-        v = np.where(v <= 0, v * repeat_penalty, v / repeat_penalty)
-        v -= counts * frequency_penalty + presence_penalty
-        logits[ids] = v
-        return logits
-
-    return penalize
+PICK, ACCEPT, RESIDUAL, DRAFT = range(4)   # what a keyed uniform is for (see `uniform`)
+_M64 = (1 << 64) - 1
 
 
-# ---------------------------------------------------------------------------------------------------------
-# stop strings
+def uniform(key: int, pos: int, use: int) -> float:
+    """A uniform in [0, 1) that depends on (key, position, use) alone (splitmix64 of their mix). A request draws
+    the uniform that decides its token at a position from its key and that position, so its tokens do not
+    depend on how the engine grouped its steps (speculative drafts of any length, preemption, batching)."""
+    z = (key + 0x9E3779B97F4A7C15 * (4 * pos + use + 1)) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
 
-class StopResult(NamedTuple):
-    text: str      # safe to emit now
-    stopped: bool  # a stop string was hit: stop generating, emit nothing after `text`
 
-
-class StopChecker:
-    """Hold back streamed text that could be the start of a stop string.
-
-    `feed(chunk)` returns (text safe to emit now, stopped). A stop string split across chunks is never
-    emitted: a tail of the text that is a prefix of some stop string waits for the next chunk. When a stop
-    string appears, the text before its earliest occurrence is emitted and nothing after, ever. At the end of
-    generation without a stop, `flush()` returns the held-back tail.
-    """
-
-    def __init__(self, stop: Sequence[str]):
-        if isinstance(stop, str):
-            raise SamplerError("stop must be a list of strings, not a string")
-        stop = list(stop)
-        for s in stop:
-            if not isinstance(s, str) or not s:
-                raise SamplerError(f"stop strings must be non-empty strings, got {s!r}")
-        self.stop = stop
-        self.stopped = False
-        self.matched: str | None = None              # the stop string that stopped it
-        self._held = ""
-
-    def feed(self, text: str) -> StopResult:
-        if self.stopped:
-            return StopResult("", True)
-        buf = self._held + text
-        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
-        if hits:
-            i, self.matched = min(hits)
-            self.stopped, self._held = True, ""
-            return StopResult(buf[:i], True)
-        hold = 0                                     # longest tail of buf that starts some stop string
-        for s in self.stop:
-            for size in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:size]):
-                    hold = size
-                    break
-        cut = len(buf) - hold
-        self._held = buf[cut:]
-        return StopResult(buf[:cut], False)
-
-    def flush(self) -> str:
-        """The held-back text, once generation ended without a stop string."""
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
+def request_key(seed: int | None) -> int:
+    """A request's key: mixed from its seed, or fresh entropy without one."""
+    if seed is None:
+        import os
+        return int.from_bytes(os.urandom(8), "little")
+    return int(uniform(int(seed) & _M64, 0, 0) * (1 << 53)) ^ (int(seed) >> 11)

@@ -1,13 +1,22 @@
-"""A request inside the engine: its tokens, how many of them are in the KV cache, its blocks, its sampler, its
-stop conditions and detokenizer, and the times the metrics are made of. Outputs are `RequestOutput`s.
+"""A request inside the engine: its tokens, how many of them are in the KV cache, its sampler (`TokenChooser`),
+its stop conditions and detokenizer, and the times the metrics are made of (`RequestMetrics`, the one metrics
+type: the engine's outputs, the server and Model.generate(stats=...) all read it). Outputs are `RequestOutput`s.
+Its KV blocks are the block manager's business (lumen.engine.block_manager), keyed by its request id.
 """
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
+from typing import Sequence as Seq
 
-from .sampling import SamplingParams, TokenChooser, make_stop_checker
+import numpy as np
+
+from .logits_processors import penalizer
+from .sampler import PICK, Sampler, request_key, uniform
+from .sampling_params import SamplingParams
+from .stop_strings import StopChecker
 
 
 class Status(enum.Enum):
@@ -33,6 +42,7 @@ class RequestMetrics:
     spec_proposed: int = 0             # speculative tokens proposed and verified
     spec_accepted: int = 0             # ... and accepted
     spec_steps: int = 0                # verification steps
+    stop_reason: str = ""              # how it ended: "eos", "stop", "length", "abort" or "error" ("" meanwhile)
 
     @property
     def queue_s(self) -> float:
@@ -52,6 +62,27 @@ class RequestMetrics:
     @property
     def e2e_s(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def gen_tokens(self) -> int:
+        return self.generated_tokens
+
+    @property
+    def prefill_s(self) -> float:
+        """Arrival -> first token: prompt processing and the first token's sampling (0 before it)."""
+        return self.ttft_s or 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return sum(self.itl)
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return len(self.itl) / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -85,7 +116,8 @@ class RequestOutput:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams, max_tokens: int,
-                 tokenizer, end_ids: frozenset, now: float | None = None):
+                 tokenizer, end_ids: frozenset, now: float | None = None, metrics: RequestMetrics | None = None):
+        """metrics: the RequestMetrics to fill (a caller's, e.g. Model.generate's stats); a new one by default."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
@@ -94,20 +126,17 @@ class Sequence:
         self.max_tokens = max_tokens           # resolved: never past the context
         self.status = Status.WAITING
         self.num_computed = 0                  # tokens whose K/V are in the cache
-        self.row = -1                          # block-table row while it holds blocks
-        self.n_blocks = 0
-        self.n_named = 0                       # full blocks named for prefix caching
-        self.last_name = b""
         self.chooser = TokenChooser(params, end_ids)
-        self.stopper = make_stop_checker(params)
+        self.stopper = StopChecker(list(params.stop))
         self.detok = tokenizer.stream()
         self.text = ""
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None                # the stop string or stop_token_id that ended it (None: EOS)
         self.error: str | None = None
-        self.metrics = RequestMetrics(arrival=time.perf_counter() if now is None else now,
-                                      prompt_tokens=len(prompt_ids))
+        self.metrics = RequestMetrics() if metrics is None else metrics
+        self.metrics.__init__(arrival=time.perf_counter() if now is None else now,   # a reused one starts afresh
+                              prompt_tokens=len(prompt_ids))
         self.spec = None                       # speculative state (lumen.engine.speculative), per request
 
     @property
@@ -147,8 +176,60 @@ class Sequence:
         self.text += text
         return text
 
+    def finish(self, reason: str | None, now: float) -> None:
+        """Mark it finished (reason: a finish_reason, or None to keep the one append() set)."""
+        self.status = Status.FINISHED
+        if reason is not None:
+            self.finish_reason = reason
+        self.metrics.finished = now
+        r = self.finish_reason or ""
+        self.metrics.stop_reason = "eos" if r == "stop" and self.stop_reason is None else r
+
     def output(self, delta_ids: list, pieces: list) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
                              self.finished, self.finish_reason, self.metrics, delta_ids, "".join(pieces),
                              None if self.logprobs is None else list(self.logprobs), self.error,
                              self.stop_reason, pieces)
+
+
+class TokenChooser:
+    """One request's path from a logits row to a token: its own RNG and penalties, with min_tokens and
+    logit_bias applied, and its logprobs. Built once per request."""
+
+    def __init__(self, params: SamplingParams, end_ids: frozenset):
+        p = params
+        self.params = p
+        self.sampler = Sampler(p.temperature, p.top_k, p.top_p, p.min_p, p.seed)      # p is checked already
+        self.key = request_key(p.seed)
+        self.penalize = penalizer(p.repeat_penalty, p.presence_penalty, p.frequency_penalty, p.repeat_last_n)
+        self.bias_ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
+        self.bias = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
+        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else end_ids)
+        self.mask_ids = np.array(sorted(self.stop_ids | end_ids), np.int64)
+
+    def pick(self, logits: np.ndarray, pos: int) -> int:
+        """The token at position pos from its processed logits."""
+        return self.sampler.pick(logits, 0.0 if self.sampler.greedy else uniform(self.key, pos, PICK))
+
+    def process(self, logits: np.ndarray, history: Seq[int], n_generated: int) -> np.ndarray:
+        """logits (V,) after bias, min_tokens and penalties (modified in place). Every token the engine picks,
+        verifies or drafts for this request passes here first, and its logprobs are taken from the result: the
+        place for a per-request logits mask (structured output)."""
+        if self.bias_ids.size:
+            logits[self.bias_ids] += self.bias
+        if n_generated < self.params.min_tokens and self.mask_ids.size:
+            logits[self.mask_ids] = -np.inf
+        return self.penalize(logits, history)
+
+    def logprobs(self, logits: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
+        """(log p of token, [(id, log p)] of the top `params.logprobs`) from the processed logits."""
+        x = logits.astype(np.float64)
+        m = float(x.max())
+        lse = m + math.log(float(np.exp(x - m).sum()))
+        k = self.params.logprobs or 0
+        top = []
+        if k:
+            ids = np.argpartition(-x, k - 1)[:k]
+            ids = ids[np.lexsort((ids, -x[ids]))]
+            top = [(int(i), float(x[i] - lse)) for i in ids]
+        return float(x[token] - lse), top

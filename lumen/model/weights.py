@@ -1,4 +1,5 @@
-"""Model weights, as the bundle the compiled forward pass takes (lumen.engine.forward.Weights).
+"""Model weights, as the named arrays the compiled forward pass takes (the engine makes its Weights bundle of
+them, lumen.engine.parts; nothing here imports the engine).
 
 - The token embedding is read straight from the GGUF mmap (zero-copy): its (n_vocab, row_bytes) rows; the
   lookup dequantizes only the rows of the tokens seen.
@@ -72,7 +73,7 @@ def pack_all(mats: list) -> Packs:
 
 @dataclass
 class LoadedWeights:
-    bundle: object               # lumen.engine.forward.Weights: what the forward pass takes
+    arrays: dict                 # the fields of lumen.engine.forward.Weights, by name: what the forward pass takes
     rope_freqs: np.ndarray | None  # (n_rot/2,) f32 llama3 frequency factors, or None
     tied_output: bool
     decode_bytes: int            # weight bytes one decode step reads: every packed matrix (incl. the head), vector
@@ -80,12 +81,11 @@ class LoadedWeights:
 
     @property
     def packs(self) -> Packs:
-        return self.bundle.packs
+        return self.arrays["packs"]
 
 
 def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None) -> LoadedWeights:
     """The weights of g. pack_cache: use the on-disk pack cache (None: unless LUMEN_PACK_CACHE=0)."""
-    from ..engine.forward import Weights
     L = cfg.n_layer
     spans = {name: np.zeros((L, 2), np.int64) for name in VECS}
     pieces, n = [], 0
@@ -123,7 +123,7 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None) ->
     rope = g.tensors.get("rope_freqs.weight")
     kset = kinds(mats=packs.table[:, C_QT].tolist(), embd=(int(emb.qtype),),       # what forward compiles for
                   acts=(GELU if cfg.act == "gelu" else SILU,))
-    bundle = Weights(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kset,
+    arrays = dict(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kset,
                      attn_q=ids["attn_q"], attn_k=ids["attn_k"], attn_v=ids["attn_v"],
                      attn_output=ids["attn_output"], ffn_gate=ids["ffn_gate"], ffn_up=ids["ffn_up"],
                      ffn_down=ids["ffn_down"], output=output, fvec=fvec,
@@ -132,5 +132,5 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None) ->
                      attn_q_norm=spans["attn_q_norm"], attn_k_norm=spans["attn_k_norm"],
                      post_attention_norm=spans["post_attention_norm"], post_ffw_norm=spans["post_ffw_norm"],
                      output_norm=output_norm)
-    return LoadedWeights(bundle=bundle, rope_freqs=None if rope is None else np.ascontiguousarray(rope.as_f32()),
+    return LoadedWeights(arrays=arrays, rope_freqs=None if rope is None else np.ascontiguousarray(rope.as_f32()),
                          tied_output=tied, decode_bytes=packs.nbytes + fvec.nbytes, packs_from=packs_from)

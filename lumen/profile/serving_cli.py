@@ -73,12 +73,12 @@ def engine_main(args) -> int:
     from rich.table import Table
 
     from .. import Engine, load
-    from ..engine.costs import calibrate
+    from ..engine.step_costs import calibrate
     console = Console()
     model = load(args.model, ctx=64, threads=args.threads)
     eng = Engine(model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
-    cm = calibrate(eng, tiny=args.tiny, use_cache=not args.remeasure)
+    cm = calibrate(eng.runner, eng.cost_key, tiny=args.tiny, use_cache=not args.remeasure)
     t = Table(title=f"{model.config.name or model.path.name}: measured step costs ({cm.source}), "
                     f"{eng.threads} threads")
     for col in ("tokens T", "seqs S", "keys K", "ms", "fit ms", "error"):

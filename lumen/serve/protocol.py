@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ..engine.sampler import SamplerError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

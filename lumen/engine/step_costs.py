@@ -184,21 +184,32 @@ def measure(runner, shape: Shape, rng, repeats: int = 3) -> float:
     return float(np.median(times))
 
 
-def cache_key(engine) -> str:
-    """Model file, machine, compiled code, threads: a change to any measures again."""
+@dataclass(frozen=True)
+class CostKey:
+    """What a measured cost table depends on besides the machine and the compiled code: the model file, the
+    thread count and the engine's shape."""
+    model_path: Path
+    threads: int
+    max_tokens: int
+    max_seqs: int
+    max_model_len: int
+
+
+def cache_key(key: CostKey) -> str:
+    """Model file, machine, compiled code, threads, engine shape: a change to any measures again."""
     from .. import _compile_cache_dir
     from ..machine import cpu_model
-    p = Path(engine.parts.path)
+    p = Path(key.model_path)
     st = p.stat()
     h = hashlib.sha256(f"{p.resolve()} {st.st_size} {st.st_mtime_ns} | {cpu_model()} {os.cpu_count()} | "
-                       f"{Path(_compile_cache_dir()).name} | threads {engine.threads} | "
-                       f"{engine.max_num_batched_tokens} {engine.max_num_seqs} {engine.max_model_len}".encode())
+                       f"{Path(_compile_cache_dir()).name} | threads {key.threads} | "
+                       f"{key.max_tokens} {key.max_seqs} {key.max_model_len}".encode())
     return h.hexdigest()[:20]
 
 
-def cache_path(engine) -> Path:
+def cache_path(key: CostKey) -> Path:
     from ..model.store import lumen_home
-    return lumen_home() / "costs" / f"{Path(engine.parts.path).stem}-{cache_key(engine)}.json"
+    return lumen_home() / "costs" / f"{Path(key.model_path).stem}-{cache_key(key)}.json"
 
 
 @dataclass
@@ -243,19 +254,20 @@ class CostModel:
         return {"fit": asdict(self.fit), "samples": self.samples, "source": self.source}
 
 
-def calibrate(engine, *, tiny: bool = False, use_cache: bool = True, repeats: int = 3) -> CostModel:
-    """The engine's cost model: from the cache when it was measured for this model, machine, code and threads,
-    else measured now over the grid (and cached)."""
-    path = cache_path(engine) if not tiny else None
+def calibrate(runner, key: CostKey, *, tiny: bool = False, use_cache: bool = True, repeats: int = 3) -> CostModel:
+    """The cost model of the engine whose runner and key these are: from the cache when it was measured for
+    this model, machine, code, threads and shape, else measured now over the grid through the runner (its pool
+    is scribbled on: call before serving) and cached."""
+    path = cache_path(key) if not tiny else None
     if use_cache and path is not None and path.is_file():
         try:
             d = json.loads(path.read_text())
             return CostModel(Fit(**d["fit"]), [tuple(s) for s in d["samples"]], source=f"cache {path}")
         except (OSError, ValueError, KeyError, TypeError):
             pass                                  # unreadable: measure again
-    r = engine.runner
+    r = runner
     rng = np.random.default_rng(0)
-    shapes = grid(engine.max_num_batched_tokens, engine.max_num_seqs, engine.max_model_len, tiny)
+    shapes = grid(key.max_tokens, key.max_seqs, key.max_model_len, tiny)
     for s in shapes[:2]:                          # warm-up
         measure(r, s, rng, 1)
     samples = [(s.tokens, s.seqs, s.keys, measure(r, s, rng, repeats)) for s in shapes]

@@ -4,10 +4,14 @@ Everything `Model.generate` accepts, plus what serving needs (in the manner of v
 per request (its own RNG, so its tokens do not depend on what runs beside it), ignore_eos, stop_token_ids,
 min_tokens, logprobs (the top-k log-probabilities of each sampled token) and logit_bias.
 
-Order per token: logit_bias, min_tokens (end tokens masked), penalties (lumen.engine.sampler.make_logits_processors),
-then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampler.make_sampler), drawn with a
-uniform keyed by the request's seed and the token's position (`uniform`). logprobs are the log-softmax of the
-logits after bias and penalties, before temperature and truncation.
+Each field is checked once, here; the sampler's and the penalties' fields by the same functions that
+make_sampler and make_logits_processors call (lumen.engine.sampler.check_sampler_params,
+lumen.engine.logits_processors.check_penalties).
+
+Order per token (lumen.engine.sequence.TokenChooser): logit_bias, min_tokens (end tokens masked), penalties,
+then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampler), drawn with a uniform
+keyed by the request's seed and the token's position (lumen.engine.sampler.uniform). logprobs are the
+log-softmax of the logits after bias and penalties, before temperature and truncation.
 
 Seeds: a seeded request's tokens are reproducible for the same engine configuration. With speculative decoding
 the tokens it samples may differ from those of plain sampling with the same seed (the drafts change which
@@ -17,33 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence
 
 import numpy as np
 
-from .sampler import SamplerError, StopChecker, make_logits_processors, make_sampler
+from .config import MAX_SPECULATIVE_TOKENS
+from .logits_processors import check_penalties
+from .sampler import SamplerError, check_sampler_params
 
 MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
-PICK, ACCEPT, RESIDUAL, DRAFT = range(4)   # what a keyed uniform is for (see `uniform`)
-_M64 = (1 << 64) - 1
-
-
-def uniform(key: int, pos: int, use: int) -> float:
-    """A uniform in [0, 1) that depends on (key, position, use) alone (splitmix64 of their mix). A request draws
-    the uniform that decides its token at a position from its key and that position, so its tokens do not
-    depend on how the engine grouped its steps (speculative drafts of any length, preemption, batching)."""
-    z = (key + 0x9E3779B97F4A7C15 * (4 * pos + use + 1)) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
-
-
-def request_key(seed: int | None) -> int:
-    """A request's key: mixed from its seed, or fresh entropy without one."""
-    if seed is None:
-        import os
-        return int.from_bytes(os.urandom(8), "little")
-    return int(uniform(int(seed) & _M64, 0, 0) * (1 << 53)) ^ (int(seed) >> 11)
 
 
 def _fail(name: str, msg: str, value) -> None:
@@ -84,25 +69,14 @@ class SamplingParams:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             _fail("max_tokens", "must be a positive integer or None", self.max_tokens)
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_num(v) or not math.isfinite(float(v)):
-                _fail(name, "must be a finite number", v)
-            set_(name, float(v))
-        if self.temperature < 0:
-            _fail("temperature", "must be >= 0 (0 = greedy)", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("top_p", "must be in (0, 1]", self.top_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            _fail("min_p", "must be in [0, 1]", self.min_p)
-        if self.repeat_penalty <= 0:
-            _fail("repeat_penalty", "must be > 0 (1 = off)", self.repeat_penalty)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            _fail("top_k", "must be an integer >= 0 (0 = off)", self.top_k)
-        if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
-            _fail("repeat_last_n", "must be an integer >= -1", self.repeat_last_n)
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
-            _fail("seed", "must be None or an integer in [0, 2^63)", self.seed)
+        t, top_k, top_p, min_p, seed = check_sampler_params(self.temperature, self.top_k, self.top_p, self.min_p,
+                                                            self.seed)
+        rp, pp, fp, last_n = check_penalties(self.repeat_penalty, self.presence_penalty, self.frequency_penalty,
+                                             self.repeat_last_n)
+        for name, v in (("temperature", t), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p), ("seed", seed),
+                        ("repeat_penalty", rp), ("presence_penalty", pp), ("frequency_penalty", fp),
+                        ("repeat_last_n", last_n)):
+            set_(name, v)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             _fail("stop", "must be a string or a list of non-empty strings", self.stop)
@@ -136,8 +110,8 @@ class SamplingParams:
         if self.speculative not in (None, "ngram", "draft"):
             _fail("speculative", "must be None, 'ngram' or 'draft'", self.speculative)
         k = self.num_speculative_tokens
-        if k is not None and (not _is_int(k) or not 1 <= k <= 16):
-            _fail("num_speculative_tokens", "must be None or an integer in [1, 16]", k)
+        if k is not None and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            _fail("num_speculative_tokens", f"must be None or an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
 
     def check_vocab(self, n_vocab: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""
@@ -152,50 +126,3 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-
-class TokenChooser:
-    """One request's path from a logits row to a token: its own RNG and penalties, with min_tokens and
-    logit_bias applied, and its logprobs. Built once per request."""
-
-    def __init__(self, params: SamplingParams, end_ids: frozenset):
-        p = params
-        self.params = p
-        self.sampler = make_sampler(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                                    seed=p.seed)
-        self.key = request_key(p.seed)
-        self.penalize = make_logits_processors(repeat_penalty=p.repeat_penalty, presence_penalty=p.presence_penalty,
-                                               frequency_penalty=p.frequency_penalty, last_n=p.repeat_last_n)
-        self.bias_ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
-        self.bias = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
-        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else end_ids)
-        self.mask_ids = np.array(sorted(self.stop_ids | end_ids), np.int64)
-
-    def pick(self, logits: np.ndarray, pos: int) -> int:
-        """The token at position pos from its processed logits."""
-        return self.sampler.pick(logits, 0.0 if self.sampler.greedy else uniform(self.key, pos, PICK))
-
-    def process(self, logits: np.ndarray, history: Sequence[int], n_generated: int) -> np.ndarray:
-        """logits (V,) after bias, min_tokens and penalties (modified in place)."""
-        if self.bias_ids.size:
-            logits[self.bias_ids] += self.bias
-        if n_generated < self.params.min_tokens and self.mask_ids.size:
-            logits[self.mask_ids] = -np.inf
-        return self.penalize(logits, history)
-
-    def logprobs(self, logits: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
-        """(log p of token, [(id, log p)] of the top `params.logprobs`) from the processed logits."""
-        x = logits.astype(np.float64)
-        m = float(x.max())
-        lse = m + math.log(float(np.exp(x - m).sum()))
-        k = self.params.logprobs or 0
-        top = []
-        if k:
-            ids = np.argpartition(-x, k - 1)[:k]
-            ids = ids[np.lexsort((ids, -x[ids]))]
-            top = [(int(i), float(x[i] - lse)) for i in ids]
-        return float(x[token] - lse), top
-
-
-def make_stop_checker(params: SamplingParams) -> StopChecker:
-    return StopChecker(list(params.stop))

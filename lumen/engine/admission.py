@@ -1,0 +1,59 @@
+"""Admission: a prompt and its SamplingParams -> checked token ids and a resolved max_tokens, or an error that
+names what is wrong (RequestError, ContextError, SamplerError: all ValueErrors). The engine's state is untouched
+by a request that fails here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ContextError, LumenError
+from .block_manager import BlockManager
+from .sampling_params import SamplingParams
+
+
+class RequestError(LumenError, ValueError):
+    """A request cannot be served (bad prompt, too long, cannot ever fit); the engine is unaffected."""
+
+
+def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
+    """A prompt (text, or token ids) as checked token ids; RequestError when it is not one."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_bos=tokenizer.add_bos_default, special=special)
+    elif isinstance(prompt, (list, tuple, np.ndarray)):
+        if any(isinstance(t, (bool, np.bool_, float, np.floating)) for t in prompt):
+            raise RequestError("a token-id prompt must hold integers")
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError("a token-id prompt must hold integers") from None
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+    else:
+        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise RequestError("the prompt is empty (no tokens)")
+    return ids
+
+
+def admit(prompt, params: SamplingParams, tokenizer, n_vocab: int, max_model_len: int,
+          pool_blocks: int) -> tuple[list[int], int]:
+    """(prompt token ids, max_tokens) of a request the engine can serve: its ids in the vocabulary, prompt +
+    max_tokens (None: the rest of max_model_len) within max_model_len and within the KV pool's pool_blocks."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a lumen.SamplingParams, got {type(params).__name__}")
+    params.check_vocab(n_vocab)
+    ids = prompt_ids(prompt, tokenizer, n_vocab, params.special)
+    n, limit = len(ids), max_model_len
+    if n >= limit:
+        raise ContextError(f"the prompt has {n} tokens; max_model_len is {limit}, which must also leave room "
+                           f"for at least one generated token")
+    max_tokens = limit - n if params.max_tokens is None else params.max_tokens
+    if n + max_tokens > limit:
+        raise ContextError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
+                           f"({limit})")
+    need = BlockManager.blocks_for(n + max_tokens)
+    if need > pool_blocks:
+        raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks but "
+                           f"the pool has {pool_blocks}; raise kv_cache_mb or lower max_tokens")
+    return ids, max_tokens

@@ -1,0 +1,144 @@
+"""What an Engine is built with, validated in one place: `EngineConfig` (sizes, scheduling, threads) and
+`SpeculativeConfig` (drafting). Both are frozen; a bad value raises ValueError naming the field.
+
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_mb=512)
+    engine = lumen.Engine("smollm2-135m", config=cfg)          # or the same fields as keywords:
+    engine = lumen.Engine("smollm2-135m", max_num_seqs=16, max_num_batched_tokens=512, kv_cache_mb=512)
+
+Sizes the engine derives from a config and the model (the KV pool's block count, the context) are computed by
+`kv_blocks` and `EngineConfig.model_len`, never at call sites.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def check_int(name: str, v, lo: int = 1, hi: int | None = None) -> None:
+    """The one integer check of the engine's options: ValueError naming `name` unless lo <= v (<= hi)."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        what = ("a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else
+                f"an integer >= {lo}") if hi is None else f"an integer in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {what}, got {v!r}")
+
+
+def _seconds(name: str, v) -> None:
+    if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6):
+        raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+
+
+def _choice(name: str, v, options: tuple) -> None:
+    if v not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (per request: SamplingParams(speculative="ngram" | "draft")).
+    draft_model: a model with the target's vocabulary (name, path or lumen.Model) for "draft";
+    num_speculative_tokens: the most tokens drafted per step (a request may ask for fewer);
+    ngram_min/ngram_max: the n-gram sizes the "ngram" drafter matches (lumen.engine.speculative);
+    adaptive_k: choose each step's k from the request's acceptance rate and the measured step costs (False: always
+    the most, as a fixed-k engine does)."""
+    draft_model: object = None
+    num_speculative_tokens: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive_k: bool = True
+
+    def __post_init__(self):
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        check_int("ngram_min", self.ngram_min, 1, MAX_SPECULATIVE_TOKENS)
+        check_int("ngram_max", self.ngram_max, self.ngram_min, MAX_SPECULATIVE_TOKENS)
+        object.__setattr__(self, "adaptive_k", bool(self.adaptive_k))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """threads: the most threads a step uses (None: Numba's current count); adaptive_threads: fewer while other
+    processes (or a server's event loop) want the cores (lumen.engine.threads), else always `threads`.
+    max_model_len: longest prompt + output (None: the model's trained context).
+    max_num_seqs: sequences holding blocks at once; max_num_batched_tokens: tokens per step (the largest budget).
+    kv_cache_mb: the KV block pool's size (None: min(1024, a fifth of the available memory)); num_kv_blocks: the
+    pool's size in blocks instead (wins over kv_cache_mb).
+    scheduler: "fcfs" (a fixed token budget) or "measured": each step's budget chosen from this machine's
+    measured step costs (lumen.engine.step_costs, lumen.engine.budget), for the SLO targets slo_ttft_s and
+    slo_tpot_s when given (goodput), else for throughput. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs)
+    or "tiny" (tests). explain: log every step's decision. pack_cache: see lumen.model.packcache."""
+    threads: int | None = None
+    adaptive_threads: bool = True
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    kv_cache_mb: float | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    pack_cache: bool | None = None
+    scheduler: str = "fcfs"
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    cost_grid: str = "full"
+    explain: bool = False
+    speculative: SpeculativeConfig = SpeculativeConfig()
+
+    def __post_init__(self):
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            check_int("num_kv_blocks", self.num_kv_blocks)
+        mb = self.kv_cache_mb
+        if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0):
+            raise ValueError(f"kv_cache_mb must be a positive number, got {mb!r}")
+        _choice("scheduler", self.scheduler, ("fcfs", "measured"))
+        _choice("cost_grid", self.cost_grid, ("full", "tiny"))
+        _seconds("slo_ttft_s", self.slo_ttft_s)
+        _seconds("slo_tpot_s", self.slo_tpot_s)
+        if self.scheduler == "fcfs" and (self.slo_ttft_s is not None or self.slo_tpot_s is not None):
+            raise ValueError("SLO targets need scheduler='measured'")
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        """The Engine's keyword arguments: EngineConfig's fields and SpeculativeConfig's, side by side."""
+        spec_names = {f.name for f in fields(SpeculativeConfig)}
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - names - spec_names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        spec = {k: kw.pop(k) for k in list(kw) if k in spec_names}
+        return cls(**kw, speculative=SpeculativeConfig(**spec))
+
+    def model_len(self, ctx_train: int) -> int:
+        return ctx_train if self.max_model_len is None else self.max_model_len
+
+
+def available_mb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_blocks(cfg: EngineConfig, bytes_per_block: int) -> int:
+    """The KV pool's size in blocks: num_kv_blocks, else kv_cache_mb (default: min(1024 MB, a fifth of the
+    available memory)) over the bytes of one block."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    mb = cfg.kv_cache_mb
+    if mb is None:
+        avail = available_mb()
+        mb = DEFAULT_KV_CACHE_MB if avail is None else min(DEFAULT_KV_CACHE_MB, avail / 5)
+    n = int(mb * 2 ** 20 // bytes_per_block)
+    if n < 1:
+        raise ValueError(f"kv_cache_mb={mb} holds no block ({bytes_per_block} bytes each)")
+    return n

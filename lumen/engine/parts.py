@@ -1,0 +1,85 @@
+"""A GGUF file as the engine runs it: parsed and checked (`open_gguf`), its tokenizer (`build_tokenizer`), its
+weights and their forward-pass bundle (`load_parts` -> ModelParts), shared read-only by every Model and Engine
+made from it. Below both lumen.engine.engine and lumen.engine.llm, so neither imports the other to load a model.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GGUFError, LumenError
+from ..format.gguf import GGUFFile
+from ..model.config import Config, check_tensors, config_from_metadata
+from ..model.weights import load_weights
+from .forward import Weights
+
+
+def build_tokenizer(meta):
+    """The tokenizer described by the metadata. Any failure inside a tokenizer library on corrupt metadata
+    becomes a GGUFError, so a bad file never surfaces as a foreign exception."""
+    from ..format.tokenizer import Tokenizer
+    try:
+        return Tokenizer.from_metadata(meta)
+    except LumenError:
+        raise
+    except Exception as e:  # noqa: BLE001 - third-party tokenizer libraries raise anything on bad vocabularies
+        raise GGUFError(f"the tokenizer metadata is invalid: {type(e).__name__}: {e}") from e
+
+
+def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, Config]:
+    """Parse, validate and check a GGUF file against its architecture's tensor contract."""
+    from ..format.quants import SUPPORTED
+    g = GGUFFile(path)
+    cfg = config_from_metadata(g.metadata)
+    check_tensors(cfg, g.tensors, SUPPORTED)
+    return g, cfg
+
+
+@dataclass
+class ModelParts:
+    """What a GGUF file becomes, shared read-only by every Model and Engine made from it."""
+    path: Path
+    gguf: GGUFFile
+    config: Config
+    tokenizer: object
+    weights: object          # lumen.model.weights.LoadedWeights
+    bundle: Weights          # its arrays as the forward pass's Weights bundle
+    rope_freqs: np.ndarray | None
+
+    @staticmethod
+    def set_threads(threads: int | None) -> int:
+        """Set Numba's thread count for the calling thread (None: keep it); returns it."""
+        import numba
+        max_threads = numba.config.NUMBA_NUM_THREADS
+        if threads is not None:
+            if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= max_threads:
+                raise ValueError(f"threads must be between 1 and {max_threads}, got {threads!r}")
+            numba.set_num_threads(threads)
+        return numba.get_num_threads()
+
+
+def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None = None) -> ModelParts:
+    """The parts of an opened GGUF file: its weights loaded (repacked, or from the pack cache)."""
+    w = load_weights(g, cfg, pack_cache=pack_cache)
+    return ModelParts(Path(path), g, cfg, tok, w, Weights(**w.arrays), w.rope_freqs)
+
+
+def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None) -> ModelParts:
+    """A registry name (fetched on first use) or a .gguf path -> its parts."""
+    from ..model.store import resolve
+    path = resolve(model)
+    g, cfg = open_gguf(path)
+    return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache)
+
+
+def parts_of(model, *, pack_cache: bool | None = None) -> ModelParts:
+    """ModelParts from parts, a lumen.Model (its parts, shared) or a registry name / .gguf path (loaded)."""
+    if isinstance(model, ModelParts):
+        return model
+    parts = getattr(model, "parts", None)
+    if isinstance(parts, ModelParts):
+        return parts
+    return load_parts(model, pack_cache=pack_cache)

@@ -1,0 +1,176 @@
+"""The speculator: one object that drafts before the step is scheduled and verifies after its forward pass.
+
+    k_of = speculator.propose(running, waiting, budget)   before scheduling: drafts, {seq: k} to reserve room for
+    plan = scheduler.schedule(budget, spec=k_of)          the scheduler only reserves room for k tokens
+    tokens = speculator.draft_tokens(seq, k)              what the runner runs after the request's pending token
+    toks, accepted = speculator.verify(seq, k, rows)      after the forward pass: the tokens it keeps
+    speculator.accepted(seq, k, accepted)                 the acceptance bookkeeping
+
+Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an exponential average of its
+acceptance rate alpha; the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against the
+step time the engine measured for that many more tokens (lumen.engine.step_costs.StepCosts); k = 0 (plain
+decode) when speculation does not pay. A sampled request also gets the draft's token for the position after its
+verified ones (and for a position it samples without drafting), which verify decides by the acceptance rule.
+"""
+from __future__ import annotations
+
+from ..admission import RequestError
+from ..config import SpeculativeConfig
+from ..sequence import Sequence
+from ..step_costs import StepCosts
+from .drafters import PRIOR, DraftModel, NgramDrafter, SpecState
+from .verify import verify
+
+RECOVER = 0.05       # per skipped chance, an n whose drafts were judged not to pay moves this share back to PRIOR
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts, draft: DraftModel | None = None):
+        self.k_max = cfg.num_speculative_tokens
+        self.adaptive_k = cfg.adaptive_k
+        self.ngram = NgramDrafter(cfg.ngram_min, cfg.ngram_max)
+        self.draft = draft
+        self.costs = costs
+        self.verify_rule = verify             # (row, draft, k, key, pos, sampler) -> (tokens, accepted)
+        self._drafts: dict = {}               # seq -> (its token count when drafted, k asked, Draft)
+        self._step: dict = {}                 # seq -> Draft, this step's
+
+    def admit(self, seq: Sequence) -> None:
+        """A new request: its speculation state (None when it does not speculate)."""
+        if seq.params.speculative == "draft" and self.draft is None:
+            raise RequestError("speculative='draft' needs a draft model: Engine(..., draft_model=...)")
+        seq.spec = SpecState() if seq.params.speculative is not None else None
+
+    # ---- before scheduling
+    def propose(self, running: list, waiting, budget: int, chunked_prefill: bool = True) -> dict:
+        """Draft for the speculating requests that sample next step; returns {seq: k}, the room to reserve. The
+        tokens each running request takes are counted in the scheduler's order, so k is chosen against the step
+        it will run in (see choose_k). A preempted request recomputing its tokens gets the one token a sampled
+        request decides by the acceptance rule."""
+        if not any(seq.spec is not None for seq in [*running, *waiting]):
+            self._step = {}
+            return {}
+        want, planned = [], 0
+        for seq in running:
+            if planned >= budget:
+                break
+            left = seq.num_tokens - seq.num_computed
+            n = min(left, budget - planned)
+            if n < left and not chunked_prefill:
+                continue
+            k = 0
+            if seq.spec is not None and left == 1:
+                room = min(budget - planned - 1, seq.max_tokens - len(seq.output_ids) - 1)
+                k = self._choose_k(seq, room, planned) if room > 0 else 0
+            extra = int(seq.spec is not None and n == left and self._extra(seq))
+            if k or extra:
+                want.append((seq, k, k + extra))
+            planned += n + k
+        want += [(seq, 0, 1) for seq in waiting if seq.spec is not None and self._extra(seq)]
+        self._step = self._propose([(seq, asked) for seq, _, asked in want])
+        return {seq: min(k, len(self._step[seq].tokens)) for seq, k, _ in want if k and seq in self._step}
+
+    @staticmethod
+    def _extra(seq: Sequence) -> bool:
+        return not seq.chooser.sampler.greedy and bool(seq.output_ids)
+
+    def _propose(self, requests: list) -> dict:
+        """{seq: Draft} for [(seq, k)], from the drafts already made for the same tokens where they suffice."""
+        for seq in [q for q in self._drafts if q.finished]:
+            del self._drafts[seq]
+        out, todo = {}, {"ngram": [], "draft": []}
+        for seq, k in requests:
+            made = self._drafts.get(seq)
+            if made is not None and made[0] == seq.num_tokens and made[1] >= k:
+                out[seq] = made[2]
+            else:
+                todo[seq.params.speculative].append((seq, k))
+        got = self.ngram.propose(todo["ngram"]) if todo["ngram"] else {}
+        if todo["draft"]:
+            got.update(self.draft.propose(todo["draft"]))
+        for seq, k in todo["ngram"] + todo["draft"]:
+            self._drafts[seq] = (seq.num_tokens, k, got.get(seq))
+            if seq in got:
+                out[seq] = got[seq]
+        return out
+
+    def _choose_k(self, seq: Sequence, room: int, planned: int) -> int:
+        """Drafted tokens for a decoding sequence: k with the most expected tokens per second of step time, by
+        its acceptance rate and the step times measured for that many tokens (0: plain decode pays more)."""
+        st = seq.spec
+        k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
+        alpha, n = st.alpha, None
+        if seq.params.speculative == "ngram":
+            n = self.ngram.match(st, seq.tokens)
+            if n is None:
+                return 0                                            # nothing to draft from
+            alpha = st.alpha_n.get(n, PRIOR)
+        if not self.adaptive_k:
+            return k_max
+        base = planned + 1
+        c0 = self.costs.predict(base)
+        if c0 is None or not self.costs.known(base + k_max):       # not measured yet: explore both ends
+            return 0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max
+        k = choose_k(alpha, k_max, lambda k: self.costs.predict(base + k) or c0)
+        if k == 0 and n is not None:
+            skipped(st, n)
+        return k
+
+    # ---- after the forward pass
+    def drafted(self, seq: Sequence) -> bool:
+        """Whether seq has this step's draft (its sampled token is then decided by verify)."""
+        return seq in self._step
+
+    def draft_tokens(self, seq: Sequence, k: int) -> list:
+        return self._step[seq].tokens[:k] if k else []
+
+    def verify(self, seq: Sequence, k: int, rows) -> tuple[list, int]:
+        """(tokens, drafts accepted) of seq, which ran k drafted tokens: rows(i) gives the processed logits of
+        its i-th verified position."""
+        ch = seq.chooser
+        return self.verify_rule(rows, self._step[seq], k, ch.key, seq.num_tokens, ch.sampler)
+
+    def accepted(self, seq: Sequence, k: int, accepted: int) -> None:
+        """Fold one verification of k drafted tokens, `accepted` of them kept, into the request's state."""
+        update_alpha(seq.spec, k, accepted, n=self._step[seq].n)
+        m = seq.metrics
+        m.spec_proposed += k
+        m.spec_accepted += accepted
+        m.spec_steps += 1
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verification step yields with k drafts at acceptance rate alpha (the bonus token included)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def choose_k(alpha: float, k_max: int, cost) -> int:
+    """The k in 0 .. k_max with the most tokens per second, by cost(extra tokens) = the step's predicted time."""
+    best, best_rate = 0, 1.0 / cost(0)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / cost(k)
+        if rate > best_rate * 1.0001:
+            best, best_rate = k, rate
+    return best
+
+
+def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.3, n: int = 0) -> None:
+    """Fold one verification into the acceptance average (the share of proposed tokens accepted), and into that
+    of match length n when the draft followed an n-token match."""
+    if proposed:
+        st.alpha = (1 - weight) * st.alpha + weight * (accepted / proposed)
+        if n:
+            st.alpha_n[n] = (1 - weight) * st.alpha_n.get(n, PRIOR) + weight * (accepted / proposed)
+        st.steps += 1
+        st.proposed += proposed
+        st.accepted += accepted
+
+
+def skipped(st: SpecState, n: int) -> None:
+    """A match of length n was not drafted (its acceptance did not pay): its estimate drifts back towards the
+    prior, so a request whose text turns to copying again gets to draft again (without drafting, the estimate
+    would never be corrected)."""
+    a = st.alpha_n.get(n, PRIOR)
+    st.alpha_n[n] = a + RECOVER * (PRIOR - a)
