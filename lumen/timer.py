@@ -1,11 +1,19 @@
-"""A clock readable from inside Numba code: the CPU's time-stamp counter, and its rate in seconds.
+"""A clock readable from inside Numba code: the CPU's time-stamp counter, and its rate in seconds; and the hook
+through which the engine finds the profiler its ticks go to.
 
 The forward pass writes `ticks()` into a preallocated int64 array after each op, so every op of a fused
 compiled forward is timed without leaving compiled code. Reading the counter costs ~10 ns (rdtsc).
+
+The hook: the runner and the engine record into `active()`, which is NULL (a profiler whose methods do nothing,
+so callers never branch on it) unless a profile is open in this thread. lumen.profile (a floor above the engine)
+opens one with `recording(profiler)`; the engine never imports lumen.profile.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 from llvmlite import ir
 from numba import njit, types
@@ -44,3 +52,33 @@ def tick_rate() -> float:
         best.sort()
         _RATE = best[1]
     return _RATE
+
+
+class NullProfiler:
+    """What active() returns outside a profile: every recording method does nothing."""
+    enabled = False
+    in_step = False
+
+    def _nothing(self, *args, **kwargs):
+        return 0
+
+    begin_step = describe = end_step = cancel_step = pause = resume = lap = add = record_forward = _nothing
+
+
+NULL = NullProfiler()
+_ACTIVE: ContextVar[Any] = ContextVar("lumen_profiler", default=NULL)
+
+
+def active() -> Any:
+    """The profiler of the innermost open profile in this thread (lumen.profile.Profiler), or NULL."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def recording(profiler) -> Iterator[Any]:
+    """Make `profiler` what active() returns in this thread for the block."""
+    token = _ACTIVE.set(profiler)
+    try:
+        yield profiler
+    finally:
+        _ACTIVE.reset(token)

@@ -32,6 +32,7 @@ print(json.dumps({"path": str(path), "downloads": len(pip.calls)}))
 """
 
 
+@pytest.mark.slow
 def test_processes_started_together_on_a_fresh_home_fetch_once(tmp_path, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setenv("LUMEN_HOME", str(home))
@@ -139,8 +140,8 @@ def test_compile_cache_dir(tmp_path):
     assert os.path.dirname(on) == os.path.dirname(off) == str(tmp_path / "home" / "numba") and on != off
     assert _cache_dir(tmp_path, HOME="{tmp}/user").startswith(str(tmp_path / "user" / ".cache" / "lumen" / "numba"))
     assert _cache_dir(tmp_path, LUMEN_HOME="{tmp}/home", NUMBA_CACHE_DIR="{tmp}/mine") == str(tmp_path / "mine")
-    import lumen
-    assert lumen._compile_cache_dir().endswith(os.path.basename(_cache_dir(tmp_path, LUMEN_HOME="{tmp}/x")))
+    import lumen.paths
+    assert lumen.paths.compile_cache_dir().endswith(os.path.basename(_cache_dir(tmp_path, LUMEN_HOME="{tmp}/x")))
 
 
 

@@ -20,7 +20,7 @@ from lumen import SamplingParams
 from lumen.engine.engine import Engine
 from lumen.engine.sampler import SamplerError
 from lumen.format.chat import chat_template_from_metadata, render_chat
-from lumen.serve.cli import make_app
+from lumen.serve.app import make_app
 
 openai = pytest.importorskip("openai")
 

@@ -118,8 +118,36 @@ def served(m: dict, replica: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the wire between the ingress and a replica, without Ray
+
+def test_refusals_and_outputs_cross_the_wire():
+    """A replica's refusal travels as a kind and comes back as the same class (so the ingress answers what one
+    process answers); an output travels without what the ingress already has and is put back together."""
+    from lumen.engine.engine import RequestError
+    from lumen.engine.sampler import SamplerError
+    from lumen.engine.sequence import RequestMetrics, RequestOutput
+    from lumen.errors import ContextError
+    from lumen.serve.ray.remote import REFUSALS, Stream, pack, refusal
+    from lumen.serve.worker import QueueFull, ShuttingDown, TooManyRequests
+    for e in (QueueFull("q"), ShuttingDown("s"), TooManyRequests("n"), SamplerError("x"), ContextError("c"),
+              RequestError("r"), ValueError("v")):
+        assert type(REFUSALS[refusal(e)](str(e))) is type(e)
+    stream, sent = Stream(["a"], [[1, 2, 3]]), {}
+    outs = [RequestOutput("a", [1, 2, 3], [7], "x", False, None, RequestMetrics(), delta_token_ids=[7],
+                          delta_text="x", logprobs=[(-0.5, [])]),
+            RequestOutput("a", [1, 2, 3], [7, 8], "xy", True, "length", RequestMetrics(prompt_tokens=3),
+                          delta_token_ids=[8], delta_text="y", logprobs=[(-0.5, []), (-0.25, [])])]
+    wire = [pack(o, sent) for o in outs]
+    assert [w.token_ids for w in wire] == [[], []] and wire[1].logprobs == [(-0.25, [])]
+    back = [stream.unpack(w) for w in wire]
+    assert back[-1].token_ids == [7, 8] and back[-1].text == "xy" and back[-1].prompt_token_ids == [1, 2, 3]
+    assert back[-1].logprobs == outs[-1].logprobs and back[-1].metrics.prompt_tokens == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the same API as one process
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_openai_client(server, model, kind, stream):
@@ -147,6 +175,7 @@ def test_openai_client(server, model, kind, stream):
     assert usage.prompt_tokens == len(ids) and 1 <= usage.completion_tokens <= 12
 
 
+@pytest.mark.slow
 def test_seeded_stream_and_logprobs_equal_generate(http, model):
     body = {"prompt": "Once upon a time, in a small village,", "max_tokens": 20, "temperature": 0.9, "top_k": 40,
             "top_p": 0.95, "seed": 7, "stream": True, "return_token_ids": True, "logprobs": 2}
@@ -158,6 +187,7 @@ def test_seeded_stream_and_logprobs_equal_generate(http, model):
     assert sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c["logprobs"]) == len(got)
 
 
+@pytest.mark.slow
 def test_request_id_models_health(http):
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "ray-42"})
     assert r.status_code == 200 and r.json()["id"] == "cmpl-ray-42"
@@ -168,11 +198,13 @@ def test_request_id_models_health(http):
     assert http.get("/v1/models/" + MODEL_ID).json()["max_model_len"] == MAX_MODEL_LEN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path, body, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_400(http, path, body, param):
     post_bad(http, path, body, param)
 
 
+@pytest.mark.slow
 def test_404_405_413(http):
     assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
     assert_error(http.get("/v1/models/gpt-4"), 404)
@@ -183,6 +215,7 @@ def test_404_405_413(http):
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.slow
 def test_429_when_both_replicas_are_full(server):
     """2 x (4 running + 2 waiting) long streams fill both replicas; the next request gets 429 from the replica it
     was routed to, as from one process; once they are cut, requests are served again."""
@@ -223,6 +256,7 @@ def long_prompt(model, seed: int, n: int) -> list[int]:
     return model.tokenize(text)[:n]
 
 
+@pytest.mark.slow
 def test_shared_prefix_lands_on_one_replica_distinct_spread(http, server, model):
     prefix = long_prompt(model, 1, 480)
     first = http.post("/v1/completions", json={"prompt": prefix + [42], "max_tokens": 2, "temperature": 0})
@@ -257,6 +291,7 @@ def test_shared_prefix_lands_on_one_replica_distinct_spread(http, server, model)
     assert decisions.get("router_decisions_total{decision=least_loaded,policy=prefix}", 0) >= 4, decisions
 
 
+@pytest.mark.slow
 def test_metrics_per_replica(server, http):
     for k in range(2):                              # one request each (the second goes to the idle replica)
         assert http.post("/v1/completions", json={"prompt": f"{k}", "max_tokens": 1}).status_code == 200
@@ -273,6 +308,7 @@ def test_metrics_per_replica(server, http):
 # ---------------------------------------------------------------------------------------------------------
 # a replica dies; the server stops
 
+@pytest.mark.slow
 def test_killed_replica_fails_its_requests_others_continue(server, model):
     m = wait_replicas(server.url, 2)
     pids = replica_pids(m)
@@ -320,6 +356,7 @@ def test_killed_replica_fails_its_requests_others_continue(server, model):
     wait_replicas(server.url, 2, timeout=150, exclude={victim})     # Ray started a new one
 
 
+@pytest.mark.slow
 def test_shutdown_leaves_no_ray_process(server):
     assert server.stop(signal.SIGINT, timeout=90) == 0
     t0 = time.monotonic()

@@ -4,11 +4,26 @@ from __future__ import annotations
 import sys
 
 COMMANDS = ("single", "batch", "offline", "serve", "spec")
+USAGE = """usage: python -m lumen.bench [single|batch|offline|serve|spec] ...
+
+benchmarks (`python -m lumen.bench COMMAND --help` for each one's options):
+  single   llama-bench style: pp / tg of one sequence (the default when no command is given)
+  batch    llama-batched-bench style: npl sequences of npp prompt tokens, ntg generated tokens each
+  offline  a committed workload of mixed requests through the engine, against the same requests one by one
+  serve    vllm-bench-serve style: streamed requests against any OpenAI-compatible server, TTFT / TPOT / ITL /
+           E2E percentiles, throughput, goodput, /health latency
+  spec     speculative decoding per workload kind: lumen.generate with and without --speculative ngram,
+           interleaved; beside llama.cpp's llama-lookup
+
+the default command, single:
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in COMMANDS else "single"
+    if cmd == "single" and argv[:1] in (["-h"], ["--help"]) and len(argv) == 1:
+        print(USAGE)                              # no command given: the commands, then single's options
     if cmd == "batch":
         from .batch import main as run
     elif cmd == "offline":

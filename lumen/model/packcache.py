@@ -43,10 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import IMPORT_TIME_NS
 from ..format.gguf import GGUFFile
 from ..kernels.layout import DTYPES, Packs, check_table
-from .store import file_lock, lumen_home
+from ..paths import IMPORT_TIME_NS, lumen_home
+from .store import file_lock
 
 MAGIC, TRAILER = b"LUMENPK1", b"LUMENEND"
 VERSION = 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FetchError
+from ..paths import lumen_home
 
 CHUNK = 1 << 20
 
@@ -69,10 +70,6 @@ MODELS: dict[str, ModelSpec] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def lumen_home() -> Path:
-    return Path(os.environ.get("LUMEN_HOME") or Path.home() / ".cache" / "lumen")
 
 
 def model_path(name: str) -> Path:

@@ -17,6 +17,7 @@ over many sequences (its tokens, sequences and the KV tokens attention reads are
 holds beyond the recorded segments is reported as "unattributed".
 
 Without a profile, `active()` returns NULL, a profiler whose methods do nothing, so callers never branch on it.
+The hook lives in lumen/timer.py, below the engine that calls it; `profile()` installs a Profiler there.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import json
 import sys
 import time
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -32,7 +32,8 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import LumenError
-from ..timer import tick_rate, ticks
+from ..timer import NULL, NullProfiler, active, recording, tick_rate, ticks  # noqa: F401 (NULL, NullProfiler,
+# active: the hook's names, also reachable here as before)
 
 PHASES = ("prefill", "decode", "mixed")     # mixed: an engine step with both prefill chunks and decode tokens
 
@@ -233,26 +234,6 @@ class Profiler:
             raise LumenError(f"cannot write the profile to {path}: {e.strerror}") from None
 
 
-class NullProfiler:
-    """What active() returns outside a profile: every recording method does nothing."""
-    enabled = False
-    in_step = False
-
-    def _nothing(self, *args, **kwargs):
-        return 0
-
-    begin_step = describe = end_step = cancel_step = pause = resume = lap = add = record_forward = _nothing
-
-
-NULL = NullProfiler()
-_ACTIVE: ContextVar["Profiler | NullProfiler"] = ContextVar("lumen_profiler", default=NULL)
-
-
-def active() -> "Profiler | NullProfiler":
-    """The profiler of the innermost `with lumen.profile()` in this thread, or NULL."""
-    return _ACTIVE.get()
-
-
 @contextmanager
 def profile() -> Iterator[Profiler]:
     """Profile every forward step (and the engine's scheduling, sampling and detokenizing) run inside the block,
@@ -261,12 +242,8 @@ def profile() -> Iterator[Profiler]:
     if not TIMERS:
         raise LumenError("the op timers are compiled out (LUMEN_TIMERS=0); unset it to profile")
     tick_rate()  # calibrate the clock now, not inside the first step
-    p = Profiler()
-    token = _ACTIVE.set(p)
-    try:
+    with recording(Profiler()) as p:
         yield p
-    finally:
-        _ACTIVE.reset(token)
 
 
 class _CallableModule(sys.modules[__name__].__class__):

@@ -1,9 +1,13 @@
-"""Profile a generate run op by op against this machine's roofline: `python -m lumen.profile ...`.
+"""Profile Lumen on this machine: `python -m lumen.profile [MODE] ...`, one parser for every mode (MODES below).
 
     python -m lumen.profile --machine [--remeasure]      # this machine's limits (measured once, cached)
     python -m lumen.profile --model smollm2-135m --prompt-tokens 512 --gen-tokens 128 \\
         [--threads T] [--json F.json] [--plot F.png] [--phase prefill|decode] [--op NAME] [--layer N]
     python -m lumen.profile --model M --overhead [--repeats 5]   # decode tok/s: timers off / compiled out / on
+    python -m lumen.profile --engine --model M [--max-num-batched-tokens N] [--max-num-seqs S] [--tiny] [--plot F]
+    python -m lumen.profile --serving FILE [--json F] [--plot F.png]    # a serving profile (lumen.serve --profile)
+
+--engine and --serving are lumen/profile/serving_cli.py; the rest is this file.
 
 The prompt is exactly --prompt-tokens tokens (a fixed text's tokens repeated, BOS first when the model adds one);
 generation is greedy. A warm-up generate (JIT compile) runs before the profiled one and is not reported.
@@ -41,26 +45,83 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
         "distant lands who brought new languages, foods and ideas with them.")
 
 
+MODES = """modes (one at a time; without one, a profiled generate run):
+  (default)          profile a generate run op by op: --model, --prompt-tokens, --gen-tokens, --threads,
+                     --phase/--op/--layer, --json, --plot
+  --machine          this machine's measured limits (measured once, cached; --remeasure measures again)
+  --overhead         decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on: --repeats
+  --engine           the engine's measured step costs and their fit (lumen/profile/serving_cli.py):
+                     --max-num-batched-tokens, --max-num-seqs, --max-model-len, --tiny, --remeasure,
+                     --json, --plot (the cost surface)
+  --serving FILE     the report of a serving profile written by `lumen.serve --profile FILE`: TTFT and ITL
+                     p50/p99 and what they are made of; --json, --plot
+"""
+# Options of one mode only (dest -> its default); giving one with another mode is an error.
+RUN_ONLY = {"prompt_tokens": 512, "gen_tokens": 128, "phase": None, "op": None, "layer": None}
+ENGINE_ONLY = {"max_num_batched_tokens": 2048, "max_num_seqs": 32, "max_model_len": 2048, "tiny": False}
+OVERHEAD_ONLY = {"repeats": 5}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.profile",
-                                 description="Profile a generate run op by op against this machine's roofline.")
-    ap.add_argument("--machine", action="store_true", help="print this machine's measured limits and exit")
-    ap.add_argument("--remeasure", action="store_true",
-                    help="measure the machine limits again (with --machine or a run)")
-    ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="registry name or path to a .gguf file")
-    ap.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
-    ap.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    ap.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
-    ap.add_argument("--json", metavar="F", help="write the records and the summary as JSON to F")
-    ap.add_argument("--plot", metavar="F.png", help="write the roofline to F.png and the op times to F-ops.png")
-    ap.add_argument("--phase", help="report only this phase (prefill or decode)")
-    ap.add_argument("--op", help="report only this op (e.g. attention, down, sample)")
-    ap.add_argument("--layer", type=int, help="report only this layer (-1: ops outside the layer stack)")
-    ap.add_argument("--overhead", action="store_true",
-                    help="measure decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on")
-    ap.add_argument("--repeats", type=int, default=5, help="repeats of each --overhead variant (default 5)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --overhead's compiled-out process
+    ap = argparse.ArgumentParser(prog="python -m lumen.profile", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Profile Lumen on this machine: a generate run op by op against the\n"
+                                             "roofline, the machine's limits, the timers' overhead, the engine's\n"
+                                             "step costs, or a server's serving profile.",
+                                 epilog=MODES)
+    mode = ap.add_argument_group("mode").add_mutually_exclusive_group()
+    mode.add_argument("--machine", action="store_true", help="print this machine's measured limits and exit")
+    mode.add_argument("--overhead", action="store_true",
+                      help="measure decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on")
+    mode.add_argument("--engine", action="store_true",
+                      help="measure (or read from $LUMEN_HOME/costs) the engine's step costs, print the table and the "
+                           "fitted model t = f + b max(0, T - T*) + c S + d K")
+    mode.add_argument("--serving", metavar="FILE",
+                      help="report a serving profile written by `python -m lumen.serve --profile FILE`")
+    mode.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --overhead's compiled-out process
+    common = ap.add_argument_group("common options")
+    common.add_argument("--model", "-m", default=DEFAULT_MODEL, help="registry name or path to a .gguf file")
+    common.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
+    common.add_argument("--remeasure", action="store_true",
+                        help="measure again instead of reading the cache (machine limits; --engine: the step costs)")
+    common.add_argument("--json", metavar="F", help="write the records / table / report and the summary as JSON to F")
+    common.add_argument("--plot", metavar="F.png", help="a run: the roofline to F.png and the op times to F-ops.png; "
+                                                         "--engine: the cost surface; --serving: the time split")
+    run = ap.add_argument_group("a profiled run (the default mode)")
+    run.add_argument("--prompt-tokens", type=int, help="prompt length in tokens (default 512)")
+    run.add_argument("--gen-tokens", type=int, help="tokens to generate (default 128; --overhead too)")
+    run.add_argument("--phase", help="report only this phase (prefill or decode)")
+    run.add_argument("--op", help="report only this op (e.g. attention, down, sample)")
+    run.add_argument("--layer", type=int, help="report only this layer (-1: ops outside the layer stack)")
+    over = ap.add_argument_group("--overhead")
+    over.add_argument("--repeats", type=int, help="repeats of each --overhead variant (default 5)")
+    eng = ap.add_argument_group("--engine")
+    eng.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per step (default 2048)")
+    eng.add_argument("--max-num-seqs", type=int, help="sequences per step (default 32)")
+    eng.add_argument("--max-model-len", type=int, help="the engine's context (default 2048)")
+    eng.add_argument("--tiny", action="store_true", default=None, help="a 5-shape grid (tests)")
     return ap
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace, str]:
+    """The arguments and the mode ("run", "machine", "overhead", "engine", "serving", "worker"); an option of
+    another mode is an error. Mode options left out get their defaults."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    mode = next((m for m in ("machine", "overhead", "engine", "serving", "worker") if getattr(args, m)), "run")
+    allowed = {"run": RUN_ONLY, "worker": RUN_ONLY, "machine": {}, "serving": {},
+               "overhead": {**OVERHEAD_ONLY, "prompt_tokens": 512, "gen_tokens": 128}, "engine": ENGINE_ONLY}[mode]
+    for dest, default in {**RUN_ONLY, **ENGINE_ONLY, **OVERHEAD_ONLY}.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif dest not in allowed:
+            flag = "--" + dest.replace("_", "-")
+            ap.error(f"{flag} does not go with {'a profiled run' if mode == 'run' else '--' + mode}")
+    if mode in ("machine", "serving"):
+        given = [f for f, on in (("--model", args.model != DEFAULT_MODEL), ("--threads", args.threads is not None))
+                 if on]
+        if given:
+            ap.error(f"{given[0]} does not go with --{mode}")
+    return ap, args, mode
 
 
 # ---- inputs ----
@@ -185,15 +246,17 @@ def overhead(model, model_arg: str, prompt_tokens: int, gen_tokens: int, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--engine" in argv or "--serving" in argv or any(a.startswith("--serving=") for a in argv):
-        from .serving_cli import main as cost_main          # the engine's step costs, a serving profile
-        return cost_main(argv)
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    ap, args, mode = parse(argv)
+    if mode in ("engine", "serving"):
+        from .serving_cli import engine_main, serving_main          # the engine's step costs, a serving profile
+        try:
+            return engine_main(args) if mode == "engine" else serving_main(args)
+        except (LumenError, ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     from rich.console import Console
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-    if args.worker:
+    if mode == "worker":
         return worker(args.model, args.prompt_tokens, args.gen_tokens, args.threads)
     if args.prompt_tokens < 1:
         ap.error(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")

@@ -1,4 +1,5 @@
 """`python -m lumen.profile --engine` and `--serving`: the engine's step cost model, and a serving profile's report.
+The command line (one parser for every mode) is lumen/profile/__main__.py; these are its two modes' bodies.
 
     python -m lumen.profile --engine --model M [--threads T] [--max-num-batched-tokens N] [--max-num-seqs S]
                             [--json F] [--plot F.png] [--tiny] [--remeasure]
@@ -11,28 +12,7 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-
-from ..errors import LumenError
-
-
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.profile --engine | --serving FILE",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", action="store_true", help="the engine's measured step costs")
-    ap.add_argument("--serving", metavar="FILE", help="report a serving profile (lumen.serve --profile FILE)")
-    ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", "-t", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--tiny", action="store_true", help="a 5-shape grid (tests)")
-    ap.add_argument("--remeasure", action="store_true", help="measure even when a cached table exists")
-    ap.add_argument("--json", metavar="F")
-    ap.add_argument("--plot", metavar="F.png")
-    return ap
 
 
 def plot_costs(model, path: str, title: str) -> None:
@@ -132,14 +112,3 @@ def plot_serving(rep: dict, path: str) -> None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        if args.serving:
-            return serving_main(args)
-        return engine_main(args)
-    except (LumenError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1

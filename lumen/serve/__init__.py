@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server over the engine: `python -m lumen.serve --model M`.
 
     cli.py        the command line, uvicorn, and the graceful shutdown
-    app.py        the routes: OpenAI JSON in, engine requests out, tokens streamed back
+    app.py        the app: the endpoints' routers and serving objects, the error shape; make_app, load_engine
+    openai/       one module per endpoint: its APIRouter and its serving class (OpenAI JSON in, engine
+                  requests out, tokens streamed back)
     gate.py       ASGI middleware: request id, API key, body bound, one log line per request, 500s
     protocol.py   request bodies (pydantic), their SamplingParams, OpenAI's error shape
     prompts.py    completion prompts and chat templates -> token ids

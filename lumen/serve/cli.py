@@ -95,52 +95,6 @@ def model_id(model: str, served_name: str | None) -> str:
     return model if model in MODELS else Path(model).stem
 
 
-def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
-             max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20,
-             speculative: str | None = None, profile_path: str | None = None):
-    """The FastAPI app over an engine, and its worker (started by the app's lifespan)."""
-    from ..format.chat import chat_template_from_metadata
-    from .app import Settings, build_app
-    from .metrics import Metrics
-    from .prompts import Prompter
-    from .worker import EngineWorker
-    template = chat_template if chat_template is not None else chat_template_from_metadata(engine.parts.gguf.metadata)
-    prompter = Prompter(engine.tokenizer, template, engine.max_model_len)
-    metrics = Metrics(engine, model_name)
-    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics, profile_path=profile_path)
-    settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                        speculative=speculative)
-    return build_app(worker, prompter, metrics, settings), worker
-
-
-def load_engine(model: str, *, threads: int | None, max_model_len: int | None, max_num_seqs: int,
-                max_num_batched_tokens: int, kv_cache_mb: float | None, prefix_caching: bool, chunked_prefill: bool,
-                **engine_kw):
-    """The engine, warmed up (one token through the forward pass). engine_kw: the rest of Engine's options
-    (speculative decoding, the measured-cost scheduler)."""
-    from ..engine.engine import Engine
-    from ..engine.sampling_params import SamplingParams
-    from ..kernels.attention import BLOCK
-    from ..kernels.work import release_threads
-    engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
-                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, **engine_kw)
-    if engine.max_model_len > engine.config.ctx_train:
-        raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
-                         "model was trained on")
-    fits = engine.blocks.n_blocks * BLOCK                # tokens the KV pool holds
-    if fits < engine.max_model_len:
-        if max_model_len is not None:
-            raise LumenError(f"the KV cache holds {fits} tokens, fewer than --max-model-len {max_model_len}; raise "
-                             "--kv-cache-mb or lower --max-model-len")
-        log.warning("max_model_len lowered from %d to %d: the KV cache (--kv-cache-mb) holds no more",
-                    engine.max_model_len, fits)
-        engine.max_model_len = fits
-    engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
-    release_threads()              # the engine thread steps from now on: only its OpenMP pool may exist
-    return engine
-
-
 def _server_class():
     import uvicorn
 
@@ -206,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--slo-ttft-ms and --slo-tpot-ms need --scheduler measured")
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None:
         return _main_ray(ap, args)
+    from .app import load_engine, make_app
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)

@@ -43,6 +43,10 @@ class ShuttingDown(Exception):
     """The server is draining and takes no new requests."""
 
 
+class TooManyRequests(ValueError):
+    """One submission asks for more engine requests (prompts x n) than the waiting queue could ever hold."""
+
+
 class Submission:
     """The engine requests of one HTTP request and the queue their outputs arrive on, in step order."""
 
@@ -137,13 +141,13 @@ class EngineWorker:
 
     # ---- requests (called on the event loop)
     def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
-        """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, ValueError for more
-        requests than the queue could ever hold, or the engine's ValueError (RequestError, ContextError,
+        """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, TooManyRequests for
+        more requests than the queue could ever hold, or the engine's ValueError (RequestError, ContextError,
         SamplerError) for a request it cannot serve; then nothing of this submission stays queued."""
         if self.draining:
             raise ShuttingDown(SHUTDOWN)
         if len(prompts) > self.max_queue:
-            raise ValueError(f"the request asks for {len(prompts)} completions (prompts x n); the server queues at "
+            raise TooManyRequests(f"the request asks for {len(prompts)} completions (prompts x n); the server queues at "
                              f"most {self.max_queue}")
         if self.engine.num_waiting + len(prompts) > self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); try again later")

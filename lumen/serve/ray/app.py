@@ -72,7 +72,7 @@ def build(model: str, *, model_name: str, engine_kw: dict, threads: int, replica
           min_replicas: int | None = None, max_replicas: int | None = None, router: str = "prefix",
           imbalance: int | None = None, max_queue: int = 256, settings: dict | None = None,
           chat_template: str | None = None, shutdown_timeout: float = 30.0, health_check_period_s: float = 2.0):
-    """The application. engine_kw: cli.load_engine's options but threads (each replica runs `threads`, and asks
+    """The application. engine_kw: app.load_engine's options but threads (each replica runs `threads`, and asks
     Ray for as many CPUs). min_replicas/max_replicas: Ray Serve's autoscaling bounds (replicas: the initial
     count). router: "prefix" (lumen.serve.ray.router) or "pow2" (Ray's power of two choices)."""
     max_num_seqs = engine_kw.get("max_num_seqs", 16)

@@ -22,7 +22,7 @@ from ...engine.engine import RequestError
 from ...engine.sampler import SamplerError
 from ...engine.sequence import RequestMetrics, RequestOutput
 from ...errors import ContextError
-from ..worker import SHUTDOWN, QueueFull, ShuttingDown, Submission
+from ..worker import SHUTDOWN, QueueFull, ShuttingDown, Submission, TooManyRequests
 
 log = logging.getLogger("lumen.serve")
 REPLICA_FAILED = "the replica serving this request failed; try again"
@@ -47,14 +47,14 @@ class Failed:
     message: str
 
 
-REFUSALS = {"queue_full": QueueFull, "shutting_down": ShuttingDown, "sampler": SamplerError,
-            "context": ContextError, "request": RequestError, "value": ValueError}
+REFUSALS = {"queue_full": QueueFull, "shutting_down": ShuttingDown, "too_many": TooManyRequests,
+            "sampler": SamplerError, "context": ContextError, "request": RequestError, "value": ValueError}
 
 
 def refusal(e: Exception) -> str:
     """The name under which a replica's refusal travels (the most specific class first)."""
-    for kind, cls in (("queue_full", QueueFull), ("shutting_down", ShuttingDown), ("sampler", SamplerError),
-                      ("context", ContextError), ("request", RequestError)):
+    for kind, cls in (("queue_full", QueueFull), ("shutting_down", ShuttingDown), ("too_many", TooManyRequests),
+                      ("sampler", SamplerError), ("context", ContextError), ("request", RequestError)):
         if isinstance(e, cls):
             return kind
     return "value"

@@ -26,11 +26,11 @@ NAME_BYTES = 8                     # a cached block's name as reported to the ro
 
 
 class EngineReplica:
-    """Ray Serve builds one per replica (serve.deployment(EngineReplica)); engine_kw go to cli.load_engine."""
+    """Ray Serve builds one per replica (serve.deployment(EngineReplica)); engine_kw go to app.load_engine."""
 
     async def __init__(self, model: str, model_name: str, engine_kw: dict, max_queue: int):
         from ray import serve
-        from ..cli import load_engine
+        from ..app import load_engine
         from ..metrics import Metrics
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else f"pid{os.getpid()}"

@@ -1,0 +1,177 @@
+"""What the endpoints share. `Serving` holds the served model's name and limits, the worker and the prompter;
+`Generation` (the completions and chat endpoints) submits engine requests to the worker and answers from their
+outputs: one loop for a whole response, one for a stream (SSE, ending with `data: [DONE]`).
+
+Every error a client caused is a protocol.ApiError (its status and the parameter it names); the app turns it
+into OpenAI's error body (lumen/serve/app.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ...engine.engine import RequestError
+from ...engine.sampler import SamplerError
+from ...errors import ContextError
+from .. import protocol as P
+from ..prompts import Prompter
+from ..responses import DONE, Reply, sse
+from ..worker import QueueFull, ShuttingDown, TooManyRequests
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Settings:
+    model_id: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 2 ** 20
+    max_n: int = 64                           # choices per request
+    speculative: str | None = None            # the default speculative decoding of requests that do not say
+
+
+def request_id(request: Request) -> str:
+    """The request's id: the Gate's (X-Request-Id, lumen/serve/gate.py), or a new one where no Gate runs."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request.state.request_id = uuid.uuid4().hex
+    return rid
+
+
+class Serving:
+    """What every endpoint knows: the settings, the worker (an EngineWorker, or a RemoteWorker over Ray), its
+    engine (or a stand-in with the engine's tokenizer, config, parts and max_model_len) and the prompter."""
+
+    def __init__(self, worker, prompter: Prompter, settings: Settings):
+        self.worker, self.prompter, self.settings = worker, prompter, settings
+        self.engine = worker.engine
+
+    def check_model(self, name: str | None) -> None:
+        """A request that names a model must name the served one."""
+        if name is not None and name != self.settings.model_id:
+            raise P.ApiError(404, f"the model {name!r} does not exist (this server serves "
+                                  f"{self.settings.model_id!r})", "model")
+
+
+class Generation(Serving):
+    """The completions and chat endpoints: their requests go to the worker, their outputs come back as a whole
+    response or a stream."""
+
+    kind = ""                                 # "completion" or "chat" (responses.Reply's kinds)
+    id_prefix = ""                            # of the response id: cmpl-<request id>, chatcmpl-<request id>
+    prompt_param = ""                         # the parameter a refused prompt is blamed on
+
+    async def respond(self, request: Request, req, prompts: list[list[int]], params: list,
+                      echo: list[str] | None = None):
+        """Answer `req` (its prompts' token ids, one SamplingParams per choice): every prompt x choice is one
+        engine request; streamed (req.stream) or whole."""
+        reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
+                      int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
+                      return_token_ids=req.return_token_ids, echo=echo)
+        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts))
+        index = {r: i for i, r in enumerate(sub.request_ids)}
+        if req.stream:
+            return StreamingResponse(self.stream(request, reply, sub, index, req.include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        worker = self.worker
+        watcher = asyncio.create_task(_disconnected(request))
+        watcher.add_done_callback(lambda t: t.cancelled() or worker.abort(sub))
+        try:
+            async for out in worker.outputs(sub):
+                if out.finished:
+                    reply.finals[index[out.request_id]] = out
+        finally:
+            watcher.cancel()
+            worker.abort(sub)                     # a no-op once all finished
+        fail = failure(sub, reply.finals.values())
+        if fail is not None:
+            raise P.ApiError(*fail)
+        request.state.usage = reply.usage()
+        response = JSONResponse(reply.body())
+        for out in reply.finals.values():         # a non-streamed reply sends every token with the response
+            worker.sent(replace(out, delta_token_ids=out.token_ids))
+        return response
+
+    def blamed(self, e: SamplerError, params: list) -> str | None:
+        """The parameter a SamplerError from the engine's request check is about: its own `param` if it names one,
+        else the one holding token ids outside the vocabulary (the only parameters the engine checks against
+        the model rather than on their own)."""
+        if getattr(e, "param", None) is not None:
+            return e.param
+        V = self.engine.config.n_vocab
+        for name in ("stop_token_ids", "logit_bias"):
+            if any(t >= V for sp in params for t in getattr(sp, name)):
+                return name
+        return None
+
+    async def submit(self, prompts: list[list[int]], params: list):
+        """The worker's submission of these engine requests; its refusals as ApiErrors."""
+        try:
+            sub = self.worker.submit(prompts, params)     # a remote worker's submit is awaited: it answers once
+            return await sub if inspect.isawaitable(sub) else sub     # a replica took it (lumen.serve.ray.remote)
+        except ShuttingDown as e:
+            raise P.ApiError(503, str(e)) from None
+        except QueueFull as e:
+            raise P.ApiError(429, str(e)) from None
+        except TooManyRequests as e:              # prompts x n beyond what the queue could ever hold
+            raise P.ApiError(400, str(e), "n") from None
+        except SamplerError as e:                 # token ids in the params outside the vocabulary
+            raise P.ApiError(400, str(e), self.blamed(e, params)) from None
+        except (ContextError, RequestError) as e:     # the prompt: too long, empty, ids outside the vocabulary
+            raise P.ApiError(400, str(e), self.prompt_param) from None
+        except ValueError as e:                   # any other request the engine refuses
+            raise P.ApiError(400, str(e)) from None
+
+    async def stream(self, request: Request, reply: Reply, sub, index: dict, include_usage: bool):
+        """The SSE events of a streamed answer: the opening chunks, one chunk per output that adds something, the
+        usage chunk if asked for, then [DONE]; an error event instead when the submission fails."""
+        worker, finished = self.worker, False
+        try:
+            for chunk in reply.opening(include_usage):
+                yield sse(chunk)
+            async for out in worker.outputs(sub):
+                fail = failure(sub, [out] if out.finished else [])
+                if fail is not None:
+                    yield sse(P.error_body(*fail))
+                    break
+                chunk = reply.chunk(index[out.request_id], out, include_usage)
+                if chunk is not None:
+                    yield sse(chunk)
+                worker.sent(out)
+            else:
+                request.state.usage = reply.usage()
+                if include_usage:
+                    yield sse(reply.usage_chunk())
+            yield DONE
+            finished = True
+        finally:
+            if not finished or sub.open:
+                worker.abort(sub)
+
+
+def failure(sub, finals) -> tuple[int, str] | None:
+    """(status, message) when the submission did not end normally: the server ended it, or the engine failed
+    one of its requests."""
+    if sub.failure is not None:
+        return sub.failure
+    for out in finals:
+        if out.finish_reason == "error":
+            return 500, f"internal error: {out.error}"
+        if out.finish_reason == "abort":          # nobody but a gone client's watcher aborts without a failure
+            return 499, "the client disconnected"
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: the next message is the disconnect)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:                                # noqa: BLE001 - a broken connection is a gone client
+        pass

@@ -1,0 +1,60 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes (`prompt` or `messages`; `prompt` back) and llama-server's
+(`content`, `with_pieces`; `content` back)."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from .. import protocol as P
+from .serving import Serving
+
+router = APIRouter()
+
+
+class ServingTokenize(Serving):
+
+    async def tokenize(self, req: P.TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
+        if req.messages is not None:
+            text = self.prompter.render(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:                                    # vLLM: special tokens added by default
+            text, add = req.prompt, add is not False
+        elif req.content is not None:                                   # llama-server: not by default
+            text, add = req.content, bool(add)
+        else:
+            raise P.ApiError(400, "give prompt, content or messages", "prompt")
+        ids = await asyncio.to_thread(self.prompter.encode, text, add_special=add is not False)
+        tokens = ids
+        if req.with_pieces:
+            tokens = []
+            for i in ids:
+                b = self.engine.tokenizer.token_bytes(i, special=True)
+                try:
+                    piece = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(b)
+                tokens.append({"id": i, "piece": piece})
+        return {"tokens": tokens, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, req: P.DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        V = self.engine.config.n_vocab
+        bad = [t for t in req.tokens if not 0 <= t < V]
+        if bad:
+            raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{V - 1})", "tokens")
+        text = self.engine.tokenizer.decode(req.tokens, special=True)
+        return {"prompt": text, "content": text}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    serving: ServingTokenize = request.app.state.tokenize
+    return await serving.tokenize(P.parse(await request.body(), P.TokenizeRequest))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    serving: ServingTokenize = request.app.state.tokenize
+    return serving.detokenize(P.parse(await request.body(), P.DetokenizeRequest))

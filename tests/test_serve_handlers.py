@@ -1,0 +1,175 @@
+"""The server's endpoints one at a time, without the app, the engine or a model: each serving class of
+lumen/serve/openai/ is built over a byte tokenizer and a scripted worker, and called directly or through its own
+router alone (lumen/serve/app.py's error handlers, no Gate, no other route)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from lumen.engine.sampler import SamplerError
+from lumen.engine.sequence import RequestMetrics, RequestOutput
+from lumen.serve import protocol as P
+from lumen.serve.app import add_error_handlers
+from lumen.serve.openai import completions, health, models, tokenize
+from lumen.serve.openai.serving import Settings
+from lumen.serve.prompts import Prompter
+from lumen.serve.worker import QueueFull, Submission, TooManyRequests
+
+BOS, EOS = 256, 257
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 and 257 are BOS and EOS."""
+    n_vocab, bos_id, eos_id, add_bos_default = 258, BOS, EOS, True
+
+    def token_bytes(self, i: int, special: bool = False) -> bytes:
+        return bytes([i]) if i < 256 else (b"<s>", b"</s>")[i - 256]
+
+    def token_text(self, i: int) -> str:
+        return self.token_bytes(i).decode()
+
+    def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        return [BOS] * add_bos + list(text.encode())
+
+    def decode(self, ids, special: bool = False) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class ScriptedWorker:
+    """Answers every engine request with REPLY, one output per token; or refuses with `refuse`."""
+    REPLY = b"ok!"
+
+    def __init__(self, refuse: Exception | None = None):
+        tok = ByteTokenizer()
+        self.engine = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(n_vocab=tok.n_vocab), max_model_len=64,
+                                      parts=SimpleNamespace(path="/models/bytes.gguf"))
+        self.refuse, self.draining = refuse, False
+        self.submitted, self.sent_outs, self.aborted = [], [], 0
+
+    def submit(self, prompts, params) -> Submission:
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append((prompts, params))
+        sub = Submission([f"r{i}" for i in range(len(prompts))])
+        for rid, prompt in zip(sub.request_ids, prompts):
+            ids = list(self.REPLY)
+            for k in range(1, len(ids) + 1):
+                done = k == len(ids)
+                sub.queue.put_nowait(RequestOutput(
+                    rid, prompt, ids[:k], self.REPLY[:k].decode(), done, "length" if done else None,
+                    RequestMetrics(prompt_tokens=len(prompt)), delta_token_ids=[ids[k - 1]],
+                    delta_text=chr(ids[k - 1])))
+        return sub
+
+    async def outputs(self, sub):
+        while sub.open:
+            out = await sub.queue.get()
+            if out.finished:
+                sub.open.discard(out.request_id)
+            yield out
+
+    def abort(self, sub):
+        self.aborted += 1
+
+    def sent(self, out):
+        self.sent_outs.append(out)
+
+
+SETTINGS = Settings(model_id="bytes")
+
+
+def prompter(worker) -> Prompter:
+    return Prompter(worker.engine.tokenizer, None, worker.engine.max_model_len)
+
+
+def completion_client(worker) -> TestClient:
+    """The completions router alone, with its serving object."""
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(completions.router)
+    app.state.completion = completions.ServingCompletion(worker, prompter(worker), SETTINGS)
+    return TestClient(app)
+
+
+def test_tokenize_handler_alone():
+    worker = ScriptedWorker()
+    t = tokenize.ServingTokenize(worker, prompter(worker), SETTINGS)
+    got = asyncio.run(t.tokenize(P.TokenizeRequest(prompt="hi")))
+    assert got == {"tokens": [BOS, ord("h"), ord("i")], "count": 3, "max_model_len": 64}
+    got = asyncio.run(t.tokenize(P.TokenizeRequest(content="hi", with_pieces=True)))      # llama-server: no BOS
+    assert got["tokens"] == [{"id": ord("h"), "piece": "h"}, {"id": ord("i"), "piece": "i"}]
+    assert t.detokenize(P.DetokenizeRequest(tokens=[BOS, 104, 105])) == {"prompt": "<s>hi", "content": "<s>hi"}
+    with pytest.raises(P.ApiError) as e:
+        t.detokenize(P.DetokenizeRequest(tokens=[104, 258]))
+    assert (e.value.status, e.value.param) == (400, "tokens")
+    with pytest.raises(P.ApiError) as e:
+        t.detokenize(P.DetokenizeRequest(model="other", tokens=[1]))
+    assert (e.value.status, e.value.param) == (404, "model")
+    with pytest.raises(P.ApiError) as e:
+        asyncio.run(t.tokenize(P.TokenizeRequest()))
+    assert (e.value.status, e.value.param) == (400, "prompt")
+
+
+def test_models_and_health_handlers_alone():
+    worker = ScriptedWorker()
+    m = models.ServingModels(worker, prompter(worker), SETTINGS)
+    assert [c["id"] for c in m.listing()["data"]] == ["bytes"] and m.get("bytes")["root"] == "/models/bytes.gguf"
+    with pytest.raises(P.ApiError) as e:
+        m.get("other")
+    assert e.value.status == 404
+    h = health.ServingHealth(worker, SimpleNamespace(render=lambda: b"lumen:x 1\n"))
+    assert h.health() == {"status": "ok"} and h.render_metrics().body == b"lumen:x 1\n"
+    worker.draining = True
+    assert h.health().status_code == 503
+
+
+def test_completion_router_alone_whole_and_streamed():
+    worker = ScriptedWorker()
+    with completion_client(worker) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "n": 2, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [ch["text"] for ch in body["choices"]] == ["ok!", "ok!"] and body["id"].startswith("cmpl-")
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+        (prompts, params), = worker.submitted
+        assert prompts == [[BOS, ord("H"), ord("i")]] * 2 and [p.max_tokens for p in params] == [3, 3]
+        assert [o.delta_token_ids for o in worker.sent_outs] == [list(b"ok!")] * 2   # all at once, whole
+
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "stream": True,
+                                            "stream_options": {"include_usage": True}})
+        assert r.headers["content-type"].startswith("text/event-stream") and r.headers["cache-control"] == "no-cache"
+        lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        events = [json.loads(x) for x in lines[:-1]]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "ok!"
+        assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("refusal, status, param", [
+    (QueueFull("the waiting queue is full"), 429, None),
+    (TooManyRequests("too many"), 400, "n"),
+    (SamplerError("logit_bias holds token ids outside the vocabulary (0..257), got [999]"), 400, "logit_bias"),
+])
+def test_completion_refusals_name_their_parameter(refusal, status, param):
+    """A worker's refusal becomes the status and the parameter, whatever its message says."""
+    with completion_client(ScriptedWorker(refuse=refusal)) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "logit_bias": {"999": 1}})
+    assert r.status_code == status
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == str(refusal)
+    assert ("retry-after" in r.headers) == (status == 429)
+
+
+def test_sampler_error_blames_the_parameter_not_the_message():
+    """The parameter comes from the request's values, not from parsing the message."""
+    worker = ScriptedWorker(refuse=SamplerError("something the engine said"))
+    with completion_client(worker) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [5000]})
+        assert r.json()["error"]["param"] == "stop_token_ids"
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] is None
