@@ -35,8 +35,8 @@ SUMMARY = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| prefill [\d.]+ tok/s 
 # argv = model, prompt, max_tokens; prints the token ids, their texts and the stop reason as JSON.
 API_GREEDY = r"""
 import json, sys, lumen
-from lumen.engine.llm import GenStats
-model, stats = lumen.load(sys.argv[1]), GenStats()
+from lumen.engine.sequence import RequestMetrics
+model, stats = lumen.load(sys.argv[1]), RequestMetrics()
 toks = list(model.generate(sys.argv[2], max_tokens=int(sys.argv[3]), temperature=0, stats=stats))
 print(json.dumps({"ids": [t.id for t in toks], "texts": [t.text for t in toks], "reason": stats.stop_reason,
                   "prompt_tokens": stats.prompt_tokens, "generated": stats.gen_tokens}))

@@ -36,7 +36,6 @@ class Token(NamedTuple):
     text: str
 
 
-GenStats = RequestMetrics      # the one metrics type; generate(stats=RequestMetrics()) fills it (the old name)
 
 
 class Model:
