@@ -4,6 +4,7 @@ stopping and detokenizing happen in the engine, so the server answers what `Mode
     POST /v1/completions, /v1/chat/completions     streamed (SSE, ending with `data: [DONE]`) or not
     POST /tokenize, /detokenize                    vLLM's and llama-server's shapes
     GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /, /dashboard (+ /dashboard/data, /ui/*)   the chat page and the live dashboard (lumen.serve.ui)
 
 Every request passes the Gate first (lumen.serve.gate: request id, API key, body bound, log line, 500s).
 """
@@ -28,6 +29,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .prompts import Prompter
 from .gate import Gate
 from .responses import DONE, Reply, sse
+from .ui import PAGES, StepTap, ui_router
 from .worker import EngineWorker, QueueFull, ShuttingDown
 
 log = logging.getLogger("lumen.serve")
@@ -41,6 +43,7 @@ class Settings:
     max_body_bytes: int = 16 * 2 ** 20
     max_n: int = 64                           # choices per request
     speculative: str | None = None            # the default speculative decoding of requests that do not say
+    ui: bool = False                          # the chat page and the dashboard (lumen.serve.ui); cli: unless --no-ui
 
 
 def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settings: Settings) -> FastAPI:
@@ -226,7 +229,12 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
     async def metrics_():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    if settings.ui:                               # GET /, /dashboard, /dashboard/data, /ui/* (lumen.serve.ui)
+        worker.tap = StepTap()
+        app.include_router(ui_router(metrics.registry, worker.tap, model_id=settings.model_id,
+                                     max_model_len=engine.max_model_len, speculative=settings.speculative))
+    app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       open_paths=PAGES if settings.ui else ())
     return app
 
 
