@@ -18,6 +18,7 @@ function addMessage(role, text) {
   body.textContent = text || "";
   const stats = document.createElement("div");
   stats.className = "stats";
+  stats.title = "measured in this page: TTFT from sending the request to the first token's arrival";
   div.append(who, body, stats);
   $("messages").append(div);
   div.scrollIntoView({block: "end"});
@@ -67,9 +68,7 @@ function statsLine(s) {
   return parts.join(" | ");
 }
 
-async function reply() {
-  let fmt;
-  try { fmt = responseFormat(); } catch (e) { return; }
+async function reply(fmt) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({role: "system", content: system});
@@ -147,20 +146,24 @@ function send(ev) {
   ev.preventDefault();
   const text = $("input").value;
   if (!text.trim() || controller) return;
+  let fmt;
+  try { fmt = responseFormat(); } catch (e) { return; }      // the message stays in the box
   $("input").value = "";
   history.push({role: "user", content: text});
   addMessage("user", text);
-  reply();
+  reply(fmt);
 }
 
 function regenerate() {
   if (controller) return;
   const last = history.length - 1;
   if (last < 0 || history[last].role !== "assistant") return;
+  let fmt;
+  try { fmt = responseFormat(); } catch (e) { return; }
   history.pop();
   const msgs = $("messages").querySelectorAll(".msg.assistant");
   msgs[msgs.length - 1].remove();
-  reply();
+  reply(fmt);
 }
 
 async function init() {

@@ -24,9 +24,15 @@ function ensureCharts() {
   charts.tps = makeChart("chart-tps", [{label: "tok/s", stroke: "#2a6fdb", width: 2}], true);
   charts.reqs = makeChart("chart-reqs", [{label: "running", stroke: "#1b9e4b", width: 2},
                                          {label: "waiting", stroke: "#d9480f", width: 2}], true);
-  charts.steps = makeChart("chart-steps", [
-    {label: "tokens", stroke: "#2a6fdb", points: {show: true}, paths: () => null},
-    {label: "sequences", stroke: "#7b2ad9", points: {show: true}, paths: () => null}], true);
+  const dots = (label, stroke) => ({label, stroke, points: {show: true, size: 5}, paths: () => null});
+  charts.steps = makeChart("chart-steps", [dots("decode tokens", "#2a6fdb"), dots("prefill/mixed tokens", "#d9480f"),
+                                           dots("sequences", "#7b2ad9")], true);
+  charts.wall = makeChart("chart-wall", [dots("decode", "#2a6fdb"), dots("prefill/mixed", "#d9480f")], true);
+}
+
+/* a column per phase: the value where the step is of that phase, else null (no point) */
+function byPhase(recent, decode, key) {
+  return recent.map((s) => ((s.phase === "decode") === decode ? s[key] : null));
 }
 
 function renderSplit(steps) {
@@ -81,15 +87,17 @@ function render(d) {
   }
   $("window").textContent = `latency percentiles, prefix hits and acceptance over the last ${d.window_s} s ` +
     `(${d.ttft_ms.count} first tokens, ${d.itl_ms.count} inter-token gaps of finished requests)`;
-  const t = d.time;
-  series.t.push(t); series.tps.push(d.output_tps); series.running.push(d.running); series.waiting.push(d.waiting);
-  while (series.t.length && series.t[0] < t - KEEP_S) for (const k in series) series[k].shift();
+  const now = d.time;
+  series.t.push(now); series.tps.push(d.output_tps); series.running.push(d.running); series.waiting.push(d.waiting);
+  while (series.t.length && series.t[0] < now - KEEP_S) for (const k in series) series[k].shift();
   ensureCharts();
   if (charts.tps) {
     charts.tps.setData([series.t, series.tps]);
     charts.reqs.setData([series.t, series.running, series.waiting]);
     const r = d.steps.recent;
-    charts.steps.setData([r.map((s) => s.t), r.map((s) => s.tokens), r.map((s) => s.seqs)]);
+    const t = r.map((s) => s.t);
+    charts.steps.setData([t, byPhase(r, true, "tokens"), byPhase(r, false, "tokens"), r.map((s) => s.seqs)]);
+    charts.wall.setData([t, byPhase(r, true, "wall_ms"), byPhase(r, false, "wall_ms")]);
   }
   renderSplit(d.steps);
   document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
