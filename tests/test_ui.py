@@ -78,6 +78,37 @@ def test_tap_records_only_while_a_dashboard_looks():
     assert not active().enabled                                   # the thread's profiler is back to NULL
 
 
+def test_recorder_folds_real_steps_draft_apart(smollm2_path):
+    """Engine steps under the tap: every step recorded with its shape, its op groups covering its wall time, the
+    weights' matmuls (and the head's, and the draft's) most of a decode step, and a draft model's forward passes counted as "draft"."""
+    import lumen
+    from lumen.engine.engine import Engine
+    from lumen.engine.sampling import SamplingParams
+    from lumen.serve.ui.steps import GROUPS, StepTap
+    model = lumen.load(smollm2_path, ctx=256, threads=2)
+    eng = Engine(model, threads=2, max_model_len=256, max_num_seqs=4, kv_cache_mb=8, draft_model=model,
+                 adaptive_k=False, num_speculative_tokens=3)
+    tap = StepTap()
+    tap.look()
+    for i in range(3):
+        eng.add_request(f"Count to twenty: one, two, three, {i}", SamplingParams(max_tokens=12, temperature=0,
+                                                                              speculative="draft" if i else None))
+    steps = 0
+    while eng.has_unfinished():
+        tap.step(eng)
+        steps += 1
+    recs = tap.recent()
+    assert 0 < len(recs) <= steps and recs[0].phase == "prefill" and recs[0].n_seqs == 3
+    g = {name: i for i, name in enumerate(GROUPS)}
+    for r in recs:
+        assert 0.9 * r.wall_s <= sum(r.split) <= 1.001 * r.wall_s, r
+    decode = [r for r in recs if r.phase == "decode"]
+    assert decode and all(r.split[g["matmul"]] + r.split[g["head"]] + r.split[g["draft"]] >= 0.5 * r.wall_s
+                          for r in decode)
+    assert any(r.split[g["draft"]] > 0 for r in decode)      # the draft's forwards, not the target's matmuls
+    assert all(r.split[g["draft"]] == 0 for r in recs[:1])
+
+
 # ---- the browser
 def _chromium() -> Path:
     if CHROMIUM.exists():

@@ -174,7 +174,7 @@ async function init() {
   }
   $("composer").addEventListener("submit", send);
   $("input").addEventListener("keydown", (ev) => {
-    if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("composer").requestSubmit(); }
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); $("composer").requestSubmit(); }
   });
   $("stop").addEventListener("click", () => controller && controller.abort());
   $("regenerate").addEventListener("click", regenerate);

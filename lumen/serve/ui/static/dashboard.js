@@ -115,4 +115,11 @@ async function poll() {
   setTimeout(poll, 1000);
 }
 
+window.addEventListener("resize", () => {
+  for (const [name, chart] of Object.entries(charts)) {
+    const el = $("chart-" + name);
+    chart.setSize({width: Math.max(300, el.clientWidth || 420), height: 180});
+  }
+});
+
 poll();
