@@ -5,7 +5,8 @@ concurrency 16 with the dashboard closed, polled by a bare client, and open in h
 
 One server (python -m lumen.serve, SmolLM2, 2 threads, max_num_seqs 16) for every run; the conditions run
 interleaved after a warm-up run, and each run is `python -m lumen.bench serve` (all prompts at once, at most 16
-in flight, --ignore-eos so every request makes --output-len tokens). The browser runs on this machine too, so
+in flight, --ignore-eos so every request makes --output-len tokens), in an order rotated each repetition, each
+after 6 s idle. The browser runs on this machine too, so
 the "browser" condition also pays its rendering.
 """
 from __future__ import annotations
@@ -100,8 +101,10 @@ def main() -> None:
                   f"min {min(v):.0f}, max {max(v):.0f} ({len(v)} loads)", flush=True)
         bench(url, args, "warm-up")
         tps: dict[str, list[float]] = {"closed": [], "poller": [], "browser": []}
+        conds = list(tps)
         for rep in range(args.reps):
-            for cond in tps:
+            for cond in conds[rep % 3:] + conds[:rep % 3]:      # each condition first, second and third in turn
+                time.sleep(6)                      # idle past the tap's hold (5 s) since the last poll, every time
                 stop = threading.Event()
                 helper, ctx = None, None
                 if cond == "poller":
@@ -112,8 +115,6 @@ def main() -> None:
                     page = ctx.new_page()
                     page.goto(url + "/dashboard")
                     page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
-                else:
-                    time.sleep(6)                  # past the tap's hold (5 s) since the last poll
                 v = bench(url, args, cond)
                 stop.set()
                 if helper is not None:
