@@ -54,9 +54,9 @@ def bench(url: str, args, label: str) -> float:
     raise KeyError(f"no output throughput in {sorted(res)}")
 
 
-def poller(url: str, stop: threading.Event) -> None:
+def poller(url: str, stop: threading.Event, path: str = "/dashboard/data") -> None:
     while not stop.wait(1.0):
-        httpx.get(url + "/dashboard/data", timeout=10)
+        httpx.get(url + path, timeout=10)
 
 
 def main() -> None:
@@ -100,15 +100,16 @@ def main() -> None:
             print(f"first contentful paint {path}: median {statistics.median(v):.0f} ms, "
                   f"min {min(v):.0f}, max {max(v):.0f} ({len(v)} loads)", flush=True)
         bench(url, args, "warm-up")
-        tps: dict[str, list[float]] = {"closed": [], "poller": [], "browser": []}
+        tps: dict[str, list[float]] = {"closed": [], "poller": [], "browser": [], "metrics": []}
         conds = list(tps)
         for rep in range(args.reps):
-            for cond in conds[rep % 3:] + conds[:rep % 3]:      # each condition first, second and third in turn
+            for cond in conds[rep % len(conds):] + conds[:rep % len(conds)]:      # each condition first, second and third in turn
                 time.sleep(6)                      # idle past the tap's hold (5 s) since the last poll, every time
                 stop = threading.Event()
                 helper, ctx = None, None
-                if cond == "poller":
-                    helper = threading.Thread(target=poller, args=(url, stop), daemon=True)
+                if cond in ("poller", "metrics"):          # metrics: GET /metrics instead (no step recording)
+                    path = "/metrics" if cond == "metrics" else "/dashboard/data"
+                    helper = threading.Thread(target=poller, args=(url, stop, path), daemon=True)
                     helper.start()
                 elif cond == "browser":
                     ctx = browser.new_context(viewport={"width": 1280, "height": 900})
