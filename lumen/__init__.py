@@ -21,7 +21,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "active")
 use_compile_cache()
 
 from .errors import ContextError, FetchError, GGUFError, LumenError, UnsupportedError
-from .paths import compile_cache_dir as _compile_cache_dir  # engine/costs.py's old import: removed at merge
 
 __all__ = ["load", "profile", "Model", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "LumenError",
            "GGUFError", "UnsupportedError", "FetchError", "ContextError"]

@@ -29,6 +29,7 @@ def no_llama_run(smollm2_path, tmp_path_factory):
     return r, json.loads(out.read_text()) if out.exists() else None
 
 
+@pytest.mark.slow
 def test_rows_printed(no_llama_run):
     r, _ = no_llama_run
     assert r.returncode == 0, r.stderr

@@ -11,6 +11,7 @@ import pytest
 from lumen.bench import spec
 
 
+@pytest.mark.slow
 def test_one_run_per_kind(smollm2_path, tmp_path):
     out = tmp_path / "spec.json"
     r = subprocess.run([sys.executable, "-m", "lumen.bench", "spec", "-m", str(smollm2_path), "-n", "24", "-r", "1",

@@ -35,8 +35,8 @@ SUMMARY = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| prefill [\d.]+ tok/s 
 # argv = model, prompt, max_tokens; prints the token ids, their texts and the stop reason as JSON.
 API_GREEDY = r"""
 import json, sys, lumen
-from lumen.engine.llm import GenStats
-model, stats = lumen.load(sys.argv[1]), GenStats()
+from lumen.engine.sequence import RequestMetrics
+model, stats = lumen.load(sys.argv[1]), RequestMetrics()
 toks = list(model.generate(sys.argv[2], max_tokens=int(sys.argv[3]), temperature=0, stats=stats))
 print(json.dumps({"ids": [t.id for t in toks], "texts": [t.text for t in toks], "reason": stats.stop_reason,
                   "prompt_tokens": stats.prompt_tokens, "generated": stats.gen_tokens}))
@@ -167,6 +167,7 @@ def test_chat_uses_the_template(smollm2_path, tokenizer):
         "the prompt that ran is not the rendered chat template"
 
 
+@pytest.mark.slow
 def test_chat_without_template_falls_back(synth_model):
     chat = generate(synth_model, "--chat", "--prompt", "the cat", "-n", 6)
     assert chat.returncode == 0, chat.stderr
@@ -189,6 +190,7 @@ def stop_across_tokens(texts: list[str]) -> str:
     return texts[j][-1] + texts[j + 1][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pick", [stop_inside_a_token, stop_across_tokens], ids=["inside-a-token", "across-tokens"])
 def test_stop_cuts_before_the_stop_string(smollm2_path, greedy_api, greedy_text, pick):
     """A stop string taken from Lumen's own greedy output: the output ends just before its first occurrence."""
@@ -198,6 +200,7 @@ def test_stop_cuts_before_the_stop_string(smollm2_path, greedy_api, greedy_text,
     assert summary(r)[3] == "stop"
 
 
+@pytest.mark.slow
 def test_stop_escapes(smollm2_path, greedy_api, greedy_text):
     r"""--stop written with escapes (`\n\n` as the README's example when the output has a blank line, else \xHH)
     stops where the text itself does; --no-escape takes the backslashes literally, so it never stops."""
@@ -216,6 +219,7 @@ def test_stop_escapes(smollm2_path, greedy_api, greedy_text):
     ([], r"The capital of\nFrance is", r"The capital of\nFrance is", False),
     (["--chat", "--system", r"Be brief.\tThanks.", "--prompt", r"Hi\x21"], "", ("Be brief.\tThanks.", "Hi!"), True),
 ], ids=["prompt", "prompt-no-escape", "stdin-as-is", "chat-system"])
+@pytest.mark.slow
 def test_prompt_escapes(smollm2_path, tokenizer, args, stdin, prompt, chat):
     """The prompt that runs (counted in tokens) is the text with its escapes processed; stdin is taken as is."""
     tok = tokenizer.tokenizer
@@ -260,6 +264,7 @@ def test_help_documents_escapes():
         assert word in text
 
 
+@pytest.mark.slow
 def test_eos_ends_generation(tmp_path):
     """A synthetic model whose end-of-turn token is the one greedy decoding picks at step k: generation stops there
     with reason eos, and the stream is the text of the k tokens before it."""
@@ -278,6 +283,7 @@ def test_eos_ends_generation(tmp_path):
     assert r.stdout == "".join(api["texts"]) + "\n"
 
 
+@pytest.mark.slow
 def test_seed_makes_sampling_reproducible(smollm2_path):
     def sample(seed):
         r = generate(smollm2_path, "--prompt", "Once upon a time", "-n", 12, "--temperature", 0.9, "--seed", seed)
@@ -361,6 +367,7 @@ def test_ctx_beyond_training_is_refused(smollm2_path):
                                      "past that is unreliable); pass --force-ctx to use it anyway"]
 
 
+@pytest.mark.slow
 def test_ctx_beyond_training_when_forced(synth_model):
     assert summary(generate(synth_model, "--prompt", "the cat", "-n", 2, "--ctx", 256))
     r = generate(synth_model, "--prompt", "the cat", "-n", 2, "--ctx", 300)
@@ -412,6 +419,7 @@ def corrupt_empty(tmp_path, smollm2_path):
     (["--model", corrupt_empty], "error: {model}: not a GGUF file (only 0 bytes)"),
 ], ids=["max-tokens", "temperature", "top-p", "ctx", "threads", "unknown-name", "missing-path", "corrupt-random",
         "corrupt-truncated", "corrupt-empty"])
+@pytest.mark.slow
 def test_bad_arguments(smollm2_path, tmp_path, args, message):
     model = str(smollm2_path)
     if callable(args[-1]):
@@ -498,6 +506,7 @@ def test_perplexity_bad_ctx(tmp_path):
     assert r.returncode == 2 and "error: --ctx must be at least 4" in r.stderr
 
 
+@pytest.mark.slow
 def test_perplexity_ctx_2(smollm2_path, tmp_path):
     """--ctx 2 leaves nothing to score in the second half of a chunk: refused up front, no traceback."""
     short = tmp_path / "short.txt"
@@ -508,6 +517,7 @@ def test_perplexity_ctx_2(smollm2_path, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_perplexity_ctx_beyond_training(synth_model, text_file):
     r = run("lumen.perplexity", "--model", synth_model, "--file", text_file, "--ctx", 300)
     assert r.returncode == 1 and r.stdout == ""

@@ -87,13 +87,14 @@ def test_fresh_compile_cache_load_and_threads_give_the_same_bits(inputs, tmp_pat
         assert got == fresh, what
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def run(request, inputs):
     path, ids = inputs[request.param]
     m = lumen.load(path, ctx=1024, threads=2)
     return m, ids, m.logits(ids)
 
 
+@pytest.mark.slow
 def test_prefill_chunk_sizes_and_decode_at_every_context_length(run):
     """Every row of the teacher-forced logits equals the row a decode step or any chunked prefill produces
     (prefill(all) == prefill(k) + decode(rest) for every k, and for chunks of any size)."""
@@ -111,6 +112,7 @@ def test_prefill_chunk_sizes_and_decode_at_every_context_length(run):
     assert bad.size == 0, f"decode rows at positions {bad[:10] + k} differ from prefill"
 
 
+@pytest.mark.slow
 def test_thread_count_and_repeats(run):
     import numba
     m, ids, full = run

@@ -94,6 +94,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_batch_invariance(model, alone, config):
     """Every request's sampling logits and tokens are bit-identical to its run alone, batched with 15 others,

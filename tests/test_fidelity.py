@@ -82,6 +82,7 @@ def bounds(g: dict) -> tuple[float, float, float, float]:
     return k, k + Z * k_se, t, t - Z * t_se
 
 
+@pytest.mark.slow
 def test_reference_is_the_one_measured_against(measured):
     """The reference here gives what it gave when llama.cpp's numbers were made: the same argmax at every position
     and the same loss on every next token, so the committed numbers apply to this machine's reference."""
@@ -90,6 +91,7 @@ def test_reference_is_the_one_measured_against(measured):
     np.testing.assert_allclose(lum.nll_ref, g["ref_nll_next"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_reference_agrees_with_both_engines(measured):
     """Two independent engines, Lumen and llama.cpp, are both close to the reference: it computes the model."""
     g, lum, _ = measured
@@ -97,6 +99,7 @@ def test_reference_agrees_with_both_engines(measured):
     assert lum.kl.mean() < REF_KL_MAX
 
 
+@pytest.mark.slow
 def test_lumen_is_as_faithful_as_llamacpp(model_name, measured):
     g, lum, _ = measured
     k, k_se, t, t_se = figures(lum.kl, lum.top_ref == lum.top_other)
@@ -110,6 +113,7 @@ def test_lumen_is_as_faithful_as_llamacpp(model_name, measured):
     assert t >= top1_bound, f"{model_name}: top-1 {t:.4f} < llama.cpp's {top1_llama:.4f} - {Z} SE"
 
 
+@pytest.mark.slow
 def test_the_bound_catches_a_real_difference(model_name, measured):
     """Lumen's own logits plus Gaussian noise of SIGMA rms fail the KL bound: the test can fail."""
     g, lum, noisy = measured
@@ -118,3 +122,12 @@ def test_the_bound_catches_a_real_difference(model_name, measured):
     print(f"\n{model_name}: Lumen + N(0, {SIGMA}^2) noise: KL {k:.6f} vs bound {kl_bound:.6f}; top-1 "
           f"{np.mean(noisy.top_ref == noisy.top_other) * 100:.2f}%")
     assert k > kl_bound
+
+
+def test_committed_figures_match_their_positions(committed):
+    """The committed llama.cpp summaries (kl_mean, top1) are what their per-position values give, and the bounds
+    lie beyond them: what the slow tests above measure Lumen against, checked without measuring."""
+    for name, g in committed["models"].items():
+        kl_llama, kl_bound, top1_llama, top1_bound = bounds(g)
+        assert len(g["kl"]) == len(g["top1_ref"]) == len(g["top1_llamacpp"]) > 100, name
+        assert 0 < kl_llama < kl_bound < REF_KL_MAX and 0 < top1_bound < top1_llama <= 1, name

@@ -32,6 +32,7 @@ print(json.dumps({"path": str(path), "downloads": len(pip.calls)}))
 """
 
 
+@pytest.mark.slow
 def test_processes_started_together_on_a_fresh_home_fetch_once(tmp_path, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setenv("LUMEN_HOME", str(home))

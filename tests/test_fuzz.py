@@ -79,6 +79,7 @@ def mutations(rng, size, header_end, fields):
 MIN_REJECTED = 0.5   # of the cases that changed the file, at least this share must be rejected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,share", [("smollm2-135m", 1.0), ("gemma3-270m", 0.5)])
 def test_fuzz_loader(tmp_path, name, share):
     """Each case changes the file (or is counted as unchanged, and then must load), and ends in one of two ways:

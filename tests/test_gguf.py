@@ -15,6 +15,7 @@ from lumen.engine.llm import open_gguf
 from synth import write_model
 
 
+@pytest.mark.slow
 def test_real_file_matches_gguf_py(model_path):
     """Every metadata value as gguf-py reads it; every tensor's type, shape and bytes at the offset gguf-py reads
     them from (the same bytes of the same file: compared by position, so no page of the file is read twice)."""

@@ -32,23 +32,14 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                     "lumen.gguf")),                              # command lines and the server
 ]
 
-# Known arrows up, each (importer, imported): the engine still imports lumen.profile for the profiler hook (now
-# lumen.timer.active) and costs.py the facade for the compile cache's name (now lumen.paths.compile_cache_dir);
-# weights.py imports the engine's Weights. Removed at merge (the coordinator applies the engine's one-line
-# replacements, see the IFACE report, and deletes these entries).
-KNOWN_UP = {
-    ("lumen.engine.engine", "lumen.profile"),   # removed at merge
-    ("lumen.engine.runner", "lumen.profile"),   # removed at merge
-    ("lumen.engine.costs", "lumen"),            # removed at merge
-    ("lumen.model.weights", "lumen.engine.forward"),  # removed at merge (ENGINE: weights.py's import of the engine)
-}
+# Known arrows up, each (importer, imported): none. The profiler hook lives in lumen.timer and the cache paths in
+# lumen.paths, so the engine needs neither lumen.profile nor the facade.
+KNOWN_UP: set[tuple[str, str]] = set()
 
-# Known circles through lazy imports, each as the lazy import (importer, imported) that closes it: engine.py ->
-# speculative.py -> llm.py -> engine.py, and policy.py -> attention.py -> policy.py. Removed at merge (ENGINE
-# breaks the engine's, KERN the kernels'). KNOWN_UP's arrows are left out of the circle check too.
+# Known circles through lazy imports, each as the lazy import (importer, imported) that closes it: policy.py ->
+# attention.py -> policy.py (KERN breaks it). KNOWN_UP's arrows are left out of the circle check too.
 KNOWN_CIRCLE_EDGES = {
-    ("lumen.engine.llm", "lumen.engine.engine"),        # removed at merge
-    ("lumen.kernels.attention", "lumen.kernels.policy"),  # removed at merge
+    ("lumen.kernels.attention", "lumen.kernels.policy"),  # removed when the kernels merge
 }
 
 

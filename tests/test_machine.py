@@ -89,6 +89,7 @@ print(simd.VNNI, all("vpdpbusd" in a for a in asm.values()), regs[256], regs[512
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("no_vnni", ["0", "1"])
 def test_the_kernel_is_the_tiles_instruction(tmp_path, no_vnni):
     """With AVX512-VNNI the int8 dot compiles to vpdpbusd; without it (LUMEN_NO_VNNI=1 here) it compiles to the

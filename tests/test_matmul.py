@@ -171,6 +171,7 @@ def check_real(path, shapes, types):
     assert {q for _, q in seen} == types
 
 
+@pytest.mark.slow
 def test_smollm2_real_shapes(smollm2_path):
     check_real(smollm2_path, SMOLLM2_SHAPES, {QT.Q4_1, QT.Q8_0})
 
@@ -239,6 +240,7 @@ np.savez(sys.argv[2], **out)
 """
 
 
+@pytest.mark.slow
 def test_portable_ir_gives_the_same_bits(tmp_path):
     """Without AVX512-VNNI (forced by LUMEN_NO_VNNI=1, own Numba cache) the tile kernels compile to portable
     vector IR; the integer sums, and so every output bit, must equal the vpdpbusd path's."""

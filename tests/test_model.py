@@ -54,7 +54,7 @@ def nll_of(logits: np.ndarray, ids) -> np.ndarray:
     return lse - x[np.arange(len(ids) - 1), np.asarray(ids[1:])]
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_greedy_matches_llamacpp(models, name):
     """48 greedy tokens per golden prompt against llama.cpp's, reported: where each diverges and llama.cpp's own
     top-1/top-2 gap there. Two faithful engines diverge wherever a rounding difference outweighs the gap, so only
@@ -85,6 +85,7 @@ def test_greedy_matches_llamacpp(models, name):
     assert 2 * first_ok >= len(g["greedy"]), f"{name}: the first greedy token differs for most prompts"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_teacher_forced_top1_and_perplexity(models, name):
     """Top-1 on llama.cpp's greedy tokens (prompt, then token by token: the decode path) and perplexity on 512
@@ -114,6 +115,7 @@ def test_teacher_forced_top1_and_perplexity(models, name):
     assert abs(ppl / ref_ppl - 1) < PPL_GUARD
 
 
+@pytest.mark.slow
 def test_gemma3_long_context_sliding_window(models):
     """Past the 512-token window (tests/data/gemma3-270m.longctx.llamacpp.json, made with llama.cpp here)."""
     m = get(models, "gemma3-270m")
@@ -149,7 +151,7 @@ def test_gemma3_long_context_sliding_window(models):
         assert gap < GAP_NOISE
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_prefill_chunks_and_decode_are_consistent(models, name):
     """prefill(all) == prefill(k) + decode(rest): the N>1 and N=1 kernels produce the same bits per row, and so
     does chunked prefill (n_batch smaller than the prompt)."""

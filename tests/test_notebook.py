@@ -30,6 +30,7 @@ def test_notebook_is_stored_without_outputs(path):
             assert cell.execution_count is None, f"cell {i} has an execution count; clear it before committing"
 
 
+@pytest.mark.slow
 def test_serving_notebook_runs_and_settles_its_question(smollm2_path):
     from nbclient import NotebookClient
     nb = nbformat.read(SERVING, as_version=4)
@@ -44,6 +45,7 @@ def test_serving_notebook_runs_and_settles_its_question(smollm2_path):
     assert "VERDICT: merging a 16-token chunk into 2 decodes" in text
 
 
+@pytest.mark.slow
 def test_notebook_runs_with_small_parameters(smollm2_path):
     from nbclient import NotebookClient
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -59,6 +61,7 @@ def test_notebook_runs_with_small_parameters(smollm2_path):
     assert images, "the roofline plot produced no image"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_profiling_script_quick(script, smollm2_path):
     env = dict(os.environ, MPLBACKEND="Agg")

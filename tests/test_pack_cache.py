@@ -307,6 +307,7 @@ print(lumen.load(sys.argv[1], ctx=32).weights.packs_from)
 """
 
 
+@pytest.mark.slow
 def test_concurrent_writers(home, model_file):
     """Processes loading the same model at once: one packs and writes, the others wait for it and read its file;
     the file left is whole."""

@@ -181,6 +181,7 @@ def test_above_roof_notes(op, phase, per_call, bound_by, roof, says):
         assert "unexplained" in above_roof_note(row, phase, dict(LIM, l3_bytes=32 << 20), SIZES)
 
 
+@pytest.mark.slow
 def test_filters(home, smollm2_path):
     r = run(home, "--model", smollm2_path, "--prompt-tokens", 8, "--gen-tokens", 3, "--phase", "decode",
             "--op", "down", "--layer", 2)
@@ -201,6 +202,7 @@ def test_filters(home, smollm2_path):
     (["--json", "/no/such/dir/p.json"], 2, "does not exist"),
     (["--plot", "/no/such/dir/p.png"], 2, "does not exist"),
 ])
+@pytest.mark.slow
 def test_bad_input(home, smollm2_path, args, code, msg):
     r = run(home, "--model", smollm2_path, "--prompt-tokens", 4, "--gen-tokens", 2, *args)
     assert r.returncode == code, (r.stdout, r.stderr)

@@ -128,6 +128,7 @@ def test_calibration_is_cached_per_model_machine_and_code(model, tmp_path, monke
     assert cache_path(other.cost_key) != cache_path(eng.cost_key)    # another engine shape: another table
 
 
+@pytest.mark.slow
 def test_measured_scheduler_gives_the_same_outputs(model, caplog):
     """Budgets change how steps are cut, never what a request produces; every decision is logged with explain."""
     rng = np.random.default_rng(1)

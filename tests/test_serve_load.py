@@ -185,6 +185,7 @@ async def one_round(url: str, reqs: list[dict]) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*(one_client(client, r) for r in reqs)), 300)
 
 
+@pytest.mark.slow
 def test_load_with_faults(server, model):
     reqs = requests_of_the_load()
     end_ids = model.tokenizer.eot_ids
@@ -234,6 +235,7 @@ def bench(url: str, out: Path, *extra) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_bench_serve(server, tmp_path):
     res = bench(server.url, tmp_path / "lumen.json")
     assert res["model"] == "smol" and res["completed"] == 6 and res["failed"] == 0
@@ -250,6 +252,7 @@ def test_bench_serve(server, tmp_path):
     assert all(w["rss_mb"] > 100 for w in soak["windows"]) and soak["drift"]["rss_growth_mb"] is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"llama-server is not built at {LLAMA_SERVER}")
 def test_bench_serve_llama_server(smollm2_path, tmp_path):
     """The same load generator against llama.cpp's llama-server (-nr: its AMX repacking crashes on some CPUs)."""
@@ -299,6 +302,7 @@ async def stream_until_end(client, body: dict, started: asyncio.Event) -> dict:
     return {"chunks": text_chunks, "error": error, "done": done}
 
 
+@pytest.mark.slow
 def test_shutdown_under_load(server):
     short = {"prompt": "A short one:", "max_tokens": 8, "temperature": 0, "stream": True}
     long = {"prompt": "A long one:", "max_tokens": 1000, "ignore_eos": True, "stream": True}   # >= 7 s anywhere
@@ -339,6 +343,7 @@ def test_shutdown_under_load(server):
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}\n{% endfor %}<|im_start|>assistant: "
 
 
+@pytest.mark.slow
 def test_cli_flags_log_line_and_sigint(smollm2_path, model, tmp_path):
     log = tmp_path / "cli.log"
     (tmp_path / "chat.jinja").write_text(TEMPLATE)

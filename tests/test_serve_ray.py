@@ -147,6 +147,7 @@ def test_refusals_and_outputs_cross_the_wire():
 # ---------------------------------------------------------------------------------------------------------
 # the same API as one process
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_openai_client(server, model, kind, stream):
@@ -174,6 +175,7 @@ def test_openai_client(server, model, kind, stream):
     assert usage.prompt_tokens == len(ids) and 1 <= usage.completion_tokens <= 12
 
 
+@pytest.mark.slow
 def test_seeded_stream_and_logprobs_equal_generate(http, model):
     body = {"prompt": "Once upon a time, in a small village,", "max_tokens": 20, "temperature": 0.9, "top_k": 40,
             "top_p": 0.95, "seed": 7, "stream": True, "return_token_ids": True, "logprobs": 2}
@@ -185,6 +187,7 @@ def test_seeded_stream_and_logprobs_equal_generate(http, model):
     assert sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c["logprobs"]) == len(got)
 
 
+@pytest.mark.slow
 def test_request_id_models_health(http):
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "ray-42"})
     assert r.status_code == 200 and r.json()["id"] == "cmpl-ray-42"
@@ -195,11 +198,13 @@ def test_request_id_models_health(http):
     assert http.get("/v1/models/" + MODEL_ID).json()["max_model_len"] == MAX_MODEL_LEN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path, body, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_400(http, path, body, param):
     post_bad(http, path, body, param)
 
 
+@pytest.mark.slow
 def test_404_405_413(http):
     assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
     assert_error(http.get("/v1/models/gpt-4"), 404)
@@ -210,6 +215,7 @@ def test_404_405_413(http):
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.slow
 def test_429_when_both_replicas_are_full(server):
     """2 x (4 running + 2 waiting) long streams fill both replicas; the next request gets 429 from the replica it
     was routed to, as from one process; once they are cut, requests are served again."""
@@ -250,6 +256,7 @@ def long_prompt(model, seed: int, n: int) -> list[int]:
     return model.tokenize(text)[:n]
 
 
+@pytest.mark.slow
 def test_shared_prefix_lands_on_one_replica_distinct_spread(http, server, model):
     prefix = long_prompt(model, 1, 480)
     first = http.post("/v1/completions", json={"prompt": prefix + [42], "max_tokens": 2, "temperature": 0})
@@ -284,6 +291,7 @@ def test_shared_prefix_lands_on_one_replica_distinct_spread(http, server, model)
     assert decisions.get("router_decisions_total{decision=least_loaded,policy=prefix}", 0) >= 4, decisions
 
 
+@pytest.mark.slow
 def test_metrics_per_replica(server, http):
     for k in range(2):                              # one request each (the second goes to the idle replica)
         assert http.post("/v1/completions", json={"prompt": f"{k}", "max_tokens": 1}).status_code == 200
@@ -300,6 +308,7 @@ def test_metrics_per_replica(server, http):
 # ---------------------------------------------------------------------------------------------------------
 # a replica dies; the server stops
 
+@pytest.mark.slow
 def test_killed_replica_fails_its_requests_others_continue(server, model):
     m = wait_replicas(server.url, 2)
     pids = replica_pids(m)
@@ -347,6 +356,7 @@ def test_killed_replica_fails_its_requests_others_continue(server, model):
     wait_replicas(server.url, 2, timeout=150, exclude={victim})     # Ray started a new one
 
 
+@pytest.mark.slow
 def test_shutdown_leaves_no_ray_process(server):
     assert server.stop(signal.SIGINT, timeout=90) == 0
     t0 = time.monotonic()

@@ -71,7 +71,7 @@ def prompts(model):
     return [ids[:200] + ids[:60], code, ids[300:340]]     # repeats (drafts accepted), code, plain prose
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_greedy_ngram_is_bit_identical(name, smollm2_path, gemma3_path):
     m = lumen.load(smollm2_path if name == "smollm2-135m" else gemma3_path, ctx=1024, threads=2)
     m.speculation(num_speculative_tokens=4)
@@ -189,6 +189,7 @@ def exact(tiny):
     return exact_marginals(tiny[0])
 
 
+@pytest.mark.slow
 def test_sampling_keeps_the_target_distribution(tiny, exact):
     counts = sample_marginals(*tiny, "exact")
     for i in range(POSITIONS):
@@ -198,6 +199,7 @@ def test_sampling_keeps_the_target_distribution(tiny, exact):
         assert stat < CHI2_LIMIT and tv < 0.02
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["accept_all", "no_residual"])
 def test_wrong_acceptance_rules_fail_the_same_test(tiny, exact, rule):
     """The same statistic catches both wrong rules: accepting every draft token, and accepting when the draft's
@@ -224,6 +226,7 @@ def test_seeded_speculation_is_reproducible_and_batch_invariant(tiny):
     assert len(plain) == len(alone)
 
 
+@pytest.mark.slow
 def test_mixed_batch_and_preemption_greedy(smollm2_path):
     """Requests speculating (n-gram) and not, in one engine whose pool forces preemption: each equals its
     plain run alone."""

@@ -359,6 +359,7 @@ def gemma_spm(metas, gemma):
     return raw, ctl, by_text
 
 
+@pytest.mark.slow
 def test_sentencepiece_agrees_with_spm_tokenizer(gemma, gemma_spm):
     raw, ctl, by_text = gemma_spm
     assert raw.vocab_size() == gemma.n_vocab

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..kernels.attention import BLOCK
-
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
 MAX_SPECULATIVE_TOKENS = 16
 
 
-def _int(name: str, v, lo: int = 1, hi: int | None = None) -> None:
+def check_int(name: str, v, lo: int = 1, hi: int | None = None) -> None:
+    """The one integer check of the engine's options: ValueError naming `name` unless lo <= v (<= hi)."""
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        what = "a positive integer" if lo == 1 and hi is None else f"an integer in [{lo}, {hi}]"
+        what = ("a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else
+                f"an integer >= {lo}") if hi is None else f"an integer in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {what}, got {v!r}")
 
 
@@ -49,9 +49,9 @@ class SpeculativeConfig:
     adaptive_k: bool = True
 
     def __post_init__(self):
-        _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
-        _int("ngram_min", self.ngram_min, 1, MAX_SPECULATIVE_TOKENS)
-        _int("ngram_max", self.ngram_max, self.ngram_min, MAX_SPECULATIVE_TOKENS)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        check_int("ngram_min", self.ngram_min, 1, MAX_SPECULATIVE_TOKENS)
+        check_int("ngram_max", self.ngram_max, self.ngram_min, MAX_SPECULATIVE_TOKENS)
         object.__setattr__(self, "adaptive_k", bool(self.adaptive_k))
 
 
@@ -85,12 +85,12 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self):
-        _int("max_num_seqs", self.max_num_seqs)
-        _int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
-            _int("max_model_len", self.max_model_len)
+            check_int("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:
-            _int("num_kv_blocks", self.num_kv_blocks)
+            check_int("num_kv_blocks", self.num_kv_blocks)
         mb = self.kv_cache_mb
         if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0):
             raise ValueError(f"kv_cache_mb must be a positive number, got {mb!r}")
@@ -142,8 +142,3 @@ def kv_blocks(cfg: EngineConfig, bytes_per_block: int) -> int:
     if n < 1:
         raise ValueError(f"kv_cache_mb={mb} holds no block ({bytes_per_block} bytes each)")
     return n
-
-
-def blocks_for(n_tokens: int) -> int:
-    """Blocks that hold n_tokens tokens."""
-    return -(-n_tokens // BLOCK)

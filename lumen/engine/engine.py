@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import LumenError
 from ..kernels.attention import BLOCK
-from ..profile import active as profiler_active
+from ..timer import active as profiler_active
 from .block_manager import BlockManager
 from .budget import MeasuredBudget
 from .config import EngineConfig, kv_blocks

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ContextError, ContextWarning, LumenError
 from ..kernels.attention import BLOCK
+from .config import check_int
 from .engine import Engine
 from .parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
 from .runner import Runner
@@ -35,7 +36,6 @@ class Token(NamedTuple):
     text: str
 
 
-GenStats = RequestMetrics      # the one metrics type; generate(stats=RequestMetrics()) fills it (the old name)
 
 
 class Model:
@@ -56,13 +56,11 @@ class Model:
             g, cfg, tok = parts.gguf, parts.config, parts.tokenizer
         if ctx is None:
             ctx = min(DEFAULT_CTX, cfg.ctx_train)
-        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
-            raise ValueError(f"ctx must be a positive integer, got {ctx!r}")
+        check_int("ctx", ctx)
         if ctx > cfg.ctx_train:
             warnings.warn(ContextWarning(f"ctx={ctx} is beyond the {cfg.ctx_train} tokens this model was "
                                          "trained on (output past that is unreliable)"), stacklevel=2)
-        if not isinstance(n_batch, int) or isinstance(n_batch, bool) or n_batch < 1:
-            raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")
+        check_int("n_batch", n_batch)
         self.threads = ModelParts.set_threads(threads)
         if parts is None:
             parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)
@@ -201,8 +199,7 @@ class Model:
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        check_int("max_tokens", max_tokens, 0)
         if params is None:
             if max_tokens == 0:
                 return iter(())

@@ -18,7 +18,7 @@ from ..kernels.rope import rope_cache
 from ..kernels.scratch import per_thread
 from ..kernels.work import counters
 from ..model.config import ROPE_NEOX, Config
-from ..profile import active as profiler_active
+from ..timer import active as profiler_active
 from .threads import Governor
 from .forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
 

@@ -197,7 +197,7 @@ class CostKey:
 
 def cache_key(key: CostKey) -> str:
     """Model file, machine, compiled code, threads, engine shape: a change to any measures again."""
-    from .. import _compile_cache_dir
+    from ..paths import compile_cache_dir as _compile_cache_dir
     from ..machine import cpu_model
     p = Path(key.model_path)
     st = p.stat()

@@ -167,12 +167,12 @@ def check_writable(path: str, what: str) -> str | None:
 # ---- the run ----
 def profiled_run(model, prompt_tokens: int, gen_tokens: int):
     import lumen
-    from lumen.engine.llm import GenStats
+    from lumen.engine.sequence import RequestMetrics
     model.warmup()
     for _ in model.generate(make_prompt(model, min(prompt_tokens, 8)), max_tokens=2):  # warm the generate path
         pass
     ids = make_prompt(model, prompt_tokens)
-    stats = GenStats()
+    stats = RequestMetrics()
     with lumen.profile() as prof:
         for _ in model.generate(ids, max_tokens=gen_tokens, stats=stats):
             pass
@@ -182,8 +182,8 @@ def profiled_run(model, prompt_tokens: int, gen_tokens: int):
 # ---- overhead: timers off vs compiled out vs on ----
 def _decode_tps(model, ids, gen_tokens, profiled: bool) -> float:
     import lumen
-    from lumen.engine.llm import GenStats
-    st = GenStats()
+    from lumen.engine.sequence import RequestMetrics
+    st = RequestMetrics()
     if profiled:
         with lumen.profile():
             for _ in model.generate(ids, max_tokens=gen_tokens, stats=st):

@@ -4,6 +4,7 @@ stopping and detokenizing happen in the engine, so the server answers what `Mode
     POST /v1/completions, /v1/chat/completions     streamed (SSE, ending with `data: [DONE]`) or not
     POST /tokenize, /detokenize                    vLLM's and llama-server's shapes
     GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /, /dashboard (+ /dashboard/data, /ui/*)   the chat page and the live dashboard (lumen.serve.ui)
 
 Each endpoint is a router and a serving object (lumen/serve/openai/); build_app puts the objects on `app.state`
 and includes the routers. Every request passes the Gate first (lumen.serve.gate: request id, API key, body
@@ -25,6 +26,7 @@ from .metrics import Metrics
 from .openai import chat, completions, health, models, tokenize
 from .openai.serving import Settings
 from .prompts import Prompter
+from .ui import PAGES, StepTap, ui_router
 from .worker import EngineWorker
 
 __all__ = ["Settings", "build_app", "make_app", "load_engine", "add_error_handlers"]
@@ -52,7 +54,12 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
     state.health = health.ServingHealth(worker, metrics)
     for router in ROUTERS:
         app.include_router(router)
-    app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    if settings.ui:                               # GET /, /dashboard, /dashboard/data, /ui/* (lumen.serve.ui)
+        worker.tap = StepTap()
+        app.include_router(ui_router(metrics.registry, worker.tap, model_id=settings.model_id,
+                                     max_model_len=prompter.max_model_len, speculative=settings.speculative))
+    app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       open_paths=PAGES if settings.ui else ())
     return app
 
 
@@ -73,15 +80,16 @@ def add_error_handlers(app: FastAPI) -> None:
 
 def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
              max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20,
-             speculative: str | None = None, profile_path: str | None = None):
-    """The FastAPI app over an engine, and its worker (started by the app's lifespan)."""
+             speculative: str | None = None, profile_path: str | None = None, ui: bool = True):
+    """The FastAPI app over an engine, and its worker (started by the app's lifespan). ui: the chat page and the
+    dashboard (lumen.serve.ui)."""
     from ..format.chat import chat_template_from_metadata
     template = chat_template if chat_template is not None else chat_template_from_metadata(engine.parts.gguf.metadata)
     prompter = Prompter(engine.tokenizer, template, engine.max_model_len)
     metrics = Metrics(engine, model_name)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics, profile_path=profile_path)
     settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                        speculative=speculative)
+                        speculative=speculative, ui=ui)
     return build_app(worker, prompter, metrics, settings), worker
 
 

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--no-ui", action="store_true", help="no chat page at / and no dashboard at /dashboard "
+                                                         "(lumen.serve.ui): their routes answer 404")
     eng = ap.add_argument_group("engine")
     eng.add_argument("--threads", "-t", type=int, default=None,
                      help="the most threads a step runs on (default: all cores); fewer while other processes or "
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
                                max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,
-                               profile_path=args.profile)
+                               profile_path=args.profile, ui=not args.no_ui)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -187,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %r (%s) on http://%s:%d: %d threads, max_model_len %d, %d KV blocks, max_num_seqs %d%s",
              name, engine.parts.path, args.host, args.port, engine.threads, engine.max_model_len, s["kv_blocks"],
              engine.max_num_seqs, ", API key required" if args.api_key else "")
+    if not args.no_ui:
+        log.info("chat at http://%s:%d/, live dashboard at http://%s:%d/dashboard", args.host, args.port,
+                 args.host, args.port)
     try:
         serve(app, worker, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
               log_level=args.log_level)

@@ -24,8 +24,9 @@ OPEN_PATHS = ("/health", "/metrics")          # answered without the API key
 
 class Gate:
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, open_paths: tuple = ()):
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+        self.open_paths = frozenset(OPEN_PATHS + tuple(open_paths))     # + the UI's pages (lumen.serve.ui.PAGES)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -51,7 +52,7 @@ class Gate:
                          "headers": [(b"content-type", b"application/json"), *(extra or [])]})
             await send_({"type": "http.response.body", "body": body})
 
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+        if self.api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
             return await reply(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                [(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("POST", "PUT", "PATCH"):

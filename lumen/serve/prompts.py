@@ -17,6 +17,7 @@ class Prompter:
     def __init__(self, tokenizer, chat_template: str | None, max_model_len: int):
         """chat_template: the template text (None: the model has none, chat requests are refused)."""
         self.tok = tokenizer
+        self.max_model_len = max_model_len
         # a text longer than this many characters makes more than max_model_len tokens: refused untokenized
         longest = max(len(tokenizer.token_bytes(i, special=True)) for i in range(tokenizer.n_vocab))
         self.max_chars = max_model_len * max(1, longest)

@@ -91,6 +91,7 @@ class EngineWorker:
         self.max_queue = max_queue
         self.metrics = metrics
         self.recorder = Recorder(profile_path) if profile_path else None
+        self.tap = None                               # a lumen.serve.ui StepTap: records steps while a dashboard looks
         self.draining = False
         self._subs: dict[str, Submission] = {}       # engine request id -> its submission
         self._wake = threading.Event()
@@ -202,7 +203,7 @@ class EngineWorker:
                 self._wake.clear()
                 continue
             try:
-                outs = engine.step()
+                outs = engine.step() if self.tap is None else self.tap.step(engine)
             except Exception as e:                    # an engine bug: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 loop.call_soon_threadsafe(self.abort_all, 500, f"internal error: {type(e).__name__}: {e}")

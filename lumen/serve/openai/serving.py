@@ -35,6 +35,7 @@ class Settings:
     max_body_bytes: int = 16 * 2 ** 20
     max_n: int = 64                           # choices per request
     speculative: str | None = None            # the default speculative decoding of requests that do not say
+    ui: bool = False                          # the chat page and the dashboard (lumen.serve.ui); cli: unless --no-ui
 
 
 def request_id(request: Request) -> str:

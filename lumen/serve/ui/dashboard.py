@@ -1,0 +1,167 @@
+"""What GET /dashboard/data answers: the server's state now, rates and latency percentiles over the last minute,
+and the recent steps' shapes and time split. Counts and seconds only: no request ids, prompts or outputs.
+
+It reads two things:
+- the server's Prometheus registry (lumen.serve.metrics.Metrics.registry), through prometheus_client's public
+  `collect()`: the gauges the engine reports when scraped (running, waiting, KV use) and the counters and
+  histograms the server observes (tokens, TTFT, ITL, prefix cache, speculative tokens). Rates and percentiles
+  over a window are differences of two readings, as Prometheus' rate() and histogram_quantile() take them;
+  the readings are taken when the page polls (and one when the server starts), so the window is the last
+  minute once a page has been open that long, and since the oldest reading before that (`window_s` says which).
+- a StepTap's ring of recent steps (lumen.serve.ui.steps), which each poll keeps recording for a few seconds.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+from .steps import GROUPS, StepTap
+
+WINDOW_S = 60.0           # percentiles and rates over this
+RATE_S = 3.0              # output tok/s over about this (the newest reading at least this old)
+STEPS_S = 10.0            # steps shown: those of the last STEPS_S seconds, at most MAX_STEPS
+MAX_STEPS = 120
+# what is read from the registry (without the model_name label)
+COUNTERS = ("lumen:generation_tokens_total", "lumen:prompt_tokens_total", "lumen:prefix_cache_queries_total",
+            "lumen:prefix_cache_hits_total", "lumen:spec_decode_num_draft_tokens_total",
+            "lumen:spec_decode_num_accepted_tokens_total", "lumen:spec_decode_num_verify_steps_total",
+            "lumen:num_preemptions_total")
+GAUGES = ("lumen:num_requests_running", "lumen:num_requests_waiting", "lumen:kv_cache_usage_perc",
+          "lumen:kv_cache_total_blocks", "lumen:compute_threads", "lumen:compute_threads_max")
+HISTOGRAMS = {"ttft": "lumen:time_to_first_token_seconds", "itl": "lumen:inter_token_latency_seconds"}
+
+
+class Reading:
+    """One collect() of the registry: counters, gauges and histograms' cumulative buckets."""
+
+    def __init__(self, registry):
+        self.t = time.monotonic()
+        self.values: dict[str, float] = {}
+        self.buckets: dict[str, list[tuple[float, float]]] = {k: [] for k in HISTOGRAMS}
+        hist_of = {f"{name}_bucket": key for key, name in HISTOGRAMS.items()}
+        for family in registry.collect():
+            for s in family.samples:
+                if s.name in hist_of:
+                    self.buckets[hist_of[s.name]].append((float(s.labels["le"]), s.value))
+                elif s.name in COUNTERS or s.name in GAUGES:
+                    self.values[s.name] = self.values.get(s.name, 0.0) + s.value
+        for b in self.buckets.values():
+            b.sort()
+
+    def get(self, name: str) -> float:
+        return self.values.get(name, 0.0)
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile: the q-quantile of cumulative (upper bound, count) buckets, linear within
+    a bucket; the highest finite bound when it falls in +Inf; None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lo_bound, lo_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lo_bound
+            if count == lo_count:
+                return bound
+            return lo_bound + (bound - lo_bound) * (rank - lo_count) / (count - lo_count)
+        lo_bound, lo_count = bound, count
+    return lo_bound
+
+
+def _delta(new: list, old: list) -> list:
+    if len(old) != len(new):                       # no older reading of this histogram: everything is new
+        return new
+    return [(b, c - oc) for (b, c), (_, oc) in zip(new, old)]
+
+
+class Dashboard:
+    """The data endpoint's state: readings of the registry (one per poll, at most every 0.5 s, the last
+    WINDOW_S seconds and one before) and the tap of recent steps."""
+
+    def __init__(self, registry, tap: StepTap | None, *, model_id: str, speculative: str | None = None):
+        self.registry, self.tap, self.model_id, self.speculative = registry, tap, model_id, speculative
+        self._readings: deque[Reading] = deque([Reading(registry)])
+        self._lock = threading.Lock()
+
+    def _read(self) -> tuple[Reading, Reading, Reading]:
+        """(now, the reading about WINDOW_S ago or the oldest, the newest at least RATE_S old or the oldest)."""
+        with self._lock:
+            now = Reading(self.registry)
+            rs = self._readings
+            if now.t - rs[-1].t >= 0.5:
+                rs.append(now)
+            while len(rs) > 1 and now.t - rs[1].t >= WINDOW_S:
+                rs.popleft()                       # rs[0]: the newest reading at least WINDOW_S old, or the oldest
+            window = rs[0]
+            rate = next((r for r in reversed(rs) if now.t - r.t >= RATE_S), rs[0])
+            return now, window, rate
+
+    def data(self) -> dict:
+        if self.tap is not None:
+            self.tap.look()
+        now, win, rate = self._read()
+        dt_rate = now.t - rate.t
+        d = lambda name, old: now.get(name) - old.get(name)            # noqa: E731
+        pct = {}
+        for key in HISTOGRAMS:
+            b = _delta(now.buckets[key], win.buckets[key])
+            pct[key] = {"count": int(b[-1][1]) if b else 0,
+                        **{f"p{int(q * 100)}": _ms(quantile(q, b)) for q in (0.5, 0.9, 0.99)}}
+        queries = d("lumen:prefix_cache_queries_total", win)
+        drafted = d("lumen:spec_decode_num_draft_tokens_total", win)
+        drafted_all = now.get("lumen:spec_decode_num_draft_tokens_total")
+        spec = None
+        if self.speculative or drafted_all:
+            accepted = d("lumen:spec_decode_num_accepted_tokens_total", win)
+            spec = {"drafted": int(drafted), "accepted": int(accepted),
+                    "acceptance": accepted / drafted if drafted else None, "default": self.speculative}
+        return {
+            "model": self.model_id,
+            "time": time.time(),
+            "window_s": round(now.t - win.t, 1),
+            "output_tps": d("lumen:generation_tokens_total", rate) / dt_rate if dt_rate > 0 else 0.0,
+            "running": int(now.get("lumen:num_requests_running")),
+            "waiting": int(now.get("lumen:num_requests_waiting")),
+            "kv_usage": now.get("lumen:kv_cache_usage_perc"),
+            "kv_blocks": int(now.get("lumen:kv_cache_total_blocks")),
+            "threads": int(now.get("lumen:compute_threads")),
+            "threads_max": int(now.get("lumen:compute_threads_max")),
+            "generation_tokens": int(now.get("lumen:generation_tokens_total")),
+            "preemptions": int(now.get("lumen:num_preemptions_total")),
+            "prefix_hit_rate": d("lumen:prefix_cache_hits_total", win) / queries if queries else None,
+            "ttft_ms": pct["ttft"],
+            "itl_ms": pct["itl"],
+            "speculative": spec,
+            "steps": self._steps(),
+        }
+
+    def _steps(self) -> dict:
+        """The recent steps (oldest first) and their mean split by phase, in milliseconds."""
+        if self.tap is None or not self.tap.timers:
+            return {"available": False, "groups": list(GROUPS), "recent": [], "split": {},
+                    "note": "the op timers are compiled out (LUMEN_TIMERS=0)" if self.tap else "no engine"}
+        recs = self.tap.recent(time.time() - STEPS_S)[-MAX_STEPS:]
+        split: dict[str, dict] = {}
+        for r in recs:
+            s = split.setdefault("decode" if r.phase == "decode" else "prefill", {"steps": 0, "wall_ms": 0.0,
+                                                                                  "ms": [0.0] * len(GROUPS)})
+            s["steps"] += 1
+            s["wall_ms"] += r.wall_s * 1e3
+            for i, x in enumerate(r.split):
+                s["ms"][i] += x * 1e3
+        for s in split.values():                   # means per step
+            n = s["steps"]
+            s["wall_ms"] /= n
+            s["ms"] = [x / n for x in s["ms"]]
+            s["unattributed_ms"] = max(0.0, s["wall_ms"] - sum(s["ms"]))
+        return {"available": True, "groups": list(GROUPS), "split": split,
+                "recent": [{"t": round(r.t, 3), "phase": r.phase, "tokens": r.n_tokens, "seqs": r.n_seqs,
+                            "kv_tokens": r.kv_tokens, "wall_ms": round(r.wall_s * 1e3, 3)} for r in recs]}
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1e3, 2)

@@ -1,0 +1,199 @@
+/* The chat page: messages go to POST /v1/chat/completions (stream: true) and the reply is read as server-sent
+   events. Model output is only ever put into the page as text (textContent / text nodes), never as HTML. */
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const history = [];          // {role, content} of the conversation, without the system prompt
+let controller = null;       // the AbortController of the reply in flight
+let structured = false;      // the server honours response_format json_schema (GET /ui/info)
+
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + role;
+  const who = document.createElement("div");
+  who.className = "who";
+  who.textContent = role;
+  const body = document.createElement("div");
+  body.className = "body";
+  body.textContent = text || "";
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  stats.title = "measured in this page: TTFT from sending the request to the first token's arrival";
+  div.append(who, body, stats);
+  $("messages").append(div);
+  div.scrollIntoView({block: "end"});
+  return {div, body, stats};
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  $("regenerate").disabled = busy || !history.some((m) => m.role === "assistant");
+}
+
+function params() {
+  const p = {temperature: Number($("temperature").value), top_p: Number($("top_p").value),
+             max_tokens: Math.max(1, Math.floor(Number($("max_tokens").value) || 256))};
+  const seed = $("seed").value.trim();
+  if (seed !== "") p.seed = Math.floor(Number(seed));
+  return p;
+}
+
+/* The optional JSON schema as a response_format, or null; throws with a message on bad JSON. */
+function responseFormat() {
+  if (!structured) return null;
+  const text = $("schema").value.trim();
+  $("schema-error").textContent = "";
+  if (!text) return null;
+  let schema;
+  try { schema = JSON.parse(text); } catch (e) { $("schema-error").textContent = "not JSON: " + e.message; throw e; }
+  return {type: "json_schema", json_schema: {name: "schema", schema: schema}};
+}
+
+/* lumen.generate's stats line, measured here: TTFT from sending to the first token's chunk. */
+function statsLine(s) {
+  const gen = s.completion, dec = s.tLast - s.tFirst;
+  const parts = [];
+  if (s.prompt != null) parts.push(`prompt ${s.prompt} tok`);
+  if (s.tFirst != null) {
+    const ttft = s.tFirst - s.t0;
+    parts.push(`TTFT ${ttft.toFixed(0)} ms`);
+    if (s.prompt != null && ttft > 0) parts.push(`prefill ${(s.prompt / ttft * 1e3).toFixed(1)} tok/s`);
+    if (gen > 1 && dec > 0) {
+      parts.push(`decode ${((gen - 1) / dec * 1e3).toFixed(1)} tok/s`);
+      parts.push(`TPOT ${(dec / (gen - 1)).toFixed(1)} ms`);
+    }
+  }
+  parts.push(`${gen} generated (${s.finish || "?"})`);
+  return parts.join(" | ");
+}
+
+async function reply(fmt) {
+  const messages = [];
+  const system = $("system").value.trim();
+  if (system) messages.push({role: "system", content: system});
+  messages.push(...history);
+  const body = Object.assign({messages, stream: true, stream_options: {include_usage: true}}, params());
+  if (fmt) body.response_format = fmt;
+  const view = addMessage("assistant", "");
+  const text = document.createTextNode("");
+  view.body.append(text);
+  const s = {t0: performance.now(), tFirst: null, tLast: null, completion: 0, prompt: null, finish: null};
+  controller = new AbortController();
+  setBusy(true);
+  let content = "";
+  try {
+    const r = await keyedFetch("/v1/chat/completions", {method: "POST", body: JSON.stringify(body),
+      headers: {"Content-Type": "application/json"}, signal: controller.signal});
+    if (!r.ok) {
+      let msg = `HTTP ${r.status}`;
+      try { msg += ": " + (await r.json()).error.message; } catch (e) { /* not JSON */ }
+      throw new Error(msg);
+    }
+    const reader = r.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, {stream: true});
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data:")) continue;
+          const data = line.slice(5).trim();
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          if (chunk.usage) { s.prompt = chunk.usage.prompt_tokens; s.completion = chunk.usage.completion_tokens; }
+          for (const c of chunk.choices || []) {
+            const delta = (c.delta && c.delta.content) || "";
+            if (delta) {
+              const now = performance.now();
+              if (s.tFirst == null) s.tFirst = now;
+              s.tLast = now;
+              content += delta;
+              text.appendData(delta);              // text, never HTML
+              if (!s.prompt) s.completion += 1;     // until the usage chunk gives the count
+            }
+            if (c.finish_reason) s.finish = c.finish_reason;
+          }
+        }
+      }
+      view.div.scrollIntoView({block: "end"});
+    }
+  } catch (e) {
+    if (e.name === "AbortError") {
+      s.finish = "stopped";
+    } else {
+      const err = document.createElement("div");
+      err.className = "error";
+      err.textContent = String(e.message || e);
+      view.div.append(err);
+      s.finish = "error";
+    }
+  } finally {
+    controller = null;
+    history.push({role: "assistant", content});
+    view.stats.textContent = statsLine(s);
+    setBusy(false);
+  }
+}
+
+function send(ev) {
+  ev.preventDefault();
+  const text = $("input").value;
+  if (!text.trim() || controller) return;
+  let fmt;
+  try { fmt = responseFormat(); } catch (e) { return; }      // the message stays in the box
+  $("input").value = "";
+  history.push({role: "user", content: text});
+  addMessage("user", text);
+  reply(fmt);
+}
+
+function regenerate() {
+  if (controller) return;
+  const last = history.length - 1;
+  if (last < 0 || history[last].role !== "assistant") return;
+  let fmt;
+  try { fmt = responseFormat(); } catch (e) { return; }
+  history.pop();
+  const msgs = $("messages").querySelectorAll(".msg.assistant");
+  msgs[msgs.length - 1].remove();
+  reply(fmt);
+}
+
+async function init() {
+  for (const id of ["temperature", "top_p"]) {
+    const show = () => { $(id + "-v").textContent = $(id).value; };
+    $(id).addEventListener("input", show);
+    show();
+  }
+  $("composer").addEventListener("submit", send);
+  $("input").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); $("composer").requestSubmit(); }
+  });
+  $("stop").addEventListener("click", () => controller && controller.abort());
+  $("regenerate").addEventListener("click", regenerate);
+  $("clear").addEventListener("click", () => {
+    if (controller) controller.abort();
+    history.length = 0;
+    $("messages").replaceChildren();
+    setBusy(false);
+  });
+  setBusy(false);
+  const r = await keyedFetch("/ui/info");
+  if (r.ok) {
+    const info = await r.json();
+    $("model").textContent = info.model;
+    structured = !!info.structured_output;
+    $("structured").hidden = !structured;
+    if (info.max_model_len) $("max_tokens").max = info.max_model_len;
+  }
+  document.body.dataset.ready = "1";
+}
+
+init();

@@ -1,0 +1,48 @@
+/* Shared by both pages: the API key of this tab and fetch with it.
+   The key lives in sessionStorage (this tab only, gone when it closes); it is asked for after a 401. */
+"use strict";
+const KEY_NAME = "lumen-api-key";
+
+function apiKey() {
+  try { return sessionStorage.getItem(KEY_NAME) || ""; } catch (e) { return window.__lumenKey || ""; }
+}
+
+function setApiKey(k) {
+  try { sessionStorage.setItem(KEY_NAME, k); } catch (e) { window.__lumenKey = k; }
+}
+
+function authHeaders(extra) {
+  const h = Object.assign({}, extra || {});
+  const k = apiKey();
+  if (k) h["Authorization"] = "Bearer " + k;
+  return h;
+}
+
+/* Show the key form (an element #keyform with an input and a button); resolves once a key is entered. */
+function askKey(message) {
+  const form = document.getElementById("keyform");
+  const input = form.querySelector("input");
+  form.querySelector(".why").textContent = message || "This server needs an API key.";
+  form.hidden = false;
+  input.value = "";
+  input.focus();
+  return new Promise((resolve) => {
+    form.onsubmit = (ev) => {
+      ev.preventDefault();
+      setApiKey(input.value.trim());
+      form.hidden = true;
+      resolve();
+    };
+  });
+}
+
+/* fetch with the key; on 401 ask for it and try again. */
+async function keyedFetch(url, init) {
+  for (;;) {
+    const opts = Object.assign({}, init || {});
+    opts.headers = authHeaders(opts.headers);
+    const r = await fetch(url, opts);
+    if (r.status !== 401) return r;
+    await askKey(apiKey() ? "That API key was refused; enter it again." : "This server needs an API key.");
+  }
+}

@@ -1,0 +1,125 @@
+/* The dashboard: GET /dashboard/data about once a second (the next poll starts when the last one ended), drawn
+   with uPlot. The data holds counts and timings only, never prompts or outputs; it is shown as text anyway. */
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEEP_S = 120;                       // seconds of history the time charts keep
+const series = {t: [], tps: [], running: [], waiting: []};
+const charts = {};
+
+function fmt(x, digits) { return x == null ? "–" : Number(x).toFixed(digits); }
+function pct(x) { return x == null ? "–" : (100 * x).toFixed(1) + " %"; }
+function triple(p) { return p.count ? `${fmt(p.p50, 1)} / ${fmt(p.p90, 1)} / ${fmt(p.p99, 1)}` : "–"; }
+
+function makeChart(id, seriesOpts, time) {
+  const el = $(id);
+  const opts = {width: Math.max(300, el.clientWidth || 420), height: 180, legend: {show: true},
+                scales: {x: {time: time}}, series: [{}, ...seriesOpts],
+                axes: [{}, {size: 50}]};
+  return new uPlot(opts, [[], ...seriesOpts.map(() => [])], el);
+}
+
+function ensureCharts() {
+  if (charts.tps || typeof uPlot === "undefined") return;
+  charts.tps = makeChart("chart-tps", [{label: "tok/s", stroke: "#2a6fdb", width: 2}], true);
+  charts.reqs = makeChart("chart-reqs", [{label: "running", stroke: "#1b9e4b", width: 2},
+                                         {label: "waiting", stroke: "#d9480f", width: 2}], true);
+  const dots = (label, stroke) => ({label, stroke, points: {show: true, size: 5}, paths: () => null});
+  charts.steps = makeChart("chart-steps", [dots("decode tokens", "#2a6fdb"), dots("prefill/mixed tokens", "#d9480f"),
+                                           dots("sequences", "#7b2ad9")], true);
+  charts.wall = makeChart("chart-wall", [dots("decode", "#2a6fdb"), dots("prefill/mixed", "#d9480f")], true);
+}
+
+/* a column per phase: the value where the step is of that phase, else null (no point) */
+function byPhase(recent, decode, key) {
+  return recent.map((s) => ((s.phase === "decode") === decode ? s[key] : null));
+}
+
+function renderSplit(steps) {
+  const body = $("split").querySelector("tbody");
+  const rows = [];
+  const note = $("split-note");
+  if (!steps.available) { note.textContent = "(" + steps.note + ")"; body.replaceChildren(); return; }
+  const phases = ["decode", "prefill"].map((k) => steps.split[k]);
+  const n = phases.map((p) => (p ? p.steps : 0));
+  note.textContent = `(means over the last ${n[0]} decode and ${n[1]} prefill/mixed steps)`;
+  const names = [...steps.groups, "unattributed", "step wall"];
+  names.forEach((g, i) => {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th");
+    th.textContent = g;
+    tr.append(th);
+    for (const p of phases) {
+      let ms = null;
+      if (p) ms = i < steps.groups.length ? p.ms[i] : g === "unattributed" ? p.unattributed_ms : p.wall_ms;
+      const td = document.createElement("td");
+      td.textContent = fmt(ms, 2);
+      const bar = document.createElement("td");
+      if (p && g !== "step wall" && p.wall_ms > 0) {
+        const b = document.createElement("span");
+        b.className = "bar";
+        b.style.width = Math.min(100, 100 * ms / p.wall_ms).toFixed(1) + "%";
+        bar.append(b);
+        bar.title = pct(ms / p.wall_ms);
+      }
+      tr.append(td, bar);
+    }
+    rows.push(tr);
+  });
+  body.replaceChildren(...rows);
+}
+
+function render(d) {
+  $("model").textContent = d.model;
+  $("output_tps").textContent = fmt(d.output_tps, 1);
+  $("running").textContent = d.running;
+  $("waiting").textContent = d.waiting;
+  $("kv_usage").textContent = pct(d.kv_usage) + ` of ${d.kv_blocks} blocks`;
+  $("prefix_hit_rate").textContent = pct(d.prefix_hit_rate);
+  $("ttft").textContent = triple(d.ttft_ms);
+  $("itl").textContent = triple(d.itl_ms);
+  $("threads").textContent = `${d.threads} of ${d.threads_max}`;
+  $("generation_tokens").textContent = d.generation_tokens;
+  $("spec-tile").hidden = !d.speculative;
+  if (d.speculative) {
+    const s = d.speculative;
+    $("spec").textContent = s.acceptance == null ? "– (nothing drafted)" : `${pct(s.acceptance)} of ${s.drafted}`;
+  }
+  $("window").textContent = `latency percentiles, prefix hits and acceptance over the last ${d.window_s} s ` +
+    `(${d.ttft_ms.count} first tokens, ${d.itl_ms.count} inter-token gaps of finished requests)`;
+  const now = d.time;
+  series.t.push(now); series.tps.push(d.output_tps); series.running.push(d.running); series.waiting.push(d.waiting);
+  while (series.t.length && series.t[0] < now - KEEP_S) for (const k in series) series[k].shift();
+  ensureCharts();
+  if (charts.tps) {
+    charts.tps.setData([series.t, series.tps]);
+    charts.reqs.setData([series.t, series.running, series.waiting]);
+    const r = d.steps.recent;
+    const t = r.map((s) => s.t);
+    charts.steps.setData([t, byPhase(r, true, "tokens"), byPhase(r, false, "tokens"), r.map((s) => s.seqs)]);
+    charts.wall.setData([t, byPhase(r, true, "wall_ms"), byPhase(r, false, "wall_ms")]);
+  }
+  renderSplit(d.steps);
+  document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
+}
+
+async function poll() {
+  try {
+    const r = await keyedFetch("/dashboard/data", {cache: "no-store"});
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    render(await r.json());
+    $("status").textContent = "live";
+  } catch (e) {
+    $("status").textContent = "no data: " + (e.message || e);
+  }
+  setTimeout(poll, 1000);
+}
+
+window.addEventListener("resize", () => {
+  for (const [name, chart] of Object.entries(charts)) {
+    const el = $("chart-" + name);
+    chart.setSize({width: Math.max(300, el.clientWidth || 420), height: 180});
+  }
+});
+
+poll();
