@@ -1,7 +1,7 @@
 """StructuredOutput: what the engine does for its requests with a constraint (SamplingParams.constraint), in the
 order of a step. The engine calls it at five places and nowhere else touches a grammar:
 
-    structured = StructuredOutput(tokenizer, n_vocab)     # Engine(): the compiler starts building the vocabulary
+    structured = StructuredOutput(tokenizer, n_vocab)     # Engine(); the vocabulary builds at the first constraint
     structured.admit(seq) -> bool                         # add_request: True = the grammar is ready, schedule it;
                                                           # False = it waits here (not in the scheduler's queue)
     for seq, error in structured.ready(): ...             # each step, before scheduling: compiled -> the queue,
@@ -36,7 +36,7 @@ class MaskJob:
 
 class StructuredOutput:
     def __init__(self, tokenizer, n_vocab: int):
-        self.compiler = GrammarCompiler(tokenizer)          # builds the vocabulary on its thread now
+        self.compiler = GrammarCompiler(tokenizer)          # its thread builds the vocabulary at the first submit
         self.n_vocab = n_vocab                              # the logits' width (the model's output)
         self.n_tokenizer = tokenizer.n_vocab
         self.filler: MaskFiller | None = None               # made at the first constrained step
