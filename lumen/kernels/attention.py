@@ -29,11 +29,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .fp import BLOCK, MAX_ROWS, ST, attn_block_1, attn_block_2, attn_block_3, attn_block_4, exp_f32, f16_bits
+from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_block_1, attn_block_2, attn_block_3, attn_block_4, exp_f32, f16_bits
 from .checks import as_f32, check
+from .policy import split_attention
 from .scratch import per_thread
 
-CHUNK = 128            # keys per softmax chunk (a multiple of BLOCK): the unit of split-K for decode
 NEG = np.float32(-np.inf)
 
 
@@ -293,7 +293,6 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
     check(po.shape[1:] == (H, Dv) and pm.shape[1:] == (H, 2) and po.shape[0] == pm.shape[0]
           and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
     if split is None:
-        from .policy import split_attention
         split = bool(split_attention(N, int(positions[0]) + 1))
     if split:
         check(N == 1, "split attention takes one token")

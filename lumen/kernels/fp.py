@@ -27,6 +27,8 @@ from numba.extending import intrinsic
 from .ir import F16, F32, I16, I32, I64, LANES, NEG_INF, VF, VH, VI, call, const, fma, fmax, hmax, hsum, ptr, sfx, splat
 
 BLOCK = 16                     # keys per KV block: one score vector
+CHUNK = 128                    # keys per softmax chunk of lumen.kernels.attention (a multiple of BLOCK): the
+                               # unit of split-K for decode
 
 
 def _exp(builder, x):
