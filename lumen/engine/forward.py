@@ -19,6 +19,7 @@ the compiled code (lumen.profile turns the ticks into records).
 from __future__ import annotations
 
 import os
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -38,7 +39,8 @@ from ..timer import ticks
 OPS = ("embed", "attn_norm", "qkv", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
        "attn_residual", "ffn_norm", "gate_up", "act", "down", "post_ffn_norm", "ffn_residual", "output_norm",
        "output")
-LAYER_OPS = range(OPS.index("attn_norm"), OPS.index("ffn_residual") + 1)
+Op = IntEnum("Op", OPS, start=0)       # Op.qkv == OPS.index("qkv"): a slot's name and its index cannot drift
+LAYER_OPS = range(Op.attn_norm, Op.ffn_residual + 1)
 N_LAYER_OPS = len(LAYER_OPS)
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")      # per layer
 VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm",
@@ -46,7 +48,8 @@ VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "a
 
 
 def n_slots(n_layer: int) -> int:
-    """Timer slots: embed, the layers' ops, output_norm, output, and the start tick in the last slot."""
+    """Timer slots: embed, the layers' ops, output_norm, output, and the start tick in the last slot. Op o of
+    layer il writes slot o + il * N_LAYER_OPS (embed: slot 0); output_norm and output follow the last layer's."""
     return 1 + n_layer * N_LAYER_OPS + 2 + 1
 
 
@@ -278,23 +281,23 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         for t in range(N):
             for j in range(E):
                 x[t, j] *= arch.embd_scale
-    _mark(times, prof, 0)
+    _mark(times, prof, Op.embed)
 
     for il in range(arch.n_layer):
-        b = 1 + il * N_LAYER_OPS
+        lb = il * N_LAYER_OPS                    # op o of this layer: timer slot lb + o
         # attention block
         _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
-        _mark(times, prof, b + 0)
+        _mark(times, prof, lb + Op.attn_norm)
         mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w, scr.mm)  # one region
         if arch.qkv_bias:
             _add_bias(q, _vec(w, w.attn_q_bias, il))
             _add_bias(k, _vec(w, w.attn_k_bias, il))
             _add_bias(v, _vec(w, w.attn_v_bias, il))
-        _mark(times, prof, b + 1)
+        _mark(times, prof, lb + Op.qkv)
         if arch.qk_norm:
             rmsnorm_heads_kernel(q3, q3, _vec(w, w.attn_q_norm, il), eps)
             rmsnorm_heads_kernel(k3, k3, _vec(w, w.attn_k_norm, il), eps)
-        _mark(times, prof, b + 2)
+        _mark(times, prof, lb + Op.qk_norm)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         if par:
             rope_kernel_par(q3, batch.positions, cos, sin, arch.neox)
@@ -305,40 +308,40 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         _round_f16(q3)
         _round_f16(k3)
         _round_f16(v)
-        _mark(times, prof, b + 3)
+        _mark(times, prof, lb + Op.rope)
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
-        _mark(times, prof, b + 4)
+        _mark(times, prof, lb + Op.kv_store)
         if split:
             attention_split_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions[0], batch.seqs[0], batch.block_tables,
                                    arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm, at.po, at.pm)
         else:
             attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
                              arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
-        _mark(times, prof, b + 5)
+        _mark(times, prof, lb + Op.attention)
         mm(xn, att, w.attn_output[il], w, scr.mm)
-        _mark(times, prof, b + 6)
+        _mark(times, prof, lb + Op.o)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
-        _mark(times, prof, b + 7)
+        _mark(times, prof, lb + Op.post_attn_norm)
         _add(x, xn, par)
-        _mark(times, prof, b + 8)
+        _mark(times, prof, lb + Op.attn_residual)
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
-        _mark(times, prof, b + 9)
+        _mark(times, prof, lb + Op.ffn_norm)
         mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)   # one region
-        _mark(times, prof, b + 10)
+        _mark(times, prof, lb + Op.gate_up)
         gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
-        _mark(times, prof, b + 11)
+        _mark(times, prof, lb + Op.act)
         mm(xn, ffa, w.ffn_down[il], w, scr.mm)
-        _mark(times, prof, b + 12)
+        _mark(times, prof, lb + Op.down)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
-        _mark(times, prof, b + 13)
+        _mark(times, prof, lb + Op.post_ffn_norm)
         _add(x, xn, par)
-        _mark(times, prof, b + 14)
+        _mark(times, prof, lb + Op.ffn_residual)
 
     # output: final norm and the vocabulary projection, only for the rows to sample
-    end = 1 + arch.n_layer * N_LAYER_OPS
+    lb = (arch.n_layer - 1) * N_LAYER_OPS        # the slots after the last layer's
     n_out = batch.out_rows.shape[0]
     xo = scr.xn[:n_out]
     for i in range(n_out):
@@ -346,7 +349,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
             xo[i, j] = x[batch.out_rows[i], j]
     on = w.output_norm
     _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
-    _mark(times, prof, end)
+    _mark(times, prof, lb + Op.output_norm)
     out = logits[:n_out]
     mm(out, xo, w.output, w, scr.mm)
     if arch.softcap > 0:
@@ -354,4 +357,4 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         for i in range(n_out):
             for j in range(out.shape[1]):
                 out[i, j] = c * np.tanh(out[i, j] / c)
-    _mark(times, prof, end + 1)
+    _mark(times, prof, lb + Op.output)
