@@ -27,7 +27,7 @@ from numba import njit
 
 from ..kernels.activation import add_kernel, add_kernel_par, gated
 from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
-from ..kernels.dequant import embed_row
+from ..kernels.dequant import dequant_row
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
 from ..kernels.matmul import matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
@@ -276,7 +276,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         times[times.shape[0] - 1] = ticks()  # start
     # embedding lookup (dequantize the token rows); gemma scales it by sqrt(E)
     for t in range(N):
-        embed_row(w.kinds, x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
+        dequant_row(w.kinds, x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
     if arch.embd_scale != 1.0:
         for t in range(N):
             for j in range(E):

@@ -6,8 +6,8 @@ ids, so it compiled the tile kernels of all 8 quantized types (at 2 row counts),
 types and both activations, for every model; each compiled function is optimised again inside every caller that
 links it (numba.core.codegen: a library's final module holds its callees), so a cold start paid for them several
 times over. The kinds travel in the Weights bundle, and their Numba type carries the sets, so the dispatchers
-(lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.embed_row, lumen.kernels.activation.gated) generate code for
-what the model has and nothing else; the forward pass is compiled (and cached) once per set.
+(lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.dequant_row, lumen.kernels.activation.gated) build, with
+`switch`, code for what the model has and nothing else; the forward pass is compiled (and cached) once per set.
 
 The value is a zero-length array whose structured dtype names the kinds (fields m<type>, e<type>, a<act>): Numba's
 dispatcher types arrays in its C fast path, so the bundle costs nothing per call (a Python object of a custom type
@@ -16,7 +16,10 @@ step on the real bundles).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from numba import njit
 
 from ..format.quants import QT
 
@@ -45,3 +48,26 @@ def sets(kinds_type) -> tuple[tuple, tuple, tuple]:
 
 
 ALL = kinds()
+
+
+@functools.lru_cache(maxsize=None)
+def switch(cases: tuple):
+    """The one way the kernels dispatch on a type: cases ((key, fn), ...) -> a compiled f(key, *args) that calls
+    fn(*args) of the first case whose key == key, the last case taking every other key (the loader checked it).
+    Built at compile time, inside an overload, from the kinds' cases only, so nothing else is compiled. An
+    if-chain of compiled functions, one case per level; LLVM inlines the levels into the caller."""
+    (key0, fn), rest = cases[0], cases[1:]
+    if not rest:
+        @njit
+        def last(key, *args):
+            fn(*args)
+        return last
+    other = switch(rest)
+
+    @njit
+    def first(key, *args):
+        if key == key0:
+            fn(*args)
+        else:
+            other(key, *args)
+    return first
