@@ -26,10 +26,10 @@ import numpy as np
 from numba import njit
 
 from ..kernels.activation import add_kernel, add_kernel_par, gated
-from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
+from ..kernels.attention import AttnScratch, Paged, attention_kernel, attention_split_kernel, kv_store_kernel
 from ..kernels.dequant import dequant_row
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
-from ..kernels.matmul import matmul_kernel, prepare_x
+from ..kernels.matmul import Acts, Mat, matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_kernel, rope_kernel_par
@@ -130,15 +130,6 @@ class MMScratch(NamedTuple):
     work: np.ndarray             # (8,) i8 the work counter of the matmul regions (lumen.kernels.work), own line
 
 
-class AttnScratch(NamedTuple):
-    o: np.ndarray                # see lumen.kernels.attention.attention_scratch
-    st: np.ndarray
-    ro: np.ndarray
-    rm: np.ndarray
-    po: np.ndarray
-    pm: np.ndarray
-
-
 class Scratch(NamedTuple):
     x: np.ndarray                # (rows, E) residual stream
     xn: np.ndarray               # (rows, E) normed input / block output
@@ -149,7 +140,7 @@ class Scratch(NamedTuple):
     ffa: np.ndarray              # (rows, F) FFN gate, then act(gate) * up
     ffb: np.ndarray              # (rows, F) FFN up
     mm: MMScratch
-    attn: AttnScratch
+    attn: AttnScratch            # lumen.kernels.attention
     times: np.ndarray            # (n_slots,) i8 op timestamps of the last call
 
 
@@ -161,7 +152,7 @@ def _mark(times, prof, i):
 
 @njit(cache=True)
 def _mat(i, packs):
-    """Packed matrix i's (type, activation format, tiles (T, bytes) u8, F32 values (T, n_in, R), scale records)."""
+    """Packed matrix i as the kernels take it (a lumen.kernels.matmul.Mat), and its activation format."""
     pk = packs.table
     qt, fam, T, G, n_in = pk[i, C_QT], pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_NIN]
     qo, so = pk[i, C_Q], pk[i, C_S]
@@ -169,10 +160,10 @@ def _mat(i, packs):
     sb = s_len(qt, T, G)
     s = packs.s[so:so + sb].reshape((T, sb // T))
     if fam == F32:
-        return qt, pk[i, C_FMT], packs.q[0:0].reshape((z, z)), packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape(
-            (T, n_in, R)), s
+        return Mat(qt, packs.q[0:0].reshape((z, z)), packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape((T, n_in, R)),
+                   s), pk[i, C_FMT]
     qb = q_len(fam, T, G, n_in)
-    return qt, pk[i, C_FMT], packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s
+    return Mat(qt, packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s), pk[i, C_FMT]
 
 
 @njit(cache=True)
@@ -181,28 +172,25 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
     Weights w: the activations rounded once (serially), then one parallel region over the tiles of all n (one
     activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
     whose activation formats differ, or of the F32 family, run one region each."""
-    qt0, f0, q0, qf0, s0 = _mat(i0, w.packs)
-    qt1, f1, q1, qf1, s1 = _mat(i1, w.packs)
-    qt2, f2, q2, qf2, s2 = _mat(i2, w.packs)
-    outs, qts, qs, qfs = (o0, o1, o2), (qt0, qt1, qt2), (q0, q1, q2), (qf0, qf1, qf2)
-    ss, fmts = (s0, s1, s2), (f0, f1, f2)
-    fused = n == 1 or (qf0.shape[0] == 0 and qf1.shape[0] == 0 and f1 == f0
-                       and (n == 2 or (qf2.shape[0] == 0 and f2 == f0)))
+    m0, f0 = _mat(i0, w.packs)
+    m1, f1 = _mat(i1, w.packs)
+    m2, f2 = _mat(i2, w.packs)
+    outs, ms, fmts = (o0, o1, o2), (m0, m1, m2), (f0, f1, f2)
+    fused = n == 1 or (m0.qf.shape[0] == 0 and m1.qf.shape[0] == 0 and f1 == f0
+                       and (n == 2 or (m2.qf.shape[0] == 0 and f2 == f0)))
     N, n_in = x.shape
     G = n_in // 32
-    xq = scr.xq[:N * n_in].reshape((N, n_in))
-    xd = scr.xd[:N * G].reshape((N, G))
-    xs = scr.xs[:N * G * 2].reshape((N, G, 2))
-    xf = scr.xf[:N * n_in].reshape((N, n_in))
-    xi = scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2))   # xf is free for the 8-bit formats
+    acts = Acts(scr.xq[:N * n_in].reshape((N, n_in)), scr.xd[:N * G].reshape((N, G)),
+                scr.xs[:N * G * 2].reshape((N, G, 2)),
+                scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2)),   # xf is free for the 8-bit formats
+                scr.xf[:N * n_in].reshape((N, n_in)))
     for r in range(1 if fused else n):
         if fused:
-            o, t, q, s, k = outs, qts, qs, ss, n
+            o, ws, k = outs, ms, n
         else:
-            o, t, k = (outs[r], outs[r], outs[r]), (qts[r], qts[r], qts[r]), np.int64(1)
-            q, s = (qs[r], qs[r], qs[r]), (ss[r], ss[r], ss[r])
-        prepare_x(xq, xd, xs, xi, xf, x, fmts[r])
-        matmul_kernel(o, t, q, qfs[r], s, k, xq, xd, xs, xi, xf, scr.facc, scr.work, w.kinds)
+            o, ws, k = (outs[r], outs[r], outs[r]), (ms[r], ms[r], ms[r]), np.int64(1)
+        prepare_x(acts, x, fmts[r])
+        matmul_kernel(o, ws, k, acts, scr.facc, scr.work, w.kinds)
 
 
 @njit(cache=True, inline="always")
@@ -269,7 +257,6 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     k3 = k.reshape((N, KVH, hd))
     v3 = v.reshape((N, KVH, hdv))
     a3 = att.reshape((N, H, hdv))
-    at = scr.attn
     split = split_attention(N, batch.positions[0] + 1)
 
     if TIMERS and prof:
@@ -311,12 +298,12 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         _mark(times, prof, lb + Op.rope)
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
         _mark(times, prof, lb + Op.kv_store)
+        cache = Paged(kv.k[il], kv.v[il], batch.block_tables)
         if split:
-            attention_split_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions[0], batch.seqs[0], batch.block_tables,
-                                   arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm, at.po, at.pm)
+            attention_split_kernel(a3, q3, cache, batch.positions[0], batch.seqs[0], arch.windows[il], arch.attn_scale,
+                                   scr.attn)
         else:
-            attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
-                             arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
+            attention_kernel(a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale, scr.attn)
         _mark(times, prof, lb + Op.attention)
         mm(xn, att, w.attn_output[il], w, scr.mm)
         _mark(times, prof, lb + Op.o)

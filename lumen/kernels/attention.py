@@ -19,11 +19,14 @@ nothing; the chunks' partial results are then merged in chunk order by one funct
 batched steps run a token's chunks one after another on one thread (`attention_kernel`); a lone decode token
 may hand its chunks to all threads and merge afterwards (`attention_split_kernel`). Both give the same bits.
 
-Scratch (per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,
+The kernels take the layer's cache as a Paged (k_pool, v_pool, block_tables) and their scratch as an AttnScratch
+(per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,
 st (lanes, n_heads, ST) chunk state (max, 16 lane sums), rm (lanes, n_heads, 2) running (max, sum); the split
 kernel's partial results po (n_chunks, n_heads, head_dim_v), pm (n_chunks, n_heads, 2).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -37,15 +40,33 @@ from .scratch import per_thread
 NEG = np.float32(-np.inf)
 
 
-def attention_scratch(n_heads: int, head_dim_v: int, max_ctx: int, n_lanes: int | None = None):
-    """(o, st, ro, rm, po, pm) for the attention kernels (module doc); lanes default to numba's thread count,
-    each lane's block on its own cache lines (lumen.kernels.scratch)."""
+class AttnScratch(NamedTuple):
+    """The attention kernels' scratch (module doc), from `attention_scratch`."""
+    o: np.ndarray      # (lanes, n_heads, head_dim_v) f32 a chunk's output
+    st: np.ndarray     # (lanes, n_heads, ST) f32 a chunk's state: max, 16 lane sums
+    ro: np.ndarray     # (lanes, n_heads, head_dim_v) f32 running output
+    rm: np.ndarray     # (lanes, n_heads, 2) f32 running (max, sum)
+    po: np.ndarray     # (n_chunks, n_heads, head_dim_v) f32 the split kernel's partial results
+    pm: np.ndarray     # (n_chunks, n_heads, 2) f32
+
+
+class Paged(NamedTuple):
+    """One layer's paged KV cache (module doc)."""
+    k: np.ndarray      # (n_blocks, n_kv, head_dim, BLOCK) u16 f16 bits
+    v: np.ndarray      # (n_blocks, n_kv, BLOCK, head_dim_v) u16 f16 bits
+    tables: np.ndarray  # (S, max_blocks) i8 block tables
+
+
+def attention_scratch(n_heads: int, head_dim_v: int, max_ctx: int, n_lanes: int | None = None) -> AttnScratch:
+    """The AttnScratch of the attention kernels (module doc); lanes default to numba's thread count, each lane's
+    block on its own cache lines (lumen.kernels.scratch)."""
     lanes = numba.get_num_threads() if n_lanes is None else n_lanes
     check(lanes >= 1, f"n_lanes {lanes} must be at least 1")
     n_chunks = max(1, -(-max_ctx // CHUNK))
-    return (per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, ST), np.float32),
-            per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, 2), np.float32),
-            np.zeros((n_chunks, n_heads, head_dim_v), np.float32), np.zeros((n_chunks, n_heads, 2), np.float32))
+    return AttnScratch(per_thread((lanes, n_heads, head_dim_v), np.float32),
+                       per_thread((lanes, n_heads, ST), np.float32),
+                       per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, 2), np.float32),
+                       np.zeros((n_chunks, n_heads, head_dim_v), np.float32), np.zeros((n_chunks, n_heads, 2), np.float32))
 
 
 @njit(cache=True)
@@ -58,21 +79,25 @@ def key_range(p, window):
 
 
 @njit(cache=True)
-def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
-    """The softmax of query rows h0 .. h0+G-1 of token t over keys a .. b-1 (inside one chunk), from nothing:
-    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output."""
+def _chunk(scr, lane, q, t, kv, s, g, a, b, scale):
+    """The softmax of token t's query rows of kv group g (rows g G .. g G + G - 1, G = n_heads // n_kv) over the
+    keys a .. b-1 (inside one chunk) of sequence s, from nothing: scr.st[lane, h] = (max, 16 lane sums),
+    scr.o[lane, h] = unnormalised output."""
+    o, st, k_pool, v_pool = scr.o, scr.st, kv.k, kv.v
     hd, hdv = q.shape[2], v_pool.shape[3]
     KVH = k_pool.shape[1]
+    H = q.shape[1]
+    G = H // KVH
+    h0 = g * G
     for r in range(h0, h0 + G):
         st[lane, r, 0] = NEG
         for i in range(1, 17):
             st[lane, r, i] = 0.0
         for d in range(hdv):
             o[lane, r, d] = 0.0
-    H = q.shape[1]
     b0 = a - a % BLOCK
     for j in range(b0, b, BLOCK):
-        blk = bt[s, j // BLOCK]
+        blk = kv.tables[s, j // BLOCK]
         jlo = max(a - j, 0)
         jhi = min(b - j, BLOCK)
         ko = (blk * KVH + g) * hd * BLOCK
@@ -135,46 +160,48 @@ def _finish(out, t, h0, G, ro, rm, i):
 
 
 @njit(cache=True)
-def _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, s, p, window, scale):
+def _token(out, scr, lane, q, t, kv, s, p, g, window, scale):
     """Attention of token t (position p of sequence s), kv group g: its chunks in order on this lane."""
+    st, ro, rm = scr.st, scr.ro, scr.rm
+    G = q.shape[1] // kv.k.shape[1]
     h0 = g * G
     j0, j1 = key_range(p, window)
     for h in range(h0, h0 + G):
         rm[lane, h, 0] = NEG
         rm[lane, h, 1] = 0.0
     for c in range(j0 // CHUNK, (j1 - 1) // CHUNK + 1):
-        _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK),
-               scale)
+        _chunk(scr, lane, q, t, kv, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK), scale)
         for h in range(h0, h0 + G):
             l1 = _lane_total(st, lane, h)
-            _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
+            _merge(ro, rm, lane, h, scr.o, lane, h, st[lane, h, 0], l1)
     _finish(out, t, h0, G, ro, rm, lane)
 
 
 @njit(cache=True, parallel=True)  # parallel over (token, kv head) items: prefill and batched steps
-def attention_kernel(out, q, k_pool, v_pool, positions, seqs, bt, window, scale, o, st, ro, rm):
-    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc);
-    work items (token, kv head) dealt round-robin to the lanes (later tokens see more keys)."""
-    N, H = q.shape[0], q.shape[1]
-    KVH = k_pool.shape[1]
-    G = H // KVH
-    lanes = o.shape[0]
+def attention_kernel(out, q, kv, positions, seqs, window, scale, scr):
+    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc) over
+    the layer's cache kv (Paged), scr an AttnScratch; work items (token, kv head) dealt round-robin to the lanes
+    (later tokens see more keys)."""
+    N = q.shape[0]
+    KVH = kv.k.shape[1]
+    lanes = scr.o.shape[0]
     n_items = N * KVH
     for lane_ in prange(lanes):
         lane = np.int64(lane_)                   # (one signature for the callees: prange counts in uint64)
         for item in range(lane, n_items, lanes):
             t = item // KVH
             g = item - t * KVH
-            _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, seqs[t], positions[t], window, scale)
+            _token(out, scr, lane, q, t, kv, seqs[t], positions[t], g, window, scale)
 
 
 @njit(cache=True, parallel=True)  # split-K over lanes: one decode token has only n_kv items of work
-def attention_split_kernel(out, q, k_pool, v_pool, p, s, bt, window, scale, o, st, ro, rm, po, pm):
+def attention_split_kernel(out, q, kv, p, s, window, scale, scr):
     """Same contract as attention_kernel for one token (row 0 of q, position p of sequence s): the items
-    (kv head, chunk) are spread over the lanes, each writes its partial result to po/pm, then one thread
+    (kv head, chunk) are spread over the lanes, each writes its partial result to scr.po/pm, then one thread
     merges every row's chunks in chunk order with _merge. Bit-identical to attention_kernel."""
+    o, st, ro, rm, po, pm = scr
     H = q.shape[1]
-    KVH = k_pool.shape[1]
+    KVH = kv.k.shape[1]
     G = H // KVH
     lanes = o.shape[0]
     j0, j1 = key_range(p, window)
@@ -187,8 +214,7 @@ def attention_split_kernel(out, q, k_pool, v_pool, p, s, bt, window, scale, o, s
         for item in range(lane, n_items, lanes):
             g = item // nc
             c = c0 + item - g * nc
-            _chunk(o, st, lane, g * G, G, q, zero, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK),
-                   min(j1, (c + 1) * CHUNK), scale)
+            _chunk(scr, lane, q, zero, kv, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK), scale)
             for h in range(g * G, g * G + G):
                 pm[c - c0, h, 0] = st[lane, h, 0]
                 pm[c - c0, h, 1] = _lane_total(st, lane, h)
@@ -284,6 +310,7 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
     check(window >= 0, f"window {window} is negative")
     if scratch is None:
         scratch = attention_scratch(H, Dv, max_blocks * BLOCK)
+    scratch = AttnScratch(*scratch)
     o, st, ro, rm, po, pm = scratch
     lanes = o.shape[0]
     for name, a, shape in (("o", o, (lanes, H, Dv)), ("st", st, (lanes, H, ST)), ("ro", ro, (lanes, H, Dv)),
@@ -294,11 +321,10 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
           and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
     if split is None:
         split = bool(split_attention(N, int(positions[0]) + 1))
+    kv = Paged(k_pool, v_pool, block_tables)
     if split:
         check(N == 1, "split attention takes one token")
-        attention_split_kernel(out, q, k_pool, v_pool, int(positions[0]), int(seqs[0]), block_tables, int(window),
-                               np.float32(scale), o, st, ro, rm, po, pm)
+        attention_split_kernel(out, q, kv, int(positions[0]), int(seqs[0]), int(window), np.float32(scale), scratch)
     else:
-        attention_kernel(out, q, k_pool, v_pool, positions, seqs, block_tables, int(window), np.float32(scale),
-                         o, st, ro, rm)
+        attention_kernel(out, q, kv, positions, seqs, int(window), np.float32(scale), scratch)
     return out
