@@ -163,7 +163,7 @@ def _geglu(par, out, gate, up):
 @overload(gated)
 def _gated(kinds, gelu, par, out, gate, up):
     from .kinds import GELU, SILU, sets, switch
-    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in sets(kinds)[2]))
+    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in sets(kinds)[2]), 4)
 
     def impl(kinds, gelu, par, out, gate, up):
         act(GELU if gelu else SILU, par, out, gate, up)

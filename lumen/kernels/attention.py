@@ -79,25 +79,25 @@ def key_range(p, window):
 
 
 @njit(cache=True)
-def _chunk(scr, lane, q, t, kv, s, g, a, b, scale):
-    """The softmax of token t's query rows of kv group g (rows g G .. g G + G - 1, G = n_heads // n_kv) over the
-    keys a .. b-1 (inside one chunk) of sequence s, from nothing: scr.st[lane, h] = (max, 16 lane sums),
-    scr.o[lane, h] = unnormalised output."""
-    o, st, k_pool, v_pool = scr.o, scr.st, kv.k, kv.v
+def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
+    """The softmax of query rows h0 .. h0+G-1 of token t over keys a .. b-1 (inside one chunk), from nothing:
+    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output. _chunk and _token take arrays, not the
+    Paged / AttnScratch bundles, and _chunk its rows: reading a bundle's fields here put 8 atomic reference count
+    increments into _chunk's compiled code (0 without) and 26 into _token's (12 without), and computing
+    G = n_heads // n_kv here 6 (the division's error branch defeats Numba's reference count pruning): updates on
+    arrays both threads share, once per chunk (LLVM IR of each, counted)."""
     hd, hdv = q.shape[2], v_pool.shape[3]
     KVH = k_pool.shape[1]
-    H = q.shape[1]
-    G = H // KVH
-    h0 = g * G
     for r in range(h0, h0 + G):
         st[lane, r, 0] = NEG
         for i in range(1, 17):
             st[lane, r, i] = 0.0
         for d in range(hdv):
             o[lane, r, d] = 0.0
+    H = q.shape[1]
     b0 = a - a % BLOCK
     for j in range(b0, b, BLOCK):
-        blk = kv.tables[s, j // BLOCK]
+        blk = bt[s, j // BLOCK]
         jlo = max(a - j, 0)
         jhi = min(b - j, BLOCK)
         ko = (blk * KVH + g) * hd * BLOCK
@@ -160,20 +160,20 @@ def _finish(out, t, h0, G, ro, rm, i):
 
 
 @njit(cache=True)
-def _token(out, scr, lane, q, t, kv, s, p, g, window, scale):
+def _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, s, p, g, window, scale):
     """Attention of token t (position p of sequence s), kv group g: its chunks in order on this lane."""
-    st, ro, rm = scr.st, scr.ro, scr.rm
-    G = q.shape[1] // kv.k.shape[1]
+    G = q.shape[1] // k_pool.shape[1]
     h0 = g * G
     j0, j1 = key_range(p, window)
     for h in range(h0, h0 + G):
         rm[lane, h, 0] = NEG
         rm[lane, h, 1] = 0.0
     for c in range(j0 // CHUNK, (j1 - 1) // CHUNK + 1):
-        _chunk(scr, lane, q, t, kv, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK), scale)
+        _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK),
+               scale)
         for h in range(h0, h0 + G):
             l1 = _lane_total(st, lane, h)
-            _merge(ro, rm, lane, h, scr.o, lane, h, st[lane, h, 0], l1)
+            _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
     _finish(out, t, h0, G, ro, rm, lane)
 
 
@@ -182,16 +182,18 @@ def attention_kernel(out, q, kv, positions, seqs, window, scale, scr):
     """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc) over
     the layer's cache kv (Paged), scr an AttnScratch; work items (token, kv head) dealt round-robin to the lanes
     (later tokens see more keys)."""
+    o, st, ro, rm = scr.o, scr.st, scr.ro, scr.rm
+    k_pool, v_pool, bt = kv
     N = q.shape[0]
-    KVH = kv.k.shape[1]
-    lanes = scr.o.shape[0]
+    KVH = k_pool.shape[1]
+    lanes = o.shape[0]
     n_items = N * KVH
     for lane_ in prange(lanes):
         lane = np.int64(lane_)                   # (one signature for the callees: prange counts in uint64)
         for item in range(lane, n_items, lanes):
             t = item // KVH
             g = item - t * KVH
-            _token(out, scr, lane, q, t, kv, seqs[t], positions[t], g, window, scale)
+            _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, seqs[t], positions[t], g, window, scale)
 
 
 @njit(cache=True, parallel=True)  # split-K over lanes: one decode token has only n_kv items of work
@@ -200,8 +202,9 @@ def attention_split_kernel(out, q, kv, p, s, window, scale, scr):
     (kv head, chunk) are spread over the lanes, each writes its partial result to scr.po/pm, then one thread
     merges every row's chunks in chunk order with _merge. Bit-identical to attention_kernel."""
     o, st, ro, rm, po, pm = scr
+    k_pool, v_pool, bt = kv
     H = q.shape[1]
-    KVH = kv.k.shape[1]
+    KVH = k_pool.shape[1]
     G = H // KVH
     lanes = o.shape[0]
     j0, j1 = key_range(p, window)
@@ -214,7 +217,8 @@ def attention_split_kernel(out, q, kv, p, s, window, scale, scr):
         for item in range(lane, n_items, lanes):
             g = item // nc
             c = c0 + item - g * nc
-            _chunk(scr, lane, q, zero, kv, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK), scale)
+            _chunk(o, st, lane, g * G, G, q, zero, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK),
+                   min(j1, (c + 1) * CHUNK), scale)
             for h in range(g * G, g * G + G):
                 pm[c - c0, h, 0] = st[lane, h, 0]
                 pm[c - c0, h, 1] = _lane_total(st, lane, h)

@@ -192,7 +192,7 @@ def dequant_row(kinds, out, raw, lut, qtype):
 
 @overload(dequant_row)
 def _dequant_row(kinds, out, raw, lut, qtype):
-    rows = switch(tuple((t, _ROWS[t]) for t in sets(kinds)[1] if t in _ROWS) or ((_F32, row_f32),))
+    rows = switch(tuple((t, _ROWS[t]) for t in sets(kinds)[1] if t in _ROWS) or ((_F32, row_f32),), 3)
 
     def impl(kinds, out, raw, lut, qtype):
         rows(qtype, out, raw, lut)

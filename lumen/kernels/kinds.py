@@ -51,23 +51,22 @@ ALL = kinds()
 
 
 @functools.lru_cache(maxsize=None)
-def switch(cases: tuple):
-    """The one way the kernels dispatch on a type: cases ((key, fn), ...) -> a compiled f(key, *args) that calls
-    fn(*args) of the first case whose key == key, the last case taking every other key (the loader checked it).
-    Built at compile time, inside an overload, from the kinds' cases only, so nothing else is compiled. An
-    if-chain of compiled functions, one case per level; LLVM inlines the levels into the caller."""
-    (key0, fn), rest = cases[0], cases[1:]
-    if not rest:
-        @njit
-        def last(key, *args):
-            fn(*args)
-        return last
-    other = switch(rest)
-
-    @njit
-    def first(key, *args):
-        if key == key0:
-            fn(*args)
-        else:
-            other(key, *args)
-    return first
+def switch(cases: tuple, n_args: int):
+    """The one way the kernels dispatch on a type: cases ((key, fn), ...) -> a compiled
+    f(key, a0, ..., a<n_args - 1>) that calls fn(a0, ...) of the first case whose key == key, the last case taking
+    every other key (the loader checked it). Built at compile time, inside an overload, from the kinds' cases
+    only, so nothing else is compiled. The if-chain is generated source, inlined into its caller at Numba IR
+    level, so the caller's reference counting is the same as if it called the kernel itself. (A chain of compiled
+    functions taking *args compiled to the same vector code but put 26 atomic reference count increments into
+    lumen.kernels.matmul.tiles_1, the decode loop, against 0 with this; counted in its LLVM IR.)"""
+    args = ", ".join(f"a{i}" for i in range(n_args))
+    lines = [f"def switch_(key, {args}):"]
+    if len(cases) == 1:
+        lines.append(f"    f0({args})")
+    else:
+        for j, (key, _) in enumerate(cases):
+            head = "if" if j == 0 else "elif" if j < len(cases) - 1 else "else"
+            lines.append(f"    {head}{f' key == {int(key)}' if head != 'else' else ''}:\n        f{j}({args})")
+    ns = {f"f{j}": fn for j, (_, fn) in enumerate(cases)}
+    exec("\n".join(lines), ns)
+    return njit(inline="always")(ns["switch_"])

@@ -299,13 +299,13 @@ def tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
     raise NotImplementedError("tile_rows runs in compiled code only")
 
 
-@overload(tile_rows)
+@overload(tile_rows, inline="always")
 def _tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
     """The dispatch (lumen.kernels.kinds.switch), built for the kinds' types only: one tile kernel per type."""
     import lumen.kernels.simd as simd
     qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
-    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in qts))
-    many = switch(tuple((t, getattr(simd, _TILES[t][1])) for t in qts))
+    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in qts), 16)
+    many = switch(tuple((t, getattr(simd, _TILES[t][1])) for t in qts), 19)
 
     def impl(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
         G = x.xd.shape[1]
