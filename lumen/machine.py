@@ -41,6 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .errors import LumenError
+from .kernels import ir as kir
 from .kernels import simd
 from .model.store import lumen_home
 
@@ -79,21 +80,21 @@ def _make_int8_dot(bits: int):
     DOT_RUN vectors) read as bits-wide vectors, the u8 x i8 dot of each vector's 4 bytes per lane with one 4-byte
     quad of x (32,) i8 broadcast (quad j % 8 for vector j), into DOT_ACC accumulators in turn (simd._dpbusd)."""
     lanes, vbytes = bits // 32, bits // 8
-    vt = ir.VectorType(simd._I32, lanes)
+    vt = ir.VectorType(kir.I32, lanes)
 
     def codegen(context, builder, sig, args):
         out_v, w_v, x_v, n_v = args
         ta = sig.args
         i64 = ir.IntType(64)
-        wp = simd._data(context, builder, ta[1], w_v, simd._I8)
-        xp = simd._data(context, builder, ta[2], x_v, simd._I8)
+        wp = kir.ptr(context, builder, ta[1], w_v, kir.I8)
+        xp = kir.ptr(context, builder, ta[2], x_v, kir.I8)
         nitems = context.make_array(ta[1])(context, builder, w_v).nitems
         runs = builder.udiv(nitems, ir.Constant(i64, vbytes * DOT_RUN))
         xb = []
         for k in range(8):
-            q = builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(i64, 4 * k)]), simd._I32.as_pointer()),
+            q = builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(i64, 4 * k)]), kir.I32.as_pointer()),
                              align=1)
-            v = builder.insert_element(ir.Constant(vt, ir.Undefined), q, ir.Constant(simd._I32, 0))
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), q, ir.Constant(kir.I32, 0))
             xb.append(builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(vt, [0] * lanes)))
         slots = [cgutils.alloca_once_value(builder, ir.Constant(vt, None)) for _ in range(DOT_ACC)]
         with cgutils.for_range(builder, n_v):
@@ -109,7 +110,7 @@ def _make_int8_dot(bits: int):
         total = builder.load(slots[0])
         for s in slots[1:]:
             total = builder.add(total, builder.load(s))
-        op = simd._data(context, builder, ta[0], out_v, simd._I32)
+        op = kir.ptr(context, builder, ta[0], out_v, kir.I32)
         builder.store(total, builder.bitcast(op, vt.as_pointer()), align=4)
         return context.get_dummy_value()
 

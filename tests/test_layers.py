@@ -36,11 +36,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # lumen.paths, so the engine needs neither lumen.profile nor the facade.
 KNOWN_UP: set[tuple[str, str]] = set()
 
-# Known circles through lazy imports, each as the lazy import (importer, imported) that closes it: policy.py ->
-# attention.py -> policy.py (KERN breaks it). KNOWN_UP's arrows are left out of the circle check too.
-KNOWN_CIRCLE_EDGES = {
-    ("lumen.kernels.attention", "lumen.kernels.policy"),  # removed when the kernels merge
-}
+# Known circles through lazy imports, each as the lazy import (importer, imported) that closes it: none.
+KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

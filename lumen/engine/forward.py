@@ -19,16 +19,17 @@ the compiled code (lumen.profile turns the ticks into records).
 from __future__ import annotations
 
 import os
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ..kernels.activation import add_kernel, add_kernel_par, gated
-from ..kernels.attention import attention_kernel, attention_split_kernel, kv_store_kernel
-from ..kernels.dequant import embed_row
+from ..kernels.attention import AttnScratch, Paged, attention_kernel, attention_split_kernel, kv_store_kernel
+from ..kernels.dequant import dequant_row
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
-from ..kernels.matmul import matmul_kernel, prepare_x
+from ..kernels.matmul import Acts, Mat, matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_kernel, rope_kernel_par
@@ -38,7 +39,8 @@ from ..timer import ticks
 OPS = ("embed", "attn_norm", "qkv", "qk_norm", "rope", "kv_store", "attention", "o", "post_attn_norm",
        "attn_residual", "ffn_norm", "gate_up", "act", "down", "post_ffn_norm", "ffn_residual", "output_norm",
        "output")
-LAYER_OPS = range(OPS.index("attn_norm"), OPS.index("ffn_residual") + 1)
+Op = IntEnum("Op", OPS, start=0)       # Op.qkv == OPS.index("qkv"): a slot's name and its index cannot drift
+LAYER_OPS = range(Op.attn_norm, Op.ffn_residual + 1)
 N_LAYER_OPS = len(LAYER_OPS)
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")      # per layer
 VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm",
@@ -46,7 +48,8 @@ VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "a
 
 
 def n_slots(n_layer: int) -> int:
-    """Timer slots: embed, the layers' ops, output_norm, output, and the start tick in the last slot."""
+    """Timer slots: embed, the layers' ops, output_norm, output, and the start tick in the last slot. Op o of
+    layer il writes slot o + il * N_LAYER_OPS (embed: slot 0); output_norm and output follow the last layer's."""
     return 1 + n_layer * N_LAYER_OPS + 2 + 1
 
 
@@ -127,15 +130,6 @@ class MMScratch(NamedTuple):
     work: np.ndarray             # (8,) i8 the work counter of the matmul regions (lumen.kernels.work), own line
 
 
-class AttnScratch(NamedTuple):
-    o: np.ndarray                # see lumen.kernels.attention.attention_scratch
-    st: np.ndarray
-    ro: np.ndarray
-    rm: np.ndarray
-    po: np.ndarray
-    pm: np.ndarray
-
-
 class Scratch(NamedTuple):
     x: np.ndarray                # (rows, E) residual stream
     xn: np.ndarray               # (rows, E) normed input / block output
@@ -146,7 +140,7 @@ class Scratch(NamedTuple):
     ffa: np.ndarray              # (rows, F) FFN gate, then act(gate) * up
     ffb: np.ndarray              # (rows, F) FFN up
     mm: MMScratch
-    attn: AttnScratch
+    attn: AttnScratch            # lumen.kernels.attention
     times: np.ndarray            # (n_slots,) i8 op timestamps of the last call
 
 
@@ -158,7 +152,7 @@ def _mark(times, prof, i):
 
 @njit(cache=True)
 def _mat(i, packs):
-    """Packed matrix i's (type, activation format, tiles (T, bytes) u8, F32 values (T, n_in, R), scale records)."""
+    """Packed matrix i as the kernels take it (a lumen.kernels.matmul.Mat), and its activation format."""
     pk = packs.table
     qt, fam, T, G, n_in = pk[i, C_QT], pk[i, C_FAM], pk[i, C_T], pk[i, C_G], pk[i, C_NIN]
     qo, so = pk[i, C_Q], pk[i, C_S]
@@ -166,10 +160,10 @@ def _mat(i, packs):
     sb = s_len(qt, T, G)
     s = packs.s[so:so + sb].reshape((T, sb // T))
     if fam == F32:
-        return qt, pk[i, C_FMT], packs.q[0:0].reshape((z, z)), packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape(
-            (T, n_in, R)), s
+        return Mat(qt, packs.q[0:0].reshape((z, z)), packs.qf[qo:qo + q_len(fam, T, G, n_in)].reshape((T, n_in, R)),
+                   s), pk[i, C_FMT]
     qb = q_len(fam, T, G, n_in)
-    return qt, pk[i, C_FMT], packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s
+    return Mat(qt, packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s), pk[i, C_FMT]
 
 
 @njit(cache=True)
@@ -178,28 +172,25 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
     Weights w: the activations rounded once (serially), then one parallel region over the tiles of all n (one
     activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
     whose activation formats differ, or of the F32 family, run one region each."""
-    qt0, f0, q0, qf0, s0 = _mat(i0, w.packs)
-    qt1, f1, q1, qf1, s1 = _mat(i1, w.packs)
-    qt2, f2, q2, qf2, s2 = _mat(i2, w.packs)
-    outs, qts, qs, qfs = (o0, o1, o2), (qt0, qt1, qt2), (q0, q1, q2), (qf0, qf1, qf2)
-    ss, fmts = (s0, s1, s2), (f0, f1, f2)
-    fused = n == 1 or (qf0.shape[0] == 0 and qf1.shape[0] == 0 and f1 == f0
-                       and (n == 2 or (qf2.shape[0] == 0 and f2 == f0)))
+    m0, f0 = _mat(i0, w.packs)
+    m1, f1 = _mat(i1, w.packs)
+    m2, f2 = _mat(i2, w.packs)
+    outs, ms, fmts = (o0, o1, o2), (m0, m1, m2), (f0, f1, f2)
+    fused = n == 1 or (m0.qf.shape[0] == 0 and m1.qf.shape[0] == 0 and f1 == f0
+                       and (n == 2 or (m2.qf.shape[0] == 0 and f2 == f0)))
     N, n_in = x.shape
     G = n_in // 32
-    xq = scr.xq[:N * n_in].reshape((N, n_in))
-    xd = scr.xd[:N * G].reshape((N, G))
-    xs = scr.xs[:N * G * 2].reshape((N, G, 2))
-    xf = scr.xf[:N * n_in].reshape((N, n_in))
-    xi = scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2))   # xf is free for the 8-bit formats
+    acts = Acts(scr.xq[:N * n_in].reshape((N, n_in)), scr.xd[:N * G].reshape((N, G)),
+                scr.xs[:N * G * 2].reshape((N, G, 2)),
+                scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2)),   # xf is free for the 8-bit formats
+                scr.xf[:N * n_in].reshape((N, n_in)))
     for r in range(1 if fused else n):
         if fused:
-            o, t, q, s, k = outs, qts, qs, ss, n
+            o, ws, k = outs, ms, n
         else:
-            o, t, k = (outs[r], outs[r], outs[r]), (qts[r], qts[r], qts[r]), np.int64(1)
-            q, s = (qs[r], qs[r], qs[r]), (ss[r], ss[r], ss[r])
-        prepare_x(xq, xd, xs, xi, xf, x, fmts[r])
-        matmul_kernel(o, t, q, qfs[r], s, k, xq, xd, xs, xi, xf, scr.facc, scr.work, w.kinds)
+            o, ws, k = (outs[r], outs[r], outs[r]), (ms[r], ms[r], ms[r]), np.int64(1)
+        prepare_x(acts, x, fmts[r])
+        matmul_kernel(o, ws, k, acts, scr.facc, scr.work, w.kinds)
 
 
 @njit(cache=True, inline="always")
@@ -266,35 +257,34 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     k3 = k.reshape((N, KVH, hd))
     v3 = v.reshape((N, KVH, hdv))
     a3 = att.reshape((N, H, hdv))
-    at = scr.attn
     split = split_attention(N, batch.positions[0] + 1)
 
     if TIMERS and prof:
         times[times.shape[0] - 1] = ticks()  # start
     # embedding lookup (dequantize the token rows); gemma scales it by sqrt(E)
     for t in range(N):
-        embed_row(w.kinds, x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
+        dequant_row(w.kinds, x[t], w.token_embd[batch.tokens[t]], w.lut, w.token_embd_type)
     if arch.embd_scale != 1.0:
         for t in range(N):
             for j in range(E):
                 x[t, j] *= arch.embd_scale
-    _mark(times, prof, 0)
+    _mark(times, prof, Op.embed)
 
     for il in range(arch.n_layer):
-        b = 1 + il * N_LAYER_OPS
+        lb = il * N_LAYER_OPS                    # op o of this layer: timer slot lb + o
         # attention block
         _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
-        _mark(times, prof, b + 0)
+        _mark(times, prof, lb + Op.attn_norm)
         mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w, scr.mm)  # one region
         if arch.qkv_bias:
             _add_bias(q, _vec(w, w.attn_q_bias, il))
             _add_bias(k, _vec(w, w.attn_k_bias, il))
             _add_bias(v, _vec(w, w.attn_v_bias, il))
-        _mark(times, prof, b + 1)
+        _mark(times, prof, lb + Op.qkv)
         if arch.qk_norm:
             rmsnorm_heads_kernel(q3, q3, _vec(w, w.attn_q_norm, il), eps)
             rmsnorm_heads_kernel(k3, k3, _vec(w, w.attn_k_norm, il), eps)
-        _mark(times, prof, b + 2)
+        _mark(times, prof, lb + Op.qk_norm)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         if par:
             rope_kernel_par(q3, batch.positions, cos, sin, arch.neox)
@@ -305,40 +295,40 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         _round_f16(q3)
         _round_f16(k3)
         _round_f16(v)
-        _mark(times, prof, b + 3)
+        _mark(times, prof, lb + Op.rope)
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
-        _mark(times, prof, b + 4)
+        _mark(times, prof, lb + Op.kv_store)
+        cache = Paged(kv.k[il], kv.v[il], batch.block_tables)
         if split:
-            attention_split_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions[0], batch.seqs[0], batch.block_tables,
-                                   arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm, at.po, at.pm)
+            attention_split_kernel(a3, q3, cache, batch.positions[0], batch.seqs[0], arch.windows[il], arch.attn_scale,
+                                   scr.attn)
         else:
-            attention_kernel(a3, q3, kv.k[il], kv.v[il], batch.positions, batch.seqs, batch.block_tables,
-                             arch.windows[il], arch.attn_scale, at.o, at.st, at.ro, at.rm)
-        _mark(times, prof, b + 5)
+            attention_kernel(a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale, scr.attn)
+        _mark(times, prof, lb + Op.attention)
         mm(xn, att, w.attn_output[il], w, scr.mm)
-        _mark(times, prof, b + 6)
+        _mark(times, prof, lb + Op.o)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
-        _mark(times, prof, b + 7)
+        _mark(times, prof, lb + Op.post_attn_norm)
         _add(x, xn, par)
-        _mark(times, prof, b + 8)
+        _mark(times, prof, lb + Op.attn_residual)
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
-        _mark(times, prof, b + 9)
+        _mark(times, prof, lb + Op.ffn_norm)
         mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)   # one region
-        _mark(times, prof, b + 10)
+        _mark(times, prof, lb + Op.gate_up)
         gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
-        _mark(times, prof, b + 11)
+        _mark(times, prof, lb + Op.act)
         mm(xn, ffa, w.ffn_down[il], w, scr.mm)
-        _mark(times, prof, b + 12)
+        _mark(times, prof, lb + Op.down)
         if arch.post_norms:
             _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
-        _mark(times, prof, b + 13)
+        _mark(times, prof, lb + Op.post_ffn_norm)
         _add(x, xn, par)
-        _mark(times, prof, b + 14)
+        _mark(times, prof, lb + Op.ffn_residual)
 
     # output: final norm and the vocabulary projection, only for the rows to sample
-    end = 1 + arch.n_layer * N_LAYER_OPS
+    lb = (arch.n_layer - 1) * N_LAYER_OPS        # the slots after the last layer's
     n_out = batch.out_rows.shape[0]
     xo = scr.xn[:n_out]
     for i in range(n_out):
@@ -346,7 +336,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
             xo[i, j] = x[batch.out_rows[i], j]
     on = w.output_norm
     _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
-    _mark(times, prof, end)
+    _mark(times, prof, lb + Op.output_norm)
     out = logits[:n_out]
     mm(out, xo, w.output, w, scr.mm)
     if arch.softcap > 0:
@@ -354,4 +344,4 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         for i in range(n_out):
             for j in range(out.shape[1]):
                 out[i, j] = c * np.tanh(out[i, j] / c)
-    _mark(times, prof, end + 1)
+    _mark(times, prof, lb + Op.output)

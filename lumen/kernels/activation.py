@@ -144,33 +144,29 @@ def gated(kinds, gelu, par, out, gate, up):
     raise NotImplementedError("gated runs in compiled code only")
 
 
+@njit(cache=True)
+def _swiglu(par, out, gate, up):
+    if par:
+        swiglu_kernel_par(out, gate, up)
+    else:
+        swiglu_kernel(out, gate, up)
+
+
+@njit(cache=True)
+def _geglu(par, out, gate, up):
+    if par:
+        geglu_kernel_par(out, gate, up)
+    else:
+        geglu_kernel(out, gate, up)
+
+
 @overload(gated)
 def _gated(kinds, gelu, par, out, gate, up):
-    from .kinds import GELU, SILU, sets
-    acts = sets(kinds)[2]
-    if acts == (GELU,):
-        def impl(kinds, gelu, par, out, gate, up):
-            if par:
-                geglu_kernel_par(out, gate, up)
-            else:
-                geglu_kernel(out, gate, up)
-    elif acts == (SILU,):
-        def impl(kinds, gelu, par, out, gate, up):
-            if par:
-                swiglu_kernel_par(out, gate, up)
-            else:
-                swiglu_kernel(out, gate, up)
-    else:
-        def impl(kinds, gelu, par, out, gate, up):
-            if gelu:
-                if par:
-                    geglu_kernel_par(out, gate, up)
-                else:
-                    geglu_kernel(out, gate, up)
-            elif par:
-                swiglu_kernel_par(out, gate, up)
-            else:
-                swiglu_kernel(out, gate, up)
+    from .kinds import GELU, SILU, sets, switch
+    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in sets(kinds)[2]), 4)
+
+    def impl(kinds, gelu, par, out, gate, up):
+        act(GELU if gelu else SILU, par, out, gate, up)
     return impl
 
 

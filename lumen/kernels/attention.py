@@ -19,33 +19,54 @@ nothing; the chunks' partial results are then merged in chunk order by one funct
 batched steps run a token's chunks one after another on one thread (`attention_kernel`); a lone decode token
 may hand its chunks to all threads and merge afterwards (`attention_split_kernel`). Both give the same bits.
 
-Scratch (per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,
+The kernels take the layer's cache as a Paged (k_pool, v_pool, block_tables) and their scratch as an AttnScratch
+(per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,
 st (lanes, n_heads, ST) chunk state (max, 16 lane sums), rm (lanes, n_heads, 2) running (max, sum); the split
 kernel's partial results po (n_chunks, n_heads, head_dim_v), pm (n_chunks, n_heads, 2).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from numba import njit, prange
 
-from .fp import BLOCK, MAX_ROWS, ST, attn_block_1, attn_block_2, attn_block_3, attn_block_4, exp_f32, f16_bits
+from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_block_1, attn_block_2, attn_block_3, attn_block_4, exp_f32, f16_bits
 from .checks import as_f32, check
+from .policy import split_attention
 from .scratch import per_thread
 
-CHUNK = 128            # keys per softmax chunk (a multiple of BLOCK): the unit of split-K for decode
 NEG = np.float32(-np.inf)
 
 
-def attention_scratch(n_heads: int, head_dim_v: int, max_ctx: int, n_lanes: int | None = None):
-    """(o, st, ro, rm, po, pm) for the attention kernels (module doc); lanes default to numba's thread count,
-    each lane's block on its own cache lines (lumen.kernels.scratch)."""
+class AttnScratch(NamedTuple):
+    """The attention kernels' scratch (module doc), from `attention_scratch`."""
+    o: np.ndarray      # (lanes, n_heads, head_dim_v) f32 a chunk's output
+    st: np.ndarray     # (lanes, n_heads, ST) f32 a chunk's state: max, 16 lane sums
+    ro: np.ndarray     # (lanes, n_heads, head_dim_v) f32 running output
+    rm: np.ndarray     # (lanes, n_heads, 2) f32 running (max, sum)
+    po: np.ndarray     # (n_chunks, n_heads, head_dim_v) f32 the split kernel's partial results
+    pm: np.ndarray     # (n_chunks, n_heads, 2) f32
+
+
+class Paged(NamedTuple):
+    """One layer's paged KV cache (module doc)."""
+    k: np.ndarray      # (n_blocks, n_kv, head_dim, BLOCK) u16 f16 bits
+    v: np.ndarray      # (n_blocks, n_kv, BLOCK, head_dim_v) u16 f16 bits
+    tables: np.ndarray  # (S, max_blocks) i8 block tables
+
+
+def attention_scratch(n_heads: int, head_dim_v: int, max_ctx: int, n_lanes: int | None = None) -> AttnScratch:
+    """The AttnScratch of the attention kernels (module doc); lanes default to numba's thread count, each lane's
+    block on its own cache lines (lumen.kernels.scratch)."""
     lanes = numba.get_num_threads() if n_lanes is None else n_lanes
     check(lanes >= 1, f"n_lanes {lanes} must be at least 1")
     n_chunks = max(1, -(-max_ctx // CHUNK))
-    return (per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, ST), np.float32),
-            per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, 2), np.float32),
-            np.zeros((n_chunks, n_heads, head_dim_v), np.float32), np.zeros((n_chunks, n_heads, 2), np.float32))
+    return AttnScratch(per_thread((lanes, n_heads, head_dim_v), np.float32),
+                       per_thread((lanes, n_heads, ST), np.float32),
+                       per_thread((lanes, n_heads, head_dim_v), np.float32), per_thread((lanes, n_heads, 2), np.float32),
+                       np.zeros((n_chunks, n_heads, head_dim_v), np.float32), np.zeros((n_chunks, n_heads, 2), np.float32))
 
 
 @njit(cache=True)
@@ -60,7 +81,11 @@ def key_range(p, window):
 @njit(cache=True)
 def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
     """The softmax of query rows h0 .. h0+G-1 of token t over keys a .. b-1 (inside one chunk), from nothing:
-    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output."""
+    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output. _chunk and _token take arrays, not the
+    Paged / AttnScratch bundles, and _chunk its rows: reading a bundle's fields here put 8 atomic reference count
+    increments into _chunk's compiled code (0 without) and 26 into _token's (12 without), and computing
+    G = n_heads // n_kv here 6 (the division's error branch defeats Numba's reference count pruning): updates on
+    arrays both threads share, once per chunk (LLVM IR of each, counted)."""
     hd, hdv = q.shape[2], v_pool.shape[3]
     KVH = k_pool.shape[1]
     for r in range(h0, h0 + G):
@@ -135,8 +160,9 @@ def _finish(out, t, h0, G, ro, rm, i):
 
 
 @njit(cache=True)
-def _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, s, p, window, scale):
+def _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, s, p, g, window, scale):
     """Attention of token t (position p of sequence s), kv group g: its chunks in order on this lane."""
+    G = q.shape[1] // k_pool.shape[1]
     h0 = g * G
     j0, j1 = key_range(p, window)
     for h in range(h0, h0 + G):
@@ -152,12 +178,14 @@ def _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, s, p, windo
 
 
 @njit(cache=True, parallel=True)  # parallel over (token, kv head) items: prefill and batched steps
-def attention_kernel(out, q, k_pool, v_pool, positions, seqs, bt, window, scale, o, st, ro, rm):
-    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc);
-    work items (token, kv head) dealt round-robin to the lanes (later tokens see more keys)."""
-    N, H = q.shape[0], q.shape[1]
+def attention_kernel(out, q, kv, positions, seqs, window, scale, scr):
+    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc) over
+    the layer's cache kv (Paged), scr an AttnScratch; work items (token, kv head) dealt round-robin to the lanes
+    (later tokens see more keys)."""
+    o, st, ro, rm = scr.o, scr.st, scr.ro, scr.rm
+    k_pool, v_pool, bt = kv
+    N = q.shape[0]
     KVH = k_pool.shape[1]
-    G = H // KVH
     lanes = o.shape[0]
     n_items = N * KVH
     for lane_ in prange(lanes):
@@ -165,14 +193,16 @@ def attention_kernel(out, q, k_pool, v_pool, positions, seqs, bt, window, scale,
         for item in range(lane, n_items, lanes):
             t = item // KVH
             g = item - t * KVH
-            _token(out, o, st, ro, rm, lane, t, g, G, q, k_pool, v_pool, bt, seqs[t], positions[t], window, scale)
+            _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, seqs[t], positions[t], g, window, scale)
 
 
 @njit(cache=True, parallel=True)  # split-K over lanes: one decode token has only n_kv items of work
-def attention_split_kernel(out, q, k_pool, v_pool, p, s, bt, window, scale, o, st, ro, rm, po, pm):
+def attention_split_kernel(out, q, kv, p, s, window, scale, scr):
     """Same contract as attention_kernel for one token (row 0 of q, position p of sequence s): the items
-    (kv head, chunk) are spread over the lanes, each writes its partial result to po/pm, then one thread
+    (kv head, chunk) are spread over the lanes, each writes its partial result to scr.po/pm, then one thread
     merges every row's chunks in chunk order with _merge. Bit-identical to attention_kernel."""
+    o, st, ro, rm, po, pm = scr
+    k_pool, v_pool, bt = kv
     H = q.shape[1]
     KVH = k_pool.shape[1]
     G = H // KVH
@@ -284,6 +314,7 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
     check(window >= 0, f"window {window} is negative")
     if scratch is None:
         scratch = attention_scratch(H, Dv, max_blocks * BLOCK)
+    scratch = AttnScratch(*scratch)
     o, st, ro, rm, po, pm = scratch
     lanes = o.shape[0]
     for name, a, shape in (("o", o, (lanes, H, Dv)), ("st", st, (lanes, H, ST)), ("ro", ro, (lanes, H, Dv)),
@@ -293,13 +324,11 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
     check(po.shape[1:] == (H, Dv) and pm.shape[1:] == (H, 2) and po.shape[0] == pm.shape[0]
           and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
     if split is None:
-        from .policy import split_attention
         split = bool(split_attention(N, int(positions[0]) + 1))
+    kv = Paged(k_pool, v_pool, block_tables)
     if split:
         check(N == 1, "split attention takes one token")
-        attention_split_kernel(out, q, k_pool, v_pool, int(positions[0]), int(seqs[0]), block_tables, int(window),
-                               np.float32(scale), o, st, ro, rm, po, pm)
+        attention_split_kernel(out, q, kv, int(positions[0]), int(seqs[0]), int(window), np.float32(scale), scratch)
     else:
-        attention_kernel(out, q, k_pool, v_pool, positions, seqs, block_tables, int(window), np.float32(scale),
-                         o, st, ro, rm)
+        attention_kernel(out, q, kv, positions, seqs, int(window), np.float32(scale), scratch)
     return out

@@ -13,6 +13,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from lumen.format.quants import QT, quant_info, row_bytes
+from lumen.kernels.kinds import ALL, sets, switch
 
 # f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)   # (65536,) f32
@@ -179,63 +180,30 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5
 _Q4_K, _Q5_K, _Q6_K = int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)
 
 
-@njit(cache=True)
-def dequant_row(out, raw, lut, qtype):
-    """out (n_cols,) f32 <- raw (row_bytes,) u8 of gguf type id qtype."""
-    if qtype == _Q4_1:
-        row_q4_1(out, raw, lut)
-    elif qtype == _Q8_0:
-        row_q8_0(out, raw, lut)
-    elif qtype == _Q5_0:
-        row_q5_0(out, raw, lut)
-    elif qtype == _Q4_K:
-        row_q4_k(out, raw, lut)
-    elif qtype == _Q6_K:
-        row_q6_k(out, raw, lut)
-    elif qtype == _Q4_0:
-        row_q4_0(out, raw, lut)
-    elif qtype == _Q5_1:
-        row_q5_1(out, raw, lut)
-    elif qtype == _Q5_K:
-        row_q5_k(out, raw, lut)
-    elif qtype == _F32:
-        row_f32(out, raw, lut)
-    elif qtype == _F16:
-        row_f16(out, raw, lut)
-    elif qtype == _BF16:
-        row_bf16(out, raw, lut)
+_ROWS = {_Q4_1: row_q4_1, _Q8_0: row_q8_0, _Q5_0: row_q5_0, _Q4_K: row_q4_k, _Q6_K: row_q6_k, _Q4_0: row_q4_0,
+         _Q5_1: row_q5_1, _Q5_K: row_q5_k, _F32: row_f32, _F16: row_f16, _BF16: row_bf16}
 
 
-_ROWS = {_Q4_1: "row_q4_1", _Q8_0: "row_q8_0", _Q5_0: "row_q5_0", _Q4_K: "row_q4_k", _Q6_K: "row_q6_k",
-         _Q4_0: "row_q4_0", _Q5_1: "row_q5_1", _Q5_K: "row_q5_k", _F32: "row_f32", _F16: "row_f16", _BF16: "row_bf16"}
+def dequant_row(kinds, out, raw, lut, qtype):
+    """out (n_cols,) f32 <- raw (row_bytes,) u8 of gguf type id qtype, one of the embedding types of the kinds
+    (lumen.kernels.kinds; compiled code only)."""
+    raise NotImplementedError("dequant_row runs in compiled code only")
 
 
-def embed_row(kinds, out, raw, lut, qtype):
-    """dequant_row for the embedding types of the kinds only (lumen.kernels.kinds; compiled code only)."""
-    raise NotImplementedError("embed_row runs in compiled code only")
+@overload(dequant_row)
+def _dequant_row(kinds, out, raw, lut, qtype):
+    rows = switch(tuple((t, _ROWS[t]) for t in sets(kinds)[1] if t in _ROWS) or ((_F32, row_f32),), 3)
 
-
-@overload(embed_row)
-def _embed_row(kinds, out, raw, lut, qtype):
-    from .kinds import sets
-    types_ = [t for t in sets(kinds)[1] if t in _ROWS] or [_F32]
-    lines = ["def impl(kinds, out, raw, lut, qtype):"]
-    for j, t in enumerate(types_):        # the last type takes the else branch (the loader checked the type)
-        kw = "if" if j == 0 else "elif" if j < len(types_) - 1 else "else"
-        if len(types_) == 1:
-            lines.append(f"    {_ROWS[t]}(out, raw, lut)")
-        else:
-            lines.append(f"    {kw}{f' qtype == {t}' if kw != 'else' else ''}:\n        {_ROWS[t]}(out, raw, lut)")
-    ns = {_ROWS[t]: globals()[_ROWS[t]] for t in types_}
-    exec("\n".join(lines), ns)
-    return ns["impl"]
+    def impl(kinds, out, raw, lut, qtype):
+        rows(qtype, out, raw, lut)
+    return impl
 
 
 @njit(parallel=True, cache=True)
 def dequant_rows(out, raw, lut, qtype):
     """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8, one row per prange step. Shapes checked by caller."""
     for r in prange(out.shape[0]):
-        dequant_row(out[r], raw[r], lut, qtype)
+        dequant_row(ALL, out[r], raw[r], lut, qtype)
 
 
 def dequantize(raw: np.ndarray, qtype, out: np.ndarray) -> np.ndarray:
@@ -256,6 +224,8 @@ def dequantize(raw: np.ndarray, qtype, out: np.ndarray) -> np.ndarray:
         raise ValueError("out must be writeable")
     if out.shape[0] != raw.shape[0]:
         raise ValueError(f"out has {out.shape[0]} rows but raw has {raw.shape[0]}")
+    if int(qtype) not in _ROWS:
+        raise ValueError(f"no dequantizer for {info.name}")
     nb = row_bytes(qtype, out.shape[1])
     if raw.shape[1] != nb:
         raise ValueError(f"{info.name} rows of {out.shape[1]} values take {nb} bytes, raw rows have {raw.shape[1]}")

@@ -24,48 +24,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-LANES = 16                     # f32 lanes of a vector (one zmm; two ymm on AVX2)
+from .ir import F16, F32, I16, I32, I64, LANES, NEG_INF, VF, VH, VI, call, const, fma, fmax, hmax, hsum, ptr, sfx, splat
+
 BLOCK = 16                     # keys per KV block: one score vector
-_F32, _F16 = ir.FloatType(), ir.HalfType()
-_I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_VF = ir.VectorType(_F32, LANES)
-_VH = ir.VectorType(_F16, LANES)
-_VI = ir.VectorType(_I32, LANES)
-_NEG_INF = float("-inf")
-
-
-def _ptr(context, builder, aty, aval, elty, off):
-    """Pointer (elty*) to element `off` (an i64 count of the array's own elements) of the array's data."""
-    arr = context.make_array(aty)(context, builder, aval)
-    return builder.bitcast(builder.gep(arr.data, [off]), elty.as_pointer())
-
-
-def _splat(builder, val, vty=_VF):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
-
-
-def _const(val, ty):
-    return ir.Constant(ty, [val] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, val)
-
-
-def _call(builder, name, ty, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * len(args)), name)
-    return builder.call(fn, args)
-
-
-def _sfx(ty):
-    return f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
-
-
-def _fma(builder, a, b, c):
-    """a * b + c, rounded once (llvm.fma: an exact operation, never split or fused differently)."""
-    return _call(builder, f"llvm.fma.{_sfx(a.type)}", a.type, [a, b, c])
-
-
-def _max(builder, a, b):
-    """a if a > b else b (NaN in b propagates, NaN in a does not)."""
-    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+CHUNK = 128                    # keys per softmax chunk of lumen.kernels.attention (a multiple of BLOCK): the
+                               # unit of split-K for decode
 
 
 def _exp(builder, x):
@@ -73,41 +36,20 @@ def _exp(builder, x):
     polynomial in Horner form with fma, times 2^k through the exponent bits. Relative error < 2e-7.
     NaN stays NaN; -inf gives exp(-87) ~ 1.6e-38 (callers that need an exact 0 select it)."""
     ty = x.type
-    ity = ir.VectorType(_I32, ty.count) if isinstance(ty, ir.VectorType) else _I32
-    c = lambda v: _const(v, ty)  # noqa: E731
+    ity = ir.VectorType(I32, ty.count) if isinstance(ty, ir.VectorType) else I32
+    c = lambda v: const(v, ty)  # noqa: E731
     x = builder.select(builder.fcmp_ordered("<", x, c(-87.0)), c(-87.0), x)
     x = builder.select(builder.fcmp_ordered(">", x, c(88.0)), c(88.0), x)
-    k = _call(builder, f"llvm.floor.{_sfx(ty)}", ty, [_fma(builder, x, c(1.44269504), c(0.5))])
+    k = call(builder, f"llvm.floor.{sfx(ty)}", ty, [fma(builder, x, c(1.44269504), c(0.5))])
     k = builder.select(builder.fcmp_unordered("uno", k, k), c(0.0), k)      # NaN: keep fptosi defined
-    r = _fma(builder, builder.fneg(k), c(0.693145752), x)                    # ln2 split in a high part
-    r = _fma(builder, builder.fneg(k), c(1.42860677e-06), r)                 # and a low part
+    r = fma(builder, builder.fneg(k), c(0.693145752), x)                    # ln2 split in a high part
+    r = fma(builder, builder.fneg(k), c(1.42860677e-06), r)                 # and a low part
     p = c(1.0 / 720.0)
     for coef in (1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
-        p = _fma(builder, p, r, c(coef))
+        p = fma(builder, p, r, c(coef))
     ki = builder.fptosi(k, ity)
-    scale = builder.bitcast(builder.shl(builder.add(ki, _const(127, ity)), _const(23, ity)), ty)
+    scale = builder.bitcast(builder.shl(builder.add(ki, const(127, ity)), const(23, ity)), ty)
     return builder.fmul(p, scale)
-
-
-def _fold(builder, v, op):
-    """op over the lanes of v in a fixed halving tree: op(v[i], v[i + 8]), then with [i + 4], [i + 2], [i + 1]."""
-    n = LANES
-    while n > 1:
-        n //= 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        v = op(lo, hi)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
-def _hmax(builder, v):
-    """Largest lane of v (exact whatever the order)."""
-    return _fold(builder, v, lambda a, b: _max(builder, a, b))
-
-
-def _hsum(builder, v):
-    """Sum of the lanes of v, in _fold's fixed order."""
-    return _fold(builder, v, builder.fadd)
 
 
 # ---------------------------------------------------------------- scalar helpers
@@ -124,7 +66,7 @@ def exp_f32(typingctx, x):
 def fma_f32(typingctx, a, b, c):
     """a * b + c with one rounding (float32)."""
     def codegen(context, builder, sig, args):
-        return _fma(builder, *args)
+        return fma(builder, *args)
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
@@ -132,7 +74,7 @@ def fma_f32(typingctx, a, b, c):
 def f16_bits(typingctx, x):
     """The IEEE half nearest to the float32 x (ties to even), as its uint16 bits."""
     def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], _F16), _I16)
+        return builder.bitcast(builder.fptrunc(args[0], F16), I16)
     return types.uint16(types.float32), codegen
 
 
@@ -140,7 +82,7 @@ def f16_bits(typingctx, x):
 def f16_value(typingctx, h):
     """The float32 value of the IEEE half whose bits are h (uint16); exact."""
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], _F16), _F32)
+        return builder.fpext(builder.bitcast(args[0], F16), F32)
     return types.float32(types.uint16), codegen
 
 
@@ -151,23 +93,23 @@ def sumsq(typingctx, x, xo, n):
     elements left, in order, by fma. The order depends on n only."""
     def codegen(context, builder, sig, args):
         xa, xo_, n_ = args
-        xp = _ptr(context, builder, sig.args[0], xa, _F32, xo_)
-        zero = ir.Constant(_VF, None)
+        xp = ptr(context, builder, sig.args[0], xa, F32, xo_)
+        zero = ir.Constant(VF, None)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
-        nq = builder.sdiv(n_, ir.Constant(_I64, 4 * LANES))
+        nq = builder.sdiv(n_, ir.Constant(I64, 4 * LANES))
         with cgutils.for_range(builder, nq) as loop:
-            base = builder.mul(loop.index, ir.Constant(_I64, 4 * LANES))
+            base = builder.mul(loop.index, ir.Constant(I64, 4 * LANES))
             for u in range(4):
-                p = builder.gep(xp, [builder.add(base, ir.Constant(_I64, u * LANES))])
-                v = builder.load(builder.bitcast(p, _VF.as_pointer()), align=4)
-                builder.store(_fma(builder, v, v, builder.load(accs[u])), accs[u])
+                p = builder.gep(xp, [builder.add(base, ir.Constant(I64, u * LANES))])
+                v = builder.load(builder.bitcast(p, VF.as_pointer()), align=4)
+                builder.store(fma(builder, v, v, builder.load(accs[u])), accs[u])
         a = [builder.load(s) for s in accs]
-        total = cgutils.alloca_once_value(builder, _hsum(builder, builder.fadd(builder.fadd(a[0], a[1]),
+        total = cgutils.alloca_once_value(builder, hsum(builder, builder.fadd(builder.fadd(a[0], a[1]),
                                                                               builder.fadd(a[2], a[3]))))
-        start = builder.mul(nq, ir.Constant(_I64, 4 * LANES))
-        with cgutils.for_range_slice(builder, start, n_, ir.Constant(_I64, 1)) as (i, _):
+        start = builder.mul(nq, ir.Constant(I64, 4 * LANES))
+        with cgutils.for_range_slice(builder, start, n_, ir.Constant(I64, 1)) as (i, _):
             v = builder.load(builder.gep(xp, [i]))
-            builder.store(_fma(builder, v, v, builder.load(total)), total)
+            builder.store(fma(builder, v, v, builder.load(total)), total)
         return builder.load(total)
     return types.float32(x, types.intp, types.intp), codegen
 
@@ -197,70 +139,70 @@ def _make_attn_block(R: int):
     def codegen(context, builder, sig, args):
         (o_, oo_, st_, so_, q_, qo_, k_, ko_, v_, vo_, hd_, hdv_, scale_, jlo_, jhi_) = args
         ta = sig.args
-        op = _ptr(context, builder, ta[0], o_, _F32, oo_)
-        sp = _ptr(context, builder, ta[2], st_, _F32, so_)
-        qp = _ptr(context, builder, ta[4], q_, _F32, qo_)
-        kp = _ptr(context, builder, ta[6], k_, _I16, ko_)
-        vp = _ptr(context, builder, ta[8], v_, _I16, vo_)
-        i64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
+        op = ptr(context, builder, ta[0], o_, F32, oo_)
+        sp = ptr(context, builder, ta[2], st_, F32, so_)
+        qp = ptr(context, builder, ta[4], q_, F32, qo_)
+        kp = ptr(context, builder, ta[6], k_, I16, ko_)
+        vp = ptr(context, builder, ta[8], v_, I16, vo_)
+        i64 = lambda n: ir.Constant(I64, n)  # noqa: E731
         qrow = [builder.gep(qp, [builder.mul(i64(r), hd_)]) for r in range(R)]
         orow = [builder.gep(op, [builder.mul(i64(r), hdv_)]) for r in range(R)]
         srow = [builder.gep(sp, [i64(r * ST)]) for r in range(R)]
 
         def load_h(ptr, off):                  # 16 halves at ptr + off -> <16 x float>
-            hv = builder.load(builder.bitcast(builder.gep(ptr, [off]), _VH.as_pointer()), align=2)
-            return builder.fpext(hv, _VF)
+            hv = builder.load(builder.bitcast(builder.gep(ptr, [off]), VH.as_pointer()), align=2)
+            return builder.fpext(hv, VF)
 
         # scores: per row 4 accumulators over d, lanes = keys; each K vector converted once for all rows
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(4)] for _ in range(R)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in range(4)] for _ in range(R)]
         with cgutils.for_range(builder, builder.sdiv(hd_, i64(4))) as loop:
             d0 = builder.mul(loop.index, i64(4))
             for u in range(4):
                 d = builder.add(d0, i64(u))
                 kv = load_h(kp, builder.mul(d, i64(BLOCK)))
                 for r in range(R):
-                    qd = _splat(builder, builder.load(builder.gep(qrow[r], [d])))
-                    builder.store(_fma(builder, qd, kv, builder.load(accs[r][u])), accs[r][u])
-        lane = ir.Constant(_VI, list(range(LANES)))
-        lo = _splat(builder, builder.trunc(jlo_, _I32), _VI)
-        hi = _splat(builder, builder.trunc(jhi_, _I32), _VI)
+                    qd = splat(builder, builder.load(builder.gep(qrow[r], [d])))
+                    builder.store(fma(builder, qd, kv, builder.load(accs[r][u])), accs[r][u])
+        lane = ir.Constant(VI, list(range(LANES)))
+        lo = splat(builder, builder.trunc(jlo_, I32), VI)
+        hi = splat(builder, builder.trunc(jhi_, I32), VI)
         valid = builder.and_(builder.icmp_signed(">=", lane, lo), builder.icmp_signed("<", lane, hi))
-        sc = _splat(builder, scale_)
-        neg_inf = ir.Constant(_F32, _NEG_INF)
-        pbuf = cgutils.alloca_once(builder, _VF, size=R)          # the rows' probabilities, for the PV loop
+        sc = splat(builder, scale_)
+        neg_inf = ir.Constant(F32, NEG_INF)
+        pbuf = cgutils.alloca_once(builder, VF, size=R)          # the rows' probabilities, for the PV loop
         alphas = []
         for r in range(R):
             a = [builder.load(x) for x in accs[r]]
             s = builder.fmul(builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3])), sc)
-            s = builder.select(valid, s, _const(_NEG_INF, _VF))
+            s = builder.select(valid, s, const(NEG_INF, VF))
             m_old = builder.load(srow[r])
-            m_new = _max(builder, _hmax(builder, s), m_old)
+            m_new = fmax(builder, hmax(builder, s), m_old)
             grew = builder.fcmp_ordered(">", m_new, m_old)
             alpha = builder.select(grew, builder.select(builder.fcmp_ordered("==", m_old, neg_inf),
-                                                        ir.Constant(_F32, 0.0),
+                                                        ir.Constant(F32, 0.0),
                                                         _exp(builder, builder.fsub(m_old, m_new))),
-                                   ir.Constant(_F32, 1.0))
+                                   ir.Constant(F32, 1.0))
             m = builder.select(grew, m_new, m_old)
             builder.store(m, srow[r])
-            p = builder.select(valid, _exp(builder, builder.fsub(s, _splat(builder, m))), ir.Constant(_VF, None))
-            lsp = builder.bitcast(builder.gep(srow[r], [i64(1)]), _VF.as_pointer())
-            builder.store(builder.fadd(builder.fmul(builder.load(lsp, align=4), _splat(builder, alpha)), p), lsp,
+            p = builder.select(valid, _exp(builder, builder.fsub(s, splat(builder, m))), ir.Constant(VF, None))
+            lsp = builder.bitcast(builder.gep(srow[r], [i64(1)]), VF.as_pointer())
+            builder.store(builder.fadd(builder.fmul(builder.load(lsp, align=4), splat(builder, alpha)), p), lsp,
                           align=4)
             builder.store(p, builder.gep(pbuf, [i64(r)]))
-            alphas.append(_splat(builder, alpha))
-        pf = builder.bitcast(pbuf, _F32.as_pointer())                # (R, 16) floats
+            alphas.append(splat(builder, alpha))
+        pf = builder.bitcast(pbuf, F32.as_pointer())                # (R, 16) floats
 
         # o = o * alpha + sum_j p_j v_j, key by key; each V vector converted once for all rows
         with cgutils.for_range(builder, builder.sdiv(hdv_, i64(LANES))) as dl:
             off = builder.mul(dl.index, i64(LANES))
-            ptrs = [builder.bitcast(builder.gep(orow[r], [off]), _VF.as_pointer()) for r in range(R)]
+            ptrs = [builder.bitcast(builder.gep(orow[r], [off]), VF.as_pointer()) for r in range(R)]
             acc = [cgutils.alloca_once_value(builder, builder.fmul(builder.load(ptrs[r], align=4), alphas[r]))
                    for r in range(R)]
             with cgutils.for_range_slice(builder, jlo_, jhi_, i64(1)) as (j, _):
                 vv = load_h(vp, builder.add(builder.mul(j, hdv_), off))
                 for r in range(R):
-                    pj = _splat(builder, builder.load(builder.gep(pf, [builder.add(i64(r * LANES), j)])))
-                    builder.store(_fma(builder, pj, vv, builder.load(acc[r])), acc[r])
+                    pj = splat(builder, builder.load(builder.gep(pf, [builder.add(i64(r * LANES), j)])))
+                    builder.store(fma(builder, pj, vv, builder.load(acc[r])), acc[r])
             for r in range(R):
                 builder.store(builder.load(acc[r]), ptrs[r], align=4)
         return context.get_dummy_value()

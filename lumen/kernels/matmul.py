@@ -36,8 +36,8 @@ from numba import njit, prange
 from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
-from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
-from lumen.kernels.kinds import ALL, sets
+from lumen.kernels.layout import F32, FORMAT, Q5, Q6, Q8, R, s_tile
+from lumen.kernels.kinds import ALL, sets, switch
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
@@ -266,40 +266,57 @@ def round_x(xf, x, fmt):
 
 # ---- tiles of one matrix against N activation rows (both paths)
 
+class Mat(NamedTuple):
+    """One packed matrix as the kernels take it (the arrays of a Packed)."""
+    qt: int            # its GGML type
+    q: np.ndarray      # (T, G * GROUP_BYTES[family]) u8 tiles; (0, 0) for the F32 family
+    qf: np.ndarray     # (T, n_in, R) f32 tiles of the F32 family; (0, 0, R) otherwise
+    s: np.ndarray      # (T, scale record bytes) u8; (T, 0) for the F32 family
+
+
+class Acts(NamedTuple):
+    """The activations x (N, n_in) rounded for a weight type by `prepare_x`: the 8-bit formats fill xq, xd, xs,
+    xi (G = n_in / 32 groups), the float formats xf."""
+    xq: np.ndarray     # (N, n_in) i8
+    xd: np.ndarray     # (N, G) f32 scale of each group
+    xs: np.ndarray     # (N, G, 2) f32 scaled half sums
+    xi: np.ndarray     # (N, G, 2) i32 integer half sums
+    xf: np.ndarray     # (N, n_in) f32
+
+
 _TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_1_1", "tile_q4_1_n"),
           int(QT.Q4_K): ("tile_q4_k_1", "tile_q4_k_n"), int(QT.Q5_0): ("tile_q5_0_1", "tile_q5_0_n"),
           int(QT.Q5_1): ("tile_q5_1_1", "tile_q5_1_n"), int(QT.Q5_K): ("tile_q5_k_1", "tile_q5_k_n"),
           int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
-_TILE_ARGS = "out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G"
 
 
-def tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
-    """out.flat[oo + i ostride: + R] (i < nr, nr = 1 or NR) = the tile of type qt at q.flat[qo:], s.flat[so:] times
-    activation rows xq.flat[xo + 32 G i:], ... (lumen.kernels.simd: the arguments of the tile kernels); for nr = NR
-    only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1, prefetching pfb bytes per group (0: none) from pf bytes
-    past the tile into L2 as it goes. For the matrix types of the kinds (lumen.kernels.kinds;
-    compiled code only, see the overload)."""
+def tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
+    """dst[r0 + j, c0 : c0 + R] (j < nr, nr = 1 or NR) = tile t of the matrix w (a Mat of a quantized type) times
+    activation rows i + j of x (Acts); for nr = NR only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1, prefetching
+    pfb bytes per group (0: none) from pf bytes past the tile into L2 as it goes. For the matrix types of the
+    kinds (lumen.kernels.kinds; compiled code only, see the overload). The tile kernels of lumen.kernels.simd keep
+    their flat (array, offset) arguments: they are LLVM intrinsics, and this is the one place that calls them."""
     raise NotImplementedError("tile_rows runs in compiled code only")
 
 
-@overload(tile_rows)
-def _tile_rows(kinds, qt, nr, out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, pf, pfb):
-    """The dispatch, generated for the kinds' types only: an if-chain over qt, one tile kernel per branch."""
+@overload(tile_rows, inline="always")
+def _tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
+    """The dispatch (lumen.kernels.kinds.switch), built for the kinds' types only: one tile kernel per type."""
     import lumen.kernels.simd as simd
     qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
-    lines = [f"def impl(kinds, qt, nr, {_TILE_ARGS}, v0, pf, pfb):"]
-    for which, cond in ((0, "if nr == 1:"), (1, "else:")):
-        lines.append(f"    {cond}")
-        for j, t in enumerate(qts):          # the last type takes the else branch (the table checked qt)
-            call = f"{_TILES[t][which]}({_TILE_ARGS}{', v0, pf, pfb' if which else ''})"
-            if len(qts) == 1:
-                lines.append(f"        {call}")
-            else:
-                kw = "if" if j == 0 else "elif" if j < len(qts) - 1 else "else"
-                lines.append(f"        {kw}{f' qt == {t}' if kw != 'else' else ''}:\n            {call}")
-    ns = {name: getattr(simd, name) for t in qts for name in _TILES[t]}
-    exec("\n".join(lines), ns)
-    return ns["impl"]
+    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in qts), 16)
+    many = switch(tuple((t, getattr(simd, _TILES[t][1])) for t in qts), 19)
+
+    def impl(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
+        G = x.xd.shape[1]
+        qo, so, ld = t * w.q.shape[1], t * w.s.shape[1], dst.shape[1]
+        if nr == 1:
+            one(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, 2 * i * G, x.xi,
+                2 * i * G, G)
+        else:
+            many(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, 2 * i * G, x.xi,
+                 2 * i * G, G, v0, pf, pfb)
+    return impl
 
 
 @njit(cache=True)
@@ -314,45 +331,41 @@ def tile_f32_mv(facc, w, x):
 
 
 @njit(cache=True)
-def tiles_1(out, qt, q, s, xq, xd, xs, xi, facc, t0, t1, kinds):
+def tiles_1(out, w, x, facc, t0, t1, kinds):
     """`tiles` for one activation row (decode), a function of its own: compiled inside `tiles` beside the batched
     passes, the same loop decoded 7% slower (SmolLM2 tg128, 2-vCPU EPYC Zen 5, 3 alternated pairs: 309-326 against
     335-347 tok/s)."""
     d_out = out.shape[1]
-    G = xq.shape[1] // 32
-    qb, sb = q.shape[1], s.shape[1]
     zero = np.int64(0)
     for t in range(t0, t1):
         full = (t + 1) * R <= d_out
-        dst, do = (out, t * R) if full else (facc, zero)
-        tile_rows(kinds, qt, 1, dst, do, zero, q, t * qb, s, t * sb, xq, zero, xd, zero, xs, zero, xi, zero, G, zero,
-                  zero, zero)
+        dst, c0 = (out, t * R) if full else (facc, zero)
+        tile_rows(kinds, 1, dst, zero, c0, w, t, x, zero, zero, zero, zero)
         if not full:
             for r in range(d_out - t * R):
                 out[0, t * R + r] = facc[0, r]
 
 
 @njit(cache=True)
-def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
-    """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W's tiles q (T, G * group bytes) u8 and s
-    (T, record bytes) u8, or qf (T, n_in, R) f32 for the F32 family; x rounded by prepare_x (xq, xd, xs, xi or
-    xf). Per tile: the next tile prefetched, then each half tile over NR rows per pass, the rest (N % NR) one at a
-    time; a last tile of fewer than R rows goes one row at a time through facc (1, R) f32 (and so does every
-    F32-family tile). Two call sites of the tile dispatch (each is code for every type)."""
+def tiles(out, w, x, facc, t0, t1, kinds):
+    """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W the Mat w (its tiles q and scale records
+    s, or qf for the F32 family), x the Acts rounded by prepare_x. Per tile: the next tile prefetched, then each
+    half tile over NR rows per pass, the rest (N % NR) one at a time; a last tile of fewer than R rows goes one
+    row at a time through facc (1, R) f32 (and so does every F32-family tile). Two call sites of the tile
+    dispatch (each is code for every type)."""
     N, d_out = out.shape
-    if qf.shape[0] > 0:
+    if w.qf.shape[0] > 0:
         for t in range(t0, t1):
             n = min(R, d_out - t * R)
             for i in range(N):
-                tile_f32_mv(facc[0], qf[t], xf[i])
+                tile_f32_mv(facc[0], w.qf[t], x.xf[i])
                 for r in range(n):
                     out[i, t * R + r] = facc[0, r]
         return
     if N == 1:
-        return tiles_1(out, qt, q, s, xq, xd, xs, xi, facc, t0, t1, kinds)
-    G = xq.shape[1] // 32
-    n_in = 32 * G
-    qb, sb = q.shape[1], s.shape[1]
+        return tiles_1(out, w, x, facc, t0, t1, kinds)
+    G = x.xd.shape[1]
+    qb = w.q.shape[1]
     nb = N - N % NR                                   # rows in passes of NR; the rest one at a time
     zero = np.int64(0)
     for t in range(t0, t1):
@@ -368,31 +381,32 @@ def tiles(out, qt, q, qf, s, xq, xd, xs, xi, xf, facc, t0, t1, kinds):
             for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
                 for i in range(0, nb, NR):
                     pb = per if p * chunk < qb else zero
-                    tile_rows(kinds, qt, NR, out, i * d_out + t * R, d_out, q, t * qb, s, t * sb, xq, i * n_in,
-                              xd, i * G, xs, 2 * i * G, xi, 2 * i * G, G, np.int64(v0), qb + p * chunk, pb)
+                    tile_rows(kinds, NR, out, np.int64(i), t * R, w, t, x, np.int64(i), np.int64(v0),
+                              qb + p * chunk, pb)
                     p += 1
             i0 = nb
         for i in range(i0, N):
-            dst, do = (out, i * d_out + t * R) if full else (facc, zero)
-            tile_rows(kinds, qt, 1, dst, do, zero, q, t * qb, s, t * sb, xq, i * n_in, xd, i * G, xs, 2 * i * G,
-                      xi, 2 * i * G, G, zero, zero, zero)
+            dst, r0, c0 = (out, np.int64(i), t * R) if full else (facc, zero, zero)
+            tile_rows(kinds, 1, dst, r0, c0, w, t, x, np.int64(i), zero, zero, zero)
             if not full:
                 for r in range(d_out - t * R):
                     out[i, t * R + r] = facc[0, r]
 
 
 @njit(parallel=True, cache=True)
-def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, work, kinds):
-    """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) weights of the 3-tuples qts (types), qs (tiles), ss
-    (scale records), all over the same activations, already rounded (`prepare_x`); qf: the weight of an F32-family
-    matrix (n = 1; qs[0] is then empty). One parallel region: the tiles of the n matrices, taken in order, are split
-    into one contiguous share per worker, cut into work[1] chunks; a worker claims its own share's chunks from the
-    front and, once it has none left, steals the others' from the back (lumen.kernels.work.claim) until none is
-    left (`tiles`); work[0] = STATIC keeps each worker to its own share (the old split, for measurements). facc
-    (threads, R) f32: per-worker scratch (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types
-    the tile dispatch is compiled for. A tile's outputs are one worker's, computed the same way whichever worker
-    it is, so the bits do not depend on the distribution (tests/test_threads.py); lumen/kernels/work.py has the
-    measurements."""
+def matmul_kernel(outs, ws, n, x, facc, work, kinds):
+    """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) matrices of the 3-tuple ws (Mats), all over the same
+    activations x (Acts), already rounded (`prepare_x`); an F32-family matrix runs alone (n = 1). One parallel
+    region: the tiles of the n matrices, taken in order, are split into one contiguous share per worker, cut into
+    work[1] chunks; a worker claims its own share's chunks from the front and, once it has none left, steals the
+    others' from the back (lumen.kernels.work.claim) until none is left (`tiles`); work[0] = STATIC keeps each
+    worker to its own share (the old split, for measurements). facc (threads, R) f32: per-worker scratch
+    (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for.
+    A tile's outputs are one worker's, computed the same way whichever worker it is, so the bits do not depend on
+    the distribution (tests/test_threads.py); lumen/kernels/work.py has the measurements."""
+    # (the region takes the Mats' fields as tuples: Numba's gufunc wrapper rejects a tuple of Mats)
+    qts, qs, qfs, ss = ((ws[0].qt, ws[1].qt, ws[2].qt), (ws[0].q, ws[1].q, ws[2].q), (ws[0].qf, ws[1].qf, ws[2].qf),
+                        (ws[0].s, ws[1].s, ws[2].s))
     total = 0
     for m in range(n):
         total += ss[m].shape[0]
@@ -417,19 +431,19 @@ def matmul_kernel(outs, qts, qs, qf, ss, n, xq, xd, xs, xi, xf, facc, work, kind
                     T = ss[m].shape[0]
                     a, b = max(a0, base), min(b0, base + T)
                     if a < b:
-                        tiles(outs[m], qts[m], qs[m], qf, ss[m], xq, xd, xs, xi, xf, facc[ci:ci + 1], a - base,
-                              b - base, kinds)
+                        tiles(outs[m], Mat(qts[m], qs[m], qfs[m], ss[m]), x, facc[ci:ci + 1], a - base, b - base,
+                              kinds)
                     base += T
 
 
 @njit(cache=True)
-def prepare_x(xq, xd, xs, xi, xf, x, fmt):
-    """Round x (N, n_in) to activation format fmt: into xq (N, n_in) i8, xd (N, G), xs (N, G, 2) f32, xi (N, G, 2)
-    i32 for the 8-bit formats, into xf (N, n_in) f32 for the float ones. The input of matmul_kernel."""
+def prepare_x(x_out, x, fmt):
+    """Round x (N, n_in) to activation format fmt into the Acts x_out: xq (N, n_in) i8, xd (N, G), xs (N, G, 2) f32,
+    xi (N, G, 2) i32 for the 8-bit formats, xf (N, n_in) f32 for the float ones. The input of matmul_kernel."""
     if fmt == ACT_Q8 or fmt == ACT_Q8K:
-        quantize_x(xq, xd, xs, xi, x, fmt)
+        quantize_x(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
     else:
-        round_x(xf, x, fmt)
+        round_x(x_out.xf, x, fmt)
 
 
 # ---------------------------------------------------------------- Python entries: validate, then call
@@ -479,18 +493,20 @@ def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
     G = w.n_in // 32
     fmt = ACT_FORMAT[QT(int(w.qtype))]
     f32 = w.family == F32
-    xq = np.zeros((N, 0 if f32 else w.n_in), np.int8)
-    xd = np.zeros((N, 0 if f32 else G), np.float32)
-    xs = np.zeros((N, 0 if f32 else G, 2), np.float32)
-    xi = np.zeros((N, 0 if f32 else G, 2), np.int32)
-    xf = np.zeros((N, w.n_in if f32 else 0), np.float32)
-    prepare_x(xq, xd, xs, xi, xf, x, fmt)
+    acts = Acts(xq=np.zeros((N, 0 if f32 else w.n_in), np.int8), xd=np.zeros((N, 0 if f32 else G), np.float32),
+                xs=np.zeros((N, 0 if f32 else G, 2), np.float32), xi=np.zeros((N, 0 if f32 else G, 2), np.int32),
+                xf=np.zeros((N, w.n_in if f32 else 0), np.float32))
+    prepare_x(acts, x, fmt)
     facc = per_thread((numba.get_num_threads(), R), np.float32)
-    q, qf = (_EMPTY_U8, w.q) if f32 else (w.q, _EMPTY_F32)
-    qt = int(w.qtype)
-    matmul_kernel((out, out, out), (qt, qt, qt), (q, q, q), qf, (w.s, w.s, w.s), 1, xq, xd, xs, xi, xf, facc,
-                  counters(facc.shape[0]), ALL)
+    m = mat(w)
+    matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, counters(facc.shape[0]), ALL)
     return out
+
+
+def mat(w: Packed) -> Mat:
+    """The kernels' view of a packed weight."""
+    f32 = w.family == F32
+    return Mat(int(w.qtype), _EMPTY_U8 if f32 else w.q, w.q if f32 else _EMPTY_F32, w.s)
 
 
 def matvec(out: np.ndarray, x: np.ndarray, w, qtype) -> np.ndarray:

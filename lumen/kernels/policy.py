@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from .attention import CHUNK
+from .fp import CHUNK
 
 # Norms, RoPE, activations and residual adds take their parallel kernel from this many rows. Measured, 2 threads,
 # min of short batches: rmsnorm 16 x 576 values 1.7 us serial / 2.2 us parallel, 32 x 576 3.6 / 2.8; swiglu

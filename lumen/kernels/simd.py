@@ -57,6 +57,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, add, call, i64, ivec, mul, ptr, splat, sub,
+                 vload)
 from .layout import GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 _features = llvm.get_host_cpu_features()
@@ -65,34 +67,17 @@ _features = llvm.get_host_cpu_features()
 VNNI = (bool(_features.get("avx512vnni", False) and _features.get("avx512vl", False))
         and os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0"))
 
-ROWS = R                       # rows of a tile
-LANES = 16                     # rows per vector (int32 lanes of a 512-bit register)
-_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_F16, _F32 = ir.HalfType(), ir.FloatType()
-_V8I32 = ir.VectorType(_I32, 8)
-_V32I8 = ir.VectorType(_I8, 32)
-_VI = ir.VectorType(_I32, LANES)
-_VB = ir.VectorType(_I8, 4 * LANES)
-_VF = ir.VectorType(_F32, LANES)
-_VH = ir.VectorType(_F16, LANES)
-_VB8 = ir.VectorType(_I8, LANES)
-
-
-def _data(context, builder, aty, aval, elty, off=None):
-    """Pointer (elty*) to element `off` (an i64 count of the array's own elements) of the array's data."""
-    arr = context.make_array(aty)(context, builder, aval)
-    ptr = arr.data if off is None else builder.gep(arr.data, [off])
-    return builder.bitcast(ptr, elty.as_pointer())
+ROWS = R                       # rows of a tile; LANES (lumen.kernels.ir) = 16 rows per vector (i32 lanes)
 
 
 # ---- 256-bit helpers (lumen.machine's int8 dot measures with these)
 
 def _bcast32(builder, xp, quad):
     """The 4 bytes x[4 quad .. 4 quad + 3] as one int32, broadcast to 8 lanes."""
-    p = builder.bitcast(builder.gep(xp, [ir.Constant(_I32, 4 * quad)]), _I32.as_pointer())
+    p = builder.bitcast(builder.gep(xp, [ir.Constant(I32, 4 * quad)]), I32.as_pointer())
     s = builder.load(p, align=1)
-    v = builder.insert_element(ir.Constant(_V8I32, ir.Undefined), s, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(_V8I32, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
+    v = builder.insert_element(ir.Constant(V8I32, ir.Undefined), s, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(V8I32, ir.Undefined), ir.Constant(V8I32, [0] * 8))
 
 
 def _dpbusd(builder, acc, u, x):
@@ -103,84 +88,40 @@ def _dpbusd(builder, acc, u, x):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3),
                                             f"llvm.x86.avx512.vpdpbusd.{32 * n}")
         return builder.call(fn, [acc, u, x])
-    wide = ir.VectorType(_I32, 4 * n)
-    ub = builder.zext(builder.bitcast(u, ir.VectorType(_I8, 4 * n)), wide)
-    xb = builder.sext(builder.bitcast(x, ir.VectorType(_I8, 4 * n)), wide)
+    wide = ir.VectorType(I32, 4 * n)
+    ub = builder.zext(builder.bitcast(u, ir.VectorType(I8, 4 * n)), wide)
+    xb = builder.sext(builder.bitcast(x, ir.VectorType(I8, 4 * n)), wide)
     p = builder.mul(ub, xb)
     undef = ir.Constant(wide, ir.Undefined)
     for b in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(p, undef, ir.Constant(ir.VectorType(_I32, n),
+        acc = builder.add(acc, builder.shuffle_vector(p, undef, ir.Constant(ir.VectorType(I32, n),
                                                                               list(range(b, 4 * n, 4)))))
     return acc
-
-
-def _vload(builder, base, byte_off, ty=_V8I32):
-    """A vector of type ty at base (i8*) + byte_off (an int constant or i64 value)."""
-    off = ir.Constant(_I32, byte_off) if isinstance(byte_off, int) else byte_off
-    return builder.load(builder.bitcast(builder.gep(base, [off]), ty.as_pointer()), align=1)
 
 
 # The intrinsics take whole C-contiguous arrays and flat element offsets into them, not views: a view made in
 # a hot loop costs an atomic increment and decrement of the parent's reference count, and when two threads do
 # that on one array the count's cache line moves between the cores on every call.
 
-def _i64(v):
-    return ir.Constant(_I64, v)
-
-
-def _ivec(v):
-    v &= 0xFFFFFFFF
-    return ir.Constant(_VI, [v - (1 << 32) if v >= 1 << 31 else v] * LANES)
-
-
-def _splat(builder, val, vty):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, vty.count),
-                                                                                   [0] * vty.count))
-
-
-def _constrained(builder, op, a, b):
-    """a op b, rounded on its own: the constrained intrinsics are never fused into an FMA by the backend (Numba's
-    target allows contraction, which turned the epilogue's multiply-adds into FMAs: a 1-ulp change that moved
-    Gemma's perplexity by 2%)."""
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_VF, [_VF, _VF, ir.MetaDataType(), ir.MetaDataType()]),
-        f"llvm.experimental.constrained.{op}.v{LANES}f32")
-    return builder.call(fn, [a, b, ir.MetaDataString(builder.module, "round.tonearest"),
-                             ir.MetaDataString(builder.module, "fpexcept.ignore")])
-
-
-def _mul(builder, a, b):
-    return _constrained(builder, "fmul", a, b)
-
-
-def _add(builder, a, b):
-    return _constrained(builder, "fadd", a, b)
-
-
-def _sub(builder, a, b):
-    return _constrained(builder, "fsub", a, b)
-
-
 def _unpack(builder, fam, wg):
     """The 8 quads (4 unsigned bytes per lane, columns 4k..4k+3) of 16 rows of one group: wg (i8*) points at the
     group's bytes plus the rows' offset in a 256-byte run."""
     if fam == Q8:
-        return [_vload(builder, wg, k * ROWS * 4, _VI) for k in range(8)]
-    m0f = _ivec(0x0F0F0F0F)
-    ws = [_vload(builder, wg, k * ROWS * 4, _VI) for k in range(4)]
-    u = [builder.and_(w, m0f) for w in ws] + [builder.and_(builder.lshr(w, _ivec(4)), m0f) for w in ws]
+        return [vload(builder, wg, k * ROWS * 4, VI) for k in range(8)]
+    m0f = ivec(0x0F0F0F0F)
+    ws = [vload(builder, wg, k * ROWS * 4, VI) for k in range(4)]
+    u = [builder.and_(w, m0f) for w in ws] + [builder.and_(builder.lshr(w, ivec(4)), m0f) for w in ws]
     if fam == Q5:                        # byte b bit k of the plane word -> bit 4 of quad k's byte b
-        hb = _vload(builder, wg, NIB_BYTES, _VI)
+        hb = vload(builder, wg, NIB_BYTES, VI)
         for k in range(8):
-            sh = builder.shl(hb, _ivec(4 - k)) if k < 4 else builder.lshr(hb, _ivec(k - 4)) if k > 4 else hb
-            u[k] = builder.or_(u[k], builder.and_(sh, _ivec(0x10101010)))
+            sh = builder.shl(hb, ivec(4 - k)) if k < 4 else builder.lshr(hb, ivec(k - 4)) if k > 4 else hb
+            u[k] = builder.or_(u[k], builder.and_(sh, ivec(0x10101010)))
     elif fam == Q6:                      # word j byte b bits 2m, 2m+1 -> bits 4, 5 of quad 4j+m's byte b
         for j in range(2):
-            hb = _vload(builder, wg, NIB_BYTES + j * ROWS * 4, _VI)
+            hb = vload(builder, wg, NIB_BYTES + j * ROWS * 4, VI)
             for m in range(4):
-                sh = builder.shl(hb, _ivec(4 - 2 * m)) if m < 2 else hb if m == 2 else builder.lshr(hb, _ivec(2))
-                u[4 * j + m] = builder.or_(u[4 * j + m], builder.and_(sh, _ivec(0x30303030)))
+                sh = builder.shl(hb, ivec(4 - 2 * m)) if m < 2 else hb if m == 2 else builder.lshr(hb, ivec(2))
+                u[4 * j + m] = builder.or_(u[4 * j + m], builder.and_(sh, ivec(0x30303030)))
     return u
 
 
@@ -188,56 +129,56 @@ def _scales(builder, sc, z, sp, g, G, v1, v2):
     """The scale vectors of 16 rows in group g: (d_w, o) or (s0, s1). sp (i8*): the tile's scale record; v1, v2:
     the rows' offset in bytes of a u8 / f16 row vector."""
     if sc == SC_D:
-        sg = builder.gep(sp, [builder.add(builder.mul(g, _i64(2 * ROWS)), v2)])
-        return builder.fpext(_vload(builder, sg, 0, _VH), _VF), None
-    zf = ir.Constant(_VF, [float(z)] * LANES)
+        sg = builder.gep(sp, [builder.add(builder.mul(g, i64(2 * ROWS)), v2)])
+        return builder.fpext(vload(builder, sg, 0, VH), VF), None
+    zf = ir.Constant(VF, [float(z)] * LANES)
     if sc == SC_DM:
-        sg = builder.gep(sp, [builder.add(builder.mul(g, _i64(4 * ROWS)), v2)])
-        d = builder.fpext(_vload(builder, sg, 0, _VH), _VF)
-        m = builder.fpext(_vload(builder, sg, 2 * ROWS, _VH), _VF)
-        return d, _add(builder, m, _mul(builder, zf, d))
-    sg = builder.gep(sp, [builder.add(builder.mul(g, _i64(2 * ROWS)), v1)])
-    blk = builder.add(builder.mul(G, _i64(2 * ROWS)),
-                      builder.mul(builder.udiv(g, _i64(8)), _i64((4 if sc == SC_K else 2) * ROWS)))
+        sg = builder.gep(sp, [builder.add(builder.mul(g, i64(4 * ROWS)), v2)])
+        d = builder.fpext(vload(builder, sg, 0, VH), VF)
+        m = builder.fpext(vload(builder, sg, 2 * ROWS, VH), VF)
+        return d, add(builder, m, mul(builder, zf, d))
+    sg = builder.gep(sp, [builder.add(builder.mul(g, i64(2 * ROWS)), v1)])
+    blk = builder.add(builder.mul(G, i64(2 * ROWS)),
+                      builder.mul(builder.udiv(g, i64(8)), i64((4 if sc == SC_K else 2) * ROWS)))
     sb = builder.gep(sp, [builder.add(blk, v2)])
-    d = builder.fpext(_vload(builder, sb, 0, _VH), _VF)
+    d = builder.fpext(vload(builder, sb, 0, VH), VF)
     if sc == SC_K:
-        scale = builder.uitofp(_vload(builder, sg, 0, _VB8), _VF)
-        mn = builder.uitofp(_vload(builder, sg, ROWS, _VB8), _VF)
-        dmin = builder.fpext(_vload(builder, sb, 2 * ROWS, _VH), _VF)
-        dw = _mul(builder, d, scale)
-        return dw, _sub(builder, _mul(builder, zf, dw), _mul(builder, dmin, mn))
+        scale = builder.uitofp(vload(builder, sg, 0, VB8), VF)
+        mn = builder.uitofp(vload(builder, sg, ROWS, VB8), VF)
+        dmin = builder.fpext(vload(builder, sb, 2 * ROWS, VH), VF)
+        dw = mul(builder, d, scale)
+        return dw, sub(builder, mul(builder, zf, dw), mul(builder, dmin, mn))
     assert sc == SC_K6
-    return (_mul(builder, d, builder.sitofp(_vload(builder, sg, 0, _VB8), _VF)),
-            _mul(builder, d, builder.sitofp(_vload(builder, sg, ROWS, _VB8), _VF)))
+    return (mul(builder, d, builder.sitofp(vload(builder, sg, 0, VB8), VF)),
+            mul(builder, d, builder.sitofp(vload(builder, sg, ROWS, VB8), VF)))
 
 
 def _row_group(builder, sc, z, f, u, scl, xg, xig, dg, sxg):
     """f (16 row sums) + group g's contribution for one activation row: xg (i8*) its 32 bytes, xig (i32*) its two
     integer half sums, dg (f32*) its scale, sxg (f32*) its two scaled half sums. The integer sums start from
     -z * sum x (so no subtraction after), one per half for K6, one for the whole group otherwise."""
-    zsh = ir.Constant(_I32, z.bit_length() - 1)          # z is a power of two
+    zsh = ir.Constant(I32, z.bit_length() - 1)          # z is a power of two
     c0 = builder.shl(builder.load(xig), zsh)
-    c1 = builder.shl(builder.load(builder.gep(xig, [ir.Constant(_I32, 1)])), zsh)
+    c1 = builder.shl(builder.load(builder.gep(xig, [ir.Constant(I32, 1)])), zsh)
     if sc == SC_K6:
-        a = [_splat(builder, builder.neg(c0), _VI), _splat(builder, builder.neg(c1), _VI)]
+        a = [splat(builder, builder.neg(c0), VI), splat(builder, builder.neg(c1), VI)]
     else:
-        a = [_splat(builder, builder.neg(builder.add(c0, c1)), _VI)] * 2
+        a = [splat(builder, builder.neg(builder.add(c0, c1)), VI)] * 2
     for k in range(8):
-        p = builder.bitcast(builder.gep(xg, [ir.Constant(_I32, 4 * k)]), _I32.as_pointer())
+        p = builder.bitcast(builder.gep(xg, [ir.Constant(I32, 4 * k)]), I32.as_pointer())
         j = k // 4 if sc == SC_K6 else 0
-        a[j] = _dpbusd(builder, a[j], u[k], _splat(builder, builder.load(p, align=1), _VI))
-    sd = _splat(builder, builder.load(dg), _VF)
+        a[j] = _dpbusd(builder, a[j], u[k], splat(builder, builder.load(p, align=1), VI))
+    sd = splat(builder, builder.load(dg), VF)
     if sc == SC_K6:
         s0, s1 = scl
-        a0, a1 = builder.sitofp(a[0], _VF), builder.sitofp(a[1], _VF)
-        return _add(builder, f, _mul(builder, sd, _add(builder, _mul(builder, s0, a0), _mul(builder, s1, a1))))
+        a0, a1 = builder.sitofp(a[0], VF), builder.sitofp(a[1], VF)
+        return add(builder, f, mul(builder, sd, add(builder, mul(builder, s0, a0), mul(builder, s1, a1))))
     dw, o = scl
-    t = _mul(builder, _mul(builder, dw, sd), builder.sitofp(a[0], _VF))
+    t = mul(builder, mul(builder, dw, sd), builder.sitofp(a[0], VF))
     if sc in (SC_DM, SC_K):
-        sx = builder.fadd(builder.load(sxg), builder.load(builder.gep(sxg, [ir.Constant(_I32, 1)])))
-        t = _add(builder, t, _mul(builder, o, _splat(builder, sx, _VF)))
-    return _add(builder, f, t)
+        sx = builder.fadd(builder.load(sxg), builder.load(builder.gep(sxg, [ir.Constant(I32, 1)])))
+        t = add(builder, t, mul(builder, o, splat(builder, sx, VF)))
+    return add(builder, f, t)
 
 
 def _make_tile(fam: int, sc: int, z: int, nr: int):
@@ -248,63 +189,63 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
     def codegen(context, builder, sig, args):
         (out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G) = args[:16]
         ta = sig.args
-        fp = _data(context, builder, ta[0], out, _F32, oo)
-        qp = _data(context, builder, ta[3], q, _I8, qo)
-        sp = _data(context, builder, ta[5], s, _I8, so)
-        xp = _data(context, builder, ta[7], xq, _I8, xo)
-        dp = _data(context, builder, ta[9], xd, _F32, xdo)
-        sxp = _data(context, builder, ta[11], xs, _F32, xso)
-        xip = _data(context, builder, ta[13], xi, _I32, xio)
+        fp = ptr(context, builder, ta[0], out, F32, oo)
+        qp = ptr(context, builder, ta[3], q, I8, qo)
+        sp = ptr(context, builder, ta[5], s, I8, so)
+        xp = ptr(context, builder, ta[7], xq, I8, xo)
+        dp = ptr(context, builder, ta[9], xd, F32, xdo)
+        sxp = ptr(context, builder, ta[11], xs, F32, xso)
+        xip = ptr(context, builder, ta[13], xi, I32, xio)
 
         def row(g, i):
             """Pointers to activation row i's bytes, half sums, scale and scaled half sums of group g."""
-            gi = builder.add(g, builder.mul(G, _i64(i)))
-            j2 = builder.mul(gi, _i64(2))
-            return (builder.gep(xp, [builder.mul(gi, _i64(32))]), builder.gep(xip, [j2]), builder.gep(dp, [gi]),
+            gi = builder.add(g, builder.mul(G, i64(i)))
+            j2 = builder.mul(gi, i64(2))
+            return (builder.gep(xp, [builder.mul(gi, i64(32))]), builder.gep(xip, [j2]), builder.gep(dp, [gi]),
                     builder.gep(sxp, [j2]))
 
         if nr == 1:      # groups outer: the 64 row sums in registers, the weights read in memory order
-            f_slots = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(NV)]
+            f_slots = [cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in range(NV)]
             with cgutils.for_range(builder, G) as loop:
                 g = loop.index
-                wgrp = builder.gep(qp, [builder.mul(g, _i64(gbytes))])
+                wgrp = builder.gep(qp, [builder.mul(g, i64(gbytes))])
                 ptrs = row(g, 0)
                 for vec in range(NV):
-                    u = _unpack(builder, fam, builder.gep(wgrp, [_i64(vec * LANES * 4)]))
-                    scl = _scales(builder, sc, z, sp, g, G, _i64(vec * LANES), _i64(vec * LANES * 2))
+                    u = _unpack(builder, fam, builder.gep(wgrp, [i64(vec * LANES * 4)]))
+                    scl = _scales(builder, sc, z, sp, g, G, i64(vec * LANES), i64(vec * LANES * 2))
                     builder.store(_row_group(builder, sc, z, builder.load(f_slots[vec]), u, scl, *ptrs), f_slots[vec])
             for vec in range(NV):
-                p = builder.bitcast(builder.gep(fp, [_i64(vec * LANES)]), _VF.as_pointer())
+                p = builder.bitcast(builder.gep(fp, [i64(vec * LANES)]), VF.as_pointer())
                 builder.store(builder.load(f_slots[vec]), p, align=4)
             return context.get_dummy_value()
 
         # nr rows x the NVP weight vectors v0 .. v0 + NVP - 1 (rows 16 v0 .. of the tile)
         v0 = args[16]
-        vs = [builder.add(v0, _i64(j)) for j in range(NVP)]
-        f_slots = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(NVP)]
+        vs = [builder.add(v0, i64(j)) for j in range(NVP)]
+        f_slots = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in range(NVP)]
                    for _ in range(nr)]
 
         def group(g, j, ptrs):
             """Add group g of vector vs[j] to the nr rows' sums: unpacked once, used nr times."""
             v = vs[j]
-            u = _unpack(builder, fam, builder.gep(qp, [builder.add(builder.mul(g, _i64(gbytes)),
-                                                                   builder.mul(v, _i64(LANES * 4)))]))
-            scl = _scales(builder, sc, z, sp, g, G, builder.mul(v, _i64(LANES)), builder.mul(v, _i64(LANES * 2)))
+            u = _unpack(builder, fam, builder.gep(qp, [builder.add(builder.mul(g, i64(gbytes)),
+                                                                   builder.mul(v, i64(LANES * 4)))]))
+            scl = _scales(builder, sc, z, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)))
             for i in range(nr):
                 slot = f_slots[i][j]
                 builder.store(_row_group(builder, sc, z, builder.load(slot), u, scl, *ptrs[i]), slot)
 
         pf, pfb = args[17], args[18]
         pfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+            ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
 
         def prefetch(g):
             """Prefetch the pfb bytes at pf + g pfb from the tile into L2 (pfb = 0: none): a pass spreads its share
             of the next tile over its groups."""
             base = builder.gep(qp, [builder.add(pf, builder.mul(g, pfb))])
-            with cgutils.for_range_slice(builder, _i64(0), pfb, _i64(64)) as (line, _):
-                builder.call(pfn, [builder.gep(base, [line]), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
-                                   ir.Constant(_I32, 1)])
+            with cgutils.for_range_slice(builder, i64(0), pfb, i64(64)) as (line, _):
+                builder.call(pfn, [builder.gep(base, [line]), ir.Constant(I32, 0), ir.Constant(I32, 2),
+                                   ir.Constant(I32, 1)])
 
         if groups_outer:  # the NVP x nr sums in registers, the weights read in memory order
             with cgutils.for_range(builder, G) as loop:
@@ -320,8 +261,8 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
                     group(loop.index, j, [row(loop.index, i) for i in range(nr)])
         for i in range(nr):
             for j in range(NVP):
-                p = builder.gep(fp, [builder.add(builder.mul(ostride, _i64(i)), builder.mul(vs[j], _i64(LANES)))])
-                builder.store(builder.load(f_slots[i][j]), builder.bitcast(p, _VF.as_pointer()), align=4)
+                p = builder.gep(fp, [builder.add(builder.mul(ostride, i64(i)), builder.mul(vs[j], i64(LANES)))])
+                builder.store(builder.load(f_slots[i][j]), builder.bitcast(p, VF.as_pointer()), align=4)
         return context.get_dummy_value()
 
     ip = types.intp
@@ -361,38 +302,33 @@ def prefetch_lines(typingctx, a, off, nbytes):
     """Prefetch a.flat[off : off + nbytes] (bytes of a u8 array) into L2, one prefetcht1 per 64-byte line."""
     def codegen(context, builder, sig, args):
         arr, o, n = args
-        p = _data(context, builder, sig.args[0], arr, _I8, o)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32,
-                                                                                            _I32, _I32]),
+        p = ptr(context, builder, sig.args[0], arr, I8, o)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32,
+                                                                                            I32, I32]),
                                             "llvm.prefetch.p0")
-        lines = builder.udiv(builder.add(n, _i64(63)), _i64(64))
+        lines = builder.udiv(builder.add(n, i64(63)), i64(64))
         with cgutils.for_range(builder, lines) as loop:
-            builder.call(fn, [builder.gep(p, [builder.mul(loop.index, _i64(64))]), ir.Constant(_I32, 0),
-                              ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+            builder.call(fn, [builder.gep(p, [builder.mul(loop.index, i64(64))]), ir.Constant(I32, 0),
+                              ir.Constant(I32, 2), ir.Constant(I32, 1)])
         return context.get_dummy_value()
     return types.void(a, types.intp, types.intp), codegen
 
 
 # ---- activation rounding (lumen.kernels.matmul.quantize_x): the vector parts of one block of 32 or 256 values
 
-def _fcall(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
 @intrinsic
 def absmax(typingctx, x, xo, n):
     """max |x.flat[xo : xo + n]| (n a multiple of 16; NaNs are skipped, as the scalar `if a > amax` does), f32."""
     def codegen(context, builder, sig, args):
         arr, o, cnt = args
-        p = _data(context, builder, sig.args[0], arr, _F32, o)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_VF, None))
-        with cgutils.for_range(builder, builder.udiv(cnt, _i64(LANES))) as loop:
-            v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, _i64(LANES))]),
-                                             _VF.as_pointer()), align=4)
-            a = _fcall(builder, f"llvm.fabs.v{LANES}f32", _VF, [v])
-            builder.store(_fcall(builder, f"llvm.maxnum.v{LANES}f32", _VF, [builder.load(acc), a]), acc)
-        return _fcall(builder, f"llvm.vector.reduce.fmax.v{LANES}f32", _F32, [builder.load(acc)])
+        p = ptr(context, builder, sig.args[0], arr, F32, o)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(VF, None))
+        with cgutils.for_range(builder, builder.udiv(cnt, i64(LANES))) as loop:
+            v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, i64(LANES))]),
+                                             VF.as_pointer()), align=4)
+            a = call(builder, f"llvm.fabs.v{LANES}f32", VF, [v])
+            builder.store(call(builder, f"llvm.maxnum.v{LANES}f32", VF, [builder.load(acc), a]), acc)
+        return call(builder, f"llvm.vector.reduce.fmax.v{LANES}f32", F32, [builder.load(acc)])
     return types.float32(x, types.intp, types.intp), codegen
 
 
@@ -401,19 +337,19 @@ def first_with_abs(typingctx, x, xo, n, amax):
     """The first value of x.flat[xo : xo + n] whose |value| == amax (0 if none; n a multiple of 16), f32."""
     def codegen(context, builder, sig, args):
         arr, o, cnt, am = args
-        p = _data(context, builder, sig.args[0], arr, _F32, o)
-        found = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        p = ptr(context, builder, sig.args[0], arr, F32, o)
+        found = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
         done = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
-        amv = _splat(builder, am, _VF)
+        amv = splat(builder, am, VF)
         i16 = ir.IntType(LANES)
-        with cgutils.for_range(builder, builder.udiv(cnt, _i64(LANES))) as loop:
-            v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, _i64(LANES))]),
-                                             _VF.as_pointer()), align=4)
-            eq = builder.fcmp_ordered("==", _fcall(builder, f"llvm.fabs.v{LANES}f32", _VF, [v]), amv)
+        with cgutils.for_range(builder, builder.udiv(cnt, i64(LANES))) as loop:
+            v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, i64(LANES))]),
+                                             VF.as_pointer()), align=4)
+            eq = builder.fcmp_ordered("==", call(builder, f"llvm.fabs.v{LANES}f32", VF, [v]), amv)
             m = builder.bitcast(eq, i16)
             hit = builder.and_(builder.icmp_unsigned("!=", m, ir.Constant(i16, 0)), builder.not_(builder.load(done)))
             with builder.if_then(hit):
-                k = _fcall(builder, f"llvm.cttz.i{LANES}", i16, [m, ir.Constant(ir.IntType(1), 1)])
+                k = call(builder, f"llvm.cttz.i{LANES}", i16, [m, ir.Constant(ir.IntType(1), 1)])
                 builder.store(builder.extract_element(v, k), found)
                 builder.store(ir.Constant(ir.IntType(1), 1), done)
         return builder.load(found)
@@ -426,21 +362,21 @@ def quantize_block(typingctx, x, xo, q, qo, xi, xio, scale, n, cap):
     xi.flat[xio + h] = the sum of q's h-th run of 16 values (i32)."""
     def codegen(context, builder, sig, args):
         xa, xo_, qa, qo_, ia, io_, sc, cnt, cp = args
-        xp = _data(context, builder, sig.args[0], xa, _F32, xo_)
-        qp = _data(context, builder, sig.args[2], qa, _I8, qo_)
-        ip = _data(context, builder, sig.args[4], ia, _I32, io_)
-        scv = _splat(builder, sc, _VF)
-        c127 = ir.Constant(_VF, [127.0] * LANES)
-        with cgutils.for_range(builder, builder.udiv(cnt, _i64(LANES))) as loop:
-            off = builder.mul(loop.index, _i64(LANES))
-            v = builder.load(builder.bitcast(builder.gep(xp, [off]), _VF.as_pointer()), align=4)
-            r = _fcall(builder, f"llvm.rint.v{LANES}f32", _VF, [builder.fmul(v, scv)])
+        xp = ptr(context, builder, sig.args[0], xa, F32, xo_)
+        qp = ptr(context, builder, sig.args[2], qa, I8, qo_)
+        ip = ptr(context, builder, sig.args[4], ia, I32, io_)
+        scv = splat(builder, sc, VF)
+        c127 = ir.Constant(VF, [127.0] * LANES)
+        with cgutils.for_range(builder, builder.udiv(cnt, i64(LANES))) as loop:
+            off = builder.mul(loop.index, i64(LANES))
+            v = builder.load(builder.bitcast(builder.gep(xp, [off]), VF.as_pointer()), align=4)
+            r = call(builder, f"llvm.rint.v{LANES}f32", VF, [builder.fmul(v, scv)])
             capped = builder.select(builder.fcmp_ordered("<", r, c127), r, c127)   # min(127, r): 127 unless r < 127
             r = builder.select(cp, capped, r)
-            qi = builder.fptosi(r, _VI)
-            builder.store(builder.trunc(qi, _VB8), builder.bitcast(builder.gep(qp, [off]), _VB8.as_pointer()),
+            qi = builder.fptosi(r, VI)
+            builder.store(builder.trunc(qi, VB8), builder.bitcast(builder.gep(qp, [off]), VB8.as_pointer()),
                           align=1)
-            builder.store(_fcall(builder, f"llvm.vector.reduce.add.v{LANES}i32", _I32, [qi]),
+            builder.store(call(builder, f"llvm.vector.reduce.add.v{LANES}i32", I32, [qi]),
                           builder.gep(ip, [loop.index]))
         return context.get_dummy_value()
     return types.void(x, types.intp, q, types.intp, xi, types.intp, types.float32, types.intp, types.boolean), codegen
@@ -451,5 +387,5 @@ def f16_round(typingctx, v):
     """v (f32) rounded to the nearest float16 value (ties to even, subnormals, overflow to inf), as f32: one
     vcvtps2ph / vcvtph2ps pair where the CPU has F16C."""
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.fptrunc(args[0], _F16), _F32)
+        return builder.fpext(builder.fptrunc(args[0], F16), F32)
     return types.float32(types.float32), codegen
