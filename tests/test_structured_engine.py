@@ -4,7 +4,7 @@ validates (jsonschema) and ends with "stop"; regex, choice, Lark and GBNF throug
 unconstrained requests keep their bits beside constrained ones; greedy constrained output with speculation (n-gram
 and a draft model) equals it without, token for token; a request whose grammar compiles waits without holding up
 the others, and one whose grammar fails ends with the error (Model.generate raises, a cached failure is refused at
-add_request)."""
+add_request); Gemma 3's vocabulary through the engine too."""
 import json
 import math
 import re
@@ -208,3 +208,17 @@ def test_whitespace_is_bounded_by_default(engine):
     assert out.finish_reason == "stop", out.text[:200]
     jsonschema.validate(json.loads(out.text), SCHEMAS["enums"])
     assert max(len(m) for m in re.findall(r"\s+", out.text)) <= 22
+
+
+def test_gemma_schema_and_choice(gemma3_path):
+    """Gemma 3's vocabulary (262144 tokens, `▁` and byte tokens, two end tokens) through the engine."""
+    gemma = lumen.load(gemma3_path, ctx=512, threads=2)
+    eng = Engine(gemma, threads=2, max_model_len=512, max_num_seqs=4, kv_cache_mb=32)
+    schema = SCHEMAS["enums"]
+    outs = eng.generate([PROMPT] * 3, [SamplingParams(max_tokens=60, temperature=0.8, seed=s,
+                                                      constraint=Constraint.json_schema(schema)) for s in SEEDS[:2]]
+                        + [SamplingParams(max_tokens=8, constraint=Constraint.choice(["café", "naïve", "日本"]))])
+    for o in outs[:2]:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), schema)
+    assert outs[2].finish_reason == "stop" and outs[2].text in ("café", "naïve", "日本")
