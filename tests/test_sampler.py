@@ -6,7 +6,7 @@ import pytest
 
 from lumen.errors import LumenError
 from lumen.engine.logits_processors import make_logits_processors
-from lumen.engine.sampler import _candidates, make_sampler
+from lumen.engine.sampler import SamplerError, _candidates, make_sampler
 from lumen.engine.stop_strings import StopChecker
 
 
@@ -306,3 +306,17 @@ def test_stop_bad_args():
             StopChecker(bad)
     stop = StopChecker([])
     assert stop.feed("anything") == ("anything", False)
+
+
+@pytest.mark.parametrize("kw, param", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                       (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-1), "seed"),
+                                       (dict(repeat_penalty=0), "repeat_penalty"),
+                                       (dict(presence_penalty=float("inf")), "presence_penalty"),
+                                       (dict(repeat_last_n=-5), "repeat_last_n"), (dict(stop=[""]), "stop"),
+                                       (dict(max_tokens=-1), "max_tokens")])
+def test_sampler_error_names_its_field(kw, param):
+    """The server's 400 names the field from SamplerError.param, never by reading the message."""
+    from lumen.engine.sampling_params import SamplingParams
+    with pytest.raises(SamplerError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param

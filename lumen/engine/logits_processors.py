@@ -18,15 +18,15 @@ def check_penalties(repeat_penalty, presence_penalty, frequency_penalty, last_n)
     """The one check of the penalties' settings (lumen.SamplingParams and make_logits_processors both call it)."""
     repeat_penalty = _number("repeat_penalty", repeat_penalty)
     if not 0.0 < repeat_penalty < math.inf:
-        raise SamplerError(f"repeat_penalty must be > 0 and finite (1 = off), got {repeat_penalty}")
+        raise SamplerError(f"repeat_penalty must be > 0 and finite (1 = off), got {repeat_penalty}", param="repeat_penalty")
     presence_penalty = _number("presence_penalty", presence_penalty)
     frequency_penalty = _number("frequency_penalty", frequency_penalty)
     for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not math.isfinite(v):
-            raise SamplerError(f"{name} must be finite (0 = off), got {v}")
+            raise SamplerError(f"{name} must be finite (0 = off), got {v}", param=name)
     last_n = _integer("last_n", last_n)
     if last_n < -1:
-        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}")
+        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}", param="repeat_last_n")
     return repeat_penalty, presence_penalty, frequency_penalty, last_n
 
 

@@ -39,7 +39,12 @@ BLOCK = 1024        # cumulative sums over more weights than this go block-wise
 
 
 class SamplerError(LumenError, ValueError):
-    """A sampling or penalty parameter is out of range, or the logits cannot be sampled (NaN, all -inf)."""
+    """A sampling or penalty parameter is out of range, or the logits cannot be sampled (NaN, all -inf). param: the
+    SamplingParams field at fault, where one is (the server names it in its 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -47,16 +52,16 @@ class SamplerError(LumenError, ValueError):
 
 def _number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise SamplerError(f"{name} must be a number, got {value!r}")
+        raise SamplerError(f"{name} must be a number, got {value!r}", param=name)
     value = float(value)
     if math.isnan(value):
-        raise SamplerError(f"{name} must be a number, got NaN")
+        raise SamplerError(f"{name} must be a number, got NaN", param=name)
     return value
 
 
 def _integer(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise SamplerError(f"{name} must be an integer, got {value!r}")
+        raise SamplerError(f"{name} must be an integer, got {value!r}", param=name)
     return int(value)
 
 
@@ -65,20 +70,20 @@ def check_sampler_params(temperature, top_k, top_p, min_p, seed) -> tuple[float,
     converted, or SamplerError naming the bad one."""
     temperature = _number("temperature", temperature)
     if not 0.0 <= temperature < math.inf:
-        raise SamplerError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
+        raise SamplerError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}", param="temperature")
     top_k = _integer("top_k", top_k)
     if top_k < 0:
-        raise SamplerError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        raise SamplerError(f"top_k must be >= 0 (0 = off), got {top_k}", param="top_k")
     top_p = _number("top_p", top_p)
     if not 0.0 < top_p <= 1.0:
-        raise SamplerError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        raise SamplerError(f"top_p must be in (0, 1] (1 = off), got {top_p}", param="top_p")
     min_p = _number("min_p", min_p)
     if not 0.0 <= min_p <= 1.0:
-        raise SamplerError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+        raise SamplerError(f"min_p must be in [0, 1] (0 = off), got {min_p}", param="min_p")
     if seed is not None:
         seed = _integer("seed", seed)
         if not 0 <= seed < 2 ** 63:
-            raise SamplerError(f"seed must be None or an integer in [0, 2^63), got {seed}")
+            raise SamplerError(f"seed must be None or an integer in [0, 2^63), got {seed}", param="seed")
     return temperature, top_k, top_p, min_p, seed
 
 

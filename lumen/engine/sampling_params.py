@@ -37,7 +37,7 @@ MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
 
 
 def _fail(name: str, msg: str, value) -> None:
-    raise SamplerError(f"{name} {msg}, got {value!r}")
+    raise SamplerError(f"{name} {msg}, got {value!r}", param=name)
 
 
 def _is_int(v) -> bool:

@@ -22,11 +22,11 @@ class StopChecker:
 
     def __init__(self, stop: Sequence[str]):
         if isinstance(stop, str):
-            raise SamplerError("stop must be a list of strings, not a string")
+            raise SamplerError("stop must be a list of strings, not a string", param="stop")
         stop = list(stop)
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise SamplerError(f"stop strings must be non-empty strings, got {s!r}")
+                raise SamplerError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
         self.stop = stop
         self.stopped = False
         self.matched: str | None = None              # the stop string that stopped it

@@ -207,12 +207,11 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
               logit_bias=dict(req.logit_bias or {}))
     try:
         return SamplingParams(**kw)
-    except SamplerError as e:                    # named as the engine names it; said as the client said it
-        field, rest = str(e).split(" ", 1)
+    except SamplerError as e:                    # the field the engine names; said as the client said it
+        field, msg = e.param, str(e)
         if field == "repeat_penalty" and req.repetition_penalty is not None:
-            field = "repetition_penalty"
-        raise ApiError(400, f"{field} {rest}", field if field in kw or field == "repetition_penalty" else None) \
-            from None
+            field, msg = "repetition_penalty", msg.replace("repeat_penalty", "repetition_penalty", 1)
+        raise ApiError(400, msg, field) from None
 
 
 def speculation(params: list[SamplingParams], req: _Sampling, default: str | None) -> list[SamplingParams]:
