@@ -2,6 +2,10 @@
 
 Streams the text to stdout as it is produced and prints one summary line to stderr: prompt tokens, TTFT,
 prefill tok/s, decode tok/s, TPOT (rich-formatted when stderr is a terminal).
+
+Structured output: --json-schema FILE, --regex R, --grammar FILE (Lark or GBNF) or --choice TEXT (repeated)
+constrain the text (lumen.engine.structured); a file or value that is not valid is an error before the model
+loads (exit code 2, as for other misuse).
 """
 from __future__ import annotations
 
@@ -90,7 +94,53 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the most tokens drafted per step (default 5; the engine adapts k to the acceptance)")
     sp.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup matches (default 1)")
     sp.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the lookup matches (default 4)")
+    so = ap.add_argument_group("structured output (the text must match; ends when the grammar is complete)")
+    one = so.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE",
+                     help="a JSON schema file: the text is JSON that validates (whitespace bounded: at most one "
+                          "space, or newlines and 20 spaces of indent, between tokens)")
+    one.add_argument("--json-object", action="store_true", help="the text is any JSON object")
+    one.add_argument("--regex", metavar="R", help="the whole text matches the regex R (Rust syntax, as llguidance)")
+    one.add_argument("--grammar", metavar="FILE",
+                     help="a grammar file: Lark (llguidance's dialect, a `start:` rule) or GBNF (`root ::= ...`)")
+    one.add_argument("--choice", action="append", metavar="TEXT", help="the text is one of the --choice values "
+                     "(repeat it)")
     return ap
+
+
+class UsageError(Exception):
+    """A command-line value that cannot be used (exit code 2)."""
+
+
+def constraint_from_args(args):
+    """The Constraint the structured-output flags ask for (None: no flag); UsageError saying which flag and why."""
+    from .engine.structured import Constraint, StructuredOutputError
+    flag, make, value = None, None, None
+    if args.json_schema is not None:
+        flag, make, value = f"--json-schema {args.json_schema}", Constraint.json_schema, _read(args.json_schema,
+                                                                                               "--json-schema")
+    elif args.grammar is not None:
+        flag, make, value = f"--grammar {args.grammar}", Constraint.lark_or_gbnf, _read(args.grammar, "--grammar")
+    elif args.regex is not None:
+        flag, make, value = "--regex", Constraint.regex, args.regex
+    elif args.choice:
+        flag, make, value = "--choice", Constraint.choice, args.choice
+    elif args.json_object:
+        return Constraint.json_object()
+    if flag is None:
+        return None
+    try:
+        return make(value)
+    except StructuredOutputError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
 
 
 def chat_prompt(model, user: str, system: str | None) -> tuple[str | None, str]:
@@ -157,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.prompt = sys.stdin.read()
     try:
+        constraint = constraint_from_args(args)          # before the model loads: a bad file fails fast
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         if not args.no_escape:
             args.stop = [process_escapes(s) for s in args.stop]
             args.system = args.system and process_escapes(args.system)
@@ -190,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                              repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop, special=special,
                              stats=stats, speculative=args.speculative,
-                             num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos)
+                             num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,
+                             constraint=constraint)
         out = sys.stdout
         for tok in gen:
             out.write(tok.text)

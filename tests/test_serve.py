@@ -448,8 +448,8 @@ BAD_REQUESTS = [
      "top_logprobs"),
     ("top_logprobs 25", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 25},
      "top_logprobs"),
-    ("response_format json", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
-        "type": "json_object"}}, "response_format"),
+    ("response_format xml", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "xml"}}, "response_format"),
     ("tools", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ("chat over the context", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]},
      None),

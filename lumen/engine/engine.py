@@ -5,6 +5,10 @@
     logits = runner.run_plan(plan, drafts)  one forward pass over the ragged batch (lumen.engine.runner)
     outputs = postprocess(plan, logits)     sample or verify, detokenize, stop; free what finished
 
+Structured output (SamplingParams.constraint, lumen.engine.structured.requests): a request waits outside the
+queue until its grammar is compiled; drafts are cut at the first token the grammar refuses; the masks of the
+constrained rows fill beside the forward pass and are applied to the logits before anything samples.
+
     engine = lumen.Engine("smollm2-135m", max_num_seqs=16, max_num_batched_tokens=512, kv_cache_mb=512)
     outs = engine.generate(["The capital of France is", "def fib(n):"], lumen.SamplingParams(max_tokens=32))
     rid = engine.add_request("Once upon a time", params); engine.step(); engine.abort(rid)
@@ -44,6 +48,8 @@ from .admission import RequestError, admit
 from .sequence import RequestMetrics, RequestOutput, Sequence
 from .speculative import DraftModel, Speculator
 from .step_costs import CostKey, StepCosts, calibrate
+from .structured.constraint import StructuredOutputError
+from .structured.requests import StructuredOutput
 
 log = logging.getLogger("lumen.engine")
 __all__ = ["Engine", "EngineConfig", "RequestError"]          # RequestError: lumen.engine.admission
@@ -73,6 +79,7 @@ class Engine:
                                    max_num_batched_tokens=c.max_num_batched_tokens,
                                    chunked_prefill=c.enable_chunked_prefill)
         self.costs = StepCosts()
+        self.structured = StructuredOutput(parts.tokenizer, cfg.n_vocab)   # grammars compile on its thread
         sc = c.speculative
         draft = None if sc.draft_model is None else DraftModel(
             parts_of(sc.draft_model), n_vocab=cfg.n_vocab, max_model_len=self.max_model_len,
@@ -111,8 +118,10 @@ class Engine:
                 raise RequestError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens, self.tokenizer, self.end_ids, metrics=metrics)
             self.speculator.admit(seq)
+            ready = params.constraint is None or self.structured.admit(seq)   # False: compiling, it waits
             self._seqs[rid] = seq
-            self.scheduler.add(seq)
+            if ready:
+                self.scheduler.add(seq)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -121,12 +130,15 @@ class Engine:
             seq = self._seqs.pop(request_id, None)
             if seq is None or seq.finished:
                 return
-            self.scheduler.finish(seq, "abort", time.perf_counter())
+            if self.structured.discard(seq):        # still compiling its grammar: in no queue
+                seq.finish("abort", time.perf_counter())
+            else:
+                self.scheduler.finish(seq, "abort", time.perf_counter())
             self._pending.append(seq.output([], []))
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return self.scheduler.has_work or bool(self._pending)
+            return self.scheduler.has_work or bool(self._pending) or bool(self.structured.compiling)
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
@@ -137,11 +149,15 @@ class Engine:
         outs, plan, decision = self._schedule(t0)
         if not plan:
             prof.cancel_step()
+            if not outs:
+                self.structured.wait(0.05)          # only grammars compiling: wait for one, do not spin
             return outs
         self.steps += 1
         prof.lap("schedule")
         drafts = {s.seq: self.speculator.draft_tokens(s.seq, s.k) for s in plan if s.k}
+        masks = self.structured.start_masks(plan, drafts)     # filled beside the forward pass (None: no grammar)
         logits, n_tokens, n_keys = self.runner.run_plan(plan, drafts, prof)
+        self.structured.apply_masks(masks, logits)
         with self._lock:
             outs += self._postprocess(plan, logits, prof)
         self._observe(decision, n_tokens, len(plan), n_keys, time.perf_counter() - t0)
@@ -153,11 +169,20 @@ class Engine:
         speculator drafts before the scheduler plans, outside the lock (a draft model runs a forward pass)."""
         with self._lock:
             outs, self._pending = self._pending, []
+            for seq, error in self.structured.ready():          # grammars compiled (or failed) since the last step
+                if error is None:
+                    self.scheduler.add(seq)
+                else:
+                    seq.error = error                   # in no queue, holding no blocks
+                    seq.finish("error", now)
+                    self._seqs.pop(seq.request_id, None)
+                    outs.append(seq.output([], []))
             decision = self.budgeter.decide(self.scheduler, now) if self.budgeter is not None else None
             budget = self.scheduler.step_budget(decision and decision.budget)
             running = list(self.scheduler.running)
             waiting = [s for s in self.scheduler.waiting if s.spec is not None]
         k_of = self.speculator.propose(running, waiting, budget, self.scheduler.chunked_prefill)
+        k_of = self.structured.trim_drafts(k_of, self.speculator.draft_tokens)
         with self._lock:
             return outs, self.scheduler.schedule(budget, k_of, decision and decision.max_running), decision
 
@@ -200,11 +225,17 @@ class Engine:
                 outs.append(seq.output([], []))
                 continue
             pieces, emitted = [], []
-            for t in toks:
-                pieces.append(seq.append(t, now))
-                emitted.append(t)
-                if seq.finish_reason is not None:
-                    break
+            try:
+                for t in toks:
+                    pieces.append(seq.append(t, now))
+                    emitted.append(t)
+                    if seq.finish_reason is not None:
+                        break
+            except StructuredOutputError as e:      # a token its grammar refuses: an engine bug, this request only
+                seq.error = str(e)
+                self._finish(seq, "error", now)
+                outs.append(seq.output(emitted, pieces))
+                continue
             a = min(accepted, len(emitted))
             if s.k:
                 self.speculator.accepted(seq, s.k, a)
@@ -296,7 +327,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.structured.compiling)
 
     def stats(self) -> dict:
         bm = self.blocks

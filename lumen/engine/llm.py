@@ -184,7 +184,7 @@ class Model:
                  seed: int | None = None, stop: Sequence[str] = (), special: bool = False,
                  stats: RequestMetrics | None = None, params: SamplingParams | None = None,
                  speculative: str | None = None, num_speculative_tokens: int | None = None,
-                 ignore_eos: bool = False) -> Iterator[Token]:
+                 ignore_eos: bool = False, constraint=None) -> Iterator[Token]:
         """Yield generated tokens as they are produced, from a fresh sequence.
 
         prompt: text (tokenized with the model's BOS default; `special` parses special-token text) or token ids.
@@ -194,6 +194,8 @@ class Model:
         params: a SamplingParams instead of the keyword arguments (for everything else it holds).
         speculative: "ngram" or "draft" (see speculation()) drafts tokens and verifies them in one pass.
         ignore_eos: keep going past end-of-generation tokens (fixed-length benchmarks).
+        constraint: a lumen.engine.structured.Constraint (JSON schema, regex, choice, grammar) the text must match;
+        it ends with the grammar. A grammar that fails to compile raises LumenError with llguidance's message.
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
@@ -206,7 +208,7 @@ class Model:
                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                     repeat_last_n=repeat_last_n, seed=seed, stop=tuple(stop), special=special,
                                     speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                                    ignore_eos=ignore_eos)
+                                    ignore_eos=ignore_eos, constraint=constraint)
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, special=params.special)
         else:

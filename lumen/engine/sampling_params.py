@@ -13,6 +13,11 @@ then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sam
 keyed by the request's seed and the token's position (lumen.engine.sampler.uniform). logprobs are the
 log-softmax of the logits after bias and penalties, before temperature and truncation.
 
+Structured output: `constraint` (a lumen.engine.structured.Constraint, checked when it was made) restricts every
+token to those its grammar allows; the engine masks the logits before all of the above (disallowed tokens get
+-inf, so logprobs are those of the masked distribution), and a request whose grammar is complete finishes with
+"stop" (lumen.engine.engine).
+
 Seeds: a seeded request's tokens are reproducible for the same engine configuration. With speculative decoding
 the tokens it samples may differ from those of plain sampling with the same seed (the drafts change which
 uniforms decide), but their distribution is the same.
@@ -64,6 +69,7 @@ class SamplingParams:
     special: bool = False                  # parse special-token text in a text prompt
     speculative: str | None = None         # None, "ngram" or "draft" (lumen.engine.speculative)
     num_speculative_tokens: int | None = None
+    constraint: object = None              # a lumen.engine.structured.Constraint: the output must match it
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -112,6 +118,11 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             _fail("num_speculative_tokens", f"must be None or an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
+        if self.constraint is not None:          # imported here: llguidance loads only for structured output
+            from .structured import Constraint
+            if not isinstance(self.constraint, Constraint):
+                _fail("constraint", "must be None or a lumen.engine.structured.Constraint (Constraint.json_schema("
+                      "...), .regex, .choice, .lark, .gbnf)", self.constraint)
 
     def check_vocab(self, n_vocab: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""

@@ -42,7 +42,8 @@ class RequestMetrics:
     spec_proposed: int = 0             # speculative tokens proposed and verified
     spec_accepted: int = 0             # ... and accepted
     spec_steps: int = 0                # verification steps
-    stop_reason: str = ""              # how it ended: "eos", "stop", "length", "abort" or "error" ("" meanwhile)
+    stop_reason: str = ""              # how it ended: "eos", "stop", "grammar" (complete), "length", "abort" or
+                                       # "error" ("" meanwhile)
 
     @property
     def queue_s(self) -> float:
@@ -138,6 +139,9 @@ class Sequence:
         self.metrics.__init__(arrival=time.perf_counter() if now is None else now,   # a reused one starts afresh
                               prompt_tokens=len(prompt_ids))
         self.spec = None                       # speculative state (lumen.engine.speculative), per request
+        self.grammar = None                    # structured output: its GrammarMatcher, once compiled
+        self.grammar_future = None             # ... and the compilation it waits for (lumen.engine.engine)
+        self.grammar_complete = False          # it ended because its grammar takes no more tokens
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +152,13 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def append(self, token: int, now: float) -> str:
-        """Add a sampled token; returns the text it releases. Sets finish_reason when a stop condition holds."""
+        """Add a sampled token; returns the text it releases. Sets finish_reason when a stop condition holds (a
+        structured-output request's grammar complete is one). StructuredOutputError, the sequence unchanged,
+        for a token its grammar does not allow."""
+        complete = False
+        if self.grammar is not None:
+            self.grammar.advance(token)
+            complete = self.grammar.is_stopped  # the grammar takes nothing more: finish with "stop"
         m = self.metrics
         if m.first_token is None:
             m.first_token = now
@@ -160,13 +170,14 @@ class Sequence:
         self.tokens.append(token)
         n = len(self.output_ids)
         ends = token in self.chooser.stop_ids and n > self.params.min_tokens
-        last = ends or n >= self.max_tokens
+        last = ends or complete or n >= self.max_tokens
         piece = "" if ends else self.detok.push(token)
         if last:
             piece += self.detok.flush()
         text, hit = self.stopper.feed(piece)
-        if hit or ends:
+        if hit or ends or complete:
             self.finish_reason = "stop"
+            self.grammar_complete = complete and not (hit or ends)
             self.stop_reason = self.stopper.matched if hit else (token if token in self.params.stop_token_ids
                                                                  else None)
         elif n >= self.max_tokens:
@@ -183,7 +194,8 @@ class Sequence:
             self.finish_reason = reason
         self.metrics.finished = now
         r = self.finish_reason or ""
-        self.metrics.stop_reason = "eos" if r == "stop" and self.stop_reason is None else r
+        self.metrics.stop_reason = ("grammar" if self.grammar_complete else "eos") if r == "stop" and \
+            self.stop_reason is None else r
 
     def output(self, delta_ids: list, pieces: list) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
@@ -231,5 +243,5 @@ class TokenChooser:
         if k:
             ids = np.argpartition(-x, k - 1)[:k]
             ids = ids[np.lexsort((ids, -x[ids]))]
-            top = [(int(i), float(x[i] - lse)) for i in ids]
+            top = [(int(i), float(x[i] - lse)) for i in ids if x[i] > -np.inf]   # masked tokens are not offered
         return float(x[token] - lse), top

@@ -5,6 +5,10 @@ Bodies are validated strictly (no "0.5" for a number, no true for an integer), a
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
 return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n).
+
+Structured output (lumen.serve.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*,
+llama-server's json_schema and grammar, on both endpoints; `constraint_of` turns them into the request's one
+Constraint, or an ApiError(400) naming the field with llguidance's message.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ..engine.sampler import SamplerError
+from .structured import GUIDED, StructuredFieldError, constraint_from_body
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -74,6 +79,16 @@ class _Sampling(_Body):
     return_token_ids: bool = False
     speculative: str | None = None             # Lumen: "ngram", "draft" or "none" (default: the server's)
     num_speculative_tokens: int | None = None
+    # structured output, read by lumen.serve.structured (constraint_of): values checked there
+    response_format: Any = None                # OpenAI, vLLM, llama-server
+    structured_outputs: Any = None             # vLLM
+    guided_json: Any = None                    # vLLM's older names
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    json_schema: Any = None                    # llama-server
+    grammar: Any = None
 
     @field_validator("n", "stream", "min_tokens", "ignore_eos", "return_token_ids", mode="before")
     @classmethod
@@ -118,7 +133,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
@@ -246,9 +260,6 @@ def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingPara
 
 def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams]:
     """One SamplingParams per choice of a chat request; ApiError(400) for what is not supported."""
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than {\"type\": \"text\"} is not supported (no structured "
-                       "output)", "response_format")
     if req.tools:
         raise ApiError(400, "tools are not supported", "tools")
     if req.top_logprobs is not None and not req.logprobs:
@@ -259,3 +270,32 @@ def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return per_choice(sampling_params(req, max_tokens=max_tokens, logprobs=logprobs), req.n)
+
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED, "guided_whitespace_pattern", "json_schema",
+                     "grammar")
+
+
+def constraint_of(req: _Sampling):
+    """The request's structured-output Constraint (None: none asked); ApiError(400) naming the field for a
+    malformed or conflicting one or one llguidance rejects (its message). Validating a large grammar takes
+    milliseconds: call it off the event loop."""
+    try:
+        return constraint_from_body({f: getattr(req, f) for f in STRUCTURED_FIELDS})
+    except StructuredFieldError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
+def constraint_field(req: _Sampling) -> str | None:
+    """The structured-output field the request set (for a grammar that fails to compile)."""
+    for f in STRUCTURED_FIELDS:
+        v = getattr(req, f)
+        if v is None or f == "guided_whitespace_pattern" or (f == "response_format" and isinstance(v, dict)
+                                                              and v.get("type", "text") == "text"):
+            continue
+        return f
+    return None
+
+
+def constrained(params: list[SamplingParams], constraint) -> list[SamplingParams]:
+    return params if constraint is None else [p.replace(constraint=constraint) for p in params]

@@ -9,21 +9,24 @@ One file per concept, in data-flow order:
 - bitmask.py     MaskFiller / fill_masks: all constrained rows of a step in one batched call, beside the
                  forward pass; apply_bitmask(s): disallowed logits -> -inf
 
-How the engine uses them, each step (a request with `params.constraint` set):
-1. add_request: `fut = compiler.submit(constraint)`; the scheduler leaves the request waiting until
-   `fut.done()`, then `seq.grammar = fut.result().matcher()`, or finishes it with the error if result() raises.
-2. speculation (before the forward): `n = seq.grammar.validate_draft(draft)`; run only draft[:n]. The token
-   draft[n] (the first invalid one) may stay as the proposal for position n: the masked target gives it
-   probability 0, so the acceptance rule rejects it and draws from the residual, which keeps the draft-model
-   rule exact (for n-gram drafts, a point-mass q, the residual is the masked p itself).
-3. `job = filler.start([(seq.grammar, first_row, draft), ...], n_out)` right before `runner.forward(...)`; the
-   fill runs on the filler's thread while the forward (nogil) runs.
-4. after the forward: `masks = job.result()`; `apply_bitmasks(logits, masks, constrained_rows)` before
-   logit_bias, penalties, sampling and logprobs (masked tokens get -inf; top logprobs must skip -inf).
-5. after choosing: `seq.grammar.advance_many(emitted)` (accepted drafts + the corrected/bonus token); a rejected
-   draft needs no rollback, the masks were computed without committing. Then if `seq.grammar.is_stopped`
-   (grammar complete), finish the request with "stop" without sampling an end token; an end token sampled
-   where the grammar accepts ends it with "stop" as usual.
+- requests.py    StructuredOutput: what the engine does for a constrained request, at five call sites
+
+How the engine uses them (lumen.engine.engine through requests.StructuredOutput), for a request with
+`params.constraint` set:
+1. add_request: `fut = compiler.submit(constraint)`; until `fut.done()` the request waits outside the scheduler's
+   queue (no slot, no blocks, not in the FCFS line), then `seq.grammar = fut.result().matcher()` and it is queued,
+   or it finishes with the error if result() raises (a cached failure raises at add_request itself).
+2. speculation (before the forward): each draft is cut to `seq.grammar.validate_draft(draft)` tokens. A drafted
+   token beyond the cut may stay the proposal for the next position: the masked target gives it probability 0,
+   so the acceptance rule rejects it and draws from the residual, which keeps the rule exact.
+3. `job = filler.start([(seq.grammar, first_row, draft), ...], n_rows)` right before the forward; the fill runs
+   on the filler's thread while the forward (nogil) runs.
+4. after the forward: `apply_bitmasks(logits, job.result(), constrained_rows)` before logit_bias, penalties,
+   sampling and logprobs (masked tokens get -inf; top logprobs skip them).
+5. Sequence.append commits each emitted token (`seq.grammar.advance`); a rejected draft needs no rollback, the
+   masks were computed without committing. Once `seq.grammar.is_stopped` the request finishes with "stop"
+   (metrics stop_reason "grammar") without sampling an end token; an end token sampled where the grammar accepts
+   ends it as usual.
 """
 from .bitmask import MaskFiller, apply_bitmask, apply_bitmasks, fill_masks
 from .compiler import CompiledGrammar, GrammarCompiler

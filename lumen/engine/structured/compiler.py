@@ -1,6 +1,7 @@
 """GrammarCompiler: a model's constraints compiled against its vocabulary, off the caller's thread, each once.
 
-    compiler = GrammarCompiler(tok)                    # one per model (engine); builds the vocab on its thread
+    compiler = GrammarCompiler(tok)                    # one per model (engine); the vocab builds on its thread
+                                                       # at the first submit (or start_vocab())
     fut = compiler.submit(constraint)                  # concurrent.futures.Future[CompiledGrammar], never blocks
     if fut.done(): matcher = fut.result().matcher()    # result() raises StructuredOutputError for a bad grammar
     compiled = compiler.compile(constraint)            # the same, waiting (CLI, tests)
@@ -56,22 +57,33 @@ class GrammarCompiler:
         if threads < 1 or max_entries < 1:
             raise ValueError(f"threads and max_entries must be >= 1, got {threads} and {max_entries}")
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lumen-grammar")
-        self._vocab: Future[GrammarVocab] = self._pool.submit(grammar_vocab, tok)   # first in the queue
+        self._tok = tok
+        self._vocab: Future[GrammarVocab] | None = None     # built on first use: an engine that never constrains
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
         self.hits = self.misses = 0
 
+    def start_vocab(self) -> Future[GrammarVocab]:
+        """Start building the vocabulary on the pool (once; ~0.2 s SmolLM2, ~1.2-1.9 s Gemma 3, once per
+        tokenizer). Not done at construction: the build holds the GIL much of the time, and an engine that never
+        sees a constraint should not share its first steps with it."""
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = self._pool.submit(grammar_vocab, self._tok)     # first in the queue
+            return self._vocab
+
     @property
     def vocab(self) -> GrammarVocab:
-        """The vocabulary (waits for its build, ~0.2 s SmolLM2, ~1.2 s Gemma 3, once per tokenizer)."""
-        return self._vocab.result()
+        """The vocabulary (starts its build if needed and waits for it)."""
+        return self.start_vocab().result()
 
     def submit(self, constraint: Constraint) -> Future[CompiledGrammar]:
         """The compilation of `constraint`: cached, or queued on the pool. Never blocks on a compilation."""
         if not isinstance(constraint, Constraint):
             raise TypeError(f"expected a Constraint, got {type(constraint).__name__}")
         key = constraint.key
+        self.start_vocab()
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -89,7 +101,7 @@ class GrammarCompiler:
         return self.submit(constraint).result(timeout)
 
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
-        return CompiledGrammar(constraint, self._vocab.result())
+        return CompiledGrammar(constraint, self.start_vocab().result())
 
     def close(self) -> None:
         """Stop the pool's threads (queued compilations are cancelled)."""

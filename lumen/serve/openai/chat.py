@@ -17,6 +17,7 @@ class ServingChat(Generation):
     async def create(self, req: P.ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         params = P.speculation(P.chat_params(req, self.settings.max_n), req, self.settings.speculative)
+        params = P.constrained(params, await asyncio.to_thread(P.constraint_of, req))   # 400 if invalid
         prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt)]
         return await self.respond(request, req, prompts, params)
 

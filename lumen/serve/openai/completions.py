@@ -17,6 +17,7 @@ class ServingCompletion(Generation):
     async def create(self, req: P.CompletionRequest, request: Request):
         self.check_model(req.model)
         params = P.speculation(P.completion_params(req, self.settings.max_n), req, self.settings.speculative)
+        params = P.constrained(params, await asyncio.to_thread(P.constraint_of, req))   # 400 if invalid
         prompts = await asyncio.to_thread(self.prompter.completion, req.prompt)
         echo = None
         if req.echo:                              # each prompt's text: as sent, or its token ids decoded

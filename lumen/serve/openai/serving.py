@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ...engine.engine import RequestError
 from ...engine.sampler import SamplerError
+from ...engine.structured import StructuredOutputError
 from ...errors import ContextError
 from .. import protocol as P
 from ..prompts import Prompter
@@ -75,6 +76,7 @@ class Generation(Serving):
         reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
                       int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
                       return_token_ids=req.return_token_ids, echo=echo)
+        await self.compile_grammar(params[0].constraint, P.constraint_field(req))
         sub = await self.submit([p for p in prompts for _ in params], params * len(prompts))
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
@@ -110,6 +112,18 @@ class Generation(Serving):
             if any(t >= V for sp in params for t in getattr(sp, name)):
                 return name
         return None
+
+    async def compile_grammar(self, constraint, param: str | None) -> None:
+        """Wait (off the event loop) for the engine's compilation of the request's constraint, so that a grammar
+        llguidance rejects against the vocabulary is a 400 that never reaches the engine; the engine then finds it
+        in its cache. Nothing to do without a constraint, or with a worker whose engine is remote."""
+        compiler = getattr(getattr(self.engine, "structured", None), "compiler", None)
+        if constraint is None or compiler is None:
+            return
+        try:
+            await asyncio.wrap_future(compiler.submit(constraint))
+        except StructuredOutputError as e:
+            raise P.ApiError(400, f"{param}: {e}" if param else str(e), param) from None
 
     async def submit(self, prompts: list[list[int]], params: list):
         """The worker's submission of these engine requests; its refusals as ApiErrors."""
