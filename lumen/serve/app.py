@@ -57,7 +57,8 @@ def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settin
     if settings.ui:                               # GET /, /dashboard, /dashboard/data, /ui/* (lumen.serve.ui)
         worker.tap = StepTap()
         app.include_router(ui_router(metrics.registry, worker.tap, model_id=settings.model_id,
-                                     max_model_len=prompter.max_model_len, speculative=settings.speculative))
+                                     max_model_len=prompter.max_model_len, speculative=settings.speculative,
+                                     structured_output=True))
     app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        open_paths=PAGES if settings.ui else ())
     return app
