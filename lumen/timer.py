@@ -65,6 +65,25 @@ class NullProfiler:
     begin_step = describe = end_step = cancel_step = pause = resume = lap = add = record_forward = _nothing
 
 
+class StepClock:
+    """The clock a step profiler keeps (lumen.profile.Profiler, lumen.serve.ui.steps.StepRecorder): ticks while
+    paused (generate yields to its consumer, the profiler does its bookkeeping) are kept out of the step's time."""
+    _paused_at = 0
+    _excluded = 0           # ticks paused in the open step
+    _last = 0               # tick where the last recorded segment of the open step ended
+    _paused = False
+
+    def pause(self, at: int | None = None) -> None:
+        """Stop the step's clock (at: the tick it stopped, default now)."""
+        self._paused_at = ticks() if at is None else at
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._last = ticks()
+        self._excluded += self._last - self._paused_at
+
+
 NULL = NullProfiler()
 _ACTIVE: ContextVar[Any] = ContextVar("lumen_profiler", default=NULL)
 

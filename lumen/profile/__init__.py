@@ -32,7 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import LumenError
-from ..timer import NULL, NullProfiler, active, recording, tick_rate, ticks  # noqa: F401 (NULL, NullProfiler,
+from ..timer import NULL, NullProfiler, StepClock, active, recording, tick_rate, ticks  # noqa: F401 (NULL, NullProfiler,
 # active: the hook's names, also reachable here as before)
 
 PHASES = ("prefill", "decode", "mixed")     # mixed: an engine step with both prefill chunks and decode tokens
@@ -89,7 +89,7 @@ class Agg:
 
 
 @dataclass
-class Profiler:
+class Profiler(StepClock):
     enabled = True
     records: list[Record] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
@@ -129,16 +129,6 @@ class Profiler:
         if st is not None:
             while self.records and self.records[-1].step == st.step:
                 self.records.pop()
-
-    def pause(self, at: int | None = None) -> None:
-        """Stop the step's clock (while generate yields to its consumer, or the profiler does its bookkeeping)."""
-        self._paused_at = ticks() if at is None else at
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-        self._last = ticks()
-        self._excluded += self._last - self._paused_at
 
     def lap(self, op: str) -> int:
         """Record the Python code that ran since the last segment ended as `op`; returns the tick now. Segments

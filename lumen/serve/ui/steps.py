@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...timer import active as profiler_active, recording, tick_rate, ticks
+from ...timer import StepClock, active as profiler_active, recording, tick_rate, ticks
 
 # op groups, in display order; an op the table does not know counts as "python" (it is a lap of Python code)
 GROUPS = ("attention", "matmul", "head", "elementwise", "draft", "sampling", "python")
@@ -51,7 +51,7 @@ class StepRecord:
     split: tuple             # seconds per GROUPS entry; wall_s - sum(split) went unattributed
 
 
-class StepRecorder:
+class StepRecorder(StepClock):
     """A profiler (the protocol of lumen.profile.Profiler) that folds each step into one StepRecord. Forward calls
     before the step's last are a draft model's (lumen.engine.speculative runs it before the target's forward):
     their time counts as "draft"."""
@@ -89,15 +89,6 @@ class StepRecorder:
     def add(self, op: str, seconds: float, layer: int = -1, nbytes: int = 0, flops: int = 0) -> None:
         if self._open is not None:
             self._split[_G.get(GROUP_OF.get(op, "python"), _PY)] += seconds
-
-    def pause(self, at: int | None = None) -> None:
-        self._paused_at = ticks() if at is None else at
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-        self._last = ticks()
-        self._excluded += self._last - self._paused_at
 
     def record_forward(self, runner, batch, own: bool) -> None:
         """The forward call that just returned: runner.scr.times holds its op ticks (the start tick in the last
