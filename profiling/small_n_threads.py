@@ -23,10 +23,10 @@ from numba import njit
 from numba.typed import List
 
 from lumen.format.gguf import GGUFFile
-from lumen.format.quants import ACT_FORMAT, ACT_Q8, ACT_Q8K, QT
+from lumen.format.quants import ACT_FORMAT, QT
 from lumen.kernels.kinds import ALL
 from lumen.kernels.layout import R
-from lumen.kernels.matmul import Acts, mat, matmul_kernel, prepare, prepare_x
+from lumen.kernels.matmul import Acts, mat, matmul_kernel, new_acts, prepare, prepare_x
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.work import counters
 from lumen.machine import limits
@@ -54,12 +54,7 @@ def regions(g, op: str, layers: int) -> list:
 
 def acts_for(x: np.ndarray, fmt: int) -> Acts:
     """x (N, n_in) rounded for activation format fmt."""
-    N, n_in = x.shape
-    G = n_in // 32
-    q8 = fmt in (ACT_Q8, ACT_Q8K)
-    a = Acts(np.zeros((N, n_in if q8 else 0), np.int8), np.zeros((N, G if q8 else 0), np.float32),
-             np.zeros((N, G if q8 else 0, 2), np.float32), np.zeros((N, G if q8 else 0, 2), np.int32),
-             np.zeros((N, 0 if q8 else n_in), np.float32))
+    a = new_acts(x.shape[0], x.shape[1], fmt)
     prepare_x(a, x, fmt)
     return a
 

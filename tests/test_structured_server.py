@@ -68,7 +68,7 @@ def test_openai_client_schemas_validate(aclient):
 
 def test_streamed_json_object(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=120, stream=True,
+    stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=400, stream=True,
                                             temperature=0.7, seed=5, response_format={"type": "json_object"})
     parts, reasons = [], []
     for chunk in stream:

@@ -187,16 +187,14 @@ def _run_with(w: Packed, x, static: bool, per: int):
     from lumen.format.quants import ACT_FORMAT
     from lumen.kernels.kinds import ALL
     from lumen.kernels.layout import R
-    from lumen.kernels.matmul import Acts, mat, matmul_kernel, prepare_x
+    from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare_x
     from lumen.kernels.scratch import per_thread
-    N, G = x.shape[0], w.n_in // 32
-    acts = Acts(np.zeros((N, w.n_in), np.int8), np.zeros((N, G), np.float32), np.zeros((N, G, 2), np.float32),
-                np.zeros((N, G, 2), np.int32), np.zeros((N, 0), np.float32))
+    acts = new_acts(x.shape[0], w.n_in, ACT_FORMAT[QT(w.qtype)])
     prepare_x(acts, x, ACT_FORMAT[QT(w.qtype)])
     facc = per_thread((MAX, R), np.float32)
     wk = work.counters(MAX, static=static)
     wk[1] = per
-    out = np.zeros((N, w.d_out), np.float32)
+    out = np.zeros((x.shape[0], w.d_out), np.float32)
     m = mat(w)
     matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, wk, ALL)
     return out

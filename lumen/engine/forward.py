@@ -123,7 +123,7 @@ class Batch(NamedTuple):
 class MMScratch(NamedTuple):
     xq: np.ndarray               # (rows * max_in,) i8 activations rounded to 8 bits (reshaped per call)
     xd: np.ndarray               # (rows * max_in / 32,) f32 their scales
-    xs: np.ndarray               # (rows * max_in / 16,) f32 their scaled half sums
+    xs: np.ndarray               # (rows * max_in / 32,) f32 their scaled sums
     xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
                                  # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
     facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
@@ -181,7 +181,7 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
     N, n_in = x.shape
     G = n_in // 32
     acts = Acts(scr.xq[:N * n_in].reshape((N, n_in)), scr.xd[:N * G].reshape((N, G)),
-                scr.xs[:N * G * 2].reshape((N, G, 2)),
+                scr.xs[:N * G].reshape((N, G)),
                 scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2)),   # xf is free for the 8-bit formats
                 scr.xf[:N * n_in].reshape((N, n_in)))
     for r in range(1 if fused else n):

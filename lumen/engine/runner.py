@@ -46,7 +46,7 @@ def make_scratch(cfg: Config, max_tokens: int, max_pos: int, n_threads: int) -> 
     B = max_tokens
     max_in = max(E, F, H * hdv)
     G = max_in // 32
-    mm = MMScratch(xq=np.zeros(B * max_in, np.int8), xd=np.zeros(B * G, f32), xs=np.zeros(B * G * 2, f32),
+    mm = MMScratch(xq=np.zeros(B * max_in, np.int8), xd=np.zeros(B * G, f32), xs=np.zeros(B * G, f32),
                    xf=np.zeros(B * max_in, f32), facc=per_thread((n_threads, R), f32),
                    work=counters(n_threads))
     return Scratch(x=np.zeros((B, E), f32), xn=np.zeros((B, E), f32), q=np.zeros((B, H * hd), f32),

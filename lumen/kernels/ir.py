@@ -100,8 +100,8 @@ def hsum(builder, v):
 
 def constrained(builder, op, a, b):
     """a op b (VF), rounded on its own: the constrained intrinsics are never fused into an FMA by the backend
-    (Numba's target allows contraction, which turned the tile epilogue's multiply-adds into FMAs: a 1-ulp change
-    that moved Gemma's perplexity by 2%)."""
+    (Numba's target allows contraction, and a contraction the code does not name is one the bits depend on: the
+    compiler's choice, not ours)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(VF, [VF, VF, ir.MetaDataType(), ir.MetaDataType()]),
         f"llvm.experimental.constrained.{op}.v{LANES}f32")
@@ -110,12 +110,5 @@ def constrained(builder, op, a, b):
 
 
 def mul(builder, a, b):
+    """a * b (VF), rounded on its own (the tile kernels' scale products, which must not fuse into the FMA after)."""
     return constrained(builder, "fmul", a, b)
-
-
-def add(builder, a, b):
-    return constrained(builder, "fadd", a, b)
-
-
-def sub(builder, a, b):
-    return constrained(builder, "fsub", a, b)

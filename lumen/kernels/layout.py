@@ -14,7 +14,8 @@ an int32 lane ("lanes = rows"):
     Q8      Q8_0               (8, R, 4): byte [k, r, b] = column 4k+b + 128
     F32     F32 F16 BF16       f32 values (n_in, R) per tile, in the qf buffer
 The unsigned value u of a column is (nibble | plane bits << 4); the kernel computes sum (u - z) x with the type's
-zero point z (Q4 8, Q5 16, Q6 32, Q8 128). Per tile, the scales of every group, then of every 256-block (K types),
+zero point z (Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 128; 0 for the types with an offset m, Q4_1 Q5_1 Q4_K Q5_K, whose
+weight is d u + m). Per tile, the scales of every group, then of every 256-block (K types),
 in one byte record (the s buffer), the row index innermost:
     scales  types              per group                    per 256 columns
     D       Q4_0 Q5_0 Q8_0     f16 d (R,)                   -
@@ -37,8 +38,8 @@ R = 64                                           # rows per tile: 4 vectors of 1
 Q4, Q5, Q6, Q8, F32 = 0, 1, 2, 3, 4              # weight families
 SC_D, SC_DM, SC_K, SC_K6, SC_NONE = 0, 1, 2, 3, 4  # scale formats
 # qtype -> (family, scale format, zero point)
-FORMAT = {QT.Q4_0: (Q4, SC_D, 8), QT.Q4_1: (Q4, SC_DM, 8), QT.Q4_K: (Q4, SC_K, 8),
-          QT.Q5_0: (Q5, SC_D, 16), QT.Q5_1: (Q5, SC_DM, 16), QT.Q5_K: (Q5, SC_K, 16),
+FORMAT = {QT.Q4_0: (Q4, SC_D, 8), QT.Q4_1: (Q4, SC_DM, 0), QT.Q4_K: (Q4, SC_K, 0),
+          QT.Q5_0: (Q5, SC_D, 16), QT.Q5_1: (Q5, SC_DM, 0), QT.Q5_K: (Q5, SC_K, 0),
           QT.Q6_K: (Q6, SC_K6, 32), QT.Q8_0: (Q8, SC_D, 128),
           QT.F32: (F32, SC_NONE, 0), QT.F16: (F32, SC_NONE, 0), QT.BF16: (F32, SC_NONE, 0)}
 FAMILY = {qt: f[0] for qt, f in FORMAT.items()}

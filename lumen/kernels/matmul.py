@@ -11,12 +11,13 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   types, 8-bit blocks of 256 with an f32 scale (Q8_K) for the K types, f16 / bf16 for F16 / BF16 weights. So the
   products are the ones llama.cpp computes, and every dot product of the 8-bit families is an exact integer:
   unsigned weight bytes times signed activation bytes (vpdpbusd where the CPU has AVX512-VNNI,
-  lumen.kernels.simd), minus the zero point times the activations' integer sum; the scales are expanded in
-  registers and the float epilogue (simd) is the same operations in the same order for every path.
+  lumen.kernels.simd), minus the zero point times the activations' integer sum (the types without an offset);
+  the scales are expanded in registers and the float step (simd: fused multiply-adds) is the same operations in
+  the same order for every path.
 - N = 1 (decode): the tile kernel streams one tile's groups in memory order with its 64 row sums in registers.
 - N > 1 (batched): each half tile (32 rows) is applied to NR = 4 activation rows per pass, groups outer, each
-  weight vector loaded and unpacked once for the 4 rows (the remaining N % 4 rows one at a time with the N = 1
-  kernel), while the tile is in cache; the next tile is prefetched into L2 meanwhile (lumen.kernels.simd has the
+  weight quad unpacked once for the 4 rows and each activation quad broadcast once for the half tile's 2 vectors
+  (the remaining N % 4 rows one at a time with the N = 1 kernel), while the tile is in cache; the next tile is prefetched into L2 meanwhile (lumen.kernels.simd has the
   measurements). Every row gets the same operations as in the N = 1 kernel, so the two paths agree bit for bit.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once, serially
@@ -203,7 +204,7 @@ def round_bf16(v):
 
 @njit(cache=True)
 def quantize_x(xq, xd, xs, xi, x, fmt):
-    """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G, 2) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
+    """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
     are zeroed.
 
     As llama.cpp's CPU backend quantizes activations for the weight type (lumen.quants.ACT_FORMAT):
@@ -212,7 +213,7 @@ def quantize_x(xq, xd, xs, xi, x, fmt):
                            rint(iscale * x)), d = 1/iscale (f32)
     (the vector parts in lumen.kernels.simd: absmax, first_with_abs, quantize_block). x, xq, xi C-contiguous.
     xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xi[g, h] = sum(q) over half h (16 values)
-    and xs[g, h] = d * xi[g, h]."""
+    and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once)."""
     N, n = x.shape
     G = n // 32
     for i in range(xq.shape[0]):
@@ -221,8 +222,7 @@ def quantize_x(xq, xd, xs, xi, x, fmt):
                 xq[i, k] = 0
             for g in range(G):
                 xd[i, g] = 0.0
-                xs[i, g, 0] = 0.0
-                xs[i, g, 1] = 0.0
+                xs[i, g] = 0.0
                 xi[i, g, 0] = 0
                 xi[i, g, 1] = 0
             continue
@@ -241,8 +241,7 @@ def quantize_x(xq, xd, xs, xi, x, fmt):
                 quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), iscale, B, True)
             for g in range(b0 // 32, (b0 + B) // 32):
                 xd[i, g] = d
-                xs[i, g, 0] = d * np.float32(xi[i, g, 0])
-                xs[i, g, 1] = d * np.float32(xi[i, g, 1])
+                xs[i, g] = d * np.float32(xi[i, g, 0] + xi[i, g, 1])
 
 
 @njit(cache=True)
@@ -279,7 +278,7 @@ class Acts(NamedTuple):
     xi (G = n_in / 32 groups), the float formats xf."""
     xq: np.ndarray     # (N, n_in) i8
     xd: np.ndarray     # (N, G) f32 scale of each group
-    xs: np.ndarray     # (N, G, 2) f32 scaled half sums
+    xs: np.ndarray     # (N, G) f32 scaled sums
     xi: np.ndarray     # (N, G, 2) i32 integer half sums
     xf: np.ndarray     # (N, n_in) f32
 
@@ -311,10 +310,10 @@ def _tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
         G = x.xd.shape[1]
         qo, so, ld = t * w.q.shape[1], t * w.s.shape[1], dst.shape[1]
         if nr == 1:
-            one(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, 2 * i * G, x.xi,
+            one(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi,
                 2 * i * G, G)
         else:
-            many(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, 2 * i * G, x.xi,
+            many(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi,
                  2 * i * G, G, v0, pf, pfb)
     return impl
 
@@ -438,7 +437,7 @@ def matmul_kernel(outs, ws, n, x, facc, work, kinds):
 
 @njit(cache=True)
 def prepare_x(x_out, x, fmt):
-    """Round x (N, n_in) to activation format fmt into the Acts x_out: xq (N, n_in) i8, xd (N, G), xs (N, G, 2) f32,
+    """Round x (N, n_in) to activation format fmt into the Acts x_out: xq (N, n_in) i8, xd (N, G), xs (N, G) f32,
     xi (N, G, 2) i32 for the 8-bit formats, xf (N, n_in) f32 for the float ones. The input of matmul_kernel."""
     if fmt == ACT_Q8 or fmt == ACT_Q8K:
         quantize_x(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
@@ -489,18 +488,21 @@ def _check_io(out, x, w: Packed):
 
 
 def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
-    N = x.shape[0]
-    G = w.n_in // 32
     fmt = ACT_FORMAT[QT(int(w.qtype))]
-    f32 = w.family == F32
-    acts = Acts(xq=np.zeros((N, 0 if f32 else w.n_in), np.int8), xd=np.zeros((N, 0 if f32 else G), np.float32),
-                xs=np.zeros((N, 0 if f32 else G, 2), np.float32), xi=np.zeros((N, 0 if f32 else G, 2), np.int32),
-                xf=np.zeros((N, w.n_in if f32 else 0), np.float32))
+    acts = new_acts(x.shape[0], w.n_in, fmt)
     prepare_x(acts, x, fmt)
     facc = per_thread((numba.get_num_threads(), R), np.float32)
     m = mat(w)
     matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, counters(facc.shape[0]), ALL)
     return out
+
+
+def new_acts(N: int, n_in: int, fmt: int) -> Acts:
+    """Zeroed Acts for N rows of n_in values in activation format fmt (the arrays of the other kind empty)."""
+    q8, G = fmt in (ACT_Q8, ACT_Q8K), n_in // 32
+    return Acts(xq=np.zeros((N, n_in if q8 else 0), np.int8), xd=np.zeros((N, G if q8 else 0), np.float32),
+                xs=np.zeros((N, G if q8 else 0), np.float32), xi=np.zeros((N, G if q8 else 0, 2), np.int32),
+                xf=np.zeros((N, 0 if q8 else n_in), np.float32))
 
 
 def mat(w: Packed) -> Mat:

@@ -7,45 +7,46 @@ AVX512-VNNI (llvm.x86.avx512.vpdpbusd.512), and otherwise the same arithmetic as
 multiply, add) that any LLVM target compiles; the integers are the same either way.
 
 The weights are read in the compact layout of lumen.kernels.layout (nibbles plus bit planes, f16 / u8 / i8 scales)
-and unpacked in registers: per group of 32 columns and 16 rows, 8 vectors of 4 unsigned bytes per lane
-(u = nibble | plane bits << 4). Per group and half h (16 columns), sum (u - z) x = sum u x - z sum x is an exact
-integer (|.| < 2^21); z sum x comes from the activations' integer half sums (xi). The float epilogue is the one
-llama.cpp's x86 dot products apply per block, every operation rounded on its own (never fused into an FMA):
-    D   f + (d_w * d_x) * sum
-    DM  f + ((d_w * d_x) * sum + o * (d_x sum x)),  o = m + z d_w
-    K   as DM with d_w = d * sc, o = z d_w - dmin * min  (d, dmin f16; sc, min 6-bit)
-    K6  f + d_x * (s0 * sum0 + s1 * sum1),  s_h = d * sc_h
-where d_x sum x = xs[0] + xs[1] (the activations' scaled half sums). The scale arithmetic is the one the previous
-f32 layout did once at load time, in the same order, so the outputs are the same bits.
+and unpacked in registers: per group of 32 columns and 16 rows, 8 quads (vectors of 4 unsigned bytes per lane,
+u = nibble | plane bits << 4). Per group the integer sum is exact (|.| < 2^21): for the types without an offset
+(D: Q4_0, Q5_0, Q8_0; K6: Q6_K, per half of 16 columns) it is sum (u - z) x = sum u x - z sum x, started from
+-z sum x (the activations' integer half sums xi); for the types with one (DM, K) it is sum u x, and the offset goes
+into o. The float step then adds it to the row's sum, each multiply-add fused (llvm.fma: one rounding, the same on
+every CPU):
+    D   f = fma(d_w * d_x, sum, f)
+    DM  f = fma(d_w * d_x, sum, fma(m, sx, f))                       sx = d_x sum x (the activations' xs)
+    K   as DM with d_w = d * sc, m = -(dmin * min)  (d, dmin f16; sc, min 6-bit)
+    K6  f = fma(s_h * d_x, sum_h, f) for h = 0, 1,  s_h = d * sc_h
+(Before 2026-12, the step was llama.cpp's, every operation rounded on its own, u - z for every type: the fused
+form is nearer exact math, tests/test_fidelity.py has the figures, and it is 2 to 3 vector operations per row and
+group fewer; see below.)
 
 Two loop orders, the same operations per row and group in the same order (so the same bits):
 - 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
-- NR = 4 rows (batched): half a tile (NVP = 2 vectors of 16 rows) per call, groups outer, the 4 x 2 row sums in
-  8 registers; each weight vector is loaded and unpacked once and used for the 4 activation rows, whose bytes are
-  broadcast into vpdpbusd. The half tile reads the weights in memory order. Q6_K keeps one vector at a time,
-  groups inner (its unpack holds more registers).
+- NR = 4 rows (batched): NVP = 2 vectors of 16 rows (half a tile) per call, groups outer, quads next: each quad
+  of the 2 weight vectors is unpacked once and used for the 4 rows, each row's 4 activation bytes broadcast once
+  and used for the 2 vectors; 8 integer and 8 float sums in registers. K6 runs its two halves one after the
+  other (so its integer sums fit the registers too).
   The next tile is prefetched into L2 while a tile is computed, each pass taking its share, spread over its
-  groups, so the DRAM stream overlaps the compute (us per matrix, same bench as below, SmolLM2 gate+up, N = 4 / 8 /
-  16 / 64 / 256: the whole next tile prefetched at once before the passes 38.1 / 42.6 / 83.6 / 214 / 739, spread
-  over the passes 21.5 / 33.2 / 61.2 / 198 / 746; spread over the first pass only 24.1 / 37.6 / 68.9 / 229 / 851).
-  The shape was chosen by measurement (AMD EPYC Zen 5, 1 thread, every layer's matrices of a kind so the
-  weights stream from DRAM, interleaved medians of 7, load 1.3-1.9 from neighbours; the int8 roof on this host
-  is 1092 GOP/s per core, lumen.profile --machine): us per matrix at N = 4 / 8 / 16 / 64
-    SmolLM2 gate+up Q4_1 1536x576, 33 MB:  16 rows x 4, groups inner (before)  36.7 / 53.8 / 79.0 / 246
-                                           64 rows x 4, groups outer           26.7 / 44.2 / 71.7 / 241
-                                           32 rows x 4, groups outer  (this)   25.9 / 38.4 / 57.4 / 194
-                                           32 rows x 8 / 64 x 2 / 16 x 4      44.9 / 44.6 / 56.6 at N = 8
-    Gemma gate+up Q5_0 2048x640:     before 64.9 / 74.1 / 104.5 / 315, this 42.8 / 57.0 / 93.0 / 320
-    Gemma attn_output Q4_K 640x1024: before 10.7 / 20.7 / 41.8 / 163,  this 10.3 / 18.8 / 36.2 / 142
-    Gemma head Q8_0 262144x640:      before 9749 / 11176 / 16431 (N = 4 / 8 / 16), this 7791 / 10044 / 13273
-    Gemma ffn_down Q6_K 640x2048:    16 x 4 groups inner 23.8 / 46.5 / 89.2 / 351; 32 x 4 groups outer
-                                     36.6 / 66.4 / 129 / 494 (so Q6_K keeps groups inner)
-  End to end at 2 threads the gain did not show on this shared host: lumen.bench batch -npp 128 -ntg 64 -npl
-  4,8,16 -r 1, SmolLM2, the previous kernels and these alternated 3 times (load 1.5-1.7), median gen t/s 836 /
-  1046 / 1265 before, 816 / 1025 / 1268 after (per-run spread 5-10%); the engine's step holds attention, the
-  per-row ops and the glue besides the matmuls, and two threads share one memory stream.
-  Splitting a row's 8 dot products over two integer accumulators (shorter dependency chains) was slower
-  (N = 64: 246 against 197 us): it needs 8 more registers.
+  groups, so the DRAM stream overlaps the compute (us per matrix, SmolLM2 gate+up, N = 4 / 8 / 16 / 64 / 256:
+  the whole next tile prefetched at once before the passes 38.1 / 42.6 / 83.6 / 214 / 739, spread over the
+  passes 21.5 / 33.2 / 61.2 / 198 / 746; spread over the first pass only 24.1 / 37.6 / 68.9 / 229 / 851).
+What bounds the batched kernel is the vector ports, not the weights: every operation beside the vpdpbusd takes a
+slot one of them could use. Measured on an AMD EPYC Zen 5 (1092 GOP/s int8 dot roof per core, lumen.profile
+--machine), one thread, one matrix in cache, best of 7 (profiling/vnni_ports.py has the experiments):
+- a vpdpbusd whose activation operand is a broadcast from memory ({1to16}) runs at half the rate of one that
+  reads a register: 409 against 875 GOP/s; a broadcast used for 2 / 4 weight vectors: 566 / 658-765 GOP/s. So
+  each broadcast is used for NVP = 2 vectors (4 wants 16 integer sums and spills the float ones: 1.0-1.3x
+  slower on Q8_0 and Q6_K);
+- the float step per row and group (before: convert, 3 multiplies, 2 adds; now convert, 1 multiply, 1-2 fused
+  multiply-adds) against the 8 vpdpbusd; and the unpacking per quad, shared by NR = 4 rows.
+  Before (NR = 4, NVP = 2, llama.cpp's float step, each row's 8 vpdpbusd in one chain) and now, GOP/s at
+  N = 1 / 4 / 8 / 16 / 64, best of 7, 3 alternated rounds, medians:
+    SmolLM2 ffn_gate Q4_1 1536x576:  244 / 435 / 488 / 495 / 514  ->  281 / 492 / 455-587 / 496-613 / 635
+    Gemma attn_v Q8_0 256x640:        89 / 260 / 366 / 386 / 446  ->   94 / 311 / 414 / 503 / 592
+    Gemma ffn_down Q6_K 640x2048:    168 / 319 / 306 / 358 / 396  ->  154 / 336 / 360 / 395 / 396
+  Rows 8 per pass, one vector (each broadcast used once, from memory): 357-525 GOP/s on Q4_1 at N = 8, less on
+  the rest. Two integer sums per row (shorter vpdpbusd chains): no faster (the chains of 4 rows already overlap).
 """
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, add, call, i64, ivec, mul, ptr, splat, sub,
-                 vload)
-from .layout import GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
+from ..format.quants import QT
+from .ir import F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, i64, ivec, mul, ptr, splat, vload
+from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 _features = llvm.get_host_cpu_features()
 # LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; lumen/__init__.py gives that build its
@@ -103,40 +104,36 @@ def _dpbusd(builder, acc, u, x):
 # a hot loop costs an atomic increment and decrement of the parent's reference count, and when two threads do
 # that on one array the count's cache line moves between the cores on every call.
 
-def _unpack(builder, fam, wg):
-    """The 8 quads (4 unsigned bytes per lane, columns 4k..4k+3) of 16 rows of one group: wg (i8*) points at the
-    group's bytes plus the rows' offset in a 256-byte run."""
+def _unpack(builder, fam, wg, k):
+    """Quad k (4 unsigned bytes per lane: columns 4k..4k+3) of 16 rows of one group: wg (i8*) points at the group's
+    bytes plus the rows' offset in a 256-byte run. Loads what quad k needs (L1-resident; LLVM keeps what it can)."""
     if fam == Q8:
-        return [vload(builder, wg, k * ROWS * 4, VI) for k in range(8)]
-    m0f = ivec(0x0F0F0F0F)
-    ws = [vload(builder, wg, k * ROWS * 4, VI) for k in range(4)]
-    u = [builder.and_(w, m0f) for w in ws] + [builder.and_(builder.lshr(w, ivec(4)), m0f) for w in ws]
+        return vload(builder, wg, k * ROWS * 4, VI)
+    w = vload(builder, wg, (k % 4) * ROWS * 4, VI)
+    u = builder.and_(w if k < 4 else builder.lshr(w, ivec(4)), ivec(0x0F0F0F0F))
     if fam == Q5:                        # byte b bit k of the plane word -> bit 4 of quad k's byte b
         hb = vload(builder, wg, NIB_BYTES, VI)
-        for k in range(8):
-            sh = builder.shl(hb, ivec(4 - k)) if k < 4 else builder.lshr(hb, ivec(k - 4)) if k > 4 else hb
-            u[k] = builder.or_(u[k], builder.and_(sh, ivec(0x10101010)))
+        sh = builder.shl(hb, ivec(4 - k)) if k < 4 else builder.lshr(hb, ivec(k - 4)) if k > 4 else hb
+        u = builder.or_(u, builder.and_(sh, ivec(0x10101010)))
     elif fam == Q6:                      # word j byte b bits 2m, 2m+1 -> bits 4, 5 of quad 4j+m's byte b
-        for j in range(2):
-            hb = vload(builder, wg, NIB_BYTES + j * ROWS * 4, VI)
-            for m in range(4):
-                sh = builder.shl(hb, ivec(4 - 2 * m)) if m < 2 else hb if m == 2 else builder.lshr(hb, ivec(2))
-                u[4 * j + m] = builder.or_(u[4 * j + m], builder.and_(sh, ivec(0x30303030)))
+        j, m = divmod(k, 4)
+        hb = vload(builder, wg, NIB_BYTES + j * ROWS * 4, VI)
+        sh = builder.shl(hb, ivec(4 - 2 * m)) if m < 2 else hb if m == 2 else builder.lshr(hb, ivec(2))
+        u = builder.or_(u, builder.and_(sh, ivec(0x30303030)))
     return u
 
 
 def _scales(builder, sc, z, sp, g, G, v1, v2):
     """The scale vectors of 16 rows in group g: (d_w, o) or (s0, s1). sp (i8*): the tile's scale record; v1, v2:
-    the rows' offset in bytes of a u8 / f16 row vector."""
+    the rows' offset in bytes of a u8 / f16 row vector. z: the zero point the integer sums subtract (0 for the
+    types with an offset, DM and K: their u is the unsigned value itself and o carries the offset)."""
     if sc == SC_D:
         sg = builder.gep(sp, [builder.add(builder.mul(g, i64(2 * ROWS)), v2)])
         return builder.fpext(vload(builder, sg, 0, VH), VF), None
-    zf = ir.Constant(VF, [float(z)] * LANES)
     if sc == SC_DM:
         sg = builder.gep(sp, [builder.add(builder.mul(g, i64(4 * ROWS)), v2)])
         d = builder.fpext(vload(builder, sg, 0, VH), VF)
-        m = builder.fpext(vload(builder, sg, 2 * ROWS, VH), VF)
-        return d, add(builder, m, mul(builder, zf, d))
+        return d, builder.fpext(vload(builder, sg, 2 * ROWS, VH), VF)
     sg = builder.gep(sp, [builder.add(builder.mul(g, i64(2 * ROWS)), v1)])
     blk = builder.add(builder.mul(G, i64(2 * ROWS)),
                       builder.mul(builder.udiv(g, i64(8)), i64((4 if sc == SC_K else 2) * ROWS)))
@@ -146,45 +143,28 @@ def _scales(builder, sc, z, sp, g, G, v1, v2):
         scale = builder.uitofp(vload(builder, sg, 0, VB8), VF)
         mn = builder.uitofp(vload(builder, sg, ROWS, VB8), VF)
         dmin = builder.fpext(vload(builder, sb, 2 * ROWS, VH), VF)
-        dw = mul(builder, d, scale)
-        return dw, sub(builder, mul(builder, zf, dw), mul(builder, dmin, mn))
+        return mul(builder, d, scale), builder.fneg(mul(builder, dmin, mn))
     assert sc == SC_K6
     return (mul(builder, d, builder.sitofp(vload(builder, sg, 0, VB8), VF)),
             mul(builder, d, builder.sitofp(vload(builder, sg, ROWS, VB8), VF)))
 
 
-def _row_group(builder, sc, z, f, u, scl, xg, xig, dg, sxg):
-    """f (16 row sums) + group g's contribution for one activation row: xg (i8*) its 32 bytes, xig (i32*) its two
-    integer half sums, dg (f32*) its scale, sxg (f32*) its two scaled half sums. The integer sums start from
-    -z * sum x (so no subtraction after), one per half for K6, one for the whole group otherwise."""
-    zsh = ir.Constant(I32, z.bit_length() - 1)          # z is a power of two
-    c0 = builder.shl(builder.load(xig), zsh)
-    c1 = builder.shl(builder.load(builder.gep(xig, [ir.Constant(I32, 1)])), zsh)
+def _epilogue(builder, sc, h, f, a, scl, sd, sx):
+    """f (16 row sums) + one integer sum a of a group (K6: of its half h) of one activation row, its scale sd and
+    scaled sum sx broadcast: the float step, each multiply-add fused (llvm.fma, one rounding)."""
     if sc == SC_K6:
-        a = [splat(builder, builder.neg(c0), VI), splat(builder, builder.neg(c1), VI)]
-    else:
-        a = [splat(builder, builder.neg(builder.add(c0, c1)), VI)] * 2
-    for k in range(8):
-        p = builder.bitcast(builder.gep(xg, [ir.Constant(I32, 4 * k)]), I32.as_pointer())
-        j = k // 4 if sc == SC_K6 else 0
-        a[j] = _dpbusd(builder, a[j], u[k], splat(builder, builder.load(p, align=1), VI))
-    sd = splat(builder, builder.load(dg), VF)
-    if sc == SC_K6:
-        s0, s1 = scl
-        a0, a1 = builder.sitofp(a[0], VF), builder.sitofp(a[1], VF)
-        return add(builder, f, mul(builder, sd, add(builder, mul(builder, s0, a0), mul(builder, s1, a1))))
+        return fma(builder, mul(builder, scl[h], sd), builder.sitofp(a, VF), f)
     dw, o = scl
-    t = mul(builder, mul(builder, dw, sd), builder.sitofp(a[0], VF))
     if sc in (SC_DM, SC_K):
-        sx = builder.fadd(builder.load(sxg), builder.load(builder.gep(sxg, [ir.Constant(I32, 1)])))
-        t = add(builder, t, mul(builder, o, splat(builder, sx, VF)))
-    return add(builder, f, t)
+        f = fma(builder, o, sx, f)
+    return fma(builder, mul(builder, dw, sd), builder.sitofp(a, VF), f)
 
 
 def _make_tile(fam: int, sc: int, z: int, nr: int):
+    """The tile kernel of one type for nr = 1 or NR activation rows (the signatures below the definitions)."""
     NV = ROWS // LANES
     gbytes = GROUP_BYTES[fam]
-    groups_outer = fam != Q6      # the batched loop order (module doc: measured per family)
+    halves = ((0, 4), (4, 8)) if sc == SC_K6 else ((0, 8),)   # quads per integer sum
 
     def codegen(context, builder, sig, args):
         (out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G) = args[:16]
@@ -196,46 +176,13 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
         dp = ptr(context, builder, ta[9], xd, F32, xdo)
         sxp = ptr(context, builder, ta[11], xs, F32, xso)
         xip = ptr(context, builder, ta[13], xi, I32, xio)
-
-        def row(g, i):
-            """Pointers to activation row i's bytes, half sums, scale and scaled half sums of group g."""
-            gi = builder.add(g, builder.mul(G, i64(i)))
-            j2 = builder.mul(gi, i64(2))
-            return (builder.gep(xp, [builder.mul(gi, i64(32))]), builder.gep(xip, [j2]), builder.gep(dp, [gi]),
-                    builder.gep(sxp, [j2]))
-
-        if nr == 1:      # groups outer: the 64 row sums in registers, the weights read in memory order
-            f_slots = [cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in range(NV)]
-            with cgutils.for_range(builder, G) as loop:
-                g = loop.index
-                wgrp = builder.gep(qp, [builder.mul(g, i64(gbytes))])
-                ptrs = row(g, 0)
-                for vec in range(NV):
-                    u = _unpack(builder, fam, builder.gep(wgrp, [i64(vec * LANES * 4)]))
-                    scl = _scales(builder, sc, z, sp, g, G, i64(vec * LANES), i64(vec * LANES * 2))
-                    builder.store(_row_group(builder, sc, z, builder.load(f_slots[vec]), u, scl, *ptrs), f_slots[vec])
-            for vec in range(NV):
-                p = builder.bitcast(builder.gep(fp, [i64(vec * LANES)]), VF.as_pointer())
-                builder.store(builder.load(f_slots[vec]), p, align=4)
-            return context.get_dummy_value()
-
-        # nr rows x the NVP weight vectors v0 .. v0 + NVP - 1 (rows 16 v0 .. of the tile)
-        v0 = args[16]
-        vs = [builder.add(v0, i64(j)) for j in range(NVP)]
-        f_slots = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in range(NVP)]
-                   for _ in range(nr)]
-
-        def group(g, j, ptrs):
-            """Add group g of vector vs[j] to the nr rows' sums: unpacked once, used nr times."""
-            v = vs[j]
-            u = _unpack(builder, fam, builder.gep(qp, [builder.add(builder.mul(g, i64(gbytes)),
-                                                                   builder.mul(v, i64(LANES * 4)))]))
-            scl = _scales(builder, sc, z, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)))
-            for i in range(nr):
-                slot = f_slots[i][j]
-                builder.store(_row_group(builder, sc, z, builder.load(slot), u, scl, *ptrs[i]), slot)
-
-        pf, pfb = args[17], args[18]
+        if nr == 1:
+            vs, pf, pfb = [i64(j) for j in range(NV)], None, None
+        else:
+            v0, pf, pfb = args[16], args[17], args[18]
+            vs = [builder.add(v0, i64(j)) for j in range(NVP)]
+        # the row sums, in registers (allocas LLVM promotes): nr x len(vs) of them, beside as many integer sums
+        slots = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in vs] for _ in range(nr)]
         pfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
             ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
 
@@ -247,22 +194,46 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
                 builder.call(pfn, [builder.gep(base, [line]), ir.Constant(I32, 0), ir.Constant(I32, 2),
                                    ir.Constant(I32, 1)])
 
-        if groups_outer:  # the NVP x nr sums in registers, the weights read in memory order
-            with cgutils.for_range(builder, G) as loop:
-                prefetch(loop.index)
-                ptrs = [row(loop.index, i) for i in range(nr)]
-                for j in range(NVP):
-                    group(loop.index, j, ptrs)
-        else:             # Q6: one vector at a time, groups inner (fewer live registers)
-            for j in range(NVP):
-                with cgutils.for_range(builder, G) as loop:
-                    if j == 0:
-                        prefetch(loop.index)
-                    group(loop.index, j, [row(loop.index, i) for i in range(nr)])
-        for i in range(nr):
-            for j in range(NVP):
-                p = builder.gep(fp, [builder.add(builder.mul(ostride, i64(i)), builder.mul(vs[j], i64(LANES)))])
-                builder.store(builder.load(f_slots[i][j]), builder.bitcast(p, VF.as_pointer()), align=4)
+        with cgutils.for_range(builder, G) as loop:
+            g = loop.index
+            if pf is not None:
+                prefetch(g)
+            wg = [builder.gep(qp, [builder.add(builder.mul(g, i64(gbytes)), builder.mul(v, i64(LANES * 4)))])
+                  for v in vs]
+            rows = []                        # per activation row: its bytes, integer half sums, scale, scaled sum
+            for i in range(nr):
+                gi = builder.add(g, builder.mul(G, i64(i)))
+                rows.append((builder.gep(xp, [builder.mul(gi, i64(32))]), builder.gep(xip, [builder.mul(gi, i64(2))]),
+                             builder.gep(dp, [gi]), builder.gep(sxp, [gi])))
+            for h, (k0, k1) in enumerate(halves):
+                acc = []                     # acc[i][j]: row i, weight vector j; from -z * sum x (z = 0: zero)
+                for xg, xig, _, _ in rows:
+                    if z:
+                        c = [builder.load(builder.gep(xig, [ir.Constant(I32, e)])) for e in range(2)]
+                        c = c[h] if sc == SC_K6 else builder.add(c[0], c[1])
+                        init = splat(builder, builder.neg(builder.shl(c, ir.Constant(I32, z.bit_length() - 1))), VI)
+                    else:
+                        init = ir.Constant(VI, None)
+                    acc.append([init] * len(vs))
+                for k in range(k0, k1):      # quad outer: each unpacked quad used for nr rows, each broadcast for
+                    u = [_unpack(builder, fam, w, k) for w in wg]          # the len(vs) weight vectors
+                    for a, (xg, _, _, _) in zip(acc, rows):
+                        p = builder.bitcast(builder.gep(xg, [ir.Constant(I32, 4 * k)]), I32.as_pointer())
+                        b = splat(builder, builder.load(p, align=1), VI)
+                        for j in range(len(vs)):
+                            a[j] = _dpbusd(builder, a[j], u[j], b)
+                scl = [_scales(builder, sc, z, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)))
+                       for v in vs]
+                for a, (_, _, dg, sxg), row in zip(acc, rows, slots):
+                    sd = splat(builder, builder.load(dg), VF)
+                    sx = splat(builder, builder.load(sxg), VF) if sc in (SC_DM, SC_K) else None
+                    for j, p in enumerate(row):
+                        builder.store(_epilogue(builder, sc, h, builder.load(p, align=4), a[j], scl[j], sd, sx), p,
+                                      align=4)
+        for i, row in enumerate(slots):
+            for v, p in zip(vs, row):
+                q = builder.gep(fp, [builder.add(builder.mul(ostride, i64(i)), builder.mul(v, i64(LANES)))])
+                builder.store(builder.load(p), builder.bitcast(q, VF.as_pointer()), align=4)
         return context.get_dummy_value()
 
     ip = types.intp
@@ -278,7 +249,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
 
 
 NR = 4    # activation rows per pass of the batched tile kernels
-NVP = 2   # 16-row weight vectors per pass of the batched tile kernels (half a tile)
+NVP = 2   # 16-row weight vectors per pass of the batched tile kernels
 
 # tile_<type>_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
 # out.flat[oo + i * ostride : + 64] = the 64 rows of one tile (G groups at q.flat[qo:], its scale record at
@@ -287,14 +258,19 @@ NVP = 2   # 16-row weight vectors per pass of the batched tile kernels (half a t
 # tile_<type>_n(..., G, v0, pf, pfb): the same for i < NR and the tile's rows 16 v0 .. 16 (v0 + NVP) - 1 only
 # (out.flat[oo + i * ostride + 16 v0 : + 16 NVP]), prefetching q.flat[qo + pf + g pfb : + pfb] into L2 with group g
 # (pfb = 0: none; lumen.kernels.matmul.tiles spreads the next tile over a tile's passes this way).
-tile_q4_0_1, tile_q4_0_n = _make_tile(0, SC_D, 8, 1), _make_tile(0, SC_D, 8, NR)
-tile_q4_1_1, tile_q4_1_n = _make_tile(0, SC_DM, 8, 1), _make_tile(0, SC_DM, 8, NR)
-tile_q4_k_1, tile_q4_k_n = _make_tile(0, SC_K, 8, 1), _make_tile(0, SC_K, 8, NR)
-tile_q5_0_1, tile_q5_0_n = _make_tile(Q5, SC_D, 16, 1), _make_tile(Q5, SC_D, 16, NR)
-tile_q5_1_1, tile_q5_1_n = _make_tile(Q5, SC_DM, 16, 1), _make_tile(Q5, SC_DM, 16, NR)
-tile_q5_k_1, tile_q5_k_n = _make_tile(Q5, SC_K, 16, 1), _make_tile(Q5, SC_K, 16, NR)
-tile_q6_k_1, tile_q6_k_n = _make_tile(Q6, SC_K6, 32, 1), _make_tile(Q6, SC_K6, 32, NR)
-tile_q8_0_1, tile_q8_0_n = _make_tile(Q8, SC_D, 128, 1), _make_tile(Q8, SC_D, 128, NR)
+def _tiles_of(qt):
+    """The 1-row and NR-row tile kernels of GGML type qt, with its family, scale format and zero point."""
+    return _make_tile(*FORMAT[qt], 1), _make_tile(*FORMAT[qt], NR)
+
+
+tile_q4_0_1, tile_q4_0_n = _tiles_of(QT.Q4_0)
+tile_q4_1_1, tile_q4_1_n = _tiles_of(QT.Q4_1)
+tile_q4_k_1, tile_q4_k_n = _tiles_of(QT.Q4_K)
+tile_q5_0_1, tile_q5_0_n = _tiles_of(QT.Q5_0)
+tile_q5_1_1, tile_q5_1_n = _tiles_of(QT.Q5_1)
+tile_q5_k_1, tile_q5_k_n = _tiles_of(QT.Q5_K)
+tile_q6_k_1, tile_q6_k_n = _tiles_of(QT.Q6_K)
+tile_q8_0_1, tile_q8_0_n = _tiles_of(QT.Q8_0)
 
 
 @intrinsic
