@@ -158,10 +158,11 @@ def main(argv=None) -> None:
     for qt, shape, rate in kernel_rates(a.model, ns, a.quick):
         print(f"  {qt:>5} {shape:>10}: " + " / ".join(f"{rate[N]:.0f} ({100 * rate[N] / roof:.0f}%)" for N in ns))
     r1 = min(rates, key=lambda r: (r != 1, r))
+    costly = rates[r1] < 0.75 * rates[0]
     print(f"VERDICT: a broadcast from memory used once gives {rates[r1] / rates[0]:.2f}x the register rate"
           + "".join(f", used {r} times {rates[r] / rates[0]:.2f}x" for r in rates if r > 1)
-          + f": {'a broadcast costs a port slot, so reuse each one' if rates[r1] < 0.75 * rates[0] else 'broadcasts are nearly free here'}"
-          f" [load {os.getloadavg()[0]:.1f}]")
+          + (": a broadcast costs a port slot, so reuse each one" if costly else ": broadcasts are nearly free here")
+          + f" [load {os.getloadavg()[0]:.1f}]")
 
 
 if __name__ == "__main__":
