@@ -18,7 +18,8 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
 - N > 1 (batched): each half tile (32 rows) is applied to NR = 4 activation rows per pass, groups outer, each
   weight quad unpacked once for the 4 rows and each activation quad broadcast once for the half tile's 2 vectors
   (the remaining N % 4 rows one at a time with the N = 1 kernel), while the tile is in cache; the next tile is
-  prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as in the N = 1 kernel, so the two paths agree bit for bit.
+  prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
+  in the N = 1 kernel, so the two paths agree bit for bit.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once, serially
   (`prepare_x`).

@@ -123,10 +123,10 @@ def _unpack(builder, fam, wg, k):
     return u
 
 
-def _scales(builder, sc, z, sp, g, G, v1, v2):
-    """The scale vectors of 16 rows in group g: (d_w, o) or (s0, s1). sp (i8*): the tile's scale record; v1, v2:
-    the rows' offset in bytes of a u8 / f16 row vector. z: the zero point the integer sums subtract (0 for the
-    types with an offset, DM and K: their u is the unsigned value itself and o carries the offset)."""
+def _scales(builder, sc, sp, g, G, v1, v2, h):
+    """The scale vectors (d_w, o) of 16 rows in group g: o the offset's (DM, K; None for D and K6); for K6, d_w is
+    half h's, s_h = d * sc_h. sp (i8*): the tile's scale record; v1, v2: the rows' offset in bytes of a u8 / f16
+    row vector."""
     if sc == SC_D:
         sg = builder.gep(sp, [builder.add(builder.mul(g, i64(2 * ROWS)), v2)])
         return builder.fpext(vload(builder, sg, 0, VH), VF), None
@@ -145,17 +145,15 @@ def _scales(builder, sc, z, sp, g, G, v1, v2):
         dmin = builder.fpext(vload(builder, sb, 2 * ROWS, VH), VF)
         return mul(builder, d, scale), builder.fneg(mul(builder, dmin, mn))
     assert sc == SC_K6
-    return (mul(builder, d, builder.sitofp(vload(builder, sg, 0, VB8), VF)),
-            mul(builder, d, builder.sitofp(vload(builder, sg, ROWS, VB8), VF)))
+    return mul(builder, d, builder.sitofp(vload(builder, sg, h * ROWS, VB8), VF)), None
 
 
-def _epilogue(builder, sc, h, f, a, scl, sd, sx):
-    """f (16 row sums) + one integer sum a of a group (K6: of its half h) of one activation row, its scale sd and
-    scaled sum sx broadcast: the float step, each multiply-add fused (llvm.fma, one rounding)."""
-    if sc == SC_K6:
-        return fma(builder, mul(builder, scl[h], sd), builder.sitofp(a, VF), f)
+def _epilogue(builder, f, a, scl, sd, sx):
+    """f (16 row sums) + one integer sum a of a group (K6: of a half) of one activation row, with the weights'
+    scales scl = (d_w, o) (_scales), the row's scale sd and scaled sum sx broadcast: the float step, each
+    multiply-add fused (llvm.fma, one rounding)."""
     dw, o = scl
-    if sc in (SC_DM, SC_K):
+    if o is not None:
         f = fma(builder, o, sx, f)
     return fma(builder, mul(builder, dw, sd), builder.sitofp(a, VF), f)
 
@@ -222,14 +220,13 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
                         b = splat(builder, builder.load(p, align=1), VI)
                         for j in range(len(vs)):
                             a[j] = _dpbusd(builder, a[j], u[j], b)
-                scl = [_scales(builder, sc, z, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)))
+                scl = [_scales(builder, sc, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)), h)
                        for v in vs]
                 for a, (_, _, dg, sxg), row in zip(acc, rows, slots):
                     sd = splat(builder, builder.load(dg), VF)
                     sx = splat(builder, builder.load(sxg), VF) if sc in (SC_DM, SC_K) else None
                     for j, p in enumerate(row):
-                        builder.store(_epilogue(builder, sc, h, builder.load(p, align=4), a[j], scl[j], sd, sx), p,
-                                      align=4)
+                        builder.store(_epilogue(builder, builder.load(p, align=4), a[j], scl[j], sd, sx), p, align=4)
         for i, row in enumerate(slots):
             for v, p in zip(vs, row):
                 q = builder.gep(fp, [builder.add(builder.mul(ostride, i64(i)), builder.mul(v, i64(LANES)))])

@@ -32,8 +32,8 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import LumenError
-from ..timer import NULL, NullProfiler, StepClock, active, recording, tick_rate, ticks  # noqa: F401 (NULL, NullProfiler,
-# active: the hook's names, also reachable here as before)
+# NULL, NullProfiler, active: the hook's names, also reachable here as before
+from ..timer import NULL, NullProfiler, StepClock, active, recording, tick_rate, ticks  # noqa: F401
 
 PHASES = ("prefill", "decode", "mixed")     # mixed: an engine step with both prefill chunks and decode tokens
 
