@@ -14,8 +14,8 @@ keys j <= p, and with a sliding window only keys with p - j < window (window 0 =
 
 Batch invariance. A token's result depends on its own context only, never on the step's other tokens or on the
 thread count: its keys are cut into CHUNKs at fixed absolute positions (0, CHUNK, 2 CHUNK, ...); each chunk's
-softmax runs block by block in key order (lumen.kernels.fp.attn_block_R spells out every sum), starting from
-nothing; the chunks' partial results are then merged in chunk order by one function (`_merge`). Prefill and
+softmax is computed whole, starting from nothing: its scores, their max, the exponentials and the output in key
+order (lumen.kernels.fp.attn_chunk_R spells out every sum); the chunks' partial results are then merged in chunk order by one function (`_merge`). Prefill and
 batched steps run a token's chunks one after another on one thread (`attention_kernel`); a lone decode token
 may hand its chunks to all threads and merge afterwards (`attention_split_kernel`). Both give the same bits.
 
@@ -32,7 +32,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_block_1, attn_block_2, attn_block_3, attn_block_4, exp_f32, f16_bits
+from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
 from .policy import split_attention
 from .scratch import per_thread
@@ -78,46 +78,37 @@ def key_range(p, window):
     return j0, p + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
     """The softmax of query rows h0 .. h0+G-1 of token t over keys a .. b-1 (inside one chunk), from nothing:
     st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output. _chunk and _token take arrays, not the
     Paged / AttnScratch bundles, and _chunk its rows: reading a bundle's fields here put 8 atomic reference count
     increments into _chunk's compiled code (0 without) and 26 into _token's (12 without), and computing
     G = n_heads // n_kv here 6 (the division's error branch defeats Numba's reference count pruning): updates on
-    arrays both threads share, once per chunk (LLVM IR of each, counted)."""
+    arrays both threads share, once per chunk (LLVM IR of each, counted). _token and its helpers are inlined
+    (inline="always"): as calls, a (token, kv head) item of 16 keys took 580 ns on one thread, 292 inlined, of
+    which the chunk kernel is 95 (profiling/attention_rows.py's shapes)."""
     hd, hdv = q.shape[2], v_pool.shape[3]
-    KVH = k_pool.shape[1]
-    for r in range(h0, h0 + G):
-        st[lane, r, 0] = NEG
-        for i in range(1, 17):
-            st[lane, r, i] = 0.0
-        for d in range(hdv):
-            o[lane, r, d] = 0.0
-    H = q.shape[1]
-    b0 = a - a % BLOCK
-    for j in range(b0, b, BLOCK):
-        blk = bt[s, j // BLOCK]
-        jlo = max(a - j, 0)
-        jhi = min(b - j, BLOCK)
-        ko = (blk * KVH + g) * hd * BLOCK
-        vo = (blk * KVH + g) * BLOCK * hdv
-        r = h0
-        while r < h0 + G:                        # the group's rows, up to MAX_ROWS per call
-            n = min(MAX_ROWS, h0 + G - r)
-            oo, so, qo = (lane * H + r) * hdv, (lane * H + r) * ST, (t * H + r) * hd
-            if n == 4:
-                attn_block_4(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
-            elif n == 3:
-                attn_block_3(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
-            elif n == 2:
-                attn_block_2(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
-            else:
-                attn_block_1(o, oo, st, so, q, qo, k_pool, ko, v_pool, vo, hd, hdv, scale, jlo, jhi)
-            r += n
+    KVH, H = k_pool.shape[1], q.shape[1]
+    kb, kg = KVH * hd * BLOCK, g * hd * BLOCK
+    vb, vg = KVH * BLOCK * hdv, g * BLOCK * hdv
+    bo = s * bt.shape[1]
+    r = h0
+    while r < h0 + G:                            # the group's rows, up to MAX_ROWS per call
+        n = min(MAX_ROWS, h0 + G - r)
+        oo, so, qo = (lane * H + r) * hdv, (lane * H + r) * ST, (t * H + r) * hd
+        if n == 4:
+            attn_chunk_4(o, oo, st, so, q, qo, k_pool, v_pool, bt, bo, kb, kg, vb, vg, hd, hdv, scale, a, b)
+        elif n == 3:
+            attn_chunk_3(o, oo, st, so, q, qo, k_pool, v_pool, bt, bo, kb, kg, vb, vg, hd, hdv, scale, a, b)
+        elif n == 2:
+            attn_chunk_2(o, oo, st, so, q, qo, k_pool, v_pool, bt, bo, kb, kg, vb, vg, hd, hdv, scale, a, b)
+        else:
+            attn_chunk_1(o, oo, st, so, q, qo, k_pool, v_pool, bt, bo, kb, kg, vb, vg, hd, hdv, scale, a, b)
+        r += n
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _lane_total(st, lane, r):
     """The sum of a row's 16 lane sums in the halving tree of fp._hsum: (i, i+8), (i, i+4), (i, i+2), (i, i+1).
     Consumes the lane sums."""
@@ -129,7 +120,7 @@ def _lane_total(st, lane, r):
     return st[lane, r, 1]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _merge(ro, rm, i, r, o, k, r1, m1, l1):
     """Fold the partial result (max m1, sum l1, output o[k, r1]) into the running result (rm[i, r], ro[i, r]):
     the one place where chunks meet, so every path merges with the same arithmetic. Empty running: a copy."""
@@ -150,7 +141,7 @@ def _merge(ro, rm, i, r, o, k, r1, m1, l1):
         ro[i, r, d] = ro[i, r, d] * ea + o[k, r1, d] * eb
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _finish(out, t, h0, G, ro, rm, i):
     """out[t, h] = ro[i, h] / sum for the rows h0 .. h0+G-1."""
     for h in range(h0, h0 + G):
@@ -159,7 +150,7 @@ def _finish(out, t, h0, G, ro, rm, i):
             out[t, h, d] = ro[i, h, d] * inv
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, s, p, g, window, scale):
     """Attention of token t (position p of sequence s), kv group g: its chunks in order on this lane."""
     G = q.shape[1] // k_pool.shape[1]
