@@ -139,14 +139,7 @@ def test_gemma3_long_context_sliding_window(models):
     print(f"\ngemma3 long context: nll {nll.mean():.5f} vs llama.cpp {ref.mean():.5f}; past 512: {nll[511:].mean():.5f}"
           f" vs {ref[511:].mean():.5f}; top-1 {top1:.3f} (past 512: {late:.3f})")
     assert abs(nll[511:].mean() - ref[511:].mean()) < 0.02      # without the window this is 8.28 vs 2.92
-    # Over all positions, within 3 standard errors of the paired differences. Each position's loss moves a lot
-    # with the last bits of the logits (their differences from llama.cpp's have a standard deviation of ~0.33,
-    # so an SE of ~0.008 here): with the same fidelity against exact math (test_fidelity), the attention
-    # kernels' bits gave a mean difference of 0.006 (chunks of 128 keys, online per block), 0.016 (chunks of
-    # 128, whole) and 0.021 (chunks of 256, whole).
-    diff = nll - ref
-    se = diff.std(ddof=1) / np.sqrt(len(diff))
-    assert abs(diff.mean()) < 3 * se, (diff.mean(), se)
+    assert abs(nll.mean() - ref.mean()) < 0.02
     assert late >= 0.9
     # greedy past the window
     gr = d["greedy"]
