@@ -1,4 +1,4 @@
-"""How fast is attention for many rows: the chunk kernel alone, a layer's call in cache, and a step's layers from memory?
+"""How fast is attention for many rows: the chunk kernel alone, one layer in cache, a step's layers from memory?
 
     python profiling/attention_rows.py [--quick] [--heads 9] [--kv-heads 3] [--head-dim 64] [--ns 1,8,16]
                                        [--context 192] [--layers 30]
@@ -126,7 +126,9 @@ def main(argv=None) -> None:
     t = best_of(one_pass, 3 if a.quick else 10)
     mb = L * N * (-(-ctx // BLOCK)) * BLOCK * KVH * hd * 2 * 2 / 1e6
     bw = roofs(lim, th)["bw_gbps"]
-    print(f"3. {L} layers' caches in turn ({'in order' if a.in_order else 'scattered'} blocks), N={N}, {th} threads: {t * 1e3:.2f} ms per pass, KV {mb:.1f} MB, "
+    order = "in order" if a.in_order else "scattered"
+    print(f"3. {L} layers' caches in turn ({order} blocks), N={N}, {th} threads: {t * 1e3:.2f} ms per pass, "
+          f"KV {mb:.1f} MB, "
           f"{mb / t / 1e3:.1f} GB/s (memory roof {bw:.1f})")
     print(f"VERDICT: the chunk kernel runs at {100 * kern / fma1:.0f}% of one core's FMA roof; a step's attention at "
           f"N={N} reads its KV at {100 * mb / t / 1e3 / bw:.0f}% of the memory roof [load {os.getloadavg()[0]:.1f} on "

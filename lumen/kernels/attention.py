@@ -14,10 +14,11 @@ keys j <= p, and with a sliding window only keys with p - j < window (window 0 =
 
 Batch invariance. A token's result depends on its own context only, never on the step's other tokens or on the
 thread count: its keys are cut into CHUNKs at fixed absolute positions (0, CHUNK, 2 CHUNK, ...); each chunk's
-softmax is computed whole, starting from nothing: its scores, their max, the exponentials and the output in key
-order (lumen.kernels.fp.attn_chunk_R spells out every sum); the chunks' partial results are then merged in chunk order by one function (`_merge`). Prefill and
-batched steps run a token's chunks one after another on one thread (`attention_kernel`); a lone decode token
-may hand its chunks to all threads and merge afterwards (`attention_split_kernel`). Both give the same bits.
+softmax is computed whole, starting from nothing: its scores, their max, the exponentials, and the output block
+by block in key order (lumen.kernels.fp.attn_chunk_R spells out every sum); the chunks' partial results are then
+merged in chunk order by one function (`_merge`). Prefill and batched steps run a token's chunks one after
+another on one thread (`attention_kernel`); a lone decode token may hand its chunks to all threads and merge
+afterwards (`attention_split_kernel`). Both give the same bits.
 
 The kernels take the layer's cache as a Paged (k_pool, v_pool, block_tables) and their scratch as an AttnScratch
 (per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,

@@ -24,7 +24,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ir import F16, F32, I8, I16, I32, I64, LANES, NEG_INF, VF, VH, VI, call, const, fma, fmax, hmax, hsum, ptr, sfx, splat
+from .ir import (F16, F32, I8, I16, I32, I64, LANES, NEG_INF, VF, VH, VI, call, const, fma, fmax, hmax, hsum, ptr, sfx,
+                 splat)
 
 BLOCK = 16                     # keys per KV block: one score vector
 CHUNK = 256                    # keys per softmax chunk of lumen.kernels.attention (a multiple of BLOCK): the
@@ -209,6 +210,9 @@ def _make_attn_chunk(R: int):
             p = builder.gep(builder.bitcast(base, I8.as_pointer()), [byte_off])
             builder.call(pfn, [p, ir.Constant(I32, 0), ir.Constant(I32, level), ir.Constant(I32, 1)])
 
+        vline = builder.sdiv(builder.mul(hdv_, i64(64)), hd_)   # V bytes per pass over d: its hd/2 passes cover
+                                                                # a block's 32 hdv bytes
+
         def scores(bi0, B):                    # blocks bi0 .. bi0 + B - 1, every row
             bis = [builder.add(bi0, i64(u)) for u in range(B)]
             kbs = [builder.gep(kp, [builder.add(builder.mul(block(bi), kb_), kg_)]) for bi in bis]
@@ -222,7 +226,7 @@ def _make_attn_chunk(R: int):
                 # (read after the chunk's softmax) into L2, so that scattered blocks do not wait on memory
                 for u in range(B):
                     prefetch(kns[u], builder.mul(loop.index, i64(64)), 3)
-                    prefetch(vbs[u], builder.mul(builder.sdiv(builder.mul(loop.index, hdv_), hd_), i64(64)), 2)
+                    prefetch(vbs[u], builder.mul(loop.index, vline), 2)
                 for par in range(2):
                     d = builder.add(builder.mul(loop.index, i64(2)), i64(par))
                     kv = [load_h(kbs[u], builder.mul(d, i64(BLOCK))) for u in range(B)]
