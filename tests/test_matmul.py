@@ -130,6 +130,51 @@ def test_odd_float_width():
             check(out, x, W, qtype)
 
 
+@pytest.mark.parametrize("fmt", ["q8", "q8k"])
+def test_activation_rounding_parallel_equals_serial(fmt):
+    """prepare_x spreads the rows of a large N over the threads (lumen.kernels.policy.parallel_quantize): every
+    field must equal the serial rounding's bits, NaNs are skipped by the block maximum as the scalar rule does,
+    and the rows past N are zeroed."""
+    import numba
+    from lumen.format.quants import ACT_Q8, ACT_Q8K
+    from lumen.kernels.matmul import quantize_x, quantize_x_par
+    from lumen.kernels.policy import parallel_quantize
+    act = ACT_Q8 if fmt == "q8" else ACT_Q8K
+    rng = np.random.default_rng(21)
+    N, Np, n = 70, 73, 512
+    x = (rng.standard_normal((N, n)) * np.exp(rng.uniform(-3, 3, (N, 1)))).astype(np.float32)
+    x[3, :256] = 0.0                                  # all-zero blocks: scale 0, q 0
+    x[5, 7] = np.nan                                  # a NaN is skipped by the maximum
+    x[6, 40] = -1e4                                   # a loud negative value (Q8_K's max keeps its sign)
+    assert parallel_quantize(N, n)
+    G = n // 32
+
+    def fields():
+        return [np.full((Np, n), 99, np.int8), np.full((Np, G), 9.0, np.float32), np.full((Np, G), 9.0, np.float32),
+                np.full((Np, G, 2), 9, np.int32)]
+    serial, par = fields(), fields()
+    quantize_x(*serial, x, act)
+    for threads in sorted({1, numba.get_num_threads()}):
+        numba.set_num_threads(threads)
+        try:
+            quantize_x_par(*par, x, act)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        for a, b in zip(serial, par):
+            assert np.array_equal(a, b)
+    for a in serial:
+        assert not a[N:].any()
+    assert not serial[0][3, :256].any() and not serial[1][3, :8].any()
+    def scale(row, b0):                               # the block's scale by the rule of quantize_x's docstring
+        blk = x[row, b0:b0 + (32 if act == ACT_Q8 else 256)]
+        a = np.abs(blk[~np.isnan(blk)])
+        if act == ACT_Q8:
+            return np.float32(np.float16(a.max() / np.float32(127)))
+        return np.float32(1) / (np.float32(-127) / blk[np.flatnonzero(np.abs(blk) == a.max())[0]])
+    assert serial[1][5, 0] == scale(5, 0)
+    assert serial[1][6, 1] == scale(6, 32 if act == ACT_Q8 else 0) > 0
+
+
 # ---- real weights, real shapes
 
 SMOLLM2_SHAPES = {"blk.0.attn_q.weight": (576, 576), "blk.0.attn_k.weight": (192, 576),

@@ -169,7 +169,7 @@ def _mat(i, packs):
 @njit(cache=True)
 def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
     """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of the
-    Weights w: the activations rounded once (serially), then one parallel region over the tiles of all n (one
+    Weights w: the activations rounded once (prepare_x), then one parallel region over the tiles of all n (one
     activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
     whose activation formats differ, or of the F32 family, run one region each."""
     m0, f0 = _mat(i0, w.packs)

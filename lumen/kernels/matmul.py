@@ -21,8 +21,9 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
   in the N = 1 kernel, so the two paths agree bit for bit.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
-  to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once, serially
-  (`prepare_x`).
+  to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once (`prepare_x`;
+  from lumen.kernels.policy.PAR_QUANT_VALUES values on, the rows spread over the threads: at prefill's 256 rows
+  the rounding took 17-27% of a matmul's time when serial, 2026-12-02).
 `matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
 correct, but slow; the forward pass should call prepare once at load time).
 """
@@ -40,6 +41,7 @@ from numba.extending import overload
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, Q5, Q6, Q8, R, s_tile
 from lumen.kernels.kinds import ALL, sets, switch
+from lumen.kernels.policy import parallel_quantize
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
@@ -203,6 +205,45 @@ def round_bf16(v):
     return np.float32(r if v > 0 else -r)
 
 
+@njit(cache=True, inline="always")
+def _quantize_row(xq, xd, xs, xi, x, i, fmt):
+    """Row i of quantize_x (i < N)."""
+    n = x.shape[1]
+    if fmt == ACT_Q8:
+        for g in range(n // 32):
+            xo = i * n + 32 * g
+            amax = absmax(x, xo, 32)
+            d = round_f16(amax / np.float32(127.0))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), inv, 32, False)
+            xd[i, g] = d
+            xs[i, g] = d * np.float32(xi[i, g, 0] + xi[i, g, 1])
+        return
+    for b0 in range(0, n, 256):
+        xo = i * n + b0
+        amax = absmax(x, xo, 256)
+        mx = first_with_abs(x, xo, 256, amax)
+        iscale = np.float32(-127.0) / mx if amax > 0 else np.float32(0.0)
+        d = np.float32(1.0) / iscale if amax > 0 else np.float32(0.0)
+        quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), iscale, 256, True)
+        for g in range(b0 // 32, (b0 + 256) // 32):
+            xd[i, g] = d
+            xs[i, g] = d * np.float32(xi[i, g, 0] + xi[i, g, 1])
+
+
+@njit(cache=True)
+def _zero_rows(xq, xd, xs, xi, N):
+    """The Acts' rows N .. Np - 1 zeroed."""
+    for i in range(N, xq.shape[0]):
+        for k in range(xq.shape[1]):
+            xq[i, k] = 0
+        for g in range(xd.shape[1]):
+            xd[i, g] = 0.0
+            xs[i, g] = 0.0
+            xi[i, g, 0] = 0
+            xi[i, g, 1] = 0
+
+
 @njit(cache=True)
 def quantize_x(xq, xd, xs, xi, x, fmt):
     """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
@@ -214,35 +255,19 @@ def quantize_x(xq, xd, xs, xi, x, fmt):
                            rint(iscale * x)), d = 1/iscale (f32)
     (the vector parts in lumen.kernels.simd: absmax, first_with_abs, quantize_block). x, xq, xi C-contiguous.
     xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xi[g, h] = sum(q) over half h (16 values)
-    and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once)."""
-    N, n = x.shape
-    G = n // 32
-    for i in range(xq.shape[0]):
-        if i >= N:
-            for k in range(n):
-                xq[i, k] = 0
-            for g in range(G):
-                xd[i, g] = 0.0
-                xs[i, g] = 0.0
-                xi[i, g, 0] = 0
-                xi[i, g, 1] = 0
-            continue
-        B = 32 if fmt == ACT_Q8 else 256
-        for b0 in range(0, n, B):
-            xo = i * n + b0
-            amax = absmax(x, xo, B)
-            if fmt == ACT_Q8:
-                d = round_f16(amax / np.float32(127.0))
-                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-                quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), inv, B, False)
-            else:
-                mx = first_with_abs(x, xo, B, amax)
-                iscale = np.float32(-127.0) / mx if amax > 0 else np.float32(0.0)
-                d = np.float32(1.0) / iscale if amax > 0 else np.float32(0.0)
-                quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), iscale, B, True)
-            for g in range(b0 // 32, (b0 + B) // 32):
-                xd[i, g] = d
-                xs[i, g] = d * np.float32(xi[i, g, 0] + xi[i, g, 1])
+    and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once). Rows are independent:
+    quantize_x_par computes the same values with the rows spread over the threads."""
+    for i in range(x.shape[0]):
+        _quantize_row(xq, xd, xs, xi, x, i, fmt)
+    _zero_rows(xq, xd, xs, xi, x.shape[0])
+
+
+@njit(parallel=True, cache=True)
+def quantize_x_par(xq, xd, xs, xi, x, fmt):
+    """quantize_x with the rows spread over the threads (the same values: each row is computed on its own)."""
+    for i in prange(x.shape[0]):
+        _quantize_row(xq, xd, xs, xi, x, i, fmt)
+    _zero_rows(xq, xd, xs, xi, x.shape[0])
 
 
 @njit(cache=True)
@@ -441,7 +466,10 @@ def prepare_x(x_out, x, fmt):
     """Round x (N, n_in) to activation format fmt into the Acts x_out: xq (N, n_in) i8, xd (N, G), xs (N, G) f32,
     xi (N, G, 2) i32 for the 8-bit formats, xf (N, n_in) f32 for the float ones. The input of matmul_kernel."""
     if fmt == ACT_Q8 or fmt == ACT_Q8K:
-        quantize_x(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
+        if parallel_quantize(x.shape[0], x.shape[1]):
+            quantize_x_par(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
+        else:
+            quantize_x(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
     else:
         round_x(x_out.xf, x, fmt)
 

@@ -59,7 +59,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..format.quants import QT
-from .ir import F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, i64, ivec, mul, ptr, splat, vload
+from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
+                 splat, vload)
 from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 _features = llvm.get_host_cpu_features()
@@ -300,8 +301,8 @@ def absmax(typingctx, x, xo, n):
             v = builder.load(builder.bitcast(builder.gep(p, [builder.mul(loop.index, i64(LANES))]),
                                              VF.as_pointer()), align=4)
             a = call(builder, f"llvm.fabs.v{LANES}f32", VF, [v])
-            builder.store(call(builder, f"llvm.maxnum.v{LANES}f32", VF, [builder.load(acc), a]), acc)
-        return call(builder, f"llvm.vector.reduce.fmax.v{LANES}f32", F32, [builder.load(acc)])
+            builder.store(fmax(builder, a, builder.load(acc)), acc)        # a NaN in a keeps acc
+        return hmax(builder, builder.load(acc))
     return types.float32(x, types.intp, types.intp), codegen
 
 
