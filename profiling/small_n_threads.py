@@ -26,7 +26,7 @@ from lumen.format.gguf import GGUFFile
 from lumen.format.quants import ACT_FORMAT, QT
 from lumen.kernels.kinds import ALL
 from lumen.kernels.layout import R
-from lumen.kernels.matmul import Acts, mat, matmul_kernel, new_acts, prepare, prepare_x
+from lumen.kernels.matmul import Acts, mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.work import counters
 from lumen.machine import limits
@@ -60,9 +60,9 @@ def acts_for(x: np.ndarray, fmt: int) -> Acts:
 
 
 @njit(cache=True)
-def _calls(calls, facc, work, kinds):
+def _calls(calls, facc, wbuf, work, kinds):
     for c in calls:
-        matmul_kernel(c[0], c[1], c[2], c[3], facc, work, kinds)
+        matmul_kernel(c[0], c[1], c[2], c[3], facc, wbuf, work, kinds)
 
 
 def build(regs: list, N: int, rng) -> List:
@@ -77,14 +77,14 @@ def build(regs: list, N: int, rng) -> List:
     return calls
 
 
-def timed(calls, facc, work, threads: int) -> float:
+def timed(calls, facc, wbuf, work, threads: int) -> float:
     """Seconds per call of one pass at `threads` threads, after an untimed pass (which wakes the worker threads
     that slept through the other thread count's pass: timed cold, that wake-up added 2-3 us to each of SmolLM2's
     9-tile attn_output calls)."""
     numba.set_num_threads(threads)
-    _calls(calls, facc, work, ALL)
+    _calls(calls, facc, wbuf, work, ALL)
     c = time.perf_counter()
-    _calls(calls, facc, work, ALL)
+    _calls(calls, facc, wbuf, work, ALL)
     return (time.perf_counter() - c) / len(calls)
 
 
@@ -104,6 +104,7 @@ def main(argv=None) -> None:
     i8 = roofs(limits(), 1)["int8_dot_gops"]
     rng = np.random.default_rng(0)
     facc = per_thread((th, R), np.float32)
+    wbuf = unpack_scratch(th, max(t.shape[0] for t in g.tensors.values() if len(t.shape) == 2))
     work = counters(th)
     print(f"{a.model}: us per layer call at 1 and {th} threads (medians of {repeats}, interleaved); one thread's "
           f"GOP/s against its int8 dot roof ({i8:.0f} GOP/s)")
@@ -116,12 +117,12 @@ def main(argv=None) -> None:
         macs = sum(p.d_out * p.n_in for p in regs[0])                 # per activation row, one region
         for N in ns:
             calls = build(regs, N, rng)
-            timed(calls, facc, work, 1)
-            timed(calls, facc, work, th)
+            timed(calls, facc, wbuf, work, 1)
+            timed(calls, facc, wbuf, work, th)
             t = {1: [], th: []}
             for _ in range(repeats):
                 for k in t:
-                    t[k].append(timed(calls, facc, work, k))
+                    t[k].append(timed(calls, facc, wbuf, work, k))
             m1, mt = statistics.median(t[1]), statistics.median(t[th])
             gops = 2 * N * macs / m1 / 1e9
             tot.setdefault(N, [0.0, 0.0])

@@ -30,7 +30,7 @@ from lumen.format.quants import ACT_FORMAT, QT
 from lumen.kernels import simd
 from lumen.kernels.kinds import ALL
 from lumen.kernels.layout import R
-from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x
+from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.work import counters
 from lumen.machine import aligned, limits
@@ -101,9 +101,9 @@ def best(fn, reps: int = 7) -> float:
 
 
 @njit(cache=True)
-def _repeat(out, m, acts, facc, work, k):
+def _repeat(out, m, acts, facc, wbuf, work, k):
     for _ in range(k):
-        matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, work, ALL)
+        matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, wbuf, work, ALL)
 
 
 def kernel_rates(model: str, ns: list, quick: bool) -> list:
@@ -118,13 +118,14 @@ def kernel_rates(model: str, ns: list, quick: bool) -> list:
         p = prepare(t.data, t.qtype)
         m, fmt = mat(p), ACT_FORMAT[QT(p.qtype)]
         rate = {}
+        wbuf = unpack_scratch(numba.get_num_threads(), p.n_in)
         for N in ns:
             acts = new_acts(N, p.n_in, fmt)
             prepare_x(acts, np.random.default_rng(N).standard_normal((N, p.n_in)).astype(np.float32), fmt)
             out = np.zeros((N, p.d_out), np.float32)
             k = 2 if quick else max(3, 4000 // N)
-            _repeat(out, m, acts, facc, work, 1)
-            rate[N] = 2 * N * p.d_out * p.n_in * k / best(lambda: _repeat(out, m, acts, facc, work, k),
+            _repeat(out, m, acts, facc, wbuf, work, 1)
+            rate[N] = 2 * N * p.d_out * p.n_in * k / best(lambda: _repeat(out, m, acts, facc, wbuf, work, k),
                                                             2 if quick else 7) / 1e9
         rows.append((QT(p.qtype).name, f"{p.d_out}x{p.n_in}", rate))
     return rows

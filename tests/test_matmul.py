@@ -130,6 +130,43 @@ def test_odd_float_width():
             check(out, x, W, qtype)
 
 
+@pytest.mark.parametrize("qtype", [q for q in ALL if q not in FLOAT_TYPES], ids=lambda t: t.name)
+def test_unpacked_tiles_give_the_same_bits(weights, qtype):
+    """From lumen.kernels.policy.unpack_rows's rows on, a matmul unpacks each tile once and its passes read the bytes
+    (prefill); below, each pass unpacks as it goes, and one row runs the decode kernel. A row's bits must be the
+    same on all three paths, whatever the other rows."""
+    import numba
+    from lumen.format.quants import ACT_FORMAT
+    from lumen.kernels.kinds import ALL as KINDS
+    from lumen.kernels.layout import R
+    from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare_x, unpack_scratch
+    from lumen.kernels.policy import UNPACK_ROWS, UNPACK_ROWS_Q4, unpack_rows
+    from lumen.kernels.scratch import per_thread
+    from lumen.kernels.work import counters
+    raw, packed, W = weights[qtype]
+    N = max(UNPACK_ROWS, UNPACK_ROWS_Q4) + 3             # NR-row passes and 3 rows one at a time
+    assert unpack_rows(N, int(qtype))
+    x = np.random.default_rng(8).standard_normal((N, 512)).astype(np.float32)
+    x[5] *= 1e3
+    fmt = ACT_FORMAT[QT(qtype)]
+    acts = new_acts(N, 512, fmt)
+    prepare_x(acts, x, fmt)
+    th = numba.get_num_threads()
+    m = mat(packed)
+    outs = {}
+    for name, wbuf in (("unpacked", unpack_scratch(th, 512)), ("as it goes", unpack_scratch(th, 512, 1))):
+        out = np.full((N, 100), np.nan, np.float32)
+        matmul_kernel((out, out, out), (m, m, m), 1, acts, per_thread((th, R), np.float32), wbuf, counters(th),
+                      KINDS)
+        outs[name] = out
+    rows = np.empty((N, 100), np.float32)
+    for n in range(N):
+        matvec(rows[n:n + 1], x[n:n + 1], packed, qtype)
+    assert np.array_equal(outs["unpacked"], outs["as it goes"])
+    assert np.array_equal(outs["unpacked"], rows)
+    check(outs["unpacked"], x, W, qtype)
+
+
 @pytest.mark.parametrize("fmt", ["q8", "q8k"])
 def test_activation_rounding_parallel_equals_serial(fmt):
     """prepare_x spreads the rows of a large N over the threads (lumen.kernels.policy.parallel_quantize): every

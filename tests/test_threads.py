@@ -187,7 +187,7 @@ def _run_with(w: Packed, x, static: bool, per: int):
     from lumen.format.quants import ACT_FORMAT
     from lumen.kernels.kinds import ALL
     from lumen.kernels.layout import R
-    from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare_x
+    from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare_x, unpack_scratch
     from lumen.kernels.scratch import per_thread
     acts = new_acts(x.shape[0], w.n_in, ACT_FORMAT[QT(w.qtype)])
     prepare_x(acts, x, ACT_FORMAT[QT(w.qtype)])
@@ -196,7 +196,7 @@ def _run_with(w: Packed, x, static: bool, per: int):
     wk[1] = per
     out = np.zeros((x.shape[0], w.d_out), np.float32)
     m = mat(w)
-    matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, wk, ALL)
+    matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, unpack_scratch(MAX, w.n_in), wk, ALL)
     return out
 
 

@@ -127,6 +127,7 @@ class MMScratch(NamedTuple):
     xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
                                  # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
     facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
+    wbuf: np.ndarray             # (lanes, max_in / 32 * 2048) u8 per-thread unpacked tile (matmul_kernel)
     work: np.ndarray             # (8,) i8 the work counter of the matmul regions (lumen.kernels.work), own line
 
 
@@ -190,7 +191,7 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
         else:
             o, ws, k = (outs[r], outs[r], outs[r]), (ms[r], ms[r], ms[r]), np.int64(1)
         prepare_x(acts, x, fmts[r])
-        matmul_kernel(o, ws, k, acts, scr.facc, scr.work, w.kinds)
+        matmul_kernel(o, ws, k, acts, scr.facc, scr.wbuf, scr.work, w.kinds)
 
 
 @njit(cache=True, inline="always")

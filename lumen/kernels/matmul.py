@@ -20,6 +20,11 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   (the remaining N % 4 rows one at a time with the N = 1 kernel), while the tile is in cache; the next tile is
   prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
   in the N = 1 kernel, so the two paths agree bit for bit.
+- Prefill-sized N (lumen.kernels.policy.unpack_rows): each tile is first unpacked to one byte per column in the
+  worker's scratch (the Q8 family's layout), and the NR-row passes read that with the type's scales and zero
+  point (simd.tile_<type>_u): the same integer sums and float steps, so the same bits, with the unpacking done
+  once per tile instead of once per NR rows. pp512, the two paths alternated in one process: Gemma-3 (Q5_0,
+  Q6_K, Q4_K) 2785 -> 3198 t/s (1.15x), SmolLM2 (Q4_1) 2929 -> 2983 (1.02x); 2-vCPU AMD EPYC Zen 5, 2026-12-02.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once (`prepare_x`;
   from lumen.kernels.policy.PAR_QUANT_VALUES values on, the rows spread over the threads: at prefill's 256 rows
@@ -39,11 +44,11 @@ from numba import njit, prange
 from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
-from lumen.kernels.layout import F32, FORMAT, Q5, Q6, Q8, R, s_tile
+from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
 from lumen.kernels.kinds import ALL, sets, switch
-from lumen.kernels.policy import parallel_quantize
+from lumen.kernels.policy import UNPACK_ROWS, UNPACK_ROWS_Q4, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, quantize_block
+from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
 
 
@@ -315,6 +320,51 @@ _TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_
           int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
 
 
+# the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*)
+_TILES_U = {int(QT.Q4_0): "tile_q4_0_u", int(QT.Q4_1): "tile_q4_1_u", int(QT.Q4_K): "tile_q4_k_u",
+            int(QT.Q5_0): "tile_q5_0_u", int(QT.Q5_1): "tile_q5_1_u", int(QT.Q5_K): "tile_q5_k_u",
+            int(QT.Q6_K): "tile_q6_k_u", int(QT.Q8_0): "tile_q8_0_n"}
+UNPACKED_GROUP = GROUP_BYTES[Q8]                   # bytes per group of an unpacked tile
+
+
+def unpack_tile(kinds, w, t, wbuf, wo, G):
+    """wbuf.flat[wo : wo + G * UNPACKED_GROUP] = tile t of the matrix w (a Mat of a quantized type) unpacked to one
+    byte per column (lumen.kernels.simd.unpack_*). Compiled code only, see the overload."""
+    raise NotImplementedError("unpack_tile runs in compiled code only")
+
+
+@overload(unpack_tile, inline="always")
+def _unpack_tile(kinds, w, t, wbuf, wo, G):
+    import lumen.kernels.simd as simd
+    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
+    fn = switch(tuple((t, simd.UNPACK[FORMAT[QT(t)][0]]) for t in qts), 5)
+
+    def impl(kinds, w, t, wbuf, wo, G):
+        fn(w.qt, w.q, t * w.q.shape[1], wbuf, wo, G)
+    return impl
+
+
+def tile_rows_u(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
+    """tile_rows for NR rows, reading tile t's weights unpacked at wbuf.flat[wo:] (unpack_tile) and its scales from
+    w.s as they are: the same integer sums and float steps, so the same bits. Compiled code only."""
+    raise NotImplementedError("tile_rows_u runs in compiled code only")
+
+
+@overload(tile_rows_u, inline="always")
+def _tile_rows_u(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
+    import lumen.kernels.simd as simd
+    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
+    many = switch(tuple((t, getattr(simd, _TILES_U[t])) for t in qts), 19)
+
+    def impl(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
+        G = x.xd.shape[1]
+        so, ld = t * w.s.shape[1], dst.shape[1]
+        zero = np.int64(0)
+        many(w.qt, dst, r0 * ld + c0, ld, wbuf, wo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi,
+             2 * i * G, G, v0, zero, zero)
+    return impl
+
+
 def tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
     """dst[r0 + j, c0 : c0 + R] (j < nr, nr = 1 or NR) = tile t of the matrix w (a Mat of a quantized type) times
     activation rows i + j of x (Acts); for nr = NR only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1, prefetching
@@ -372,12 +422,15 @@ def tiles_1(out, w, x, facc, t0, t1, kinds):
 
 
 @njit(cache=True)
-def tiles(out, w, x, facc, t0, t1, kinds):
+def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W the Mat w (its tiles q and scale records
     s, or qf for the F32 family), x the Acts rounded by prepare_x. Per tile: the next tile prefetched, then each
     half tile over NR rows per pass, the rest (N % NR) one at a time; a last tile of fewer than R rows goes one
-    row at a time through facc (1, R) f32 (and so does every F32-family tile). Two call sites of the tile
-    dispatch (each is code for every type)."""
+    row at a time through facc (1, R) f32 (and so does every F32-family tile). From
+    lumen.kernels.policy.unpack_rows rows on (prefill), each tile is first unpacked to a byte per column into
+    wbuf.flat[wo:] (this worker's scratch, when it holds G * UNPACKED_GROUP bytes) and the passes read that
+    (tile_rows_u): the unpacking is then done once per tile instead of once per NR rows. Three call sites of the
+    tile dispatch (each is code for every type)."""
     N, d_out = out.shape
     if w.qf.shape[0] > 0:
         for t in range(t0, t1):
@@ -391,12 +444,23 @@ def tiles(out, w, x, facc, t0, t1, kinds):
         return tiles_1(out, w, x, facc, t0, t1, kinds)
     G = x.xd.shape[1]
     qb = w.q.shape[1]
+    sb = w.s.shape[1]
     nb = N - N % NR                                   # rows in passes of NR; the rest one at a time
+    pre = unpack_rows(N, w.qt) and wbuf.shape[1] >= G * UNPACKED_GROUP
     zero = np.int64(0)
     for t in range(t0, t1):
         full = (t + 1) * R <= d_out
         i0 = 0
-        if full and nb > 0:
+        if full and nb > 0 and pre:
+            if t + 1 < t1:                             # the next tile into L2 while this one is computed
+                prefetch_lines(w.q, (t + 1) * qb, qb)
+                prefetch_lines(w.s, (t + 1) * sb, sb)
+            unpack_tile(kinds, w, t, wbuf, wo, G)
+            for v0 in range(0, R // 16, NVP):
+                for i in range(0, nb, NR):
+                    tile_rows_u(kinds, out, np.int64(i), t * R, w, t, x, np.int64(i), np.int64(v0), wbuf, wo)
+            i0 = nb
+        elif full and nb > 0:
             # the next tile streams into L2 while this one is computed: each of the P passes prefetches its 1/P
             # share of it, spread over its groups (lumen.kernels.simd has the measurements)
             P = nb // NR * (R // 16 // NVP)
@@ -419,14 +483,15 @@ def tiles(out, w, x, facc, t0, t1, kinds):
 
 
 @njit(parallel=True, cache=True)
-def matmul_kernel(outs, ws, n, x, facc, work, kinds):
+def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
     """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) matrices of the 3-tuple ws (Mats), all over the same
     activations x (Acts), already rounded (`prepare_x`); an F32-family matrix runs alone (n = 1). One parallel
     region: the tiles of the n matrices, taken in order, are split into one contiguous share per worker, cut into
     work[1] chunks; a worker claims its own share's chunks from the front and, once it has none left, steals the
     others' from the back (lumen.kernels.work.claim) until none is left (`tiles`); work[0] = STATIC keeps each
-    worker to its own share (the old split, for measurements). facc (threads, R) f32: per-worker scratch
-    (lumen.kernels.scratch.per_thread). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for.
+    worker to its own share (the old split, for measurements). facc (threads, R) f32 and wbuf (threads, bytes) u8:
+    per-worker scratch (lumen.kernels.scratch.per_thread; wbuf holds a tile unpacked for prefill, `tiles`, and may
+    have 0 bytes: the passes then unpack as they go). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for.
     A tile's outputs are one worker's, computed the same way whichever worker it is, so the bits do not depend on
     the distribution (tests/test_threads.py); lumen/kernels/work.py has the measurements."""
     # (the region takes the Mats' fields as tuples: Numba's gufunc wrapper rejects a tuple of Mats)
@@ -456,8 +521,8 @@ def matmul_kernel(outs, ws, n, x, facc, work, kinds):
                     T = ss[m].shape[0]
                     a, b = max(a0, base), min(b0, base + T)
                     if a < b:
-                        tiles(outs[m], Mat(qts[m], qs[m], qfs[m], ss[m]), x, facc[ci:ci + 1], a - base, b - base,
-                              kinds)
+                        tiles(outs[m], Mat(qts[m], qs[m], qfs[m], ss[m]), x, facc[ci:ci + 1], wbuf,
+                              ci * wbuf.shape[1], a - base, b - base, kinds)
                     base += T
 
 
@@ -522,8 +587,16 @@ def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
     prepare_x(acts, x, fmt)
     facc = per_thread((numba.get_num_threads(), R), np.float32)
     m = mat(w)
-    matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, counters(facc.shape[0]), ALL)
+    matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, unpack_scratch(facc.shape[0], w.n_in, x.shape[0]),
+                  counters(facc.shape[0]), ALL)
     return out
+
+
+def unpack_scratch(threads: int, n_in: int, n_rows: int | None = None) -> np.ndarray:
+    """The matmul kernels' per-worker buffer for one unpacked tile of n_in columns (threads, bytes) u8; with
+    n_rows given, 0 bytes when that many rows never take the unpacked path (lumen.kernels.policy.unpack_rows)."""
+    need = n_rows is None or n_rows >= min(UNPACK_ROWS, UNPACK_ROWS_Q4)
+    return per_thread((threads, n_in // 32 * UNPACKED_GROUP if need else 0), np.uint8)
 
 
 def new_acts(N: int, n_in: int, fmt: int) -> Acts:

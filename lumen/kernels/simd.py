@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from ..format.quants import QT
 from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
                  splat, vload)
-from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
+from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 _features = llvm.get_host_cpu_features()
 # LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; lumen/__init__.py gives that build its
@@ -261,6 +261,46 @@ def _tiles_of(qt):
     return _make_tile(*FORMAT[qt], 1), _make_tile(*FORMAT[qt], NR)
 
 
+def _make_unpack(fam: int):
+    """unpack_<fam>(q, qo, dst, do, G): the G groups of one tile at q.flat[qo:] (family fam's layout) written out as
+    the Q8 family's layout, one unsigned byte per column (lumen.kernels.layout), at dst.flat[do : do + G * 2048]:
+    the quads _unpack makes in registers for the tile kernels, stored. The batched kernels of a type then run on
+    them as its `_u` kernel (below), with the same integer sums and float steps, so the same bits."""
+    gbytes = GROUP_BYTES[fam]
+    obytes = GROUP_BYTES[Q8]
+
+    def codegen(context, builder, sig, args):
+        q, qo, dst, do, G = args
+        qp = ptr(context, builder, sig.args[0], q, I8, qo)
+        dp = ptr(context, builder, sig.args[2], dst, I8, do)
+        with cgutils.for_range(builder, G) as loop:
+            g = loop.index
+            for v in range(ROWS // LANES):
+                wg = builder.gep(qp, [builder.add(builder.mul(g, i64(gbytes)), i64(v * LANES * 4))])
+                og = builder.gep(dp, [builder.add(builder.mul(g, i64(obytes)), i64(v * LANES * 4))])
+                for k in range(8):
+                    u = _unpack(builder, fam, wg, k)
+                    builder.store(u, builder.bitcast(builder.gep(og, [i64(k * ROWS * 4)]), VI.as_pointer()),
+                                  align=1)
+        return context.get_dummy_value()
+
+    def typer(typingctx, q, qo, dst, do, G):
+        return types.void(q, types.intp, dst, types.intp, types.intp), codegen
+    typer.__name__ = f"unpack_{fam}"
+    return intrinsic(typer)
+
+
+unpack_q4, unpack_q5, unpack_q6, unpack_q8 = (_make_unpack(f) for f in (Q4, Q5, Q6, Q8))
+UNPACK = {Q4: unpack_q4, Q5: unpack_q5, Q6: unpack_q6, Q8: unpack_q8}
+
+
+def _tile_u(qt):
+    """The NR-row tile kernel of GGML type qt reading a tile unpacked by unpack_<family> (the Q8 family's layout,
+    the type's scale record and zero point): the tile_<type>_n contract with q, qo the unpacked bytes."""
+    _, sc, z = FORMAT[qt]
+    return _make_tile(Q8, sc, z, NR)
+
+
 tile_q4_0_1, tile_q4_0_n = _tiles_of(QT.Q4_0)
 tile_q4_1_1, tile_q4_1_n = _tiles_of(QT.Q4_1)
 tile_q4_k_1, tile_q4_k_n = _tiles_of(QT.Q4_K)
@@ -269,6 +309,9 @@ tile_q5_1_1, tile_q5_1_n = _tiles_of(QT.Q5_1)
 tile_q5_k_1, tile_q5_k_n = _tiles_of(QT.Q5_K)
 tile_q6_k_1, tile_q6_k_n = _tiles_of(QT.Q6_K)
 tile_q8_0_1, tile_q8_0_n = _tiles_of(QT.Q8_0)
+# the batched kernels over unpacked tiles (Q8_0's own tile_q8_0_n reads its bytes as they are)
+tile_q4_0_u, tile_q4_1_u, tile_q4_k_u, tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (
+    _tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
 
 
 @intrinsic
