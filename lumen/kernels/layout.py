@@ -96,6 +96,23 @@ _K_TYPES = (int(QT.Q4_K), int(QT.Q5_K))
 _DM_TYPES = (int(QT.Q4_1), int(QT.Q5_1))
 _D_TYPES = (int(QT.Q4_0), int(QT.Q5_0), int(QT.Q8_0))
 _Q6_K = int(QT.Q6_K)
+_Q4_TYPES = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K))
+_Q5_TYPES = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K))
+_Q8_0 = int(QT.Q8_0)
+
+
+@njit(cache=True)
+def family(qt):
+    """The weight family (Q4 .. F32) of GGML type qt."""
+    if qt in _Q4_TYPES:
+        return Q4
+    if qt in _Q5_TYPES:
+        return Q5
+    if qt == _Q6_K:
+        return Q6
+    if qt == _Q8_0:
+        return Q8
+    return F32
 
 
 @njit(cache=True)

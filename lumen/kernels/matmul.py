@@ -20,10 +20,11 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   (the remaining N % 4 rows one at a time with the N = 1 kernel), while the tile is in cache; the next tile is
   prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
   in the N = 1 kernel, so the two paths agree bit for bit.
-- Prefill-sized N (lumen.kernels.policy.unpack_rows): each tile is first unpacked to one byte per column in the
-  worker's scratch (the Q8 family's layout), and the NR-row passes read that with the type's scales and zero
-  point (simd.tile_<type>_u): the same integer sums and float steps, so the same bits, with the unpacking done
-  once per tile instead of once per NR rows. pp512, the two paths alternated in one process: Gemma-3 (Q5_0,
+- Prefill-sized N, the Q5 and Q6 families (lumen.kernels.policy.unpack_rows): each tile is first unpacked to one
+  byte per column in the worker's scratch (the Q8 family's layout), and the NR-row passes read that with the
+  type's scales and zero point (simd.tile_<type>_u): the same integer sums and float steps, so the same bits,
+  with the unpacking (the fifth or the top two bits: 3-4 more operations per quad) done once per tile instead of
+  once per NR rows. pp512, the two paths alternated in one process: Gemma-3 (Q5_0,
   Q6_K, Q4_K) 2785 -> 3198 t/s (1.15x), SmolLM2 (Q4_1) 2929 -> 2983 (1.02x); 2-vCPU AMD EPYC Zen 5, 2026-12-02.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once (`prepare_x`;
@@ -44,9 +45,9 @@ from numba import njit, prange
 from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
-from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, s_tile
+from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
 from lumen.kernels.kinds import ALL, sets, switch
-from lumen.kernels.policy import UNPACK_ROWS, UNPACK_ROWS_Q4, parallel_quantize, unpack_rows
+from lumen.kernels.policy import UNPACK_ROWS, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
@@ -320,40 +321,47 @@ _TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_
           int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
 
 
-# the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*)
-_TILES_U = {int(QT.Q4_0): "tile_q4_0_u", int(QT.Q4_1): "tile_q4_1_u", int(QT.Q4_K): "tile_q4_k_u",
-            int(QT.Q5_0): "tile_q5_0_u", int(QT.Q5_1): "tile_q5_1_u", int(QT.Q5_K): "tile_q5_k_u",
-            int(QT.Q6_K): "tile_q6_k_u", int(QT.Q8_0): "tile_q8_0_n"}
+# the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*): the types
+# whose unpacking costs (lumen.kernels.policy.UNPACK_ROWS)
+_TILES_U = {int(QT.Q5_0): "tile_q5_0_u", int(QT.Q5_1): "tile_q5_1_u", int(QT.Q5_K): "tile_q5_k_u",
+            int(QT.Q6_K): "tile_q6_k_u"}
 UNPACKED_GROUP = GROUP_BYTES[Q8]                   # bytes per group of an unpacked tile
 
 
 def unpack_tile(kinds, w, t, wbuf, wo, G):
-    """wbuf.flat[wo : wo + G * UNPACKED_GROUP] = tile t of the matrix w (a Mat of a quantized type) unpacked to one
-    byte per column (lumen.kernels.simd.unpack_*). Compiled code only, see the overload."""
+    """wbuf.flat[wo : wo + G * UNPACKED_GROUP] = tile t of the matrix w (a Mat of a type of _TILES_U) unpacked to
+    one byte per column (lumen.kernels.simd.unpack_*). Compiled code only, see the overload."""
     raise NotImplementedError("unpack_tile runs in compiled code only")
 
 
 @overload(unpack_tile, inline="always")
 def _unpack_tile(kinds, w, t, wbuf, wo, G):
+    """Built for the families of the kinds' types of _TILES_U only; none: nothing (the caller never takes this
+    path)."""
     import lumen.kernels.simd as simd
-    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
-    fn = switch(tuple((t, simd.UNPACK[FORMAT[QT(t)][0]]) for t in qts), 5)
+    fams = sorted({FORMAT[QT(t)][0] for t in sets(kinds)[0] if t in _TILES_U})
+    if not fams:
+        return lambda kinds, w, t, wbuf, wo, G: None
+    fn = switch(tuple((f, simd.UNPACK[f]) for f in fams), 5)          # one unpacker per family
 
     def impl(kinds, w, t, wbuf, wo, G):
-        fn(w.qt, w.q, t * w.q.shape[1], wbuf, wo, G)
+        fn(family(w.qt), w.q, t * w.q.shape[1], wbuf, wo, G)
     return impl
 
 
 def tile_rows_u(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
-    """tile_rows for NR rows, reading tile t's weights unpacked at wbuf.flat[wo:] (unpack_tile) and its scales from
-    w.s as they are: the same integer sums and float steps, so the same bits. Compiled code only."""
+    """tile_rows for NR rows of a type of _TILES_U, reading tile t's weights unpacked at wbuf.flat[wo:]
+    (unpack_tile) and its scales from w.s as they are: the same integer sums and float steps, so the same bits.
+    Compiled code only."""
     raise NotImplementedError("tile_rows_u runs in compiled code only")
 
 
 @overload(tile_rows_u, inline="always")
 def _tile_rows_u(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
     import lumen.kernels.simd as simd
-    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
+    qts = [t for t in sets(kinds)[0] if t in _TILES_U]
+    if not qts:
+        return lambda kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo: None
     many = switch(tuple((t, getattr(simd, _TILES_U[t])) for t in qts), 19)
 
     def impl(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
@@ -595,7 +603,7 @@ def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
 def unpack_scratch(threads: int, n_in: int, n_rows: int | None = None) -> np.ndarray:
     """The matmul kernels' per-worker buffer for one unpacked tile of n_in columns (threads, bytes) u8; with
     n_rows given, 0 bytes when that many rows never take the unpacked path (lumen.kernels.policy.unpack_rows)."""
-    need = n_rows is None or n_rows >= min(UNPACK_ROWS, UNPACK_ROWS_Q4)
+    need = n_rows is None or n_rows >= UNPACK_ROWS
     return per_thread((threads, n_in // 32 * UNPACKED_GROUP if need else 0), np.uint8)
 
 

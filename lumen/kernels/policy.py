@@ -22,16 +22,15 @@ PAR_ROWS = 8
 # 3.7 / 3.5, 16 rows 7.0 / 5.4, 256 rows 111 / 79-100.
 PAR_QUANT_VALUES = 16384
 
-# From this many rows a matmul unpacks each weight tile once into a byte per column and runs its passes on that
-# (lumen.kernels.matmul.tiles); below, each pass of NR rows unpacks as it goes. The Q4 family's unpacking is the
-# cheapest (an and, a shift), so it pays later. Measured on a 2-vCPU AMD EPYC (Zen 5), one thread, a 512 x 2048
-# matrix in cache, the two paths alternated 9 times in one process (medians), unpacked first against as it goes:
-# N = 64 / 128 / 256: Q4_0 0.89 / 0.96 / 1.00x, Q4_1 0.90 / 1.00 / 1.12x, Q4_K 0.90 / 1.03 / 1.02x, Q5_0 1.00 /
-# 1.13 / 1.15x, Q6_K 1.15 / 1.35 / 1.44x, Q8_0 (a copy, read back from the worker's own buffer) 1.02 / 1.11 /
-# 1.23x.
+# From this many rows a matmul of the Q5 or Q6 family (Q5_0, Q5_1, Q5_K, Q6_K) unpacks each weight tile once into
+# a byte per column and runs its passes on that (lumen.kernels.matmul.tiles); below, and for the other families,
+# each pass of NR rows unpacks as it goes. Measured on a 2-vCPU AMD EPYC (Zen 5), one thread, a 512 x 2048 matrix
+# in cache, the two paths alternated 9 times in one process (medians), unpacked first against as it goes, at
+# N = 64 / 128 / 256: Q5_0 1.00 / 1.13 / 1.15x, Q6_K 1.15 / 1.35 / 1.44x; Q4_0 0.89 / 0.96 / 1.00x, Q4_1 0.90 /
+# 1.00 / 1.12x, Q4_K 0.90 / 1.03 / 1.02x (an and and a shift unpack them: not worth the compile time of more
+# kernels; SmolLM2's Q4_1 pp512 read 1.02x, within noise).
 UNPACK_ROWS = 64
-UNPACK_ROWS_Q4 = 256
-_Q4 = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K))
+_UNPACKED = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K))
 
 # A lone decode token spreads its attention chunks over the threads (split-K) once it has more than one chunk.
 SPLIT_K_MIN_KEYS = CHUNK + 1
@@ -58,4 +57,4 @@ def parallel_quantize(n_rows, n_in):
 @njit(cache=True, inline="always")
 def unpack_rows(n_rows, qt):
     """Whether a matmul of n_rows activation rows by a matrix of GGML type qt unpacks each tile once first."""
-    return n_rows >= (UNPACK_ROWS_Q4 if qt in _Q4 else UNPACK_ROWS)
+    return n_rows >= UNPACK_ROWS and qt in _UNPACKED

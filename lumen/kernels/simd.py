@@ -290,8 +290,8 @@ def _make_unpack(fam: int):
     return intrinsic(typer)
 
 
-unpack_q4, unpack_q5, unpack_q6, unpack_q8 = (_make_unpack(f) for f in (Q4, Q5, Q6, Q8))
-UNPACK = {Q4: unpack_q4, Q5: unpack_q5, Q6: unpack_q6, Q8: unpack_q8}
+unpack_q5, unpack_q6 = _make_unpack(Q5), _make_unpack(Q6)
+UNPACK = {Q5: unpack_q5, Q6: unpack_q6}
 
 
 def _tile_u(qt):
@@ -309,9 +309,8 @@ tile_q5_1_1, tile_q5_1_n = _tiles_of(QT.Q5_1)
 tile_q5_k_1, tile_q5_k_n = _tiles_of(QT.Q5_K)
 tile_q6_k_1, tile_q6_k_n = _tiles_of(QT.Q6_K)
 tile_q8_0_1, tile_q8_0_n = _tiles_of(QT.Q8_0)
-# the batched kernels over unpacked tiles (Q8_0's own tile_q8_0_n reads its bytes as they are)
-tile_q4_0_u, tile_q4_1_u, tile_q4_k_u, tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (
-    _tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
+# (the Q5 and Q6 families only: their unpacking is what costs; lumen.kernels.policy.UNPACK_ROWS has the figures)
+tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (_tile_u(qt) for qt in (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
 
 
 @intrinsic
