@@ -301,23 +301,39 @@ def test_bad_inputs_raise(weights):
         prepare(np.zeros((4, 10), np.uint8), QT.Q4_1)   # half a block
 
 
+PORTABLE_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K)
+PORTABLE_ROWS = (3, 1, 67)                # NR-row passes; the decode kernel; Q5_0 / Q6_K: tiles unpacked first
+
 PORTABLE_SCRIPT = r"""
 import sys, numpy as np
+import numba
 import lumen.kernels.simd as simd
 assert not simd.VNNI
-from lumen.kernels.matmul import matmul_batched, matvec, prepare
+from lumen.format.quants import ACT_FORMAT
+from lumen.kernels.kinds import kinds
+from lumen.kernels.layout import R
+from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
+from lumen.kernels.scratch import per_thread
+from lumen.kernels.work import counters
 sys.path.insert(0, sys.argv[1])
-from test_matmul import make_weight
-from lumen.format.quants import QT
+from test_matmul import PORTABLE_ROWS, PORTABLE_TYPES, make_weight
+# compiled for the tested types only (an all-types build compiles every type's portable kernels: slow)
+KINDS = kinds(mats=PORTABLE_TYPES, embd=(), acts=())
+th = numba.get_num_threads()
 rng = np.random.default_rng(7)
 out = {}
-for qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
+for qt in PORTABLE_TYPES:
     raw = make_weight(qt, 80, 512, rng)
-    x = rng.standard_normal((3, 512)).astype(np.float32)
     p = prepare(raw, qt)
-    o3 = np.zeros((3, 80), np.float32); o1 = np.zeros((1, 80), np.float32)
-    matmul_batched(o3, x, p, qt); matvec(o1, x[:1], p, qt)
-    out[qt.name] = np.concatenate([o3, o1])
+    for n in PORTABLE_ROWS:
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        acts = new_acts(n, 512, ACT_FORMAT[qt])
+        prepare_x(acts, x, ACT_FORMAT[qt])
+        o = np.zeros((n, 80), np.float32)
+        m = mat(p)
+        matmul_kernel((o, o, o), (m, m, m), 1, acts, per_thread((th, R), np.float32), unpack_scratch(th, 512),
+                      counters(th), KINDS)
+        out[f"{qt.name}_{n}"] = o
 np.savez(sys.argv[2], **out)
 """
 
@@ -325,7 +341,8 @@ np.savez(sys.argv[2], **out)
 @pytest.mark.slow
 def test_portable_ir_gives_the_same_bits(tmp_path):
     """Without AVX512-VNNI (forced by LUMEN_NO_VNNI=1, own Numba cache) the tile kernels compile to portable
-    vector IR; the integer sums, and so every output bit, must equal the vpdpbusd path's."""
+    vector IR; the integer sums, and so every output bit, must equal the vpdpbusd path's: the decode kernel, the
+    NR-row passes and (Q5_0, Q6_K at 67 rows) the passes over tiles unpacked first."""
     import os
     import subprocess
     import sys
@@ -337,13 +354,12 @@ def test_portable_ir_gives_the_same_bits(tmp_path):
                    check=True, timeout=600)
     got = np.load(res)
     rng = np.random.default_rng(7)
-    for qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
+    for qt in PORTABLE_TYPES:
         raw = make_weight(qt, 80, 512, rng)
-        x = rng.standard_normal((3, 512)).astype(np.float32)
         p = prepare(raw, qt)
-        o3 = np.zeros((3, 80), np.float32)
-        o1 = np.zeros((1, 80), np.float32)
-        matmul_batched(o3, x, p, qt)
-        matvec(o1, x[:1], p, qt)
-        assert np.array_equal(got[qt.name], np.concatenate([o3, o1])), (qt.name, simd.VNNI)
-        check(o3, x, dequantize_ref(raw, qt, (80, 512)).astype(np.float64), qt)
+        for n in PORTABLE_ROWS:
+            x = rng.standard_normal((n, 512)).astype(np.float32)
+            o = np.zeros((n, 80), np.float32)
+            matmul(o, x, p, qt)
+            assert np.array_equal(got[f"{qt.name}_{n}"], o), (qt.name, n, simd.VNNI)
+            check(o, x, dequantize_ref(raw, qt, (80, 512)).astype(np.float64), qt)
