@@ -92,41 +92,21 @@ def s_tile(sc, G):
     return 0
 
 
-_K_TYPES = (int(QT.Q4_K), int(QT.Q5_K))
-_DM_TYPES = (int(QT.Q4_1), int(QT.Q5_1))
-_D_TYPES = (int(QT.Q4_0), int(QT.Q5_0), int(QT.Q8_0))
-_Q6_K = int(QT.Q6_K)
-_Q4_TYPES = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K))
-_Q5_TYPES = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K))
-_Q8_0 = int(QT.Q8_0)
+# qt -> (family, scale format), as an array the compiled code indexes (types outside FORMAT: F32, SC_NONE)
+_BY_QT = np.array([FORMAT[QT(q)][:2] if any(int(t) == q for t in FORMAT) else (F32, SC_NONE)
+                   for q in range(max(int(t) for t in FORMAT) + 1)], np.int64)
 
 
 @njit(cache=True)
 def family(qt):
     """The weight family (Q4 .. F32) of GGML type qt."""
-    if qt in _Q4_TYPES:
-        return Q4
-    if qt in _Q5_TYPES:
-        return Q5
-    if qt == _Q6_K:
-        return Q6
-    if qt == _Q8_0:
-        return Q8
-    return F32
+    return _BY_QT[qt, 0] if 0 <= qt < _BY_QT.shape[0] else F32
 
 
 @njit(cache=True)
 def scale_format(qt):
     """The scale format (SC_*) of GGML type qt."""
-    if qt in _D_TYPES:
-        return SC_D
-    if qt in _DM_TYPES:
-        return SC_DM
-    if qt in _K_TYPES:
-        return SC_K
-    if qt == _Q6_K:
-        return SC_K6
-    return SC_NONE
+    return _BY_QT[qt, 1] if 0 <= qt < _BY_QT.shape[0] else SC_NONE
 
 
 @njit(cache=True)
