@@ -48,7 +48,7 @@ from numba.extending import overload
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
 from lumen.kernels.kinds import ALL, sets, switch
-from lumen.kernels.policy import UNPACK_ROWS, parallel_quantize, unpack_rows
+from lumen.kernels.policy import UNPACK_ROWS, UNPACKED, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
@@ -322,10 +322,9 @@ _TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_
           int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
 
 
-# the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*): the types
-# whose unpacking costs (lumen.kernels.policy.UNPACK_ROWS)
-_TILES_U = {int(QT.Q5_0): "tile_q5_0_u", int(QT.Q5_1): "tile_q5_1_u", int(QT.Q5_K): "tile_q5_k_u",
-            int(QT.Q6_K): "tile_q6_k_u"}
+# the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*), for the
+# types lumen.kernels.policy.unpack_rows names
+_TILES_U = {t: f"tile_{QT(t).name.lower()}_u" for t in UNPACKED}
 UNPACKED_GROUP = GROUP_BYTES[Q8]                   # bytes per group of an unpacked tile
 
 

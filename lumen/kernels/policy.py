@@ -30,7 +30,7 @@ PAR_QUANT_VALUES = 16384
 # 1.00 / 1.12x, Q4_K 0.90 / 1.03 / 1.02x (an and and a shift unpack them: not worth the compile time of more
 # kernels; SmolLM2's Q4_1 pp512 read 1.02x, within noise).
 UNPACK_ROWS = 64
-_UNPACKED = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K))
+UNPACKED = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K))
 
 # A lone decode token spreads its attention chunks over the threads (split-K) once it has more than one chunk.
 SPLIT_K_MIN_KEYS = CHUNK + 1
@@ -57,4 +57,4 @@ def parallel_quantize(n_rows, n_in):
 @njit(cache=True, inline="always")
 def unpack_rows(n_rows, qt):
     """Whether a matmul of n_rows activation rows by a matrix of GGML type qt unpacks each tile once first."""
-    return n_rows >= UNPACK_ROWS and qt in _UNPACKED
+    return n_rows >= UNPACK_ROWS and qt in UNPACKED

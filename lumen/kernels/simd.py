@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from ..format.quants import QT
 from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
                  splat, vload)
-from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
+from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 _features = llvm.get_host_cpu_features()
 # LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; lumen/__init__.py gives that build its
