@@ -30,7 +30,7 @@ from ..kernels.attention import AttnScratch, Paged, attention_kernel, attention_
 from ..kernels.dequant import dequant_row
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
 from ..kernels.matmul import Acts, Mat, matmul_kernel, prepare_x
-from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_kernel, rmsnorm_kernel_par
+from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_heads_kernel_par, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_kernel, rope_kernel_par
 from ..timer import ticks
@@ -216,6 +216,15 @@ def _rmsnorm(out, x, w, eps, par):
 
 
 @njit(cache=True)
+def _rmsnorm_heads(x, w, eps, par):
+    """x (N, heads, head_dim) normed per head in place (gemma3's q/k norms)."""
+    if par:
+        rmsnorm_heads_kernel_par(x, x, w, eps)
+    else:
+        rmsnorm_heads_kernel(x, x, w, eps)
+
+
+@njit(cache=True)
 def _add(x, y, par):
     if par:
         add_kernel_par(x, y)
@@ -283,8 +292,8 @@ def forward(arch, w, kv, batch, scr, logits, prof):
             _add_bias(v, _vec(w, w.attn_v_bias, il))
         _mark(times, prof, lb + Op.qkv)
         if arch.qk_norm:
-            rmsnorm_heads_kernel(q3, q3, _vec(w, w.attn_q_norm, il), eps)
-            rmsnorm_heads_kernel(k3, k3, _vec(w, w.attn_k_norm, il), eps)
+            _rmsnorm_heads(q3, _vec(w, w.attn_q_norm, il), eps, par)
+            _rmsnorm_heads(k3, _vec(w, w.attn_k_norm, il), eps, par)
         _mark(times, prof, lb + Op.qk_norm)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         if par:
