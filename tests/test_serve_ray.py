@@ -144,6 +144,40 @@ def test_refusals_and_outputs_cross_the_wire():
     assert back[-1].logprobs == outs[-1].logprobs and back[-1].metrics.prompt_tokens == 3
 
 
+def _bare_router():
+    """A LumenRouter with its state and none of Ray's (its hooks take ids and requests as plain objects)."""
+    from types import SimpleNamespace
+    from lumen.serve.ray.router import LumenRouter
+    r = LumenRouter.__new__(LumenRouter)
+    r._deployment_id = SimpleNamespace(name="test-bare-router")
+    r.initialize_state()
+    return r
+
+
+def test_router_in_flight_count_in_either_order_of_ray_s_reports():
+    """Ray registers a request's completion callback before it reports the request routed, so a one-token request
+    can complete first; a rejected attempt completes without being routed there. In every order the router's
+    in-flight count goes back to 0 and each routed request's decision is counted once."""
+    from types import SimpleNamespace
+    r = _bare_router()
+    a, b = SimpleNamespace(unique_id="A"), SimpleNamespace(unique_id="B")
+
+    def req(key):
+        return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=key), args=[[list(range(40))]])
+    r.on_request_routed(req("1"), a, None)                 # routed, then completed
+    assert r.inflight["A"] == 1
+    r.on_request_completed(a, "1")
+    r.on_request_completed(b, "2")                         # completed first, then routed
+    r.on_request_routed(req("2"), b, None)
+    r.on_request_completed(a, "3")                         # rejected by A; routed to B and completed there
+    r.on_request_routed(req("3"), b, None)
+    assert r.inflight["B"] == 1
+    r.on_request_completed(b, "3")
+    assert r.inflight == {"A": 0, "B": 0}, r.inflight
+    assert r.routed == {"A": 1, "B": 2} and sum(r.decisions.values()) == 3
+    assert not r._running and not r._names and list(r._done_first) == [("3", "A")]   # until its TTL
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the same API as one process
 

@@ -114,6 +114,9 @@ class LumenRouter(RequestRouter):
         self._names: dict[str, list[bytes]] = {}      # internal request id -> its prompt's block names
         self._chosen: dict[str, tuple] = {}           # internal request id -> (preferred replica, decision,
         #                                               blocks expected cached there, when chosen)
+        self._running: dict[str, str] = {}            # internal request id -> the replica it counts in flight on
+        self._done_first: dict[tuple, tuple] = {}     # (request id, replica) -> (when, its _chosen entry):
+        #                                               completed before it was reported routed
         import lumen.serve.ray.metrics                # imported, not copied with this module: shared
         lumen.serve.ray.metrics.ROUTERS[self._deployment_id.name] = self
 
@@ -159,31 +162,51 @@ class LumenRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = replica_id.unique_id
+        key = pending_request.metadata.internal_request_id
         names = self._request_names(pending_request)
         with self.lock:
-            first, decision, matched, _ = self._chosen.pop(pending_request.metadata.internal_request_id,
-                                                           (None, "unrouted", 0, 0.0))
+            done = self._done_first.pop((key, rid), None)
+            chosen = self._chosen.pop(key, None) or (done[1] if done else None)
+            first, decision, matched, _ = chosen or (None, "unrouted", 0, 0.0)
             if first is not None and first != rid:  # the preferred replica was full: Ray took the next
                 decision, matched = "overloaded", 0
-            self.inflight[rid] += 1
             self.routed[rid] += 1
             self.index.add(rid, names)
             self.decisions[decision] += 1
             self.matched_blocks += matched
+            if done is None:
+                self.inflight[rid] += 1
+                self._running[key] = rid
+            else:                                   # it has completed already: in flight no more
+                self.index.completed(rid, names, time.time())
+                self._names.pop(key, None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Ray registers the completion callback before it reports the request routed (it awaits the replica's
+        accept in between), so a short request can complete first: it is then remembered, and its routed report
+        does not count it in flight (before, the count stayed at 1 for good: seen in a full test run). A replica's
+        rejection completes an attempt that is never routed there: remembered as long as a chosen request is."""
         with self.lock:
-            rid = replica_id.unique_id
-            self.index.completed(rid, self._names.pop(internal_request_id, []), time.time())
-            self._chosen.pop(internal_request_id, None)
-            if self.inflight[rid] > 0:
-                self.inflight[rid] -= 1
+            rid, key, now = replica_id.unique_id, internal_request_id, time.time()
+            if self._running.get(key) == rid:
+                del self._running[key]
+                self.inflight[rid] = max(0, self.inflight[rid] - 1)
+                self.index.completed(rid, self._names.pop(key, []), now)
+                self._chosen.pop(key, None)
+                return
+            self._done_first[(key, rid)] = (now, self._chosen.pop(key, None))   # for the routed report, if any
+            self._names.pop(key, None)              # (recomputed if a retry or that report asks)
+            for k in [k for k, v in self._done_first.items() if now - v[0] > CHOSEN_TTL_S]:
+                del self._done_first[k]
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         with self.lock:
-            self.index.drop(replica_id.unique_id)
-            self.inflight.pop(replica_id.unique_id, None)
+            rid = replica_id.unique_id
+            self.index.drop(rid)
+            self.inflight.pop(rid, None)
+            for key in [k for k, r in self._running.items() if r == rid]:
+                del self._running[key]
 
     # ----
     def _request_names(self, pr: PendingRequest) -> list[bytes]:
