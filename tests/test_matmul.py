@@ -17,6 +17,7 @@ import pytest
 
 from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
+from lumen.kernels.policy import UNPACKED
 from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
 
 ALL = sorted(SUPPORTED, key=int)
@@ -130,7 +131,7 @@ def test_odd_float_width():
             check(out, x, W, qtype)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT(t) for t in UNPACKED], ids=lambda t: t.name)
 def test_unpacked_tiles_give_the_same_bits(weights, qtype):
     """From lumen.kernels.policy.unpack_rows's rows on, a matmul unpacks each tile once and its passes read the bytes
     (prefill); below, each pass unpacks as it goes, and one row runs the decode kernel. A row's bits must be the

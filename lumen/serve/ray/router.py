@@ -190,7 +190,7 @@ class LumenRouter(RequestRouter):
             rid, key, now = replica_id.unique_id, internal_request_id, time.time()
             if self._running.get(key) == rid:
                 del self._running[key]
-                self.inflight[rid] = max(0, self.inflight[rid] - 1)
+                self.inflight[rid] -= 1                 # counted by on_request_routed (_running says so)
                 self.index.completed(rid, self._names.pop(key, []), now)
                 self._chosen.pop(key, None)
                 return
