@@ -250,3 +250,43 @@ def test_corunner_flag_parsing_and_ratios():
               "busy": {("tg", "Lumen"): [50.0, 50.0, 90.0]}}
     (row,) = ratio_rows(values, ["busy"])
     assert row["ratio"] == pytest.approx(0.5) and row["median"] == 50.0 and row["idle_median"] == 100.0
+
+
+# ---- the threading layer and Numba's cache (lumen/kernels/__init__.py)
+
+CALLEE_FROM_CACHE = '''
+import numpy as np
+from numba import njit, prange
+
+
+@njit(parallel=True, cache=True)
+def par(x):
+    for i in prange(x.shape[0]):
+        x[i] = 2 * x[i] + 1
+
+
+@njit(cache=True)
+def caller(x):
+    par(x)
+    return x.sum()
+'''
+
+
+def test_a_caller_compiled_beside_a_cached_parallel_callee_runs_in_a_new_process(tmp_path):
+    """Numba 0.68 records "launch the threading layer on load" in a function's cache entry only when the parallel
+    callee it links was compiled in the same process. Process 1 compiles and caches the callee; process 2 loads
+    it from the cache and compiles the caller, whose entry then lacks the record; process 3 loads the caller and
+    calls it. Without lumen.kernels launching the layer at import, process 3 dies with SIGSEGV."""
+    import subprocess
+    import sys
+    (tmp_path / "cachedpar.py").write_text(CALLEE_FROM_CACHE)
+    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(tmp_path)}
+    steps = ("import numpy as np, cachedpar; cachedpar.par(np.zeros(8))",
+             "import numpy as np, cachedpar; cachedpar.par(np.zeros(8)); print(cachedpar.caller(np.zeros(8)))",
+             "import lumen.kernels, numpy as np, cachedpar; print(cachedpar.caller(np.arange(8.0)))")
+    out = []
+    for code in steps:
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{code!r} exited with {r.returncode}: {r.stderr[-2000:]}"
+        out.append(r.stdout.strip())
+    assert out[1:] == ["8.0", "64.0"]
