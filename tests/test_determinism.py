@@ -102,14 +102,14 @@ def test_prefill_chunk_sizes_and_decode_at_every_context_length(run):
     for n_batch in (1, 7, 100):
         chunked = lumen.load(m.path, ctx=1024, threads=2, n_batch=n_batch).logits(ids)
         bad = np.flatnonzero((chunked != full).any(1))
+        del chunked                     # Gemma's 600 rows are 629 MB: not two of them at once
         assert bad.size == 0, f"n_batch {n_batch}: rows {bad[:10]} differ"
     m.reset()
     k = 37
     head = m.prefill(ids[:k], all_logits=True)
-    rows = [m.decode(t).copy() for t in ids[k:]]
     np.testing.assert_array_equal(head, full[:k])
-    bad = np.flatnonzero((np.stack(rows) != full[k:]).any(1))
-    assert bad.size == 0, f"decode rows at positions {bad[:10] + k} differ from prefill"
+    bad = [k + i for i, t in enumerate(ids[k:]) if not np.array_equal(m.decode(t), full[k + i])]
+    assert not bad, f"decode rows at positions {bad[:10]} differ from prefill"
 
 
 @pytest.mark.slow
