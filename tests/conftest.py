@@ -12,9 +12,20 @@ is one (so tests do not measure this machine again). A test that needs another h
 links from `new_home`.
 
 Every module ends with a garbage collection: a model kept alive by a reference cycle would otherwise stay until
-Python's collector happens to run, which large numpy buffers do not trigger."""
+Python's collector happens to run, which large numpy buffers do not trigger.
+
+The suite runs on 2 pytest-xdist workers, a test file to a worker (pyproject.toml's addopts: `-n 2 --dist
+loadfile`); `-p no:xdist` or `-n 0` runs it in one process. A worker takes the next file when it finishes one, so
+the files that take longest go first (`pytest_collection_modifyitems`), and the run does not end waiting on one of
+them. On an empty Numba cache, two workers that reach the models at once would each compile the same kernels (it
+took 1205 s of CPU against 937 s): so the controller compiles them once, in a subprocess started beside the workers
+(`pytest_sessionstart`), and a test that runs the models first waits for it; the tests that do not (COMPILE_FREE)
+go first and run meanwhile."""
+import fcntl
 import gc
+import os
 import shutil
+import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +139,84 @@ def model_name(request) -> str:
 @pytest.fixture(scope="session")
 def model_path(model_name, test_home) -> Path:
     return _REAL[model_name]
+
+
+
+
+# ---- the order of the files, and one warm-up compile beside the xdist workers (module docstring)
+
+# Seconds per test file in a fresh-clone run (serial, empty Numba cache; 2-vCPU AMD EPYC, 2026-12-03). A file not
+# listed counts as quick; a stale figure only makes the two workers finish less evenly.
+FILE_SECONDS = {"test_determinism.py": 147, "test_notebook.py": 110, "test_matmul.py": 73, "test_cli.py": 65,
+                "test_speculative.py": 57, "test_pack_cache.py": 57, "test_bench.py": 56, "test_fuzz.py": 48,
+                "test_model.py": 45, "test_engine.py": 35, "test_serve_ray.py": 34, "test_fidelity.py": 34,
+                "test_serve_load.py": 28, "test_gguf.py": 19, "test_ui.py": 19}
+# Tests that do not run the models' forward pass (parsing, tokenizers, grammars, small kernels; a whole file, or
+# file::test): they do not wait for the warm-up. The fresh-compile test compiles into a cache of its own.
+COMPILE_FREE = {"test_fuzz.py", "test_gguf.py", "test_tokenizer.py", "test_structured.py", "test_sampler.py",
+                "test_chat.py", "test_scheduling.py", "test_help.py", "test_home.py", "test_models.py",
+                "test_layers.py", "test_serve_handlers.py", "test_structured_serve.py", "test_kernels.py",
+                "test_quants.py", "test_threads.py", "test_profiler.py",
+                "test_determinism.py::test_fresh_compile_cache_load_and_threads_give_the_same_bits"}
+WARM_UP = """
+import lumen
+from lumen import Engine, SamplingParams
+for name in ("smollm2-135m", "gemma3-270m"):       # fetched here on first use, as test_home would
+    engine = Engine(lumen.load(name, ctx=256, threads=2), max_num_seqs=2, max_num_batched_tokens=64, kv_cache_mb=8)
+    engine.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
+"""
+WARM_LOCK = "LUMEN_TESTS_WARM_LOCK"     # the lock file's path, from the controller to its workers
+_warm: list = []                        # the controller: its warm-up process; a worker: True once it waited
+
+
+def _compile_free(item) -> bool:
+    return item.path.name in COMPILE_FREE or f"{item.path.name}::{item.originalname}" in COMPILE_FREE
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files whose first test is compile-free first (so the workers start on them while the warm-up compiles),
+    longest first within each part; the order within a file stays."""
+    first = {}
+    for item in items:
+        first.setdefault(item.path, _compile_free(item))
+    items.sort(key=lambda item: (not first[item.path], -FILE_SECONDS.get(item.path.name, 0)))
+
+
+@pytest.hookimpl(tryfirst=True)         # before xdist starts the workers, so that they inherit WARM_LOCK
+def pytest_sessionstart(session):
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0) or os.environ.get(WARM_LOCK):
+        return
+    fd, path = tempfile.mkstemp(prefix="lumen-tests-warm-", suffix=".lock")
+    fcntl.flock(fd, fcntl.LOCK_EX)      # held by the subprocess, which shares the open file, until it exits
+    _warm.append(subprocess.Popen([sys.executable, "-c", WARM_UP], pass_fds=(fd,), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL))
+    os.close(fd)
+    os.environ[WARM_LOCK] = path
+
+
+def pytest_runtest_setup(item):
+    if _warm or _compile_free(item) or not os.environ.get(WARM_LOCK):
+        return
+    fd = os.open(os.environ[WARM_LOCK], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # returns when the warm-up has ended (a failed one too: the tests compile)
+    finally:
+        os.close(fd)
+    _warm.append(True)
+
+
+def pytest_sessionfinish(session):
+    for p in _warm:
+        if isinstance(p, subprocess.Popen):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            os.unlink(os.environ.pop(WARM_LOCK))
+
+
+def pytest_cmdline_main(config):
+    """The benchmark gates (tests/benchmarks, LUMEN_BENCH=1 or LUMEN_BENCH_SMOKE=1) time kernels: they run in this
+    one process, with no xdist worker beside them."""
+    if "1" in (os.environ.get("LUMEN_BENCH"), os.environ.get("LUMEN_BENCH_SMOKE")):
+        config.option.numprocesses = 0
