@@ -15,12 +15,11 @@ Every module ends with a garbage collection: a model kept alive by a reference c
 Python's collector happens to run, which large numpy buffers do not trigger.
 
 The suite runs on 2 pytest-xdist workers, a test file to a worker (pyproject.toml's addopts: `-n 2 --dist
-loadfile`); `-p no:xdist` or `-n 0` runs it in one process. A worker takes the next file when it finishes one, so
-the files that take longest go first (`pytest_collection_modifyitems`), and the run does not end waiting on one of
-them. On an empty Numba cache, two workers that reach the models at once would each compile the same kernels (it
-took 1205 s of CPU against 937 s): so the controller compiles them once, in a subprocess started beside the workers
-(`pytest_sessionstart`), and a test that runs the models first waits for it; the tests that do not (COMPILE_FREE)
-go first and run meanwhile."""
+loadfile`); `-n 0` runs it in one process. A worker takes the next file when it finishes one, so the files that take
+longest go first (`pytest_collection_modifyitems`), and the run does not end waiting on one of them. On an empty
+Numba cache, two workers that reach the models at once would each compile the same kernels (1205 s of CPU against
+937 s): so the controller compiles them once, in a subprocess started beside the workers (`pytest_sessionstart`),
+and a test that runs the models first waits for it; the tests that do not (COMPILE_FREE) go first, meanwhile."""
 import fcntl
 import gc
 import os
