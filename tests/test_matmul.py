@@ -141,12 +141,12 @@ def test_unpacked_tiles_give_the_same_bits(weights, qtype):
     from lumen.kernels.kinds import ALL as KINDS
     from lumen.kernels.layout import R
     from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare_x, unpack_scratch
-    from lumen.kernels.policy import UNPACK_ROWS, unpack_rows
+    from lumen.kernels.policy import unpack_min_rows, unpack_rows
     from lumen.kernels.scratch import per_thread
     from lumen.kernels.work import counters
     raw, packed, W = weights[qtype]
-    N = UNPACK_ROWS + 3                                   # NR-row passes and 3 rows one at a time
-    assert unpack_rows(N, int(qtype))
+    N = unpack_min_rows(int(qtype)) + 3                   # NR-row passes and 3 rows one at a time
+    assert unpack_rows(N, int(qtype)) and not unpack_rows(N - 4, int(qtype))
     x = np.random.default_rng(8).standard_normal((N, 512)).astype(np.float32)
     x[5] *= 1e3
     fmt = ACT_FORMAT[QT(qtype)]

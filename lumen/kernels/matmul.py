@@ -20,13 +20,13 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   (the remaining N % 4 rows one at a time with the N = 1 kernel), while the tile is in cache; the next tile is
   prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
   in the N = 1 kernel, so the two paths agree bit for bit.
-- Prefill-sized N, the Q5 and Q6 families (lumen.kernels.policy.unpack_rows): each tile is first unpacked to one
-  byte per column in the worker's scratch (the Q8 family's layout), and the NR-row passes read that with the
+- Prefill-sized N, the Q4, Q5 and Q6 families (lumen.kernels.policy.unpack_rows): each tile is first unpacked to
+  one byte per column in the worker's scratch (the Q8 family's layout), and the NR-row passes read that with the
   type's scales and zero point (simd.tile_<type>_u): the same integer sums and float steps, so the same bits,
-  with the unpacking (the fifth or the top two bits: 3-4 more operations per quad) done once per tile instead of
-  once per NR rows. pp512, the two paths alternated in one process: Gemma-3 (Q5_0, Q6_K) 2785 -> 3198 t/s
-  (1.15x); the Q4 family gained too little (SmolLM2's Q4_1 1.02x) and keeps the unpacking passes; 2-vCPU AMD
-  EPYC Zen 5, 2026-12-02.
+  with the unpacking (an and and a shift per quad, and the fifth or the top two bits: 3-4 more operations) done
+  once per tile instead of once per NR rows. pp512, the two paths alternated in one process: Gemma-3 (Q5_0, Q6_K)
+  2785 -> 3198 t/s (1.15x) on a 2-vCPU AMD EPYC Zen 5, 2026-12-02; SmolLM2 (Q4_1) 1.02x there, 1.05-1.11x on a
+  Zen 4, 2026-12-03 (the Q4 family from 128 rows).
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once (`prepare_x`;
   from lumen.kernels.policy.PAR_QUANT_VALUES values on, the rows spread over the threads: at prefill's 256 rows

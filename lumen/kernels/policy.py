@@ -22,15 +22,21 @@ PAR_ROWS = 8
 # 3.7 / 3.5, 16 rows 7.0 / 5.4, 256 rows 111 / 79-100.
 PAR_QUANT_VALUES = 16384
 
-# From this many rows a matmul of the Q5 or Q6 family (Q5_0, Q5_1, Q5_K, Q6_K) unpacks each weight tile once into
-# a byte per column and runs its passes on that (lumen.kernels.matmul.tiles); below, and for the other families,
-# each pass of NR rows unpacks as it goes. Measured on a 2-vCPU AMD EPYC (Zen 5), one thread, a 512 x 2048 matrix
-# in cache, the two paths alternated 9 times in one process (medians), unpacked first against as it goes, at
-# N = 64 / 128 / 256: Q5_0 1.00 / 1.13 / 1.15x, Q6_K 1.15 / 1.35 / 1.44x; Q4_0 0.89 / 0.96 / 1.00x, Q4_1 0.90 /
-# 1.00 / 1.12x, Q4_K 0.90 / 1.03 / 1.02x (an and and a shift unpack them: not worth the compile time of more
-# kernels; SmolLM2's Q4_1 pp512 read 1.02x, within noise).
+# From this many rows a matmul of the Q5 or Q6 family (Q5_0, Q5_1, Q5_K, Q6_K), and from UNPACK_ROWS_Q4 rows one of
+# the Q4 family (Q4_0, Q4_1, Q4_K), unpacks each weight tile once into a byte per column and runs its passes on that
+# (lumen.kernels.matmul.tiles); below, and for the Q8 family, each pass of NR rows unpacks as it goes. Measured on a
+# 2-vCPU AMD EPYC (Zen 5), one thread, a 512 x 2048 matrix in cache, the two paths alternated 9 times in one
+# process (medians), unpacked first against as it goes, at N = 64 / 128 / 256: Q5_0 1.00 / 1.13 / 1.15x, Q6_K
+# 1.15 / 1.35 / 1.44x; Q4_0 0.89 / 0.96 / 1.00x, Q4_1 0.90 / 1.00 / 1.12x, Q4_K 0.90 / 1.03 / 1.02x. On a 2-vCPU
+# AMD EPYC (Zen 4), 2026-12-03, the same in cache: Q4_0 0.94 / 1.01 / 1.01x, Q4_1 0.94 / 1.02 / 1.01x, Q4_K 0.98 /
+# 1.02 / 1.04x; but in the forward pass, where each tile comes from memory and the activations pass through L1
+# beside it, SmolLM2's (Q4_1) pp512 read 1.04x, 1.05x and 1.11x (8-10 alternated pairs in one process, medians;
+# the runner's unpack scratch swapped for an empty one, which turns the path off), on Zen 5 1.02x. The Q4 family's unpacking is an and and a shift, so it waits for
+# 128 rows, where neither CPU reads it slower.
 UNPACK_ROWS = 64
-UNPACKED = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K))
+UNPACK_ROWS_Q4 = 128
+_Q4_FAMILY = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K))
+UNPACKED = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K)) + _Q4_FAMILY
 
 # A lone decode token spreads its attention chunks over the threads (split-K) once it has more than one chunk.
 SPLIT_K_MIN_KEYS = CHUNK + 1
@@ -55,6 +61,12 @@ def parallel_quantize(n_rows, n_in):
 
 
 @njit(cache=True, inline="always")
+def unpack_min_rows(qt):
+    """The rows from which a matmul by a matrix of GGML type qt (one of UNPACKED) unpacks each tile once first."""
+    return UNPACK_ROWS_Q4 if qt in _Q4_FAMILY else UNPACK_ROWS
+
+
+@njit(cache=True, inline="always")
 def unpack_rows(n_rows, qt):
     """Whether a matmul of n_rows activation rows by a matrix of GGML type qt unpacks each tile once first."""
-    return n_rows >= UNPACK_ROWS and qt in UNPACKED
+    return qt in UNPACKED and n_rows >= unpack_min_rows(qt)

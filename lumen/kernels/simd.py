@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from ..format.quants import QT
 from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
                  splat, vload)
-from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
+from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 _features = llvm.get_host_cpu_features()
 # LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; lumen/__init__.py gives that build its
@@ -290,8 +290,8 @@ def _make_unpack(fam: int):
     return intrinsic(typer)
 
 
-unpack_q5, unpack_q6 = _make_unpack(Q5), _make_unpack(Q6)
-UNPACK = {Q5: unpack_q5, Q6: unpack_q6}
+unpack_q4, unpack_q5, unpack_q6 = _make_unpack(Q4), _make_unpack(Q5), _make_unpack(Q6)
+UNPACK = {Q4: unpack_q4, Q5: unpack_q5, Q6: unpack_q6}
 
 
 def _tile_u(qt):
@@ -309,8 +309,9 @@ tile_q5_1_1, tile_q5_1_n = _tiles_of(QT.Q5_1)
 tile_q5_k_1, tile_q5_k_n = _tiles_of(QT.Q5_K)
 tile_q6_k_1, tile_q6_k_n = _tiles_of(QT.Q6_K)
 tile_q8_0_1, tile_q8_0_n = _tiles_of(QT.Q8_0)
-# (the Q5 and Q6 families only: their unpacking is what costs; lumen.kernels.policy.UNPACK_ROWS has the figures)
+# (the Q8 family needs none; lumen.kernels.policy.UNPACK_ROWS has the figures)
 tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (_tile_u(qt) for qt in (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
+tile_q4_0_u, tile_q4_1_u, tile_q4_k_u = (_tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K))
 
 
 @intrinsic
