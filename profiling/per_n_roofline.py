@@ -7,8 +7,10 @@ N sequences of --context random prompt tokens decode together (one engine step =
 profiled op by op (lumen.profile) over --steps decode steps. Per op: ms per step and its share of the roofline
 (lumen.profile.report.summarize: the op's GOP/s against min(its roof, intensity x bandwidth), the int8 dot roof
 for the matmuls, f32 FMA for the rest; the machine's limits from lumen.machine). The step line is the whole step
-against its floor, max(weight bytes / bandwidth, N x MACs / int8 roof). --plot writes the matmuls and attention
-at every N on one roofline.
+against its floor, max(weight bytes / bandwidth, N x MACs / int8 roof), and the rows/s line the rows per second
+of N against the first N: measured, and with both steps at their floors, which bounds what batching can give on
+this host (where the int8 roof is low against the bandwidth, 16 rows cost more than one row's weight stream even
+at the roof). --plot writes the matmuls and attention at every N on one roofline.
 """
 from __future__ import annotations
 
@@ -81,17 +83,23 @@ def main(argv=None) -> None:
             sh = r["roofline_share"] if r and r["roofline_share"] is not None else 0.0
             line += f" {ms:10.3f} {100 * sh:4.0f}%"
         print(line)
-    line, floor_line = f"{'step':>10}", f"{'floor':>10}"
-    verdict = []
+    line, floor_line, rate_line = f"{'step':>10}", f"{'floor':>10}", f"{'rows/s':>10}"
+    verdict, floors = [], {}
     for N in ns:
         step_ms, rows, n = res[N]
         flops = sum(rows[op]["gflops"] * rows[op]["ms"] / 1e3 * 1e9 for op in OPS[:5] if op in rows)
-        fl = max(w_bytes / (L["bw_gbps"] * 1e9), flops / n / (L["int8_dot_gops"] * 1e9)) * 1e3
+        fl = floors[N] = max(w_bytes / (L["bw_gbps"] * 1e9), flops / n / (L["int8_dot_gops"] * 1e9)) * 1e3
         line += f" {step_ms:10.3f} {100 * fl / step_ms:4.0f}%"
         floor_line += f" {fl:10.3f}      "
-        verdict.append(f"N={N} {step_ms:.2f} ms ({step_ms / res[ns[0]][0]:.2f}x, {100 * fl / step_ms:.0f}% of floor)")
+        # rows per second against the first N's: measured, and what two steps at their floors would give
+        n0, t0, f0 = ns[0], res[ns[0]][0], floors[ns[0]]
+        rate, rate_fl = N / step_ms / (n0 / t0), N / fl / (n0 / f0)
+        rate_line += f" {rate:9.2f}x {rate_fl:4.1f}x"
+        verdict.append(f"N={N} {step_ms:.2f} ms ({step_ms / t0:.2f}x the time, {rate:.2f}x the rows per second, "
+                       f"{rate_fl:.2f}x at the floors; {100 * fl / step_ms:.0f}% of floor)")
     print(line)
     print(floor_line)
+    print(rate_line + f"   (rows per second against N={ns[0]}: measured, then with both steps at their floors)")
     if a.plot:
         plot(res, ns, L, a.plot, a.model)
         print(f"roofline: {a.plot}")
