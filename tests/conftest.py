@@ -24,9 +24,9 @@ import fcntl
 import gc
 import os
 import shutil
-import tempfile
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,8 +140,6 @@ def model_path(model_name, test_home) -> Path:
     return _REAL[model_name]
 
 
-
-
 # ---- the order of the files, and one warm-up compile beside the xdist workers (module docstring)
 
 # Seconds per test file in a fresh-clone run (serial, empty Numba cache; 2-vCPU AMD EPYC, 2026-12-03). A file not
@@ -165,7 +163,8 @@ for name in ("smollm2-135m", "gemma3-270m"):       # fetched here on first use, 
     engine.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
 """
 WARM_LOCK = "LUMEN_TESTS_WARM_LOCK"     # the lock file's path, from the controller to its workers
-_warm: list = []                        # the controller: its warm-up process; a worker: True once it waited
+_warm_up: list[subprocess.Popen] = []   # the controller's warm-up process
+_waited: list[bool] = []                # a worker's: [True] once it waited for it
 
 
 def _compile_free(item) -> bool:
@@ -188,30 +187,29 @@ def pytest_sessionstart(session):
         return
     fd, path = tempfile.mkstemp(prefix="lumen-tests-warm-", suffix=".lock")
     fcntl.flock(fd, fcntl.LOCK_EX)      # held by the subprocess, which shares the open file, until it exits
-    _warm.append(subprocess.Popen([sys.executable, "-c", WARM_UP], pass_fds=(fd,), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL))
+    _warm_up.append(subprocess.Popen([sys.executable, "-c", WARM_UP], pass_fds=(fd,), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL))
     os.close(fd)
     os.environ[WARM_LOCK] = path
 
 
 def pytest_runtest_setup(item):
-    if _warm or _compile_free(item) or not os.environ.get(WARM_LOCK):
+    if _waited or _compile_free(item) or not os.environ.get(WARM_LOCK):
         return
     fd = os.open(os.environ[WARM_LOCK], os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # returns when the warm-up has ended (a failed one too: the tests compile)
     finally:
         os.close(fd)
-    _warm.append(True)
+    _waited.append(True)
 
 
 def pytest_sessionfinish(session):
-    for p in _warm:
-        if isinstance(p, subprocess.Popen):
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            os.unlink(os.environ.pop(WARM_LOCK))
+    for p in _warm_up:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        os.unlink(os.environ.pop(WARM_LOCK))
 
 
 def pytest_cmdline_main(config):

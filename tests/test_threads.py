@@ -5,6 +5,9 @@ The performance itself is measured by benchmarks (`lumen.bench single|batch --co
 profiling/shared_machine.py); here: that each part decides and computes what it should.
 """
 import hashlib
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -277,10 +280,8 @@ def test_a_caller_compiled_beside_a_cached_parallel_callee_runs_in_a_new_process
     callee it links was compiled in the same process. Process 1 compiles and caches the callee; process 2 loads
     it from the cache and compiles the caller, whose entry then lacks the record; process 3 loads the caller and
     calls it. Without lumen.kernels launching the layer at import, process 3 dies with SIGSEGV."""
-    import subprocess
-    import sys
     (tmp_path / "cachedpar.py").write_text(CALLEE_FROM_CACHE)
-    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(tmp_path)}
     steps = ("import numpy as np, cachedpar; cachedpar.par(np.zeros(8))",
              "import numpy as np, cachedpar; cachedpar.par(np.zeros(8)); print(cachedpar.caller(np.zeros(8)))",
              "import lumen.kernels, numpy as np, cachedpar; print(cachedpar.caller(np.arange(8.0)))")

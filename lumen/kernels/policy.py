@@ -31,8 +31,8 @@ PAR_QUANT_VALUES = 16384
 # AMD EPYC (Zen 4), 2026-12-03, the same in cache: Q4_0 0.94 / 1.01 / 1.01x, Q4_1 0.94 / 1.02 / 1.01x, Q4_K 0.98 /
 # 1.02 / 1.04x; but in the forward pass, where each tile comes from memory and the activations pass through L1
 # beside it, SmolLM2's (Q4_1) pp512 read 1.04x, 1.05x and 1.11x (8-10 alternated pairs in one process, medians;
-# the runner's unpack scratch swapped for an empty one, which turns the path off), on Zen 5 1.02x. The Q4 family's unpacking is an and and a shift, so it waits for
-# 128 rows, where neither CPU reads it slower.
+# the runner's unpack scratch swapped for an empty one, which turns the path off), on Zen 5 1.02x. The Q4 family's
+# unpacking is an and and a shift, so it waits for 128 rows, where neither CPU reads it slower.
 UNPACK_ROWS = 64
 UNPACK_ROWS_Q4 = 128
 _Q4_FAMILY = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K))
