@@ -41,7 +41,7 @@ def decode_steps(engine, B: int, context: int, steps: int, rng) -> list[float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=24)

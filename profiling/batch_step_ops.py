@@ -39,7 +39,7 @@ def profile_steps(eng, B: int, context: int, tokens: int, rng) -> tuple[float, d
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)

@@ -33,7 +33,7 @@ def goodput(outs, ttft_s, tpot_s, wall) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rates", default="1,2,4,6,8,12")
     ap.add_argument("--requests", type=int, default=64)

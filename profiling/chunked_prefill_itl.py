@@ -51,7 +51,7 @@ def one(model, budget: int, chunked: bool, n_prompt: int, n_dec: int, rng) -> di
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--decodes", type=int, default=4)

@@ -22,7 +22,7 @@ from lumen.bench.offline import workload
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--quick", action="store_true", help="6 requests, the tiny calibration grid (for tests)")

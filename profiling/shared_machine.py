@@ -170,7 +170,7 @@ def part2(model, model_name: str, threads: int, reps: int, n_prompts: int, out_l
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gen", type=int, default=128, help="decode tokens per measurement (default 128)")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama.cpp's llama-bench binary")

@@ -82,7 +82,7 @@ def run(model, prompt: str, n: int, spec: str | None) -> tuple[int, float, float
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prompt-id", default="extract-066")
     ap.add_argument("-n", type=int, default=160)

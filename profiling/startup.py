@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     if argv[:1] == ["--child"]:
         return child(argv[1], argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("-n", type=int, default=16, help="tokens to generate")
     ap.add_argument("--quick", action="store_true", help="2 runs of 4 tokens (for tests)")

@@ -41,7 +41,7 @@ def run_poisson(eng, reqs, rate: float, seed: int = 0) -> list:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
     ap.add_argument("--requests", type=int, default=48)
