@@ -88,6 +88,41 @@ def test_after_a_long_pause_every_thread_again():
     assert g.threads() == 2
 
 
+def _fake_proc(monkeypatch, g):
+    """The governor's /proc readings from a dict: busy (all CPUs) and ours (our threads' run), in seconds."""
+    proc = {"busy": 0.0, "ours": 0.0}
+    monkeypatch.setattr(T, "busy_seconds", lambda cpus: proc["busy"])
+    monkeypatch.setattr(T, "schedstat", lambda tids: (proc["ours"], 0.0, 0))
+    g._compute_tids = lambda: []
+    return proc
+
+
+def test_a_long_step_is_a_reading_and_only_the_time_between_steps_a_pause(monkeypatch):
+    g = _gov()
+    proc = _fake_proc(monkeypatch, g)
+    g._read(100.0)                                       # a baseline
+    assert g.decide(1.0) == 1                            # a neighbour held a thread; then it left
+    t = 100.0
+    for _ in range(2):                                   # prefills of 0.5 s on our thread, 10 ms apart
+        proc["busy"] += 0.5
+        proc["ours"] += 0.5
+        g._end = t + 0.5
+        t += 0.51
+        g._read(t)
+    assert g.n == 2 and g.others == 0.0                  # two slow readings: taken back (before, each long
+                                                         # step read as a pause, and it never was)
+    g = _gov()
+    proc = _fake_proc(monkeypatch, g)
+    g._read(200.0)
+    g.n = 1
+    g._end = 200.1
+    g._read(200.4)                                       # 0.3 s without a step: a pause, a baseline only
+    assert g.n == 1 and g.others == 0.0
+    g._end = 200.5
+    g._read(200.5 + 2 * T.RESET_S)                       # a long pause: every thread again
+    assert g.n == 2
+
+
 def test_many_cores_give_up_what_others_use():
     g = _gov(max_threads=8, cores=8)
     assert g.decide(2.9) == 5              # 8 - ceil(2.9 - DOWN)

@@ -110,6 +110,7 @@ class Runner:
             self._entry = forward.overloads[tuple(forward.typeof_pyval(a) for a in args)].entry_point
         else:                                     # skips the dispatcher's typing of the bundles (~35 us a call)
             self._entry(*args)
+        self.governor.done()
         if prof.enabled:
             prof.record_forward(self, batch, own)
         return out[:n_out]

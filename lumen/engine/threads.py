@@ -111,6 +111,7 @@ class Governor:
         self._slow: tuple | None = None            # the reading others' demand is measured from
         self._ups = 0
         self._waits = 0
+        self._end: float | None = None             # when the last step ended (`done`)
 
     def threads(self) -> int:
         """The thread count for the step the calling thread is about to run (set in Numba for that thread)."""
@@ -125,6 +126,11 @@ class Governor:
             numba.set_num_threads(self.n)
             self._set = (ident, self.n)
         return self.n
+
+    def done(self) -> None:
+        """The step the last `threads` was for has ended: the time until the next one is a pause, not a step."""
+        if self.adaptive:
+            self._end = time.monotonic()
 
     def _compute_tids(self) -> list[int]:
         ident = threading.get_ident()
@@ -149,15 +155,18 @@ class Governor:
             return
         snap = (now, busy, ours, wait, switches, self.steps, threading.get_ident())
         last, self._last = self._last, snap
-        if last is None or now - last[0] > PAUSE_S or last[6] != snap[6]:
-            # the first reading, after a long pause, or of another calling thread's compute threads: a baseline
+        # the time no step ran before this one (a long step since the last reading is a reading, not a pause:
+        # counted as a pause, a prefill of 0.2 s or more a step never let a thread be taken back)
+        idle = 0.0 if last is None else now - (last[0] if self._end is None or self._end < last[0] else self._end)
+        if last is None or idle > PAUSE_S or last[6] != snap[6]:
+            # the first reading, after a pause, or of another calling thread's compute threads: a baseline
             self._slow = snap
-            if last is not None and now - last[0] > RESET_S and self.n < self.max:
+            if last is not None and idle > RESET_S and self.n < self.max:
                 # what held a thread back may be gone: start from all of them. The wait readings give one up
                 # again within WAIT_WINDOWS x WINDOW_S if not, but a long step (a prefill) runs on what it is
                 # given: pp512 ran at 0.55x on an idle machine at the count a neighbour had left behind, while at
                 # 2 threads beside a busy neighbour it keeps 0.93x
-                log.debug("threads %d -> %d: after a %.1f s pause", self.n, self.max, now - last[0])
+                log.debug("threads %d -> %d: after a %.1f s pause", self.n, self.max, idle)
                 self.n, self._ups, self._waits = self.max, 0, 0
                 self.changes += 1
             return
