@@ -407,7 +407,8 @@ def corrupt_empty(tmp_path, smollm2_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max-tokens", "-5"], "error: max_tokens must be a non-negative integer, got -5"),
+    (["--max-tokens", "-5"], "error: max_tokens must be a positive integer, got -5"),
+    (["--max-tokens", "0"], "error: max_tokens must be a positive integer, got 0"),
     (["--temperature", "-1"], "error: temperature must be >= 0"),
     (["--top-p", "2"], "error: top_p must be in (0, 1]"),
     (["--ctx", "0"], "error: ctx must be a positive integer, got 0"),
@@ -417,7 +418,7 @@ def corrupt_empty(tmp_path, smollm2_path):
     (["--model", corrupt_random], "error: {model}: not a GGUF file"),
     (["--model", corrupt_truncated], "extends beyond the end of the file"),
     (["--model", corrupt_empty], "error: {model}: not a GGUF file (only 0 bytes)"),
-], ids=["max-tokens", "temperature", "top-p", "ctx", "threads", "unknown-name", "missing-path", "corrupt-random",
+], ids=["max-tokens", "max-tokens-0", "temperature", "top-p", "ctx", "threads", "unknown-name", "missing-path", "corrupt-random",
         "corrupt-truncated", "corrupt-empty"])
 @pytest.mark.slow
 def test_bad_arguments(smollm2_path, tmp_path, args, message):
