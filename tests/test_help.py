@@ -104,3 +104,13 @@ def test_profile_refuses_options_of_another_mode(args, error, capsys):
     with pytest.raises(SystemExit) as e:
         parse(args)
     assert e.value.code == 2 and error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["not json at all", '{"steps": []}', "[1, 2]"], ids=["text", "json", "list"])
+def test_profile_serving_names_a_file_that_is_not_a_profile(tmp_path, text, capsys):
+    from lumen.profile.__main__ import main
+    f = tmp_path / "some.txt"
+    f.write_text(text)
+    assert main(["--serving", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {f}: not a serving profile") and len(err.strip().splitlines()) == 1

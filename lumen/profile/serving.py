@@ -185,13 +185,18 @@ def save(path, prof, traces: list[Trace]) -> None:
 
 
 def load(path):
-    """(profiler-like object, traces) from a file written by save()."""
+    """(profiler-like object, traces) from a file written by save(); ValueError naming the file when it is not
+    one."""
     from . import Profiler, Record, Step
-    d = json.loads(Path(path).read_text())
-    prof = Profiler()
-    prof.steps = [Step(**{**s, "requests": tuple(s["requests"])}) for s in d["steps"]]
-    prof.records = [Record(**r) for r in d["records"]]
-    return prof, [Trace(**t) for t in d["traces"]]
+    try:
+        d = json.loads(Path(path).read_text())
+        prof = Profiler()
+        prof.steps = [Step(**{**s, "requests": tuple(s["requests"])}) for s in d["steps"]]
+        prof.records = [Record(**r) for r in d["records"]]
+        return prof, [Trace(**t) for t in d["traces"]]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a serving profile (write one with `python -m lumen.serve --profile FILE`): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def summary_line(rep: dict) -> str:
