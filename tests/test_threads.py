@@ -78,7 +78,8 @@ def test_fast_readings_never_act_on_an_old_reading_of_others():
     assert g.decide(1.0, wait=0.0, slow=False) == 2      # the stale value of others moves nothing
 
 
-def test_after_a_long_pause_every_thread_again():
+def test_after_a_long_pause_every_thread_again(monkeypatch):
+    monkeypatch.setattr(T, "runnable_others", lambda cpus: 0)    # nobody runs now (this host may be busy)
     g = _gov()
     g.adaptive = True
     g.threads()                                          # a first reading: a baseline
@@ -88,11 +89,87 @@ def test_after_a_long_pause_every_thread_again():
     assert g.threads() == 2
 
 
+def _probe(monkeypatch, value):
+    calls = []
+    monkeypatch.setattr(T, "runnable_others", lambda cpus: calls.append(cpus) or value)
+    return calls
+
+
+def test_after_a_pause_a_neighbour_that_still_runs_keeps_its_core(monkeypatch):
+    calls = _probe(monkeypatch, 1)
+    g = _gov()
+    assert g._after_pause(2 * T.RESET_S, 1.0) == 1       # busy through the pause, runnable now: one thread
+    assert g.others == 1.0 and len(calls) == 1
+    assert g._after_pause(2 * T.RESET_S, 1.0) == 1       # and not every thread again after the next pause
+    assert g.decide(0.0) == 1 and g.decide(0.0) == 2     # it left: taken back as after any reading
+    g = _gov(max_threads=4, cores=4)
+    assert g._after_pause(0.5, 1.0) == 3                 # a short pause: never more than it had ...
+    g.n = 2
+    assert g._after_pause(0.5, 1.0) == 2                 # ... only fewer
+    assert g._after_pause(2 * T.RESET_S, 1.0) == 3       # a long one: what the instant count leaves
+
+
+def test_after_a_pause_a_neighbour_that_left_or_barely_ran_is_not_waited_for(monkeypatch):
+    calls = _probe(monkeypatch, 0)
+    g = _gov()
+    g.n = 1
+    assert g._after_pause(2 * T.RESET_S, 1.0) == 2       # busy in the pause, gone now (a benchmark's other
+    assert len(calls) == 1                               # engine): every thread
+    calls = _probe(monkeypatch, 1)
+    g = _gov()
+    assert g._after_pause(2 * T.RESET_S, 0.05) == 2      # a sleeping loop, caught runnable by chance: the pause
+    assert calls == []                                   # says it is light, so the instant is not even read
+    g.n = 1
+    assert g._after_pause(0.5, 0.05) == 1                # a short pause changes nothing by itself
+    _probe(monkeypatch, None)                            # no reading of the instant (part of a machine): as
+    g = _gov()                                           # before, every thread after a long pause
+    g.n = 1
+    assert g._after_pause(2 * T.RESET_S, 1.0) == 2
+
+
+def test_the_instant_count_sees_a_neighbour_and_not_our_threads():
+    cpus = T._allowed_cpus()
+    try:
+        T.runnable()
+    except OSError:
+        pytest.skip("no /proc")
+    assert T.runnable_others(cpus[:-1] if len(cpus) > 1 else []) is None    # part of the machine: no reading
+    if len(cpus) != os.cpu_count():
+        pytest.skip("this process may not use every CPU")
+    with corunner("busy", seconds=10):
+        time.sleep(0.1)
+        assert T.runnable_others(cpus) >= 1              # the spinning process, every time it is read
+    stop = threading.Event()
+    spin = threading.Thread(target=_spin_nogil, args=(stop,))
+    spin.start()
+    try:
+        time.sleep(0.05)
+        mine = [T.runnable()[1] for _ in range(20)]
+    finally:
+        stop.set()
+        spin.join()
+    assert max(mine) >= 2, mine                          # the reader and the spinning thread are ours
+
+
+@numba.njit(nogil=True)
+def _spin_n(n):
+    x = 0
+    for i in range(n):
+        x = (x * 31 + i) % 1000003
+    return x
+
+
+def _spin_nogil(stop):
+    while not stop.is_set():
+        _spin_n(2_000_000)                               # a few ms without the GIL: runnable (R) meanwhile
+
+
 def _fake_proc(monkeypatch, g):
     """The governor's /proc readings from a dict: busy (all CPUs) and ours (our threads' run), in seconds."""
     proc = {"busy": 0.0, "ours": 0.0}
     monkeypatch.setattr(T, "busy_seconds", lambda cpus: proc["busy"])
     monkeypatch.setattr(T, "schedstat", lambda tids: (proc["ours"], 0.0, 0))
+    monkeypatch.setattr(T, "runnable_others", lambda cpus: 0)
     g._compute_tids = lambda: []
     return proc
 

@@ -24,6 +24,23 @@ serve 1.35x what a governor that gave one up at wait 0.25 did (697.6 against 518
 files every WINDOW_S costs about 30 us; between readings `threads()` is a clock read and a compare. The thread
 count never changes a result: every kernel gives the same bits on any number of threads (tests/test_determinism).
 
+A pause (no step for over PAUSE_S: a server between requests, a benchmark between repetitions; a long step is not
+one, `done` marks each step's end) is no reading of now: a neighbour that ran in it may have left (a benchmark's
+other engine), or may still be there, and the first steps after it run on whatever count they are given before
+the readings can act. So after a pause:
+
+    if others used more than DOWN over the pause, and runnable_others() (tasks runnable this instant that are not
+    ours: /proc/loadavg's running count less this process's threads in state R, the fewest of 3 readings) says
+    someone still does: as many threads as that instant count leaves (a sleeping loop is runnable for a moment of
+    every millisecond; read three times, and only after a pause it was busy in, it does not trip this)
+    otherwise, after a pause of over RESET_S: every thread again (what held one back may be gone)
+
+Measured on a 2-vCPU AMD EPYC Zen 4, 2026-12-03 12:06-12:11, load 0.5-0.9: the server, one request at a time 1.5 s
+apart (a 48-token prompt in the prefix cache, 48 tokens out, the chat turn's shape), 3 alternated runs of 6
+requests: beside a busy process median TTFT 101 / 64 / 112 ms and TPOT 10.0 / 8.7 / 9.5 ms with every thread
+after each pause, 62 / 46 / 58 ms and 6.8 / 6.2 / 7.0 ms with this rule; idle 53 / 71 / 46 ms and 6.4 / 6.0 /
+5.5 against 58 / 53 / 49 ms and 6.2 / 6.3 / 6.0 (profiling/shared_machine.py part 3 measures the same).
+
 `Governor(max_threads, adaptive=False)` (or LUMEN_FIXED_THREADS=1, `--fixed-threads`) keeps max_threads always.
 Where /proc is missing (not Linux) it keeps max_threads too.
 """
@@ -74,6 +91,38 @@ def busy_seconds(cpus: list[int]) -> float | None:
     except OSError:
         return None
     return total / _HZ
+
+
+def runnable() -> tuple[int, int]:
+    """(tasks runnable on the machine this instant, threads of this process among them): /proc/loadavg's
+    running count and the threads of /proc/self/task in state R. Raises OSError where /proc cannot be read."""
+    with open("/proc/loadavg", "rb") as f:
+        running = int(f.read().split()[3].split(b"/")[0])
+    mine = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/stat", "rb") as f:
+                st = f.read()
+        except OSError:                               # a thread that ended meanwhile
+            continue
+        mine += st[st.rindex(b")") + 2:st.rindex(b")") + 3] == b"R"
+    return running, mine
+
+
+def runnable_others(cpus: list[int]) -> int | None:
+    """Tasks runnable right now that are not threads of this process (`runnable`), the fewest of 3 readings
+    (about 50 us each). None where /proc cannot be read, or where `cpus` are not all the machine's (the count is
+    the whole machine's)."""
+    if len(cpus) != (os.cpu_count() or 0):
+        return None
+    best = None
+    for _ in range(3):
+        try:
+            running, mine = runnable()
+        except (OSError, ValueError, IndexError):
+            return None
+        best = running - mine if best is None else min(best, running - mine)
+    return max(0, best)
 
 
 def schedstat(tids: list[int]) -> tuple[float, float, int]:
@@ -161,14 +210,8 @@ class Governor:
         if last is None or idle > PAUSE_S or last[6] != snap[6]:
             # the first reading, after a pause, or of another calling thread's compute threads: a baseline
             self._slow = snap
-            if last is not None and idle > RESET_S and self.n < self.max:
-                # what held a thread back may be gone: start from all of them. The wait readings give one up
-                # again within WAIT_WINDOWS x WINDOW_S if not, but a long step (a prefill) runs on what it is
-                # given: pp512 ran at 0.55x on an idle machine at the count a neighbour had left behind, while at
-                # 2 threads beside a busy neighbour it keeps 0.93x
-                log.debug("threads %d -> %d: after a %.1f s pause", self.n, self.max, idle)
-                self.n, self._ups, self._waits = self.max, 0, 0
-                self.changes += 1
+            if last is not None and last[6] == snap[6]:
+                self._after_pause(idle, max(0.0, ((busy - last[1]) - (ours - last[2])) / (now - last[0])))
             return
         dt = now - last[0]
         self.wait = max(0.0, (wait - last[3]) / dt)
@@ -178,6 +221,30 @@ class Governor:
             s, self._slow = self._slow, snap
             self.others = max(0.0, ((busy - s[1]) - (ours - s[2])) / (now - s[0]))
         self.decide(self.others, self.wait, slow)
+
+    def _after_pause(self, pause: float, others: float) -> int:
+        """The count for the first step after a pause of `pause` s over which others used `others` cores (module
+        docstring). Returns the new thread count."""
+        n = self.n
+        now = runnable_others(self.cpus) if others > DOWN else None
+        if now is not None and now > 0:
+            # someone used a core in the pause and still runs: a short step at every thread would wait on it at
+            # each barrier
+            self.others = float(now)
+            target = self._target(len(self.cpus), self.others, DOWN)
+            self.n = target if pause > RESET_S else min(self.n, target)
+        elif pause > RESET_S:
+            # what held a thread back may be gone: start from all of them. The wait readings give one up again
+            # within WAIT_WINDOWS x WINDOW_S if not, but a long step (a prefill) runs on what it is given: pp512
+            # ran at 0.55x on an idle machine at the count a neighbour had left behind (a benchmark's other
+            # engine, which runs in our pauses), while at 2 threads beside a busy neighbour it keeps 0.93x
+            self.n = self.max
+        if self.n != n:
+            self._ups = self._waits = 0
+            self.changes += 1
+            log.debug("threads %d -> %d: after a %.1f s pause (others used %.2f cores in it, %s now)", n, self.n,
+                      pause, others, "none" if now is None else now)
+        return self.n
 
     def decide(self, others: float, wait: float = 0.0, slow: bool = True) -> int:
         """Apply one reading: others' demand and our threads' wait for a core (cores); slow: others is a new
