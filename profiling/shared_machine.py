@@ -13,6 +13,9 @@
    lumen-engine, and the OpenMP workers it starts, which inherit the name), of the event loop (the main thread)
    and of the server's other threads, and of the client; the compute threads' waits for a core and context
    switches per token; TPOT against Model.generate's on the same prompt length, interleaved.
+3. The server beside each neighbour, one request at a time with --gap seconds between them (a chat user: every
+   request begins after a pause, when the thread governor must tell a neighbour that stays from one that left):
+   median TTFT of a new prompt and of one in the prefix cache (a chat's next turn), TPOT, and their ratio to idle.
 Ends with a VERDICT line.
 """
 from __future__ import annotations
@@ -115,57 +118,104 @@ def _tasks(pid: int) -> dict:
     return out
 
 
-def part2(model, model_name: str, threads: int, reps: int, n_prompts: int, out_len: int) -> dict:
-    from lumen.bench.serve import Load, run_load
+def _serve(model_name: str, threads: int) -> tuple[subprocess.Popen, int]:
+    """A lumen.serve process on a free port of 127.0.0.1, once its /health answers."""
     port = _free_port()
     srv = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", model_name, "--port", str(port),
                             "-t", str(threads), "--log-level", "warning"], stdin=subprocess.DEVNULL)
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                if srv.poll() is not None:
-                    raise RuntimeError("the server exited")
-                time.sleep(0.2)
-        prompt = model.tokenize(" ".join(["The quick brown fox jumps over the lazy dog."] * 12))[:100]
-        load = Load(url=f"http://127.0.0.1:{port}", num_prompts=n_prompts, max_concurrency=1, input_len=100,
-                    output_len=out_len, ignore_eos=True)
-        run_load(Load(url=load.url, num_prompts=1, max_concurrency=1, input_len=16, output_len=4, ignore_eos=True))                       # warm: the client's and the server's paths
-        server, gen, cpu = [], [], []
-        for _ in range(reps):
-            before, ru0 = _tasks(srv.pid), resource.getrusage(resource.RUSAGE_SELF)
-            res = run_load(load)
-            after, ru1 = _tasks(srv.pid), resource.getrusage(resource.RUSAGE_SELF)
-            server.append(res["tpot_ms"]["mean"])
-            toks = res["total_output_tokens"]
-            split = {"compute": [0.0, 0.0, 0], "event loop": [0.0, 0.0, 0], "other server threads": [0.0, 0.0, 0]}
-            for tid, (name, r, w, s) in after.items():
-                r0, w0, s0 = before.get(tid, (name, 0.0, 0.0, 0))[1:]
-                key = ("compute" if name == "lumen-engine" else "event loop" if tid == srv.pid
-                       else "other server threads")
-                split[key][0] += r - r0
-                split[key][1] += w - w0
-                split[key][2] += s - s0
-            client = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-            cpu.append({k: (v[0] / toks * 1e3, v[1] / toks * 1e3, v[2] / toks) for k, v in split.items()}
-                       | {"client (load generator)": (client / toks * 1e3, 0.0, 0.0)})
-            ts = []
-            for i, _ in enumerate(model.generate(prompt, max_tokens=out_len, temperature=0, ignore_eos=True)):
-                ts.append(time.perf_counter())
-            gen.append((ts[-1] - ts[0]) / (len(ts) - 1) * 1e3)
-        keys = cpu[0].keys()
-        per_token = {k: tuple(statistics.median(c[k][i] for c in cpu) for i in range(3)) for k in keys}
-        return {"server_tpot_ms": statistics.median(server), "generate_tpot_ms": statistics.median(gen),
-                "ratio": statistics.median(s / g for s, g in zip(server, gen)), "per_token": per_token}
-    finally:
-        srv.terminate()
+    for _ in range(600):
         try:
-            srv.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return srv, port
+        except OSError:
+            if srv.poll() is not None:
+                raise RuntimeError("the server exited")
+            time.sleep(0.2)
+    _stop(srv)
+    raise RuntimeError("the server did not answer /health in 120 s")
+
+
+def _stop(srv: subprocess.Popen) -> None:
+    srv.terminate()
+    try:
+        srv.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        srv.kill()
+        srv.wait()
+
+
+def part2(model, srv: subprocess.Popen, port: int, reps: int, n_prompts: int, out_len: int) -> dict:
+    from lumen.bench.serve import Load, run_load
+    prompt = model.tokenize(" ".join(["The quick brown fox jumps over the lazy dog."] * 12))[:100]
+    load = Load(url=f"http://127.0.0.1:{port}", num_prompts=n_prompts, max_concurrency=1, input_len=100,
+                output_len=out_len, ignore_eos=True)
+    # warm: the client's and the server's paths
+    run_load(Load(url=load.url, num_prompts=1, max_concurrency=1, input_len=16, output_len=4, ignore_eos=True))
+    server, gen, cpu = [], [], []
+    for _ in range(reps):
+        before, ru0 = _tasks(srv.pid), resource.getrusage(resource.RUSAGE_SELF)
+        res = run_load(load)
+        after, ru1 = _tasks(srv.pid), resource.getrusage(resource.RUSAGE_SELF)
+        server.append(res["tpot_ms"]["mean"])
+        toks = res["total_output_tokens"]
+        split = {"compute": [0.0, 0.0, 0], "event loop": [0.0, 0.0, 0], "other server threads": [0.0, 0.0, 0]}
+        for tid, (name, r, w, s) in after.items():
+            r0, w0, s0 = before.get(tid, (name, 0.0, 0.0, 0))[1:]
+            key = ("compute" if name == "lumen-engine" else "event loop" if tid == srv.pid
+                   else "other server threads")
+            split[key][0] += r - r0
+            split[key][1] += w - w0
+            split[key][2] += s - s0
+        client = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+        cpu.append({k: (v[0] / toks * 1e3, v[1] / toks * 1e3, v[2] / toks) for k, v in split.items()}
+                   | {"client (load generator)": (client / toks * 1e3, 0.0, 0.0)})
+        ts = []
+        for i, _ in enumerate(model.generate(prompt, max_tokens=out_len, temperature=0, ignore_eos=True)):
+            ts.append(time.perf_counter())
+        gen.append((ts[-1] - ts[0]) / (len(ts) - 1) * 1e3)
+    keys = cpu[0].keys()
+    per_token = {k: tuple(statistics.median(c[k][i] for c in cpu) for i in range(3)) for k in keys}
+    return {"server_tpot_ms": statistics.median(server), "generate_tpot_ms": statistics.median(gen),
+            "ratio": statistics.median(s / g for s, g in zip(server, gen)), "per_token": per_token}
+
+
+def _stream(url: str, prompt: str, out_len: int) -> tuple[float, float]:
+    """(TTFT s, TPOT s) of one streamed /v1/completions request (greedy, out_len tokens, EOS ignored)."""
+    import httpx
+    body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0, times = time.perf_counter(), []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+    return times[0] - t0, (times[-1] - times[0]) / max(1, len(times) - 1)
+
+
+def part3(port: int, reps: int, n_requests: int, gap: float, out_len: int) -> dict:
+    """kind -> (median TTFT ms of a new prompt, of a cached one, median TPOT ms) of requests sent one at a time,
+    gap s apart, beside each neighbour; the neighbours alternate repetition by repetition. A new prompt is the
+    first of the committed set (lumen/bench/data/prompts.json) behind a number of its own, so no prefix-cache hit;
+    a cached one is that prompt as it is, in the prefix cache since the warm-up (as a chat's next turn: a short
+    first step)."""
+    from lumen.bench.offline import workload
+    url = f"http://127.0.0.1:{port}"
+    base = workload(1)[0][0]
+    _stream(url, base, 4)                                # warm: the paths, and the cached prompt
+    got = {k: ([], [], []) for k in KINDS}
+    i = 0
+    for _ in range(reps):
+        for kind in KINDS:
+            with corunner(kind, seconds=60 + 2 * n_requests * (gap + 5)):
+                time.sleep(gap)                          # the neighbour is there before the first request
+                for _ in range(n_requests):
+                    for cached in (False, True):
+                        i += 1
+                        ttft, tpot = _stream(url, base if cached else f"Note {i}. {base}", out_len)
+                        got[kind][int(cached)].append(ttft * 1e3)
+                        got[kind][2].append(tpot * 1e3)
+                        time.sleep(gap)
+    return {k: tuple(statistics.median(x) for x in v) for k, v in got.items()}
 
 
 def main(argv=None) -> None:
@@ -175,6 +225,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gen", type=int, default=128, help="decode tokens per measurement (default 128)")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama.cpp's llama-bench binary")
     ap.add_argument("--no-server", action="store_true", help="part 1 only")
+    ap.add_argument("--gap", type=float, default=1.5, help="part 3: seconds between requests (default 1.5)")
     ap.add_argument("--quick", action="store_true", help="1 repetition of 16 tokens, no llama-bench (for tests)")
     a = ap.parse_args(argv)
     reps, n = (1, 16) if a.quick else (a.reps, a.gen)
@@ -194,15 +245,29 @@ def main(argv=None) -> None:
         lost = (1 / v[2] - 1 / v[0]) / regions * 1e6 if not name.startswith("llama") else float("nan")
         print(f"{name:>24} " + " ".join(f"{x:>9.1f}" for x in v) + f" {v[1] / v[0]:>10.2f} {v[2] / v[0]:>9.2f}"
               f" {lost:>9.0f} us")
-    srv = None
+    srv = paused = None
     if not a.no_server:
-        srv = part2(model, a.model, hi, reps, 2 if a.quick else 4, 32 if a.quick else 128)
+        proc, port = _serve(a.model, hi)
+        try:
+            srv = part2(model, proc, port, reps, 2 if a.quick else 4, 32 if a.quick else 128)
+            gap, n_req = (0.3, 2) if a.quick else (a.gap, 4)
+            paused = part3(port, reps, n_req, gap, 8 if a.quick else 48)
+        finally:
+            _stop(proc)
         print(f"\n2. the server at concurrency 1, {hi} threads (governed), 100-token prompts: TPOT "
               f"{srv['server_tpot_ms']:.2f} ms, Model.generate {srv['generate_tpot_ms']:.2f} ms, ratio "
               f"{srv['ratio']:.2f} (median of per-repetition ratios)")
         print(f"{'per output token':>26} {'CPU ms':>8} {'waited ms':>10} {'switches':>9}")
         for k, (c, w, s) in srv["per_token"].items():
             print(f"{k:>26} {c:>8.3f} {w:>10.3f} {s:>9.1f}")
+    if paused:
+        print(f"\n3. the server, one request at a time {gap} s apart, beside each neighbour ({2 * n_req} requests x "
+              f"{reps} repetitions, medians) [load {os.getloadavg()[0]:.1f}]")
+        print(f"{'':>8} {'TTFT new':>9} {'TTFT cached':>12} {'TPOT ms':>8}   ratios to idle")
+        idle = paused["none"]
+        for k, v in paused.items():
+            ratios = " ".join(f"{x / y:.2f}" for x, y in zip(v, idle))
+            print(f"{k:>8} {v[0]:>9.1f} {v[1]:>12.1f} {v[2]:>8.2f}   {ratios}")
     base = t[("2 fixed, stealing", "none")]
     gov_busy = t[("2 governed", "busy")] / t[("2 governed", "none")]
     fixed_busy = t[("2 fixed, static split", "busy")] / t[("2 fixed, static split", "none")]
@@ -215,6 +280,9 @@ def main(argv=None) -> None:
           f"1 thread keeps {one:.2f} of {hi} threads' idle speed, the governed engine {gov_busy:.2f}{llama}; beside "
           f"a sleeping loop the governed engine keeps {t[('2 governed', 'sleep')] / t[('2 governed', 'none')]:.2f}"
           + (f"; the server's TPOT at concurrency 1 is {srv['ratio']:.2f}x Model.generate's" if srv else "")
+          + (f"; one request at a time after pauses, beside a busy process: TTFT "
+             f"{paused['busy'][0] / paused['none'][0]:.2f}x (new prompt) and {paused['busy'][1] / paused['none'][1]:.2f}x (cached), TPOT "
+             f"{paused['busy'][2] / paused['none'][2]:.2f}x idle" if paused else "")
           + f" [load {os.getloadavg()[0]:.1f}]")
 
 
