@@ -40,11 +40,12 @@ llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
   cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
   cmake --build build -j --target llama-server
-  build/bin/llama-server -m MODEL.gguf -t 2 -np 16 -c 8192 -nr --host 127.0.0.1 --port 8080
-  python -m lumen.bench serve --url http://127.0.0.1:8080 --max-concurrency 16 --input-len 100 --output-len 128 \
+  build/bin/llama-server -m MODEL.gguf -t 2 -np 16 -c 8192 --host 127.0.0.1 --port 8080
+  python -m lumen.bench serve --url http://127.0.0.1:8080 --max-concurrency 16 --input-len 100 --output-len 128 \\
       --ignore-eos
--np 16 gives 16 slots of -c / 16 tokens each (8192 / 16 = 512 here). -nr (--no-repack) where llama.cpp's AMX
-weight repacking dies with an illegal instruction (it does on this machine's Xeon)."""
+-np 16 gives 16 slots of -c / 16 tokens each (8192 / 16 = 512 here). Weight repacking (llama.cpp's default and its
+fastest path) stays on; add -nr (--no-repack) only where its AMX repacking dies with an illegal instruction (on
+Xeons whose AMX tiles the OS does not grant), and say so beside the figures."""
 
 
 @dataclass
