@@ -350,6 +350,11 @@ def test_corunner_kinds_are_bounded_and_stopped():
         assert p.returncode == 0
     with corunner("none") as p:
         assert p is None
+    from lumen.bench.corunner import SETTLE_S
+    assert SETTLE_S > T.RESET_S                          # what runs next starts from a pause the governor resets on
+    with corunner("sleep", seconds=5):
+        t = time.monotonic()
+    assert time.monotonic() - t >= SETTLE_S
     with pytest.raises(ValueError, match="co-runner"):
         with corunner("loud"):
             pass

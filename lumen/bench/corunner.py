@@ -10,7 +10,10 @@
 - `none`: nothing (the idle figure that the others are divided by).
 
 Each co-runner is its own process, bounded in time (it exits by itself after `seconds`, and is killed when the
-block ends), so no benchmark leaves one behind.
+block ends), so no benchmark leaves one behind. After it is killed the block waits SETTLE_S, longer than the thread
+governor's RESET_S (lumen.engine.threads): what is measured next (the next repetition's idle figure) starts from a
+pause after which the governor sees nobody and takes every thread, instead of the count the co-runner left behind
+(measured: pp512 at 810-870 t/s on one thread against 1427-1433 on two, 2-vCPU AMD EPYC Zen 4, 2026-12-03).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 from contextlib import contextmanager
 
 KINDS = ("none", "sleep", "busy")
+SETTLE_S = 1.2          # seconds after a co-runner ends before the block does (> lumen.engine.threads.RESET_S)
 
 _CODE = {
     "sleep": "import time, sys\nend = time.monotonic() + float(sys.argv[1])\n"
@@ -44,6 +48,7 @@ def corunner(kind: str, seconds: float = 600.0):
     finally:
         p.kill()
         p.wait()
+        time.sleep(SETTLE_S)
 
 
 def parse_kinds(text: str | None) -> list[str]:
