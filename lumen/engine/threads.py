@@ -30,9 +30,10 @@ other engine), or may still be there, and the first steps after it run on whatev
 the readings can act. So after a pause:
 
     if others used more than DOWN over the pause, and runnable_others() (tasks runnable this instant that are not
-    ours: /proc/loadavg's running count less this process's threads in state R, the fewest of 3 readings) says
-    someone still does: as many threads as that instant count leaves (a sleeping loop is runnable for a moment of
-    every millisecond; read three times, and only after a pause it was busy in, it does not trip this)
+    ours: /proc/loadavg's running count less this process's threads in state R, the fewest of 3 readings 1 ms
+    apart) says someone still does: as many threads as that instant count leaves (a sleeping loop or a kernel
+    thread is runnable for a moment; read three times apart, and only after a pause others were busy in, it does
+    not trip this)
     otherwise, after a pause of over RESET_S: every thread again (what held one back may be gone)
 
 Measured on a 2-vCPU AMD EPYC Zen 4, 2026-12-03 12:06-12:11, load 0.5-0.9: the server, one request at a time 1.5 s
@@ -63,6 +64,10 @@ PAUSE_S = 0.2         # a reading over a longer interval (no step ran) is no rea
                       # over pauses, a neighbour that had left, or a benchmark's other engine, held the next steps
                       # at one thread)
 RESET_S = 1.0         # after a pause longer than this, start again from max_threads
+PROBES = 3            # after a pause others were busy in: readings of who is runnable now (runnable_others) ...
+PROBE_GAP_S = 0.001   # ... this far apart. Back to back (150 us in all) they tripped on something transient after
+                      # pauses in which `lumen.bench --llama-bench` ran llama.cpp (3 times in one run of 2 reps,
+                      # 2-vCPU AMD EPYC Zen 4, 2026-12-03), each then holding a step at one thread
 log = logging.getLogger("lumen.engine")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -110,13 +115,16 @@ def runnable() -> tuple[int, int]:
 
 
 def runnable_others(cpus: list[int]) -> int | None:
-    """Tasks runnable right now that are not threads of this process (`runnable`), the fewest of 3 readings
-    (about 50 us each). None where /proc cannot be read, or where `cpus` are not all the machine's (the count is
-    the whole machine's)."""
+    """Tasks runnable right now that are not threads of this process (`runnable`), the fewest of PROBES readings
+    PROBE_GAP_S apart (about 50 us each, 2 ms in all): a neighbour that computes is runnable at every one, a kernel
+    thread's or a sleeping loop's moment at one at most. None where /proc cannot be read, or where `cpus` are not
+    all the machine's (the count is the whole machine's)."""
     if len(cpus) != (os.cpu_count() or 0):
         return None
     best = None
-    for _ in range(3):
+    for i in range(PROBES):
+        if i:
+            time.sleep(PROBE_GAP_S)
         try:
             running, mine = runnable()
         except (OSError, ValueError, IndexError):
