@@ -10,13 +10,16 @@
 - `none`: nothing (the idle figure that the others are divided by).
 
 Each co-runner is its own process, bounded in time (it exits by itself after `seconds`, and is killed when the
-block ends), so no benchmark leaves one behind. After it is killed the block waits SETTLE_S, longer than the thread
-governor's RESET_S (lumen.engine.threads): what is measured next (the next repetition's idle figure) starts from a
-pause after which the governor sees nobody and takes every thread, instead of the count the co-runner left behind
-(measured: pp512 at 810-870 t/s on one thread against 1427-1433 on two, 2-vCPU AMD EPYC Zen 4, 2026-12-03).
+block ends), so no benchmark leaves one behind. The block begins once the co-runner says it is in its loop (an
+interpreter starting is a busy process for tens of ms, whatever the kind), and after the co-runner is killed it
+waits SETTLE_S, longer than the thread governor's RESET_S (lumen.engine.threads): what is measured next (the next
+repetition's idle figure) starts from a pause after which the governor sees nobody and takes every thread,
+instead of the count the co-runner left behind (measured: pp512 at 810-870 t/s on one thread against 1427-1433 on
+two, 2-vCPU AMD EPYC Zen 4, 2026-12-03).
 """
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import time
@@ -25,12 +28,14 @@ from contextlib import contextmanager
 KINDS = ("none", "sleep", "busy")
 SETTLE_S = 1.2          # seconds after a co-runner ends before the block does (> lumen.engine.threads.RESET_S)
 
+_READY = "import sys\nsys.stdout.write('ready\\n')\nsys.stdout.flush()\n"     # in its loop from here on
 _CODE = {
-    "sleep": "import time, sys\nend = time.monotonic() + float(sys.argv[1])\n"
-             "while time.monotonic() < end:\n    time.sleep(0.001)\n",
-    "busy": "import time, sys\nend = time.monotonic() + float(sys.argv[1])\nn = 0\n"
-            "while True:\n    n += 1\n    if n & 0xFFFF == 0 and time.monotonic() > end:\n        break\n",
+    "sleep": _READY + "import time\nend = time.monotonic() + float(sys.argv[1])\n"
+                      "while time.monotonic() < end:\n    time.sleep(0.001)\n",
+    "busy": _READY + "import time\nend = time.monotonic() + float(sys.argv[1])\nn = 0\n"
+                     "while True:\n    n += 1\n    if n & 0xFFFF == 0 and time.monotonic() > end:\n        break\n",
 }
+START_TIMEOUT_S = 30.0  # a co-runner that has not said ready by then is a fault
 
 
 @contextmanager
@@ -41,13 +46,19 @@ def corunner(kind: str, seconds: float = 600.0):
     if kind == "none":
         yield None
         return
-    p = subprocess.Popen([sys.executable, "-c", _CODE[kind], str(float(seconds))], stdin=subprocess.DEVNULL)
+    p = subprocess.Popen([sys.executable, "-c", _CODE[kind], str(float(seconds))], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE)
     try:
-        time.sleep(0.05)                      # let it start before the measurement does
+        # its own start (an interpreter starting: a busy process for tens of ms, whatever the kind) is over before
+        # the measurement begins, or a sleeping loop would be measured as a busy one for the first step
+        if not select.select([p.stdout], [], [], START_TIMEOUT_S)[0] or p.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the {kind} co-runner did not start (exit code {p.poll()})")
+        time.sleep(0.05)
         yield p
     finally:
         p.kill()
         p.wait()
+        p.stdout.close()
         time.sleep(SETTLE_S)
 
 
