@@ -180,16 +180,21 @@ def part2(model, srv: subprocess.Popen, port: int, reps: int, n_prompts: int, ou
 
 
 def _stream(url: str, prompt: str, out_len: int) -> tuple[float, float]:
-    """(TTFT s, TPOT s) of one streamed /v1/completions request (greedy, out_len tokens, EOS ignored)."""
+    """(TTFT s, TPOT s) of one streamed /v1/completions request (greedy, out_len tokens, EOS ignored), sent and
+    timed by the load generator's own `send`."""
+    import asyncio
     import httpx
-    body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True, "stream": True}
-    t0, times = time.perf_counter(), []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                times.append(time.perf_counter())
-    return times[0] - t0, (times[-1] - times[0]) / max(1, len(times) - 1)
+    from lumen.bench.serve import send
+    body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def one():
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=30.0)) as client:
+            return await send(client, "/v1/completions", body)
+    o = asyncio.run(one())
+    if not o.ok or o.tpot is None:
+        raise RuntimeError(f"a request failed: {o.error or 'fewer than 2 tokens'}")
+    return o.ttft, o.tpot
 
 
 def part3(port: int, reps: int, n_requests: int, gap: float, out_len: int) -> dict:
