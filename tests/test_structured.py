@@ -8,7 +8,6 @@ import ast
 import json
 import re
 import threading
-import time
 
 import jsonschema
 import numpy as np
@@ -142,9 +141,8 @@ def test_compiler_caches_and_compiles_off_thread(toks):
         g = f1.result(timeout=30)
         assert seen and seen[0] != main and len(seen) == 1     # compiled once, not on the caller's thread
         assert compiler.misses == 1 and compiler.hits == 1
-        t0 = time.perf_counter()
         assert compiler.compile(Constraint.json_schema(schema)) is g
-        assert time.perf_counter() - t0 < 0.01                # cached: no compile
+        assert len(seen) == 1 and compiler.hits == 2          # cached: no compile
         m1, m2 = g.matcher(), g.matcher()
         m1.advance(tok.encode('{"', add_bos=False, special=False)[0])
         assert m1.n_tokens == 1 and m2.n_tokens == 0          # independent copies of the template
