@@ -83,6 +83,13 @@ def test_help_lists_what_the_readme_documents(command, sub):
     assert not missing, f"`python -m {command} {sub or ''} --help` does not list {missing}:\n{text}"
 
 
+@pytest.mark.parametrize("sub", BENCH)
+def test_bench_subcommand_help_is_its_own(sub):
+    """`lumen.bench SUB --help` is SUB's help alone; the list of subcommands heads only `lumen.bench --help`."""
+    assert "the default command" not in help_text("lumen.bench", sub)
+    assert "the default command, single" in help_text("lumen.bench", None)
+
+
 def test_profile_modes_parse_as_the_readme_writes_them():
     """Every README invocation of lumen.profile parses (the parser alone: nothing runs)."""
     from lumen.profile.__main__ import parse

@@ -21,8 +21,9 @@ the default command, single:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = argv.pop(0) if argv and argv[0] in COMMANDS else "single"
-    if cmd == "single" and argv[:1] in (["-h"], ["--help"]) and len(argv) == 1:
+    named = bool(argv) and argv[0] in COMMANDS
+    cmd = argv.pop(0) if named else "single"
+    if not named and argv in (["-h"], ["--help"]):
         print(USAGE)                              # no command given: the commands, then single's options
     if cmd == "batch":
         from .batch import main as run
