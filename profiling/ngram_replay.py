@@ -1,0 +1,101 @@
+"""Is n-gram speculation limited by the drafter or by what the model copies? Replay greedy outputs through it.
+
+    python profiling/ngram_replay.py [--quick] [-m smollm2-135m] [--kinds code,extract,summarize,chat]
+                                     [--prompts-per-kind 6] [-n 160] [--row-cost 0.15] [--sizes 1-4,1-8,2-6]
+
+Greedy speculation is exact: the output is the plain greedy output whatever is drafted. So each committed prompt
+(lumen/bench/data/prompts.json) is decoded once without speculation, and its output replayed step by step through
+the engine's own n-gram drafter (lumen.engine.speculative: the same match, proposal, adaptive k and acceptance
+bookkeeping) for each range of n-gram sizes in --sizes, without the model. A step with k drafted tokens is
+modelled as costing 1 + row_cost x k one-row steps (`spec_verify_cost.py` measures a 5-row step: 1.45-1.7x, so
+row_cost 0.11-0.18). Per kind and size range: the modelled speed-up over plain decode, the tokens per step, and
+the share of steps where nothing matched. The first size range is the engine's default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from lumen import Engine, SamplingParams
+from lumen.bench.spec import prompts
+from lumen.engine.speculative.drafters import PRIOR, NgramDrafter, SpecState
+from lumen.engine.speculative.speculator import choose_k, skipped, update_alpha
+
+K_MAX = 5
+
+
+class _Seq:
+    def __init__(self):
+        self.spec, self.tokens = SpecState(), []
+
+
+def replay(prompt: list, out: list, drafter: NgramDrafter, row_cost: float) -> tuple[float, float, float]:
+    """(modelled speed-up, tokens per step, share of steps without a match) of speculating on this output."""
+    seq, cost = _Seq(), lambda k: 1.0 + row_cost * k
+    i, total, steps, unmatched = 1, 1.0, 1, 0               # the first token comes from the prefill
+    while i < len(out):
+        seq.tokens = prompt + out[:i]
+        n, k, acc = drafter.match(seq.spec, seq.tokens), 0, 0
+        room = min(K_MAX, len(out) - i - 1)
+        if n is None:
+            unmatched += 1
+        elif room > 0:
+            k = choose_k(seq.spec.alpha_n.get(n, PRIOR), room, cost)
+            if k == 0:
+                skipped(seq.spec, n)
+        d = drafter.propose([(seq, k)]).get(seq) if k else None
+        k = 0 if d is None else k
+        if k:
+            while acc < len(d.tokens) and d.tokens[acc] == out[i + acc]:
+                acc += 1
+            update_alpha(seq.spec, len(d.tokens), acc, n=d.n)
+            k = len(d.tokens)
+        total += cost(k)
+        steps += 1
+        i += acc + 1
+    return len(out) / total, len(out) / steps, unmatched / max(1, steps - 1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", "-m", default="smollm2-135m")
+    ap.add_argument("--kinds", default="code,extract,summarize,chat")
+    ap.add_argument("--prompts-per-kind", type=int, default=6)
+    ap.add_argument("-n", type=int, default=160, help="tokens generated per prompt (EOS ignored)")
+    ap.add_argument("--row-cost", type=float, default=0.15, help="a drafted row's cost, in one-row steps")
+    ap.add_argument("--sizes", default="1-4,1-6,1-8,2-4,2-6,3-8", help="n-gram size ranges, the default first")
+    ap.add_argument("--quick", action="store_true", help="one code prompt, 16 tokens, two size ranges (tests)")
+    a = ap.parse_args(argv)
+    kinds, per, n, sizes = a.kinds.split(","), a.prompts_per_kind, a.n, a.sizes.split(",")
+    if a.quick:
+        kinds, per, n, sizes = ["code"], 1, 16, sizes[:2]
+    drafters = {s: NgramDrafter(*(int(x) for x in s.split("-"))) for s in sizes}
+    eng = Engine(a.model, max_num_seqs=1)
+    outs: dict = {}
+    for item in prompts(kinds, per):
+        eng.add_request(item["prompt"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        done = [o for _ in iter(eng.has_unfinished, False) for o in eng.step() if o.finished]
+        outs.setdefault(item["kind"], []).append((list(done[0].prompt_token_ids), list(done[0].token_ids)))
+    print(f"{a.model}, {per} prompts per kind, {n} greedy tokens each, a drafted row costs {a.row_cost} of a step; "
+          f"medians over prompts")
+    print(f"{'kind':>10} {'sizes':>6} {'speed-up':>9} {'tok/step':>9} {'no match':>9}")
+    verdict = []
+    for kind, items in outs.items():
+        best = None
+        for s, d in drafters.items():
+            r = [replay(p, o, d, a.row_cost) for p, o in items]
+            up, tps, um = (statistics.median(x[j] for x in r) for j in range(3))
+            print(f"{kind:>10} {s:>6} {up:8.2f}x {tps:9.2f} {100 * um:8.0f}%")
+            if s == sizes[0]:
+                base = (up, tps, um)
+            if best is None or up > best[1]:
+                best = (s, up)
+        verdict.append(f"{kind} {base[0]:.2f}x at {base[1]:.2f} tokens a step, no match on {100 * base[2]:.0f}% of "
+                       f"steps (best sizes {best[0]}: {best[1]:.2f}x)")
+    print(f"VERDICT: n-gram speculation replayed on greedy outputs, sizes {sizes[0]}: {'; '.join(verdict)} "
+          f"[load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+
+
+if __name__ == "__main__":
+    main()
