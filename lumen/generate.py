@@ -198,8 +198,11 @@ def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_tokens < 1:                              # 0 would generate nothing and print a line of zeros
-        print(f"error: max_tokens must be a positive integer, got {args.max_tokens}", file=sys.stderr)
+    from .engine.config import check_int                 # (no Numba): refused before the model loads
+    try:
+        check_int("max_tokens", args.max_tokens)         # 0 would generate nothing and print a line of zeros
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
