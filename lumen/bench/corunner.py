@@ -53,7 +53,6 @@ def corunner(kind: str, seconds: float = 600.0):
         # the measurement begins, or a sleeping loop would be measured as a busy one for the first step
         if not select.select([p.stdout], [], [], START_TIMEOUT_S)[0] or p.stdout.readline() != b"ready\n":
             raise RuntimeError(f"the {kind} co-runner did not start (exit code {p.poll()})")
-        time.sleep(0.05)
         yield p
     finally:
         p.kill()
