@@ -105,7 +105,7 @@ def test_recorder_folds_real_steps_draft_apart(smollm2_path):
     decode = [r for r in recs if r.phase == "decode"]
     assert decode and all(r.split[g["matmul"]] > 0 and r.split[g["head"]] > 0 for r in decode)
     # A share of time, so the median step: one step can lose its time to a co-runner (pytest-xdist's other worker
-    # shares these 2 cores) wherever its threads wait, as a 55 ms step once did in attention in CI
+    # shares these 2 cores) wherever its threads wait, as a 55 ms step once did in CI
     share = sorted((r.split[g["matmul"]] + r.split[g["head"]] + r.split[g["draft"]]) / r.wall_s for r in decode)
     assert share[len(share) // 2] >= 0.5, share
     assert any(r.split[g["draft"]] > 0 for r in decode)      # the draft's forwards, not the target's matmuls
