@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent                  # the lumen package dire
 # would still run the old kernel. So the cache lives in $LUMEN_HOME/numba/<hash of every source file that holds
 # compiled code, and of the switches frozen into it (LUMEN_TIMERS, LUMEN_NO_VNNI)>; a change is a new directory.
 # An explicit NUMBA_CACHE_DIR wins.
-COMPILED = ("kernels/*.py", "engine/forward.py", "timer.py", "machine.py", "format/quants.py")
+COMPILED = ("kernels/*.py", "model/forward.py", "timer.py", "machine.py", "format/quants.py")
 
 
 def lumen_home() -> Path:

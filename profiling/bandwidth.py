@@ -17,7 +17,7 @@ import numpy as np
 
 import lumen
 
-MATMULS = ("qkv", "o", "gate_up", "down", "output")   # lumen.engine.forward.OPS (q/k/v, gate/up fused)
+MATMULS = ("qkv", "o", "gate_up", "down", "output")   # lumen.model.forward.OPS (q/k/v, gate/up fused)
 
 
 def machine_bandwidth(threads: int) -> tuple[float, str]:

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 import lumen
-from lumen.engine.forward import Batch, forward
+from lumen.model.forward import Batch, forward
 from lumen.timer import tick_rate, ticks
 
 

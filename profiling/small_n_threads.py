@@ -39,7 +39,7 @@ OPS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": 
 
 def regions(g, op: str, layers: int) -> list:
     """The op's matmul regions over the first `layers` layers: lists of Packed that share one parallel region
-    (as lumen.engine.forward.mm3 fuses them)."""
+    (as lumen.model.forward.mm3 fuses them)."""
     if op == "output":
         name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
         t = g.tensors[name]

@@ -8,7 +8,7 @@ One throwaway run first warms Numba's compile cache and the packed-weight cache.
   the process to the first byte of text on its stdout (the first token), process wall time and peak RSS;
 - the same CLI, instrumented (this script re-runs itself with --child, wraps the functions below, then runs
   lumen.generate's main): interpreter start, imports, CLI set-up (argparse, rich, model resolve), GGUF parse and
-  config check (lumen.engine.parts.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix
+  config check (lumen.model.parts.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix
   repack or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
   first call (type the arguments, load the compiled code from the cache; a cache miss is reported), the warm-up
   decode step, tokenize, the first prefill, and prefill end -> first token on stdout.
@@ -73,8 +73,8 @@ def child(out_path: str, cli_args: list[str]) -> None:
     llm = lumen.engine.llm
     wrap(llm, "open_gguf", "parse")
     wrap(llm, "build_tokenizer", "tokenizer")
-    import lumen.engine.parts
-    wrap(lumen.engine.parts, "load_weights", "weights")     # Model -> parts.make_parts -> load_weights
+    import lumen.model.parts
+    wrap(lumen.model.parts, "load_weights", "weights")     # Model -> parts.make_parts -> load_weights
     wrap(llm.Model, "__init__", "init")
     wrap(llm.Model, "warmup", "warmup")
     wrap(llm.Model, "tokenize", "tokenize")

@@ -34,7 +34,7 @@ PROBE = textwrap.dedent("""
         from numba.core.registry import CPUDispatcher
         for mod in ("lumen.kernels.attention", "lumen.kernels.matmul", "lumen.kernels.norm", "lumen.kernels.rope",
                     "lumen.kernels.activation", "lumen.kernels.dequant", "lumen.kernels.layout", "lumen.kernels.policy",
-                    "lumen.engine.forward",
+                    "lumen.model.forward",
                     "lumen.timer"):
             m = importlib.import_module(mod)
             for name, d in vars(m).items():

@@ -172,7 +172,7 @@ def test_no_import_circle_through_lazy_imports():
 @pytest.mark.parametrize("source, expected", [
     ("from ..profile import active", {"lumen.profile"}),
     ("from .. import IMPORT_TIME_NS", {"lumen"}),
-    ("from ..engine.forward import OPS", {"lumen.engine.forward"}),
+    ("from ..model.forward import OPS", {"lumen.model.forward"}),
     ("from . import block_manager", {"lumen.engine.block_manager"}),
     ("def f():\n    import lumen.serve.app", {"lumen.serve.app"}),
 ])

@@ -6,7 +6,7 @@ import pytest
 
 import lumen
 from lumen.errors import LumenError
-from lumen.engine.forward import LAYER_OPS, OPS
+from lumen.model.forward import LAYER_OPS, OPS
 
 
 @pytest.fixture(scope="module")

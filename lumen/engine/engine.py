@@ -39,7 +39,7 @@ from ..timer import active as profiler_active
 from .block_manager import BlockManager
 from .budget import MeasuredBudget
 from .config import EngineConfig, kv_blocks
-from .parts import parts_of
+from ..model.parts import parts_of
 from .runner import Runner
 from .sampler import SamplerError
 from .sampling_params import SamplingParams

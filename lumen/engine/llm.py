@@ -20,7 +20,7 @@ from ..errors import ContextError, ContextWarning, LumenError
 from ..kernels.attention import BLOCK
 from .config import check_int
 from .engine import Engine
-from .parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
+from ..model.parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
 from .runner import Runner
 from .sampling_params import SamplingParams
 from .sequence import RequestMetrics

@@ -21,7 +21,7 @@ from ..kernels.work import counters
 from ..model.config import ROPE_NEOX, Config
 from ..timer import active as profiler_active
 from .threads import Governor
-from .forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
+from ..model.forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
 
 f32 = np.float32
 

@@ -1,6 +1,6 @@
 """How many threads a step runs on: as many as the machine has cores left over, measured while it runs.
 
-A decode step is 121 fork-join parallel regions for SmolLM2 (lumen.engine.forward). Each ends at a barrier, so it
+A decode step is 121 fork-join parallel regions for SmolLM2 (lumen.model.forward). Each ends at a barrier, so it
 runs at the pace of its slowest thread: when another process wants a core, the OS takes it from one of our threads
 for a scheduler slice and the other waits. Measured on a 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode
 (profiling/shared_machine.py): alone 2 threads give 340 tok/s and 1 thread 280; beside one busy process 2

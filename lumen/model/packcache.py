@@ -21,7 +21,7 @@ directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A mi
 the cache's file lock (fcntl.flock on .lock), so processes loading a model at once pack it once and the others
 read that file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every
 table row against the GGUF tensor it packs (family, activation format, sizes, and that its slices lie inside the buffers
-as lumen.engine.forward.mm takes them: lumen.kernels.layout.check_table), because the compiled kernels do not
+as lumen.model.forward.mm takes them: lumen.kernels.layout.check_table), because the compiled kernels do not
 check bounds. Anything wrong -> the file is ignored and rewritten.
 The arrays are read into ordinary memory, not mapped: decode over a copy-on-write mapping of the file measured
 5% slower (SmolLM2 12.0 vs 11.45 ms of CPU per step, Gemma 25.7 vs 24.4; one process, interleaved, medians),

@@ -1,5 +1,5 @@
-"""Model weights, as the named arrays the compiled forward pass takes (the engine makes its Weights bundle of
-them, lumen.engine.parts; nothing here imports the engine).
+"""Model weights, as the named arrays the compiled forward pass takes (lumen.model.parts makes the forward pass's
+Weights bundle of them; nothing here imports the engine).
 
 - The token embedding is read straight from the GGUF mmap (zero-copy): its (n_vocab, row_bytes) rows; the
   lookup dequantizes only the rows of the tokens seen.
@@ -73,7 +73,7 @@ def pack_all(mats: list) -> Packs:
 
 @dataclass
 class LoadedWeights:
-    arrays: dict                 # the fields of lumen.engine.forward.Weights, by name: what the forward pass takes
+    arrays: dict                 # the fields of lumen.model.forward.Weights, by name: what the forward pass takes
     rope_freqs: np.ndarray | None  # (n_rot/2,) f32 llama3 frequency factors, or None
     tied_output: bool
     decode_bytes: int            # weight bytes one decode step reads: every packed matrix (incl. the head), vector

@@ -9,7 +9,7 @@ object; `python -m lumen.profile` is the command line, lumen/profile/__main__.py
     prof.coverage()             # per step: share of the step's wall time attributed to ops
 
 The compiled forward writes a time-stamp-counter tick after each op into a preallocated array
-(lumen/engine/forward.py), so ops inside the fused Numba function are timed individually. Around it,
+(lumen/model/forward.py), so ops inside the fused Numba function are timed individually. Around it,
 Python-side timestamps (in the same tick clock) time the glue: the engine's scheduling ("schedule"), filling the
 batch ("prepare"), dispatching the call ("dispatch"), returning from it ("return"), sampling ("sample") and
 detokenizing ("detokenize"). A step is one forward pass: a prefill chunk, a decode token, or an engine step
@@ -228,7 +228,7 @@ class Profiler(StepClock):
 def profile() -> Iterator[Profiler]:
     """Profile every forward step (and the engine's scheduling, sampling and detokenizing) run inside the block,
     in this thread."""
-    from ..engine.forward import TIMERS
+    from ..model.forward import TIMERS
     if not TIMERS:
         raise LumenError("the op timers are compiled out (LUMEN_TIMERS=0); unset it to profile")
     tick_rate()  # calibrate the clock now, not inside the first step

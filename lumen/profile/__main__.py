@@ -140,7 +140,7 @@ def model_bytes(model) -> dict:
     """The model's data as the profile counts it: its GGUF tensors' bytes; the packed weights a forward step reads
     (every matrix once, and an embedding row per token: lumen/profile/costs.py's weight bytes); the KV cache
     allocated; attention's f32 query and output rows per token and layer (costs.py counts them with its KV reads)."""
-    from lumen.engine.forward import MATS
+    from lumen.model.forward import MATS
     from lumen.kernels.layout import matrix_nbytes
     w, c = model.runner.w, model.config
     mats = [int(i) for name in MATS for i in getattr(w, name)] + [int(w.output)]

@@ -10,7 +10,7 @@ import weakref
 
 import numpy as np
 
-from ..engine.forward import LAYER_OPS, OPS
+from ..model.forward import LAYER_OPS, OPS
 from ..kernels.layout import C_DOUT, C_NIN, matrix_nbytes
 
 # per runner, per (N, n_out): the costs that do not depend on positions. Weak keys: an id() key could be reused

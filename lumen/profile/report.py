@@ -254,7 +254,7 @@ def print_machine(lim: dict, console) -> None:
 def op_order(ops) -> list[str]:
     """The ops in forward order (the engine's OPS), then anything else sorted."""
     try:
-        from lumen.engine.forward import OPS
+        from lumen.model.forward import OPS
     except ImportError:
         OPS = ()
     return [o for o in OPS if o in ops] + sorted(o for o in ops if o not in OPS)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ...kernels.attention import BLOCK
 from ..block_manager import BlockManager, CachedPrefix
-from ..parts import ModelParts
+from ...model.parts import ModelParts
 from ..runner import Runner
 from ..sampler import DRAFT, uniform
 from .verify import draw

@@ -145,7 +145,7 @@ class StepTap:
     """Runs the engine's steps, under a StepRecorder while a dashboard has looked within `hold_s` seconds."""
 
     def __init__(self, hold_s: float = 5.0, keep: int = 512):
-        from ...engine.forward import TIMERS
+        from ...model.forward import TIMERS
         self.hold_s = hold_s
         self.recorder = StepRecorder(keep)
         self.timers = TIMERS                     # LUMEN_TIMERS=0 compiles the op timers out: nothing to record

@@ -1,6 +1,6 @@
 """A GGUF file as the engine runs it: parsed and checked (`open_gguf`), its tokenizer (`build_tokenizer`), its
 weights and their forward-pass bundle (`load_parts` -> ModelParts), shared read-only by every Model and Engine
-made from it. Below both lumen.engine.engine and lumen.engine.llm, so neither imports the other to load a model.
+made from it. On the model floor, below the engine, so the engine and lumen.Model load a model the same way.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 
 from ..errors import GGUFError, LumenError
 from ..format.gguf import GGUFFile
-from ..model.config import Config, check_tensors, config_from_metadata
-from ..model.weights import load_weights
+from .config import Config, check_tensors, config_from_metadata
+from .weights import load_weights
 from .forward import Weights
 
 
@@ -69,7 +69,7 @@ def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None =
 
 def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None) -> ModelParts:
     """A registry name (fetched on first use) or a .gguf path -> its parts."""
-    from ..model.store import resolve
+    from .store import resolve
     path = resolve(model)
     g, cfg = open_gguf(path)
     return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache)
