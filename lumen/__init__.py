@@ -28,9 +28,10 @@ __version__ = "0.1.0"
 
 # The layers, bottom up (tests/test_layers.py keeps imports pointing down): errors, timer, paths -> format (GGUF
 # file, quant types, tokenizer, chat template) -> kernels (Numba) -> model (Config, packed weights, the pack cache,
-# the model store) -> engine (the forward pass, the runner, the block manager, the scheduler, the engine loop,
-# Model) -> this facade and the profiler -> interfaces (generate, perplexity, bench, serve, models, gguf).
-_LAZY = {"Model": ("engine.llm", "Model"), "Engine": ("engine.engine", "Engine"),
+# the model store, the forward pass and its loader) -> engine (the runner, the block manager, the scheduler, the
+# engine loop) -> this facade (lumen.load, Model) and the profiler -> interfaces (generate, perplexity, bench,
+# serve, models, gguf).
+_LAZY = {"Model": ("llm", "Model"), "Engine": ("engine.engine", "Engine"),
          "EngineConfig": ("engine.config", "EngineConfig"),
          "SamplingParams": ("engine.sampling_params", "SamplingParams"),
          "RequestOutput": ("engine.sequence", "RequestOutput")}
@@ -50,6 +51,6 @@ def __getattr__(name: str):
 
 def load(model: str | os.PathLike, **kwargs):
     """Load a model by registry name (fetched on first use, see `python -m lumen.models`) or .gguf path."""
-    from .engine.llm import Model
+    from .llm import Model
     from .model.store import resolve
     return Model(resolve(model), **kwargs)

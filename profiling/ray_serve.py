@@ -129,7 +129,7 @@ def shared_prefix_requests(n_system: int = 8, n_requests: int = 64, system_len: 
     """(token ids, system index) x n_requests: n_system system prompts of system_len tokens (texts of the
     committed prompt set, each from another offset), each followed by a distinct question, in random order."""
     from lumen.bench.offline import load_prompts
-    from lumen.engine.llm import build_tokenizer, open_gguf
+    from lumen.model.parts import build_tokenizer, open_gguf
     from lumen.model.store import resolve
     tok = build_tokenizer(open_gguf(resolve(MODEL))[0].metadata)
     texts = [it["prompt"] for it in load_prompts()]

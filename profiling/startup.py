@@ -53,7 +53,7 @@ def child(out_path: str, cli_args: list[str]) -> None:
     import numba  # noqa: F401
     marks["numba"] = now()
     import lumen.generate
-    import lumen.engine.llm
+    import lumen.llm
     import lumen.model.weights
     marks["lumen"] = now()
 
@@ -70,7 +70,7 @@ def child(out_path: str, cli_args: list[str]) -> None:
             return fn(*a, **k)
         setattr(owner, name, timed)
 
-    llm = lumen.engine.llm
+    llm = lumen.llm
     wrap(llm, "open_gguf", "parse")
     wrap(llm, "build_tokenizer", "tokenizer")
     import lumen.model.parts

@@ -50,7 +50,7 @@ for path in sys.argv[1:]:
         pack = packcache.cache_path(g, key) if key else None
         del g
     if key and not pack.exists():
-        from lumen.engine.llm import open_gguf
+        from lumen.model.parts import open_gguf
         from lumen.model.weights import load_weights
         load_weights(*open_gguf(path))        # writes the cache file (or silently keeps the packs in memory)
         gc.collect()

@@ -23,7 +23,7 @@ from goldens import corpus, golden
 from lumen.errors import ContextWarning
 from lumen.generate import chat_prompt, process_escapes, status_while_compiling
 from lumen.format.gguf import GGUFFile
-from lumen.engine.llm import build_tokenizer
+from lumen.model.parts import build_tokenizer
 from synth import write_model
 
 TIMEOUT = 300  # the first compile of the forward pass takes ~40 s; later runs load from Numba's cache in ~2 s

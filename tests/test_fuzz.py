@@ -21,7 +21,7 @@ import pytest
 
 from lumen.errors import GGUFError
 from lumen.format.gguf import GGUFFile
-from lumen.engine.llm import build_tokenizer, open_gguf
+from lumen.model.parts import build_tokenizer, open_gguf
 
 CASES = int(os.environ.get("LUMEN_FUZZ_CASES", "350"))
 TIMEOUT_S = 30

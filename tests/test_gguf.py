@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from lumen.model.config import config_from_metadata
 from lumen.errors import GGUFError, UnsupportedError
 from lumen.format.gguf import GGUFFile
-from lumen.engine.llm import open_gguf
+from lumen.model.parts import open_gguf
 from synth import write_model
 
 

@@ -20,7 +20,7 @@ import synth
 from gguf.quants import dequantize
 from lumen.model import packcache
 from lumen.kernels.layout import C_Q as P_Q, C_S as P_S
-from lumen.engine.llm import open_gguf
+from lumen.model.parts import open_gguf
 from lumen.model.weights import load_weights
 from synth import write_model
 

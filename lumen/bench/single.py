@@ -89,7 +89,7 @@ class LumenEngine:
     name = "Lumen"
 
     def __init__(self, path, threads: int | None, ctx: int, n_batch: int, adaptive_threads: bool = True):
-        from ..engine.llm import Model
+        from ..llm import Model
         self.model = Model(path, ctx=ctx, threads=threads, n_batch=n_batch, adaptive_threads=adaptive_threads)
         self.threads = self.model.threads
         self.n_vocab = self.model.config.n_vocab

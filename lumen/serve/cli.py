@@ -223,7 +223,7 @@ def _main_ray(ap: argparse.ArgumentParser, args) -> int:
                      slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
                      slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain)
     try:
-        from ..engine.llm import open_gguf
+        from ..model.parts import open_gguf
         from ..model.store import resolve
         open_gguf(resolve(args.model))                 # a bad --model fails here, before Ray starts
         template = Path(args.chat_template).read_text() if args.chat_template else None

@@ -196,7 +196,7 @@ def summary(kl: np.ndarray, agree: np.ndarray) -> dict:
 
 def measure(name: str, model_path: str, text: str, llama_python: str) -> dict:
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from lumen.engine.llm import open_gguf
+    from lumen.model.parts import open_gguf
     from ref_forward import RefModel, compare
 
     file, sha = MODELS[name]

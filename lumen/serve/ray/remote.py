@@ -117,7 +117,7 @@ class ModelInfo:
     tokenizer, and the replicas' max_model_len."""
 
     def __init__(self, model: str, max_model_len: int):
-        from ...engine.llm import build_tokenizer, open_gguf
+        from ...model.parts import build_tokenizer, open_gguf
         from ...model.store import resolve
         path = resolve(model)
         g, cfg = open_gguf(path)

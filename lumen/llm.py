@@ -16,14 +16,14 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import ContextError, ContextWarning, LumenError
-from ..kernels.attention import BLOCK
-from .config import check_int
-from .engine import Engine
-from ..model.parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
-from .runner import Runner
-from .sampling_params import SamplingParams
-from .sequence import RequestMetrics
+from .errors import ContextError, ContextWarning, LumenError
+from .kernels.attention import BLOCK
+from .engine.config import check_int
+from .engine.engine import Engine
+from .model.parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
+from .engine.runner import Runner
+from .engine.sampling_params import SamplingParams
+from .engine.sequence import RequestMetrics
 
 DEFAULT_CTX = 2048
 DEFAULT_BATCH = 256
