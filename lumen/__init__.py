@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 # serve, models, gguf).
 _LAZY = {"Model": ("llm", "Model"), "Engine": ("engine.engine", "Engine"),
          "EngineConfig": ("engine.config", "EngineConfig"),
-         "SamplingParams": ("engine.sampling_params", "SamplingParams"),
+         "SamplingParams": ("engine.sampling.params", "SamplingParams"),
          "RequestOutput": ("engine.sequence", "RequestOutput")}
 
 

@@ -22,7 +22,7 @@ from .engine.config import check_int
 from .engine.engine import Engine
 from .model.parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
 from .engine.runner import Runner
-from .engine.sampling_params import SamplingParams
+from .engine.sampling.params import SamplingParams
 from .engine.sequence import RequestMetrics
 
 DEFAULT_CTX = 2048

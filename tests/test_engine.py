@@ -14,7 +14,7 @@ from lumen import SamplingParams
 from lumen.engine.engine import Engine, RequestError
 from lumen.errors import ContextError, LumenError
 from lumen.kernels.attention import BLOCK
-from lumen.engine.sampler import SamplerError
+from lumen.engine.sampling.sampler import SamplerError
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 

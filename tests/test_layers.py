@@ -178,6 +178,6 @@ def test_no_import_circle_through_lazy_imports():
 ])
 def test_imports_are_resolved(source, expected, tmp_path, monkeypatch):
     """The resolver itself: relative imports, a submodule named in `from X import`, lazy imports."""
-    fake, real = LUMEN / "engine" / "sampler.py", Path.read_text
+    fake, real = LUMEN / "engine" / "scheduler.py", Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake else real(self, *a, **k))
-    assert {_owner(m) for m, _, _ in imports("lumen.engine.sampler")} == expected
+    assert {_owner(m) for m, _, _ in imports("lumen.engine.scheduler")} == expected

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from lumen.errors import LumenError
-from lumen.engine.logits_processors import make_logits_processors
-from lumen.engine.sampler import SamplerError, _candidates, make_sampler
+from lumen.engine.sampling.processors import make_logits_processors
+from lumen.engine.sampling.sampler import SamplerError, _candidates, make_sampler
 from lumen.engine.stop_strings import StopChecker
 
 
@@ -316,7 +316,7 @@ def test_stop_bad_args():
                                        (dict(max_tokens=-1), "max_tokens")])
 def test_sampler_error_names_its_field(kw, param):
     """The server's 400 names the field from SamplerError.param, never by reading the message."""
-    from lumen.engine.sampling_params import SamplingParams
+    from lumen.engine.sampling.params import SamplingParams
     with pytest.raises(SamplerError) as e:
         SamplingParams(**kw)
     assert e.value.param == param

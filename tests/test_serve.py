@@ -18,7 +18,7 @@ import pytest
 import lumen
 from lumen import SamplingParams
 from lumen.engine.engine import Engine
-from lumen.engine.sampler import SamplerError
+from lumen.engine.sampling.sampler import SamplerError
 from lumen.format.chat import chat_template_from_metadata, render_chat
 from lumen.serve.app import make_app
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from lumen.engine.sampler import SamplerError
+from lumen.engine.sampling.sampler import SamplerError
 from lumen.engine.sequence import RequestMetrics, RequestOutput
 from lumen.serve import protocol as P
 from lumen.serve.app import add_error_handlers

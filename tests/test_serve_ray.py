@@ -124,7 +124,7 @@ def test_refusals_and_outputs_cross_the_wire():
     """A replica's refusal travels as a kind and comes back as the same class (so the ingress answers what one
     process answers); an output travels without what the ingress already has and is put back together."""
     from lumen.engine.engine import RequestError
-    from lumen.engine.sampler import SamplerError
+    from lumen.engine.sampling.sampler import SamplerError
     from lumen.engine.sequence import RequestMetrics, RequestOutput
     from lumen.errors import ContextError
     from lumen.serve.ray.remote import REFUSALS, Stream, pack, refusal

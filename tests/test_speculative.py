@@ -12,7 +12,7 @@ import lumen
 import synth
 from goldens import corpus
 from lumen import Engine, SamplingParams
-from lumen.engine.sampler import PICK, RESIDUAL, uniform
+from lumen.engine.sampling.sampler import PICK, RESIDUAL, uniform
 from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens, update_alpha, verify
 from lumen.engine.speculative.verify import draw, prob
 

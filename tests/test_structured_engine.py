@@ -18,7 +18,7 @@ from test_structured import SCHEMAS as WALK_SCHEMAS
 import lumen
 from lumen import SamplingParams
 from lumen.engine.engine import Engine
-from lumen.engine.sampler import SamplerError
+from lumen.engine.sampling.sampler import SamplerError
 from lumen.engine.structured import Constraint, StructuredOutputError
 from lumen.errors import LumenError
 

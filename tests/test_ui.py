@@ -83,7 +83,7 @@ def test_recorder_folds_real_steps_draft_apart(smollm2_path):
     weights' matmuls (and the head's, and the draft's) most of a decode step, and a draft model's forward passes counted as "draft"."""
     import lumen
     from lumen.engine.engine import Engine
-    from lumen.engine.sampling_params import SamplingParams
+    from lumen.engine.sampling.params import SamplingParams
     from lumen.serve.ui.steps import GROUPS, StepTap
     model = lumen.load(smollm2_path, ctx=256, threads=2)
     eng = Engine(model, threads=2, max_model_len=256, max_num_seqs=4, kv_cache_mb=8, draft_model=model,

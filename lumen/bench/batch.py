@@ -44,7 +44,7 @@ from .single import peak_rss_mb, token_ids
 
 def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
     """One repetition at one parallel level: {t_pp, t_tg} seconds."""
-    from ..engine.sampling_params import SamplingParams
+    from ..engine.sampling.params import SamplingParams
     params = SamplingParams(max_tokens=ntg + 1, temperature=0, ignore_eos=True)
     rids = [engine.add_request(ids[i * npp:(i + 1) * npp].tolist(), params) for i in range(npl)]
     t0 = time.perf_counter()

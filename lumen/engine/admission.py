@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import ContextError, LumenError
 from .block_manager import BlockManager
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
 
 
 class RequestError(LumenError, ValueError):

@@ -41,8 +41,8 @@ from .budget import MeasuredBudget
 from .config import EngineConfig, kv_blocks
 from ..model.parts import parts_of
 from .runner import Runner
-from .sampler import SamplerError
-from .sampling_params import SamplingParams
+from .sampling.sampler import SamplerError
+from .sampling.params import SamplingParams
 from .scheduler import Scheduled, Scheduler
 from .admission import RequestError, admit
 from .sequence import RequestMetrics, RequestOutput, Sequence

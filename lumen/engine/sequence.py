@@ -13,9 +13,9 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from .logits_processors import penalizer
-from .sampler import PICK, Sampler, request_key, uniform
-from .sampling_params import SamplingParams
+from .sampling.processors import penalizer
+from .sampling.sampler import PICK, Sampler, request_key, uniform
+from .sampling.params import SamplingParams
 from .stop_strings import StopChecker
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .sampler import SamplerError
+from .sampling.sampler import SamplerError
 
 
 class StopResult(NamedTuple):

@@ -100,7 +100,7 @@ def load_engine(model: str, *, threads: int | None, max_model_len: int | None, m
     """The engine, warmed up (one token through the forward pass). engine_kw: the rest of Engine's options
     (speculative decoding, the measured-cost scheduler)."""
     from ..engine.engine import Engine
-    from ..engine.sampling_params import SamplingParams
+    from ..engine.sampling.params import SamplingParams
     from ..kernels.attention import BLOCK
     from ..kernels.work import release_threads
     engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from ..engine.sampler import SamplerError
+from ..engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from ..engine.sampling.sampler import SamplerError
 from .structured import GUIDED, StructuredFieldError, constraint_from_body
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

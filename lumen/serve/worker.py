@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import AsyncIterator
 
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling.params import SamplingParams
 from ..engine.sequence import RequestOutput
 
 log = logging.getLogger("lumen.serve")

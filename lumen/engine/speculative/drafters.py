@@ -16,7 +16,7 @@ from ...kernels.attention import BLOCK
 from ..block_manager import BlockManager, CachedPrefix
 from ...model.parts import ModelParts
 from ..runner import Runner
-from ..sampler import DRAFT, uniform
+from ..sampling.sampler import DRAFT, uniform
 from .verify import draw
 
 PRIOR = 0.7          # the acceptance rate assumed before any is measured

@@ -7,14 +7,14 @@ Per position i = 0 .. k of the k + 1 logits rows of a request that ran k drafted
     sampling   the rule of Leviathan et al. and Chen et al.: accept draft d with probability min(1, p(d) / q(d)); on
                rejection emit a token drawn from the residual max(0, p - q) / Z and stop; after k acceptances draw
                the next token from p. The output distribution equals the target's.
-Every uniform is keyed by (request key, position, use) (lumen.engine.sampler.uniform). The tests hold two
+Every uniform is keyed by (request key, position, use) (lumen.engine.sampling.sampler.uniform). The tests hold two
 deliberately wrong rules beside this one, which the statistical test must fail (tests/test_speculative.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..sampler import ACCEPT, PICK, RESIDUAL, uniform
+from ..sampling.sampler import ACCEPT, PICK, RESIDUAL, uniform
 
 
 def verify(row, draft, k: int, key: int, pos: int, sampler) -> tuple[list, int]:
@@ -23,7 +23,7 @@ def verify(row, draft, k: int, key: int, pos: int, sampler) -> tuple[list, int]:
     accepted), i = 0 .. k. draft.tokens may hold one more token than k, the draft's token for position k: a
     sampled request then decides that position by the same acceptance rule, so every position's token is the
     same function of the draft and the keyed uniforms whether the target verified it in this step or not
-    (without a draft token there, the plain draw). `sampler` is its lumen.engine.sampler.Sampler; uniforms are
+    (without a draft token there, the plain draw). `sampler` is its lumen.engine.sampling.sampler.Sampler; uniforms are
     keyed by (key, position, use)."""
     emitted: list = []
     for i in range(k + 1):

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ...engine.engine import RequestError
-from ...engine.sampler import SamplerError
+from ...engine.sampling.sampler import SamplerError
 from ...engine.structured import StructuredOutputError
 from ...errors import ContextError
 from .. import protocol as P

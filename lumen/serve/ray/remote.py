@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ...engine.engine import RequestError
-from ...engine.sampler import SamplerError
+from ...engine.sampling.sampler import SamplerError
 from ...engine.sequence import RequestMetrics, RequestOutput
 from ...errors import ContextError
 from ..worker import SHUTDOWN, QueueFull, ShuttingDown, Submission, TooManyRequests

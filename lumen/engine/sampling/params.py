@@ -5,12 +5,12 @@ per request (its own RNG, so its tokens do not depend on what runs beside it), i
 min_tokens, logprobs (the top-k log-probabilities of each sampled token) and logit_bias.
 
 Each field is checked once, here; the sampler's and the penalties' fields by the same functions that
-make_sampler and make_logits_processors call (lumen.engine.sampler.check_sampler_params,
-lumen.engine.logits_processors.check_penalties).
+make_sampler and make_logits_processors call (lumen.engine.sampling.sampler.check_sampler_params,
+lumen.engine.sampling.processors.check_penalties).
 
 Order per token (lumen.engine.sequence.TokenChooser): logit_bias, min_tokens (end tokens masked), penalties,
-then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampler), drawn with a uniform
-keyed by the request's seed and the token's position (lumen.engine.sampler.uniform). logprobs are the
+then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampling.sampler), drawn with a uniform
+keyed by the request's seed and the token's position (lumen.engine.sampling.sampler.uniform). logprobs are the
 log-softmax of the logits after bias and penalties, before temperature and truncation.
 
 Structured output: `constraint` (a lumen.engine.structured.Constraint, checked when it was made) restricts every
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from .config import MAX_SPECULATIVE_TOKENS
-from .logits_processors import check_penalties
+from ..config import MAX_SPECULATIVE_TOKENS
+from .processors import check_penalties
 from .sampler import SamplerError, check_sampler_params
 
 MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
@@ -119,7 +119,7 @@ class SamplingParams:
         if k is not None and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             _fail("num_speculative_tokens", f"must be None or an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
         if self.constraint is not None:          # imported here: llguidance loads only for structured output
-            from .structured import Constraint
+            from ..structured import Constraint
             if not isinstance(self.constraint, Constraint):
                 _fail("constraint", "must be None or a lumen.engine.structured.Constraint (Constraint.json_schema("
                       "...), .regex, .choice, .lark, .gbnf)", self.constraint)

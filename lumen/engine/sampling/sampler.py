@@ -1,13 +1,13 @@
 """The sampler: logits (n_vocab,) -> one token id.
 
 The sampler is built once by `make_sampler(...)` and is a pure callable `logits -> token id` that owns its RNG.
-Penalties are separate (lumen.engine.logits_processors), applied by the caller before the sampler; stop strings
+Penalties are separate (lumen.engine.sampling.processors), applied by the caller before the sampler; stop strings
 are lumen.engine.stop_strings. Nothing here knows about models or tokenizers. The engine draws each token with a
 uniform keyed by the request and the position (`uniform`, at the end).
 
 Chain order: llama.cpp's default sampler list (`common_params_sampling::samplers`, common/common.h) is
     penalties -> dry -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> xtc -> temperature, then dist.
-Lumen implements penalties (lumen.engine.logits_processors), top-k, top-p, min-p and temperature, in that order;
+Lumen implements penalties (lumen.engine.sampling.processors), top-k, top-p, min-p and temperature, in that order;
 dry, top_n_sigma, typical_p and xtc are not implemented (in llama.cpp they are off by default). The steps
 follow src/llama-sampling.cpp:
   - top-k keeps the k largest logits;
@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from ..errors import LumenError
+from ...errors import LumenError
 
 TOPK_ROWS = 64      # small top-k: logits viewed as (TOPK_ROWS, V / TOPK_ROWS), column maxima give a threshold
 SAMPLE_SIZE = 4096  # larger top-k reads its threshold guess off about this many strided logits
@@ -197,7 +197,7 @@ def _draw(w: np.ndarray, u: float) -> int:
 class Sampler:
     """logits (n_vocab,) float32 -> token id, with `make_sampler`'s settings. Calling it draws from its own
     numpy Generator (one uniform per token); `pick(logits, u)` takes the uniform from the caller (the engine keys
-    uniforms by request and position, lumen.engine.sampler.uniform), and `distribution(logits)` gives the probabilities
+    uniforms by request and position, lumen.engine.sampling.sampler.uniform), and `distribution(logits)` gives the probabilities
     the draw uses (what speculative decoding verifies against). Logits are not modified."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None):

@@ -1,5 +1,5 @@
 """Logits processors: llama.cpp's penalties, `(logits (n_vocab,), history_ids) -> logits`, applied before the
-sampler (lumen.engine.sampler). `check_penalties` is the one check of their settings (lumen.SamplingParams and
+sampler (lumen.engine.sampling.sampler). `check_penalties` is the one check of their settings (lumen.SamplingParams and
 make_logits_processors both call it).
 """
 from __future__ import annotations
