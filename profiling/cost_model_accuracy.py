@@ -2,7 +2,7 @@
 
     python profiling/cost_model_accuracy.py [--quick] [--model smollm2-135m] [--requests 48]
 
-The engine calibrates its cost model on the grid of step shapes (lumen/engine/step_costs.py), then runs a held-out
+The engine calibrates its cost model on the grid of step shapes (lumen/engine/costs/steps.py), then runs a held-out
 workload (requests of lumen/bench/data/prompts.json arriving all at once, budget 512: prefill chunks, mixed and
 pure decode steps); each step's measured time is compared with the prediction the model made before the step
 (drift correction included, refits off so the model stays the calibrated one). Reports the median and p90

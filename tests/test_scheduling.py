@@ -8,8 +8,8 @@ import pytest
 
 import lumen
 from lumen import Engine, SamplingParams
-from lumen.engine.budget import MeasuredBudget
-from lumen.engine.step_costs import CostModel, Fit, cache_path, calibrate, fit
+from lumen.engine.costs.budget import MeasuredBudget
+from lumen.engine.costs.steps import CostModel, Fit, cache_path, calibrate, fit
 
 
 def test_fit_recovers_a_known_cost_surface():

@@ -64,7 +64,7 @@ class EngineConfig:
     kv_cache_mb: the KV block pool's size (None: min(1024, a fifth of the available memory)); num_kv_blocks: the
     pool's size in blocks instead (wins over kv_cache_mb).
     scheduler: "fcfs" (a fixed token budget) or "measured": each step's budget chosen from this machine's
-    measured step costs (lumen.engine.step_costs, lumen.engine.budget), for the SLO targets slo_ttft_s and
+    measured step costs (lumen.engine.costs.steps, lumen.engine.costs.budget), for the SLO targets slo_ttft_s and
     slo_tpot_s when given (goodput), else for throughput. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs)
     or "tiny" (tests). explain: log every step's decision. pack_cache: see lumen.model.packcache."""
     threads: int | None = None

@@ -37,7 +37,7 @@ from ..errors import LumenError
 from ..kernels.attention import BLOCK
 from ..timer import active as profiler_active
 from .block_manager import BlockManager
-from .budget import MeasuredBudget
+from .costs.budget import MeasuredBudget
 from .config import EngineConfig, kv_blocks
 from ..model.parts import parts_of
 from .runner import Runner
@@ -47,7 +47,7 @@ from .scheduler import Scheduled, Scheduler
 from .admission import RequestError, admit
 from .sequence import RequestMetrics, RequestOutput, Sequence
 from .speculative import DraftModel, Speculator
-from .step_costs import CostKey, StepCosts, calibrate
+from .costs.steps import CostKey, StepCosts, calibrate
 from .structured.constraint import StructuredOutputError
 from .structured.requests import StructuredOutput
 

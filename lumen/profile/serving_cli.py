@@ -53,7 +53,7 @@ def engine_main(args) -> int:
     from rich.table import Table
 
     from .. import Engine, load
-    from ..engine.step_costs import calibrate
+    from ..engine.costs.steps import calibrate
     console = Console()
     model = load(args.model, ctx=64, threads=args.threads)
     eng = Engine(model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -8,7 +8,7 @@
 
 Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an exponential average of its
 acceptance rate alpha; the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against the
-step time the engine measured for that many more tokens (lumen.engine.step_costs.StepCosts); k = 0 (plain
+step time the engine measured for that many more tokens (lumen.engine.costs.steps.StepCosts); k = 0 (plain
 decode) when speculation does not pay. A sampled request also gets the draft's token for the position after its
 verified ones (and for a position it samples without drafting), which verify decides by the acceptance rule.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..admission import RequestError
 from ..config import SpeculativeConfig
 from ..sequence import Sequence
-from ..step_costs import StepCosts
+from ..costs.steps import StepCosts
 from .drafters import PRIOR, DraftModel, NgramDrafter, SpecState
 from .verify import verify
 

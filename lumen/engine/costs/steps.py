@@ -161,7 +161,7 @@ def grid(max_tokens: int, max_seqs: int, max_ctx: int, tiny: bool = False) -> li
 def measure(runner, shape: Shape, rng, repeats: int = 3) -> float:
     """Median seconds of a forward step of this shape through the runner (its pool's blocks are scribbled on:
     call before serving)."""
-    from ..kernels.attention import BLOCK
+    from ...kernels.attention import BLOCK
     nb = runner.n_blocks
     per = -(-(shape.ctx + 1) // BLOCK) if shape.decodes else 0
     i, rows = 0, []
@@ -197,8 +197,8 @@ class CostKey:
 
 def cache_key(key: CostKey) -> str:
     """Model file, machine, compiled code, threads, engine shape: a change to any measures again."""
-    from ..paths import compile_cache_dir as _compile_cache_dir
-    from ..machine import cpu_model
+    from ...paths import compile_cache_dir as _compile_cache_dir
+    from ...machine import cpu_model
     p = Path(key.model_path)
     st = p.stat()
     h = hashlib.sha256(f"{p.resolve()} {st.st_size} {st.st_mtime_ns} | {cpu_model()} {os.cpu_count()} | "
@@ -208,7 +208,7 @@ def cache_key(key: CostKey) -> str:
 
 
 def cache_path(key: CostKey) -> Path:
-    from ..model.store import lumen_home
+    from ...model.store import lumen_home
     return lumen_home() / "costs" / f"{Path(key.model_path).stem}-{cache_key(key)}.json"
 
 

@@ -1,7 +1,7 @@
 """The measured-cost scheduler's choice: how many tokens each step may take, from what steps cost here.
 
 A fixed token budget (vLLM's max_num_batched_tokens) is right for one machine, model and load at best. Here every
-step asks the cost model (lumen.engine.step_costs) what its candidates would cost and decides:
+step asks the cost model (lumen.engine.costs.steps) what its candidates would cost and decides:
 
 with SLO targets (slo_ttft_s, slo_tpot_s): the decodes that run this step each have a budget: the longest step
     that keeps their mean time per output token within slo_tpot (their tokens so far times the target, minus the
@@ -45,7 +45,7 @@ class Decision:
 class MeasuredBudget:
     def __init__(self, cost_model, *, max_tokens: int, slo_ttft_s: float | None = None,
                  slo_tpot_s: float | None = None):
-        """cost_model: what predicts a step's seconds from its shape (lumen.engine.step_costs.CostModel)."""
+        """cost_model: what predicts a step's seconds from its shape (lumen.engine.costs.steps.CostModel)."""
         self.cost_model = cost_model
         self.max_tokens = max_tokens
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
