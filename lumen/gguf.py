@@ -1,7 +1,52 @@
 """`python -m lumen.gguf FILE`: a GGUF file's metadata and tensor table (the reader is lumen/format/gguf.py)."""
-import sys
+from __future__ import annotations
 
-from lumen.format.gguf import main
+import sys
+from typing import Any
+
+from lumen.errors import GGUFError
+from lumen.format.gguf import GGUFFile
+
+
+def _short(v: Any, width: int = 80) -> str:
+    if isinstance(v, list):
+        head = ", ".join(repr(x) for x in v[:5])
+        return f"[{head}{', ...' if len(v) > 5 else ''}] ({len(v)} items)"
+    s = repr(v)
+    return s if len(s) <= width else s[:width - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from rich.console import Console
+    from rich.table import Table
+    ap = argparse.ArgumentParser(prog="python -m lumen.gguf", description="Show a GGUF file's metadata and tensors")
+    ap.add_argument("file", help="path to a .gguf file")
+    args = ap.parse_args(argv)
+    console = Console()
+    try:
+        g = GGUFFile(args.file)
+    except GGUFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    meta = Table(title=f"{g.path.name}: GGUF v{g.version}, {len(g.metadata)} metadata keys")
+    meta.add_column("key")
+    meta.add_column("value", overflow="fold")
+    for k, v in g.metadata.items():
+        meta.add_row(k, _short(v))
+    console.print(meta)
+    tab = Table(title=f"{len(g.tensors)} tensors, data at offset {g.data_start}")
+    for col, just in (("name", "left"), ("type", "left"), ("shape (ggml dims)", "left"), ("bytes", "right")):
+        tab.add_column(col, justify=just)
+    total = 0
+    for t in g.tensors.values():
+        tab.add_row(t.name, t.qtype.name, str(list(t.dims)), f"{t.nbytes:,}")
+        total += t.nbytes
+    console.print(tab)
+    console.print(f"total tensor bytes: {total:,} of {g.size:,} file bytes")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
