@@ -3,7 +3,7 @@
     flock -w 1800 /tmp/lumen-cpu.lock python profiling/structured_output.py [--quick] [--rounds 3]
         [--llama-server /tmp/lcpp/build/bin/llama-server]
 
-Issue 20's targets, on the committed schemas of lumen.engine.structured.measure (a person record, a 3-way anyOf
+Issue 20's targets, on the committed schemas of profiling/structured_costs.py (a person record, a 3-way anyOf
 tool call, a nested invoice), SmolLM2, 2 threads, temperature 0.8 with a seed per request:
 1. TPOT of constrained requests / the same requests unconstrained (Engine in this process), at concurrency 1 and
    16 (at 1, each schema in turn). "The same unconstrained" is each request again without its constraint, with max_tokens = the tokens the
@@ -33,7 +33,7 @@ import lumen
 from lumen import SamplingParams
 from lumen.engine.engine import Engine
 from lumen.engine.structured import Constraint
-from lumen.engine.structured.measure import SCHEMAS
+from structured_costs import SCHEMAS
 from lumen.model.store import resolve
 
 MODEL = "smollm2-135m"

@@ -1,4 +1,4 @@
-"""Structured output through the engine, on the real SmolLM2 (lumen.engine.structured.requests): every output of
+"""Structured output through the engine, on the real SmolLM2 (lumen.engine.structured.manager): every output of
 the schemas of test_structured.py, sampled at temperature 0.8 with several seeds in one batch, parses and
 validates (jsonschema) and ends with "stop"; regex, choice, Lark and GBNF through Engine and Model.generate;
 unconstrained requests keep their bits beside constrained ones; greedy constrained output with speculation (n-gram

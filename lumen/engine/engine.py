@@ -5,7 +5,7 @@
     logits = runner.run_plan(plan, drafts)  one forward pass over the ragged batch (lumen.engine.runner)
     outputs = postprocess(plan, logits)     sample or verify, detokenize, stop; free what finished
 
-Structured output (SamplingParams.constraint, lumen.engine.structured.requests): a request waits outside the
+Structured output (SamplingParams.constraint, lumen.engine.structured.manager): a request waits outside the
 queue until its grammar is compiled; drafts are cut at the first token the grammar refuses; the masks of the
 constrained rows fill beside the forward pass and are applied to the logits before anything samples.
 
@@ -49,7 +49,7 @@ from .sequence import RequestMetrics, RequestOutput, Sequence
 from .speculative import DraftModel, Speculator
 from .costs.steps import CostKey, StepCosts, calibrate
 from .structured.constraint import StructuredOutputError
-from .structured.requests import StructuredOutput
+from .structured.manager import StructuredOutput
 
 log = logging.getLogger("lumen.engine")
 __all__ = ["Engine", "EngineConfig", "RequestError"]          # RequestError: lumen.engine.admission

@@ -18,7 +18,7 @@ generations of a JSON schema (a throwaway Engine subclass masking synchronously;
 prompts, 43-47 tokens) one row takes 0.12-0.4 ms on either vocabulary (llguidance's slices keep Gemma's 262144
 tokens as cheap as SmolLM2's 49152), with 4-15 ms outliers that track the machine's load; synchronous masking
 added 0.3-1.0 ms a token to TPOTs of 12.6-14 ms (SmolLM2) and 25-27 ms (Gemma 3). Along the random walks of
-python -m lumen.engine.structured.measure: 1 row median 20-75 us, 16 rows in one call median 1.1-2.7 ms, p90
+python profiling/structured_costs.py: 1 row median 20-75 us, 16 rows in one call median 1.1-2.7 ms, p90
 5-9 ms (free strings under a `format` or `pattern` regex reach 4-8 ms a row). The filler runs it beside the
 forward pass, so a step waits only for what is left of it. `apply_bitmask` (Numba, branch-free, vectorised):
 2.1-2.8 us a row for 49152 tokens, 12-15 us for 262144, whatever the mask holds (numpy's unpackbits + boolean

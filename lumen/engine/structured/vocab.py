@@ -23,7 +23,7 @@ function. From Lumen's tokenizer:
 Note: with a vocabulary whose add_space_prefix is set (not the case for SmolLM2 or Gemma 3), Lumen's decode drops
 one leading space of a generation's first token; the grammar sees that space.
 
-Build cost (python -m lumen.engine.structured.measure, load average 7.5): SmolLM2 (49152 tokens) 0.24-0.32 s,
+Build cost (python profiling/structured_costs.py, load average 7.5): SmolLM2 (49152 tokens) 0.24-0.32 s,
 Gemma 3 (262144 tokens) 1.9-2.4 s (0.14-0.2 s and 1.2 s in a quieter moment), mostly llguidance's token trie and
 its mask slices; once per tokenizer, so the engine should start it when it starts (GrammarCompiler does, on its
 thread).

@@ -1,7 +1,7 @@
 """Measure structured output's costs on this machine, no model forward: vocabulary build, schema compile (new
 vs cached, up to the first mask), batched mask fill (1 and 16 rows), mask apply per row, for both test models.
 
-    flock -w 1800 /tmp/lumen-cpu.lock python -m lumen.engine.structured.measure [--repeats 5] [--threads 1]
+    flock -w 1800 /tmp/lumen-cpu.lock python profiling/structured_costs.py [--repeats 5] [--threads 1]
 
 Fill times are taken along random walks (masked random logits with a push toward closing strings, sampled at
 temperature 1), so they cover the states a generation goes through; reported per step as median and p90.
@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from ...format.gguf import GGUFFile
-from ...format.tokenizer import Tokenizer
-from ...model.store import resolve
-from . import Constraint, GrammarCompiler, GrammarVocab, MaskFiller, apply_bitmask
-from .compiler import CompiledGrammar
+from lumen.format.gguf import GGUFFile
+from lumen.format.tokenizer import Tokenizer
+from lumen.model.store import resolve
+from lumen.engine.structured import Constraint, GrammarCompiler, GrammarVocab, MaskFiller, apply_bitmask
+from lumen.engine.structured.compiler import CompiledGrammar
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 SCHEMAS = {
