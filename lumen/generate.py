@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 from .errors import ContextWarning, LumenError
 from .model.store import DEFAULT_MODEL
+from .commands import prog
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
 HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -54,7 +55,7 @@ def process_escapes(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.generate", description="Generate text with a GGUF model.",
+    ap = argparse.ArgumentParser(prog=prog("generate"), description="Generate text with a GGUF model.",
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name (see python -m lumen.models) or path to a .gguf file "

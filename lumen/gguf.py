@@ -6,6 +6,7 @@ from typing import Any
 
 from lumen.errors import GGUFError
 from lumen.format.gguf import GGUFFile
+from .commands import prog
 
 
 def _short(v: Any, width: int = 80) -> str:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
     from rich.table import Table
-    ap = argparse.ArgumentParser(prog="python -m lumen.gguf", description="Show a GGUF file's metadata and tensors")
+    ap = argparse.ArgumentParser(prog=prog("gguf"), description="Show a GGUF file's metadata and tensors")
     ap.add_argument("file", help="path to a .gguf file")
     args = ap.parse_args(argv)
     console = Console()

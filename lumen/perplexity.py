@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import LumenError
 from .model.store import DEFAULT_MODEL
+from .commands import prog
 
 
 def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -45,7 +46,7 @@ def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.n
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lumen.perplexity", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("perplexity"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL)
     ap.add_argument("--file", "-f", required=True, help="a UTF-8 text file")
     ap.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")

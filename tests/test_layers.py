@@ -21,15 +21,17 @@ LUMEN = Path(__file__).resolve().parent.parent / "lumen"
 # Bottom up. A module belongs to the floor of the longest prefix that names it ("lumen" alone is the package's
 # __init__.py: the public facade, `lumen.load` and the lazy `lumen.Engine` / `lumen.profile`).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("lumen.errors", "lumen.timer", "lumen.paths")),   # exceptions, the tick clock + profiler hook, paths
+    ("base", ("lumen.errors", "lumen.timer", "lumen.paths",      # exceptions, the tick clock + profiler hook,
+              "lumen.commands")),                                # paths, the table of command-line tools
     ("format", ("lumen.format",)),                               # GGUF file, quant types, tokenizer, chat template
     ("kernels", ("lumen.kernels",)),                             # Numba kernels: arrays in, arrays out
-    ("model", ("lumen.model", "lumen.machine")),                 # Config, packed weights, pack cache, model store;
-                                                                 # the machine's measured limits (kept in the store)
-    ("engine", ("lumen.engine",)),                               # forward pass, runner, scheduler, engine, Model
-    ("api", ("lumen", "lumen.profile")),                         # the facade and the profiler (over the engine)
+    ("model", ("lumen.model", "lumen.machine")),                 # Config, packed weights, pack cache, model store,
+                                                                 # the forward pass and its loader; the machine's
+                                                                 # measured limits (kept in the store)
+    ("engine", ("lumen.engine",)),                               # runner, scheduler, sampling, engine
+    ("api", ("lumen", "lumen.profile")),                         # the facade (lumen.load, Model) and the profiler
     ("interfaces", ("lumen.generate", "lumen.perplexity", "lumen.bench", "lumen.serve", "lumen.models",
-                    "lumen.gguf")),                              # command lines and the server
+                    "lumen.gguf", "lumen.cli")),                 # command lines and the server
 ]
 
 # Known arrows up, each (importer, imported): none. The profiler hook lives in lumen.timer and the cache paths in

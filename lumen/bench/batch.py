@@ -40,6 +40,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
+from ..commands import prog
 
 
 def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
@@ -106,7 +107,7 @@ def _median(reps: list[dict]) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.bench batch", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("bench batch"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-npp", type=int, default=128, help="prompt tokens per sequence (default 128)")
     ap.add_argument("-ntg", type=int, default=128, help="generated tokens per sequence (default 128)")

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from ..commands import prog
 
 PROMPTS = Path(__file__).with_name("data") / "prompts.json"
 OUT_LENGTHS = (16, 48, 96, 160, 256)
@@ -70,7 +71,7 @@ def run_engine(engine, reqs, params_of) -> tuple[float, dict, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lumen.bench offline", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("bench offline"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("--requests", type=int, default=128, help="requests (default 128)")
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from ..commands import prog
 
 LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
 llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
@@ -92,7 +93,7 @@ class Outcome:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.bench serve", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog=prog("bench serve"), description=__doc__.splitlines()[0],
                                  epilog=LLAMA_SERVER, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",

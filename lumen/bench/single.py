@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
+from ..commands import prog
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
 LLAMA_BATCH = 512   # llama.cpp's n_batch = n_ubatch (llama-bench's default)
@@ -364,7 +365,7 @@ def render(rows: list[dict], engines: list, info: dict, console) -> None:
 # ---------------------------------------------------------------- CLI
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.bench [pp/tg options]", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("bench [pp/tg options]"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (default 128)")

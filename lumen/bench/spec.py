@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from ..commands import prog
 
 KINDS = ("code", "extract", "summarize", "chat")
 _STATS = re.compile(r"decode ([\d.]+) tok/s .*?\| (\d+) generated")
@@ -87,7 +88,7 @@ def median(xs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lumen.bench spec", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=prog("bench spec"), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("-n", "--n-gen", type=int, default=160, help="generated tokens per run (default 160)")

@@ -39,6 +39,7 @@ from pathlib import Path
 from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
+from ..commands import prog
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries it grew into a busy port, and its markets drew merchants from "
@@ -63,7 +64,7 @@ OVERHEAD_ONLY = {"repeats": 5}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.profile", formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = argparse.ArgumentParser(prog=prog("profile"), formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Profile Lumen on this machine: a generate run op by op against the\n"
                                              "roofline, the machine's limits, the timers' overhead, the engine's\n"
                                              "step costs, or a server's serving profile.",

@@ -20,12 +20,13 @@ from pathlib import Path
 
 from ..errors import LumenError
 from ..model.store import DEFAULT_MODEL
+from ..commands import prog
 
 log = logging.getLogger("lumen.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lumen.serve", description="An OpenAI-compatible server for a GGUF "
+    ap = argparse.ArgumentParser(prog=prog("serve"), description="An OpenAI-compatible server for a GGUF "
                                  "model: /v1/completions, /v1/chat/completions, /tokenize, /detokenize, "
                                  "/v1/models, /health, /metrics.")
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,

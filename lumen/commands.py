@@ -1,0 +1,35 @@
+"""The command-line tools: one table, shared by the `lumen` console script and each tool's own help.
+
+    lumen COMMAND [ARGS]     the console script (lumen/cli.py)
+    python -m lumen.COMMAND  the same tool, run as a module
+
+`prog(cmd)` names a tool the way the user invoked it, so `--help` and errors show what to type again.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# command -> (module whose main(argv) runs it, one line for `lumen --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("lumen.generate", "generate text from a prompt (a model name or a .gguf path)"),
+    "serve": ("lumen.serve.cli", "an OpenAI-compatible server (chat page, dashboard, metrics, Ray replicas)"),
+    "bench": ("lumen.bench.cli", "benchmarks beside llama.cpp: single, batch, offline, serve, spec"),
+    "profile": ("lumen.profile.__main__", "per-op profile of a run, roofline, machine limits"),
+    "models": ("lumen.models", "known models and their state; --fetch NAME"),
+    "perplexity": ("lumen.perplexity", "perplexity of a model on a text file"),
+    "gguf": ("lumen.gguf", "a GGUF file's metadata and tensor table"),
+}
+
+
+def invoked_as_script() -> bool:
+    """True when the process was started as the `lumen` console script (not `python -m lumen.X`)."""
+    return os.path.basename(sys.argv[0] or "") == "lumen"
+
+
+def prog(cmd: str) -> str:
+    """'lumen bench batch' or 'python -m lumen.bench batch', as the user invoked it."""
+    if invoked_as_script():
+        return f"lumen {cmd}"
+    head, _, rest = cmd.partition(" ")
+    return f"python -m lumen.{head}" + (f" {rest}" if rest else "")

@@ -1,0 +1,61 @@
+"""The `lumen` console script: one command per tool, the same arguments as `python -m lumen.X`, errors in a line."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lumen.commands import COMMANDS
+
+SCRIPT = Path(sys.executable).parent / "lumen"     # installed by pyproject.toml's [project.scripts]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_script_is_installed():
+    assert SCRIPT.is_file(), f"{SCRIPT} is missing: pip install -e . installs it (pyproject.toml [project.scripts])"
+
+
+def test_help_lists_every_command():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    for name in COMMANDS:
+        assert f"  {name} " in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_a_main(name):
+    assert callable(importlib.import_module(COMMANDS[name][0]).main)
+
+
+def test_an_unknown_command_is_one_line():
+    r = run("genrate", "--prompt", "x")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "unknown command 'genrate'" in r.stderr and "generate" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name", ["gguf", "perplexity", "generate"])
+def test_a_command_names_itself_as_invoked(name):
+    r = run(name, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: lumen {name} "), r.stdout[:200]
+    m = subprocess.run([sys.executable, "-m", f"lumen.{name}", "--help"], capture_output=True, text=True, timeout=120)
+    assert m.stdout.startswith(f"usage: python -m lumen.{name} "), m.stdout[:200]
+
+
+def test_a_wrong_flag_is_an_error_not_a_traceback(tmp_path):
+    r = run("gguf", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "missing.gguf" in r.stderr
+    r = run("generate", "--no-such-flag")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--no-such-flag" in r.stderr
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("lumen ")
