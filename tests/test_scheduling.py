@@ -188,6 +188,37 @@ def test_block_manager_api_admits_grows_names_and_frees():
     bm.check()
 
 
+def test_the_scheduler_spends_the_budget_and_prices_drafts_where_they_run():
+    """The scheduler is the one owner of a step's budget: it asks k_for(seq, room, planned) for each decode at its
+    place in the step, with the room its budget leaves and the tokens planned before it, and reserves what it
+    answers (never past the budget)."""
+    from lumen.engine.block_manager import BlockManager
+    from lumen.engine.scheduler import Scheduler
+    from lumen.engine.sequence import Sequence
+
+    class Tok:
+        def stream(self):
+            return None
+    bm = BlockManager(32, np.zeros((4, 32), np.int64), prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    seqs = [Sequence(f"r{i}", [i + 1] * 2, SamplingParams(max_tokens=16), 16, Tok(), frozenset()) for i in range(3)]
+    for seq in seqs:
+        sch.add(seq)
+    for s in sch.schedule():                          # prefill all three (2 tokens each)
+        sch.computed(s)
+    for seq in seqs:
+        seq.tokens.append(7)                          # each sampled one token: now decoding
+    asked = []
+
+    def k_for(seq, room, planned):
+        asked.append((seq.request_id, room, planned))
+        return 4
+    plan = sch.schedule(k_for=k_for)
+    assert asked == [("r0", 7, 0), ("r1", 2, 5)]    # r2: no budget left, not asked
+    assert [(s.seq.request_id, s.n, s.k) for s in plan] == [("r0", 1, 4), ("r1", 1, 2)]   # k capped to the room
+    assert sum(s.n + s.k for s in plan) <= 8
+
+
 def test_engine_config_checks_every_field_once():
     from lumen.engine.config import EngineConfig, SpeculativeConfig
     for bad, name in [(dict(max_num_seqs=0), "max_num_seqs"),

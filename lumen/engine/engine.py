@@ -1,7 +1,8 @@
 """The serving engine: continuous batching over a paged KV cache, in the loop the field's engines share.
 
-    k_of = speculator.propose(...)          drafts, before scheduling (lumen.engine.speculative)
-    plan = scheduler.schedule(budget, k_of) which tokens of which requests run this step (lumen.engine.scheduler)
+    offers = speculator.propose(...)        drafts, before scheduling (lumen.engine.speculative)
+    plan = scheduler.schedule(budget, k_for)  which tokens of which requests run this step, and how many of their
+                                            drafted tokens (lumen.engine.scheduler: the one owner of the budget)
     logits = runner.run_plan(plan, drafts)  one forward pass over the ragged batch (lumen.engine.runner)
     outputs = postprocess(plan, logits)     sample or verify, detokenize, stop; free what finished
 
@@ -166,7 +167,8 @@ class Engine:
 
     def _schedule(self, now: float) -> tuple[list[RequestOutput], list[Scheduled], object]:
         """(outputs made since the last step, this step's plan, the measured scheduler's decision or None). The
-        speculator drafts before the scheduler plans, outside the lock (a draft model runs a forward pass)."""
+        speculator drafts before the scheduler plans, outside the lock (a draft model runs a forward pass); the
+        scheduler asks it how many drafted tokens each decode runs as it spends the budget."""
         with self._lock:
             outs, self._pending = self._pending, []
             for seq, error in self.structured.ready():          # grammars compiled (or failed) since the last step
@@ -181,10 +183,14 @@ class Engine:
             budget = self.scheduler.step_budget(decision and decision.budget)
             running = list(self.scheduler.running)
             waiting = [s for s in self.scheduler.waiting if s.spec is not None]
-        k_of = self.speculator.propose(running, waiting, budget, self.scheduler.chunked_prefill)
-        k_of = self.structured.trim_drafts(k_of, self.speculator.draft_tokens)
+        offers = self.speculator.propose(running, waiting)
+        offers = self.structured.trim_drafts(offers, self.speculator.draft_tokens)
+
+        def k_for(seq, room: int, planned: int) -> int:
+            return self.speculator.k_for(seq, offers.get(seq, 0), room, planned)
         with self._lock:
-            return outs, self.scheduler.schedule(budget, k_of, decision and decision.max_running), decision
+            plan = self.scheduler.schedule(budget, k_for if offers else None, decision and decision.max_running)
+        return outs, plan, decision
 
     def _observe(self, decision, n_tokens: int, n_seqs: int, n_keys: int, wall: float) -> None:
         """What the step cost, for the speculator's choice of k and the measured scheduler's cost model."""
@@ -250,7 +256,7 @@ class Engine:
         """(tokens, drafts accepted) for a sequence whose logits start at logits[row]. Every row goes through
         the request's TokenChooser.process first (bias, min_tokens, penalties), and logprobs come from it."""
         ch, hist, n_out = seq.chooser, seq.tokens, len(seq.output_ids)
-        if not self.speculator.drafted(seq):
+        if not self.speculator.drafted(seq, s.k):
             x = ch.process(logits[row], hist, n_out)
             tok = ch.pick(x, len(hist))
             if seq.logprobs is not None:

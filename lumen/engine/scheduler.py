@@ -2,8 +2,8 @@
 
 One token budget per step (max_num_batched_tokens) and at most max_num_seqs sequences holding blocks:
 1. Running sequences first, oldest first: each takes what it still needs (one decode token, the next chunk of
-   its prompt, or 1 + k when the speculator drafted k tokens for it: the scheduler only reserves room for
-   them, capped by the budget), capped by what is left of the budget. When the pool has
+   its prompt, or 1 + k when the speculator drafted tokens for it: k_for(seq, room, planned) says how many of
+   them pay in the room the budget leaves, at its place in this step), capped by what is left of the budget. When the pool has
    no block for it, the newest running sequence is preempted (its blocks freed, back to the front of the
    queue, nothing it generated lost: it is recomputed when readmitted), until it fits or is itself preempted.
 2. Then waiting sequences, first come first served, while budget and sequence slots last: a prefix-cache hit
@@ -58,15 +58,15 @@ class Scheduler:
         return self.budget if budget is None else min(budget, self.budget)
 
     # ---- the plan of one step
-    def schedule(self, budget: int | None = None, spec: dict | None = None,
-                 max_running: int | None = None) -> list[Scheduled]:
+    def schedule(self, budget: int | None = None, k_for=None, max_running: int | None = None) -> list[Scheduled]:
         """budget: this step's token budget (default max_num_batched_tokens); max_running: admit waiting requests
-        only while fewer run (default max_num_seqs); spec: {seq: k}, the tokens the speculator drafted for a
-        decoding sequence, for which room is reserved (Scheduled.k, at most what the budget leaves)."""
+        only while fewer run (default max_num_seqs); k_for(seq, room, planned): how many drafted tokens a decoding
+        sequence runs after its own (Scheduled.k), given the room the budget leaves and the tokens planned before
+        it (the speculator answers; None: no speculation)."""
         budget = self.step_budget(budget)
         bm = self.blocks
         plan: list[Scheduled] = []
-        i = 0
+        i = planned = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             left = seq.num_tokens - seq.num_computed
@@ -74,7 +74,7 @@ class Scheduler:
             if n < left and not self.chunked_prefill:
                 i += 1
                 continue
-            k = min(spec.get(seq, 0), budget - 1) if spec and left == 1 else 0
+            k = max(0, min(k_for(seq, budget - 1, planned), budget - 1)) if k_for is not None and left == 1 else 0
             while not bm.grow(seq.request_id, seq.num_computed + n + k):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -84,6 +84,7 @@ class Scheduler:
                 break
             plan.append(Scheduled(seq, seq.num_computed, n, bm.row(seq.request_id), k))
             budget -= n + k
+            planned += n + k
             i += 1
         cap = self.max_num_seqs if max_running is None else min(max_running, self.max_num_seqs)
         while self.waiting and budget > 0 and len(self.running) < cap:

@@ -1,16 +1,20 @@
 """The speculator: one object that drafts before the step is scheduled and verifies after its forward pass.
 
-    k_of = speculator.propose(running, waiting, budget)   before scheduling: drafts, {seq: k} to reserve room for
-    plan = scheduler.schedule(budget, spec=k_of)          the scheduler only reserves room for k tokens
-    tokens = speculator.draft_tokens(seq, k)              what the runner runs after the request's pending token
-    toks, accepted = speculator.verify(seq, k, rows)      after the forward pass: the tokens it keeps
-    speculator.accepted(seq, k, accepted)                 the acceptance bookkeeping
+    offers = speculator.propose(running, waiting)        before scheduling: drafts, {seq: most k worth running}
+    plan = scheduler.schedule(budget, k_for)             the scheduler, the one owner of the step's token budget,
+                                                         asks k_for(seq, room, planned) as it plans each decode
+    tokens = speculator.draft_tokens(seq, k)             what the runner runs after the request's pending token
+    toks, accepted = speculator.verify(seq, k, rows)     after the forward pass: the tokens it keeps
+    speculator.accepted(seq, k, accepted)                the acceptance bookkeeping
 
 Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an exponential average of its
 acceptance rate alpha; the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against the
 step time the engine measured for that many more tokens (lumen.engine.costs.steps.StepCosts); k = 0 (plain
-decode) when speculation does not pay. A sampled request also gets the draft's token for the position after its
-verified ones (and for a position it samples without drafting), which verify decides by the acceptance rule.
+decode) when speculation does not pay. `propose` drafts as many tokens as pay in a step of the decodes ahead of
+the request; `k_for` prices k again at the place the scheduler actually gives it, within the room its budget
+leaves, so k is always chosen against the step that runs. A sampled request also gets the draft's token for the
+position after its verified ones (and for a position it samples without drafting), which verify decides by the
+acceptance rule.
 """
 from __future__ import annotations
 
@@ -42,33 +46,38 @@ class Speculator:
         seq.spec = SpecState() if seq.params.speculative is not None else None
 
     # ---- before scheduling
-    def propose(self, running: list, waiting, budget: int, chunked_prefill: bool = True) -> dict:
-        """Draft for the speculating requests that sample next step; returns {seq: k}, the room to reserve. The
-        tokens each running request takes are counted in the scheduler's order, so k is chosen against the step
-        it will run in (see choose_k). A preempted request recomputing its tokens gets the one token a sampled
-        request decides by the acceptance rule."""
+    def propose(self, running: list, waiting) -> dict:
+        """Draft for the speculating requests that may sample next step; returns {seq: k}, the most drafted tokens
+        each could run (the scheduler decides how many do: k_for). A decode is priced in a step of the decodes
+        ahead of it. A preempted request recomputing its tokens gets the one token a sampled request decides by
+        the acceptance rule."""
         if not any(seq.spec is not None for seq in [*running, *waiting]):
             self._step = {}
             return {}
-        want, planned = [], 0
+        want, ahead = [], 0
         for seq in running:
-            if planned >= budget:
-                break
             left = seq.num_tokens - seq.num_computed
-            n = min(left, budget - planned)
-            if n < left and not chunked_prefill:
-                continue
             k = 0
             if seq.spec is not None and left == 1:
-                room = min(budget - planned - 1, seq.max_tokens - len(seq.output_ids) - 1)
-                k = self._choose_k(seq, room, planned) if room > 0 else 0
-            extra = int(seq.spec is not None and n == left and self._extra(seq))
+                room = seq.max_tokens - len(seq.output_ids) - 1
+                k = self._choose_k(seq, room, ahead) if room > 0 else 0
+            if left == 1:
+                ahead += 1 + k
+            extra = int(seq.spec is not None and self._extra(seq))
             if k or extra:
                 want.append((seq, k, k + extra))
-            planned += n + k
         want += [(seq, 0, 1) for seq in waiting if seq.spec is not None and self._extra(seq)]
         self._step = self._propose([(seq, asked) for seq, _, asked in want])
         return {seq: min(k, len(self._step[seq].tokens)) for seq, k, _ in want if k and seq in self._step}
+
+    def k_for(self, seq: Sequence, offered: int, room: int, planned: int) -> int:
+        """How many of its `offered` drafted tokens seq runs in the step being planned: `room` is what the budget
+        leaves after its own token, `planned` the tokens planned before it. Priced as propose prices, without
+        touching the request's state."""
+        k_max = min(offered, room)
+        if k_max <= 0:
+            return 0
+        return self._best_k(seq, k_max, planned)[0] if self.adaptive_k else k_max
 
     @staticmethod
     def _extra(seq: Sequence) -> bool:
@@ -96,30 +105,39 @@ class Speculator:
 
     def _choose_k(self, seq: Sequence, room: int, planned: int) -> int:
         """Drafted tokens for a decoding sequence: k with the most expected tokens per second of step time, by
-        its acceptance rate and the step times measured for that many tokens (0: plain decode pays more)."""
-        st = seq.spec
+        its acceptance rate and the step times measured for that many tokens (0: plain decode pays more). A match
+        length judged not to pay drifts back towards the prior (skipped)."""
         k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
-        alpha, n = st.alpha, None
+        if seq.params.speculative == "ngram" and self.ngram.match(seq.spec, seq.tokens) is None:
+            return 0                                                # nothing to draft from
+        if not self.adaptive_k:
+            return k_max
+        k, n = self._best_k(seq, k_max, planned)
+        if k == 0 and n is not None:
+            skipped(seq.spec, n)
+        return k
+
+    def _best_k(self, seq: Sequence, k_max: int, planned: int) -> tuple[int, int | None]:
+        """(the k in 0 .. k_max with the most tokens per second after `planned` tokens, the n-gram match length it
+        follows or None); no side effects."""
+        st, n = seq.spec, None
+        alpha = st.alpha
         if seq.params.speculative == "ngram":
             n = self.ngram.match(st, seq.tokens)
             if n is None:
-                return 0                                            # nothing to draft from
+                return 0, None
             alpha = st.alpha_n.get(n, PRIOR)
-        if not self.adaptive_k:
-            return k_max
         base = planned + 1
         c0 = self.costs.predict(base)
         if c0 is None or not self.costs.known(base + k_max):       # not measured yet: explore both ends
-            return 0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max
-        k = choose_k(alpha, k_max, lambda k: self.costs.predict(base + k) or c0)
-        if k == 0 and n is not None:
-            skipped(st, n)
-        return k
+            return (0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max), n
+        return choose_k(alpha, k_max, lambda k: self.costs.predict(base + k) or c0), n
 
     # ---- after the forward pass
-    def drafted(self, seq: Sequence) -> bool:
-        """Whether seq has this step's draft (its sampled token is then decided by verify)."""
-        return seq in self._step
+    def drafted(self, seq: Sequence, k: int) -> bool:
+        """Whether seq's sampled token is decided by verify: it runs k > 0 drafted tokens, or it samples and has
+        a draft token for that position (decided by the acceptance rule)."""
+        return seq in self._step and (k > 0 or (self._extra(seq) and len(self._step[seq].tokens) > 0))
 
     def draft_tokens(self, seq: Sequence, k: int) -> list:
         return self._step[seq].tokens[:k] if k else []
