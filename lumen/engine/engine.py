@@ -220,13 +220,13 @@ class Engine:
             try:
                 chosen.append((s, *self._choose(seq, s, logits, first)))
             except SamplerError as e:               # NaN logits and the like: this request only
-                chosen.append((s, str(e), 0))
+                seq.error = str(e)
+                chosen.append((s, [], 0))
         prof.lap("sample")
         outs = []
         for s, toks, accepted in chosen:
             seq = s.seq
-            if isinstance(toks, str):
-                seq.error = toks
+            if seq.error is not None:
                 self._finish(seq, "error", now)
                 outs.append(seq.output([], []))
                 continue
