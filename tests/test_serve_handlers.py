@@ -51,7 +51,7 @@ class ScriptedWorker:
         self.refuse, self.draining = refuse, False
         self.submitted, self.sent_outs, self.aborted = [], [], 0
 
-    def submit(self, prompts, params) -> Submission:
+    async def submit(self, prompts, params) -> Submission:
         if self.refuse is not None:
             raise self.refuse
         self.submitted.append((prompts, params))
@@ -81,6 +81,25 @@ class ScriptedWorker:
 
 
 SETTINGS = Settings(model_id="bytes")
+
+
+def test_both_serving_paths_are_workers():
+    """The HTTP layer drives a Worker; the in-process EngineWorker and Ray's RemoteWorker both have its shape:
+    every method, with the same parameters, async exactly where the protocol's is."""
+    import inspect
+
+    from lumen.serve.ray.remote import RemoteWorker
+    from lumen.serve.worker import EngineWorker, Worker
+    methods = [n for n, f in vars(Worker).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert {"submit", "outputs", "abort", "drain", "stop"} <= set(methods)
+    for cls in (EngineWorker, RemoteWorker, ScriptedWorker):
+        for name in methods:
+            if cls is ScriptedWorker and not hasattr(cls, name):
+                continue                                   # the test double implements what the handlers call
+            want, got = getattr(Worker, name), getattr(cls, name)
+            assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), (cls.__name__, name)
+            assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), \
+                (cls.__name__, name)
 
 
 def prompter(worker) -> Prompter:

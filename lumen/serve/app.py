@@ -27,14 +27,14 @@ from .openai import chat, completions, health, models, tokenize
 from .openai.serving import Settings
 from .prompts import Prompter
 from .ui import PAGES, StepTap, ui_router
-from .worker import EngineWorker
+from .worker import EngineWorker, Worker
 
 __all__ = ["Settings", "build_app", "make_app", "load_engine", "add_error_handlers"]
 log = logging.getLogger("lumen.serve")
 ROUTERS = (completions.router, chat.router, tokenize.router, models.router, health.router)
 
 
-def build_app(worker: EngineWorker, prompter: Prompter, metrics: Metrics, settings: Settings) -> FastAPI:
+def build_app(worker: Worker, prompter: Prompter, metrics: Metrics, settings: Settings) -> FastAPI:
     """The app over a worker (an EngineWorker, or lumen.serve.ray's RemoteWorker); its lifespan starts and stops
     the worker."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from ..engine.sampling.params import SamplingParams
 from ..engine.sequence import RequestOutput
@@ -55,6 +55,24 @@ class Submission:
         self.open = set(request_ids)                 # not finished yet
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.failure: tuple[int, str] | None = None  # (status, message) when the server ended it
+
+
+class Worker(Protocol):
+    """What the HTTP layer drives, whichever runs the requests: EngineWorker (one engine in this process) or
+    lumen.serve.ray.remote.RemoteWorker (replicas on Ray Serve). The handlers use nothing else, so both serving
+    paths answer the same way (tests/test_serve_handlers.py checks that both classes have this shape)."""
+    engine: object      # the Engine, or a stand-in with its tokenizer, config, parts and max_model_len
+    draining: bool
+
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 10.0) -> None: ...
+    def drain(self, timeout: float) -> None: ...
+    def abort_all(self, status: int, message: str) -> None: ...
+    async def submit(self, prompts: list[list[int]], params: list) -> Submission: ...
+    def outputs(self, sub: Submission) -> AsyncIterator[RequestOutput]: ...
+    def abort(self, sub: Submission) -> None: ...
+    def sent(self, out: RequestOutput) -> None: ...
+    def submissions(self) -> list[Submission]: ...
 
 
 class Recorder:
@@ -141,7 +159,7 @@ class EngineWorker:
         return list({id(s): s for s in self._subs.values()}.values())
 
     # ---- requests (called on the event loop)
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
         """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, TooManyRequests for
         more requests than the queue could ever hold, or the engine's ValueError (RequestError, ContextError,
         SamplerError) for a request it cannot serve; then nothing of this submission stays queued."""

@@ -8,7 +8,6 @@ into OpenAI's error body (lumen/serve/app.py).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -23,7 +22,7 @@ from ...errors import ContextError
 from .. import protocol as P
 from ..prompts import Prompter
 from ..responses import DONE, Reply, sse
-from ..worker import QueueFull, ShuttingDown, TooManyRequests
+from ..worker import QueueFull, ShuttingDown, TooManyRequests, Worker
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -50,7 +49,7 @@ class Serving:
     """What every endpoint knows: the settings, the worker (an EngineWorker, or a RemoteWorker over Ray), its
     engine (or a stand-in with the engine's tokenizer, config, parts and max_model_len) and the prompter."""
 
-    def __init__(self, worker, prompter: Prompter, settings: Settings):
+    def __init__(self, worker: Worker, prompter: Prompter, settings: Settings):
         self.worker, self.prompter, self.settings = worker, prompter, settings
         self.engine = worker.engine
 
@@ -128,8 +127,7 @@ class Generation(Serving):
     async def submit(self, prompts: list[list[int]], params: list):
         """The worker's submission of these engine requests; its refusals as ApiErrors."""
         try:
-            sub = self.worker.submit(prompts, params)     # a remote worker's submit is awaited: it answers once
-            return await sub if inspect.isawaitable(sub) else sub     # a replica took it (lumen.serve.ray.remote)
+            return await self.worker.submit(prompts, params)  # a remote worker answers once a replica took it
         except ShuttingDown as e:
             raise P.ApiError(503, str(e)) from None
         except QueueFull as e:

@@ -136,7 +136,7 @@ class RemoteWorker:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         self.abort_all(503, SHUTDOWN)
 
     def drain(self, timeout: float) -> None:

@@ -49,7 +49,7 @@ class EngineReplica:
 
     async def generate(self, prompts: list[list[int]], params: list):
         try:
-            sub = self.worker.submit(prompts, params)
+            sub = await self.worker.submit(prompts, params)
         except (QueueFull, ShuttingDown, ValueError) as e:
             yield Refused(refusal(e), str(e))
             return
