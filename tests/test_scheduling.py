@@ -80,6 +80,17 @@ def test_budget_keeps_the_decodes_tpot():
     assert alone.budget == 400
 
 
+def test_budget_with_one_target_alone():
+    """Either SLO may be given alone: a TPOT target alone keeps the decodes' pace (no TTFT deadline is looked
+    for), a TTFT target alone lets the prefill take what it needs."""
+    dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(4)]
+    sch = FakeScheduler(dec, [FakeSeq(400, 0, 0, None, arrival=0.9)])
+    d = MeasuredBudget(LINEAR, max_tokens=512, slo_tpot_s=0.05).decide(sch, now=1.0)
+    assert d.predicted_s <= d.limit_s and 4 + 32 <= d.budget <= 4 + 56
+    d = MeasuredBudget(LINEAR, max_tokens=512, slo_ttft_s=2.0).decide(sch, now=1.0)
+    assert d.limit_s is None and d.budget == 4 + 400
+
+
 def test_budget_grows_the_chunk_for_a_ttft_deadline():
     """The oldest waiting request would miss its 2 s TTFT at the pace the decodes allow (a 50 ms step floor, so
     small chunks take many steps): the chunk grows to what its deadline needs."""

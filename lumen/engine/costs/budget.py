@@ -81,8 +81,8 @@ class MeasuredBudget:
         c = fits[-1]                              # cands ascend, cost grows with c
         why = "nothing larger" if c == cands[-1] else \
             f"chunk {cands[cands.index(c) + 1]} (predicted {cost(cands[cands.index(c) + 1]) * 1e3:.1f} ms > limit)"
-        urgent = self._urgent(scheduler, now)
-        if urgent is not None and self.slo_ttft_s is not None and c < cands[-1]:
+        urgent = self._urgent(scheduler, now) if self.slo_ttft_s is not None else None
+        if urgent is not None and c < cands[-1]:
             need, left = urgent                   # prefill tokens before its first token, seconds to its deadline
             steps = -(-need // max(c, 1)) if c else float("inf")
             if steps * cost(c) > left:            # at this pace it misses its TTFT: the smallest chunk that makes it
