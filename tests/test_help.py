@@ -1,5 +1,8 @@
-"""Every command's --help lists all of its modes: each flag the README uses with a command (and each bench
-subcommand) appears in that command's `--help`, and the README's invocations parse. No model is loaded."""
+"""The documentation's commands work as written: every command line in the README and the reference pages
+(`python -m lumen.X ...`, `lumen X ...`, `python profiling/X.py ...`) names a command that exists, and each flag it
+uses appears in that command's `--help`; each command's `--help` lists all of its modes; the README shows every
+command of the `lumen` console script. The pages' relative links resolve, their Python blocks compile, and they
+keep to what a user reads (no paths outside the repository, no internal issue numbers). No model is loaded."""
 from __future__ import annotations
 
 import re
@@ -11,44 +14,73 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-COMMANDS = ("lumen.generate", "lumen.serve", "lumen.bench", "lumen.profile", "lumen.models", "lumen.perplexity",
-            "lumen.gguf")
+from lumen.commands import COMMANDS
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# The README and every reference page: the package's READMEs, the profiling pages, the tests' page.
+DOCS = [README, *sorted((ROOT / "lumen").rglob("README.md")), ROOT / "profiling" / "README.md",
+        ROOT / "profiling" / "RESULTS.md", ROOT / "tests" / "README.md"]
 BENCH = ("single", "batch", "offline", "serve", "spec")
-# Modes each --help must name even where the README shows none of them on a command line.
+# Modes each --help must name even where no page shows them on a command line.
 MODES = {
-    ("lumen.profile", None): {"--machine", "--overhead", "--engine", "--serving"},
-    ("lumen.bench", None): set(BENCH),
-    ("lumen.serve", None): {"--replicas", "--speculative", "--scheduler", "--profile"},
-    ("lumen.generate", None): {"--chat", "--speculative"},
-    ("lumen.models", None): {"--fetch"},
+    ("profile", None): {"--machine", "--overhead", "--engine", "--serving"},
+    ("bench", None): set(BENCH),
+    ("serve", None): {"--replicas", "--speculative", "--scheduler", "--profile"},
+    ("generate", None): {"--chat", "--speculative"},
+    ("models", None): {"--fetch"},
 }
+# A command line, at the start of a line or after a pipe: `python -m lumen.X`, `lumen X` or `python profiling/X.py`,
+# its arguments up to a pipe, `&&`, `;` or a comment.
+COMMAND_LINE = re.compile(r"(?:^|\|\s*)(python -m lumen\.([a-z_]+)|lumen ([a-z_]+)|python (profiling/\w+\.py))"
+                          r"([^|&#;]*)")
 
 
-def readme_invocations() -> list[tuple[str, str | None, list[str]]]:
-    """(command, bench subcommand or None, its arguments) for every command line `python -m lumen.X ...` (at
-    the start of a line, or after a pipe) in the README's code blocks (continuations joined, comments dropped)."""
-    out, block, lines = [], False, README.read_text().splitlines()
-    joined: list[str] = []
-    for line in lines:
+def rel(doc: Path) -> str:
+    return str(doc.relative_to(ROOT))
+
+
+def code_blocks(doc: Path) -> list[tuple[str, list[str]]]:
+    """(language, lines) of each fenced code block."""
+    out, lang, lines = [], None, []
+    for line in doc.read_text().splitlines():
         if line.startswith("```"):
-            block = not block
-            continue
-        if not block:
-            continue
-        if joined and joined[-1].endswith("\\"):
-            joined[-1] = joined[-1][:-1] + " " + line.strip()
-        else:
-            joined.append(line)
-    for line in joined:
-        for m in re.finditer(r"(?:^|\|\s*)python -m (lumen\.[a-z]+)([^|&#]*)", line.strip()):
-            args = shlex.split(m.group(2))
-            sub = args.pop(0) if m.group(1) == "lumen.bench" and args and args[0] in BENCH else None
-            out.append((m.group(1), sub, args))
+            if lang is None:
+                lang, lines = line[3:].strip(), []
+            else:
+                out.append((lang, lines))
+                lang = None
+        elif lang is not None:
+            lines.append(line)
     return out
 
 
-INVOCATIONS = readme_invocations()
+def invocations(doc: Path) -> list[tuple[str, str, str | None, list[str]]]:
+    """(form, command, bench subcommand or None, its arguments) of every command line in the page's shell blocks
+    (continuations joined). form is "module" (`python -m lumen.X`), "script" (`lumen X`) or "profiling";
+    command is the tool's name (`generate`) or the script's path (`profiling/x.py`)."""
+    out = []
+    for lang, lines in code_blocks(doc):
+        if lang == "python":
+            continue
+        joined: list[str] = []
+        for line in lines:
+            if joined and joined[-1].endswith("\\"):
+                joined[-1] = joined[-1][:-1] + " " + line.strip()
+            else:
+                joined.append(line)
+        for line in joined:
+            for m in COMMAND_LINE.finditer(line.strip()):
+                form = "module" if m.group(2) else "script" if m.group(3) else "profiling"
+                command = m.group(2) or m.group(3) or m.group(4)
+                args = shlex.split(m.group(5))
+                sub = args.pop(0) if command == "bench" and args and args[0] in BENCH else None
+                out.append((form, command, sub, args))
+    return out
+
+
+INVOCATIONS = {rel(d): invocations(d) for d in DOCS}
+ALL = [(doc, *inv) for doc, invs in INVOCATIONS.items() for inv in invs]
 
 
 def flags(args: list[str]) -> set[str]:
@@ -57,47 +89,140 @@ def flags(args: list[str]) -> set[str]:
 
 @cache
 def help_text(command: str, sub: str | None) -> str:
-    argv = [sys.executable, "-m", command, *([sub] if sub else []), "--help"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    """A tool's help through the console script's dispatch (`lumen X --help`), or a profiling script's."""
+    if command.startswith("profiling/"):
+        argv = [sys.executable, str(ROOT / command), "--help"]
+    else:
+        argv = [sys.executable, "-m", "lumen.cli", command, *([sub] if sub else []), "--help"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, (argv, r.stderr)
     return r.stdout
 
 
-def test_the_readme_documents_every_command():
-    assert {c for c, _, _ in INVOCATIONS} == set(COMMANDS)
+def test_every_page_is_read():
+    """Every page is found, and each page of the package shows command lines this test can check."""
+    assert len(DOCS) >= 12 and all(d.is_file() for d in DOCS), DOCS
+    empty = [rel(d) for d in DOCS if d.is_relative_to(ROOT / "lumen") and not INVOCATIONS[rel(d)]]
+    assert not empty, f"no command line found in {empty}"
 
 
-DOCUMENTED: dict[tuple[str, str | None], set[str]] = {}
-for _cmd, _sub, _args in INVOCATIONS:
-    DOCUMENTED.setdefault((_cmd, _sub), set()).update(flags(_args))
+def test_the_readme_shows_every_command():
+    """Each command of the `lumen` console script appears in the README, in either form."""
+    shown = {command for form, command, _, _ in INVOCATIONS["README.md"] if form != "profiling"}
+    assert shown >= set(COMMANDS), f"the README shows no command line of {sorted(set(COMMANDS) - shown)}"
+
+
+def test_every_command_named_exists():
+    for doc, form, command, _, _ in ALL:
+        if form == "profiling":
+            assert (ROOT / command).is_file(), f"{doc}: {command} does not exist"
+        else:
+            assert command in COMMANDS, f"{doc}: `lumen {command}` is no command of {sorted(COMMANDS)}"
+
+
+@pytest.mark.parametrize("module", sorted({c for _, form, c, _, _ in ALL if form == "module"}))
+def test_the_module_form_runs(module):
+    """`python -m lumen.X --help` works for every X a page runs that way."""
+    r = subprocess.run([sys.executable, "-m", f"lumen.{module}", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+
+
+DOCUMENTED: dict[tuple[str, str | None], dict[str, set[str]]] = {}
+for _doc, _form, _cmd, _sub, _args in ALL:
+    if _form == "profiling" or _cmd in COMMANDS:
+        for _f in flags(_args):
+            DOCUMENTED.setdefault((_cmd, _sub), {}).setdefault(_f, set()).add(_doc)
 for _key, _modes in MODES.items():
-    DOCUMENTED.setdefault(_key, set()).update(_modes)
+    for _f in _modes:
+        DOCUMENTED.setdefault(_key, {}).setdefault(_f, set()).add("MODES")
+KEYS = sorted(DOCUMENTED, key=lambda k: (k[0], k[1] or ""))
 
 
-@pytest.mark.parametrize("command, sub", sorted(DOCUMENTED, key=lambda k: (k[0], k[1] or "")),
-                         ids=[f"{c} {s or ''}".strip() for c, s in sorted(DOCUMENTED, key=lambda k: (k[0], k[1] or ""))])
-def test_help_lists_what_the_readme_documents(command, sub):
+@pytest.mark.parametrize("command, sub", KEYS, ids=[f"{c} {s or ''}".strip() for c, s in KEYS])
+def test_help_lists_what_the_pages_use(command, sub):
     text = help_text(command, sub)
-    missing = [f for f in sorted(DOCUMENTED[(command, sub)])
-               if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
-    assert not missing, f"`python -m {command} {sub or ''} --help` does not list {missing}:\n{text}"
+    missing = {f: sorted(docs) for f, docs in sorted(DOCUMENTED[(command, sub)].items())
+               if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)}
+    assert not missing, f"`{command} {sub or ''} --help` does not list {missing} (flag: pages using it):\n{text}"
 
 
 @pytest.mark.parametrize("sub", BENCH)
 def test_bench_subcommand_help_is_its_own(sub):
     """`lumen.bench SUB --help` is SUB's help alone; the list of subcommands heads only `lumen.bench --help`."""
-    assert "the default command" not in help_text("lumen.bench", sub)
-    assert "the default command, single" in help_text("lumen.bench", None)
+    assert "the default command" not in help_text("bench", sub)
+    assert "the default command, single" in help_text("bench", None)
 
 
-def test_profile_modes_parse_as_the_readme_writes_them():
-    """Every README invocation of lumen.profile parses (the parser alone: nothing runs)."""
+def test_profile_modes_parse_as_the_pages_write_them():
+    """Every page's invocation of lumen.profile parses (the parser alone: nothing runs)."""
     from lumen.profile.__main__ import parse
     modes = set()
-    for command, _, args in INVOCATIONS:
-        if command == "lumen.profile":
+    for _, _, command, _, args in ALL:
+        if command == "profile":
             modes.add(parse(args)[2])
-    assert {"run", "machine", "engine", "serving"} <= modes
+    assert {"run", "machine", "engine", "serving", "overhead"} <= modes
+
+
+@pytest.mark.parametrize("doc", [rel(d) for d in DOCS])
+def test_python_blocks_compile(doc):
+    for i, (lang, lines) in enumerate(code_blocks(ROOT / doc)):
+        if lang == "python":
+            compile("\n".join(lines), f"{doc} python block {i}", "exec")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6} (.+)", line)
+        if m:
+            s = slug(m.group(1))
+            out.add(s if s not in seen else f"{s}-{seen[s]}")
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("doc", [rel(d) for d in DOCS])
+def test_relative_links_resolve(doc):
+    """Every link to a file of the repository points to one that exists, and to a heading it has."""
+    path = ROOT / doc
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, frag = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists() or ROOT not in dest.parents and dest != ROOT:
+            broken.append(target)
+        elif frag and dest.suffix == ".md" and frag not in anchors(dest):
+            broken.append(target)
+    assert not broken, f"{doc}: broken links {broken}"
+
+
+# What a user's page never says: paths outside the repository, internal issue numbers, how the work is organised.
+NOT_FOR_USERS = [r"\.\./shared", r"/work/", r"/tmp/lcpp", r"lumen-cpu\.lock", r"\bflock\b", r"\bissue \d+",
+                 r"other developers", r"/root/"]
+
+
+@pytest.mark.parametrize("doc", [rel(d) for d in DOCS])
+def test_pages_are_for_users(doc):
+    text = (ROOT / doc).read_text()
+    found = [p for p in NOT_FOR_USERS if re.search(p, text, re.IGNORECASE)]
+    assert not found, f"{doc} says {found}"
+
+
+def test_the_readme_is_short():
+    """A user's page: what Lumen is, how to run it, one line per feature; the journal lives in profiling/."""
+    assert len(README.read_text().splitlines()) <= 250
 
 
 @pytest.mark.parametrize("args, error", [
