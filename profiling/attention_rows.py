@@ -15,7 +15,6 @@ Three levels, SmolLM2's shapes by default (9 query heads, 3 kv heads, head_dim 6
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numba
@@ -27,6 +26,7 @@ from lumen.kernels.attention import Paged, attention_kernel, attention_scratch
 from lumen.kernels.fp import BLOCK, CHUNK
 from lumen.machine import limits
 from lumen.profile.report import roofs
+from verdict import verdict
 
 
 def best_of(fn, reps: int, rounds: int = 5) -> float:
@@ -130,9 +130,8 @@ def main(argv=None) -> None:
     print(f"3. {L} layers' caches in turn ({order} blocks), N={N}, {th} threads: {t * 1e3:.2f} ms per pass, "
           f"KV {mb:.1f} MB, "
           f"{mb / t / 1e3:.1f} GB/s (memory roof {bw:.1f})")
-    print(f"VERDICT: the chunk kernel runs at {100 * kern / fma1:.0f}% of one core's FMA roof; a step's attention at "
-          f"N={N} reads its KV at {100 * mb / t / 1e3 / bw:.0f}% of the memory roof [load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores]")
+    verdict(f"the chunk kernel runs at {100 * kern / fma1:.0f}% of one core's FMA roof; a step's attention at "
+            f"N={N} reads its KV at {100 * mb / t / 1e3 / bw:.0f}% of the memory roof")
 
 
 if __name__ == "__main__":

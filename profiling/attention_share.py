@@ -8,12 +8,12 @@ prefill steps' wall time. Warm-up round excluded; lengths interleaved within eac
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numpy as np
 
 import lumen
+from verdict import verdict
 
 
 def attention_share(model, n_tokens: int) -> tuple[float, float]:
@@ -50,10 +50,9 @@ def main(argv=None) -> None:
         wall = statistics.median(w for _, w in got[n])
         print(f"{n:>6} {wall * 1e3:>10.2f} {n / wall:>8.0f} {100 * share[n]:>11.2f}")
     lo, hi = lengths[0], lengths[-1]
-    verdict = "not the bottleneck" if share[hi] < 0.2 else "a major cost"
-    print(f"VERDICT: attention is {100 * share[hi]:.1f}% of prefill at {hi} tokens ({100 * share[lo]:.1f}% at {lo}, "
-          f"median of {repeats}) -> {verdict}"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    conclusion = "not the bottleneck" if share[hi] < 0.2 else "a major cost"
+    verdict(f"attention is {100 * share[hi]:.1f}% of prefill at {hi} tokens ({100 * share[lo]:.1f}% at {lo}, "
+            f"median of {repeats}) -> {conclusion}")
 
 
 if __name__ == "__main__":

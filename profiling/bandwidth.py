@@ -9,13 +9,13 @@ the step's wall time, median over the decode steps of one run; against the machi
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import numpy as np
 
 import lumen
+from verdict import verdict
 
 MATMULS = ("qkv", "o", "gate_up", "down", "output")   # lumen.model.forward.OPS (q/k/v, gate/up fused)
 
@@ -68,10 +68,9 @@ def main(argv=None) -> None:
     print(f"achieved: {achieved:.2f} GB/s per step (min {min(per_step):.2f}, max {max(per_step):.2f}); "
           f"matmul ops alone {mat_b / mat_s / 1e9:.2f} GB/s")
     print(f"machine: {bw:.2f} GB/s from {source}; {model.threads} threads")
-    print(f"VERDICT: decode reaches {achieved:.1f} GB/s = {100 * achieved / bw:.0f}% of the measured {bw:.1f} GB/s "
-          f"({1 / wall:.0f} tok/s, median of {gen} steps) -> "
-          f"{'bandwidth-bound' if achieved > 0.6 * bw else 'not bandwidth-bound: time goes to compute or overhead'}"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"decode reaches {achieved:.1f} GB/s = {100 * achieved / bw:.0f}% of the measured {bw:.1f} GB/s "
+            f"({1 / wall:.0f} tok/s, median of {gen} steps) -> "
+            f"{'bandwidth-bound' if achieved > 0.6 * bw else 'not bandwidth-bound: time goes to compute or overhead'}")
 
 
 if __name__ == "__main__":

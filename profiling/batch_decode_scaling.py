@@ -13,13 +13,13 @@ Sizes are interleaved within each repeat; medians.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from verdict import verdict
 
 
 def decode_steps(engine, B: int, context: int, steps: int, rng) -> list[float]:
@@ -69,10 +69,10 @@ def main(argv=None) -> None:
     best = max(sizes, key=lambda B: B / step[B])
     where = f"turns compute-bound at B = {turn} (step({2 * turn}) / step({turn}) = {step[2 * turn] / step[turn]:.2f})" \
         if turn else "stays below compute-bound over the sizes measured"
-    print(f"VERDICT: a decode step takes {step[sizes[0]] * 1e3:.1f} ms at B = {sizes[0]} and "
-          f"{step[sizes[-1]] * 1e3:.1f} ms at B = {sizes[-1]}; aggregate {best / step[best]:.0f} t/s at best (B = "
-          f"{best}, {best / step[best] * step[1]:.2f}x B = 1); {where} (context {a.context}, medians of "
-          f"{repeats} x {steps} steps) [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"a decode step takes {step[sizes[0]] * 1e3:.1f} ms at B = {sizes[0]} and "
+            f"{step[sizes[-1]] * 1e3:.1f} ms at B = {sizes[-1]}; aggregate {best / step[best]:.0f} t/s at best (B = "
+            f"{best}, {best / step[best] * step[1]:.2f}x B = 1); {where} (context {a.context}, medians of "
+            f"{repeats} x {steps} steps)")
 
 
 if __name__ == "__main__":

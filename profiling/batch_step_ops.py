@@ -11,12 +11,12 @@ grows with B grows by its compute per row.
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from verdict import verdict
 
 GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize", "unattributed")
 
@@ -62,10 +62,9 @@ def main(argv=None) -> None:
     glue = sum(ob.get(k, 0.0) for k in GLUE)
     top = max((op for op in ob if op not in GLUE), key=lambda k: ob[k] - o1.get(k, 0.0))
     print(f"{'step':>14} {s1:8.3f} {sb:8.3f} {sb / s1:6.1f}")
-    print(f"VERDICT: {B} sequences take {sb / s1:.2f}x one sequence's decode step ({sb:.2f} vs {s1:.2f} ms: "
-          f"{B * s1 / sb:.2f}x the tokens per second); {top} grows the most ({o1.get(top, 0.0):.2f} -> "
-          f"{ob[top]:.2f} ms); glue {100 * glue / sb:.1f}% of the step [load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores]")
+    verdict(f"{B} sequences take {sb / s1:.2f}x one sequence's decode step ({sb:.2f} vs {s1:.2f} ms: "
+            f"{B * s1 / sb:.2f}x the tokens per second); {top} grows the most ({o1.get(top, 0.0):.2f} -> "
+            f"{ob[top]:.2f} ms); glue {100 * glue / sb:.1f}% of the step")
 
 
 if __name__ == "__main__":

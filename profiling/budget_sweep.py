@@ -10,13 +10,13 @@ every scheduler before the next rate.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import lumen
 from lumen import Engine, SamplingParams
 from lumen.bench.offline import workload
 from where_p99_itl_comes_from import run_poisson
+from verdict import verdict
 
 
 def single_tpot(model) -> float:
@@ -65,9 +65,9 @@ def main(argv=None) -> None:
     best = max(budgets, key=lambda b: res[crit][b][0])
     ratio = res[crit]["measured"][0] / max(res[crit][best][0], 1e-9)
     worst = min(res[r]["measured"][0] / max(max(res[r][b][0] for b in budgets), 1e-9) for r in rates)
-    print(f"VERDICT: at {crit} req/s (where the best fixed budget first meets both SLOs for < 90% of requests) the "
-          f"measured-cost scheduler's goodput is {ratio:.2f}x the best fixed budget's ({best}); at worst "
-          f"{worst:.2f}x over the {len(rates)} rates [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"at {crit} req/s (where the best fixed budget first meets both SLOs for < 90% of requests) the "
+            f"measured-cost scheduler's goodput is {ratio:.2f}x the best fixed budget's ({best}); at worst "
+            f"{worst:.2f}x over the {len(rates)} rates")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ chunk attends to more keys, so it costs more). Without chunking, those decodes w
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from verdict import verdict
 
 
 def one(model, budget: int, chunked: bool, n_prompt: int, n_dec: int, rng) -> dict:
@@ -78,11 +78,10 @@ def main(argv=None) -> None:
               f"{m['worst_itl'] / m['longest_step']:>13.2f} {m['prefill_s']:>9.2f}")
     ref = 256 if 256 in budgets else budgets[-1]
     m, u = med[(ref, True)], med[(n_prompt + a.decodes, False)]
-    print(f"VERDICT: at budget {ref} the decodes' worst ITL while a {n_prompt}-token prompt prefills is "
-          f"{m['worst_itl'] * 1e3:.0f} ms = {m['worst_itl'] / m['step']:.2f}x the median budget-{ref} step "
-          f"({m['step'] * 1e3:.0f} ms), {m['worst_itl'] / m['longest_step']:.2f}x the longest (the last chunk, "
-          f"{m['longest_step'] * 1e3:.0f} ms); unchunked they stall {u['worst_itl']:.2f} s (medians of {repeats})"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"at budget {ref} the decodes' worst ITL while a {n_prompt}-token prompt prefills is "
+            f"{m['worst_itl'] * 1e3:.0f} ms = {m['worst_itl'] / m['step']:.2f}x the median budget-{ref} step "
+            f"({m['step'] * 1e3:.0f} ms), {m['worst_itl'] / m['longest_step']:.2f}x the longest (the last chunk, "
+            f"{m['longest_step'] * 1e3:.0f} ms); unchunked they stall {u['worst_itl']:.2f} s (medians of {repeats})")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ absolute relative error, by kind of step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import lumen
 from lumen import Engine, SamplingParams
 from lumen.bench.offline import workload
+from verdict import verdict
 
 
 def main(argv=None) -> None:
@@ -52,9 +52,8 @@ def main(argv=None) -> None:
         if v:
             print(f"{kind:8} {len(v):4} steps: median error {100 * statistics.median(v):5.1f}%")
     print(f"fit: {cm.fit.describe()}")
-    print(f"VERDICT: the cost model predicts {len(allerr)} held-out steps within {100 * med:.1f}% median absolute "
-          f"error (p90 {100 * p90:.1f}%) -> {'within' if med <= 0.15 else 'outside'} the 15% target"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"the cost model predicts {len(allerr)} held-out steps within {100 * med:.1f}% median absolute "
+            f"error (p90 {100 * p90:.1f}%) -> {'within' if med <= 0.15 else 'outside'} the 15% target")
 
 
 if __name__ == "__main__":

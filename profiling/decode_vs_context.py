@@ -9,12 +9,12 @@ interleaved. Per C: median over repeats of the profiled step wall time and of it
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numpy as np
 
 import lumen
+from verdict import verdict
 
 
 def decode_at(model, ctx: int) -> tuple[float, float, int]:
@@ -55,11 +55,10 @@ def main(argv=None) -> None:
               f"{nb / att / 1e9 if att else 0:>9.1f}")
     lo, hi = contexts[0], contexts[-1]
     print(f"weights read per step: {wb / 1e6:.1f} MB")
-    print(f"VERDICT: a decode step takes {med[hi][0] * 1e3:.1f} ms at context {hi} vs {med[lo][0] * 1e3:.1f} ms at "
-          f"{lo} ({med[hi][0] / med[lo][0]:.2f}x); attention goes from {100 * med[lo][1] / med[lo][0]:.1f}% to "
-          f"{100 * med[hi][1] / med[hi][0]:.1f}% of the step, reading {med[hi][2] / 1e6:.1f} MB of KV "
-          f"({100 * med[hi][2] / wb:.0f}% of the weight bytes) at {hi} (medians of {repeats})"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"a decode step takes {med[hi][0] * 1e3:.1f} ms at context {hi} vs {med[lo][0] * 1e3:.1f} ms at "
+            f"{lo} ({med[hi][0] / med[lo][0]:.2f}x); attention goes from {100 * med[lo][1] / med[lo][0]:.1f}% to "
+            f"{100 * med[hi][1] / med[hi][0]:.1f}% of the step, reading {med[hi][2] / 1e6:.1f} MB of KV "
+            f"({100 * med[hi][2] / wb:.0f}% of the weight bytes) at {hi} (medians of {repeats})")
 
 
 if __name__ == "__main__":

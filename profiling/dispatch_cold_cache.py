@@ -14,7 +14,6 @@ and reference counting of the argument arrays missing the caches, not code the f
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numba
@@ -24,6 +23,7 @@ from numba import njit
 import lumen
 from lumen.model.forward import Batch, forward
 from lumen.timer import tick_rate, ticks
+from verdict import verdict
 
 
 @njit(nogil=True)
@@ -96,13 +96,12 @@ def main(argv=None) -> None:
     for name, (pre, post) in (("probe, warm caches", warm), (f"probe, after reading {words.nbytes >> 20} MiB", cold),
                               ("forward (one decode token)", fwd)):
         print(f"{name:36s} {pre:16.2f} us {post:15.2f} us")
-    verdict = ("cache misses, not work" if cold[0] >= 0.7 * fwd[0] else
+    conclusion = ("cache misses, not work" if cold[0] >= 0.7 * fwd[0] else
                "not explained by cold caches alone")
-    print(f"VERDICT: the forward's entry takes {fwd[0]:.1f} us to its first op and {fwd[1]:.1f} us back after its "
-          f"last; a probe with the same arguments ({n_arrays} arrays in the bundles) {warm[0]:.1f} / {warm[1]:.1f} us "
-          f"with warm caches and {cold[0]:.1f} / {cold[1]:.1f} us after reading {words.nbytes >> 20} MiB -> the "
-          f"entry cost is {verdict} (medians of {calls} calls, {numba.get_num_threads()} thread(s)) "
-          f"[load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"the forward's entry takes {fwd[0]:.1f} us to its first op and {fwd[1]:.1f} us back after its "
+            f"last; a probe with the same arguments ({n_arrays} arrays in the bundles) {warm[0]:.1f} / {warm[1]:.1f} us "
+            f"with warm caches and {cold[0]:.1f} / {cold[1]:.1f} us after reading {words.nbytes >> 20} MiB -> the "
+            f"entry cost is {conclusion} (medians of {calls} calls, {numba.get_num_threads()} thread(s))")
 
 
 if __name__ == "__main__":

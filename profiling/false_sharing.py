@@ -13,7 +13,6 @@ Figures are G MAC/s summed over threads, medians of --repeats, layouts interleav
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -23,6 +22,7 @@ from numba import njit, prange
 
 from lumen.kernels.matmul import R
 from lumen.kernels.scratch import LINE, per_thread
+from verdict import verdict
 
 
 @njit(cache=True)
@@ -92,8 +92,8 @@ def main(argv=None) -> None:
     if nt >= 2:
         bad = statistics.median(res["numpy", 2]) / statistics.median(res["numpy", 1])
         good = statistics.median(res["per_thread", 2]) / statistics.median(res["per_thread", 1])
-        print(f"VERDICT: 2 threads give {bad:.2f}x the 1-thread rate with shared-line scratch, {good:.2f}x with "
-              f"per-thread lines (medians of {a.repeats}) [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+        verdict(f"2 threads give {bad:.2f}x the 1-thread rate with shared-line scratch, {good:.2f}x with "
+                f"per-thread lines (medians of {a.repeats})")
 
 
 if __name__ == "__main__":

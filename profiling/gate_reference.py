@@ -13,7 +13,6 @@ process on the other vCPU (a neighbour's memory traffic) during every run; compa
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "benchmarks"))
 import conftest as gate  # noqa: E402  (the gate's own references)
+from verdict import verdict
 
 NEIGHBOUR = """import numpy as np, time
 a = np.ones(1 << 28, np.uint8); b = np.empty_like(a); t = time.time() + 3600
@@ -100,10 +100,9 @@ def main() -> None:
             nb.kill()
     spread = {name: (max(v) - min(v)) / statistics.median(v) for name, v in ratios.items()}
     best = min(spread, key=spread.get)
-    print(f"VERDICT: spread of step / reference over {a.runs} runs ({'neighbour' if nb else 'quiet'}): "
-          + ", ".join(f"{name} {x:.1%}" for name, x in spread.items())
-          + f"; the {best} reference tracks the decode step best [load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores]")
+    verdict(f"spread of step / reference over {a.runs} runs ({'neighbour' if nb else 'quiet'}): "
+            + ", ".join(f"{name} {x:.1%}" for name, x in spread.items())
+            + f"; the {best} reference tracks the decode step best")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Run at 1 thread (the kernels alone) and at all threads (each matvec call also op
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -19,6 +18,7 @@ import numpy as np
 from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import matmul_batched, matvec, prepare
 from lumen.model.store import resolve
+from verdict import verdict
 
 SHAPES = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "v": "blk.0.attn_v.weight",
           "o": "blk.0.attn_output.weight", "gate": "blk.0.ffn_gate.weight", "up": "blk.0.ffn_up.weight",
@@ -47,9 +47,8 @@ def main(argv=None) -> None:
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     txt = ", ".join(f"{r:.2f}x at {t} thread{'s' if t > 1 else ''}" for t, r in ratios.items())
     worst = min(ratios.values())
-    print(f"VERDICT: one N={N} batched call vs {N} matvecs over {len(names)} shapes: {txt} (sum of per-shape "
-          f"medians of {repeats}, interleaved) -> {'batching pays' if worst > 1.2 else 'batching barely pays'}"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"one N={N} batched call vs {N} matvecs over {len(names)} shapes: {txt} (sum of per-shape "
+            f"medians of {repeats}, interleaved) -> {'batching pays' if worst > 1.2 else 'batching barely pays'}")
 
 
 def measure(g, names: dict, N: int, repeats: int) -> float:

@@ -14,13 +14,13 @@ the share of steps where nothing matched. The first size range is the engine's d
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 from lumen import Engine, SamplingParams
 from lumen.bench.spec import prompts
 from lumen.engine.speculative.drafters import PRIOR, NgramDrafter, SpecState
 from lumen.engine.speculative.speculator import choose_k, skipped, update_alpha
+from verdict import verdict
 
 K_MAX = 5
 
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     print(f"{a.model}, {per} prompts per kind, {n} greedy tokens each, a drafted row costs {a.row_cost} of a step; "
           f"medians over prompts")
     print(f"{'kind':>10} {'sizes':>6} {'speed-up':>9} {'tok/step':>9} {'no match':>9}")
-    verdict = []
+    found = []
     for kind, items in outs.items():
         best = None
         for s, d in drafters.items():
@@ -91,10 +91,9 @@ def main(argv=None) -> None:
                 base = (up, tps, um)
             if best is None or up > best[1]:
                 best = (s, up)
-        verdict.append(f"{kind} {base[0]:.2f}x at {base[1]:.2f} tokens a step, no match on {100 * base[2]:.0f}% of "
+        found.append(f"{kind} {base[0]:.2f}x at {base[1]:.2f} tokens a step, no match on {100 * base[2]:.0f}% of "
                        f"steps (best sizes {best[0]}: {best[1]:.2f}x)")
-    print(f"VERDICT: n-gram speculation replayed on greedy outputs, sizes {sizes[0]}: {'; '.join(verdict)} "
-          f"[load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"n-gram speculation replayed on greedy outputs, sizes {sizes[0]}: {'; '.join(found)}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import lumen
 from lumen import Engine, SamplingParams
 from lumen.machine import limits
 from lumen.profile.report import roofs, summarize
+from verdict import verdict
 
 OPS = ("gate_up", "down", "qkv", "o", "output", "attention")
 
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
             line += f" {ms:10.3f} {100 * sh:4.0f}%"
         print(line)
     line, floor_line, rate_line = f"{'step':>10}", f"{'floor':>10}", f"{'rows/s':>10}"
-    verdict, floors = [], {}
+    steps, floors = [], {}
     for N in ns:
         step_ms, rows, n = res[N]
         flops = sum(rows[op]["gflops"] * rows[op]["ms"] / 1e3 * 1e9 for op in OPS[:5] if op in rows)
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
         n0, t0, f0 = ns[0], res[ns[0]][0], floors[ns[0]]
         rate, rate_fl = N / step_ms / (n0 / t0), N / fl / (n0 / f0)
         rate_line += f" {rate:9.2f}x {rate_fl:4.1f}x"
-        verdict.append(f"N={N} {step_ms:.2f} ms ({step_ms / t0:.2f}x the time, {rate:.2f}x the rows per second, "
+        steps.append(f"N={N} {step_ms:.2f} ms ({step_ms / t0:.2f}x the time, {rate:.2f}x the rows per second, "
                        f"{rate_fl:.2f}x at the floors; {100 * fl / step_ms:.0f}% of floor)")
     print(line)
     print(floor_line)
@@ -103,8 +104,7 @@ def main(argv=None) -> None:
     if a.plot:
         plot(res, ns, L, a.plot, a.model)
         print(f"roofline: {a.plot}")
-    print(f"VERDICT: a decode step of N rows against N=1: {'; '.join(verdict)} [load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores]")
+    verdict(f"a decode step of N rows against N=1: {'; '.join(steps)}")
 
 
 def plot(res, ns, L, path: str, model: str) -> None:

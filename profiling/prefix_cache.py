@@ -9,13 +9,13 @@ Medians over repeats (each repeat uses another random prefix).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from verdict import verdict
 
 
 def ttft(engine, ids) -> tuple[float, int]:
@@ -52,9 +52,8 @@ def main(argv=None) -> None:
     m, h, o = (statistics.median(v) for v in (miss, hit, off))
     print(f"TTFT without a hit {m * 1e3:.1f} ms, with it {h * 1e3:.1f} ms ({statistics.median(cached):.0f} tokens "
           f"cached), prefix caching off {o * 1e3:.1f} ms")
-    print(f"VERDICT: a {prefix}-token prefix hit cuts TTFT {m / h:.1f}x ({m * 1e3:.0f} -> {h * 1e3:.0f} ms, "
-          f"{a.suffix}-token suffix, budget {a.budget}, medians of {repeats})"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"a {prefix}-token prefix hit cuts TTFT {m / h:.1f}x ({m * 1e3:.0f} -> {h * 1e3:.0f} ms, "
+            f"{a.suffix}-token suffix, budget {a.budget}, medians of {repeats})")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import numpy as np
 import lumen
 from lumen.bench.corunner import corunner
 from lumen.kernels.work import STATIC
+from verdict import verdict
 
 KINDS = ("none", "sleep", "busy")
 
@@ -279,16 +280,15 @@ def main(argv=None) -> None:
     one = t[("1 thread", "busy")] / base
     llama = (f"; llama-bench {t[(f'llama-bench {hi} thr', 'busy')] / t[(f'llama-bench {hi} thr', 'none')]:.2f}"
              if binary else "")
-    print(f"\nVERDICT: beside a busy process, {hi} fixed threads keep {fixed_busy:.2f} of their idle decode "
-          f"({(1 / t[('2 fixed, static split', 'busy')] - 1 / t[('2 fixed, static split', 'none')]) / regions * 1e6:.0f}"
-          f" us lost per parallel region, {regions:.0f} regions a step): a barrier waits for a descheduled thread; "
-          f"1 thread keeps {one:.2f} of {hi} threads' idle speed, the governed engine {gov_busy:.2f}{llama}; beside "
-          f"a sleeping loop the governed engine keeps {t[('2 governed', 'sleep')] / t[('2 governed', 'none')]:.2f}"
-          + (f"; the server's TPOT at concurrency 1 is {srv['ratio']:.2f}x Model.generate's" if srv else "")
-          + (f"; one request at a time after pauses, beside a busy process: TTFT "
-             f"{paused['busy'][0] / paused['none'][0]:.2f}x (new prompt) and {paused['busy'][1] / paused['none'][1]:.2f}x (cached), TPOT "
-             f"{paused['busy'][2] / paused['none'][2]:.2f}x idle" if paused else "")
-          + f" [load {os.getloadavg()[0]:.1f}]")
+    verdict(f"beside a busy process, {hi} fixed threads keep {fixed_busy:.2f} of their idle decode "
+            f"({(1 / t[('2 fixed, static split', 'busy')] - 1 / t[('2 fixed, static split', 'none')]) / regions * 1e6:.0f}"
+            f" us lost per parallel region, {regions:.0f} regions a step): a barrier waits for a descheduled thread; "
+            f"1 thread keeps {one:.2f} of {hi} threads' idle speed, the governed engine {gov_busy:.2f}{llama}; beside "
+            f"a sleeping loop the governed engine keeps {t[('2 governed', 'sleep')] / t[('2 governed', 'none')]:.2f}"
+            + (f"; the server's TPOT at concurrency 1 is {srv['ratio']:.2f}x Model.generate's" if srv else "")
+            + (f"; one request at a time after pauses, beside a busy process: TTFT "
+               f"{paused['busy'][0] / paused['none'][0]:.2f}x (new prompt) and {paused['busy'][1] / paused['none'][1]:.2f}x (cached), TPOT "
+               f"{paused['busy'][2] / paused['none'][2]:.2f}x idle" if paused else ""))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ not the split, is what a small-N step waits on.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -32,6 +31,7 @@ from lumen.kernels.work import counters
 from lumen.machine import limits
 from lumen.model.store import resolve
 from lumen.profile.report import roofs
+from verdict import verdict
 
 OPS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
        "down": ("ffn_down",), "output": None}
@@ -133,8 +133,7 @@ def main(argv=None) -> None:
                   f"{gops:11.0f} {100 * gops / i8:4.0f}%")
     numba.set_num_threads(th)
     txt = "; ".join(f"N={N} {v[0] * 1e3:.2f} -> {v[1] * 1e3:.2f} ms ({v[0] / v[1]:.2f}x)" for N, v in tot.items())
-    print(f"VERDICT: a step's matmuls, 1 -> {th} threads: {txt} [load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores]")
+    verdict(f"a step's matmuls, 1 -> {th} threads: {txt}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import lumen
+from verdict import verdict
 
 PROMPTS = Path(lumen.__file__).parent / "bench" / "data" / "prompts.json"
 
@@ -128,11 +128,10 @@ def main(argv=None) -> None:
     print(f"{'op':>14} {'plain ms':>9} {'spec ms':>8} {'ratio':>6}")
     for op in sorted(os_, key=lambda k: -os_[k])[:8]:
         print(f"{op:>14} {o0.get(op, 0.0):9.3f} {os_[op]:8.3f} {os_[op] / max(o0.get(op, 0.0), 1e-9):6.1f}")
-    print(f"VERDICT: a {a.rows}-row verification costs {wk / w1:.2f}x a one-row step in the forward pass ({wk:.2f} "
-          f"vs {w1:.2f} ms, context {len(ctx)}); in generation a speculative step of {rows:.2f} rows costs "
-          f"{t1 / t0:.2f}x a plain step ({t1:.2f} vs {t0:.2f} ms), {steps0:.0f} plain steps against {steps1:.0f}: "
-          f"{steps0 * t0 / (steps1 * t1):.2f}x faster decoding [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
-          f"cores]")
+    verdict(f"a {a.rows}-row verification costs {wk / w1:.2f}x a one-row step in the forward pass ({wk:.2f} "
+            f"vs {w1:.2f} ms, context {len(ctx)}); in generation a speculative step of {rows:.2f} rows costs "
+            f"{t1 / t0:.2f}x a plain step ({t1:.2f} vs {t0:.2f} ms), {steps0:.0f} plain steps against {steps1:.0f}: "
+            f"{steps0 * t0 / (steps1 * t1):.2f}x faster decoding")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from statistics import median
+from verdict import verdict
 
 PROMPT = "The capital of France is"
 MODES = {"cache on": {}, "cache off": {"LUMEN_PACK_CACHE": "0"}}
@@ -230,10 +231,9 @@ def main(argv=None) -> None:
     if a.baseline:
         b = median([r["ttft"] for r in cli_res["baseline"]])
         base = f", {b:.2f} s with the baseline ({b / on:.2f}x)"
-    print(f"VERDICT: {a.model} warm start: first token {on:.2f} s after spawn with the pack cache, {off:.2f} s "
-          f"without ({off / on:.2f}x){base}; weights {w_on * 1e3:.0f} ms vs {w_off * 1e3:.0f} ms (medians of "
-          f"{runs}) -> {'within' if on <= 3.0 else 'over'} the 3 s target [load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores]")
+    verdict(f"{a.model} warm start: first token {on:.2f} s after spawn with the pack cache, {off:.2f} s "
+            f"without ({off / on:.2f}x){base}; weights {w_on * 1e3:.0f} ms vs {w_off * 1e3:.0f} ms (medians of "
+            f"{runs}) -> {'within' if on <= 3.0 else 'over'} the 3 s target")
 
 
 def cold_main(a) -> None:
@@ -264,9 +264,9 @@ def cold_main(a) -> None:
         print(f"{name:10s} cold {c:6.2f} s   warm {w:6.2f} s   (runs: cold {runs})")
     c = median(res["lumen"]["cold"])
     base = (f"; baseline cold {median(res['baseline']['cold']):.1f} s" if a.baseline else "")
-    print(f"VERDICT: {a.model} cold start (empty compile and pack caches): first token {c:.1f} s after spawn, warm "
-          f"{median(res['lumen']['warm']):.2f} s{base} (medians of {runs}) -> {'within' if c <= 20.0 else 'over'} the "
-          f"20 s target [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"{a.model} cold start (empty compile and pack caches): first token {c:.1f} s after spawn, warm "
+            f"{median(res['lumen']['warm']):.2f} s{base} (medians of {runs}) -> {'within' if c <= 20.0 else 'over'} the "
+            f"20 s target")
 
 
 if __name__ == "__main__":

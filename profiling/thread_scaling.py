@@ -8,13 +8,13 @@ Per repeat and thread count (numba.set_num_threads, interleaved): a profiled pre
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import numba
 import numpy as np
 
 import lumen
+from verdict import verdict
 
 
 def profiled_run(model, ids, gen: int) -> dict:
@@ -61,10 +61,9 @@ def main(argv=None) -> None:
             s = med[1][op] / med[hi][op] if med[hi][op] > 0 else float("nan")
             print(f"{op:>14} {med[1][op] * 1e6:>10.1f} {med[hi][op] * 1e6:>10.1f} {s:>7.2f}x")
         speed[ph] = med[1]["(step)"] / med[hi]["(step)"]
-    print(f"VERDICT: {hi} threads speed up a decode step {speed['decode']:.2f}x and a {prompt}-token prefill "
-          f"{speed['prefill']:.2f}x over 1 thread (medians of {repeats}, interleaved) -> "
-          f"{'scales' if min(speed.values()) > 0.8 * hi else 'scales sub-linearly'}"
-          f" [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"{hi} threads speed up a decode step {speed['decode']:.2f}x and a {prompt}-token prefill "
+            f"{speed['prefill']:.2f}x over 1 thread (medians of {repeats}, interleaved) -> "
+            f"{'scales' if min(speed.values()) > 0.8 * hi else 'scales sub-linearly'}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ rows, one thread, best of 7: GOP/s and the share of the one-thread roof.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numba
@@ -35,6 +34,7 @@ from lumen.kernels.scratch import per_thread
 from lumen.kernels.work import counters
 from lumen.machine import aligned, limits
 from lumen.model.store import resolve
+from verdict import verdict
 
 RUN, ACC, QUADS = 64, 16, 64        # weight vectors per unrolled run, accumulators, distinct activation quads
 
@@ -160,10 +160,9 @@ def main(argv=None) -> None:
         print(f"  {qt:>5} {shape:>10}: " + " / ".join(f"{rate[N]:.0f} ({100 * rate[N] / roof:.0f}%)" for N in ns))
     r1 = min(rates, key=lambda r: (r != 1, r))
     costly = rates[r1] < 0.75 * rates[0]
-    print(f"VERDICT: a broadcast from memory used once gives {rates[r1] / rates[0]:.2f}x the register rate"
-          + "".join(f", used {r} times {rates[r] / rates[0]:.2f}x" for r in rates if r > 1)
-          + (": a broadcast costs a port slot, so reuse each one" if costly else ": broadcasts are nearly free here")
-          + f" [load {os.getloadavg()[0]:.1f}]")
+    verdict(f"a broadcast from memory used once gives {rates[r1] / rates[0]:.2f}x the register rate"
+            + "".join(f", used {r} times {rates[r] / rates[0]:.2f}x" for r in rates if r > 1)
+            + (": a broadcast costs a port slot, so reuse each one" if costly else ": broadcasts are nearly free here"))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ p50 ones: which part grows.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ import lumen
 from lumen import Engine, SamplingParams
 from lumen.bench.offline import workload
 from lumen.profile import serving
+from verdict import verdict
 
 
 def run_poisson(eng, reqs, rate: float, seed: int = 0) -> list:
@@ -60,10 +60,10 @@ def main(argv=None) -> None:
     p50, p99 = rep["itl_p50_parts"], rep["itl_p99_parts"]
     grow = max(serving.PARTS, key=lambda k: p99[k] * rep["itl_p99_s"] - p50[k] * rep["itl_p50_s"])
     extra = p99[grow] * rep["itl_p99_s"] - p50[grow] * rep["itl_p50_s"]
-    print(f"VERDICT: ITL p99 {rep['itl_p99_s'] * 1e3:.0f} ms vs p50 {rep['itl_p50_s'] * 1e3:.0f} ms; "
-          f"'{grow}' adds {extra * 1e3:.0f} ms of the difference ({100 * p99[grow]:.0f}% of a p99 gap, "
-          f"{100 * p50[grow]:.0f}% of a p50 one) at {a.rate} req/s, budget {a.budget}; coverage min "
-          f"{100 * rep['coverage_min']:.1f}% [load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores]")
+    verdict(f"ITL p99 {rep['itl_p99_s'] * 1e3:.0f} ms vs p50 {rep['itl_p50_s'] * 1e3:.0f} ms; "
+            f"'{grow}' adds {extra * 1e3:.0f} ms of the difference ({100 * p99[grow]:.0f}% of a p99 gap, "
+            f"{100 * p50[grow]:.0f}% of a p50 one) at {a.rate} req/s, budget {a.budget}; coverage min "
+            f"{100 * rep['coverage_min']:.1f}%")
 
 
 if __name__ == "__main__":
