@@ -84,10 +84,6 @@ class BlockManager:
         """Share of the pool held by sequences (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.n_blocks
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return self.table.shape[1]
-
     @staticmethod
     def blocks_for(n_tokens: int) -> int:
         return -(-n_tokens // BLOCK)

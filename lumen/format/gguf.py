@@ -50,10 +50,6 @@ class Tensor:
         """numpy order: reversed dims."""
         return tuple(reversed(self.dims))
 
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.dims, dtype=np.int64))
-
     def as_f32(self) -> np.ndarray:
         """An F32 tensor as a float32 array of numpy shape (zero-copy)."""
         if self.qtype != GGMLQuantizationType.F32:

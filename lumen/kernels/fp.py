@@ -65,14 +65,6 @@ def exp_f32(typingctx, x):
 
 
 @intrinsic
-def fma_f32(typingctx, a, b, c):
-    """a * b + c with one rounding (float32)."""
-    def codegen(context, builder, sig, args):
-        return fma(builder, *args)
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
-@intrinsic
 def f16_bits(typingctx, x):
     """The IEEE half nearest to the float32 x (ties to even), as its uint16 bits."""
     def codegen(context, builder, sig, args):

@@ -25,7 +25,7 @@ uniforms decide), but their distribution is the same.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -134,6 +134,3 @@ class SamplingParams:
     def replace(self, **kw) -> "SamplingParams":
         return replace(self, **kw)
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
