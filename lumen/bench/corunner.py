@@ -14,8 +14,7 @@ block ends), so no benchmark leaves one behind. The block begins once the co-run
 interpreter starting is a busy process for tens of ms, whatever the kind), and after the co-runner is killed it
 waits SETTLE_S, longer than the thread governor's RESET_S (lumen.engine.threads): what is measured next (the next
 repetition's idle figure) starts from a pause after which the governor sees nobody and takes every thread,
-instead of the count the co-runner left behind (measured: pp512 at 810-870 t/s on one thread against 1427-1433 on
-two, 2-vCPU AMD EPYC Zen 4, 2026-12-03).
+instead of the count the co-runner left behind (which would read the next idle figure on one thread).
 """
 from __future__ import annotations
 

@@ -19,9 +19,10 @@ the same machine load; every figure gets the ratio Lumen/llama.cpp (of the means
 per-repetition ratios):
 - `--llama-bench PATH` (or $LLAMA_BENCH with --compare llama.cpp): llama.cpp's native `llama-bench`, one process
   per repetition and test (`-r 1`, its own warm-up run, same thread count, its default batch sizes), the
-  strongest llama.cpp figure (no Python per token). `--llama-args` passes extra flags: on Xeons whose AMX tiles
-  the OS does not grant, llama.cpp's default weight repacking dies with an illegal instruction, so pass
-  `--llama-args "--repack 0"` there. Build it with shared/tools/llama_tools.sh.
+  strongest llama.cpp figure (no Python per token), with its defaults (weight repacking on). Build it from the
+  llama-cpp-python 0.3.36 sdist with the vector extensions the CPU reports and AMX off: on guests whose OS does
+  not grant the AMX tiles, a build with them dies with an illegal instruction in the repacking. `--llama-args`
+  passes extra flags.
 - `--compare llama.cpp` without the binary: llama-cpp-python on the same GGUF in this process (CPU only, flash
   attention off, n_batch = n_ubatch = 512, weight repacking off: see tests/data/make_gemma3_longctx.py). The
   Lumen peak RSS is taken before llama.cpp loads.

@@ -2,10 +2,9 @@
 
 A decode step is 121 fork-join parallel regions for SmolLM2 (lumen.model.forward). Each ends at a barrier, so it
 runs at the pace of its slowest thread: when another process wants a core, the OS takes it from one of our threads
-for a scheduler slice and the other waits. Measured on a 2-vCPU AMD EPYC (Zen 5), SmolLM2 decode
-(profiling/shared_machine.py): alone 2 threads give 340 tok/s and 1 thread 280; beside one busy process 2
-threads give 57 and 1 thread still 280. A server's own event loop and a client on the same cores are such a
-neighbour too. So the number of threads follows what others use:
+for a scheduler slice and the other waits: beside one busy process on 2 cores, 2 threads decode at a fraction of
+what 1 thread does (profiling/shared_machine.py). A server's own event loop and a client on the same cores are
+such a neighbour too. So the number of threads follows what others use:
 
     others = (CPU time of every allowed core, from /proc/stat) - (CPU time of our compute threads)
              over the last SLOW_S, in cores
@@ -16,12 +15,10 @@ neighbour too. So the number of threads follows what others use:
 Our compute threads are the calling thread and the OpenMP workers of its parallel regions (their run time and
 wait from /proc/self/task/<tid>/schedstat, in ns), so the server's event loop counts as a neighbour, as it is.
 /proc/stat counts in clock ticks (10 ms), too coarse for a short window, so `others` spans SLOW_S; `wait` is
-exact, so a busy neighbour that arrives costs about WAIT_WINDOWS x WINDOW_S at the old count. Measured at 2 threads
-(profiling/shared_machine.py, the server's --log-level debug): beside one busy process wait 0.5-0.8 cores and
-others 0.47-1.0; beside a 1 ms sleeping loop 0.02-0.05 and 0-0.12; the server at concurrency 1 (its event loop and
-a client on the same cores) 0.09 and 0.1-0.25; at concurrency 16 0.26-0.38 and 0.10-0.19, where 2 threads still
-serve 1.35x what a governor that gave one up at wait 0.25 did (697.6 against 518.3 output tok/s). Reading the
-files every WINDOW_S costs about 30 us; between readings `threads()` is a clock read and a compare. The thread
+exact, so a busy neighbour that arrives costs about WAIT_WINDOWS x WINDOW_S at the old count. The thresholds sit
+between what a busy neighbour reads (wait and others near a core) and what a sleeping loop or the server's own
+event loop and client read (a few tenths at most; profiling/shared_machine.py prints both). Reading the files
+every WINDOW_S costs tens of microseconds; between readings `threads()` is a clock read and a compare. The thread
 count never changes a result: every kernel gives the same bits on any number of threads (tests/test_determinism).
 
 A pause (no step for over PAUSE_S: a server between requests, a benchmark between repetitions; a long step is not
@@ -36,11 +33,8 @@ the readings can act. So after a pause:
     not trip this)
     otherwise, after a pause of over RESET_S: every thread again (what held one back may be gone)
 
-Measured on a 2-vCPU AMD EPYC Zen 4, 2026-12-03 12:06-12:11, load 0.5-0.9: the server, one request at a time 1.5 s
-apart (a 48-token prompt in the prefix cache, 48 tokens out, the chat turn's shape), 3 alternated runs of 6
-requests: beside a busy process median TTFT 101 / 64 / 112 ms and TPOT 10.0 / 8.7 / 9.5 ms with every thread
-after each pause, 62 / 46 / 58 ms and 6.8 / 6.2 / 7.0 ms with this rule; idle 53 / 71 / 46 ms and 6.4 / 6.0 /
-5.5 against 58 / 53 / 49 ms and 6.2 / 6.3 / 6.0 (profiling/shared_machine.py part 3 measures the same).
+Beside a busy process this rule keeps the first steps after each pause on the core that is free, where starting
+again on every thread made them wait for the neighbour (profiling/shared_machine.py part 3 measures both).
 
 `Governor(max_threads, adaptive=False)` (or LUMEN_FIXED_THREADS=1, `--fixed-threads`) keeps max_threads always.
 Where /proc is missing (not Linux) it keeps max_threads too.
@@ -65,9 +59,7 @@ PAUSE_S = 0.2         # a reading over a longer interval (no step ran) is no rea
                       # at one thread)
 RESET_S = 1.0         # after a pause longer than this, start again from max_threads
 PROBES = 3            # after a pause others were busy in: readings of who is runnable now (runnable_others) ...
-PROBE_GAP_S = 0.001   # ... this far apart. Back to back (150 us in all) they tripped on something transient after
-                      # pauses in which `lumen.bench --llama-bench` ran llama.cpp (3 times in one run of 2 reps,
-                      # 2-vCPU AMD EPYC Zen 4, 2026-12-03), each then holding a step at one thread
+PROBE_GAP_S = 0.001   # ... this far apart: read back to back they catch transients (a task that just exited)
 log = logging.getLogger("lumen.engine")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -1,13 +1,13 @@
 """Quantized matmul: out (N, d_out) f32 = x (N, n_in) f32 @ W.T, W a GGUF-quantized (d_out, n_in) weight.
 
-How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind each choice):
+How (lumen/kernels/simd.py has the tile kernels and why they are built as they are):
 - `prepare(raw, qtype)` repacks the raw GGUF bytes once, at load time, into the layout of lumen.kernels.layout:
   tiles of R = 64 rows with the row index before the 4 columns of an int32 lane ("lanes = rows", as ggml's
   repacked kernels), no larger than the GGUF tensor: nibbles, the fifth bits (Q5) or the top two bits (Q6_K) as
   bit planes, Q8_0 bytes (+128), and the scales as the GGUF stores them (f16 d, f16 m, 6-bit K-quant scales and
   mins as bytes, Q6_K's int8 sub-block scales). The F32 family (F32, F16, BF16) is kept as f32 (T, n_in, R).
 - Activations are rounded once per call the way llama.cpp's CPU backend rounds them for the weight type
-  (`quantize_x`, lumen.quants.ACT_FORMAT): 8-bit blocks of 32 with an f16 scale (Q8_0/Q8_1) for the 32-block
+  (`quantize_x`, lumen.format.quants.ACT_FORMAT): 8-bit blocks of 32 with an f16 scale (Q8_0/Q8_1) for the 32-block
   types, 8-bit blocks of 256 with an f32 scale (Q8_K) for the K types, f16 / bf16 for F16 / BF16 weights. So the
   products are the ones llama.cpp computes, and every dot product of the 8-bit families is an exact integer:
   unsigned weight bytes times signed activation bytes (vpdpbusd where the CPU has AVX512-VNNI,
@@ -24,13 +24,11 @@ How (see shared/KERNELS.md and lumen/kernels/simd.py for the measurements behind
   one byte per column in the worker's scratch (the Q8 family's layout), and the NR-row passes read that with the
   type's scales and zero point (simd.tile_<type>_u): the same integer sums and float steps, so the same bits,
   with the unpacking (an and and a shift per quad, and the fifth or the top two bits: 3-4 more operations) done
-  once per tile instead of once per NR rows. pp512, the two paths alternated in one process: Gemma-3 (Q5_0, Q6_K)
-  2785 -> 3198 t/s (1.15x) on a 2-vCPU AMD EPYC Zen 5, 2026-12-02; SmolLM2 (Q4_1) 1.02x there, 1.05-1.11x on a
-  Zen 4, 2026-12-03 (the Q4 family from 128 rows).
+  once per tile instead of once per NR rows.
 - Parallelism: each thread takes a contiguous chunk of tiles; one parallel region per call, which may cover up
   to 3 matrices of the same input (q/k/v, gate/up). The activations are rounded first, once (`prepare_x`;
-  from lumen.kernels.policy.PAR_QUANT_VALUES values on, the rows spread over the threads: at prefill's 256 rows
-  the rounding took 17-27% of a matmul's time when serial, 2026-12-02).
+  from lumen.kernels.policy.PAR_QUANT_VALUES values on, the rows spread over the threads: serial, the rounding
+  of prefill's rows is a fifth of a matmul's time).
 `matmul(out, x, w, qtype)` picks the path by N. `w` is a Packed (fast) or raw GGUF bytes (packed on every call:
 correct, but slow; the forward pass should call prepare once at load time).
 """
@@ -256,7 +254,7 @@ def quantize_x(xq, xd, xs, xi, x, fmt):
     """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
     are zeroed.
 
-    As llama.cpp's CPU backend quantizes activations for the weight type (lumen.quants.ACT_FORMAT):
+    As llama.cpp's CPU backend quantizes activations for the weight type (lumen.format.quants.ACT_FORMAT):
       ACT_Q8  (Q8_0/Q8_1): blocks of 32, q = rint(x * 127/amax), scale d = f16(amax/127)
       ACT_Q8K (Q8_K):      blocks of 256, iscale = -127/max (max: the first value of largest |x|), q = min(127,
                            rint(iscale * x)), d = 1/iscale (f32)

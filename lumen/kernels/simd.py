@@ -1,7 +1,7 @@
 """The quantized tile kernels, written as LLVM vector IR: one 64-row weight tile times 1 or NR activation rows.
 
-LLVM never emits vpdpbusd from Numba loops (shared/KERNELS.md), and the int16-lane loops it does emit top out
-at about 25 G MAC/s per core here. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products
+LLVM never emits vpdpbusd from Numba loops, and the int16-lane loops it does emit reach a small fraction of the
+int8 dot rate. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products
 to an int32 lane: 64 products per 512-bit instruction. These intrinsics emit it directly when the CPU has
 AVX512-VNNI (llvm.x86.avx512.vpdpbusd.512), and otherwise the same arithmetic as portable vector IR (widen,
 multiply, add) that any LLVM target compiles; the integers are the same either way.
@@ -17,9 +17,8 @@ every CPU):
     DM  f = fma(d_w * d_x, sum, fma(m, sx, f))                       sx = d_x sum x (the activations' xs)
     K   as DM with d_w = d * sc, m = -(dmin * min)  (d, dmin f16; sc, min 6-bit)
     K6  f = fma(s_h * d_x, sum_h, f) for h = 0, 1,  s_h = d * sc_h
-(Before 2026-12, the step was llama.cpp's, every operation rounded on its own, u - z for every type: the fused
-form is nearer exact math, tests/test_fidelity.py has the figures, and it is 2 to 3 vector operations per row and
-group fewer; see below.)
+The fused form is nearer exact math than rounding every operation on its own (tests/test_fidelity.py holds it to
+llama.cpp's distance from exact math), and it is 2 to 3 vector operations fewer per row and group.
 
 Two loop orders, the same operations per row and group in the same order (so the same bits):
 - 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
@@ -28,25 +27,13 @@ Two loop orders, the same operations per row and group in the same order (so the
   and used for the 2 vectors; 8 integer and 8 float sums in registers. K6 runs its two halves one after the
   other (so its integer sums fit the registers too).
   The next tile is prefetched into L2 while a tile is computed, each pass taking its share, spread over its
-  groups, so the DRAM stream overlaps the compute (us per matrix, SmolLM2 gate+up, N = 4 / 8 / 16 / 64 / 256:
-  the whole next tile prefetched at once before the passes 38.1 / 42.6 / 83.6 / 214 / 739, spread over the
-  passes 21.5 / 33.2 / 61.2 / 198 / 746; spread over the first pass only 24.1 / 37.6 / 68.9 / 229 / 851).
+  groups, so the DRAM stream overlaps the compute.
 What bounds the batched kernel is the vector ports, not the weights: every operation beside the vpdpbusd takes a
-slot one of them could use. Measured on an AMD EPYC Zen 5 (1092 GOP/s int8 dot roof per core, lumen.profile
---machine), one thread, one matrix in cache, best of 7 (profiling/vnni_ports.py has the experiments):
-- a vpdpbusd whose activation operand is a broadcast from memory ({1to16}) runs at half the rate of one that
-  reads a register: 409 against 875 GOP/s; a broadcast used for 2 / 4 weight vectors: 566 / 658-765 GOP/s. So
-  each broadcast is used for NVP = 2 vectors (4 wants 16 integer sums and spills the float ones: 1.0-1.3x
-  slower on Q8_0 and Q6_K);
-- the float step per row and group (before: convert, 3 multiplies, 2 adds; now convert, 1 multiply, 1-2 fused
-  multiply-adds) against the 8 vpdpbusd; and the unpacking per quad, shared by NR = 4 rows.
-  Before (NR = 4, NVP = 2, llama.cpp's float step, each row's 8 vpdpbusd in one chain) and now, GOP/s at
-  N = 1 / 4 / 8 / 16 / 64, best of 7, 3 alternated rounds, medians:
-    SmolLM2 ffn_gate Q4_1 1536x576:  244 / 435 / 488 / 495 / 514  ->  281 / 492 / 455-587 / 496-613 / 635
-    Gemma attn_v Q8_0 256x640:        89 / 260 / 366 / 386 / 446  ->   94 / 311 / 414 / 503 / 592
-    Gemma ffn_down Q6_K 640x2048:    168 / 319 / 306 / 358 / 396  ->  154 / 336 / 360 / 395 / 396
-  Rows 8 per pass, one vector (each broadcast used once, from memory): 357-525 GOP/s on Q4_1 at N = 8, less on
-  the rest. Two integer sums per row (shorter vpdpbusd chains): no faster (the chains of 4 rows already overlap).
+slot one of them could use (profiling/vnni_ports.py measures each):
+- a vpdpbusd whose activation operand is a broadcast from memory runs at half the rate of one that reads a
+  register, so each broadcast is used for NVP = 2 vectors (4 would want 16 integer sums and spill the float ones);
+- the float step per row and group (convert, 1 multiply, 1-2 fused multiply-adds) competes with the 8 vpdpbusd,
+  and the unpacking per quad is shared by NR = 4 rows.
 """
 from __future__ import annotations
 
@@ -59,7 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..format.quants import QT
-from .ir import (F16, F32, I8, I32, LANES, V8I32, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
+from .ir import (F16, F32, I8, I32, LANES, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
                  splat, vload)
 from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
@@ -73,14 +60,6 @@ ROWS = R                       # rows of a tile; LANES (lumen.kernels.ir) = 16 r
 
 
 # ---- 256-bit helpers (lumen.machine's int8 dot measures with these)
-
-def _bcast32(builder, xp, quad):
-    """The 4 bytes x[4 quad .. 4 quad + 3] as one int32, broadcast to 8 lanes."""
-    p = builder.bitcast(builder.gep(xp, [ir.Constant(I32, 4 * quad)]), I32.as_pointer())
-    s = builder.load(p, align=1)
-    v = builder.insert_element(ir.Constant(V8I32, ir.Undefined), s, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(V8I32, ir.Undefined), ir.Constant(V8I32, [0] * 8))
-
 
 def _dpbusd(builder, acc, u, x):
     """acc + per lane: sum of 4 u8 bytes of u times the 4 i8 bytes of x (8 or 16 x i32 vectors)."""

@@ -1,4 +1,4 @@
-"""Structured output (issue 20): a request's text constrained to a JSON schema, any JSON object, a regex, a
+"""Structured output: a request's text constrained to a JSON schema, any JSON object, a regex, a
 list of choices, or a Lark / GBNF grammar, with llguidance (guidance-ai/llguidance) filling the token masks.
 
 One file per concept, in data-flow order:

@@ -12,7 +12,7 @@ schema keyword llguidance cannot enforce, a regex or grammar that does not parse
 with llguidance's message. What llguidance can only find against a model's vocabulary (rare: a grammar naming a
 token the vocabulary lacks) is reported by the compiler (lumen.engine.structured.compiler) the same way.
 
-JSON whitespace is bounded by default (issue 20, item 5): between two JSON tokens llguidance allows at most what
+JSON whitespace is bounded by default: between two JSON tokens llguidance allows at most what
 `JSON_WHITESPACE` matches, one space or one or two newlines and then up to 20 spaces or tabs (llama.cpp's
 json-schema-to-grammar rule), so a model that prefers whitespace must still write a JSON token after at most 22
 whitespace characters, and none may come before the first `{` or after the last `}`. llguidance's own default
