@@ -1,7 +1,7 @@
 """Measure structured output's costs on this machine, no model forward: vocabulary build, schema compile (new
 vs cached, up to the first mask), batched mask fill (1 and 16 rows), mask apply per row, for both test models.
 
-    flock -w 1800 /tmp/lumen-cpu.lock python profiling/structured_costs.py [--repeats 5] [--threads 1]
+    python profiling/structured_costs.py [--repeats 5] [--threads 1]
 
 Fill times are taken along random walks (masked random logits with a push toward closing strings, sampled at
 temperature 1), so they cover the states a generation goes through; reported per step as median and p90.

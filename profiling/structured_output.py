@@ -1,9 +1,8 @@
 """What does structured output cost a decode, and how does Lumen's compare with llama-server's?
 
-    flock -w 1800 /tmp/lumen-cpu.lock python profiling/structured_output.py [--quick] [--rounds 3]
-        [--llama-server /tmp/lcpp/build/bin/llama-server]
+    python profiling/structured_output.py [--quick] [--rounds 3] [--llama-server PATH]
 
-Issue 20's targets, on the committed schemas of profiling/structured_costs.py (a person record, a 3-way anyOf
+On the committed schemas of profiling/structured_costs.py (a person record, a 3-way anyOf
 tool call, a nested invoice), SmolLM2, 2 threads, temperature 0.8 with a seed per request:
 1. TPOT of constrained requests / the same requests unconstrained (Engine in this process), at concurrency 1 and
    16 (at 1, each schema in turn). "The same unconstrained" is each request again without its constraint, with max_tokens = the tokens the
@@ -34,6 +33,7 @@ from lumen import SamplingParams
 from lumen.engine.engine import Engine
 from lumen.engine.structured import Constraint
 from structured_costs import SCHEMAS
+from verdict import verdict
 from lumen.model.store import resolve
 
 MODEL = "smollm2-135m"
@@ -175,7 +175,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round, concurrency 1 and 4, no HTTP (for tests)")
-    ap.add_argument("--llama-server", default="/tmp/lcpp/build/bin/llama-server")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                    help="llama.cpp's llama-server for part 3 (default $LLAMA_SERVER; without it part 3 is skipped)")
     ap.add_argument("--no-http", action="store_true", help="skip part 3")
     args = ap.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
@@ -198,7 +199,7 @@ def main(argv=None) -> None:
     print(f"TTFT concurrency 1: new schema {new * 1e3:.1f} ms, cached {cached * 1e3:.1f} ms -> +{(new - cached) * 1e3:.1f}"
           f" ms (compile alone {comp * 1e3:.1f} ms)")
     http = None
-    if not (args.quick or args.no_http):
+    if not (args.quick or args.no_http or args.llama_server is None):
         engine.structured.close()
         del engine, model
         http = http_compare(args.llama_server, rounds)
@@ -209,11 +210,11 @@ def main(argv=None) -> None:
             http[conc] = lu / ll
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     n_hi = max(ratios)
-    line = (f"VERDICT: a constrained request's TPOT is {ratios[1]:.2f}x an unconstrained one's at concurrency 1 and "
+    line = (f"a constrained request's TPOT is {ratios[1]:.2f}x an unconstrained one's at concurrency 1 and "
             f"{ratios[n_hi]:.2f}x at {n_hi}; a new schema adds {(new - cached) * 1e3:.0f} ms to TTFT")
     if http is not None:
         line += f"; Lumen serves {http[1]:.1f}x llama-server's output tok/s at concurrency 1, {http[16]:.1f}x at 16"
-    print(line)
+    verdict(line)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the web UI costs (lumen.serve.ui): first paint of / and /dashboard, and the server's output tok/s at
 concurrency 16 with the dashboard closed, polled by a bare client, and open in headless Chromium.
 
-    flock -w 1800 /tmp/lumen-cpu.lock python profiling/ui_overhead.py [--reps 3] [--num-prompts 64] [--fixed-threads]
+    python profiling/ui_overhead.py [--reps 3] [--num-prompts 64] [--fixed-threads]
 
 One server (python -m lumen.serve, SmolLM2, 2 threads, max_num_seqs 16) for every run; the conditions run
 interleaved after a warm-up run, and each run is `python -m lumen.bench serve` (all prompts at once, at most 16
