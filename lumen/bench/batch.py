@@ -41,6 +41,7 @@ import numpy as np
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
 from ..commands import prog
+from ..engine.config import EngineConfig
 
 
 def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
@@ -113,7 +114,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-ntg", type=int, default=128, help="generated tokens per sequence (default 128)")
     ap.add_argument("-npl", default="1,2,4,8,16", help="parallel levels, comma-separated (default 1,2,4,8,16)")
     ap.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions (default 3; medians)")
-    ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("--json", metavar="FILE", help="write every figure, per repetition, to FILE")
     ap.add_argument("--compare", choices=["llama.cpp"], help="also run llama-batched-bench, interleaved")
     ap.add_argument("--llama-batched-bench", metavar="PATH", help="the llama-batched-bench binary")
@@ -121,8 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--corunner", metavar="KINDS", default=None,
                     help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "
                          "interleaved with the idle one, and print each engine's ratio to its own idle figure")
-    ap.add_argument("--fixed-threads", action="store_true",
-                    help="always run --threads threads (default: fewer while other processes want the cores)")
+    EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads"))
     return ap
 
 
@@ -156,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     from ..model.store import resolve
     try:
         path = resolve(args.model)
-        model = load(path, ctx=64, threads=args.threads, adaptive_threads=not args.fixed_threads)
+        model = load(path, ctx=64, threads=args.threads, adaptive_threads=args.adaptive_threads)
         top = levels[-1]
         per_block = model.runner.kv_bytes_per_block
         blocks = top * (-(-(args.npp + args.ntg + 1) // 16)) + 1
         engine = Engine(model, max_model_len=args.npp + args.ntg + 1, max_num_seqs=top,
                         max_num_batched_tokens=top * args.npp, kv_cache_mb=blocks * per_block / 2 ** 20,
-                        enable_prefix_caching=False, adaptive_threads=not args.fixed_threads)
+                        enable_prefix_caching=False, adaptive_threads=args.adaptive_threads)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

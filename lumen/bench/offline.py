@@ -1,6 +1,6 @@
 """An offline workload through the engine against the same requests one by one.
 
-    python -m lumen.bench offline --model smollm2-135m [--requests 128] [--max-num-seqs 16] [--budget 512]
+    python -m lumen.bench offline --model smollm2-135m [--requests 128] [--max-num-seqs 16] [--max-num-batched-tokens 512]
         [--kv-cache-mb MB] [-t T] [--json F]
 
 The requests are the first --requests of lumen/bench/data/prompts.json taken round-robin over its kinds (code
@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 from ..commands import prog
+from ..engine.config import EngineConfig
 
 PROMPTS = Path(__file__).with_name("data") / "prompts.json"
 OUT_LENGTHS = (16, 48, 96, 160, 256)
@@ -74,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog("bench offline"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("--requests", type=int, default=128, help="requests (default 128)")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (default 512)")
-    ap.add_argument("--kv-cache-mb", type=float, default=None)
-    ap.add_argument("-t", "--threads", type=int, default=None)
+    EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads", "max_num_seqs", "max_num_batched_tokens",
+                                        "kv_cache_mb"))
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-by-one run")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
@@ -86,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     from .. import Engine, SamplingParams, load
     from ..errors import LumenError
     try:
-        model = load(args.model, ctx=2048, threads=args.threads)
-        engine = Engine(model, max_model_len=2048, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.budget, kv_cache_mb=args.kv_cache_mb)
+        model = load(args.model, ctx=2048, threads=args.threads, adaptive_threads=args.adaptive_threads)
+        engine = Engine(model, EngineConfig.from_cli_args(args, max_model_len=2048))
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -101,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"model": str(model.path), "requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out,
            "engine_s": t_eng, "engine_tps": n_out / t_eng, "kv_efficiency_mean": statistics.mean(eff) if eff else None,
            "steps": engine.steps, "preemptions": engine.scheduler.num_preemptions,
-           "prefix_hit_tokens": engine.blocks.hit_tokens, "max_num_seqs": args.max_num_seqs, "budget": args.budget,
+           "prefix_hit_tokens": engine.blocks.hit_tokens, "max_num_seqs": args.max_num_seqs,
+           "budget": args.max_num_batched_tokens,
            "threads": model.threads}
     print(f"engine: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {t_eng:.1f} s = "
           f"{n_out / t_eng:.1f} output tok/s ({engine.steps} steps, {res['preemptions']} preemptions); KV slots "

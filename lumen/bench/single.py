@@ -51,6 +51,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from ..commands import prog
+from ..engine.config import EngineConfig
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
 LLAMA_BATCH = 512   # llama.cpp's n_batch = n_ubatch (llama-bench's default)
@@ -371,7 +372,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (default 128)")
     ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions of each test (default 5)")
-    ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("--small", type=int, default=SMALL,
                     help=f"also run pp/tg of this size (default {SMALL}; 0 = off)")
     ap.add_argument("--json", metavar="FILE", help="write every figure, per repetition, to FILE")
@@ -384,9 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--corunner", metavar="KINDS", default=None,
                     help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "
                          "interleaved with the idle one, and print each engine's ratio to its own idle figure")
-    ap.add_argument("--fixed-threads", action="store_true",
-                    help="always run --threads threads (default: fewer while other processes want the cores, "
-                         "lumen.engine.threads)")
+    EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads"))
     return ap
 
 
@@ -426,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1)
     try:
         path = resolve(args.model)
-        lumen = LumenEngine(path, args.threads, ctx, max_pp, adaptive_threads=not args.fixed_threads)
+        lumen = LumenEngine(path, args.threads, ctx, max_pp, adaptive_threads=args.adaptive_threads)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 from ..commands import prog
+from ..engine.config import EngineConfig
 
 KINDS = ("code", "extract", "summarize", "chat")
 _STATS = re.compile(r"decode ([\d.]+) tok/s .*?\| (\d+) generated")
@@ -93,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("-n", "--n-gen", type=int, default=160, help="generated tokens per run (default 160)")
     ap.add_argument("-r", "--repetitions", type=int, default=5)
-    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--prompts-per-kind", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default {','.join(KINDS)})")
-    ap.add_argument("--num-speculative-tokens", type=int, default=5)
+    EngineConfig.add_cli_args(ap, only=("threads", "num_speculative_tokens"),
+                              defaults={"threads": os.cpu_count() or 1})
     ap.add_argument("--llama-lookup", metavar="PATH", help="also run llama.cpp's llama-lookup, interleaved")
     ap.add_argument("--llama-args", default="", help='extra llama-lookup flags, e.g. "-nr"')
     ap.add_argument("--json", metavar="FILE")

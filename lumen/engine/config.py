@@ -7,9 +7,15 @@
 
 Sizes the engine derives from a config and the model (the KV pool's block count, the context) are computed by
 `kv_blocks` and `EngineConfig.model_len`, never at call sites.
+
+Every command line declares the engine's flags from one table here (as vLLM's EngineArgs does):
+
+    EngineConfig.add_cli_args(parser, only=("threads", "adaptive_threads"))   # the flags this tool takes
+    cfg = EngineConfig.from_cli_args(args, max_num_seqs=4)                    # its fixed choices on top
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
@@ -116,6 +122,72 @@ class EngineConfig:
 
     def model_len(self, ctx_train: int) -> int:
         return ctx_train if self.max_model_len is None else self.max_model_len
+
+    @staticmethod
+    def add_cli_args(parser, *, only: tuple[str, ...] | None = None, defaults: dict | None = None,
+                     title: str = "engine") -> None:
+        """Add the engine's flags (CLI_ARGS; `only` these fields, in table order) to `parser` (an ArgumentParser:
+        as a group of their own, titled `title`; or an argument group of the tool's). defaults: the tool's own
+        defaults, by field (shown in --help)."""
+        unknown = set(only or ()) - set(CLI_ARGS)
+        if unknown:
+            raise ValueError(f"no command-line flag for {sorted(unknown)}")
+        group = parser.add_argument_group(title) if isinstance(parser, argparse.ArgumentParser) else parser
+        for name, (flags, kw, text) in CLI_ARGS.items():
+            if only is not None and name not in only:
+                continue
+            kw = dict(kw)
+            default = (defaults or {}).get(name, kw.pop("default", None))
+            if kw.get("action") not in ("store_true", "store_false"):
+                kw["default"] = default
+                text += "" if default is None else f" (default {default})"
+            group.add_argument(*flags, dest=name, help=text, **kw)
+
+    @classmethod
+    def cli_options(cls, args: argparse.Namespace) -> dict:
+        """The engine options set on the command line (add_cli_args' dests), as EngineConfig / Engine keywords:
+        the SLO flags in milliseconds become seconds."""
+        out = {}
+        for name in CLI_ARGS:
+            if hasattr(args, name):
+                v = getattr(args, name)
+                out[name] = v / 1e3 if name in ("slo_ttft_s", "slo_tpot_s") and v is not None else v
+        return out
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **fixed) -> "EngineConfig":
+        """The config of a parsed command line; `fixed`: a tool's own choices (they win). ValueError names the
+        field of a bad value or combination."""
+        return cls.from_kwargs(**{**cls.cli_options(args), **fixed})
+
+
+# field -> (flags, argparse keywords, help): every engine option a command line may set, declared once.
+CLI_ARGS: dict[str, tuple[tuple[str, ...], dict, str]] = {
+    "threads": (("--threads", "-t"), dict(type=int, metavar="N"),
+                "the most threads a step runs on (default: all cores); fewer while other processes want the cores"),
+    "adaptive_threads": (("--fixed-threads",), dict(action="store_false"), "always run --threads threads"),
+    "max_model_len": (("--max-model-len",), dict(type=int, metavar="TOKENS"),
+                      "longest prompt + output in tokens (default: the model's trained context)"),
+    "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=16, metavar="N"), "requests running at once"),
+    "max_num_batched_tokens": (("--max-num-batched-tokens",), dict(type=int, default=512, metavar="N"),
+                               "the most tokens a step computes"),
+    "kv_cache_mb": (("--kv-cache-mb",), dict(type=float, metavar="MB"),
+                    "KV block pool size (default: min(1024, a fifth of the available memory))"),
+    "enable_prefix_caching": (("--no-prefix-caching",), dict(action="store_false"), "turn prefix caching off"),
+    "enable_chunked_prefill": (("--no-chunked-prefill",), dict(action="store_false"), "turn chunked prefill off"),
+    "scheduler": (("--scheduler",), dict(choices=["fcfs", "measured"], default="fcfs"),
+                  "fcfs: a fixed token budget; measured: each step's budget from this machine's measured step costs, "
+                  "for the SLO targets when given"),
+    "slo_ttft_s": (("--slo-ttft-ms",), dict(type=float, metavar="MS"), "TTFT target of the measured scheduler"),
+    "slo_tpot_s": (("--slo-tpot-ms",), dict(type=float, metavar="MS"), "mean TPOT target of the measured scheduler"),
+    "explain": (("--explain",), dict(action="store_true"), "log every step's scheduling decision"),
+    "draft_model": (("--draft-model",), dict(metavar="MODEL"),
+                    "a model sharing the target's vocabulary, for speculative decoding with a draft"),
+    "num_speculative_tokens": (("--num-speculative-tokens",), dict(type=int, default=5, metavar="K"),
+                               "most tokens drafted per step"),
+    "ngram_min": (("--ngram-min",), dict(type=int, default=1, metavar="N"), "shortest n-gram the lookup matches"),
+    "ngram_max": (("--ngram-max",), dict(type=int, default=4, metavar="N"), "longest n-gram the lookup matches"),
+}
 
 
 def available_mb() -> float | None:

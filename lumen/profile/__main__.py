@@ -40,6 +40,7 @@ from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
 from ..commands import prog
+from ..engine.config import EngineConfig
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries it grew into a busy port, and its markets drew merchants from "
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --overhead's compiled-out process
     common = ap.add_argument_group("common options")
     common.add_argument("--model", "-m", default=DEFAULT_MODEL, help="registry name or path to a .gguf file")
-    common.add_argument("--threads", "-t", type=int, default=None, help="threads (default: all cores)")
+    EngineConfig.add_cli_args(common, only=("threads",))
     common.add_argument("--remeasure", action="store_true",
                         help="measure again instead of reading the cache (machine limits; --engine: the step costs)")
     common.add_argument("--json", metavar="F", help="write the records / table / report and the summary as JSON to F")
