@@ -16,6 +16,7 @@ Every command line declares the engine's flags from one table here (as vLLM's En
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, fields
 
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
@@ -65,7 +66,9 @@ class SpeculativeConfig:
 class EngineConfig:
     """threads: the most threads a step uses (None: Numba's current count); adaptive_threads: fewer while other
     processes (or a server's event loop) want the cores (lumen.engine.threads), else always `threads`.
-    max_model_len: longest prompt + output (None: the model's trained context).
+    max_model_len: longest prompt + output (None: the model's trained context, or with fit_model_len what the KV
+    pool holds if that is less; a given max_model_len beyond the pool is refused with fit_model_len, else each
+    request is checked against the pool when it arrives).
     max_num_seqs: sequences holding blocks at once; max_num_batched_tokens: tokens per step (the largest budget).
     kv_cache_mb: the KV block pool's size (None: min(1024, a fifth of the available memory)); num_kv_blocks: the
     pool's size in blocks instead (wins over kv_cache_mb).
@@ -76,6 +79,7 @@ class EngineConfig:
     threads: int | None = None
     adaptive_threads: bool = True
     max_model_len: int | None = None
+    fit_model_len: bool = False
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     kv_cache_mb: float | None = None
@@ -157,8 +161,25 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **fixed) -> "EngineConfig":
         """The config of a parsed command line; `fixed`: a tool's own choices (they win). ValueError names the
-        field of a bad value or combination."""
-        return cls.from_kwargs(**{**cls.cli_options(args), **fixed})
+        flag of a bad value (or the field, for a tool's own choice)."""
+        try:
+            return cls.from_kwargs(**{**cls.cli_options(args), **fixed})
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            if name in ("slo_ttft_s", "slo_tpot_s") and name not in fixed:
+                flag = CLI_ARGS[name][0][0]
+                raise ValueError(f"{flag} must be a positive number of milliseconds, got {getattr(args, name)!r}") \
+                    from None
+            raise ValueError(cli_words(str(e))) from None
+
+
+def cli_words(message: str) -> str:
+    """An engine error as a command-line user reads it: each option's field name (kv_cache_mb) as its flag
+    (--kv-cache-mb)."""
+    for name, (flags, _, _) in CLI_ARGS.items():
+        if not flags[0].endswith("-ms") and flags[0].startswith("--") and name.replace("_", "-") == flags[0][2:]:
+            message = re.sub(rf"(?<![\w-]){name}(?!\w)", flags[0], message)
+    return message
 
 
 # field -> (flags, argparse keywords, help): every engine option a command line may set, declared once.

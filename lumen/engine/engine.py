@@ -71,7 +71,15 @@ class Engine:
         cfg = self.config
         per_block = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * BLOCK * 2
         self.max_num_seqs, self.max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
-        self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=kv_blocks(c, per_block),
+        n_blocks = kv_blocks(c, per_block)
+        if c.fit_model_len and n_blocks * BLOCK < self.max_model_len:
+            if c.max_model_len is not None:
+                raise ValueError(f"the KV cache holds {n_blocks * BLOCK} tokens, fewer than max_model_len "
+                                 f"{c.max_model_len}; raise kv_cache_mb or lower max_model_len")
+            log.warning("max_model_len lowered from %d to %d: the KV cache (kv_cache_mb) holds no more",
+                        self.max_model_len, n_blocks * BLOCK)
+            self.max_model_len = n_blocks * BLOCK
+        self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=n_blocks,
                              max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,
                              max_blocks=-(-self.max_model_len // BLOCK), n_threads=self.threads,
                              adaptive_threads=c.adaptive_threads)

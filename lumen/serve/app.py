@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.config import EngineConfig
 from ..errors import LumenError
 from . import protocol as P
 from .gate import Gate
@@ -94,29 +96,16 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
     return build_app(worker, prompter, metrics, settings), worker
 
 
-def load_engine(model: str, *, threads: int | None, max_model_len: int | None, max_num_seqs: int,
-                max_num_batched_tokens: int, kv_cache_mb: float | None, prefix_caching: bool, chunked_prefill: bool,
-                **engine_kw):
-    """The engine, warmed up (one token through the forward pass). engine_kw: the rest of Engine's options
-    (speculative decoding, the measured-cost scheduler)."""
+def load_engine(model: str, config: EngineConfig):
+    """The engine, warmed up (one token through the forward pass). A served context never exceeds the model's
+    trained one nor what the KV pool holds (config.fit_model_len)."""
     from ..engine.engine import Engine
     from ..engine.sampling.params import SamplingParams
-    from ..kernels.attention import BLOCK
     from ..kernels.work import release_threads
-    engine = Engine(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_mb=kv_cache_mb,
-                    enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, **engine_kw)
+    engine = Engine(model, replace(config, fit_model_len=True))
     if engine.max_model_len > engine.config.ctx_train:
         raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
                          "model was trained on")
-    fits = engine.blocks.n_blocks * BLOCK                # tokens the KV pool holds
-    if fits < engine.max_model_len:
-        if max_model_len is not None:
-            raise LumenError(f"the KV cache holds {fits} tokens, fewer than --max-model-len {max_model_len}; raise "
-                             "--kv-cache-mb or lower --max-model-len")
-        log.warning("max_model_len lowered from %d to %d: the KV cache (--kv-cache-mb) holds no more",
-                    engine.max_model_len, fits)
-        engine.max_model_len = fits
     engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
     release_threads()              # the engine thread steps from now on: only its OpenMP pool may exist
     return engine

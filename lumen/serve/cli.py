@@ -16,13 +16,18 @@ import os
 import signal
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
+from ..engine.config import EngineConfig, cli_words
 from ..errors import LumenError
 from ..model.store import DEFAULT_MODEL
 from ..commands import prog
 
 log = logging.getLogger("lumen.serve")
+ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb",
+                "enable_prefix_caching", "enable_chunked_prefill", "scheduler", "slo_ttft_s", "slo_tpot_s", "explain")
+SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,8 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $LUMEN_API_KEY, else none)")
     ap.add_argument("--served-model-name", help="the model id in the API (default: the --model name, or the file's "
                                                 "stem for a path)")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="longest prompt + output in tokens (default: the model's trained context)")
     ap.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the GGUF's")
     ap.add_argument("--max-queue", type=int, default=256,
                     help="waiting requests (choices) beyond which new ones get 429 (default 256)")
@@ -50,23 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--no-ui", action="store_true", help="no chat page at / and no dashboard at /dashboard "
                                                          "(lumen.serve.ui): their routes answer 404")
-    eng = ap.add_argument_group("engine")
-    eng.add_argument("--threads", "-t", type=int, default=None,
-                     help="the most threads a step runs on (default: all cores); fewer while other processes or "
-                          "this server's event loop want the cores (lumen.engine.threads)")
-    eng.add_argument("--fixed-threads", action="store_true", help="always run --threads threads")
-    eng.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (default 16)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
-    eng.add_argument("--kv-cache-mb", type=float, default=None,
-                     help="KV block pool size (default: min(1024, a fifth of the available memory))")
-    eng.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    eng.add_argument("--no-chunked-prefill", action="store_true", help="turn chunked prefill off")
-    eng.add_argument("--scheduler", choices=["fcfs", "measured"], default="fcfs",
-                     help="fcfs: a fixed token budget; measured: each step's budget from this machine's measured "
-                          "step costs, for the SLO targets when given (default fcfs)")
-    eng.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target of the measured scheduler")
-    eng.add_argument("--slo-tpot-ms", type=float, default=None, help="mean TPOT target of the measured scheduler")
-    eng.add_argument("--explain", action="store_true", help="log every step's scheduling decision")
+    EngineConfig.add_cli_args(ap, only=ENGINE_FLAGS)
     ap.add_argument("--profile", metavar="FILE", help="record a serving profile, written to FILE at shutdown "
                                                       "(report: python -m lumen.profile --serving FILE)")
     ry = ap.add_argument_group("scale out on Ray Serve (pip install -e '.[ray]'; lumen.serve.ray)")
@@ -83,10 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = ap.add_argument_group("speculative decoding (a request may choose with \"speculative\": \"ngram\" | "
                                "\"draft\" | \"none\" and \"num_speculative_tokens\")")
     sp.add_argument("--speculative", choices=["ngram", "draft"], help="the default for requests that do not say")
-    sp.add_argument("--draft-model", help="a model sharing the target's vocabulary, for \"draft\"")
-    sp.add_argument("--num-speculative-tokens", type=int, default=5, help="most tokens drafted per step (default 5)")
-    sp.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup matches (default 1)")
-    sp.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the lookup matches (default 4)")
+    EngineConfig.add_cli_args(sp, only=SPEC_FLAGS)
     return ap
 
 
@@ -159,29 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
     if args.speculative == "draft" and not args.draft_model:
         ap.error("--speculative draft needs --draft-model")
-    if args.scheduler == "fcfs" and (args.slo_ttft_ms is not None or args.slo_tpot_ms is not None):
+    if args.scheduler == "fcfs" and (args.slo_ttft_s is not None or args.slo_tpot_s is not None):
         ap.error("--slo-ttft-ms and --slo-tpot-ms need --scheduler measured")
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None:
-        return _main_ray(ap, args)
+        return _main_ray(ap, args, config)
     from .app import load_engine, make_app
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
-        engine = load_engine(args.model, threads=args.threads, max_model_len=args.max_model_len,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             kv_cache_mb=args.kv_cache_mb, prefix_caching=not args.no_prefix_caching,
-                             chunked_prefill=not args.no_chunked_prefill, draft_model=args.draft_model,
-                             num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                             ngram_max=args.ngram_max, scheduler=args.scheduler,
-                             slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
-                             slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain,
-                             adaptive_threads=not args.fixed_threads)
+        engine = load_engine(args.model, config)
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
                                max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,
                                profile_path=args.profile, ui=not args.no_ui)
     except (LumenError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {cli_words(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("stopped before serving", file=sys.stderr)
@@ -202,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_ray(ap: argparse.ArgumentParser, args) -> int:
+def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     """--replicas N / --ray-address: the same server as a Ray Serve application (lumen.serve.ray)."""
     if args.replicas < 1 or any(v is not None and v < 1 for v in (args.min_replicas, args.max_replicas)):
         ap.error("--replicas, --min-replicas and --max-replicas must be at least 1")
@@ -210,19 +190,14 @@ def _main_ray(ap: argparse.ArgumentParser, args) -> int:
         ap.error("--min-replicas must not exceed --max-replicas")
     if args.profile:
         ap.error("--profile records one process; it does not work with --replicas")
+    from .app import Settings
     try:
         from .ray import app as ray_app
     except ImportError as e:
         print(f"error: --replicas needs Ray Serve (pip install -e '.[ray]'): {e}", file=sys.stderr)
         return 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    engine_kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb,
-                     prefix_caching=not args.no_prefix_caching, chunked_prefill=not args.no_chunked_prefill,
-                     draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
-                     ngram_min=args.ngram_min, ngram_max=args.ngram_max, scheduler=args.scheduler,
-                     slo_ttft_s=args.slo_ttft_ms and args.slo_ttft_ms / 1e3,
-                     slo_tpot_s=args.slo_tpot_ms and args.slo_tpot_ms / 1e3, explain=args.explain)
+    config = replace(config, threads=threads)
     try:
         from ..model.parts import open_gguf
         from ..model.store import resolve
@@ -231,11 +206,11 @@ def _main_ray(ap: argparse.ArgumentParser, args) -> int:
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    settings = dict(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n,
-                    speculative=args.speculative)
-    app = ray_app.build(args.model, model_name=model_id(args.model, args.served_model_name), engine_kw=engine_kw,
-                        threads=threads, replicas=args.replicas, min_replicas=args.min_replicas,
-                        max_replicas=args.max_replicas, router=args.router, max_queue=args.max_queue,
-                        settings=settings, chat_template=template, shutdown_timeout=args.shutdown_timeout)
+    settings = Settings(model_id=model_id(args.model, args.served_model_name), api_key=args.api_key,
+                        max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative)
+    scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                          router=args.router)
+    app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue, chat_template=template,
+                        shutdown_timeout=args.shutdown_timeout)
     return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
                                 replicas=args.replicas, threads=threads)

@@ -15,10 +15,12 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from ...engine.config import EngineConfig
 from ..app import Settings, build_app
 from .metrics import ReplicaMetrics
 from .remote import ModelInfo, RemoteWorker
@@ -35,7 +37,7 @@ MAX_CONSTRUCTOR_RETRIES = 2             # a replica that cannot load its engine:
 class Ingress:
     """Tokenizes and validates (lumen.serve.app over a RemoteWorker); the replicas run the engines."""
 
-    async def __init__(self, engine, model: str, model_name: str, settings: dict, chat_template: str | None):
+    async def __init__(self, engine, model: str, settings: Settings, chat_template: str | None):
         from ...format.chat import chat_template_from_metadata
         from ..prompts import Prompter
         info = await engine.info.remote()                     # the replicas' limits (one answers for all)
@@ -45,7 +47,7 @@ class Ingress:
         self.prompter = Prompter(model_info.tokenizer, template, model_info.max_model_len)
         self.worker = RemoteWorker(engine, model_info)
         self.metrics = ReplicaMetrics(ENGINE)
-        self.settings = Settings(model_id=model_name, **settings)
+        self.settings = settings
 
     def __serve_build_asgi_app__(self):
         app = build_app(self.worker, self.prompter, self.metrics, self.settings)
@@ -68,35 +70,44 @@ class ProxyRequestId:
         return await self.app(scope, receive, send_ if scope["type"] == "http" else send)
 
 
-def build(model: str, *, model_name: str, engine_kw: dict, threads: int, replicas: int,
-          min_replicas: int | None = None, max_replicas: int | None = None, router: str = "prefix",
-          imbalance: int | None = None, max_queue: int = 256, settings: dict | None = None,
+@dataclass(frozen=True)
+class Scale:
+    """How the engine deployment scales: replicas (the initial count), Ray Serve's autoscaling bounds
+    (min_replicas / max_replicas; None: a fixed count), and the router: "prefix" (lumen.serve.ray.router, with
+    imbalance: the in-flight gap past which it leaves the replica holding the prefix) or "pow2" (Ray's power of two
+    choices)."""
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    router: str = "prefix"
+    imbalance: int | None = None
+
+
+def build(model: str, config: EngineConfig, settings: Settings, *, scale: Scale = Scale(), max_queue: int = 256,
           chat_template: str | None = None, shutdown_timeout: float = 30.0, health_check_period_s: float = 2.0):
-    """The application. engine_kw: app.load_engine's options but threads (each replica runs `threads`, and asks
-    Ray for as many CPUs). min_replicas/max_replicas: Ray Serve's autoscaling bounds (replicas: the initial
-    count). router: "prefix" (lumen.serve.ray.router) or "pow2" (Ray's power of two choices)."""
-    max_num_seqs = engine_kw.get("max_num_seqs", 16)
-    scaling: dict = {"num_replicas": replicas}
-    if min_replicas is not None or max_replicas is not None:
-        lo = min_replicas if min_replicas is not None else 1
-        hi = max_replicas if max_replicas is not None else max(lo, replicas)
+    """The application: the ingress over an engine deployment whose replicas each run Engine(model, config)
+    (config.threads threads, asking Ray for as many CPUs) behind the same app and settings as one process."""
+    max_num_seqs, threads = config.max_num_seqs, config.threads or 1
+    scaling: dict = {"num_replicas": scale.replicas}
+    if scale.min_replicas is not None or scale.max_replicas is not None:
+        lo = scale.min_replicas if scale.min_replicas is not None else 1
+        hi = scale.max_replicas if scale.max_replicas is not None else max(lo, scale.replicas)
         scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
-                                          "initial_replicas": min(max(replicas, lo), hi),
+                                          "initial_replicas": min(max(scale.replicas, lo), hi),
                                           "target_ongoing_requests": max_num_seqs}}
     engine = serve.deployment(
         EngineReplica, name=ENGINE, ray_actor_options={"num_cpus": threads},
         max_ongoing_requests=max_num_seqs + max_queue + 1,  # a full replica answers 429 itself, as one process
         request_router_config=RequestRouterConfig(
             request_router_class=LumenRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-            request_router_kwargs={"policy": router,
-                                   "imbalance": max_num_seqs // 2 if imbalance is None else imbalance}),
+            request_router_kwargs={"policy": scale.router,
+                                   "imbalance": max_num_seqs // 2 if scale.imbalance is None else scale.imbalance}),
         health_check_period_s=health_check_period_s, graceful_shutdown_timeout_s=shutdown_timeout,
         max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES, **scaling)
     ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout,
                                max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
-    return ingress.bind(engine.bind(model, model_name, dict(engine_kw, threads=threads), max_queue),
-                        model, model_name, settings or {}, chat_template)
+    return ingress.bind(engine.bind(model, settings.model_id, config, max_queue), model, settings, chat_template)
 
 
 def start(app, *, host: str, port: int, address: str | None = None, num_cpus: int | None = None,

@@ -26,15 +26,15 @@ NAME_BYTES = 8                     # a cached block's name as reported to the ro
 
 
 class EngineReplica:
-    """Ray Serve builds one per replica (serve.deployment(EngineReplica)); engine_kw go to app.load_engine."""
+    """Ray Serve builds one per replica (serve.deployment(EngineReplica)): app.load_engine(model, config)."""
 
-    async def __init__(self, model: str, model_name: str, engine_kw: dict, max_queue: int):
+    async def __init__(self, model: str, model_name: str, config, max_queue: int):
         from ray import serve
         from ..app import load_engine
         from ..metrics import Metrics
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else f"pid{os.getpid()}"
-        self.engine = await asyncio.to_thread(load_engine, model, **engine_kw)
+        self.engine = await asyncio.to_thread(load_engine, model, config)
         self.metrics = Metrics(self.engine, model_name)
         self.worker = EngineWorker(self.engine, max_queue=max_queue, metrics=self.metrics)
         self.worker.start()                       # the engine thread, bridged to this replica's event loop
