@@ -178,37 +178,31 @@ class Model:
                           ngram_min=ngram_min, ngram_max=ngram_max)
         self._engine = None
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_last_n: int = 64,
-                 seed: int | None = None, stop: Sequence[str] = (), special: bool = False,
-                 stats: RequestMetrics | None = None, params: SamplingParams | None = None,
-                 speculative: str | None = None, num_speculative_tokens: int | None = None,
-                 ignore_eos: bool = False, constraint=None) -> Iterator[Token]:
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 stats: RequestMetrics | None = None, **sampling) -> Iterator[Token]:
         """Yield generated tokens as they are produced, from a fresh sequence.
 
         prompt: text (tokenized with the model's BOS default; `special` parses special-token text) or token ids.
+        params: a lumen.SamplingParams; or its fields as keywords (`sampling`: max_tokens, temperature, top_k,
+        top_p, min_p, the penalties, seed, stop, special, speculative, ignore_eos, constraint, ...), where
+        max_tokens defaults to 128 and temperature to 0 (greedy).
         Stops at max_tokens, an end-of-generation token (EOS / end-of-turn from the metadata), or a stop string
         (the text before it is yielded, the stop string itself is not). The end-of-generation token itself is
         yielded only if it releases held-back text (a possible stop-string prefix), with that text.
-        params: a SamplingParams instead of the keyword arguments (for everything else it holds).
-        speculative: "ngram" or "draft" (see speculation()) drafts tokens and verifies them in one pass.
-        ignore_eos: keep going past end-of-generation tokens (fixed-length benchmarks).
-        constraint: a lumen.engine.structured.Constraint (JSON schema, regex, choice, grammar) the text must match;
-        it ends with the grammar. A grammar that fails to compile raises LumenError with llguidance's message.
+        A constraint's grammar that fails to compile raises LumenError with llguidance's message.
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
-        check_int("max_tokens", max_tokens, 0)
         if params is None:
-            if max_tokens == 0:
+            sampling = {"max_tokens": 128, "temperature": 0.0, **sampling}
+            check_int("max_tokens", sampling["max_tokens"], 0)
+            if sampling["max_tokens"] == 0:
                 return iter(())
-            params = SamplingParams(max_tokens=max_tokens or None, temperature=temperature, top_k=top_k,
-                                    top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                    repeat_last_n=repeat_last_n, seed=seed, stop=tuple(stop), special=special,
-                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                                    ignore_eos=ignore_eos, constraint=constraint)
+            if "stop" in sampling:
+                sampling["stop"] = tuple(sampling["stop"])
+            params = SamplingParams(**sampling)
+        elif sampling:
+            raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, special=params.special)
         else:
