@@ -104,6 +104,38 @@ def test_budget_grows_the_chunk_for_a_ttft_deadline():
     assert late.budget - 1 < 900
 
 
+def _costs(ms_per_token: float, floor_ms: float, upto: int = 2048):
+    """StepCosts measured on a linear machine: floor + ms_per_token per token."""
+    from lumen.engine.costs.steps import StepCosts
+    c = StepCosts()
+    n = 1
+    while n <= upto:
+        c.add(n, (floor_ms + ms_per_token * n) / 1e3)
+        n = n + 1 if n < 32 else n * 2
+    return c
+
+
+def test_paced_budget_keeps_decode_steps_near_a_decode_steps_time():
+    """With decodes running, a prompt chunk rides along only as far as the step stays within pace x a decode
+    step's time (here 100 ms + 5 ms/token: 16 decodes alone 180 ms, so at pace 1.5 at most 270 ms: 16 more
+    tokens); alone, the prompt takes the whole budget; with no step measured yet, MIN_CHUNK."""
+    from lumen.engine.costs.budget import PacedBudget
+    from lumen.engine.costs.steps import StepCosts
+    dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(16)]
+    long_prompt = FakeSeq(2000, 0, 0, None, arrival=0.9)
+    b = PacedBudget(_costs(5.0, 100.0), max_tokens=512, pace=1.5)
+    d = b.decide(FakeScheduler(dec, [long_prompt]), now=1.0)
+    assert d.budget == 16 + 16 and d.predicted_s <= d.limit_s + 1e-9 and math.isclose(d.limit_s, 0.27)
+    wide = PacedBudget(_costs(5.0, 100.0), max_tokens=512, pace=4.0).decide(FakeScheduler(dec, [long_prompt]), 1.0)
+    assert wide.budget == 16 + 48 and wide.predicted_s <= wide.limit_s     # 720 ms; step times by 64-token bucket
+    alone = b.decide(FakeScheduler([], [long_prompt]), now=1.0)
+    assert alone.budget == 512
+    new = PacedBudget(StepCosts(), max_tokens=512).decide(FakeScheduler(dec, [long_prompt]), now=1.0)
+    assert new.budget == 16 + PacedBudget.MIN_CHUNK
+    done = b.decide(FakeScheduler(dec, []), now=1.0)
+    assert done.budget == 512 and "no prefill" in done.rejected
+
+
 def test_admission_stops_where_the_decodes_would_miss_their_tpot():
     """10 ms a step plus 10 ms a sequence against a 45 ms TPOT target: 3 sequences decode within it (40 ms), 4 do
     not (50 ms), so no fourth request is admitted while 3 run; the scheduler honours the cap."""
@@ -145,7 +177,8 @@ def test_measured_scheduler_gives_the_same_outputs(model, caplog):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(4, 40000, n).tolist() for n in (5, 70, 200, 33, 150)]
     p = SamplingParams(max_tokens=12, temperature=0)
-    fixed = Engine(model, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96, kv_cache_mb=32)
+    fixed = Engine(model, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96, kv_cache_mb=32,
+                   scheduler="fcfs")
     measured = Engine(model, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_mb=32,
                       scheduler="measured", slo_ttft_s=1.0, slo_tpot_s=0.05, cost_grid="tiny", explain=True)
     with caplog.at_level(logging.INFO, logger="lumen.engine"):
@@ -156,11 +189,47 @@ def test_measured_scheduler_gives_the_same_outputs(model, caplog):
     assert all(d.measured_s is not None for d in measured.decisions)
 
 
+def test_paced_default_spreads_a_long_prompt_over_the_streams_steps(model):
+    """The stall, on purpose: a long prompt arrives while streams decode. With the paced default it is cut into
+    many chunks, each step with the streams holding a small one; with a fixed budget it goes in one step. The
+    tokens are the same either way (batch invariance)."""
+    rng = np.random.default_rng(2)
+    streams = [rng.integers(4, 40000, 8).tolist() for _ in range(4)]
+    long_prompt = rng.integers(4, 40000, 400).tolist()
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    got = {}
+    for sched in ("paced", "fcfs"):
+        eng = Engine(model, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_mb=32,
+                     scheduler=sched)
+        ids = [eng.add_request(s, p) for s in streams]
+        for _ in range(12):                            # the streams decode, and the engine learns its step times
+            eng.step()
+        late = eng.add_request(long_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        chunks, outs = [], {}
+        while eng.has_unfinished():
+            seq = eng._seqs.get(late)
+            before = seq.num_computed if seq is not None else None
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+            if seq is not None and before is not None and seq.num_computed > before and before < len(long_prompt):
+                chunks.append(seq.num_computed - before)
+        got[sched] = ([outs[i] for i in ids], outs[late], chunks)
+    assert got["paced"][:2] == got["fcfs"][:2]
+    assert len(got["fcfs"][2]) == 1                                  # one 400-token step beside the streams
+    assert len(got["paced"][2]) >= 3 and max(got["paced"][2]) < 400  # spread over the streams' steps
+
+
 def test_bad_scheduler_settings(model):
     with pytest.raises(ValueError, match="scheduler"):
         Engine(model, max_model_len=64, kv_cache_mb=4, scheduler="magic")
     with pytest.raises(ValueError, match="need scheduler='measured'"):
-        Engine(model, max_model_len=64, kv_cache_mb=4, slo_tpot_s=0.05)
+        Engine(model, max_model_len=64, kv_cache_mb=4, scheduler="fcfs", slo_tpot_s=0.05)
+    from lumen.engine.config import EngineConfig
+    assert EngineConfig().scheduler == "paced"                        # the default: streams paced
+    assert EngineConfig(slo_tpot_s=0.05).scheduler == "measured"      # an SLO alone picks the scheduler for it
+    with pytest.raises(ValueError, match="pace"):
+        EngineConfig(pace=0.5)
     with pytest.raises(ValueError, match="slo_ttft_s"):
         Engine(model, max_model_len=64, kv_cache_mb=4, scheduler="measured", slo_ttft_s=-1, cost_grid="tiny")
 

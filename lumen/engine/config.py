@@ -72,9 +72,11 @@ class EngineConfig:
     max_num_seqs: sequences holding blocks at once; max_num_batched_tokens: tokens per step (the largest budget).
     kv_cache_mb: the KV block pool's size (None: min(1024, a fifth of the available memory)); num_kv_blocks: the
     pool's size in blocks instead (wins over kv_cache_mb).
-    scheduler: "fcfs" (a fixed token budget) or "measured": each step's budget chosen from this machine's
-    measured step costs (lumen.engine.costs.steps, lumen.engine.costs.budget), for the SLO targets slo_ttft_s and
-    slo_tpot_s when given (goodput), else for throughput. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs)
+    scheduler: None (the default: "measured" when an SLO target is given, else "paced"), "paced" (a prompt chunk rides along with running decodes only while the step stays
+    within `pace` times a decode step's measured time, so streams never stall on another request's prefill),
+    "fcfs" (a fixed token budget: max_num_batched_tokens every step) or "measured": each step's budget chosen from
+    a fitted model of this machine's step costs (lumen.engine.costs.steps, lumen.engine.costs.budget), for the SLO
+    targets slo_ttft_s and slo_tpot_s when given (goodput), else for throughput. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs)
     or "tiny" (tests). explain: log every step's decision. pack_cache: see lumen.model.packcache."""
     threads: int | None = None
     adaptive_threads: bool = True
@@ -87,7 +89,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     pack_cache: bool | None = None
-    scheduler: str = "fcfs"
+    scheduler: str | None = None
+    pace: float = 1.5
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     cost_grid: str = "full"
@@ -104,11 +107,16 @@ class EngineConfig:
         mb = self.kv_cache_mb
         if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0):
             raise ValueError(f"kv_cache_mb must be a positive number, got {mb!r}")
-        _choice("scheduler", self.scheduler, ("fcfs", "measured"))
+        slo = self.slo_ttft_s is not None or self.slo_tpot_s is not None
+        if self.scheduler is None:
+            object.__setattr__(self, "scheduler", "measured" if slo else "paced")
+        _choice("scheduler", self.scheduler, ("paced", "fcfs", "measured"))
+        if not isinstance(self.pace, (int, float)) or isinstance(self.pace, bool) or not 1.0 <= self.pace <= 100:
+            raise ValueError(f"pace must be a number in [1, 100], got {self.pace!r}")
         _choice("cost_grid", self.cost_grid, ("full", "tiny"))
         _seconds("slo_ttft_s", self.slo_ttft_s)
         _seconds("slo_tpot_s", self.slo_tpot_s)
-        if self.scheduler == "fcfs" and (self.slo_ttft_s is not None or self.slo_tpot_s is not None):
+        if self.scheduler != "measured" and (self.slo_ttft_s is not None or self.slo_tpot_s is not None):
             raise ValueError("SLO targets need scheduler='measured'")
         if not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
@@ -196,11 +204,16 @@ CLI_ARGS: dict[str, tuple[tuple[str, ...], dict, str]] = {
                     "KV block pool size (default: min(1024, a fifth of the available memory))"),
     "enable_prefix_caching": (("--no-prefix-caching",), dict(action="store_false"), "turn prefix caching off"),
     "enable_chunked_prefill": (("--no-chunked-prefill",), dict(action="store_false"), "turn chunked prefill off"),
-    "scheduler": (("--scheduler",), dict(choices=["fcfs", "measured"], default="fcfs"),
-                  "fcfs: a fixed token budget; measured: each step's budget from this machine's measured step costs, "
-                  "for the SLO targets when given"),
-    "slo_ttft_s": (("--slo-ttft-ms",), dict(type=float, metavar="MS"), "TTFT target of the measured scheduler"),
-    "slo_tpot_s": (("--slo-tpot-ms",), dict(type=float, metavar="MS"), "mean TPOT target of the measured scheduler"),
+    "scheduler": (("--scheduler",), dict(choices=["paced", "fcfs", "measured"]),
+                  "default: measured with an SLO target, else paced. paced: prompt chunks ride along with running streams only while a step stays within --pace times "
+                  "a decode step's time; fcfs: a fixed token budget every step; measured: each step's budget from a "
+                  "fitted model of this machine's step costs, for the SLO targets when given"),
+    "pace": (("--pace",), dict(type=float, default=1.5, metavar="X"),
+             "paced scheduler: the most a step with prompt tokens may take, in decode steps' time"),
+    "slo_ttft_s": (("--slo-ttft-ms",), dict(type=float, metavar="MS"),
+                   "time-to-first-token target (the measured scheduler works to it)"),
+    "slo_tpot_s": (("--slo-tpot-ms",), dict(type=float, metavar="MS"),
+                   "mean time-per-output-token target (the measured scheduler works to it)"),
     "explain": (("--explain",), dict(action="store_true"), "log every step's scheduling decision"),
     "draft_model": (("--draft-model",), dict(metavar="MODEL"),
                     "a model sharing the target's vocabulary, for speculative decoding with a draft"),

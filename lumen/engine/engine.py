@@ -38,7 +38,7 @@ from ..errors import LumenError
 from ..kernels.attention import BLOCK
 from ..timer import active as profiler_active
 from .block_manager import BlockManager
-from .costs.budget import MeasuredBudget
+from .costs.budget import MeasuredBudget, PacedBudget
 from .config import EngineConfig, kv_blocks
 from ..model.parts import parts_of
 from .runner import Runner
@@ -100,6 +100,8 @@ class Engine:
             self.cost_model = calibrate(self.runner, self.cost_key, tiny=c.cost_grid == "tiny")
             self.budgeter = MeasuredBudget(self.cost_model, max_tokens=c.max_num_batched_tokens,
                                            slo_ttft_s=c.slo_ttft_s, slo_tpot_s=c.slo_tpot_s)
+        elif c.scheduler == "paced":
+            self.budgeter = PacedBudget(self.costs, max_tokens=c.max_num_batched_tokens, pace=c.pace)
         self.decisions: deque = deque(maxlen=4096)  # the measured scheduler's decisions, newest last
         self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
@@ -205,6 +207,7 @@ class Engine:
         self.costs.add(n_tokens, wall)
         if self.cost_model is not None:
             self.cost_model.observe(n_tokens, n_seqs, n_keys, wall)
+        if decision is not None:
             decision.measured_s = wall
             self.decisions.append(decision)
             if self.engine_config.explain:

@@ -26,7 +26,8 @@ from ..commands import prog
 
 log = logging.getLogger("lumen.serve")
 ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb",
-                "enable_prefix_caching", "enable_chunked_prefill", "scheduler", "slo_ttft_s", "slo_tpot_s", "explain")
+                "enable_prefix_caching", "enable_chunked_prefill", "scheduler", "pace", "slo_ttft_s", "slo_tpot_s",
+                "explain")
 SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max")
 
 
@@ -143,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
     if args.speculative == "draft" and not args.draft_model:
         ap.error("--speculative draft needs --draft-model")
-    if args.scheduler == "fcfs" and (args.slo_ttft_s is not None or args.slo_tpot_s is not None):
-        ap.error("--slo-ttft-ms and --slo-tpot-ms need --scheduler measured")
+    if args.scheduler in ("paced", "fcfs") and (args.slo_ttft_s is not None or args.slo_tpot_s is not None):
+        ap.error(f"--slo-ttft-ms and --slo-tpot-ms are targets of the measured scheduler, not of --scheduler "
+                 f"{args.scheduler} (leave --scheduler out, or give --scheduler measured)")
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:

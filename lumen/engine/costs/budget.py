@@ -1,7 +1,9 @@
-"""The measured-cost scheduler's choice: how many tokens each step may take, from what steps cost here.
+"""How many tokens each step may take, from what steps cost here: the paced default and the measured scheduler.
 
-A fixed token budget (vLLM's max_num_batched_tokens) is right for one machine, model and load at best. Here every
-step asks the cost model (lumen.engine.costs.steps) what its candidates would cost and decides:
+A fixed token budget (vLLM's max_num_batched_tokens, scheduler="fcfs") is right for one machine, model and load at
+best. PacedBudget (scheduler="paced", the default) keeps the running streams' steps near a decode step's time, from
+the step times the engine measures as it runs (see the class). MeasuredBudget (scheduler="measured") asks a fitted
+cost model (lumen.engine.costs.steps) what each candidate step would cost and decides:
 
 with SLO targets (slo_ttft_s, slo_tpot_s): the decodes that run this step each have a budget: the longest step
     that keeps their mean time per output token within slo_tpot (their tokens so far times the target, minus the
@@ -103,3 +105,43 @@ class MeasuredBudget:
             if left > self.cost_model.predict(min(need, self.max_tokens), 1, need):
                 return need, left
         return None
+
+
+class PacedBudget:
+    """The default: keep every running stream's step near a decode step's time, and spread prompts over steps.
+
+    A prompt chunk rides along with the running decodes only as far as the step's predicted time stays within
+    `pace` times what a step of those decodes alone costs (StepCosts: every step's wall time by token count, as
+    measured while serving); at least MIN_CHUNK tokens a step, so a new request always gets going, and the whole
+    budget (max_num_batched_tokens) when nothing decodes. So a long prompt costs the streams a bounded slowdown
+    per token for more steps, instead of one stall as long as its prefill. Before step times are known for the
+    sizes it needs, it takes MIN_CHUNK (the steps that follow measure the rest)."""
+    MIN_CHUNK = 16
+
+    def __init__(self, costs, *, max_tokens: int, pace: float = 1.5):
+        """costs: the engine's StepCosts (lumen.engine.costs.steps)."""
+        self.costs, self.max_tokens, self.pace = costs, max_tokens, pace
+
+    def decide(self, scheduler, now: float) -> Decision:
+        running = scheduler.running
+        D = sum(1 for s in running if s.num_tokens - s.num_computed == 1)
+        prefill_left = sum(s.num_tokens - s.num_computed for s in running if s.num_tokens - s.num_computed > 1)
+        prefill_left += sum(s.num_tokens for s in scheduler.waiting)
+        if D == 0 or prefill_left == 0:
+            why = "nothing: no decode to pace" if prefill_left else "nothing: no prefill waiting"
+            return Decision(D, self.max_tokens, self.costs.predict(self.max_tokens) or 0.0, None, why)
+        room = max(0, self.max_tokens - D)
+        smallest = min(self.MIN_CHUNK, room)
+        alone = self.costs.predict(D)
+        if alone is None:
+            return Decision(D, D + smallest, 0.0, None, "larger chunks: no step time measured yet")
+        limit = self.pace * alone
+        most = min(room, prefill_left)
+        c, why = smallest, "nothing larger"
+        for cand in [x for x in CHUNKS if smallest < x < most] + ([most] if most > smallest else []):
+            p = self.costs.predict(D + cand)
+            if p is None or p > limit:
+                why = f"chunk {cand} " + ("(not measured)" if p is None else f"(predicted {p * 1e3:.1f} ms > limit)")
+                break
+            c = cand
+        return Decision(D, D + c, self.costs.predict(D + c) or 0.0, limit, why)
