@@ -4,8 +4,9 @@ OpenAI-compatible server (lumen.serve.app) on uvicorn.
 Startup loads the model and runs one token through it (Numba's kernels compiled or loaded from its cache) before
 the port opens, so the first request pays no compile. The first SIGTERM or SIGINT starts a graceful shutdown:
 the port closes, new requests on open connections get 503, requests in flight have --shutdown-timeout seconds
-to finish and are then aborted (each client is told, none is left hanging), and the process exits 0. A second
-signal aborts everything at once.
+to finish and are then aborted (each client is told, none is left hanging), and the process exits 0; a line
+says how many are draining and that a second Ctrl-C stops now. A second signal aborts everything at once (the
+streams end with an error event and [DONE]); a third leaves without waiting for the connections.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ def _server_class():
             super().__init__(config)
             self.worker, self.shutdown_timeout = worker, shutdown_timeout
             self.loop: asyncio.AbstractEventLoop | None = None
+            self.signals_seen = 0
 
         async def serve(self, sockets=None):
             self.loop = asyncio.get_running_loop()
@@ -103,10 +105,23 @@ def _server_class():
         def handle_exit(self, sig, frame):
             if self.loop is not None:
                 if self.should_exit:
+                    if self.signals_seen >= 2:               # a third: leave without waiting for anything
+                        self.force_exit = True
                     self.loop.call_soon_threadsafe(self.worker.abort_all, 503, "the server is shutting down now")
                 else:
-                    self.loop.call_soon_threadsafe(self.worker.drain, self.shutdown_timeout)
+                    self.loop.call_soon_threadsafe(self.drain)
+            self.signals_seen += 1
             self.should_exit = True
+
+        def drain(self) -> None:
+            """The first signal, on the event loop: say what the wait is and how to end it, then drain."""
+            n = len(self.worker.submissions())
+            if n:
+                log.warning("shutting down: draining %d in-flight request%s (up to %.0f s); press Ctrl-C again to "
+                            "stop now", n, "s" * (n != 1), self.shutdown_timeout)
+            else:
+                log.info("shutting down: nothing in flight")
+            self.worker.drain(self.shutdown_timeout)
 
         @contextmanager
         def capture_signals(self):

@@ -128,7 +128,6 @@ class EngineWorker:
         if self.draining:
             return
         self.draining = True
-        log.info("shutting down: %d request(s) in flight, %.0f s to finish", len(self.submissions()), timeout)
         if self._loop is not None:
             self._loop.call_later(timeout, self.abort_all, 503, SHUTDOWN)
 

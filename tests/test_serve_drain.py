@@ -1,0 +1,60 @@
+"""Ctrl-C on `python -m lumen.serve` with a stream in flight, as a user at a terminal does it: the first SIGINT
+says that it is draining, how many requests, for how long and how to stop now; a second one stops at once: the
+stream ends with an error event and [DONE], the process exits 0, no traceback. Every wait is bounded and the
+test stops the server it starts."""
+import asyncio
+import signal
+import time
+
+import httpx
+
+from test_serve_load import Proc, lumen_serve, sse_events
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+def wait_for_line(proc: Proc, text: str, timeout: float = 30.0) -> str:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        found = [line for line in proc.log.read_text(errors="replace").splitlines() if text in line]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no line with {text!r} in the server's log:\n{proc.tail()}")
+
+
+def test_second_ctrl_c_stops_a_draining_server_now(smollm2_path, tmp_path):
+    proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "2048", "--kv-cache-mb", "64", "--no-ui"),
+                tmp_path / "server.log")
+    try:
+        async def go():
+            chunks, error, done = 0, None, False
+            async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
+                async with client.stream("POST", "/v1/completions", json=LONG) as r:
+                    assert r.status_code == 200
+                    async for ev in sse_events(r):
+                        if ev is None:
+                            done = True
+                            break
+                        if "error" in ev:
+                            error = ev["error"]
+                            continue
+                        chunks += 1
+                        if chunks == 3:                  # the stream is in flight: the first Ctrl-C
+                            proc.p.send_signal(signal.SIGINT)
+                            await asyncio.to_thread(wait_for_line, proc, "draining")
+                            proc.p.send_signal(signal.SIGINT)   # the second: stop now
+            return chunks, error, done
+
+        chunks, error, done = asyncio.run(asyncio.wait_for(go(), 120))
+        assert proc.p.wait(60) == 0, proc.tail()
+    finally:
+        proc.stop(signal.SIGKILL, timeout=10)
+    log = proc.log.read_text(errors="replace")
+    drains = [line for line in log.splitlines() if "draining" in line]
+    assert len(drains) == 1, log
+    assert drains[0].endswith("shutting down: draining 1 in-flight request (up to 30 s); press Ctrl-C again to "
+                              "stop now"), drains[0]
+    assert done and error is not None and error["code"] == 503, (chunks, error, done)
+    assert chunks < LONG["max_tokens"], "the stream ran to its end: the second Ctrl-C did not stop it"
+    assert "Traceback" not in log
