@@ -23,7 +23,13 @@ ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("
 HEX_DIGITS = b"0123456789abcdefABCDEF"
 EPILOG = r"""escapes: in --prompt, --system and --stop, \n \r \t \' \" \\ and \xHH (a byte) are replaced as
 llama.cpp does, so --stop "\n\n" stops at a blank line; any other backslash is kept as typed. --no-escape
-takes the text literally. A prompt read from stdin is always taken as is."""
+takes the text literally. A prompt read from stdin is taken as is, less one trailing newline (as llama.cpp
+does for a prompt file), so `echo "def f(x):" | ...` continues the line echo wrote.
+
+sampling: plain generation is greedy by default. With --chat the defaults are those of llama.cpp's chat and
+ollama: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1 over the last 64 tokens; each
+flag given overrides its default. --greedy makes it greedy (temperature 0, no repeat penalty);
+--temperature 0 alone keeps the penalty."""
 
 
 def process_escapes(text: str) -> str:
@@ -54,6 +60,53 @@ def process_escapes(text: str) -> str:
                          "use --no-escape to take the text literally") from e
 
 
+# Sampling defaults: plain completion is greedy; a chat gets what llama.cpp's and ollama's users get (llama.cpp's
+# temperature, top-k, top-p and min-p; ollama's repeat penalty over the last 64 tokens), since greedy decoding
+# of a small chat model loops on one phrase until the token limit.
+PLAIN_SAMPLING = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, presence_penalty=0.0,
+                      frequency_penalty=0.0, repeat_last_n=64)
+CHAT_SAMPLING = dict(PLAIN_SAMPLING, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)
+
+
+def add_sampling_args(ap: argparse.ArgumentParser, chat_only: bool = False) -> None:
+    """The sampling flags, their defaults left None so sampling_from_args can pick plain or chat defaults.
+    chat_only: the help states the chat defaults alone (lumen.chat)."""
+    def default(name: str, off: str = "") -> str:
+        c, p = CHAT_SAMPLING[name], PLAIN_SAMPLING[name]
+        if chat_only or c == p:
+            return f"default {c}{off}"
+        return f"default {p}{off}; {c} with --chat"
+    ap.add_argument("--temperature", "--temp", type=float, default=None, help=f"0 = greedy ({default('temperature')})")
+    ap.add_argument("--top-k", type=int, default=None, help=default("top_k", ", 0 = off"))
+    ap.add_argument("--top-p", type=float, default=None, help=default("top_p", ", 1 = off"))
+    ap.add_argument("--min-p", type=float, default=None, help=default("min_p", ", 0 = off"))
+    ap.add_argument("--repeat-penalty", type=float, default=None, help=default("repeat_penalty", ", 1 = off"))
+    ap.add_argument("--presence-penalty", type=float, default=None, help=default("presence_penalty"))
+    ap.add_argument("--frequency-penalty", type=float, default=None, help=default("frequency_penalty"))
+    ap.add_argument("--repeat-last-n", type=int, default=None,
+                    help=default("repeat_last_n") + ": tokens the penalties look back over (-1 = all)")
+    ap.add_argument("--greedy", action="store_true",
+                    help="always the most likely token: temperature 0 and no repeat penalty (unless given)")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: fresh entropy)")
+
+
+def sampling_from_args(args, chat: bool) -> dict:
+    """Model.generate's sampling keywords: each flag given, else the chat or plain default (--greedy: the plain
+    ones, which are greedy)."""
+    base = PLAIN_SAMPLING if args.greedy or not chat else CHAT_SAMPLING
+    out = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
+    return dict(out, seed=args.seed)
+
+
+def read_stdin_prompt(stream) -> str:
+    """A prompt piped on stdin, as is but for one trailing newline (as llama.cpp reads a prompt file, -f): echo
+    and a file's last line end in one the user did not mean as part of the prompt."""
+    text = stream.read()
+    if text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog("generate"), description="Generate text with a GGUF model.",
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,18 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"registry name (see python -m lumen.models) or path to a .gguf file "
                          f"(default {DEFAULT_MODEL})")
     ap.add_argument("--prompt", "-p", help="the prompt (escapes processed); read from stdin, as is, when absent")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (and sample "
+                    "as llama.cpp and ollama do, below; --greedy for greedy)")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")
     ap.add_argument("--max-tokens", "-n", type=int, default=128)
-    ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    ap.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    ap.add_argument("--repeat-penalty", type=float, default=1.0)
-    ap.add_argument("--presence-penalty", type=float, default=0.0)
-    ap.add_argument("--frequency-penalty", type=float, default=0.0)
-    ap.add_argument("--repeat-last-n", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=None)
+    add_sampling_args(ap)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable; escapes processed)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="keep generating past end-of-generation tokens (for fixed-length benchmarks)")
@@ -146,33 +192,66 @@ def _read(path: str, flag: str) -> str:
 
 def chat_prompt(model, user: str, system: str | None) -> tuple[str | None, str]:
     """The rendered chat prompt, or None with the reason when the model has no chat template."""
-    from .format.chat import chat_template_from_metadata, render_chat
+    from .format.chat import chat_template_from_metadata
     template = chat_template_from_metadata(model.metadata)
     if template is None:
         return None, "this model has no chat template (tokenizer.chat_template); running plain completion"
-    tok = model.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    text = render_chat(template, messages, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+    return render_messages(model, template, messages), ""
+
+
+def render_messages(model, template: str, messages: list[dict]) -> str:
+    """The conversation as the model's chat template writes it, ending with the assistant's turn opened (text to
+    tokenize with special tokens parsed)."""
+    from .format.chat import render_chat
+    tok = model.tokenizer
+    return render_chat(template, messages, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                        eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
                        add_generation_prompt=True)
-    return text, ""
+
+
+def summary_line(stats) -> str:
+    """One request's figures from its RequestMetrics: prompt tokens, TTFT, prefill and decode tok/s, TPOT, tokens
+    generated and why it ended."""
+    return (f"prompt {stats.prompt_tokens} tok | TTFT {stats.prefill_s * 1e3:.0f} ms | prefill "
+            f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT "
+            f"{(stats.tpot_s or 0.0) * 1e3:.1f} ms | {stats.gen_tokens} generated ({stats.stop_reason})")
+
+
+def print_summary(console, line: str) -> None:
+    """The summary line on stderr: dim on a terminal, plain (no markup parsed) elsewhere."""
+    if console.is_terminal:
+        from rich.markup import escape
+        console.print(f"[dim]{escape(line)}[/]")
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+COMPILING = "compiling the kernels for this CPU (first run only, about a minute; cached afterwards)"
 
 
 @contextmanager
-def status_while_compiling(console, text: str):
-    """Show console.status(text) from the first Numba compile inside the block to its end, and nothing if nothing
-    compiles: kernels loaded from Numba's cache fire no "numba:compile" event. (A timer cannot tell the two apart:
-    loading the cached forward pass took 0.7-1.0 s on 2 busy cores.)"""
+def status_while_compiling(console, text: str = COMPILING):
+    """Say `text` from the first Numba compile inside the block to its end, and nothing if nothing compiles:
+    kernels loaded from Numba's cache fire no "numba:compile" event. (A timer cannot tell the two apart: loading
+    the cached forward pass took 0.7-1.0 s on 2 busy cores.) On a terminal it is a spinner (console.status); off
+    one (a pipe, a log, a service) it is a plain line at once and "compiled in N s" at the end, so a minute of
+    compiling never looks like a hang. The one helper every command that waits on a first compile uses."""
     from numba.core import event
-    status = console.status(text, spinner="dots")
+    terminal = getattr(console, "is_terminal", False)
+    status = console.status(text, spinner="dots") if terminal else None
+    out = getattr(console, "file", None) or sys.stderr
 
     class ShowOnCompile(event.Listener):
-        shown = False
+        started = None
 
         def on_start(self, ev):
-            if not self.shown:
-                self.shown = True
-                status.start()
+            if self.started is None:
+                self.started = time.perf_counter()
+                if status is not None:
+                    status.start()
+                else:
+                    print(f"{text}...", file=out, flush=True)
 
         def on_end(self, ev):
             pass
@@ -182,8 +261,11 @@ def status_while_compiling(console, text: str):
         with event.install_listener("numba:compile", show):
             yield
     finally:
-        if show.shown:
-            status.stop()
+        if show.started is not None:
+            if status is not None:
+                status.stop()
+            else:
+                print(f"compiled in {time.perf_counter() - show.started:.0f} s", file=out, flush=True)
 
 
 def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool, **kw):
@@ -212,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdin.isatty():
             print("error: give --prompt TEXT or pipe the prompt on stdin", file=sys.stderr)
             return 2
-        args.prompt = sys.stdin.read()
+        args.prompt = read_stdin_prompt(sys.stdin)
     try:
         constraint = constraint_from_args(args)          # before the model loads: a bad file fails fast
     except UsageError as e:
@@ -224,33 +306,32 @@ def main(argv: list[str] | None = None) -> int:
             args.system = args.system and process_escapes(args.system)
             if not stdin_prompt:
                 args.prompt = process_escapes(args.prompt)
-        t0 = time.perf_counter()
-        model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
-                           adaptive_threads=not args.fixed_threads)
-        t_load = time.perf_counter() - t0
         if args.speculative == "draft" and not args.draft_model:
             raise LumenError("--speculative draft needs --draft-model")
         if args.draft_model and args.speculative != "draft":
             raise LumenError("--draft-model is used with --speculative draft")
-        if args.speculative:
-            draft = load_model(args.draft_model, args.ctx, args.threads, args.force_ctx) if args.draft_model else None
-            model.speculation(draft_model=draft, num_speculative_tokens=args.num_speculative_tokens or 5,
-                              ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-        with status_while_compiling(err, "compiling kernels (first run only; cached afterwards)..."):
+        with status_while_compiling(err):    # a first load may compile too (packing); a first warm-up does
+            t0 = time.perf_counter()
+            model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
+                               adaptive_threads=not args.fixed_threads)
+            t_load = time.perf_counter() - t0
+            if args.speculative:
+                draft = (load_model(args.draft_model, args.ctx, args.threads, args.force_ctx) if args.draft_model
+                         else None)
+                model.speculation(draft_model=draft, num_speculative_tokens=args.num_speculative_tokens or 5,
+                                  ngram_min=args.ngram_min, ngram_max=args.ngram_max)
             t_compile = model.warmup()
-        prompt, special = args.prompt, args.special
+        prompt, special, chat = args.prompt, args.special, False
         if args.chat:
             rendered, why = chat_prompt(model, args.prompt, args.system)
             if rendered is None:
-                print(f"note: {why}", file=sys.stderr)
+                print(f"note: {why}", file=sys.stderr)     # and plain completion's sampling
             else:
-                prompt, special = rendered, True
+                prompt, special, chat = rendered, True, True
         from .engine.sequence import RequestMetrics
         stats = RequestMetrics()
-        gen = model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                             repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop, special=special,
+        gen = model.generate(prompt, max_tokens=args.max_tokens, **sampling_from_args(args, chat),
+                             stop=args.stop, special=special,
                              stats=stats, speculative=args.speculative,
                              num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,
                              constraint=constraint)
@@ -269,16 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    line = (f"prompt {stats.prompt_tokens} tok | TTFT {stats.prefill_s * 1e3:.0f} ms | prefill "
-            f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT {(stats.tpot_s or 0.0) * 1e3:.1f} ms"
-            f" | {stats.gen_tokens} generated ({stats.stop_reason}) | load {t_load:.2f} s"
+    line = (summary_line(stats) + f" | load {t_load:.2f} s"
             + (f" | compile {t_compile:.1f} s" if t_compile > 1.0 else "")
             + (f" | {args.speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "
                f"{stats.mean_accepted_length:.2f} tok/step" if stats.spec_steps else ""))
-    if err.is_terminal:
-        err.print(f"[dim]{line}[/]")
-    else:
-        print(line, file=sys.stderr)
+    print_summary(err, line)
     return 0
 
 

@@ -21,7 +21,7 @@ import pytest
 import lumen
 from goldens import corpus, golden
 from lumen.errors import ContextWarning
-from lumen.generate import chat_prompt, process_escapes, status_while_compiling
+from lumen.generate import COMPILING, chat_prompt, process_escapes, status_while_compiling
 from lumen.format.gguf import GGUFFile
 from lumen.model.parts import build_tokenizer
 from synth import write_model
@@ -72,9 +72,10 @@ def api_greedy(model, prompt: str, max_tokens: int) -> dict:
 
 
 def summary(r: subprocess.CompletedProcess) -> re.Match:
-    """The one stderr line generate prints on success."""
+    """The one stderr line generate prints on success (besides the compile lines, on a cold Numba cache)."""
     assert r.returncode == 0, r.stderr
-    lines = r.stderr.strip().splitlines()
+    lines = [line for line in r.stderr.strip().splitlines()
+             if line != COMPILING + "..." and not re.fullmatch(r"compiled in \d+ s", line)]
     assert len(lines) == 1, r.stderr
     m = SUMMARY.match(lines[0])
     assert m, lines[0]
@@ -147,6 +148,46 @@ def test_prompt_from_stdin(smollm2_path, greedy_run):
     r = generate(smollm2_path, "-n", N_GREEDY, stdin=FRANCE)
     assert summary(r)[1] == summary(greedy_run)[1]
     assert r.stdout == greedy_run.stdout
+
+
+def test_stdin_prompt_loses_one_trailing_newline(smollm2_path, greedy_run):
+    """As llama.cpp reads a prompt file: `echo PROMPT |` gives the same prompt as --prompt PROMPT; a second newline
+    is kept."""
+    r = generate(smollm2_path, "-n", N_GREEDY, stdin=FRANCE + "\n")
+    assert summary(r)[1] == summary(greedy_run)[1] and r.stdout == greedy_run.stdout
+    r = generate(smollm2_path, "-n", 1, stdin=FRANCE + "\n\n")
+    assert int(summary(r)[1]) > int(summary(greedy_run)[1])
+
+
+def test_the_readme_stop_example_writes_the_body(smollm2_path):
+    """`echo "def fibonacci(n):" | python -m lumen.generate -n 48 --stop "\\n\\n"`: the model continues the line
+    (an indented body follows, not the signature again) and stops at the blank line."""
+    r = generate(smollm2_path, "-n", 48, "--stop", "\\n\\n", stdin="def fibonacci(n):\n")
+    assert summary(r)[3] == "stop", r.stderr
+    body = r.stdout.strip("\n").splitlines()
+    assert body and all(line.startswith("    ") for line in body), r.stdout
+    assert "def fibonacci" not in r.stdout
+
+
+def test_chat_samples_as_llama_cpp_and_ollama():
+    """--chat: llama.cpp's temperature, top-k, top-p and min-p, ollama's repeat penalty; plain generation and
+    --greedy are greedy; a flag given wins; --help says so."""
+    from lumen.generate import build_parser, sampling_from_args
+
+    def params(*argv):
+        args = build_parser().parse_args(["--prompt", "x", *argv])
+        return sampling_from_args(args, args.chat)
+    chat = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, presence_penalty=0.0,
+                frequency_penalty=0.0, repeat_last_n=64, seed=None)
+    plain = dict(chat, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    assert params("--chat") == chat
+    assert params() == plain and params("--chat", "--greedy") == plain
+    assert params("--chat", "--temperature", "0", "--top-p", "0.5", "--seed", "3") == dict(
+        chat, temperature=0.0, top_p=0.5, seed=3)
+    text = " ".join(build_parser().format_help().split())
+    assert ("With --chat the defaults are those of llama.cpp's chat and ollama: temperature 0.8, top-k 40, top-p "
+            "0.95, min-p 0.05, repeat penalty 1.1 over the last 64 tokens") in text
+    assert "--greedy makes it greedy" in text
 
 
 def test_empty_stdin_prompt(smollm2_path):
@@ -345,9 +386,10 @@ class FakeStatus:
 
 
 def test_spinner_only_while_numba_compiles():
-    """The status appears when Numba starts a compile inside the block, and not for code already compiled."""
+    """On a terminal the status appears when Numba starts a compile inside the block, and not for code already
+    compiled."""
     status = FakeStatus()
-    console = SimpleNamespace(status=lambda text, spinner: status)
+    console = SimpleNamespace(status=lambda text, spinner: status, is_terminal=True)
     add = numba.njit(lambda x: x + 1)                      # a new function: not in any cache
     with status_while_compiling(console, "compiling"):
         assert add(1) == 2
@@ -356,6 +398,50 @@ def test_spinner_only_while_numba_compiles():
     with status_while_compiling(console, "compiling"):
         assert add(2) == 3
     assert status.calls == []
+
+
+def test_off_a_terminal_a_line_says_it_compiles_at_once(tmp_path):
+    """Off a terminal (a pipe, a log) the line is written when the first compile starts, not when the block ends,
+    and says how long it takes; a second compile in the block adds nothing; nothing when nothing compiles."""
+    log = tmp_path / "err.txt"
+    with log.open("w") as f:
+        console = SimpleNamespace(is_terminal=False, file=f)
+        add, mul = numba.njit(lambda x: x + 1), numba.njit(lambda x: x * 2)
+        with status_while_compiling(console):
+            assert add(1) == 2
+            f.flush()
+            assert log.read_text() == COMPILING + "...\n"
+            assert mul(2) == 4
+        with status_while_compiling(console):
+            assert add(2) == 3
+    lines = log.read_text().splitlines()
+    assert lines[0] == "compiling the kernels for this CPU (first run only, about a minute; cached afterwards)..."
+    assert len(lines) == 2 and re.fullmatch(r"compiled in \d+ s", lines[1]), lines
+
+
+# Through a pipe: lumen.generate with a compile forced at warm-up (a new function, in no cache), stderr and stdout
+# into one pipe: the line comes before the first token.
+FORCED_COMPILE = r"""
+import sys, numba
+from lumen import llm
+warmup = llm.Model.warmup
+def compiling_warmup(self):
+    numba.njit(lambda x: x + 1)(1)
+    return warmup(self)
+llm.Model.warmup = compiling_warmup
+from lumen.generate import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_compile_line_comes_before_the_first_token_in_a_pipe(smollm2_path):
+    r = subprocess.run([sys.executable, "-c", FORCED_COMPILE, "--model", str(smollm2_path), "--prompt", FRANCE,
+                        "-n", "4"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base_env(), timeout=TIMEOUT)
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[0] == COMPILING + "..." and re.fullmatch(r"compiled in \d+ s", lines[1]), lines
+    assert SUMMARY.match(lines[-1]) and "".join(lines[2:-1]).strip(), lines
 
 
 # ---- --ctx beyond the trained context ----

@@ -168,11 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None:
         return _main_ray(ap, args, config)
+    from rich.console import Console
+    from ..generate import status_while_compiling
     from .app import load_engine, make_app
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
-        engine = load_engine(args.model, config)
+        with status_while_compiling(Console(stderr=True, highlight=False)):    # the port opens after it
+            engine = load_engine(args.model, config)
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
                                max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,
