@@ -3,9 +3,10 @@
     python -m lumen.perplexity --model M --file F [--ctx N]
 
 The text is tokenized once (BOS as the model's default), cut into chunks of ctx tokens, and each chunk runs from
-an empty cache. Like llama-perplexity, the first token of each chunk is replaced by BOS when the model adds BOS,
-and only the second half of each chunk is scored (the first half is context), so every scored token sees at least
-ctx/2 tokens. `--score all` scores every next-token prediction of each chunk instead.
+an empty cache; a text shorter than ctx is one chunk of all its tokens (a note says so). Like llama-perplexity,
+the first token of each chunk is replaced by BOS when the model adds BOS, and only the second half of each chunk
+is scored (the first half is context), so every scored token sees at least ctx/2 tokens. `--score all` scores
+every next-token prediction of each chunk instead.
 """
 from __future__ import annotations
 
@@ -28,14 +29,22 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - x[np.arange(len(targets)), targets]
 
 
+def min_tokens(score: str) -> int:
+    """The fewest tokens a chunk needs to score one prediction: 3 when its first half is context, else 2."""
+    return 3 if score == "half" else 2
+
+
 def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.ndarray]:
-    """Per chunk, the NLL of each scored next-token prediction."""
-    if len(ids) < 2 * (ctx // 2 if score == "half" else 1):
-        raise LumenError(f"the text has {len(ids)} tokens; at least {2 * max(1, ctx // 2)} are needed for "
-                         f"ctx={ctx} (use a smaller --ctx or a longer file)")
+    """Per chunk, the NLL of each scored next-token prediction. A text shorter than ctx is one chunk of all its
+    tokens (as llama-perplexity with a smaller -c), so a short file still gets a figure; LumenError only when it
+    is too short to score any token."""
+    if len(ids) < min_tokens(score):
+        raise LumenError(f"the text has {len(ids)} token{'s' * (len(ids) != 1)}; at least {min_tokens(score)} are "
+                         f"needed to score one (use a longer file)")
+    ctx = min(ctx, len(ids))
     out = []
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos_default else None
-    for a in range(0, len(ids) - ctx + 1 if len(ids) >= ctx else 1, ctx):
+    for a in range(0, len(ids) - ctx + 1, ctx):
         chunk = list(ids[a:a + ctx])
         if bos is not None:
             chunk[0] = bos
@@ -65,10 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
         return 1
     try:
-        from .generate import load_model
-        model = load_model(args.model, args.ctx, args.threads, args.force_ctx, n_batch=min(args.ctx, 512))
+        from rich.console import Console
+        from .generate import load_model, status_while_compiling
+        with status_while_compiling(Console(stderr=True, highlight=False)):
+            model = load_model(args.model, args.ctx, args.threads, args.force_ctx, n_batch=min(args.ctx, 512))
+            model.warmup()
         ids = model.tokenize(text)
-        print(f"{len(ids)} tokens, {max(1, len(ids) // args.ctx)} chunks of {args.ctx}", file=sys.stderr)
+        if len(ids) >= min_tokens(args.score):          # (fewer: chunk_nll says why it cannot score)
+            if len(ids) < args.ctx:
+                print(f"note: the text has {len(ids)} tokens, fewer than --ctx {args.ctx}: the context is reduced "
+                      f"to {len(ids)}, one chunk", file=sys.stderr)
+            n = min(args.ctx, len(ids))
+            print(f"{len(ids)} tokens, {len(ids) // n} chunks of {n}", file=sys.stderr)
         nll_all = []
         for i, nll in enumerate(chunk_nll(model, ids, args.ctx, args.score)):
             nll_all.append(nll)

@@ -580,12 +580,27 @@ def test_perplexity_missing_file(tmp_path):
     assert r.stderr.startswith(f"error: cannot read {tmp_path / 'nope.txt'}")
 
 
-def test_perplexity_text_too_short(smollm2_path, tmp_path):
+def test_perplexity_of_a_text_shorter_than_ctx(smollm2_path, text_file, tmp_path):
+    """The README's `--ctx 512` on a file of a paragraph: one chunk of the tokens there are, a note that says so,
+    the same figure as --ctx set to that length; a text too short to score one token is refused in one line."""
     short = tmp_path / "short.txt"
-    short.write_text("Hello there.")
-    r = run("lumen.perplexity", "--model", smollm2_path, "--file", short, "--ctx", 128)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert re.search(r"^error: the text has \d+ tokens; at least 128 are needed for ctx=128", r.stderr, re.M)
+    short.write_text(text_file.read_text(encoding="utf-8")[:600], encoding="utf-8")
+    r = run("lumen.perplexity", "--model", "smollm2-135m", "--file", short, "--ctx", 512)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    n = int(re.search(r"^note: the text has (\d+) tokens, fewer than --ctx 512: the context is reduced to \1, one "
+                      r"chunk$", r.stderr, re.M)[1])
+    assert 50 < n < 512 and f"{n} tokens, 1 chunks of {n}" in r.stderr
+    same = run("lumen.perplexity", "--model", "smollm2-135m", "--file", short, "--ctx", n)
+    assert "note:" not in same.stderr
+    figure = re.compile(r"PPL = ([\d.]+) \+/- [\d.]+  \((\d+) scored tokens")
+    assert figure.search(r.stdout).groups() == figure.search(same.stdout).groups()
+    assert int(figure.search(r.stdout)[2]) == n - 1 - n // 2
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("Hi")
+    r = run("lumen.perplexity", "--model", smollm2_path, "--file", tiny, "--ctx", 128)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr.splitlines()[-1] == "error: the text has 1 token; at least 3 are needed to score one (use a " \
+                                        "longer file)"
 
 
 def test_perplexity_bad_ctx(tmp_path):
