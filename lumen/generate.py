@@ -222,7 +222,7 @@ def print_summary(console, line: str) -> None:
     """The summary line on stderr: dim on a terminal, plain (no markup parsed) elsewhere."""
     if console.is_terminal:
         from rich.markup import escape
-        console.print(f"[dim]{escape(line)}[/]")
+        console.print(f"[dim]{escape(line)}[/]", soft_wrap=True)       # one line, however wide
     else:
         print(line, file=sys.stderr, flush=True)
 

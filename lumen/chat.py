@@ -1,0 +1,238 @@
+"""Chat with a model in the terminal: `python -m lumen.chat [--model M] [--system TEXT] [sampling flags]`.
+
+A conversation, as llama.cpp's llama-cli and `ollama run` hold one: each line typed is a user message, the whole
+history goes through the model's chat template, the reply streams to stdout and one line of figures per reply
+goes to stderr. /clear forgets the history, /exit (or EOF) ends the session, /help lists the commands. Ctrl-C
+during a reply stops that reply (what was written stays in the history) and returns to the prompt; Ctrl-C at the
+prompt ends the session. A line ending in a backslash continues on the next one.
+
+The engine runs with prefix caching, so each turn recomputes only what the last one did not leave in the KV
+cache (the new message and the reply's last partial block). The history is dropped oldest turn first when it
+would no longer leave room for a reply in the context. Input works the same on a terminal (line editing when
+Python has readline) and through a pipe (no prompt is printed there).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from .commands import prog
+from .errors import LumenError
+from .generate import (add_sampling_args, load_model, print_summary, process_escapes, render_messages,
+                       sampling_from_args, status_while_compiling, summary_line)
+from .model.store import DEFAULT_MODEL
+
+HELP = """/clear   forget the conversation (the system prompt stays)
+/exit    end the session (also /quit, /bye, or EOF: Ctrl-D)
+/help    this list
+Ctrl-C stops a reply; at the prompt it ends the session. End a line with \\ to continue it on the next."""
+REPLY_ROOM = 256            # tokens a reply is sure to have when --max-tokens is not given (older turns dropped)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog("chat"), description="Chat with a GGUF model in the terminal "
+                                 "(multi-turn, through the model's chat template).", epilog=HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="registry name (see python -m lumen.models) or "
+                    f"path to a .gguf file (default {DEFAULT_MODEL})")
+    ap.add_argument("--system", "-s", help="system prompt (escapes processed as in lumen.generate)")
+    ap.add_argument("--max-tokens", "-n", type=int, default=None,
+                    help="the most tokens of one reply (default: until the model ends its turn, or the context's end)")
+    add_sampling_args(ap, chat_only=True)
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="context length, the whole conversation included (default 2048, or the model's trained "
+                         "context if smaller)")
+    ap.add_argument("--threads", "-t", type=int, default=None, help="the most threads (default: all cores)")
+    ap.add_argument("--no-escape", action="store_true", help="take --system literally")
+    return ap
+
+
+class Conversation:
+    """The history and the engine that answers it. reply() streams one answer to `write` and keeps it."""
+
+    def __init__(self, model, template: str, *, system: str | None, params):
+        from .engine.engine import Engine
+        from .kernels.attention import BLOCK
+        self.model, self.template, self.system, self.params = model, template, system, params
+        self.messages: list[dict] = []
+        self.engine = Engine(model.parts, threads=model.threads, max_model_len=model.n_ctx, max_num_seqs=1,
+                             max_num_batched_tokens=model.n_batch, num_kv_blocks=-(-model.n_ctx // BLOCK),
+                             enable_prefix_caching=True, adaptive_threads=model.adaptive_threads)
+        self.dropped = 0                            # turns dropped to fit the context, in all
+
+    def clear(self) -> None:
+        self.messages = []
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        text = render_messages(self.model, self.template, head + messages)
+        return self.model.tokenize(text, special=True)
+
+    def fit(self, messages: list[dict]) -> list[int]:
+        """The prompt of `messages`, the oldest turns dropped until a reply has room; LumenError when the last
+        message alone leaves none."""
+        room = self.params.max_tokens or min(REPLY_ROOM, self.model.n_ctx // 4)
+        while True:
+            ids = self.prompt_ids(messages)
+            if len(ids) + room <= self.model.n_ctx:
+                return ids
+            if len(messages) <= 1:
+                raise LumenError(f"the message takes {len(ids)} tokens: with {room} for the reply that exceeds the "
+                                 f"context of {self.model.n_ctx} tokens (--ctx)")
+            messages[:] = messages[2:] if messages[1]["role"] == "assistant" else messages[1:]
+            self.dropped += 1
+
+    def reply(self, text: str, write, stop_requested) -> object:
+        """Answer the user's `text`: the reply's text goes to write() as it comes; stop_requested() true between
+        two tokens aborts the request. Returns the RequestMetrics of the reply (stop_reason "abort" if stopped)."""
+        from .engine.sequence import RequestMetrics
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids = self.fit(messages)
+        stats = RequestMetrics()
+        answer = []
+        stream = self.engine.stream(ids, self.params, metrics=stats)
+        try:
+            for out in stream:
+                if out.error:
+                    raise LumenError(out.error)
+                if out.delta_text:
+                    answer.append(out.delta_text)
+                    write(out.delta_text)
+                if stop_requested():
+                    break
+        finally:
+            stream.close()                          # aborts the request if it has not finished
+        self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
+        return stats
+
+
+class Input:
+    """Lines from stdin: with a prompt and line editing on a terminal, plain reads through a pipe. A line ending
+    in a backslash continues on the next. None at EOF."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdin
+        self.tty = self.stream.isatty()
+        if self.tty:
+            try:
+                import readline  # noqa: F401 (input() edits lines and keeps a history when it is there)
+            except ImportError:
+                pass
+
+    def line(self) -> str | None:
+        parts = []
+        while True:
+            if self.tty:
+                try:
+                    got = input("> " if not parts else ". ")
+                except EOFError:
+                    return None if not parts else "\n".join(parts)
+            else:
+                got = self.stream.readline()
+                if not got:
+                    return None if not parts else "\n".join(parts)
+                got = got[:-1] if got.endswith("\n") else got
+            if got.endswith("\\"):
+                parts.append(got[:-1])
+                continue
+            parts.append(got)
+            return "\n".join(parts)
+
+
+class StopFlag:
+    """SIGINT while a reply runs sets the flag (the reply stops between two tokens, the engine left in a sound
+    state) instead of raising KeyboardInterrupt somewhere in the engine's step."""
+
+    def __init__(self):
+        self.set = False
+
+    def __enter__(self):
+        self.set = False
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, sig, frame):
+        self.set = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rich.console import Console
+    err = Console(stderr=True, highlight=False)
+    try:
+        from .engine.sampling.params import SamplingParams
+        from .format.chat import chat_template_from_metadata
+        system = args.system if args.no_escape or args.system is None else process_escapes(args.system)
+        params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
+        with status_while_compiling(err):
+            t0 = time.perf_counter()
+            model = load_model(args.model, args.ctx, args.threads, False)
+            template = chat_template_from_metadata(model.metadata)
+            if template is None:
+                raise LumenError(f"{args.model} has no chat template (tokenizer.chat_template); use "
+                                 "python -m lumen.generate for plain completion")
+            chat = Conversation(model, template, system=system, params=params)
+            chat.engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))   # compile (or load) now
+        t_load = time.perf_counter() - t0
+    except (LumenError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    reader = Input()
+    if reader.tty:
+        err.print(f"[dim]{args.model} ready in {t_load:.1f} s; /help for the commands[/]", soft_wrap=True)
+    out = sys.stdout
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    while True:
+        try:
+            text = reader.line()
+        except KeyboardInterrupt:                    # at the prompt: the session ends
+            print(file=sys.stderr)
+            return 0
+        if text is None:                             # EOF
+            if reader.tty:
+                print(file=sys.stderr)
+            return 0
+        command = text.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit", "/bye"):
+            return 0
+        if command == "/clear":
+            chat.clear()
+            print("(the conversation is cleared)", file=sys.stderr, flush=True)
+            continue
+        if command in ("/help", "/?"):
+            print(HELP, file=sys.stderr, flush=True)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}; /help lists them", file=sys.stderr, flush=True)
+            continue
+        dropped = chat.dropped
+        try:
+            with StopFlag() as stop:
+                stats = chat.reply(text, write, lambda: stop.set)
+        except (LumenError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
+        write("\n")
+        if chat.dropped > dropped:
+            print(f"note: the {chat.dropped - dropped} oldest turn(s) dropped to fit the context of "
+                  f"{model.n_ctx} tokens", file=sys.stderr, flush=True)
+        print_summary(err, summary_line(stats) + (f" | {stats.cached_tokens} cached" if stats.cached_tokens else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`python -m lumen.chat` driven through a pipe, as a script or a user would drive it: on SmolLM2, greedy (so each
+reply must be exactly what Model.generate gives for the conversation so far, rendered by the chat template; the
+engine's logits are the same with or without a prefix-cache hit). Two turns where the second sees the first,
+/clear, /exit, EOF; and SIGINT during a reply, which stops that reply and keeps the session. Every wait is
+bounded and the tests stop what they start."""
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lumen
+from lumen.format.chat import chat_template_from_metadata
+from lumen.generate import render_messages
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+N = 48
+STATS = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| .* \| (\d+) generated \((\w+)\)( \| (\d+) cached)?$")
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return lumen.load(smollm2_path, ctx=2048, threads=2)
+
+
+def greedy(model, messages: list[dict], max_tokens: int = N) -> tuple[str, int]:
+    """The greedy reply to the conversation and its prompt's length in tokens."""
+    text = render_messages(model, chat_template_from_metadata(model.metadata), messages)
+    toks = list(model.generate(text, max_tokens=max_tokens, temperature=0, special=True))
+    return "".join(t.text for t in toks), len(model.tokenize(text, special=True))
+
+
+def chat(model_path, *args) -> list[str]:
+    return [sys.executable, "-m", "lumen.chat", "--model", str(model_path), "--greedy", "-n", str(N), *args]
+
+
+def stats_lines(stderr: str) -> list[re.Match]:
+    return [m for m in map(STATS.match, stderr.splitlines()) if m]
+
+
+def test_two_turns_clear_and_exit(smollm2_path, model):
+    u1, u2 = "My name is Ada. Remember it.", "What is my name?"
+    script = f"{u1}\n{u2}\n/clear\n{u2}\n/exit\nnot read: the session has ended\n"
+    r = subprocess.run(chat(smollm2_path), input=script, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    a1, p1 = greedy(model, [{"role": "user", "content": u1}])
+    a2, p2 = greedy(model, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+                            {"role": "user", "content": u2}])
+    a3, p3 = greedy(model, [{"role": "user", "content": u2}])
+    assert a2 != a3, "the model answers the same with and without the history: the test shows nothing"
+    assert r.stdout == f"{a1}\n{a2}\n{a3}\n"           # the second turn saw the first; after /clear it did not
+    stats = stats_lines(r.stderr)
+    assert [int(m[1]) for m in stats] == [p1, p2, p3], r.stderr
+    assert int(stats[1][5] or 0) >= 16, "the second turn reused none of the first one's KV blocks"
+    assert "(the conversation is cleared)" in r.stderr
+
+
+def test_eof_ends_the_session(smollm2_path):
+    r = subprocess.run(chat(smollm2_path), input="", capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (0, "") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_commands_and_a_model_without_a_template(smollm2_path, tmp_path):
+    r = subprocess.run(chat(smollm2_path), input="/help\n/nope\n", capture_output=True, text=True, timeout=TIMEOUT,
+                       cwd=ROOT)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert "/clear" in r.stderr and "unknown command /nope; /help lists them" in r.stderr
+    from synth import write_model
+    write_model(tmp_path / "tiny.gguf", "llama")
+    r = subprocess.run([sys.executable, "-m", "lumen.chat", "--model", str(tmp_path / "tiny.gguf")], input="hi\n",
+                       capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].endswith(
+        "has no chat template (tokenizer.chat_template); use python -m lumen.generate for plain completion")
+
+
+class Session:
+    """lumen.chat in a subprocess with both pipes read by threads, so the test can wait for what it printed."""
+
+    def __init__(self, argv):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, bufsize=1, cwd=ROOT)
+        self.out, self.err = [], []
+        self.readers = [threading.Thread(target=self._read, args=(f, buf), daemon=True)
+                        for f, buf in ((self.p.stdout, self.out), (self.p.stderr, self.err))]
+        for t in self.readers:
+            t.start()
+
+    @staticmethod
+    def _read(f, buf):
+        while True:
+            c = f.read(1)
+            if not c:
+                return
+            buf.append(c)
+
+    def send(self, line: str) -> None:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def wait_for(self, cond, what: str, timeout: float = TIMEOUT) -> None:
+        t0 = time.monotonic()
+        while not cond():
+            assert self.p.poll() is None or cond(), f"the chat exited ({self.p.returncode}) before {what}:\n" \
+                                                     f"{''.join(self.err)}"
+            assert time.monotonic() - t0 < timeout, f"no {what} within {timeout} s:\n{''.join(self.err)}"
+            time.sleep(0.05)
+
+    def stats(self) -> list[re.Match]:
+        return stats_lines("".join(self.err))
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(10)
+        for t in self.readers:
+            t.join(10)
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2_path, model):
+    u1, u2 = "Tell me a long story about a dragon.", "What is the capital of France?"
+    full, _ = greedy(model, [{"role": "user", "content": u1}], max_tokens=400)
+    assert len(model.tokenize(full)) >= 300, "the first reply must be long, to be stopped in its course"
+    s = Session(chat(smollm2_path, "-n", "400"))
+    try:
+        s.send(u1)
+        s.wait_for(lambda: len("".join(s.out)) >= 20, "the first reply")
+        s.p.send_signal(signal.SIGINT)                   # during the reply: it stops, the session stays
+        s.wait_for(lambda: len(s.stats()) == 1, "the first reply's figures")
+        s.send(u2)
+        s.wait_for(lambda: len(s.stats()) == 2, "the second reply's figures")
+        s.p.send_signal(signal.SIGINT)                   # at the prompt: the session ends
+        assert s.p.wait(60) == 0, "".join(s.err)
+    finally:
+        s.close()
+    out, err = "".join(s.out), "".join(s.err)
+    assert "Traceback" not in err
+    first, second = s.stats()
+    assert first[3] == "abort" and int(first[2]) < 400, err
+    assert second[3] in ("eos", "length"), err
+    # stdout: the stopped reply (a prefix of the whole one), a newline, the second reply, a newline; the second
+    # turn's prompt holds the stopped reply as the assistant's turn
+    m = next(i for i, (a, b) in enumerate(zip(out, full + "\0")) if a != b)
+    found = []
+    for k in (m, m - 1):
+        if out[k] == "\n" and out[k + 1:].strip():
+            text = render_messages(model, chat_template_from_metadata(model.metadata), [
+                {"role": "user", "content": u1}, {"role": "assistant", "content": out[:k]},
+                {"role": "user", "content": u2}])
+            found.append(len(model.tokenize(text, special=True)) == int(second[1]))
+    assert any(found), (out, err)
+    assert m < len(full) - 1, "the first reply was not stopped"
