@@ -161,6 +161,8 @@ class UsageError(Exception):
 
 def constraint_from_args(args):
     """The Constraint the structured-output flags ask for (None: no flag); UsageError saying which flag and why."""
+    if not (args.json_schema or args.grammar or args.regex is not None or args.choice or args.json_object):
+        return None                                      # (llguidance and its kernels load only when asked)
     from .engine.structured import Constraint, StructuredOutputError
     flag, make, value = None, None, None
     if args.json_schema is not None:
@@ -236,36 +238,43 @@ def status_while_compiling(console, text: str = COMPILING):
     kernels loaded from Numba's cache fire no "numba:compile" event. (A timer cannot tell the two apart: loading
     the cached forward pass took 0.7-1.0 s on 2 busy cores.) On a terminal it is a spinner (console.status); off
     one (a pipe, a log, a service) it is a plain line at once and "compiled in N s" at the end, so a minute of
-    compiling never looks like a hang. The one helper every command that waits on a first compile uses."""
-    from numba.core import event
+    compiling never looks like a hang. On an empty compile cache (a first run) it says so on entering the block,
+    without waiting for the imports and the load that come before the first compile. The one helper every command
+    that waits on a first compile uses."""
+    from .paths import compile_cache_is_empty
     terminal = getattr(console, "is_terminal", False)
     status = console.status(text, spinner="dots") if terminal else None
     out = getattr(console, "file", None) or sys.stderr
+    started = []
+
+    def begin():
+        if not started:
+            started.append(time.perf_counter())
+            if status is not None:
+                status.start()
+            else:
+                print(f"{text}...", file=out, flush=True)
+
+    if compile_cache_is_empty():                        # before Numba is imported: that takes a while too
+        begin()
+    from numba.core import event
 
     class ShowOnCompile(event.Listener):
-        started = None
-
         def on_start(self, ev):
-            if self.started is None:
-                self.started = time.perf_counter()
-                if status is not None:
-                    status.start()
-                else:
-                    print(f"{text}...", file=out, flush=True)
+            begin()
 
         def on_end(self, ev):
             pass
 
-    show = ShowOnCompile()
     try:
-        with event.install_listener("numba:compile", show):
+        with event.install_listener("numba:compile", ShowOnCompile()):
             yield
     finally:
-        if show.started is not None:
+        if started:
             if status is not None:
                 status.stop()
             else:
-                print(f"compiled in {time.perf_counter() - show.started:.0f} s", file=out, flush=True)
+                print(f"compiled in {time.perf_counter() - started[0]:.0f} s", file=out, flush=True)
 
 
 def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool, **kw):

@@ -57,6 +57,19 @@ def prune_compile_caches(keep: str, n: int = 3) -> None:
         pass
 
 
+def compile_cache_is_empty() -> bool:
+    """Whether Numba's compile cache (NUMBA_CACHE_DIR) holds nothing yet: a first run, which will compile every
+    kernel it uses (the commands say so at once, before the imports and the model load that precede the first
+    compile)."""
+    d = os.environ.get("NUMBA_CACHE_DIR")
+    if not d:
+        return False
+    for _, _, files in os.walk(d):                      # (Numba makes a folder per source file at import)
+        if files:
+            return False
+    return True                                         # no file, or no folder yet: Numba makes it when it writes
+
+
 def use_compile_cache() -> None:
     """Point Numba at compile_cache_dir() unless NUMBA_CACHE_DIR is set (lumen/__init__.py, before any kernel
     compiles); pruning old caches when this one is new."""

@@ -71,11 +71,16 @@ def api_greedy(model, prompt: str, max_tokens: int) -> dict:
     return json.loads(r.stdout)
 
 
+def stderr_lines(r: subprocess.CompletedProcess) -> list[str]:
+    """stderr's lines but the two a compile adds (the synthetic models' kernels may not be in the cache yet)."""
+    return [line for line in r.stderr.strip().splitlines()
+            if line != COMPILING + "..." and not re.fullmatch(r"compiled in \d+ s", line)]
+
+
 def summary(r: subprocess.CompletedProcess) -> re.Match:
     """The one stderr line generate prints on success (besides the compile lines, on a cold Numba cache)."""
     assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stderr.strip().splitlines()
-             if line != COMPILING + "..." and not re.fullmatch(r"compiled in \d+ s", line)]
+    lines = stderr_lines(r)
     assert len(lines) == 1, r.stderr
     m = SUMMARY.match(lines[0])
     assert m, lines[0]
@@ -212,7 +217,7 @@ def test_chat_uses_the_template(smollm2_path, tokenizer):
 def test_chat_without_template_falls_back(synth_model):
     chat = generate(synth_model, "--chat", "--prompt", "the cat", "-n", 6)
     assert chat.returncode == 0, chat.stderr
-    err = one_line(chat.stderr)
+    err = one_line("\n".join(stderr_lines(chat)))
     assert err.startswith("note: this model has no chat template") and "plain completion" in err
     plain = generate(synth_model, "--prompt", "the cat", "-n", 6)
     assert plain.returncode == 0, plain.stderr
@@ -419,6 +424,22 @@ def test_off_a_terminal_a_line_says_it_compiles_at_once(tmp_path):
     assert len(lines) == 2 and re.fullmatch(r"compiled in \d+ s", lines[1]), lines
 
 
+def test_on_an_empty_compile_cache_the_line_comes_at_once(tmp_path, monkeypatch):
+    """A first run (nothing in NUMBA_CACHE_DIR, or no such folder yet) says it compiles on entering the block,
+    before the imports and the load that precede the first compile; a folder with files in it waits for one."""
+    log = tmp_path / "err.txt"
+    for cache, says in ((tmp_path / "none", True), (tmp_path / "empty", True), (tmp_path / "full", False)):
+        if cache.name != "none":
+            (cache / "lumen_x").mkdir(parents=True)          # Numba makes a folder per source file at import
+        if cache.name == "full":
+            (cache / "lumen_x" / "f.nbi").write_bytes(b"")
+        monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+        with log.open("w") as f:
+            with status_while_compiling(SimpleNamespace(is_terminal=False, file=f)):
+                f.flush()
+                assert (log.read_text() == COMPILING + "...\n") == says, cache.name
+
+
 # Through a pipe: lumen.generate with a compile forced at warm-up (a new function, in no cache), stderr and stdout
 # into one pipe: the line comes before the first token.
 FORCED_COMPILE = r"""
@@ -623,7 +644,7 @@ def test_perplexity_ctx_2(smollm2_path, tmp_path):
 def test_perplexity_ctx_beyond_training(synth_model, text_file):
     r = run("lumen.perplexity", "--model", synth_model, "--file", text_file, "--ctx", 300)
     assert r.returncode == 1 and r.stdout == ""
-    assert r.stderr.splitlines() == ["error: ctx=300 is beyond the 256 tokens this model was trained on (output "
+    assert stderr_lines(r) == ["error: ctx=300 is beyond the 256 tokens this model was trained on (output "
                                      "past that is unreliable); pass --force-ctx to use it anyway"]
     r = run("lumen.perplexity", "--model", synth_model, "--file", text_file, "--ctx", 300, "--force-ctx")
     assert r.returncode == 0 and "chunks of 300" in r.stderr and "PPL = " in r.stdout, r.stderr

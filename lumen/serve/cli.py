@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main_ray(ap, args, config)
     from rich.console import Console
     from ..generate import status_while_compiling
-    from .app import load_engine, make_app
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         name = model_id(args.model, args.served_model_name)
         with status_while_compiling(Console(stderr=True, highlight=False)):    # the port opens after it
+            from .app import load_engine, make_app     # (in the block: some kernels compile as they import)
             engine = load_engine(args.model, config)
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
