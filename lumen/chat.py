@@ -19,6 +19,8 @@ import sys
 import time
 
 from .commands import prog
+from .engine.config import THREAD_FLAGS, EngineConfig
+
 from .errors import LumenError
 from .generate import (add_sampling_args, load_model, print_summary, process_escapes, render_messages,
                        sampling_from_args, status_while_compiling, summary_line)
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=None,
                     help="context length, the whole conversation included (default 2048, or the model's trained "
                          "context if smaller)")
-    ap.add_argument("--threads", "-t", type=int, default=None, help="the most threads (default: all cores)")
+    EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
     ap.add_argument("--no-escape", action="store_true", help="take --system literally")
     return ap
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
         with status_while_compiling(err):
             t0 = time.perf_counter()
-            model = load_model(args.model, args.ctx, args.threads, False)
+            model = load_model(args.model, args.ctx, args.threads, False, adaptive_threads=args.adaptive_threads)
             template = chat_template_from_metadata(model.metadata)
             if template is None:
                 raise LumenError(f"{args.model} has no chat template (tokenizer.chat_template); use "

@@ -13,6 +13,7 @@ import sys
 # command -> (module whose main(argv) runs it, one line for `lumen --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("lumen.generate", "generate text from a prompt (a model name or a .gguf path)"),
+    "chat": ("lumen.chat", "a conversation with a model in the terminal (/clear, /exit)"),
     "serve": ("lumen.serve.cli", "an OpenAI-compatible server (chat page, dashboard, metrics, Ray replicas)"),
     "bench": ("lumen.bench.cli", "benchmarks beside llama.cpp: single, batch, offline, serve, spec"),
     "profile": ("lumen.profile.__main__", "per-op profile of a run, roofline, machine limits"),

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from .errors import ContextWarning, LumenError
 from .model.store import DEFAULT_MODEL
 from .commands import prog
+from .engine.config import THREAD_FLAGS, EngineConfig
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
 HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name (see python -m lumen.models) or path to a .gguf file "
                          f"(default {DEFAULT_MODEL})")
-    ap.add_argument("--prompt", "-p", help="the prompt (escapes processed); read from stdin, as is, when absent")
+    ap.add_argument("--prompt", "-p", help="the prompt (escapes processed); when absent, read from stdin as is but for "
+                                           "one trailing newline")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (and sample "
                     "as llama.cpp and ollama do, below; --greedy for greedy)")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")
@@ -128,9 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context length to allocate (default 2048, or the model's trained context if smaller)")
     ap.add_argument("--force-ctx", action="store_true",
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
-    ap.add_argument("--threads", "-t", type=int, default=None,
-                    help="the most threads (default: all cores); fewer while other processes want the cores")
-    ap.add_argument("--fixed-threads", action="store_true", help="always run --threads threads")
+    EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
     ap.add_argument("--special", action="store_true", help="parse special-token text in a plain prompt")
     sp = ap.add_argument_group("speculative decoding (greedy output is identical; sampled output has the same "
                                "distribution)")
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         with status_while_compiling(err):    # a first load may compile too (packing); a first warm-up does
             t0 = time.perf_counter()
             model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
-                               adaptive_threads=not args.fixed_threads)
+                               adaptive_threads=args.adaptive_threads)
             t_load = time.perf_counter() - t0
             if args.speculative:
                 draft = (load_model(args.draft_model, args.ctx, args.threads, args.force_ctx) if args.draft_model

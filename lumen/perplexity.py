@@ -19,6 +19,8 @@ import numpy as np
 from .errors import LumenError
 from .model.store import DEFAULT_MODEL
 from .commands import prog
+from .engine.config import THREAD_FLAGS, EngineConfig
+
 
 
 def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     ap.add_argument("--score", choices=("half", "all"), default="half",
                     help="score the second half of each chunk (llama-perplexity) or every position")
-    ap.add_argument("--threads", "-t", type=int, default=None)
+    EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
     args = ap.parse_args(argv)
     if args.ctx < (4 if args.score == "half" else 2):
         ap.error("--ctx must be at least 4 (2 with --score all)")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         from rich.console import Console
         from .generate import load_model, status_while_compiling
         with status_while_compiling(Console(stderr=True, highlight=False)):
-            model = load_model(args.model, args.ctx, args.threads, args.force_ctx, n_batch=min(args.ctx, 512))
+            model = load_model(args.model, args.ctx, args.threads, args.force_ctx, n_batch=min(args.ctx, 512),
+                               adaptive_threads=args.adaptive_threads)
             model.warmup()
         ids = model.tokenize(text)
         if len(ids) >= min_tokens(args.score):          # (fewer: chunk_nll says why it cannot score)

@@ -41,7 +41,7 @@ import numpy as np
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
 from ..commands import prog
-from ..engine.config import EngineConfig
+from ..engine.config import THREAD_FLAGS, EngineConfig
 
 
 def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--corunner", metavar="KINDS", default=None,
                     help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "
                          "interleaved with the idle one, and print each engine's ratio to its own idle figure")
-    EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads"))
+    EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
     return ap
 
 

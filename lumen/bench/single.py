@@ -51,7 +51,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from ..commands import prog
-from ..engine.config import EngineConfig
+from ..engine.config import THREAD_FLAGS, EngineConfig
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
 LLAMA_BATCH = 512   # llama.cpp's n_batch = n_ubatch (llama-bench's default)
@@ -384,7 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--corunner", metavar="KINDS", default=None,
                     help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "
                          "interleaved with the idle one, and print each engine's ratio to its own idle figure")
-    EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads"))
+    EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
     return ap
 
 

@@ -181,6 +181,9 @@ class EngineConfig:
             raise ValueError(cli_words(str(e))) from None
 
 
+THREAD_FLAGS = ("threads", "adaptive_threads")     # what every tool that runs a model takes
+
+
 def cli_words(message: str) -> str:
     """An engine error as a command-line user reads it: each option's field name (kv_cache_mb) as its flag
     (--kv-cache-mb)."""
