@@ -39,16 +39,27 @@ class Token(NamedTuple):
 
 
 class Model:
-    """A loaded model. Construct with `lumen.load(name_or_path, ctx=..., threads=...)`."""
+    """A loaded model. Construct with `lumen.load(name_or_path, max_model_len=..., threads=...)`."""
 
-    def __init__(self, path: str | os.PathLike, *, ctx: int | None = None, threads: int | None = None,
-                 n_batch: int = DEFAULT_BATCH, pack_cache: bool | None = None, parts: ModelParts | None = None,
-                 adaptive_threads: bool = True):
-        """ctx: tokens of context to allocate (None: DEFAULT_CTX, or the trained context if smaller; beyond the
-        trained context warns). n_batch: prefill chunk size. pack_cache: read the repacked weights from the
-        on-disk cache (lumen.model.packcache) when valid, store them there otherwise; None = on unless
-        LUMEN_PACK_CACHE=0. threads: the most threads a forward pass uses; adaptive_threads: fewer while other
-        processes want the cores (lumen.engine.threads), else always `threads`."""
+    def __init__(self, path: str | os.PathLike, *, max_model_len: int | None = None, threads: int | None = None,
+                 max_num_batched_tokens: int | None = None, pack_cache: bool | None = None,
+                 parts: ModelParts | None = None, adaptive_threads: bool = True, ctx: int | None = None,
+                 n_batch: int | None = None):
+        """max_model_len: tokens of context to allocate (None: DEFAULT_CTX, or the trained context if smaller;
+        beyond the trained context warns). max_num_batched_tokens: the largest prefill chunk (DEFAULT_BATCH).
+        These are lumen.Engine's names; `ctx` and `n_batch` (llama.cpp's) are accepted for them. pack_cache: read
+        the repacked weights from the on-disk cache (lumen.model.packcache) when valid, store them there otherwise;
+        None = on unless LUMEN_PACK_CACHE=0. threads: the most threads a forward pass uses; adaptive_threads:
+        fewer while other processes want the cores (lumen.engine.threads), else always `threads`."""
+        for name, alias, value, other in (("max_model_len", "ctx", max_model_len, ctx),
+                                          ("max_num_batched_tokens", "n_batch", max_num_batched_tokens, n_batch)):
+            if value is not None and other is not None:
+                raise TypeError(f"give {name} or {alias} (the same setting), not both")
+        ctx_name = "ctx" if ctx is not None else "max_model_len"                # errors use the caller's word
+        batch_name = "n_batch" if n_batch is not None else "max_num_batched_tokens"
+        ctx = max_model_len if max_model_len is not None else ctx
+        n_batch = max_num_batched_tokens if max_num_batched_tokens is not None else n_batch
+        n_batch = DEFAULT_BATCH if n_batch is None else n_batch
         if parts is None:
             g, cfg = open_gguf(path)
             tok = build_tokenizer(g.metadata)
@@ -56,19 +67,19 @@ class Model:
             g, cfg, tok = parts.gguf, parts.config, parts.tokenizer
         if ctx is None:
             ctx = min(DEFAULT_CTX, cfg.ctx_train)
-        check_int("ctx", ctx)
+        check_int(ctx_name, ctx)
         if ctx > cfg.ctx_train:
-            warnings.warn(ContextWarning(f"ctx={ctx} is beyond the {cfg.ctx_train} tokens this model was "
+            warnings.warn(ContextWarning(f"{ctx_name}={ctx} is beyond the {cfg.ctx_train} tokens this model was "
                                          "trained on (output past that is unreliable)"), stacklevel=2)
-        check_int("n_batch", n_batch)
+        check_int(batch_name, n_batch)
         self.threads = ModelParts.set_threads(threads)
         if parts is None:
             parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)
         self.parts = parts
         self.path, self.gguf, self.config, self.tokenizer = parts.path, g, cfg, tok
         self.weights = parts.weights
-        self.n_ctx = ctx
-        self.n_batch = min(n_batch, ctx)
+        self.n_ctx = self.max_model_len = ctx
+        self.n_batch = self.max_num_batched_tokens = min(n_batch, ctx)
         self.adaptive_threads = adaptive_threads
         self.n_past = 0                              # positions 0 .. n_past-1 are in the cache
         self._engine = None
