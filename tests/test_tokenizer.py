@@ -393,8 +393,11 @@ def test_bad_metadata(metas):
 
     with pytest.raises(GGUFError, match="tokenizer.ggml.model"):
         Tokenizer.from_metadata(without(smol_meta, "tokenizer.ggml.model"))
-    with pytest.raises(UnsupportedError, match="'bert'"):
-        Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.model": "bert"})
+    for model in ("t5", "rwkv", "no-such-model"):
+        with pytest.raises(UnsupportedError, match=f"'{model}'"):
+            Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.model": model})
+    with pytest.raises(GGUFError, match="always adds bos"):
+        Tokenizer.from_metadata({**without(smol_meta, "tokenizer.ggml.bos_token_id"), "tokenizer.ggml.model": "gemma4"})
     with pytest.raises(UnsupportedError, match="'no-such-pre'"):
         Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(GGUFError, match="tokenizer.ggml.tokens"):
@@ -747,3 +750,148 @@ def test_pre_against_llama_cpp(pre, pre_tok, pre_gguf):
            if tok.encode(text, add_bos=False, special=special) !=
            llm.tokenize(text.encode(), add_bos=False, special=special)]
     assert bad == []
+
+
+# --- llama.cpp's own tokenizer suites (tests/test-tokenizer-0.cpp): vocab-only GGUFs with .inp/.out files ---------
+# They ship in the llama-cpp-python sdist (vendor/llama.cpp/models), fetched from PyPI once with pip, checked
+# against this sha256, and only the ggml-vocab-* files are kept (about 60 MB of the 77 MB archive).
+LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+VOCAB_SUITES = ("bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
+                "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder")   # every .inp/.out pair
+VOCABS_WITHOUT_SUITE = ("aquila", "baichuan", "gpt-neox", "nomic-bert-moe")
+SUITE_SEP = b"\n__ggml_vocab_test__\n"
+UNSUPPORTED_VOCABS = {  # vocab file -> why Lumen cannot load it
+    "nomic-bert-moe": "tokenizer.ggml.model 't5' (UGM: SentencePiece unigram) is not implemented: it needs the "
+                      "precompiled_charsmap normalizer and Viterbi segmentation over the scores",
+}
+
+
+def fetch_llama_cpp_vocabs(cache) -> "os.PathLike":
+    """The folder holding the sdist's ggml-vocab-* files under `cache`, fetched and extracted on first use (a lock
+    file keeps two processes from doing it at once). Skips the test when pip cannot download the sdist."""
+    import fcntl
+    import hashlib
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    name, ver, sha = LLAMA_CPP_SDIST
+    folder = Path(cache) / f"{name}-{ver}-vocabs"
+    stamp = folder / "sdist.sha256"
+    if stamp.exists() and stamp.read_text() == sha:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and stamp.read_text() == sha:
+            return folder
+        with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+                   "--disable-pip-version-check", "-d", tmp, f"{name}=={ver}"]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                pytest.skip(f"cannot download the {name} {ver} sdist with pip: {e}")
+            if r.returncode != 0:
+                tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"cannot download the {name} {ver} sdist with pip (PyPI unreachable?): {tail}")
+            sdist = Path(tmp) / f"{name.replace('-', '_')}-{ver}.tar.gz"
+            digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+            assert digest == sha, f"{sdist.name} has sha256 {digest}, expected {sha}"
+            wanted = re.compile(r"[^/]+/vendor/llama\.cpp/models/(ggml-vocab-[^/]+)")
+            with tarfile.open(sdist, "r:gz") as tar:
+                for member in tar:
+                    m = wanted.fullmatch(member.name)
+                    if m and member.isfile():
+                        (folder / m[1]).write_bytes(tar.extractfile(member).read())
+        stamp.write_text(sha)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_vocabs(pytestconfig):
+    return fetch_llama_cpp_vocabs(pytestconfig.cache.mkdir("lumen"))
+
+
+def read_suite(folder, name: str) -> list[tuple[str, list[int]]]:
+    """(text, ids) pairs as test-tokenizer-0.cpp reads them: the .inp texts are cut at the separator line (one
+    after the last text ends the file), the .out has one line of space-separated ids per text."""
+    raw = (folder / f"ggml-vocab-{name}.gguf.inp").read_bytes()
+    texts = raw.split(SUITE_SEP)
+    if texts[-1] == b"":
+        texts.pop()
+    lines = (folder / f"ggml-vocab-{name}.gguf.out").read_text().split("\n")
+    assert len(lines) >= len(texts) and not any(s.strip() for s in lines[len(texts):])
+    return [(t.decode(), [int(x) for x in s.split()]) for t, s in zip(texts, lines)]
+
+
+@functools.cache
+def suite_tokenizer(path) -> Tokenizer:
+    return Tokenizer.from_metadata(read_metadata(path))
+
+
+def test_vocab_suites_listed(llama_vocabs):
+    """VOCAB_SUITES and VOCABS_WITHOUT_SUITE are every vocab file the sdist ships."""
+    files = {p.name.removeprefix("ggml-vocab-") for p in llama_vocabs.glob("ggml-vocab-*")}
+    assert {f.removesuffix(".gguf.inp") for f in files if f.endswith(".inp")} == set(VOCAB_SUITES)
+    assert {f.removesuffix(".gguf") for f in files if f.endswith(".gguf")} == {*VOCAB_SUITES, *VOCABS_WITHOUT_SUITE}
+
+
+@pytest.mark.parametrize("name", VOCAB_SUITES)
+def test_vocab_suite(llama_vocabs, name):
+    """llama.cpp's expected ids for each text (add_special = parse_special = false, as test-tokenizer-0), and
+    the text back from the ids where the vocabulary can spell it (not bert: it lowercases and drops accents)."""
+    tok = suite_tokenizer(llama_vocabs / f"ggml-vocab-{name}.gguf")
+    cases = read_suite(llama_vocabs, name)
+    assert len(cases) >= 46
+    bad = [(text, ids, got) for text, ids in cases
+           if (got := tok.encode(text, add_bos=False, special=False)) != ids]
+    assert bad == []
+    if name != "bert-bge":
+        assert [text for text, ids in cases if tok.decode(ids) != text] == []
+
+
+@pytest.mark.parametrize("name", VOCABS_WITHOUT_SUITE)
+def test_vocab_without_suite_loads(llama_vocabs, name):
+    """The vocab files without expected ids build a tokenizer that encodes and decodes text, or are known to be
+    unsupported (then the test skips and says what is missing)."""
+    path = llama_vocabs / f"ggml-vocab-{name}.gguf"
+    if name in UNSUPPORTED_VOCABS:
+        with pytest.raises(UnsupportedError):
+            suite_tokenizer(path)
+        pytest.skip(UNSUPPORTED_VOCABS[name])
+    tok = suite_tokenizer(path)
+    text = "Hello world, it's 2024!\n\tdef f(x): return x ** 2"
+    ids = tok.encode(text, add_bos=False, special=False)
+    assert ids and tok.decode(ids) == text
+
+
+def test_wpm_rules(llama_vocabs):
+    """WordPiece as llama.cpp: lowercase and accents stripped, punctuation and CJK ideographs alone, control
+    characters dropped, an uncoverable word is [UNK], add_bos wraps in [CLS] ... [SEP]."""
+    tok = suite_tokenizer(llama_vocabs / "ggml-vocab-bert-bge.gguf")
+    assert tok.words("Héllo,WORLD\x07 日本\tx") == ["hello", ",", "world", "日", "本", "x"]
+    ids = tok.encode("Hello", add_bos=True, special=False)
+    assert ids[0] == tok.bos_id == 101 and ids[-1] == tok.sep_id == 102
+    assert tok.encode("\U0001f600", add_bos=False, special=False) == [tok.unk_id]
+    assert tok.decode(tok.encode("hello world", add_bos=False, special=False)) == " hello world"
+
+
+def test_gemma4_rules(llama_vocabs):
+    """gemma4: spaces as U+2581, newline runs that are tokens stay whole, byte fallback, bos always added."""
+    tok = suite_tokenizer(llama_vocabs / "ggml-vocab-gemma-4.gguf")
+    assert tok.add_bos_default and tok.pre_tokenize("a b\n\n c") == ["a▁b", "\n\n", "▁c"]
+    assert tok.encode("\n\n\n", add_bos=False, special=False) == [tok.token_to_id["\n\n\n"]]
+    ids = tok.encode("\U000f0000", add_bos=False, special=False)   # a private-use character: four byte tokens
+    assert [tok.token_text(i) for i in ids] == ["<0xF3>", "<0xB0>", "<0x80>", "<0x80>"]
+
+
+def test_phi3_rstrip(llama_vocabs):
+    """Phi-3's special tokens take the whitespace after them (llama.cpp sets rstrip by the model name)."""
+    tok = suite_tokenizer(llama_vocabs / "ggml-vocab-phi-3.gguf")
+    end = tok.token_to_id["<|end|>"]
+    assert tok._strip.get(end) and not tok._strip.get(tok.token_to_id["<s>"])
+    assert tok.encode("a<|end|>\n b", add_bos=False, special=True) == \
+        [*tok.encode("a", add_bos=False, special=True), end, *tok.encode("b", add_bos=False, special=True)]

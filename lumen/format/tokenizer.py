@@ -16,14 +16,19 @@
   the pre-tokenized words (a word that is a vocab entry stays whole for the pre types where llama.cpp sets
   ignore_merges). Some pre types also change the add_bos default (llama3, tekken, chameleon) or have no
   default bos id (chatglm, glm4).
+- "gemma4" (and "gpt2" with pre "gemma4") -> `EscapedBPETokenizer`: BPE by merge rank on the raw characters
+  with spaces escaped to U+2581, cut only at newline runs, <0xXX> byte fallback.
 - "llama" -> `SPMTokenizer`: llama.cpp's SentencePiece-style tokenizer (merge the adjacent pair whose
   concatenation is the vocab entry with the highest score, leftmost first; symbols that end up outside
   the vocab fall back to <0xXX> byte tokens). Written here in plain Python: it must be llama.cpp's
   algorithm, not sentencepiece's.
+- "bert" -> `WPMTokenizer`: llama.cpp's WordPiece (BERT normalization, longest vocab entry first).
+Not supported: "t5" (UGM, SentencePiece unigram), "rwkv", "plamo2".
 
-Both follow llama.cpp (src/llama-vocab.cpp) step by step:
+All follow llama.cpp (src/llama-vocab.cpp) step by step:
 1. Special-token partition: the text is cut at special-token texts, longest text first. Control and
-   unknown tokens are cut out only when `special=True`; user-defined tokens always are.
+   unknown tokens are cut out only when `special=True`; user-defined tokens always are. Some models' special
+   tokens also take the whitespace beside them (llama.cpp's lstrip/rstrip attributes, set by model name).
 2. Each remaining piece of text is tokenized on its own (SPM: spaces become U+2581 first, and a space is
    prefixed after a special token when `tokenizer.ggml.add_space_prefix` is true).
 3. End-of-generation ids are found the way llama.cpp finds them: eos, plus eot/eom/fim ids from the
@@ -76,6 +81,10 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<
              "<｜end▁of▁sentence｜>", "[e~[")
 ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss: made user-defined
 
+# llama.cpp's per-token lstrip/rstrip attributes: not in the GGUF, set by model name (_strip_flags)
+STRIP_LEFT, STRIP_RIGHT = 1, 2
+C_SPACE = " \t\n\v\f\r"  # C isspace(), what llama.cpp strips
+
 SPACE = "\u2581"  # SentencePiece's escaped space
 BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # the text of a byte token
 
@@ -119,6 +128,30 @@ def _get_list(meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...], 
     if value and not isinstance(value[0], kind):  # checking one element: arrays in GGUF are homogeneous
         raise GGUFError(f"{key} holds {type(value[0]).__name__}, expected {kind}")
     return list(value)
+
+
+def _strip_flags(meta: Mapping[str, Any], ids: Mapping[str, int], special: Sequence[int]) -> dict[int, int]:
+    """The lstrip/rstrip attributes llama.cpp gives special tokens by the model's names (llama_vocab::impl::load:
+    the GGUF has no field for them): the mask token of jina-v2 / nomic-bert-moe / jina-bert-v3 / modern-bert
+    takes the spaces before it; every special token of Phi-3 but <unk>, <s> and <|endoftext|> (and </s>) the
+    spaces after it."""
+    pre = _get(meta, "tokenizer.ggml.pre", str) or ""
+    arch = _get(meta, "general.architecture", str) or ""
+    name = (_get(meta, "general.name", str) or "").lower()
+    flags: dict[int, int] = {}
+    if any(k in pre for k in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+            any(k in arch for k in ("nomic-bert-moe", "jina-bert-v3")):
+        if "<mask>" in ids:
+            flags[ids["<mask>"]] = STRIP_LEFT
+    elif "phi-3" in name or "phi3" in name:
+        flags = dict.fromkeys(special, STRIP_RIGHT)
+        if "</s>" in ids:
+            flags[ids["</s>"]] = STRIP_RIGHT
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            flags.pop(ids.get(text), None)
+    elif "modern-bert" in name and "[MASK]" in ids:
+        flags[ids["[MASK]"]] = STRIP_LEFT
+    return flags
 
 
 class Tokenizer:
@@ -171,11 +204,12 @@ class Tokenizer:
             raise GGUFError("tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set")
         self.eot_ids: frozenset[int] = self._find_eog(meta)
 
-        # special-token partition tables: (text, id) longest text first, ties by id
+        # special-token partition tables: (text, id) longest UTF-8 text first, ties by id
         order = sorted((i for i, a in enumerate(self.attrs) if a & (ATTR_SPECIAL | ATTR_USER_DEFINED)),
-                       key=lambda i: (-len(tokens[i]), i))
+                       key=self._partition_key)
         self._parse_all = self._index(order)
         self._parse_plain = self._index([i for i in order if not self.attrs[i] & ATTR_SPECIAL])
+        self._strip: dict[int, int] = _strip_flags(meta, self.token_to_id, order)  # id -> STRIP_LEFT|STRIP_RIGHT
         self._pieces: dict[int, bytes] = {}                 # id -> piece with special=True, filled lazily
 
     # --- end of generation ----------------------------------------------------------------------------
@@ -233,25 +267,36 @@ class Tokenizer:
             by_first.setdefault(self.tokens[i][0], []).append(i)
         return by_first
 
+    def _partition_key(self, token_id: int) -> tuple[int, int]:
+        return -len(self.tokens[token_id].encode()), token_id
+
     def _partition(self, text: str, special: bool) -> list[str | int]:
         """Cut `text` at special-token texts as llama.cpp's tokenizer_st_partition: for each special token,
-        longest text first, split every remaining text fragment at its occurrences."""
+        longest UTF-8 text first, split every remaining text fragment at its occurrences. A token with the
+        lstrip (rstrip) attribute also takes the ASCII whitespace before (after) each occurrence."""
         index = self._parse_all if special else self._parse_plain
         found = [i for c in set(text).intersection(index) for i in index[c] if self.tokens[i] in text]
         if not found:
             return [text] if text else []
-        found.sort(key=lambda i: (-len(self.tokens[i]), i))
+        found.sort(key=self._partition_key)
         fragments: list[str | int] = [text]
         for tid in found:
             needle = self.tokens[tid]
+            strip = self._strip.get(tid, 0)
             out: list[str | int] = []
             for frag in fragments:
                 if isinstance(frag, int) or needle not in frag:
                     out.append(frag)
                     continue
-                for k, part in enumerate(frag.split(needle)):
+                parts = frag.split(needle)
+                last = len(parts) - 1
+                for k, part in enumerate(parts):
                     if k:
                         out.append(tid)
+                        if strip & STRIP_RIGHT:
+                            part = part.lstrip(C_SPACE)
+                    if k < last and strip & STRIP_LEFT:
+                        part = part.rstrip(C_SPACE)
                     if part:
                         out.append(part)
             fragments = out
@@ -333,12 +378,16 @@ class Tokenizer:
         model = _get(meta, "tokenizer.ggml.model", str)
         if model is None:
             raise GGUFError("missing tokenizer key tokenizer.ggml.model")
+        if model == "gemma4" or (model == "gpt2" and _get(meta, "tokenizer.ggml.pre", str) in ESCAPED_BPE_PRES):
+            return EscapedBPETokenizer(meta)
         if model == "gpt2":
             return BPETokenizer(meta)
         if model == "llama":
             return SPMTokenizer(meta)
-        raise UnsupportedError(f"tokenizer.ggml.model = {model!r} is not supported "
-                               f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        if model == "bert":
+            return WPMTokenizer(meta)
+        raise UnsupportedError(f"tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2' byte-level "
+                               f"BPE, 'gemma4' BPE on U+2581-escaped text, 'llama' SentencePiece, 'bert' WordPiece)")
 
 
 class StreamDecoder:
@@ -920,12 +969,7 @@ class BPETokenizer(Tokenizer):
         self.pre = pre
         self.pre_type = kind
         self.pre_tokenizer = PreTokenizer(PRE_REGEXES[kind.regexes])
-        merges = _get_list(meta, "tokenizer.ggml.merges", str, None, required=True)
-        cuts = [merge.find(" ", 1) for merge in merges]  # llama.cpp splits at the first space after the first char
-        if -1 in cuts:
-            k = cuts.index(-1)
-            raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
-        pairs = [(merge[:cut], merge[cut + 1:]) for merge, cut in zip(merges, cuts)]
+        pairs = _merge_pairs(_get_list(meta, "tokenizer.ggml.merges", str, None, required=True))
         self._byte_char = _bytes_to_unicode()                         # byte -> byte-level char
         self._char_byte = {c: b for b, c in self._byte_char.items()}  # byte-level char -> byte
         self._hf = self._build_hf(pairs, kind.ignore_merges)
@@ -1048,6 +1092,182 @@ class SPMTokenizer(Tokenizer):
                         raise GGUFError(f"vocabulary has no byte token <0x{byte:02X}> for {sym[i]!r}")
                     out.append(bid)
             i = nxt[i]
+
+    def _normal_piece(self, text: str) -> bytes:
+        return text.replace(SPACE, " ").encode()
+
+
+# ---------------------------------------------------------------------------------------------------
+# gemma4: BPE on the raw UTF-8 text with spaces escaped to U+2581 (llama.cpp's GEMMA4 pre type)
+# ---------------------------------------------------------------------------------------------------
+ESCAPED_BPE_PRES = ("gemma4", "granite-embed-multi-311m")  # gpt2 vocabularies with this pre type
+
+
+class EscapedBPETokenizer(Tokenizer):
+    """llama.cpp's BPE with the GEMMA4 pre type (`tokenizer.ggml.model` "gemma4", or "gpt2" with pre "gemma4" /
+    "granite-embed-multi-311m"): spaces become U+2581, the text is cut only into runs of newlines and runs of
+    other characters, and each run is merged by merge rank over its characters (no byte-level alphabet). A run
+    of newlines that is a vocab entry is that token. A symbol left outside the vocab becomes one <0xXX> token
+    per UTF-8 byte (dropped where the vocab has none). The bos token is always added by default."""
+    model = "gemma4"
+
+    def __init__(self, meta: Mapping[str, Any]):
+        gpt2 = _get(meta, "tokenizer.ggml.model", str) == "gpt2"   # gpt2's defaults, else none
+        super().__init__(meta, bos=11 if gpt2 else None, eos=11 if gpt2 else None, unk=None, add_bos=True,
+                         add_space_prefix=False)
+        if self.bos_id is None:
+            raise GGUFError("tokenizer.ggml.bos_token_id is not set, but a gemma4 vocabulary always adds bos")
+        self.add_bos_default = True   # llama.cpp overrides tokenizer.ggml.add_bos_token = false for this type
+        self.pre = _get(meta, "tokenizer.ggml.pre", str) or "gemma4"
+        merges = _get_list(meta, "tokenizer.ggml.merges", str, None, required=True)
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models
+        try:
+            bpe = models.BPE(vocab=dict(self.token_to_id), merges=_merge_pairs(merges), fuse_unk=False,
+                             byte_fallback=True)
+        except Exception as e:  # a merge whose parts or result are not in the vocab
+            raise GGUFError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
+        self._hf = HFTokenizer(bpe)
+
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The runs llama.cpp merges separately (after escaping spaces)."""
+        return _RUNS.findall(text.replace(" ", SPACE))
+
+    def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+                continue
+            words = self.pre_tokenize(frag)
+            k = 0
+            for i, word in enumerate(words):  # a newline run that is a token stays whole, the rest go to HF
+                tid = self.token_to_id.get(word) if word[0] == "\n" else None
+                if tid is not None:
+                    self._merge(words[k:i], out)
+                    out.append(tid)
+                    k = i + 1
+            self._merge(words[k:], out)
+
+    def _merge(self, words: list[str], out: list[int]) -> None:
+        if words:
+            out.extend(self._hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids)
+
+    def _normal_piece(self, text: str) -> bytes:
+        return text.replace(SPACE, " ").encode()
+
+
+_RUNS = re.compile(r"[^\n]+|\n+")
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as pairs: llama.cpp cuts each at the first space after its first character."""
+    cuts = [merge.find(" ", 1) for merge in merges]
+    if -1 in cuts:
+        k = cuts.index(-1)
+        raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
+    return [(merge[:cut], merge[cut + 1:]) for merge, cut in zip(merges, cuts)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# bert: WordPiece (llama.cpp's llm_tokenizer_wpm)
+# ---------------------------------------------------------------------------------------------------
+def _is_cjk(cp: int) -> bool:
+    """llama.cpp's (and HF BertPreTokenizer's) CJK ideograph ranges: each such character is a word."""
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or
+            0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF or
+            0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+class _WordChar(dict):
+    """(character, lowercase, strip_accents) -> (kind, text): kind 0 = part of a word, 1 = a word of its own,
+    2 = ends the word (whitespace), 3 = dropped. Filled on first use."""
+
+    def __missing__(self, key: tuple[str, bool, bool]) -> tuple[int, str]:
+        c, lowercase, strip_accents = key
+        if strip_accents:  # llama.cpp keeps the first codepoint of the NFD form
+            c = unicodedata.normalize("NFD", c)[0]
+        cp, flags = ord(c), _FLAGS[c]
+        if flags & U_WHITESPACE:
+            value = (2, "")
+        elif cp == 0 or cp == 0xFFFD or flags & U_CONTROL or (strip_accents and flags & U_MARK):
+            value = (3, "")
+        else:
+            text = c.lower()[0] if lowercase else c  # simple case mapping: one codepoint
+            alone = flags & U_PUNCT or (cp < 0x7F and flags & U_SYMBOL) or _is_cjk(cp)
+            value = (1 if alone else 0, text)
+        self[key] = value
+        return value
+
+
+_WORD_CHAR = _WordChar()
+
+
+class WPMTokenizer(Tokenizer):
+    """BERT's WordPiece as llama.cpp runs it. The text is normalized (`tokenizer.ggml.normalizer.lowercase`,
+    default true; `...strip_accents`, default the same: a character becomes the first codepoint of its NFD form
+    and marks are dropped) and cut into words at whitespace; control characters are dropped and each
+    punctuation mark, ASCII symbol or CJK ideograph is a word of its own. Each word, prefixed with U+2581, is
+    covered by the longest vocab entries from the left; a word that cannot be covered is the unknown token.
+    add_bos adds the CLS (bos) token before and the SEP token after, as llama.cpp's add_special."""
+    model = "bert"
+
+    def __init__(self, meta: Mapping[str, Any]):
+        # llama.cpp defaults for WPM vocabularies: bos (CLS) 101, unk 100, sep 102, bos added
+        super().__init__(meta, bos=101, eos=None, unk=100, add_bos=True, add_space_prefix=False)
+        sep = _get(meta, "tokenizer.ggml.seperator_token_id", int, 102)  # llama.cpp's spelling of the key
+        self.sep_id = sep if 0 <= sep < self.n_vocab else None
+        if self.unk_id is None:
+            raise GGUFError("a bert vocabulary needs an unknown token (tokenizer.ggml.unknown_token_id)")
+        self.lowercase: bool = _get(meta, "tokenizer.ggml.normalizer.lowercase", bool, True)
+        self.strip_accents: bool = _get(meta, "tokenizer.ggml.normalizer.strip_accents", bool, self.lowercase)
+        self._longest = max(map(len, self.tokens))  # (characters) no vocab entry is longer
+
+    def encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        ids = super().encode(text, add_bos=add_bos, special=special)
+        if add_bos:
+            if self.sep_id is None:
+                raise GGUFError("add_bos requested but the vocabulary has no separator token")
+            ids.append(self.sep_id)
+        return ids
+
+    def words(self, text: str) -> list[str]:
+        """The normalized words of `text`, before the U+2581 prefix."""
+        words, word = [], []
+        key = self.lowercase, self.strip_accents
+        for c in text:
+            kind, s = _WORD_CHAR[(c, *key)]
+            if kind == 0:
+                word.append(s)
+            elif kind != 3:
+                if word:
+                    words.append("".join(word))
+                    word = []
+                if kind == 1:
+                    words.append(s)
+        if word:
+            words.append("".join(word))
+        return words
+
+    def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
+        vocab, longest = self.token_to_id, self._longest
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+                continue
+            for word in self.words(frag):
+                word = SPACE + word
+                n, i, ids = len(word), 0, []
+                while i < n:  # the longest entry that starts at i
+                    for j in range(min(n, i + longest), i, -1):
+                        tid = vocab.get(word[i:j])
+                        if tid is not None:
+                            ids.append(tid)
+                            i = j
+                            break
+                    else:
+                        ids = [self.unk_id]
+                        break
+                out.extend(ids)
 
     def _normal_piece(self, text: str) -> bytes:
         return text.replace(SPACE, " ").encode()
