@@ -895,3 +895,74 @@ def test_phi3_rstrip(llama_vocabs):
     assert tok._strip.get(end) and not tok._strip.get(tok.token_to_id["<s>"])
     assert tok.encode("a<|end|>\n b", add_bos=False, special=True) == \
         [*tok.encode("a", add_bos=False, special=True), end, *tok.encode("b", add_bos=False, special=True)]
+
+
+# --- Qwen2.5-Coder: llama.cpp's ids on varied text (tests/data/tokenizer/qwen25_golden.json) ----------------------
+# The vocab is the sdist's ggml-vocab-qwen2.gguf with Qwen2.5-Coder's special tokens patched in (the golden file's
+# `patch`), which the sha256 of the models' tokenizer keys proves equal to the models' own.
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                  "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token")
+
+
+def tokenizer_sha256(meta: dict) -> str:
+    """sha256 of the JSON of a vocabulary's tokenizer keys (None where absent)."""
+    import hashlib
+    return hashlib.sha256(json.dumps([meta.get(k) for k in TOKENIZER_KEYS]).encode()).hexdigest()
+
+
+def apply_patch(base: dict, patch: dict) -> dict:
+    """`base` metadata with the patch's token texts ({id: text}), token type runs ([first, last, type]) and keys."""
+    tokens = list(base["tokenizer.ggml.tokens"])
+    for i, text in patch["tokens"].items():
+        tokens[int(i)] = text
+    types = list(base["tokenizer.ggml.token_type"])
+    for first, last, t in patch["token_type"]:
+        types[first:last + 1] = [t] * (last - first + 1)
+    return {**base, **patch["keys"], "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+
+
+@functools.cache
+def qwen25_golden() -> dict:
+    return json.loads((DATA / "tokenizer" / "qwen25_golden.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen25(llama_vocabs):
+    base = read_metadata(llama_vocabs / "ggml-vocab-qwen2.gguf")
+    meta = apply_patch(base, qwen25_golden()["patch"])
+    assert tokenizer_sha256(meta) == qwen25_golden()["tokenizer_sha256"], "the patched vocab is not Qwen2.5-Coder's"
+    return Tokenizer.from_metadata(meta)
+
+
+def test_qwen25_golden_cases():
+    """The golden texts are many and varied, and special-token parsing changes some of their ids."""
+    cases = qwen25_golden()["cases"]
+    texts = [c["text"] for c in cases]
+    assert len(cases) >= 250 and len(set(texts)) == len(texts)
+    for pattern in (r"\t\t", r"    ", r"\d{6}", r"[\u4e00-\u9fff]", r"[\uac00-\ud7a3]", r"[\U0001F300-\U0001FAFF]",
+                    r"\n\n\n", r"<\|im_start\|>", r"<tool_call>", r"<\|fim_middle\|>", r" {16}"):
+        assert any(re.search(pattern, t) for t in texts), pattern
+    assert 10 < sum(c["ids"] != c["ids_special"] for c in cases) < len(cases) // 2
+
+
+def test_qwen25_golden(qwen25):
+    """Every golden text, with and without special-token parsing, gives llama.cpp's ids."""
+    bad = [(c["text"], special) for c in qwen25_golden()["cases"] for special in (False, True)
+           if qwen25.encode(c["text"], add_bos=False, special=special) != c["ids_special" if special else "ids"]]
+    assert bad == []
+    assert qwen25.add_bos_default is False and qwen25.pre == "qwen2"
+    assert {qwen25.token_text(i) for i in qwen25.eot_ids} >= {"<|im_end|>", "<|endoftext|>"}
+
+
+def test_qwen25_round_trip(qwen25):
+    """decode(encode(text)) is the text, at once and streamed, for every golden text (with special=True, the
+    special tokens render as their text)."""
+    bad = []
+    for c in qwen25_golden()["cases"]:
+        text = c["text"]
+        stream = qwen25.stream()
+        streamed = "".join(map(stream.push, c["ids"])) + stream.flush()
+        if not (qwen25.decode(c["ids"]) == streamed == text == qwen25.decode(c["ids_special"], special=True)):
+            bad.append(text)
+    assert bad == []
