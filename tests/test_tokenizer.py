@@ -393,7 +393,7 @@ def test_bad_metadata(metas):
 
     with pytest.raises(GGUFError, match="tokenizer.ggml.model"):
         Tokenizer.from_metadata(without(smol_meta, "tokenizer.ggml.model"))
-    for model in ("t5", "rwkv", "no-such-model"):
+    for model in ("rwkv", "plamo2", "no-such-model"):
         with pytest.raises(UnsupportedError, match=f"'{model}'"):
             Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.model": model})
     with pytest.raises(GGUFError, match="always adds bos"):
@@ -760,10 +760,7 @@ VOCAB_SUITES = ("bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falc
                 "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder")   # every .inp/.out pair
 VOCABS_WITHOUT_SUITE = ("aquila", "baichuan", "gpt-neox", "nomic-bert-moe")
 SUITE_SEP = b"\n__ggml_vocab_test__\n"
-UNSUPPORTED_VOCABS = {  # vocab file -> why Lumen cannot load it
-    "nomic-bert-moe": "tokenizer.ggml.model 't5' (UGM: SentencePiece unigram) is not implemented: it needs the "
-                      "precompiled_charsmap normalizer and Viterbi segmentation over the scores",
-}
+ADD_SPECIAL_TEXT = "Hello world"
 
 
 def fetch_llama_cpp_vocabs(cache) -> "os.PathLike":
@@ -853,19 +850,30 @@ def test_vocab_suite(llama_vocabs, name):
         assert [text for text, ids in cases if tok.decode(ids) != text] == []
 
 
+@functools.cache
+def vocab_golden() -> dict:
+    """tests/data/tokenizer/vocab_golden.json (made by make_vocab_golden.py there)."""
+    return json.loads((DATA / "tokenizer" / "vocab_golden.json").read_text())
+
+
 @pytest.mark.parametrize("name", VOCABS_WITHOUT_SUITE)
-def test_vocab_without_suite_loads(llama_vocabs, name):
-    """The vocab files without expected ids build a tokenizer that encodes and decodes text, or are known to be
-    unsupported (then the test skips and says what is missing)."""
-    path = llama_vocabs / f"ggml-vocab-{name}.gguf"
-    if name in UNSUPPORTED_VOCABS:
-        with pytest.raises(UnsupportedError):
-            suite_tokenizer(path)
-        pytest.skip(UNSUPPORTED_VOCABS[name])
-    tok = suite_tokenizer(path)
-    text = "Hello world, it's 2024!\n\tdef f(x): return x ** 2"
-    ids = tok.encode(text, add_bos=False, special=False)
-    assert ids and tok.decode(ids) == text
+def test_vocab_without_suite(llama_vocabs, name):
+    """The vocab files without a llama.cpp suite against llama.cpp's ids (tests/data/tokenizer/vocab_golden.json)
+    for 178 texts in both special modes, and with add_special for one."""
+    tok = suite_tokenizer(llama_vocabs / f"ggml-vocab-{name}.gguf")
+    g = vocab_golden()
+    v = g["vocabs"][name]
+    bad = [(text, special) for text, ids, ids_special in zip(g["texts"], v["ids"], v["ids_special"], strict=True)
+           for special in (False, True)
+           if tok.encode(text, add_bos=False, special=special) != (ids_special or ids if special else ids)]
+    assert bad == []
+    assert tok.encode(ADD_SPECIAL_TEXT, add_bos=tok.add_bos_default, special=False) == v["add_special"]
+
+
+def test_vocab_golden_cases():
+    g = vocab_golden()
+    assert len(g["texts"]) >= 150 and list(g["vocabs"]) == list(VOCABS_WITHOUT_SUITE)
+    assert all(any(v["ids_special"]) for v in g["vocabs"].values())   # special parsing shows in every vocab
 
 
 def test_wpm_rules(llama_vocabs):
@@ -877,6 +885,19 @@ def test_wpm_rules(llama_vocabs):
     assert ids[0] == tok.bos_id == 101 and ids[-1] == tok.sep_id == 102
     assert tok.encode("\U0001f600", add_bos=False, special=False) == [tok.unk_id]
     assert tok.decode(tok.encode("hello world", add_bos=False, special=False)) == " hello world"
+
+
+def test_ugm_rules(llama_vocabs):
+    """Unigram as llama.cpp on nomic-bert-moe (XLM-R's vocab, remove_extra_whitespaces and add_space_prefix
+    set): the charsmap normalizes (NFKC), space runs collapse, unknown runs are one [UNK], add_bos adds bos
+    and eos."""
+    tok = suite_tokenizer(llama_vocabs / "ggml-vocab-nomic-bert-moe.gguf")
+    assert tok.normalize("  ﬁ  ＡＢ１  x ") == "▁fi▁AB1▁x"
+    assert tok.encode("a  b", add_bos=False, special=False) == tok.encode(" a b ", add_bos=False, special=False)
+    unk = tok.encode("\U000f0000\U000f0001", add_bos=False, special=False)
+    assert unk[-1] == tok.unk_id and unk.count(tok.unk_id) == 1
+    ids = tok.encode("hi", add_bos=True, special=False)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
 
 
 def test_gemma4_rules(llama_vocabs):

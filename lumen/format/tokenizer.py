@@ -23,7 +23,8 @@
   the vocab fall back to <0xXX> byte tokens). Written here in plain Python: it must be llama.cpp's
   algorithm, not sentencepiece's.
 - "bert" -> `WPMTokenizer`: llama.cpp's WordPiece (BERT normalization, longest vocab entry first).
-Not supported: "t5" (UGM, SentencePiece unigram), "rwkv", "plamo2".
+- "t5" -> `UGMTokenizer`: llama.cpp's SentencePiece unigram (precompiled charsmap normalization, Viterbi).
+Not supported: "rwkv", "plamo2".
 
 All follow llama.cpp (src/llama-vocab.cpp) step by step:
 1. Special-token partition: the text is cut at special-token texts, longest text first. Control and
@@ -386,8 +387,11 @@ class Tokenizer:
             return SPMTokenizer(meta)
         if model == "bert":
             return WPMTokenizer(meta)
+        if model == "t5":
+            return UGMTokenizer(meta)
         raise UnsupportedError(f"tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2' byte-level "
-                               f"BPE, 'gemma4' BPE on U+2581-escaped text, 'llama' SentencePiece, 'bert' WordPiece)")
+                               f"BPE, 'gemma4' BPE on U+2581-escaped text, 'llama' SentencePiece, 'bert' WordPiece, "
+                               f"'t5' SentencePiece unigram)")
 
 
 class StreamDecoder:
@@ -1271,3 +1275,188 @@ class WPMTokenizer(Tokenizer):
 
     def _normal_piece(self, text: str) -> bytes:
         return text.replace(SPACE, " ").encode()
+
+
+# ---------------------------------------------------------------------------------------------------
+# t5: SentencePiece unigram (llama.cpp's llm_tokenizer_ugm)
+# ---------------------------------------------------------------------------------------------------
+class _Charsmap:
+    """SentencePiece's precompiled_charsmap: a XOR-compressed double array trie (XCDA) over UTF-8 bytes whose
+    leaves point at NUL-terminated replacement strings. Layout: u32 size of the array, the u32 entries, then the
+    strings. An entry packs BASE in bits 10-30 (shifted by 8 when bit 9 is set), LEAF in bit 8, LCHECK in bits
+    0-7 (and 31)."""
+
+    def __init__(self, blob: bytes):
+        if len(blob) < 4:
+            raise GGUFError("tokenizer.ggml.precompiled_charsmap is too short for its header")
+        size = int.from_bytes(blob[:4], "little")
+        if size % 4 or 4 + size > len(blob):
+            raise GGUFError(f"tokenizer.ggml.precompiled_charsmap: array of {size} bytes does not fit {len(blob)}")
+        self.nodes = memoryview(blob[4:4 + size]).cast("I").tolist()   # (size/4,) packed XCDA entries
+        self.strings = blob[4 + size:]                                 # NUL-terminated replacements
+
+    def _base(self, i: int) -> int:
+        node = self.nodes[i]
+        return (node >> 10) << ((node & 512) >> 6)
+
+    def longest(self, data: bytes, start: int) -> tuple[int, bytes]:
+        """(length, replacement) of the longest key at data[start:], (0, b"") if none."""
+        nodes, n = self.nodes, len(self.nodes)
+        best, value = 0, -1
+        i = self._base(0)
+        for k in range(start, len(data)):
+            c = data[k]
+            if c == 0:
+                break
+            i ^= c
+            if i >= n or nodes[i] & 0x800000FF != c:   # LCHECK: not a child of the previous node
+                break
+            leaf = nodes[i] >> 8 & 1
+            i ^= self._base(i)
+            if i >= n:
+                break
+            if leaf:
+                best, value = k - start + 1, nodes[i] & 0x7FFFFFFF
+        if not best:
+            return 0, b""
+        end = self.strings.find(b"\0", value)
+        if value >= len(self.strings) or end < 0:
+            raise GGUFError("tokenizer.ggml.precompiled_charsmap: a replacement string is out of bounds")
+        return best, self.strings[value:end]
+
+
+class UGMTokenizer(Tokenizer):
+    """llama.cpp's unigram tokenizer (T5 and XLM-R style vocabularies). The text is normalized by the
+    precompiled charsmap (longest match first; a prefix of a user-defined token's text is kept as is), spaces
+    become U+2581 (`tokenizer.ggml.remove_extra_whitespaces`: runs collapse to one space before each word;
+    `tokenizer.ggml.add_space_prefix`: one before the text), then Viterbi picks the segmentation with the
+    highest sum of scores (user-defined tokens score 0; a codepoint no token starts with is the unknown token
+    at the lowest score minus 10, and unknown runs collapse to one). Ties go to the first candidate found,
+    scanning left to right and shortest first, as llama.cpp does."""
+    model = "t5"
+
+    def __init__(self, meta: Mapping[str, Any]):
+        # llama.cpp defaults for UGM vocabularies: eos 1, unk 2, no bos, no space prefix, bos not added
+        super().__init__(meta, bos=None, eos=1, unk=2, add_bos=False, add_space_prefix=False)
+        if self.unk_id is None:
+            raise GGUFError("a t5 vocabulary needs an unknown token (tokenizer.ggml.unknown_token_id)")
+        scores = _get_list(meta, "tokenizer.ggml.scores", (float, int), self.n_vocab, required=True)
+        self.remove_extra_whitespaces: bool = _get(meta, "tokenizer.ggml.remove_extra_whitespaces", bool, False)
+        self.add_eos: bool = _get(meta, "tokenizer.ggml.add_eos_token", bool, True)
+        if self.add_eos and self.eos_id is None:
+            raise GGUFError("tokenizer.ggml.add_eos_token is true, but tokenizer.ggml.eos_token_id is not set")
+        charsmap = _get_list(meta, "tokenizer.ggml.precompiled_charsmap", int, None, required=False)
+        self._charsmap = _Charsmap(bytes(b & 0xFF for b in charsmap)) if charsmap else None
+        normal = [i for i, a in enumerate(self.attrs) if a & ATTR_NORMAL]
+        low = min((scores[i] for i in normal), default=float("inf"))
+        self._unk_score = low - 10.0
+        # (text -> (id, score)) of the tokens Viterbi may use: normal, user-defined and unused ones
+        usable = ATTR_NORMAL | ATTR_USER_DEFINED | ATTR_UNUSED
+        self._pieces_scores = {self.tokens[i]: (i, 0.0 if a & ATTR_USER_DEFINED else float(scores[i]))
+                               for i, a in enumerate(self.attrs) if a & usable}
+        # first three characters -> the longest usable token starting with them (bounds Viterbi's scan)
+        self._reach: dict[str, int] = {}
+        for text in self._pieces_scores:
+            key = text[:3]
+            if len(text) > self._reach.get(key, 0):
+                self._reach[key] = len(text)
+        # every prefix of a user-defined token's UTF-8 text (llama.cpp's trie walk stops where they part)
+        self._user_prefixes = {t.encode()[:k] for i, t in enumerate(self.tokens) if self.attrs[i] & ATTR_USER_DEFINED
+                               for k in range(1, len(t.encode()) + 1)}
+
+    def encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        """As Tokenizer.encode; add_bos stands for llama.cpp's add_special here: it also appends eos when
+        `tokenizer.ggml.add_eos_token` (default true) is set."""
+        ids = super().encode(text, add_bos=add_bos, special=special)
+        if add_bos and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def normalize(self, text: str) -> str:
+        """llama.cpp's llm_tokenizer_ugm_session::normalize, with spaces as U+2581."""
+        data = text.encode()
+        pieces: list[bytes] = []
+        i, n = 0, len(data)
+        while i < n:
+            k = 0
+            while i + k < n and data[i:i + k + 1] in self._user_prefixes:
+                k += 1
+            if k:
+                pieces.append(data[i:i + k])
+                i += k
+                continue
+            if self._charsmap is not None:
+                k, repl = self._charsmap.longest(data, i)
+                if k:
+                    pieces.append(repl)
+                    i += k
+                    continue
+            k = _utf8_len(data[i])
+            pieces.append(data[i:i + k])
+            i += k
+        norm = b"".join(pieces).decode("utf-8", errors="replace")
+        merge = self.remove_extra_whitespaces
+        out: list[str] = []
+        in_word = prepended = False
+        for c in norm:
+            if c != " ":
+                if not in_word:
+                    in_word = True
+                    if (self.add_space_prefix and not prepended) or merge:
+                        out.append(SPACE)
+                        prepended = True
+                out.append(c)
+            else:
+                in_word = False
+                if not merge:
+                    out.append(SPACE)
+        return "".join(out)
+
+    def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+            else:
+                self._viterbi(self.normalize(frag), out)
+
+    def _viterbi(self, text: str, out: list[int]) -> None:
+        n = len(text)
+        if not n:
+            return
+        pieces, reach, unk = self._pieces_scores, self._reach, self.unk_id
+        best = [(-float("inf"), unk, 0)] * (n + 1)   # (n+1,) (score sum, token, start) of the best path to here
+        best[0] = (0.0, unk, 0)
+        for i in range(n):
+            base = best[i][0]
+            single = False
+            end = min(n, i + max(2, reach.get(text[i:i + 3], 0)))   # no token starting here is longer
+            for j in range(i + 1, end + 1):
+                hit = pieces.get(text[i:j])
+                if hit is not None:
+                    single = single or j == i + 1
+                    score = base + hit[1]
+                    if score > best[j][0]:
+                        best[j] = (score, hit[0], i)
+            if not single:
+                score = base + self._unk_score
+                if score > best[i + 1][0]:
+                    best[i + 1] = (score, unk, i)
+        ids: list[int] = []
+        pos, prev_unk = n, False
+        while True:
+            _, tid, start = best[pos]
+            if not (prev_unk and tid == unk):
+                ids.append(tid)
+            if start == 0:
+                break
+            prev_unk = tid == unk
+            pos = start
+        out.extend(reversed(ids))
+
+    def _normal_piece(self, text: str) -> bytes:
+        return text.replace(SPACE, " ").encode()
+
+
+def _utf8_len(lead: int) -> int:
+    """Length of the UTF-8 sequence a lead byte starts (llama.cpp's unicode_len_utf8)."""
+    return (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)[lead >> 4]
