@@ -393,7 +393,7 @@ def test_bad_metadata(metas):
 
     with pytest.raises(GGUFError, match="tokenizer.ggml.model"):
         Tokenizer.from_metadata(without(smol_meta, "tokenizer.ggml.model"))
-    for model in ("rwkv", "plamo2", "no-such-model"):
+    for model in ("plamo2", "hybriddna", "no-such-model"):
         with pytest.raises(UnsupportedError, match=f"'{model}'"):
             Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.model": model})
     with pytest.raises(GGUFError, match="always adds bos"):
@@ -987,3 +987,40 @@ def test_qwen25_round_trip(qwen25):
         if not (qwen25.decode(c["ids"]) == streamed == text == qwen25.decode(c["ids_special"], special=True)):
             bad.append(text)
     assert bad == []
+
+
+# --- rwkv: a synthetic vocab (no RWKV vocab ships with llama.cpp's suites) ------------------------------------------
+def rwkv_escape(data: bytes) -> str:
+    """Bytes as an RWKV token text: printable ASCII as is, \\\\ \\n \\t \\r, the rest \\xhh."""
+    named = {0x5C: "\\\\", 0x0A: "\\n", 0x09: "\\t", 0x0D: "\\r"}
+    return "".join(named.get(b) or (chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}") for b in data)
+
+
+RWKV_WORDS = ["the", " the", "ing", " and", "\n\n", "  ", "    ", "日本", "語", " is", "hello", " world", "Hello", "'s",
+              "123", "12", "\t\t", "def ", "():", "<|im", "😀"]
+# llama.cpp's ids (llama-cpp-python 0.3.36, vocab_only) on rwkv_meta()'s vocab, the same in both special modes
+RWKV_GOLDEN = {
+    "hello world\n\nthe thing's 123": [267, 268, 261, 257, 33, 117, 105, 259, 270, 33, 271],
+    "日本語 😀 é": [264, 265, 33, 277, 33, 196, 170],
+    "<s>dup<|endoftext|>\t\t": [0, 280, 278, 273],
+    "a\\x41\x00\x7f": [98, 93, 121, 53, 50, 1, 128],
+}
+
+
+def rwkv_meta() -> dict:
+    """<s> (control), the 256 bytes, RWKV_WORDS, <|endoftext|> (control), "dup" twice (d\\x75p: the same bytes)."""
+    tokens = ["<s>", *(rwkv_escape(bytes([b])) for b in range(256)), *(rwkv_escape(w.encode()) for w in RWKV_WORDS),
+              "<|endoftext|>", "dup", "d\\x75p"]
+    return {"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 4) + [3, 1, 1]}
+
+
+def test_rwkv():
+    """Greedy longest escaped-bytes match as llama.cpp (ids recorded from it), pieces unescaped, no specials."""
+    tok = Tokenizer.from_metadata(rwkv_meta())
+    assert (tok.bos_id, tok.eos_id, tok.add_bos_default) == (None, None, False)
+    for text, ids in RWKV_GOLDEN.items():
+        assert tok.encode(text, add_bos=False, special=False) == tok.encode(text, add_bos=False, special=True) == ids
+        assert tok.decode(ids, special=True) == text
+    assert tok.token_bytes(0) == b"" and tok.token_bytes(0, special=True) == b"<s>"
+    assert [tok.token_bytes(i) for i in (11, 93, 128)] == [b"\n", b"\\", b"\x7f"]

@@ -24,7 +24,8 @@
   algorithm, not sentencepiece's.
 - "bert" -> `WPMTokenizer`: llama.cpp's WordPiece (BERT normalization, longest vocab entry first).
 - "t5" -> `UGMTokenizer`: llama.cpp's SentencePiece unigram (precompiled charsmap normalization, Viterbi).
-Not supported: "rwkv", "plamo2".
+- "rwkv" -> `RWKVTokenizer`: the longest escaped-bytes token from the left.
+Not supported: "plamo2", "hybriddna", "whitespace".
 
 All follow llama.cpp (src/llama-vocab.cpp) step by step:
 1. Special-token partition: the text is cut at special-token texts, longest text first. Control and
@@ -389,9 +390,11 @@ class Tokenizer:
             return WPMTokenizer(meta)
         if model == "t5":
             return UGMTokenizer(meta)
+        if model == "rwkv":
+            return RWKVTokenizer(meta)
         raise UnsupportedError(f"tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2' byte-level "
                                f"BPE, 'gemma4' BPE on U+2581-escaped text, 'llama' SentencePiece, 'bert' WordPiece, "
-                               f"'t5' SentencePiece unigram)")
+                               f"'t5' SentencePiece unigram, 'rwkv' greedy bytes)")
 
 
 class StreamDecoder:
@@ -1460,3 +1463,74 @@ class UGMTokenizer(Tokenizer):
 def _utf8_len(lead: int) -> int:
     """Length of the UTF-8 sequence a lead byte starts (llama.cpp's unicode_len_utf8)."""
     return (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)[lead >> 4]
+
+
+# ---------------------------------------------------------------------------------------------------
+# rwkv: greedy longest match on bytes (llama.cpp's llm_tokenizer_rwkv)
+# ---------------------------------------------------------------------------------------------------
+def _rwkv_unescape(text: str) -> bytes:
+    """llama.cpp's llama_unescape_rwkv_token: \\t \\n \\r, \\xhh (lowercase hex digits), and \\c for any other c."""
+    out = bytearray()
+    raw = text.encode()
+    i, n = 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c != 0x5C or i + 1 >= n:          # not a backslash (a trailing one is dropped, as in llama.cpp)
+            if c != 0x5C:
+                out.append(c)
+            i += 1
+            continue
+        e = raw[i + 1]
+        if e == 0x78:                        # \xhh: two digits, each '0'-'9' or 'a'-'f' (anything else as llama.cpp)
+            digits = raw[i + 2:i + 4]
+            if len(digits) == 2:             # cut short at the end: nothing, as in llama.cpp
+                value = 0
+                for d in digits:
+                    value = (value << 4) + (d - 87 if d >= 0x61 else d - 0x30)
+                out.append(value & 0xFF)
+            i += 4
+        else:
+            out.append({0x74: 9, 0x6E: 10, 0x72: 13}.get(e, e))
+            i += 2
+    return bytes(out)
+
+
+class RWKVTokenizer(Tokenizer):
+    """RWKV's "world" tokenizer as llama.cpp runs it: token texts are escaped bytes (`_rwkv_unescape`), and the
+    text's UTF-8 bytes are covered greedily by the longest token from the left (a later id wins between equal
+    texts). A byte no token starts with is the unknown token (dropped when there is none)."""
+    model = "rwkv"
+
+    def __init__(self, meta: Mapping[str, Any]):
+        # llama.cpp defaults for RWKV vocabularies: no special ids, nothing added
+        super().__init__(meta, bos=None, eos=None, unk=None, add_bos=False, add_space_prefix=False)
+        self._raw = [_rwkv_unescape(t) for t in self.tokens]          # (n_vocab,) the bytes of each token
+        self._by_bytes = {raw: i for i, raw in enumerate(self._raw) if raw}
+        self._longest = max(map(len, self._by_bytes), default=1)
+
+    def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
+        table, longest = self._by_bytes, self._longest
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+                continue
+            data = frag.encode()
+            pos, n = 0, len(data)
+            while pos < n:
+                for end in range(min(n, pos + longest), pos, -1):
+                    tid = table.get(data[pos:end])
+                    if tid is not None:
+                        out.append(tid)
+                        pos = end
+                        break
+                else:
+                    if self.unk_id is not None:
+                        out.append(self.unk_id)
+                    pos += 1
+
+    def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
+        """Every token renders as its unescaped bytes, but control/unknown ones only with special=True."""
+        self._check(token_id)
+        if not special and self.attrs[token_id] & ATTR_SPECIAL:
+            return b""
+        return self._raw[token_id]
