@@ -7,8 +7,8 @@
 
 `tokenizer.ggml.model` picks the implementation:
 - "gpt2"  -> `BPETokenizer`: byte-level BPE. `tokenizer.ggml.pre` (absent: "default", as in llama.cpp) picks
-  llama.cpp's pre-tokenizer (PRE_TYPES: every value llama.cpp knows but kimi-k2, superbpe and the ones
-  without byte-level encoding; aliases map to the same behaviour). `PreTokenizer` reimplements llama.cpp's
+  llama.cpp's pre-tokenizer (PRE_TYPES: every value llama.cpp knows but kimi-k2 and the ones without
+  byte-level encoding; aliases map to the same behaviour). `PreTokenizer` reimplements llama.cpp's
   unicode_regex_split: the regexes of the list cut the text in turn, each one every piece the previous left,
   with llama.cpp's hand-written splitters where it has them (gpt2, llama3, qwen2, qwen35, digit groups,
   newlines) and otherwise its std::regex path (Unicode classes matched on a text collapsed to one byte per
@@ -835,6 +835,10 @@ PRE_REGEXES: dict[str, tuple[str, ...]] = {
         r"[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|"
         r"\s+",
     ),
+    "SUPERBPE": (  # SUPERBPE
+        r"\p{N}+",
+        r"(?=(\d{3})+(?!\d))",
+    ),
     "MINICPM5": (  # MINICPM5
         r"\p{N}{1,3}",
         r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+|"
@@ -931,7 +935,7 @@ def _pre_types() -> dict[str, PreType]:
         "gpt-4o": "GPT4O", "llama4": "GPT4O", "kanana2": "GPT4O", "talkie": "GPT4O", "minimax-m2": "GPT4O",
         "tiny_aya": "TINY_AYA", "cohere2moe": "TINY_AYA", "bailingmoe": "BAILINGMOE", "bailingmoe2": "BAILINGMOE",
         "llada-moe": "BAILINGMOE", "seed-coder": "SEED_CODER", "ufakzeka": "UFAKZEKA", "afmoe": "AFMOE",
-        "exaone-moe": "EXAONE_MOE",
+        "exaone-moe": "EXAONE_MOE", "superbpe": "SUPERBPE",
     }
     gpt2 = ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
             "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt", "olmo", "jais",
@@ -951,8 +955,9 @@ def _pre_types() -> dict[str, PreType]:
     return dict(sorted(types.items()))
 
 
-# tokenizer.ggml.pre -> its llama.cpp behaviour. Not here (llama.cpp has them): kimi-k2 and superbpe (splitters
-# not reimplemented), gemma4, granite-embed-multi-311m, sarvam-moe and whitespace (no byte-level encoding).
+# tokenizer.ggml.pre -> its llama.cpp behaviour. Not here (llama.cpp has them): kimi-k2 (splitter not
+# reimplemented), sarvam-moe and whitespace (no byte-level encoding), gemma4 and granite-embed-multi-311m
+# (EscapedBPETokenizer).
 PRE_TYPES = _pre_types()
 
 
