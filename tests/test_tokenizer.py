@@ -808,8 +808,10 @@ def fetch_llama_cpp_vocabs(cache) -> "os.PathLike":
 
 
 @pytest.fixture(scope="module")
-def llama_vocabs(pytestconfig):
-    return fetch_llama_cpp_vocabs(pytestconfig.cache.mkdir("lumen"))
+def llama_vocabs(pytestconfig, tmp_path_factory):
+    """pytest's cache keeps the files between runs (a temporary folder with `-p no:cacheprovider`)."""
+    cache = getattr(pytestconfig, "cache", None)
+    return fetch_llama_cpp_vocabs(cache.mkdir("lumen") if cache else tmp_path_factory.mktemp("lumen"))
 
 
 def read_suite(folder, name: str) -> list[tuple[str, list[int]]]:
