@@ -11,9 +11,9 @@ Vocab:   the test builds the tokenizer from the llama-cpp-python sdist's vocab-o
          `patch` below (Qwen2.5-Coder's 19 extra special-token texts, 288 token types, eos and add_bos), and
          `tokenizer_sha256` (sha256 of the JSON of tokens, token types, merges and special ids of the models)
          proves the patched vocab is the models' one.
-Texts:   HANDPICKED below, then generated with fixed seeds: whitespace runs, digit runs, code lines with tabs and
-         indentation, random codepoints from many scripts and the emoji blocks, random joins of ATOMS, and
-         slices of tests/data/corpus.json. Stored with the ids, so the test does not regenerate them.
+Texts:   HANDPICKED below, then generated with fixed seeds: whitespace runs, digit runs, slices of CODE (some
+         with indentation turned to tabs), random codepoints from many scripts and the emoji blocks, random joins
+         of ATOMS, and slices of tests/data/corpus.json. Stored with the ids, so the test does not regenerate them.
 Output:  {"provenance", "patch", "tokenizer_sha256", "cases": [{"text", "ids", "ids_special"}]}, ASCII-escaped
          JSON, one case per line.
 
@@ -70,8 +70,10 @@ HANDPICKED = [
     "it's don't I'M we'll THEY'RE you've she'd", "'s 'S 'll 'LL", "rock 'n' roll", "''''", "...!!!???",
     "—–-‐‑ “quoted” ‘single’ «guillemets»", "a/b\\c|d", "(paren) [bracket] {brace} <angle>",
     # special tokens (parsed only with special; <tool_call> is user-defined: always)
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "<|fim_prefix|>def f(x):\n    <|fim_suffix|>\n    return y<|fim_middle|>", "<|endoftext|>", "<|endoftext|><|endoftext|>",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "<|fim_prefix|>def f(x):\n    <|fim_suffix|>\n    return y<|fim_middle|>", "<|endoftext|>",
+    "<|endoftext|><|endoftext|>",
     "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "<|repo_name|>lumen\n<|file_sep|>a.py\nx = 1",
     "<|im_start", "<|im_end|", "<<|im_end|>>", "text<|im_end|>text", " <|im_start|> ", "<|box_start|>(1,2)<|box_end|>",
     # control characters and rare codepoints
@@ -83,6 +85,54 @@ ATOMS = (list("abcXYZ019 \t\n\r.,!?'\"<>/|-_()[]{}=+*#;:") +
           "😀", "👨\u200d👩", "𝕏", "½", "٣", "Привет", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
           "<tool_call>", "<|fim_middle|>", "def ", "return ", "self.", "123", "4567", "0.5", "1e9", "->", "=>",
           "::", "//", "/*", "*/", "__", "Ġ", "▁", "Ċ"])
+CODE = """\
+import heapq
+from collections.abc import Mapping, Sequence
+
+
+class LRU:
+    \"\"\"A least-recently-used cache: get/put in O(1).\"\"\"
+
+    def __init__(self, capacity: int = 128) -> None:
+        self.capacity = capacity
+        self._data: dict[str, bytes] = {}
+
+    def get(self, key: str, default=None):
+        if key not in self._data:
+            return default
+        value = self._data.pop(key)
+        self._data[key] = value   # most recent last
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        self._data.pop(key, None)
+        self._data[key] = value
+        while len(self._data) > self.capacity:
+            del self._data[next(iter(self._data))]
+
+
+def top_k(scores: Sequence[float], k: int = 5) -> list[int]:
+    return heapq.nlargest(k, range(len(scores)), key=scores.__getitem__)
+static int sum(const int *a, size_t n) {
+\tint s = 0;
+\tfor (size_t i = 0; i < n; i++)
+\t\ts += a[i];
+\treturn s;
+}
+export function debounce(fn, ms = 250) {
+  let t;
+  return (...args) => { clearTimeout(t); t = setTimeout(() => fn(...args), ms); };
+}
+impl<T: Ord> Heap<T> {
+    pub fn push(&mut self, x: T) { self.v.push(x); self.sift_up(self.v.len() - 1); }
+}
+func (s *Server) Handle(w http.ResponseWriter, r *http.Request) {
+\tif r.Method != http.MethodPost {
+\t\thttp.Error(w, "method not allowed", 405)
+\t\treturn
+\t}
+}
+"""
 SCRIPTS = [(0x20, 0x7E), (0xA0, 0x24F), (0x370, 0x3FF), (0x400, 0x4FF), (0x590, 0x6FF), (0x900, 0x97F),
            (0xE00, 0xE7F), (0x1100, 0x11FF), (0x2000, 0x206F), (0x2190, 0x23FF), (0x3000, 0x30FF),
            (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xFF00, 0xFFEF), (0x1F300, 0x1FAFF), (0x1D400, 0x1D7FF)]
@@ -97,8 +147,7 @@ def generated() -> list[str]:
     for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 16, 20, 25, 40):           # digit runs
         digits = "".join(rng.choice("0123456789") for _ in range(n))
         out.append(rng.choice(["{}", " {}", "x{}", "{} apples", "v{}.0", "{},{}"]).format(digits, digits[::-1]))
-    code_lines = [line for line in (ROOT / "lumen" / "format" / "tokenizer.py").read_text().splitlines()
-                  if line.strip()]
+    code_lines = [line for line in CODE.splitlines() if line.strip()]
     for _ in range(25):                                                     # code, indentation as tabs too
         k = rng.randrange(len(code_lines) - 6)
         block = "\n".join(code_lines[k:k + rng.randint(1, 6)])
