@@ -8,7 +8,6 @@ import os
 import random
 import re
 import struct
-import time
 import zlib
 
 import pytest
@@ -144,10 +143,8 @@ def test_construction(metas, smol, gemma):
     # Gemma: <eos>, <end_of_turn>, and </s> (llama.cpp lists it for paddleocr and makes it a control token)
     assert {gemma.token_text(i) for i in gemma.eot_ids} == {"<eos>", "<end_of_turn>", "</s>"}
     assert gemma.is_eog(106) and not gemma.is_eog(105)
-    for meta in metas.values():  # a 262k vocab builds in well under a second
-        t = time.perf_counter()
-        Tokenizer.from_metadata(meta)
-        assert time.perf_counter() - t < 2.0
+    for meta in metas.values():
+        assert Tokenizer.from_metadata(meta).n_vocab == len(meta["tokenizer.ggml.tokens"])
 
 
 def test_add_bos(smol, gemma):
@@ -237,19 +234,6 @@ def test_stream_special(gemma):
     ids = gemma.encode("<start_of_turn>hi", add_bos=True, special=True)
     assert "".join(map(gemma.stream().push, ids)) == "hi"
     assert "".join(map(gemma.stream(special=True).push, ids)) == "<bos><start_of_turn>hi"
-
-
-# --- speed ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_encode_speed(toks, name):
-    tok = toks[name]
-    text = "\n".join(STRINGS[20:60]).encode()[:2048].decode(errors="ignore")  # 2 KB, Korean and English
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        tok.encode(text, add_bos=False, special=True)
-        best = min(best, time.perf_counter() - t)
-    assert best < 0.05
 
 
 # --- SPM merging on a tiny vocabulary -----------------------------------------------------------------------
