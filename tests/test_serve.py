@@ -21,6 +21,7 @@ from lumen.engine.engine import Engine
 from lumen.engine.sampling.sampler import SamplerError
 from lumen.format.chat import chat_template_from_metadata, render_chat
 from lumen.serve.app import make_app
+from servers import sse_events
 
 openai = pytest.importorskip("openai")
 
@@ -95,13 +96,6 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None):
     assert err["code"] == status and isinstance(err["type"], str)
     if param is not None:
         assert err["param"] == param, err
-
-
-def sse_events(r: httpx.Response) -> list:
-    """The JSON events of a streamed response, checking it ends with [DONE]."""
-    lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines and lines[-1] == "[DONE]"
-    return [json.loads(x) for x in lines[:-1]]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ import time
 
 import httpx
 
-from test_serve_load import Proc, lumen_serve, sse_events
+from servers import ServerProcess, aiter_sse_events, lumen_serve
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
-def wait_for_line(proc: Proc, text: str, timeout: float = 30.0) -> str:
+def wait_for_line(proc: ServerProcess, text: str, timeout: float = 30.0) -> str:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         found = [line for line in proc.log.read_text(errors="replace").splitlines() if text in line]
@@ -24,7 +24,7 @@ def wait_for_line(proc: Proc, text: str, timeout: float = 30.0) -> str:
 
 
 def test_second_ctrl_c_stops_a_draining_server_now(smollm2_path, tmp_path):
-    proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "2048", "--kv-cache-mb", "64", "--no-ui"),
+    proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "2048", "--kv-cache-mb", "64", "--no-ui"),
                 tmp_path / "server.log")
     try:
         async def go():
@@ -32,7 +32,7 @@ def test_second_ctrl_c_stops_a_draining_server_now(smollm2_path, tmp_path):
             async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
                 async with client.stream("POST", "/v1/completions", json=LONG) as r:
                     assert r.status_code == 200
-                    async for ev in sse_events(r):
+                    async for ev in aiter_sse_events(r):
                         if ev is None:
                             done = True
                             break

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,62 +25,11 @@ import pytest
 import lumen
 from lumen import SamplingParams
 from lumen.bench.offline import load_prompts
+from servers import ROOT, ServerProcess, aiter_sse_events, free_port, lumen_serve
 
-ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", "/tmp/lcpp/build/bin/llama-server"))
 N_CLIENTS = 64
 SHUTDOWN_TIMEOUT = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server subprocess: its URL, pid and log; waits until /health answers."""
-
-    def __init__(self, args: list[str], log: Path, health_timeout: float = 180.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.p = subprocess.Popen([*args, "--port", str(self.port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                  cwd=ROOT)
-        t0 = time.monotonic()
-        while True:
-            assert self.p.poll() is None, f"the server exited ({self.p.returncode}):\n{self.tail()}"
-            assert time.monotonic() - t0 < health_timeout, f"the server did not come up:\n{self.tail()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(sig)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-                raise AssertionError(f"the server did not stop within {timeout} s:\n{self.tail()}")
-        return self.p.returncode
-
-
-def lumen_serve(model_path, *extra) -> list[str]:
-    return [sys.executable, "-m", "lumen.serve", "--model", str(model_path), "--threads", "2", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +41,7 @@ def model(smollm2_path):
 def server(smollm2_path, tmp_path_factory):
     """The server the load, the benchmark and (last) the shutdown test share."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "1024", "--kv-cache-mb", "64", "--max-num-seqs", "16",
+    proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "1024", "--kv-cache-mb", "64", "--max-num-seqs", "16",
                             "--served-model-name", "smol", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)), log)
     yield proc
     proc.stop(timeout=SHUTDOWN_TIMEOUT + 30)
@@ -147,24 +95,13 @@ def requests_of_the_load() -> list[dict]:
     return reqs
 
 
-async def sse_events(r):
-    """The JSON events of an SSE response, then None for its `data: [DONE]` (the stream's proper end)."""
-    async for line in r.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            yield None
-            return
-        yield json.loads(line[6:])
-
-
 async def one_client(client: httpx.AsyncClient, req: dict) -> dict:
     """Stream one request; a `cut` client closes the connection after three token chunks."""
     ids, prompt_ids, done, finish = [], None, False, None
     async with client.stream("POST", "/v1/completions", json=req["body"]) as r:
         assert r.status_code == 200, await r.aread()
         chunks = 0
-        async for ev in sse_events(r):
+        async for ev in aiter_sse_events(r):
             if ev is None:
                 done = True
                 break
@@ -290,7 +227,7 @@ async def stream_until_end(client, body: dict, started: asyncio.Event) -> dict:
     text_chunks, error, done = 0, None, False
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        async for ev in sse_events(r):
+        async for ev in aiter_sse_events(r):
             if ev is None:
                 done = True
                 break
@@ -347,7 +284,7 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}\n{%
 def test_cli_flags_log_line_and_sigint(smollm2_path, model, tmp_path):
     log = tmp_path / "cli.log"
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
-    proc = Proc(lumen_serve(smollm2_path, "--max-model-len", "512", "--kv-cache-mb", "16", "--api-key", "k3y",
+    proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "512", "--kv-cache-mb", "16", "--api-key", "k3y",
                             "--served-model-name", "my-model", "--chat-template", str(tmp_path / "chat.jinja")), log)
     try:
         url = proc.url

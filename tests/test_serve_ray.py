@@ -27,8 +27,8 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from test_serve import BAD_REQUESTS, MAX_BODY, MAX_MODEL_LEN, MESSAGES, MODEL_ID, PROMPT  # noqa: E402
-from test_serve import assert_error, chat_ids, post_bad, reference, sse_events, strip_end  # noqa: E402
-from test_serve_load import Proc  # noqa: E402
+from test_serve import assert_error, chat_ids, post_bad, reference, strip_end  # noqa: E402
+from servers import ServerProcess, sse_events  # noqa: E402
 
 
 MAX_NUM_SEQS, MAX_QUEUE = 4, 2                  # per replica: 4 running, 2 waiting, then 429
@@ -51,7 +51,7 @@ def server(smollm2_path, tmp_path_factory):
     """Two replicas on a local Ray instance; stopped (SIGINT) by test_shutdown_leaves_no_ray_process, or here."""
     before = ray_pids()
     log = tmp_path_factory.mktemp("serve_ray") / "server.log"
-    proc = Proc([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+    proc = ServerProcess([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
                  "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", "64",
                  "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL_ID, "--max-body-mb", str(MAX_BODY / 2 ** 20),
                  "--shutdown-timeout", "5"], log, health_timeout=240)

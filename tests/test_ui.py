@@ -16,10 +16,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import pytest
 from lumen.serve.ui import PAGES, page_weight
 from lumen.serve.ui.dashboard import quantile
 from lumen.serve.ui.router import ASSETS
+from servers import ServerProcess, lumen_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -174,54 +173,15 @@ def shot(page, artifacts: Path, name: str) -> None:
 
 
 # ---- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """`python -m lumen.serve` on a free port of 127.0.0.1, up once /health answers; stop() ends it."""
-
-    def __init__(self, model_path, log: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(model_path), "--threads", "2",
-                                   "--max-model-len", "1024", "--kv-cache-mb", "64", "--max-num-seqs", "8",
-                                   "--served-model-name", "smol", "--port", str(self.port), *extra],
-                                  stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
-        t0 = time.monotonic()
-        try:
-            while True:
-                assert self.p.poll() is None, f"the server exited ({self.p.returncode}):\n{self.tail()}"
-                assert time.monotonic() - t0 < 300, f"the server did not come up:\n{self.tail()}"
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        except BaseException:
-            self.stop()
-            raise
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(60)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
+def serve(model_path, log: Path, *extra: str) -> ServerProcess:
+    """`python -m lumen.serve` as the page tests want it: a small pool, the model served as "smol"."""
+    return ServerProcess(lumen_serve(model_path, "--max-model-len", "1024", "--kv-cache-mb", "64", "--max-num-seqs",
+                                     "8", "--served-model-name", "smol", *extra), log, health_timeout=300)
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    s = Serve(smollm2_path, tmp_path_factory.mktemp("ui-serve") / "server.log")
+    s = serve(smollm2_path, tmp_path_factory.mktemp("ui-serve") / "server.log")
     yield s
     s.stop()
 
@@ -510,7 +470,7 @@ def test_first_paint(server, page):
 
 
 def test_no_ui_is_404(smollm2_path, tmp_path):
-    s = Serve(smollm2_path, tmp_path / "server.log", "--no-ui")
+    s = serve(smollm2_path, tmp_path / "server.log", "--no-ui")
     try:
         for path in ("/", "/dashboard", "/dashboard/data", "/ui/info", "/ui/chat.js", "/ui/vendor/uPlot.min.css"):
             assert httpx.get(s.url + path).status_code == 404, path
