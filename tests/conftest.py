@@ -58,11 +58,13 @@ for path in sys.argv[1:]:
 """
 
 
-def _ensure_packs(paths: list[Path]) -> list[Path | None]:
-    """The packed-weight cache files of the real models under the current LUMEN_HOME, written there if missing
-    (None where the cache is off or cannot be used). In a subprocess: Numba and a repack of Gemma (1.4 GB peak
-    RSS on a fresh machine) stay out of the test process."""
-    r = subprocess.run([sys.executable, "-c", ENSURE_PACKS, *map(str, paths)], capture_output=True, text=True)
+def _ensure_packs(paths: list[Path], home: Path | None = None) -> list[Path | None]:
+    """The packed-weight cache files of the real models under LUMEN_HOME (the current one, or home), written there
+    if missing (None where the cache is off or cannot be used). In a subprocess: Numba and a repack of Gemma (1.4
+    GB peak RSS on a fresh machine) stay out of the test process."""
+    env = {**os.environ, "LUMEN_HOME": str(home)} if home is not None else None
+    r = subprocess.run([sys.executable, "-c", ENSURE_PACKS, *map(str, paths)], capture_output=True, text=True,
+                       env=env)
     if r.returncode != 0:
         raise RuntimeError(f"could not check the real models' packs:\n{r.stderr}")
     return [Path(line) if line else None for line in r.stdout.splitlines()]
@@ -71,18 +73,23 @@ def _ensure_packs(paths: list[Path]) -> list[Path | None]:
 def _link_real_models(home: Path) -> Path:
     """Link the real models and their packs into `home` (a LUMEN_HOME); nothing in it points to a writable copy
     of a user file: the model stamp is a copy, and a pack that must be rewritten replaces its link."""
-    from lumen.model.store import MODELS
-    for name, path in _REAL.items():
-        assert MODELS[name].filename == path.name
-        mine = home / "models" / name / path.name
-        mine.parent.mkdir(parents=True, exist_ok=True)
-        mine.symlink_to(path)                       # the stamp holds size and mtime: those of the link's target
-        stamp = path.with_name(path.name + ".verified")
-        shutil.copyfile(stamp, mine.with_name(stamp.name))
-        if _PACKS[name] is not None:
-            (home / "packs").mkdir(exist_ok=True)
-            (home / "packs" / _PACKS[name].name).symlink_to(_PACKS[name])
+    for name in _REAL:
+        _link_real_model(home, name)
     return home
+
+
+def _link_real_model(home: Path, name: str) -> None:
+    from lumen.model.store import MODELS
+    path = _REAL[name]
+    assert MODELS[name].filename == path.name
+    mine = home / "models" / name / path.name
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.symlink_to(path)                           # the stamp holds size and mtime: those of the link's target
+    stamp = path.with_name(path.name + ".verified")
+    shutil.copyfile(stamp, mine.with_name(stamp.name))
+    if _PACKS[name] is not None:
+        (home / "packs").mkdir(exist_ok=True)
+        (home / "packs" / _PACKS[name].name).symlink_to(_PACKS[name])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -130,6 +137,34 @@ def gemma3_path(test_home) -> Path:
     return _REAL["gemma3-270m"]
 
 
+@pytest.fixture(scope="session")
+def qwen05_file(test_home) -> Path:
+    """Qwen2.5-Coder-0.5B (qwen2: QKV biases, GQA 7:1, the Qwen BPE, ChatML with tools), only for the tests that
+    take it: fetched on first use into the user's LUMEN_HOME (491 MB, as test_home does for the other two) and
+    linked into test_home with its pack. Those tests skip, with the reason, where it cannot be fetched."""
+    if QWEN05 not in _REAL:
+        from lumen.errors import FetchError
+        from lumen.model.store import resolve
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LUMEN_HOME", str(_USER[0]))
+            try:
+                path = resolve(QWEN05, quiet=True)
+            except FetchError as e:
+                pytest.skip(f"{QWEN05} cannot be fetched: {e}")
+        _PACKS[QWEN05], = _ensure_packs([path], home=_USER[0])
+        _REAL[QWEN05] = path
+        _link_real_model(test_home, QWEN05)
+    return _REAL[QWEN05]
+
+
+@pytest.fixture(scope="session")
+def qwen05_path(qwen05_file) -> Path:
+    """qwen05_file for a test that runs the model: under xdist, after its warm-up compile has ended
+    (pytest_xdist_node_collection_finished)."""
+    _wait_for(WARM_LOCK_QWEN)
+    return qwen05_file
+
+
 @pytest.fixture(scope="session", params=MODEL_NAMES)
 def model_name(request) -> str:
     return request.param
@@ -156,15 +191,25 @@ COMPILE_FREE = {"test_fuzz.py", "test_gguf.py", "test_tokenizer.py", "test_struc
                 "test_quants.py", "test_threads.py", "test_profiler.py",
                 "test_determinism.py::test_fresh_compile_cache_load_and_threads_give_the_same_bits"}
 WARM_UP = """
+import fcntl, os, sys
 import lumen
 from lumen import Engine, SamplingParams
-for name in ("smollm2-135m", "gemma3-270m"):       # fetched here on first use, as test_home would
+after, names = sys.argv[1], sys.argv[2:]
+if after:                                           # start when that warm-up has ended
+    fd = os.open(after, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.close(fd)
+for name in names:                                  # fetched here on first use, as test_home would
     engine = Engine(lumen.load(name, ctx=256, threads=2), max_num_seqs=2, max_num_batched_tokens=64, kv_cache_mb=8)
     engine.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
 """
+QWEN05 = "qwen2.5-coder-0.5b"
 WARM_LOCK = "LUMEN_TESTS_WARM_LOCK"     # the lock file's path, from the controller to its workers
-_warm_up: list[subprocess.Popen] = []   # the controller's warm-up process
-_waited: list[bool] = []                # a worker's: [True] once it waited for it
+WARM_LOCK_QWEN = "LUMEN_TESTS_WARM_LOCK_QWEN"  # the same for the 0.5B's warm-up, which runs only if tests need it
+_warm_up: list[subprocess.Popen] = []   # the controller's warm-up processes
+_qwen_fd: list[int] = []                # the controller's hold on the 0.5B's lock until it knows the tests
+_waited: list[bool] = []                # a worker's: [True] once it waited for the first warm-up
+_made_locks: list[str] = []             # the controller's: the variables naming the lock files it made
 
 
 def _compile_free(item) -> bool:
@@ -187,20 +232,53 @@ def pytest_sessionstart(session):
         return
     fd, path = tempfile.mkstemp(prefix="lumen-tests-warm-", suffix=".lock")
     fcntl.flock(fd, fcntl.LOCK_EX)      # held by the subprocess, which shares the open file, until it exits
-    _warm_up.append(subprocess.Popen([sys.executable, "-c", WARM_UP], pass_fds=(fd,), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL))
+    _warm_up.append(subprocess.Popen([sys.executable, "-c", WARM_UP, "", *MODEL_NAMES], pass_fds=(fd,),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     os.close(fd)
     os.environ[WARM_LOCK] = path
+    fd, path = tempfile.mkstemp(prefix="lumen-tests-warm-qwen-", suffix=".lock")
+    fcntl.flock(fd, fcntl.LOCK_EX)      # held here until the workers' collection says whether the 0.5B runs
+    _qwen_fd.append(fd)
+    os.environ[WARM_LOCK_QWEN] = path
+    _made_locks.extend((WARM_LOCK, WARM_LOCK_QWEN))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The controller learns the tests from the first worker's collection: if any test that runs the 0.5B's
+    forward is among them (its id says "qwen": its name or its parameter, and it is not compile-free), the 0.5B
+    is compiled once beside the workers, after the first warm-up; otherwise its lock is released at once."""
+    if not _qwen_fd:
+        return
+    fd = _qwen_fd.pop()
+    def compile_free(nodeid):
+        file, _, test = nodeid.partition("::")
+        file = file.rsplit("/", 1)[-1]
+        return file in COMPILE_FREE or f"{file}::{test.split('[')[0]}" in COMPILE_FREE
+
+    needs = any("qwen" in i.lower() and not compile_free(i) for i in ids)
+    if needs:
+        _warm_up.append(subprocess.Popen([sys.executable, "-c", WARM_UP, os.environ[WARM_LOCK], QWEN05],
+                                         pass_fds=(fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    os.close(fd)
+
+
+def _wait_for(variable: str) -> None:
+    """Block until the warm-up whose lock file the environment variable names has ended (a failed one too: the
+    tests compile); no-op without one."""
+    if not os.environ.get(variable):
+        return
+    fd = os.open(os.environ[variable], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)
 
 
 def pytest_runtest_setup(item):
     if _waited or _compile_free(item) or not os.environ.get(WARM_LOCK):
         return
-    fd = os.open(os.environ[WARM_LOCK], os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # returns when the warm-up has ended (a failed one too: the tests compile)
-    finally:
-        os.close(fd)
+    _wait_for(WARM_LOCK)
     _waited.append(True)
 
 
@@ -209,7 +287,10 @@ def pytest_sessionfinish(session):
         if p.poll() is None:
             p.kill()
         p.wait()
-        os.unlink(os.environ.pop(WARM_LOCK))
+    for fd in _qwen_fd:
+        os.close(fd)
+    for variable in _made_locks:
+        os.unlink(os.environ.pop(variable))
 
 
 def pytest_cmdline_main(config):

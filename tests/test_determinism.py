@@ -23,7 +23,8 @@ from goldens import corpus
 
 # Enough tokens to cross several attention chunks (lumen.kernels.attention.CHUNK = 128) and, for Gemma, its
 # 512-token sliding window.
-N_TOKENS = {"smollm2-135m": 300, "gemma3-270m": 600}
+N_TOKENS = {"smollm2-135m": 300, "gemma3-270m": 600, "qwen2.5-coder-0.5b": 200}
+QWEN05 = "qwen2.5-coder-0.5b"
 
 PROBE = textwrap.dedent("""
     import hashlib, json, sys
@@ -59,9 +60,16 @@ def token_ids(model, n):
 
 
 @pytest.fixture(scope="module")
-def inputs(smollm2_path, gemma3_path):
+def inputs(smollm2_path, gemma3_path, request):
+    """Each model's file and token ids; Qwen2.5-Coder-0.5B's too where it can be fetched (its own tests say so
+    when it cannot: this fixture is shared with the two that are always there)."""
+    paths = [("smollm2-135m", smollm2_path), ("gemma3-270m", gemma3_path)]
+    try:
+        paths.append((QWEN05, request.getfixturevalue("qwen05_file")))
+    except pytest.skip.Exception as e:
+        print(f"without {QWEN05}: {e}")
     out = {}
-    for name, path in (("smollm2-135m", smollm2_path), ("gemma3-270m", gemma3_path)):
+    for name, path in paths:
         m = lumen.load(path, ctx=64)
         out[name] = (str(path), token_ids(m, N_TOKENS[name]))
     return out
@@ -94,6 +102,13 @@ def run(request, inputs):
     return m, ids, m.logits(ids)
 
 
+@pytest.fixture(scope="module")
+def qwen_run(qwen05_path, inputs):
+    path, ids = inputs[QWEN05]
+    m = lumen.load(path, ctx=1024, threads=2)
+    return m, ids, m.logits(ids)
+
+
 @pytest.mark.slow
 def test_prefill_chunk_sizes_and_decode_at_every_context_length(run):
     """Every row of the teacher-forced logits equals the row a decode step or any chunked prefill produces
@@ -114,6 +129,16 @@ def test_prefill_chunk_sizes_and_decode_at_every_context_length(run):
 
 @pytest.mark.slow
 def test_thread_count_and_repeats(run):
+    threads_and_repeats(run)
+
+
+@pytest.mark.slow
+def test_qwen05_thread_count_and_repeats(qwen_run):
+    threads_and_repeats(qwen_run)
+
+
+def threads_and_repeats(run):
+    """The same logits on a second run, on 1 thread, and from a decode step on 1 thread (the split-K kernel)."""
     import numba
     m, ids, full = run
     assert np.array_equal(m.logits(ids), full)                   # repeated
@@ -132,3 +157,19 @@ def test_pack_cache_hit_and_miss(run):
     fresh = lumen.load(m.path, ctx=1024, threads=2, pack_cache=False)
     assert fresh.weights.packs_from.startswith("packed")
     assert np.array_equal(fresh.logits(ids), full)
+
+
+@pytest.mark.slow
+def test_qwen05_alone_or_batched(qwen_run):
+    """Qwen2.5-Coder-0.5B's sampling logits and tokens are bit-identical alone and batched with 7 others under an
+    odd token budget (chunked prefill, prefix-cache hits); tests/test_engine.py checks the two others at length."""
+    from test_engine import run_engine, workload
+    m, _, _ = qwen_run
+    reqs = [workload(m)[i] for i in (0, 1, 2, 3, 4, 8, 9, 13)]   # 3-300 tokens, shared prefixes, seeded sampling
+    _, ref, ref_rec = run_engine(m, reqs, max_num_seqs=1, max_num_batched_tokens=1024, kv_cache_mb=64,
+                                 enable_prefix_caching=False)
+    eng, outs, rec = run_engine(m, reqs, max_num_seqs=8, max_num_batched_tokens=37, kv_cache_mb=64)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids and o.finish_reason == r.finish_reason, i
+        assert rec.rows[o.request_id] == ref_rec.rows[r.request_id], f"request {i}: logits differ"
+    assert eng.stats()["prefix_hit_tokens"] > 0

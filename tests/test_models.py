@@ -521,3 +521,10 @@ def test_real_models_match_registry(smollm2_path, gemma3_path):
         spec = MODELS[name]
         assert path.name == spec.filename and path.stat().st_size == spec.size and store.state(name) == "verified"
         assert store.sha256_file(path) == spec.sha256, name
+
+
+def test_real_qwen05_matches_registry(qwen05_file):
+    spec = MODELS["qwen2.5-coder-0.5b"]
+    assert qwen05_file.name == spec.filename and qwen05_file.stat().st_size == spec.size
+    assert store.state("qwen2.5-coder-0.5b") == "verified"
+    assert store.sha256_file(qwen05_file) == spec.sha256
