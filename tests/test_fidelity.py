@@ -22,6 +22,10 @@ data, never with Lumen's result. What it resolves: Gaussian noise added to Lumen
 (SmolLM2) and 0.07 (Gemma), see test_the_bound_catches_a_real_difference; rounding to bf16 wherever llama.cpp
 rounds to f16 (K, V, q, attention weights, the 8-bit blocks' scales) fails it on SmolLM2 (+3.6 SE) but not on
 Gemma (-0.3 SE), where the 8-bit activations dominate the distance.
+
+Qwen2.5-Coder-0.5B (qwen2: QKV biases, GQA 7:1, Q5_0/Q8_0/Q4_K/Q6_K) is measured the same way on a shorter text of
+its own (its entry's `text`, about 280 tokens of code and Korean): the float64 forward of its 0.5B parameters and
+151,936-token head is what this test spends its time on.
 """
 import json
 import math
@@ -30,7 +34,7 @@ import numpy as np
 import pytest
 
 import lumen
-from goldens import DATA
+from goldens import DATA, MODEL_NAMES
 from ref_forward import RefModel, compare
 
 Z = 3.0                 # width of the bound in standard errors of llama.cpp's mean (see the docstring)
@@ -39,6 +43,21 @@ SIGMA = 0.1             # rms of the Gaussian noise added to Lumen's logits by t
 REF_KL_MAX = 0.02       # both engines are within this of the reference (measured 0.004-0.007); a wrong one is far
                         # above (measured against Lumen: Gemma's without its sliding window 2.66, either model's
                         # with the other RoPE layout 5.8-6.1)
+
+
+QWEN05 = "qwen2.5-coder-0.5b"
+PATH_FIXTURES = {"smollm2-135m": "smollm2_path", "gemma3-270m": "gemma3_path", QWEN05: "qwen05_path"}
+CHUNK_BYTES = {QWEN05: 1 << 28}  # one pass over the 0.5B's head, as tests/data/make_fidelity.py makes it
+
+
+@pytest.fixture(scope="module", params=[*MODEL_NAMES, QWEN05])
+def model_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_path(model_name, request):
+    return request.getfixturevalue(PATH_FIXTURES[model_name])
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +82,8 @@ def measured(model_name, model_path, committed):
             noise.append(np.random.default_rng(0).standard_normal(z.shape, dtype=np.float32) * np.float32(SIGMA))
         return [z, z + noise[0][:b - a]]
 
-    lum, noisy = compare(RefModel(m.gguf, m.config), ids, logits_of, n_others=2)
+    lum, noisy = compare(RefModel(m.gguf, m.config), ids, logits_of, n_others=2,
+                         chunk_bytes=CHUNK_BYTES.get(model_name, 1 << 26))
     return g, lum, noisy
 
 
@@ -128,6 +148,7 @@ def test_the_bound_catches_a_real_difference(model_name, measured):
 def test_committed_figures_match_their_positions(committed):
     """The committed llama.cpp summaries (kl_mean, top1) are what their per-position values give, and the bounds
     lie beyond them: what the slow tests above measure Lumen against, checked without measuring."""
+    assert set(committed["models"]) == {*MODEL_NAMES, QWEN05}
     for name, g in committed["models"].items():
         kl_llama, kl_bound, top1_llama, top1_bound = bounds(g)
         assert len(g["kl"]) == len(g["top1_ref"]) == len(g["top1_llamacpp"]) > 100, name

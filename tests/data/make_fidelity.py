@@ -31,14 +31,18 @@ Settings: llama-cpp-python's defaults except: CPU only (n_gpu_layers=0), n_threa
           by default quantize activations the same way and differ in summation order only. llama-cpp-python has
           no argument for the field, so dump() patches llama_model_default_params (as make_gemma3_longctx.py).
           Threads (1 or 2) and n_batch (64 or 512) give bit-identical logits here; flash attention does not.
-Models:   the two files Lumen's model store fetches, checked by sha256 (tests/data/README.md).
+Models:   SmolLM2, Gemma 3 and Qwen2.5-Coder-0.5B as Lumen's model store fetches them, checked by sha256
+          (tests/data/README.md).
 Text:     golden_text() below, from tests/data/corpus.json only: English prose, Python code and Korean technical
           prose, joined by blank lines; tokenized by llama.cpp with add_bos=True, special=False (a BOS is added
-          only when the model asks for one: Gemma yes, SmolLM2 no).
+          only when the model asks for one: Gemma yes, SmolLM2 and Qwen no). Qwen2.5-Coder-0.5B gets a shorter
+          text of its own, short_text() (stored in its entry): the float64 forward of 0.5B parameters over a
+          151,936-token head costs a test about 0.1-0.2 s per position on 2 cores.
 
 Command (from the repository root, Lumen's venv active; 1.5-3 minutes on 2 shared cores, peak RSS 2.7 GB, most of
 it llama.cpp's logits buffer; the output is byte-identical between runs of the same day, timings are printed only):
     python tests/data/make_fidelity.py --llama-python /tmp/lcpvenv/bin/python
+`--models NAME ...` measures only those models and keeps the others' entries of the file as they are.
 /tmp/lcpvenv: `python3 -m venv /tmp/lcpvenv && /tmp/lcpvenv/bin/pip install numpy llama-cpp-python==0.3.36`
 (pip builds llama.cpp from source, about 8 minutes on 2 cores). The tests only read the JSON: they never need
 llama-cpp-python.
@@ -69,7 +73,14 @@ MODELS = {  # Lumen's model name -> (file, sha256)
                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
     "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf",
                     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
+SHORT = ("qwen2.5-coder-0.5b",)  # measured on short_text(): the float64 reference of a 0.5B model is slow
+CODE_STRINGS, KOREAN_SHORT = 4, 1
+# Positions per pass of the reference over the output head: one pass for the short text (the head's 151,936 rows
+# are dequantized once per pass); the reference's numbers do not depend on it (its row blocks stay the same).
+CHUNK_BYTES = {"qwen2.5-coder-0.5b": 1 << 28}
 
 
 def golden_text(corpus: dict) -> str:
@@ -85,6 +96,14 @@ def golden_text(corpus: dict) -> str:
     code = "\n".join(s for s in corpus["strings"] if s.startswith(("    ", "\nif", "# Hard")))
     korean = "\n".join([s for s in corpus["strings"] if any("\uac00" <= ch <= "\ud7a3" for ch in s)][:KOREAN_STRINGS])
     return "\n\n".join([prose, code, korean])
+
+
+def short_text(corpus: dict) -> str:
+    """The first CODE_STRINGS Python strings of corpus.json, one per line, then a blank line and the first
+    KOREAN_SHORT Korean strings: about 280 tokens of code and Hangul, for a model whose float64 forward is slow."""
+    code = [s for s in corpus["strings"] if s.startswith(("    ", "\nif", "# Hard"))][:CODE_STRINGS]
+    korean = [s for s in corpus["strings"] if any("\uac00" <= ch <= "\ud7a3" for ch in s)][:KOREAN_SHORT]
+    return "\n".join(code) + "\n\n" + "\n".join(korean)
 
 
 def sha256_of(path) -> str:
@@ -215,7 +234,8 @@ def measure(name: str, model_path: str, text: str, llama_python: str) -> dict:
         g, cfg = open_gguf(model_path)
         t0 = time.time()
         npys = [os.path.join(d, "logits.npy") for d in runs]
-        fid, fid_fa = compare(RefModel(g, cfg), ids, lambda a, b: [rows(p, a, b) for p in npys], n_others=2)
+        fid, fid_fa = compare(RefModel(g, cfg), ids, lambda a, b: [rows(p, a, b) for p in npys], n_others=2,
+                              chunk_bytes=CHUNK_BYTES.get(name, 1 << 26))
         ref_seconds = time.time() - t0
     agree, agree_fa = fid.top_ref == fid.top_other, fid_fa.top_ref == fid_fa.top_other
     main, fa = summary(fid.kl, agree), summary(fid_fa.kl, agree_fa)
@@ -224,7 +244,12 @@ def measure(name: str, model_path: str, text: str, llama_python: str) -> dict:
           f"top-1 {main['top1'] * 100:.2f}% ± {main['top1_se'] * 100:.2f} ({main['top1_agree']}/{n}); "
           f"flash attention: KL {fa['kl_mean']:.6f}, top-1 {fa['top1'] * 100:.2f}%; "
           f"llama.cpp eval {meta['seconds']} s, reference {ref_seconds:.1f} s")
+    own_text = {"text": text, "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                "text_source": "tests/data/corpus.json through make_fidelity.short_text: the first "
+                               f"{CODE_STRINGS} Python strings, the first {KOREAN_SHORT} Korean string"} \
+        if name in SHORT else {}
     return {
+        **own_text,
         "model_file": file,
         "model_sha256": sha,
         "add_bos": meta["add_bos"],
@@ -248,6 +273,8 @@ def main(argv=None):
     ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python 0.3.36 (and numpy)")
     ap.add_argument("--corpus", default=os.path.join(HERE, "corpus.json"))
     ap.add_argument("--out", default=os.path.join(HERE, "fidelity.llamacpp.json"))
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="measure these models only, keeping the others' entries of --out as they are")
     ap.add_argument("--dump", nargs=4, metavar=("MODEL", "TEXT", "OUT_DIR", "FLASH_ATTN"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dump:
@@ -258,11 +285,26 @@ def main(argv=None):
     from lumen.model.store import resolve
 
     with open(args.corpus, encoding="utf-8") as f:
-        text = golden_text(json.load(f))
+        corpus = json.load(f)
+    text = golden_text(corpus)
     t0 = time.time()
-    models, meta = {}, None
+    models, meta, kept = {}, None, {}
+    if set(args.models) != set(MODELS) and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as f:
+            kept = json.load(f)
+        if kept["text"] != text:
+            sys.exit(f"{args.out} was made on another golden text: measure every model")
     for name in MODELS:
-        models[name], meta = measure(name, str(resolve(name, quiet=True)), text, args.llama_python)
+        if name not in args.models:
+            models[name] = kept["models"][name]
+            continue
+        models[name], meta = measure(name, str(resolve(name, quiet=True)),
+                                     short_text(corpus) if name in SHORT else text, args.llama_python)
+        if kept:   # the file's provenance is the first run's; this model's own is here
+            models[name]["provenance"] = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(),
+                                          "llama_cpp_python": meta["llama_cpp_python"],
+                                          "command": "python tests/data/make_fidelity.py --llama-python "
+                                                     f"/tmp/lcpvenv/bin/python --models {' '.join(args.models)}"}
     out = {
         "what": "KL(f64 || llama.cpp) and top-1 agreement with the float64 forward of the same quantized weights "
                 "(tests/ref_forward.py), teacher forced over the golden text, per model; made by "
@@ -271,7 +313,7 @@ def main(argv=None):
         "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
         "text_source": "tests/data/corpus.json through make_fidelity.golden_text: ppl_text from 'A. HISTORY OF "
                        "THE SOFTWARE' to the release table, the Python strings, the first 2 Korean strings",
-        "provenance": {
+        "provenance": kept["provenance"] if kept else {
             "llama_cpp_python": meta["llama_cpp_python"],
             "llamacpp_system_info": meta["system_info"],
             "cpu": cpu_model(),
