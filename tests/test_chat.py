@@ -1,4 +1,7 @@
-"""Chat templates: the real SmolLM2 template, a Gemma 3 style template, HF helpers, and the sandbox."""
+"""Chat templates: the real SmolLM2 template, a Gemma 3 style template, HF helpers, the sandbox, and Qwen2.5-Coder's
+template with tools against llama.cpp's rendering."""
+import json
+
 import gguf
 import pytest
 
@@ -6,6 +9,7 @@ from lumen.format.chat import (NO_CHAT_TEMPLATE_MESSAGE, ChatTemplateError, chat
                         compile_template, render_chat, require_chat_template)
 from lumen.errors import LumenError
 from lumen.format.gguf import GGUFFile
+from goldens import DATA
 
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -214,3 +218,68 @@ def test_template_from_gguf_py_fields(tmp_path, smol_template):
 def test_base_model_has_no_template(gemma3_path):
     # the Gemma 3 270M base model ships without one: the caller falls back to plain completion
     assert chat_template_from_metadata(GGUFFile(gemma3_path).metadata) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen2.5-Coder's template with tools, as llama-server --jinja renders it (tests/data/qwen2.5-chat.llamacpp.json)
+
+def qwen_goldens() -> dict:
+    return json.loads((DATA / "qwen2.5-chat.llamacpp.json").read_text(encoding="utf-8"))["models"]
+
+
+QWEN_CASES = [(model, case["name"]) for model, g in qwen_goldens().items() for case in g["cases"]]
+
+
+@pytest.mark.parametrize("model,case", QWEN_CASES, ids=[f"{m}-{c}" for m, c in QWEN_CASES])
+def test_qwen_template_renders_as_llamacpp(model, case):
+    """System, user and assistant turns, tools, assistant tool calls (arguments as OpenAI's JSON strings) and tool
+    results, byte for byte as llama-server --jinja renders them."""
+    g = qwen_goldens()[model]
+    c = next(c for c in g["cases"] if c["name"] == case)
+    got = render_chat(g["template"], c["messages"], bos_token="", eos_token="<|im_end|>",
+                      add_generation_prompt=c["add_generation_prompt"], tools=c.get("tools"))
+    assert got == c["prompt"]
+
+
+def test_qwen_template_is_the_models(qwen05_file):
+    """The template the goldens were rendered from is the one in the 0.5B's file."""
+    g = qwen_goldens()["qwen2.5-coder-0.5b"]
+    assert chat_template_from_metadata(GGUFFile(qwen05_file).metadata) == g["template"]
+
+
+def test_tool_call_arguments_reach_an_object_template_parsed():
+    """A template that writes arguments with tojson gets OpenAI's JSON-string arguments parsed (else it would
+    print them as an escaped string), and refuses a string that is not JSON; one that writes them as they are gets
+    the string."""
+    as_json = "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }};{% endfor %}" \
+              "{% endfor %}"
+    as_is = as_json.replace(" | tojson", "")
+    calls = [{"type": "function", "function": {"name": "f", "arguments": '{"b":1,"a":"é"}'}},
+             {"type": "function", "function": {"name": "h", "arguments": {"x": [1, 2]}}}]
+    messages = [{"role": "assistant", "content": None, "tool_calls": calls}]
+    assert render(as_json, messages) == '{"b": 1, "a": "é"};{"x": [1, 2]};'
+    assert render(as_is, messages) == "{\"b\":1,\"a\":\"é\"};{'x': [1, 2]};"
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"b":1,"a":"é"}', "the caller's dicts stay"
+    bad = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "g", "arguments": "{x"}}]}]
+    with pytest.raises(ChatTemplateError, match="arguments of the tool call 'g' are not JSON"):
+        render(as_json, bad)
+    assert render(as_is, bad) == "{x;"
+
+
+def test_tools_as_llamacpp_gives_them(smol_template):
+    """Tools reach the template rebuilt as llama.cpp rebuilds them; anything but a list of function tools is
+    refused; no tools is None."""
+    tool = {"function": {"parameters": {"type": "object"}, "name": "f", "strict": True}, "type": "function"}
+    assert render("{{ tools | tojson }}", [], tools=[tool]) == (
+        '[{"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object"}}}]')
+    assert render("{{ tools is none }}", [], tools=[]) == "True"
+    for bad in ("get_weather", [{"type": "code_interpreter"}], [{"type": "function", "function": {}}], ["f"]):
+        with pytest.raises(ChatTemplateError, match="tools must be a list|a tool must be"):
+            render(smol_template, [{"role": "user", "content": "hi"}], tools=bad)
+
+
+def test_tojson_writes_floats_as_llamacpp():
+    """C's %g, as llama.cpp's template engine writes a double (a tool's "default": 5.0 shows as 5 there)."""
+    value = {"a": 5.0, "b": 0.1, "c": 1234567.0, "d": 3.14159265, "e": 1e-5, "f": [2, True, None]}
+    env_out = render("{{ messages[0].v | tojson }}", [{"v": value}])
+    assert env_out == '{"a": 5, "b": 0.1, "c": 1.23457e+06, "d": 3.14159, "e": 1e-05, "f": [2, true, null]}'

@@ -9,7 +9,16 @@ error, `raise_exception(...)`, undefined call, blocked access, runaway sizes) is
 
 The environment mirrors what Hugging Face transformers gives templates: trim_blocks and lstrip_blocks on, the
 loopcontrols extension ({% break %}, {% continue %}), `raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson`
-filter that keeps non-ASCII text (ensure_ascii=False) and does not HTML-escape.
+filter that keeps non-ASCII text (ensure_ascii=False) and does not HTML-escape; it writes floats as llama.cpp does.
+
+Tools (OpenAI format) reach the template as llama.cpp's `llama-server --jinja` gives them, so that a conversation
+renders to the same prompt there and here:
+- `tools` is rebuilt as `{"type": "function", "function": {"name", "description", "parameters"}}` (description ""
+  and parameters {} when missing, other keys dropped); a tool of another type is refused;
+- assistant messages' `tool_calls` and `tool` messages go as given, except that a template that reads a call's
+  arguments as an object (Qwen2.5's writes them with tojson) gets OpenAI's JSON-string arguments parsed, and a
+  string that is not JSON is refused. Which templates: those that show a probe call's arguments when they are an
+  object and not when they are a JSON string (llama.cpp probes each template for what it reads).
 """
 from __future__ import annotations
 
@@ -102,8 +111,33 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(value: Any, indent: int | None = None, separators: Sequence[str] | None = None,
             sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent,
-                      separators=tuple(separators) if separators is not None else None, sort_keys=sort_keys)
+    """json.dumps(value, ensure_ascii=False, ...) but for floats, written as llama.cpp's template engine writes
+    them (C's %g: 5.0 -> 5, 1e-05, 3.14159), so a tool's `"default": 5.0` reads as llama-server shows it."""
+    item_sep, key_sep = separators if separators is not None else ("," if indent is not None else ", ", ": ")
+
+    def dump(v: Any, level: int) -> str:
+        if v is None or isinstance(v, (bool, int, str)):
+            return json.dumps(v, ensure_ascii=False)
+        if isinstance(v, float):
+            return "%g" % v
+        if isinstance(v, Mapping):
+            items = sorted(v.items(), key=lambda kv: str(kv[0])) if sort_keys else list(v.items())
+            parts = [dump(k if isinstance(k, str) else dump(k, 0), 0) + key_sep + dump(x, level + 1)
+                     for k, x in items]
+            return wrap("{", parts, "}", level)
+        if isinstance(v, (list, tuple)):
+            return wrap("[", [dump(x, level + 1) for x in v], "]", level)
+        raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")
+
+    def wrap(open_: str, parts: list[str], close: str, level: int) -> str:
+        if not parts:
+            return open_ + close
+        if indent is None:
+            return open_ + item_sep.join(parts) + close
+        inner, outer = "\n" + " " * (indent * (level + 1)), "\n" + " " * (indent * level)
+        return open_ + inner + (item_sep + inner).join(parts) + outer + close
+
+    return dump(value, 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,19 +172,47 @@ def compile_template(template: str) -> jinja2.Template:
 # rendering
 
 def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_token: str,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with a GGUF/Hugging Face chat template.
 
-    The template sees `messages`, `bos_token`, `eos_token` and `add_generation_prompt`, plus the helpers
-    listed in the module docstring. The result is text: the caller tokenizes it with special tokens parsed,
-    and should not add a BOS if the template already wrote `bos_token`.
+    The template sees `messages`, `tools` (None when there are none), `bos_token`, `eos_token` and
+    `add_generation_prompt`, plus the helpers listed in the module docstring. Assistant messages may carry
+    OpenAI `tool_calls` (arguments as a JSON string, or an object) and `tool` messages the results. The result is
+    text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
+    wrote `bos_token`.
     """
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    tools = _openai_tools(tools)
     compiled = compile_template(template)
+    messages = list(messages)
+    if any(m.get("tool_calls") for m in messages) and _wants_object_arguments(template):
+        messages = [_with_object_arguments(m) for m in messages]
+    return _render(compiled, messages, bos_token=bos_token, eos_token=eos_token,
+                   add_generation_prompt=bool(add_generation_prompt), tools=tools)
+
+
+def _openai_tools(tools) -> list[dict] | None:
+    """OpenAI function tools as llama.cpp hands them to a template (see the module docstring); None for none."""
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise ChatTemplateError("tools must be a list of {'type': 'function', 'function': {...}} dicts")
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(t, Mapping) or t.get("type") != "function" or not isinstance(fn, Mapping) \
+                or not isinstance(fn.get("name"), str):
+            raise ChatTemplateError(f"a tool must be {{'type': 'function', 'function': {{'name': ..., ...}}}}, "
+                                    f"got {str(t)[:200]}")
+        out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
+                                                      "parameters": fn.get("parameters", {})}})
+    return out or None
+
+
+def _render(compiled: jinja2.Template, messages: list, **context) -> str:
     try:
-        return compiled.render(messages=list(messages), bos_token=bos_token, eos_token=eos_token,
-                               add_generation_prompt=bool(add_generation_prompt))
+        return compiled.render(messages=messages, **context)
     except _TemplateRaised as e:
         raise ChatTemplateError(f"the chat template refused the conversation: {e}") from None
     except SecurityError as e:
@@ -161,6 +223,47 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
         raise ChatTemplateError("the chat template failed: recursion too deep") from None
     except Exception as e:  # a template is untrusted code: whatever it breaks is the template's error
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+
+
+_NEEDLES = ('"argument_needle":', "'argument_needle':", "<parameter=argument_needle>")
+
+
+@functools.lru_cache(maxsize=32)
+def _wants_object_arguments(template: str) -> bool:
+    """Whether the template shows a tool call's arguments only when they are an object, not a JSON string: one
+    probe call rendered both ways (as llama.cpp's minja did; its newer engine records what the template reads,
+    which gives the same answer for templates that write the arguments with tojson)."""
+    def shows(arguments) -> bool:
+        call = {"id": "call_1___", "type": "function", "function": {"arguments": arguments, "name": "ipython"}}
+        msgs = [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        try:
+            out = _render(compile_template(template), msgs, bos_token="", eos_token="", add_generation_prompt=False,
+                          tools=None)
+        except ChatTemplateError:
+            return False
+        return any(n in out for n in _NEEDLES)
+
+    args = {"argument_needle": "print('Hello, World!')"}
+    return not shows(json.dumps(args)) and shows(args)
+
+
+def _with_object_arguments(message: Mapping) -> Mapping:
+    """The message with its tool calls' JSON-string arguments parsed; a string that is not JSON is refused, as
+    llama.cpp refuses it (the template could only show it escaped)."""
+    calls = message.get("tool_calls")
+    if not calls or not isinstance(calls, (list, tuple)):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError as e:
+                raise ChatTemplateError(f"the arguments of the tool call {fn.get('name')!r} are not JSON "
+                                        f"({e}): {fn['arguments'][:200]!r}") from None
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 # ---------------------------------------------------------------------------------------------------------
