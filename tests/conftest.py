@@ -180,14 +180,14 @@ def model_path(model_name, test_home) -> Path:
 # Seconds per test file in a fresh-clone run (serial, empty Numba cache; 2-vCPU AMD EPYC, 2026-12-03). A file not
 # listed counts as quick; a stale figure only makes the two workers finish less evenly.
 FILE_SECONDS = {"test_determinism.py": 147, "test_notebook.py": 110, "test_matmul.py": 73, "test_cli.py": 65,
-                "test_speculative.py": 57, "test_pack_cache.py": 57, "test_bench.py": 56, "test_fuzz.py": 48,
-                "test_model.py": 45, "test_engine.py": 35, "test_serve_ray.py": 34, "test_fidelity.py": 34,
+                "test_speculative.py": 57, "test_pack_cache.py": 57, "test_bench.py": 56, "test_gguf_fuzz.py": 48,
+                "test_forward.py": 45, "test_engine.py": 35, "test_serve_ray.py": 34, "test_fidelity.py": 34,
                 "test_serve_load.py": 28, "test_gguf.py": 19, "test_ui.py": 19}
 # Tests that do not run the models' forward pass (parsing, tokenizers, grammars, small kernels; a whole file, or
 # file::test): they do not wait for the warm-up. The fresh-compile test compiles into a cache of its own.
-COMPILE_FREE = {"test_fuzz.py", "test_gguf.py", "test_tokenizer.py", "test_structured.py", "test_sampler.py",
-                "test_chat.py", "test_scheduling.py", "test_help.py", "test_home.py", "test_models.py",
-                "test_layers.py", "test_serve_handlers.py", "test_structured_serve.py", "test_kernels.py",
+COMPILE_FREE = {"test_gguf_fuzz.py", "test_gguf.py", "test_tokenizer.py", "test_structured.py", "test_sampler.py",
+                "test_chat_template.py", "test_scheduling.py", "test_help.py", "test_home.py", "test_store.py",
+                "test_layers.py", "test_serve_handlers.py", "test_structured_fields.py", "test_kernels.py",
                 "test_quants.py", "test_threads.py", "test_profiler.py",
                 "test_determinism.py::test_fresh_compile_cache_load_and_threads_give_the_same_bits"}
 WARM_UP = """

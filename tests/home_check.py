@@ -1,4 +1,4 @@
-"""Run by tests/test_home.py in a pytest of its own (not collected by the suite: the name does not start with
+"""Run by tests/cli/test_home.py in a pytest of its own (not collected by the suite: the name does not start with
 test_), whose user home is a fresh temporary directory that no other process writes."""
 import os
 

@@ -5,7 +5,7 @@ function with parallel regions, or loads one from its cache that records them; b
 that loaded its parallel callee from the cache (rather than compiling it) does not record them, and a later process
 that loads that function and calls it segfaults in the callee's parallel region. The order of compiles decides
 whether a cache holds such an entry: two test processes sharing one cache made one (prepare_x, which calls
-quantize_x_par; tests/test_threads.py re-creates it).
+quantize_x_par; tests/engine/test_threads.py re-creates it).
 """
 import numba
 

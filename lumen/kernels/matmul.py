@@ -499,7 +499,7 @@ def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
     per-worker scratch (lumen.kernels.scratch.per_thread; wbuf holds a tile unpacked for prefill, `tiles`, and may
     have 0 bytes: the passes then unpack as they go). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for.
     A tile's outputs are one worker's, computed the same way whichever worker it is, so the bits do not depend on
-    the distribution (tests/test_threads.py); lumen/kernels/work.py has the measurements."""
+    the distribution (tests/engine/test_threads.py); lumen/kernels/work.py has the measurements."""
     # (the region takes the Mats' fields as tuples: Numba's gufunc wrapper rejects a tuple of Mats)
     qts, qs, qfs, ss = ((ws[0].qt, ws[1].qt, ws[2].qt), (ws[0].q, ws[1].q, ws[2].q), (ws[0].qf, ws[1].qf, ws[2].qf),
                         (ws[0].s, ws[1].s, ws[2].s))

@@ -17,7 +17,7 @@ every CPU):
     DM  f = fma(d_w * d_x, sum, fma(m, sx, f))                       sx = d_x sum x (the activations' xs)
     K   as DM with d_w = d * sc, m = -(dmin * min)  (d, dmin f16; sc, min 6-bit)
     K6  f = fma(s_h * d_x, sum_h, f) for h = 0, 1,  s_h = d * sc_h
-The fused form is nearer exact math than rounding every operation on its own (tests/test_fidelity.py holds it to
+The fused form is nearer exact math than rounding every operation on its own (tests/model/test_fidelity.py holds it to
 llama.cpp's distance from exact math), and it is 2 to 3 vector operations fewer per row and group.
 
 Two loop orders, the same operations per row and group in the same order (so the same bits):

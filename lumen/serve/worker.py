@@ -60,7 +60,7 @@ class Submission:
 class Worker(Protocol):
     """What the HTTP layer drives, whichever runs the requests: EngineWorker (one engine in this process) or
     lumen.serve.ray.remote.RemoteWorker (replicas on Ray Serve). The handlers use nothing else, so both serving
-    paths answer the same way (tests/test_serve_handlers.py checks that both classes have this shape)."""
+    paths answer the same way (tests/serve/test_serve_handlers.py checks that both classes have this shape)."""
     engine: object      # the Engine, or a stand-in with its tokenizer, config, parts and max_model_len
     draining: bool
 

@@ -1,5 +1,5 @@
 """Make tests/data/qwen2.5-chat.llamacpp.json: Qwen2.5-Coder's chat template rendered by llama.cpp's `llama-server
---jinja`, tools included, for tests/test_chat.py to hold lumen.format.chat to.
+--jinja`, tools included, for tests/format/test_chat_template.py to hold lumen.format.chat to.
 
 For each model (the 0.5B and the 1.5B, whose templates differ in one line), this script starts llama-server on
 127.0.0.1 (`-m MODEL --jinja -t 2 -c 2048`), waits for /health, posts every case of CASES below to

@@ -1,6 +1,6 @@
 """Make tests/data/fidelity.llamacpp.json: how far llama.cpp's logits are from exact math on a golden text.
 
-tests/test_fidelity.py holds Lumen to these numbers: on the same token ids, Lumen's KL divergence from the float64
+tests/model/test_fidelity.py holds Lumen to these numbers: on the same token ids, Lumen's KL divergence from the float64
 forward of the same quantized weights (tests/ref_forward.py), and its top-1 agreement with it, must be no worse
 than llama.cpp's, beyond what the text can resolve (see the test).
 

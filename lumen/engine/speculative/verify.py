@@ -8,7 +8,7 @@ Per position i = 0 .. k of the k + 1 logits rows of a request that ran k drafted
                rejection emit a token drawn from the residual max(0, p - q) / Z and stop; after k acceptances draw
                the next token from p. The output distribution equals the target's.
 Every uniform is keyed by (request key, position, use) (lumen.engine.sampling.sampler.uniform). The tests hold two
-deliberately wrong rules beside this one, which the statistical test must fail (tests/test_speculative.py).
+deliberately wrong rules beside this one, which the statistical test must fail (tests/engine/test_speculative.py).
 """
 from __future__ import annotations
 

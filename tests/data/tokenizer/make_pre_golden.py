@@ -1,5 +1,5 @@
 """Make tests/data/tokenizer/pre_golden.json: llama.cpp's token ids for 200 fixed texts under every gpt2
-pre-tokenizer type Lumen supports (`tokenizer.ggml.pre`), so tests/test_tokenizer.py checks exactness without
+pre-tokenizer type Lumen supports (`tokenizer.ggml.pre`), so tests/format/test_tokenizer.py checks exactness without
 llama-cpp-python.
 
 Tool:    llama-cpp-python 0.3.36 (its bundled llama.cpp), `Llama(path, vocab_only=True)`, then
@@ -95,7 +95,7 @@ def main() -> None:
         "made_by": "tests/data/tokenizer/make_pre_golden.py",
         "llama_cpp_python": version("llama-cpp-python"),
         "vocab": f"{smol_path.name} sha256 {hashlib.sha256(smol_path.read_bytes()).hexdigest()}",
-        "vocab_extra": "1110 digit tokens and merges (tests/test_tokenizer.py pre_vocab)",
+        "vocab_extra": "1110 digit tokens and merges (tests/format/test_tokenizer.py pre_vocab)",
         "call": "Llama(path, vocab_only=True).tokenize(text.encode(), add_bos=False, special=special)",
     }
     for i, t in enumerate(texts):

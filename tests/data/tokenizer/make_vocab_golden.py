@@ -1,6 +1,6 @@
 """Make tests/data/tokenizer/vocab_golden.json: llama.cpp's token ids for the vocab-only GGUFs of the
 llama-cpp-python sdist that come without llama.cpp's own .inp/.out suite (aquila, baichuan, gpt-neox,
-nomic-bert-moe: the only t5 / unigram one), so tests/test_tokenizer.py checks them too.
+nomic-bert-moe: the only t5 / unigram one), so tests/format/test_tokenizer.py checks them too.
 
 Tool:    llama-cpp-python 0.3.36, `Llama(path, vocab_only=True).tokenize(text.encode(), add_bos=False,
          special=<special>)`, plus the ids with add_special=True for one text.

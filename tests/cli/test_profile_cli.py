@@ -1,5 +1,5 @@
 """`python -m lumen.profile` as a subprocess on SmolLM2 with a fake machine cache, and its report and plots
-(lumen/profile/report.py). lumen.machine itself: tests/test_machine.py."""
+(lumen/profile/report.py). lumen.machine itself: tests/model/test_machine.py."""
 import json
 import math
 import os

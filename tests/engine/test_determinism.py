@@ -162,7 +162,7 @@ def test_pack_cache_hit_and_miss(run):
 @pytest.mark.slow
 def test_qwen05_alone_or_batched(qwen_run):
     """Qwen2.5-Coder-0.5B's sampling logits and tokens are bit-identical alone and batched with 7 others under an
-    odd token budget (chunked prefill, prefix-cache hits); tests/test_engine.py checks the two others at length."""
+    odd token budget (chunked prefill, prefix-cache hits); tests/engine/test_engine.py checks the two others at length."""
     from test_engine import run_engine, workload
     m, _, _ = qwen_run
     reqs = [workload(m)[i] for i in (0, 1, 2, 3, 4, 8, 9, 13)]   # 3-300 tokens, shared prefixes, seeded sampling

@@ -10,7 +10,7 @@ import pytest
 
 from lumen.bench import single as bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def no_llama_run(smollm2_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     stub = tmp / "stub" / "llama_cpp"
     stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text("raise ImportError('stubbed out by tests/test_bench.py')\n")
+    (stub / "__init__.py").write_text("raise ImportError('stubbed out by tests/cli/test_bench.py')\n")
     out = tmp / "bench.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub.parent), str(ROOT)]), COLUMNS="160")
     r = subprocess.run([sys.executable, "-m", "lumen.bench", "--model", str(smollm2_path), "-p", "8", "-n", "4",

@@ -17,7 +17,7 @@ import lumen
 from lumen.format.chat import chat_template_from_metadata
 from lumen.generate import render_messages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
 N = 48
 STATS = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| .* \| (\d+) generated \((\w+)\)( \| (\d+) cached)?$")

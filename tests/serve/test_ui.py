@@ -30,7 +30,7 @@ from lumen.serve.ui.dashboard import quantile
 from lumen.serve.ui.router import ASSETS
 from servers import ServerProcess, lumen_serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

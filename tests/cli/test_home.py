@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_synthetic_model_leaves_the_user_home_alone(tmp_path, new_home):
