@@ -5,7 +5,9 @@ of 2.5-2.7 s, at half the peak RSS (710 MB vs 1.42 GB).
 
 Where: `$LUMEN_HOME/packs/<gguf stem>-<key>.lpack` (default ~/.cache/lumen/packs), for registry models and
 .gguf paths alike. Off with LUMEN_PACK_CACHE=0 or `lumen.load(..., pack_cache=False)`; clear it by deleting
-the directory. At most KEEP files per GGUF stem are kept (the oldest are deleted when a new one is written).
+the directory (running processes keep their mapping of a deleted file; a file must never be changed in place,
+which is why every write goes to a new file). At most KEEP files per GGUF stem are kept (the oldest are deleted
+when a new one is written).
 
 Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's
 identity (size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing
@@ -16,23 +18,26 @@ repack). If one of those sources was modified after this process imported Lumen,
 code on disk: the cache is then not used at all (neither read nor written) in this process.
 
 File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, arrays: {name: [dtype, shape, offset]}},
-the arrays at 64-byte aligned offsets, the trailer b"LUMENEND". Written to a temporary file in the same
-directory, fsync'ed, then os.replace'd: a reader sees a whole file or none. A miss is packed and written under
-the cache's file lock (fcntl.flock on .lock), so processes loading a model at once pack it once and the others
-read that file. A read checks the magic, trailer, file size, key, each array's dtype, shape and bounds, and every
-table row against the GGUF tensor it packs (family, activation format, sizes, and that its slices lie inside the buffers
-as lumen.model.forward.mm takes them: lumen.kernels.layout.check_table), because the compiled kernels do not
-check bounds. Anything wrong -> the file is ignored and rewritten.
-The arrays are read into ordinary memory, not mapped: decode over a copy-on-write mapping of the file measured
-5% slower (SmolLM2 12.0 vs 11.45 ms of CPU per step, Gemma 25.7 vs 24.4; one process, interleaved, medians),
-and a read-only mapping is another Numba type (the forward pass would compile again).
-Any OSError (unwritable directory, full disk) only means the packs stay in memory; nothing is raised.
+the arrays at 64-byte aligned offsets (file_layout settles the offsets with the header's own length, whatever
+it is), the trailer b"LUMENEND". A miss is packed straight into a temporary file in the same directory, a chunk
+of a matrix at a time (lumen.model.weights.pack_into), fsync'ed, then os.replace'd: a reader sees a whole file or
+none, and the packs are never in memory whole. The packing happens under the cache's file lock (fcntl.flock on
+.lock), so processes loading a model at once pack it once and the others read that file. A read checks the
+magic, trailer, file size, key, each array's dtype, shape and bounds, and every table row against the GGUF tensor
+it packs (family, activation format, sizes, and that its slices lie inside the buffers as lumen.model.forward.mm
+takes them: lumen.kernels.layout.check_table), because the compiled kernels do not check bounds. A file that is
+there but wrong is named once on stderr (why it cannot be read) and rewritten.
+The buffers are mapped from the file, copy-on-write (MAP_PRIVATE), also right after packing: the pages are the
+page cache's, so the processes and replicas serving a model on one host share one copy. Writable, so their Numba
+type is that of freshly allocated arrays (a read-only mapping would compile the forward pass again); nothing
+writes them. Any OSError (unwritable directory, full disk) only means the packs stay in memory; nothing is raised.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
 import sys
@@ -44,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format.gguf import GGUFFile
-from ..kernels.layout import DTYPES, Packs, check_table
+from ..kernels.layout import BUFFERS, DTYPES, Packs, check_table
 from ..paths import IMPORT_TIME_NS, lumen_home
 from .store import file_lock
 
@@ -128,24 +133,54 @@ def _read_at(f, offset: int, out) -> None:
         got += n
 
 
+class Unreadable(Exception):
+    """Why a cache file cannot be used (said once, then the file is rebuilt)."""
+
+
 def read(path: Path, key: str, expected: np.ndarray) -> Packs | None:
-    """The packs stored at path (read into fresh arrays), or None if the file is missing, stale or damaged."""
+    """The packs stored at path, or None if the file is missing, stale or damaged (open() says why)."""
     try:
-        with open(path, "rb", buffering=0) as f:
+        return open_packs(path, key, expected)
+    except (FileNotFoundError, Unreadable):
+        return None
+
+
+def open_packs(path: Path, key: str, expected: np.ndarray) -> Packs:
+    """The packs stored at path, its buffers mapped copy-on-write (MAP_PRIVATE) from the file: the pages are the
+    page cache's, shared by every process that maps the file, and nothing is copied. The mapping is writable, so
+    the arrays have the Numba type of freshly allocated ones (a read-only array would compile the forward pass
+    again); nothing writes to them (a write would only make a private copy of the page). The table is copied (it
+    is checked, and small). FileNotFoundError if there is no file; Unreadable(why) if it cannot be used."""
+    try:
+        f = open(path, "rb", buffering=0)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(path) from None
+    except OSError as e:
+        raise Unreadable(f"{type(e).__name__}: {e.strerror or e}") from None
+    try:
+        with f:
             size = os.fstat(f.fileno()).st_size
             if size < 16 + len(TRAILER):
-                return None
+                raise Unreadable(f"{size} bytes: too short")
             pre, tail = bytearray(16), bytearray(len(TRAILER))
             _read_at(f, 0, pre)
             _read_at(f, size - len(TRAILER), tail)
             (hlen,) = struct.unpack("<Q", pre[8:])
-            if pre[:8] != MAGIC or tail != TRAILER or hlen > size - 16 - len(TRAILER):
-                return None
+            if pre[:8] != MAGIC:
+                raise Unreadable("not a pack file (bad magic)")
+            if tail != TRAILER:
+                raise Unreadable("no end marker (an incomplete write?)")
+            if hlen > size - 16 - len(TRAILER):
+                raise Unreadable(f"header length {hlen} beyond the file's {size} bytes")
             raw = bytearray(hlen)
             _read_at(f, 16, raw)
             head = json.loads(raw)
-            if head.get("key") != key or head.get("size") != size or set(head.get("arrays", ())) != set(DTYPES):
-                return None
+            if head.get("key") != key:
+                raise Unreadable("another key in its header")
+            if head.get("size") != size:
+                raise Unreadable(f"{size} bytes, its header says {head.get('size')}")
+            if set(head.get("arrays", ())) != set(DTYPES):
+                raise Unreadable(f"arrays {sorted(head.get('arrays', ()))}, expected {sorted(DTYPES)}")
             layout = {}
             for name, dt in DTYPES.items():
                 dtype, shape, off = head["arrays"][name]
@@ -154,49 +189,75 @@ def read(path: Path, key: str, expected: np.ndarray) -> Packs | None:
                 if (np.dtype(dtype) != np.dtype(dt) or len(shape) != (2 if name == "table" else 1)
                         or any(n < 0 for n in shape) or off % ALIGN or off < 16 + hlen
                         or off + nbytes > size - len(TRAILER)):
-                    return None
+                    raise Unreadable(f"array {name} {dtype} {list(shape)} at {off} does not fit the file")
                 layout[name] = shape, off
             table = np.empty(layout["table"][0], np.int64)
             _read_at(f, layout["table"][1], table)
             sizes = {name: shape[0] for name, (shape, off) in layout.items() if name != "table"}
-            if check_table(table, expected, sizes) is not None:
-                return None
-            arrays = {"table": table}
-            for name, (shape, off) in layout.items():
-                if name != "table":
-                    arrays[name] = np.empty(shape, DTYPES[name])
-                    _read_at(f, off, arrays[name])
+            why = check_table(table, expected, sizes)
+            if why is not None:
+                raise Unreadable(why)
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        arrays = {"table": table}
+        for name, (shape, off) in layout.items():
+            if name != "table":
+                arrays[name] = np.frombuffer(mm, DTYPES[name], count=shape[0], offset=off)
         return Packs(**arrays)
-    except (OSError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError):
-        return None  # unreadable, or a damaged header (json.JSONDecodeError is a ValueError)
+    except (OSError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+        raise Unreadable(f"{type(e).__name__}: {e}") from None  # json.JSONDecodeError is a ValueError
 
 
 # ---------------------------------------------------------------- write
 
-def write(path: Path, key: str, packs: Packs) -> str | None:
-    """Store packs at path atomically; returns None, or why it could not (the cache is then just skipped)."""
-    arrays = {name: np.ascontiguousarray(getattr(packs, name)) for name in DTYPES}
-    layout, off = {}, 0
-    head = b""
-    for _ in range(2):  # the header's length moves the data offsets: settle it
-        off = -(-(16 + len(head)) // ALIGN) * ALIGN
-        layout = {}
-        for name, a in arrays.items():
-            layout[name] = [a.dtype.str, list(a.shape), off]
-            off = -(-(off + a.nbytes) // ALIGN) * ALIGN
+def file_layout(key: str, table: np.ndarray, sizes: dict) -> tuple[bytes, dict, int]:
+    """(header, {array name: byte offset}, file size) of a file holding `table` and buffers of `sizes`.
+    The header's length moves the data offsets and the offsets are in the header: iterate until the offsets the
+    header states are those its own length gives (its length only grows with the offsets, so this settles in a
+    few rounds), so that read() finds every array where it was written, whatever the header's length."""
+    shapes = {"table": list(table.shape), **{name: [int(sizes[name])] for name in BUFFERS}}
+    start = 0
+    for _ in range(16):
+        layout, off = {}, start
+        for name, dt in DTYPES.items():
+            layout[name] = [np.dtype(dt).str, shapes[name], off]
+            off = -(-(off + math.prod(shapes[name]) * np.dtype(dt).itemsize) // ALIGN) * ALIGN
         head = json.dumps({"key": key, "size": off + len(TRAILER), "arrays": layout}).encode()
+        first = -(-(16 + len(head)) // ALIGN) * ALIGN
+        if first == start:
+            return head, {name: v[2] for name, v in layout.items()}, off + len(TRAILER)
+        start = first
+    raise AssertionError("the pack file header did not settle")
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill) -> str | None:
+    """Store the packs atomically at path, packed straight into the file: fill(put) packs every matrix through
+    put(buffer name, offset in values, flat array), which writes the piece at its place in the file, so neither
+    the file nor the packs are ever in memory whole. Returns None, or why it could not (then no file is left)."""
+    head, offsets, size = file_layout(key, table, sizes)
+    assert 16 + len(head) <= min(offsets.values())
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
-            for name, a in arrays.items():
-                f.write(b"\0" * (layout[name][2] - f.tell()))
-                f.write(memoryview(a.reshape(-1)).cast("B"))
-            f.write(b"\0" * (off - f.tell()) + TRAILER)
-            f.flush()
-            os.fsync(f.fileno())
+            os.ftruncate(fd, size)                           # the padding stays zero (and sparse)
+            _pwrite(fd, MAGIC + struct.pack("<Q", len(head)) + head, 0)
+            _pwrite(fd, np.ascontiguousarray(table, np.int64), offsets["table"])
+            dtypes = {name: np.dtype(DTYPES[name]) for name in BUFFERS}
+
+            def put(name, off, a):
+                assert a.dtype == dtypes[name] and 0 <= off and off + a.size <= sizes[name]
+                _pwrite(fd, np.ascontiguousarray(a), offsets[name] + off * a.itemsize)
+            fill(put)
+            _pwrite(fd, TRAILER, size - len(TRAILER))
+            os.fsync(fd)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         tmp = None
@@ -231,9 +292,12 @@ def _evict(keep: Path) -> None:
 
 # ---------------------------------------------------------------- entry
 
-def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[Packs, str]:
-    """(packs, where they came from): the cached packs of g if valid, else pack(mats), stored for next time.
-    The second item is "cache", "packed, cached", or "packed" plus why nothing was cached.
+def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expected: np.ndarray,
+                 say=None) -> tuple[Packs, str]:
+    """(packs, where they came from): the cached packs of g if valid, else packed into the cache file by
+    fill(put) and mapped from it, or packed in memory by pack(why the cache is not used) otherwise. The second
+    item is "cache", "packed, cached", or "packed" plus why nothing was cached. say(line), if given, is told
+    once that a cache file exists but cannot be read (it is then rebuilt).
 
     A miss packs and writes under an exclusive lock on `.lock` in the cache directory (one file for the cache, so
     none accumulate), so processes loading the same model at once pack it once: the others wait, then read the
@@ -241,9 +305,23 @@ def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[P
     why nothing was cached."""
     key = cache_key(g)
     if key is None:
-        return pack(mats), "packed (packing sources changed after import: cache not used)"
+        return pack("the packing sources changed after import"), \
+            "packed (packing sources changed after import: cache not used)"
     path = cache_path(g, key)
-    packs = read(path, key, expected)
+    told = []
+
+    def attempt() -> tuple[Packs | None, Unreadable | None]:
+        try:
+            return open_packs(path, key, expected), None
+        except FileNotFoundError:
+            return None, None
+        except Unreadable as e:
+            if say is not None and not told:
+                say(f"the packed-weight cache file {path.name} cannot be read ({e}); packing again")
+                told.append(e)
+            return None, e
+
+    packs, _ = attempt()
     if packs is not None:
         return packs, "cache"
     with ExitStack() as held:
@@ -252,9 +330,13 @@ def load_or_pack(g: GGUFFile, mats: list, pack, expected: np.ndarray) -> tuple[P
             held.enter_context(file_lock(path.parent / ".lock"))
         except OSError:
             pass
-        packs = read(path, key, expected)  # written by the process we waited for
+        packs, _ = attempt()  # written by the process we waited for
         if packs is not None:
             return packs, "cache"
-        packs = pack(mats)
-        why = write(path, key, packs)
-    return packs, "packed, cached" if why is None else f"packed (cache not written: {why})"
+        why = write(path, key, table, sizes, fill)
+        if why is None:
+            packs, err = attempt()
+            if packs is not None:
+                return packs, "packed, cached"
+            why = f"the file written cannot be read: {err or 'it is gone'}"
+    return pack("the pack cache cannot be written"), f"packed (cache not written: {why})"

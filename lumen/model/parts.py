@@ -61,25 +61,28 @@ class ModelParts:
         return numba.get_num_threads()
 
 
-def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None = None) -> ModelParts:
-    """The parts of an opened GGUF file: its weights loaded (repacked, or from the pack cache)."""
-    w = load_weights(g, cfg, pack_cache=pack_cache)
+def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None = None,
+               quiet: bool = False) -> ModelParts:
+    """The parts of an opened GGUF file: its weights loaded (repacked, or from the pack cache). quiet: no line
+    on stderr when the weights are packed (lumen.model.weights.load_weights)."""
+    w = load_weights(g, cfg, pack_cache=pack_cache, quiet=quiet)
     return ModelParts(Path(path), g, cfg, tok, w, Weights(**w.arrays), w.rope_freqs)
 
 
-def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None) -> ModelParts:
-    """A registry name (fetched on first use) or a .gguf path -> its parts."""
+def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None, quiet: bool = False) -> ModelParts:
+    """A registry name (fetched on first use) or a .gguf path -> its parts. quiet: nothing on stderr (the
+    fetch's progress, the packing line)."""
     from .store import resolve
-    path = resolve(model)
+    path = resolve(model, quiet=quiet)
     g, cfg = open_gguf(path)
-    return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache)
+    return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache, quiet=quiet)
 
 
-def parts_of(model, *, pack_cache: bool | None = None) -> ModelParts:
+def parts_of(model, *, pack_cache: bool | None = None, quiet: bool = False) -> ModelParts:
     """ModelParts from parts, a lumen.Model (its parts, shared) or a registry name / .gguf path (loaded)."""
     if isinstance(model, ModelParts):
         return model
     parts = getattr(model, "parts", None)
     if isinstance(parts, ModelParts):
         return parts
-    return load_parts(model, pack_cache=pack_cache)
+    return load_parts(model, pack_cache=pack_cache, quiet=quiet)

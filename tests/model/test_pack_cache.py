@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from lumen.model import packcache
 from lumen.kernels.layout import C_Q as P_Q, C_S as P_S
 from lumen.model.parts import open_gguf
+from lumen.model import weights
 from lumen.model.weights import load_weights
 from synth import write_model
 
@@ -279,7 +280,10 @@ def test_unwritable_cache_dir_packs_in_memory(home, model_file, monkeypatch, tmp
     r = subprocess.run([sys.executable, "-m", "lumen.generate", "--model", str(model_file), "-p", "the", "-n", "3"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and len(lines) == 2, r.stderr          # the packing line, the summary
+    assert lines[0].startswith("lumen: packing the weights of tiny.gguf for this CPU (the pack cache cannot be "
+                               "written, ~"), lines
 
 
 def test_disabled_by_env_and_parameter(home, model_file, monkeypatch):
@@ -324,3 +328,166 @@ def test_concurrent_writers(home, model_file):
     w = packs_of(model_file, True)
     assert w.packs_from == "cache"
     assert_same_packs(w.packs, packs_of(model_file, False).packs)
+
+
+# ---------------------------------------------------------------- the file's header, at every length
+
+def test_layout_settles_for_every_header_length():
+    """file_layout states offsets that leave room for the header, whatever its length: with the header crossing a
+    64-byte boundary (its length 240 -> 241 moved the data by 64 bytes) the old two-pass layout stated offsets of
+    the shorter header, and the reader found the arrays under the header's end."""
+    table, sizes = np.zeros((3, 9), np.int64), {"q": 1000, "qf": 10, "s": 99}
+    lengths = set()
+    for n in range(0, 400):
+        head, offsets, size = packcache.file_layout("k" * n, table, sizes)
+        lengths.add(len(head))
+        assert json.loads(head)["arrays"]["table"][2] == offsets["table"] >= 16 + len(head)
+        assert offsets["table"] == -(-(16 + len(head)) // packcache.ALIGN) * packcache.ALIGN
+        assert json.loads(head)["size"] == size
+    assert set(range(200, 301)) <= lengths
+
+
+def test_every_header_length_reads_back(home, model_file):
+    """A file written with each header length over 200-300 bytes (and beyond) reads back, the arrays intact."""
+    g, cfg = open_gguf(model_file)
+    ref = load_weights(g, cfg, pack_cache=False, quiet=True)
+    mats = _mats(g, cfg)
+    table, sizes = weights.plan(mats)
+    expected = weights.expected_rows(mats)
+    path = home / "packs" / "header-0.lpack"
+    lengths = set()
+    for n in range(0, 460, 3):
+        key = "k" * n
+        assert packcache.write(path, key, table, sizes, lambda put: weights.pack_into(mats, table, put)) is None
+        lengths.add(len(json.dumps(_header(path)).encode()))
+        assert_same_packs(packcache.open_packs(path, key, expected), ref.packs)
+    assert min(lengths) < 200 and max(lengths) > 300
+
+
+def _mats(g, cfg):
+    """The matrices of g in the loader's order (as load_weights lists them)."""
+    mats = [(g.tensors[f"blk.{il}.{name}.weight"].data, g.tensors[f"blk.{il}.{name}.weight"].qtype)
+            for il in range(cfg.n_layer) for name in weights.MATS]
+    out = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
+    return mats + [(out.data, out.qtype)]
+
+
+# ---------------------------------------------------------------- what a load says
+
+def test_packing_says_so_once_and_a_hit_says_nothing(home, model_file, capfd):
+    """A first load says it packs (one plain line on stderr, captured here: not a terminal), a hit nothing, and
+    quiet=True nothing at all; the cache off says so."""
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("lumen: packing the weights of tiny.gguf for this CPU "
+                                               "(first load only, ~") and err[0].endswith(" s)"), err
+    assert packs_of(model_file, True).packs_from == "cache"
+    assert capfd.readouterr().err == ""
+    g, cfg = open_gguf(model_file)
+    assert load_weights(g, cfg, pack_cache=False, quiet=True).packs_from == "packed (cache off)"
+    assert capfd.readouterr().err == ""
+    assert packs_of(model_file, False).packs_from == "packed (cache off)"
+    assert "(the pack cache is off, ~" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["bad trailer", "garbage header", "truncated to half", "table rows swapped"])
+def test_unreadable_cache_file_says_so_once(home, model_file, capfd, how):
+    """A cache file that exists but cannot be read is named once, with why, then rebuilt (no silent repack)."""
+    packs_of(model_file, True)
+    (path,) = cache_files(home)
+    CORRUPTIONS[how](path)
+    capfd.readouterr()
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    err = capfd.readouterr().err.splitlines()
+    said = [line for line in err if "cannot be read" in line]
+    assert len(said) == 1 and path.name in said[0] and said[0].endswith("; packing again"), err
+    assert len(err) == 2 and "packing the weights" in err[1], err
+    assert packs_of(model_file, True).packs_from == "cache"
+    assert capfd.readouterr().err == ""
+    CORRUPTIONS[how](path)
+    g, cfg = open_gguf(model_file)
+    assert load_weights(g, cfg, quiet=True).packs_from == "packed, cached"
+    assert capfd.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- memory: mapped, shared, streamed
+
+def _mapped_from(a: np.ndarray):
+    """The mmap.mmap at the end of a's base chain, or None."""
+    import mmap
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = getattr(a, "base", None) if isinstance(a, np.ndarray) else getattr(a, "obj", None)
+    return a
+
+
+def _maps_of(path: Path) -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(path))]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_cached_packs_are_a_private_mapping_of_the_file(home, model_file):
+    """The buffers of a fresh pack (cache on) and of a hit are pages of the cache file (MAP_PRIVATE: shared by
+    every process mapping it until written, which nothing does), not anonymous copies; and of the Numba type of
+    in-memory packs (writable, C-contiguous, aligned), so the forward pass is not compiled again for them."""
+    import numba
+    fresh = packs_of(model_file, True)
+    (path,) = cache_files(home)
+    hit = packs_of(model_file, True)
+    mem = packs_of(model_file, False)
+    for w in (fresh, hit):
+        for name in ("q", "s"):
+            a = getattr(w.packs, name)
+            assert _mapped_from(a) is not None, name
+            assert numba.typeof(a) == numba.typeof(getattr(mem.packs, name)), name
+        assert_same_packs(w.packs, mem.packs)
+    assert _mapped_from(mem.packs.q) is None
+    maps = _maps_of(path.resolve())
+    assert maps and all(line.split()[1] == "rw-p" for line in maps), maps   # private: copy-on-write
+
+
+def test_packing_streams_one_chunk_at_a_time(home, tmp_path, monkeypatch):
+    """A first load never holds the packed model, or a whole matrix's temporaries: the Python-side peak
+    (tracemalloc sees numpy's buffers) of packing into the cache file stays within a few chunks, on a model
+    whose packs are many times that. The old loader (whole-matrix prepare, then concatenate) peaked above twice
+    the packs."""
+    import tracemalloc
+    path = tmp_path / "wide.gguf"
+    d = dict(n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_layer=2, head_dim=64)
+    write_model(path, "llama", qtype=T.Q5_0, d=d)
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 16 << 10)
+    g, cfg = open_gguf(path)
+    packed = load_weights(g, cfg, pack_cache=False, quiet=True).packs.nbytes
+    assert packed > 4 << 20
+    g, cfg = open_gguf(path)
+    tracemalloc.start()
+    try:
+        w = load_weights(g, cfg, quiet=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert w.packs_from == "packed, cached"
+    assert peak < packed / 4, (peak, packed)
+
+
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16,
+                                T.F32], ids=lambda t: t.name)
+def test_fast_prepare_and_chunks_are_the_bytes_of_prepare(qt, monkeypatch):
+    """prepare_fast is prepare, byte for byte (every type; random bytes, rows not a multiple of a tile), and the
+    packs of a model packed chunk by chunk, on threads, are those of a whole-matrix prepare concatenated."""
+    from lumen.kernels.matmul import prepare
+    from lumen.format.quants import quant_info
+    rng = np.random.default_rng(int(qt))
+    info = quant_info(qt)
+    mats = [(rng.integers(0, 256, (rows, 512 // info.block_size * info.type_size), dtype=np.uint8), qt)
+            for rows in (130, 64, 1)]
+    for raw, _ in mats:
+        a, b = prepare(raw, qt), weights.prepare_fast(raw, qt)
+        assert a[:4] == b[:4] and a.q.shape == b.q.shape and a.s.shape == b.s.shape
+        assert a.q.tobytes() == b.q.tobytes() and a.s.tobytes() == b.s.tobytes()
+    whole = [prepare(raw, qt) for raw, _ in mats]
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 1)                   # one tile a chunk
+    for threads in (1, 2):
+        packs = weights.pack_all(mats, threads=threads)
+        buf = packs.qf if whole[0].family == 4 else packs.q
+        assert buf.tobytes() == b"".join(p.q.tobytes() for p in whole)
+        assert packs.s.tobytes() == b"".join(p.s.tobytes() for p in whole)
