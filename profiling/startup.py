@@ -20,6 +20,14 @@ interleaved. Timestamps are CLOCK_MONOTONIC, shared by all processes. Figures ar
 in from the current one, so nothing is downloaded), so Numba's compile cache and the pack cache start empty; the
 plain CLI's spawn -> first token there (cold), then again in the same home (warm: everything cached), and with
 --baseline DIR the same for the other checkout, interleaved. Default 3 runs.
+
+`--first-load` measures the packing of a model's weights instead: per run, a new LUMEN_HOME whose models and Numba
+compile cache are linked from the current one (so only the pack cache starts empty; run once before, to compile):
+the plain CLI's load time (its stats line), wall time and peak RSS on the first load (packing), then on a second
+(the pack cache hit); then two processes holding the model at once (lumen.load, warm-up, 4 tokens), and the
+second one's private memory (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup), its PSS and RSS: what
+another process serving the same model adds on one host. With --baseline DIR also for the other checkout,
+interleaved. Default 3 runs.
 """
 from __future__ import annotations
 
@@ -191,9 +199,13 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="2 runs of 4 tokens (for tests)")
     ap.add_argument("--baseline", metavar="DIR", help="also run the lumen package in DIR (a checkout's root)")
     ap.add_argument("--cold", action="store_true", help="first run with empty caches (fresh homes), then warm")
+    ap.add_argument("--first-load", action="store_true",
+                    help="packing: first and second load, a second process's memory (fresh pack caches)")
     a = ap.parse_args(argv)
     if a.cold:
         return cold_main(a)
+    if a.first_load:
+        return first_load_main(a)
     runs, n = (2, 4) if a.quick else (a.runs, a.n)
     cli = ["--model", a.model, "--prompt", PROMPT, "-n", str(n)]
     modes = dict(MODES)
@@ -267,6 +279,91 @@ def cold_main(a) -> None:
     verdict(f"{a.model} cold start (empty compile and pack caches): first token {c:.1f} s after spawn, warm "
             f"{median(res['lumen']['warm']):.2f} s{base} (medians of {runs}) -> {'within' if c <= 20.0 else 'over'} the "
             f"20 s target")
+
+
+HOLD = r"""
+import sys, lumen
+m = lumen.load(sys.argv[1], ctx=256)
+m.warmup()
+list(m.generate(m.tokenize("def fib(n):"), max_tokens=4))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def smaps_mb(pid: int) -> dict[str, float]:
+    """Rss, Pss and Private (clean + dirty) of a process, MB."""
+    d = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            p = line.split()
+            if len(p) >= 2 and p[0].endswith(":") and p[1].isdigit():
+                d[p[0][:-1]] = int(p[1]) / 1024
+    return {"rss": d["Rss"], "pss": d["Pss"], "private": d["Private_Clean"] + d["Private_Dirty"]}
+
+
+def second_process(model: str, env: dict) -> dict[str, float]:
+    """Two processes holding the model at once: the second one's smaps (MB)."""
+    procs = []
+    try:
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", HOLD, model], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, env=env, cwd=NEUTRAL_CWD)
+            procs.append(p)
+            if p.stdout.readline().strip() != "ready":
+                raise SystemExit("a process holding the model failed")
+        return smaps_mb(procs[1].pid)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=120)
+
+
+def first_load_main(a) -> None:
+    """--first-load (see the module doc)."""
+    import re
+    from lumen.model.store import resolve
+    from lumen.paths import compile_cache_dir, lumen_home
+    runs, n = (1, 4) if a.quick else (a.runs if a.runs != 5 else 3, a.n)
+    model = str(resolve(a.model))
+    cli = ["--model", model, "--prompt", PROMPT, "-n", str(n)]
+    trees = {"lumen": None} | ({"baseline": os.path.abspath(a.baseline)} if a.baseline else {})
+    keys = ("first load", "first RSS", "second load", "second RSS", "2nd process private", "2nd process PSS")
+    res = {name: {k: [] for k in keys} for name in trees}
+    numba_dir = None if os.environ.get("NUMBA_CACHE_DIR") else os.path.dirname(compile_cache_dir())  # else inherited
+    for _ in range(runs):
+        for name, tree in trees.items():
+            with tempfile.TemporaryDirectory() as home:
+                for sub, target in (("models", lumen_home() / "models"), ("numba", numba_dir)):
+                    if target and os.path.exists(target):
+                        os.symlink(target, os.path.join(home, sub))
+                env = {k: v for k, v in os.environ.items() if k != "LUMEN_PACK_CACHE"}
+                env["LUMEN_HOME"] = home
+                if tree:
+                    env["PYTHONPATH"] = tree
+                for kind in ("first", "second"):
+                    r = run_cli(cli, env)
+                    load = re.search(r"load ([0-9.]+) s", r["stats"])
+                    res[name][f"{kind} load"].append(float(load.group(1)) if load else float("nan"))
+                    res[name][f"{kind} RSS"].append(r["maxrss_mb"])
+                    print(f"{name} {kind}: wall {r['wall']:.2f} s, peak RSS {r['maxrss_mb']:.0f} MB; {r['stats']}",
+                          flush=True)
+                sm = second_process(model, env)
+                res[name]["2nd process private"].append(sm["private"])
+                res[name]["2nd process PSS"].append(sm["pss"])
+                print(f"{name} second process: private {sm['private']:.0f} MB, PSS {sm['pss']:.0f} MB, "
+                      f"RSS {sm['rss']:.0f} MB", flush=True)
+    size = os.path.getsize(model) / 2**20
+    print(f"\n{a.model} ({size:.0f} MB), medians of {runs} fresh pack caches, interleaved")
+    print(f"{'':22s}" + "".join(f"{name:>12s}" for name in trees))
+    for k in keys:
+        unit = " s" if "load" in k else "MB"
+        print(f"{k:22s}" + "".join(f"{median(res[name][k]):10.2f}{unit}" for name in trees))
+    r = res["lumen"]
+    print(f"VERDICT: {a.model} first load {median(r['first load']):.2f} s, peak RSS "
+          f"{median(r['first RSS']) / size:.2f}x the GGUF; second load {median(r['second load']):.2f} s; a second "
+          f"process adds {median(r['2nd process private']):.0f} MB of its own [load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores]")
 
 
 if __name__ == "__main__":
