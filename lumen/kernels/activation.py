@@ -140,7 +140,8 @@ def add_kernel_par(x, y):
 
 def gated(kinds, gelu, par, out, gate, up):
     """out = act(gate) * up with the model's gated activation (gelu: geglu, else swiglu), by the row-parallel kernel
-    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled. Compiled code only."""
+    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled, both for an entry table.
+    Compiled code only."""
     raise NotImplementedError("gated runs in compiled code only")
 
 
@@ -162,8 +163,9 @@ def _geglu(par, out, gate, up):
 
 @overload(gated)
 def _gated(kinds, gelu, par, out, gate, up):
-    from .kinds import GELU, SILU, sets, switch
-    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in sets(kinds)[2]), 4)
+    from .kinds import ACTS, GELU, SILU, is_table, sets, switch
+    acts = ACTS if is_table(kinds) else sets(kinds)[2]       # an entry table: both (small kernels)
+    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in acts), 4)
 
     def impl(kinds, gelu, par, out, gate, up):
         act(GELU if gelu else SILU, par, out, gate, up)

@@ -9,11 +9,12 @@ in f32 anyway (f16 d has 11 significant bits, d*sc <= 19 bits, d*sc*q on Q4/Q5 <
 should not hang on that argument. These kernels are not on the hot path.
 """
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from lumen.format.quants import QT, quant_info, row_bytes
-from lumen.kernels.kinds import ALL, sets, switch
+from lumen.kernels.kinds import ALL, ROWS, call, is_table, same_abi, sets, switch
 
 # f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)   # (65536,) f32
@@ -192,11 +193,29 @@ def dequant_row(kinds, out, raw, lut, qtype):
 
 @overload(dequant_row)
 def _dequant_row(kinds, out, raw, lut, qtype):
+    if is_table(kinds):                     # the entry table (lumen.kernels.entries): through its address
+        if not same_abi((out, raw, lut, qtype), row_signature(kinds)[:-1]):
+            raise TypingError(f"the row entries are compiled for {row_signature(kinds)[:-1]}, not for "
+                              f"{(out, raw, lut, qtype)}")
+        return lambda kinds, out, raw, lut, qtype: call(kinds[ROWS + qtype], (out, raw, lut, qtype, kinds))
     rows = switch(tuple((t, _ROWS[t]) for t in sets(kinds)[1] if t in _ROWS) or ((_F32, row_f32),), 3)
 
     def impl(kinds, out, raw, lut, qtype):
         rows(qtype, out, raw, lut)
     return impl
+
+
+@njit(cache=True)
+def dequant_row_entry(out, raw, lut, qtype, kinds):
+    """dequant_row with the kinds last: what an entry table calls (lumen.kernels.entries)."""
+    dequant_row(kinds, out, raw, lut, qtype)
+
+
+def row_signature(kinds_type) -> tuple:
+    """The Numba types dequant_row_entry is compiled for in an entry table: one embedding row as the forward pass
+    looks it up (a row of the GGUF mmap), with a kinds value of one type."""
+    return (types.Array(types.float32, 1, "C"), types.Array(types.uint8, 1, "C"),
+            types.Array(types.float32, 1, "C"), types.int64, kinds_type)
 
 
 @njit(parallel=True, cache=True)

@@ -7,7 +7,15 @@ types and both activations, for every model; each compiled function is optimised
 links it (numba.core.codegen: a library's final module holds its callees), so a cold start paid for them several
 times over. The kinds travel in the Weights bundle, and their Numba type carries the sets, so the dispatchers
 (lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.dequant_row, lumen.kernels.activation.gated) build, with
-`switch`, code for what the model has and nothing else; the forward pass is compiled (and cached) once per set.
+`switch`, code for what the model has and nothing else.
+
+The forward pass does not take a model's kinds value itself but the table lumen.kernels.entries makes of it: the
+addresses of the type-specific kernels (lumen.kernels.matmul.tiles for each matrix type, the row dequantizer for
+the embedding type), each compiled (or loaded from Numba's cache) for its one type on its own, and called through
+`call`. The forward pass's code then holds none of them: it is one compiled function for every model, compiled
+once per machine; a model of new weight types compiles those types' kernels only, and a model of known types
+nothing. (With the kinds compiled into it, each new set of types compiled the whole forward pass again, every
+kernel it links included.)
 
 The value is a zero-length array whose structured dtype names the kinds (fields m<type>, e<type>, a<act>): Numba's
 dispatcher types arrays in its C fast path, so the bundle costs nothing per call (a Python object of a custom type
@@ -19,7 +27,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from ..format.quants import QT
 
@@ -70,3 +80,49 @@ def switch(cases: tuple, n_args: int):
     ns = {f"f{j}": fn for j, (_, fn) in enumerate(cases)}
     exec("\n".join(lines), ns)
     return njit(inline="always")(ns["switch_"])
+
+
+# ---------------------------------------------------------------- the entry table of a model's kinds
+# (made by lumen.kernels.entries, which compiles the kernels; here what the kernels that call them need)
+
+N_TYPES = 32                      # GGML type ids below this (lumen.format.quants.QT)
+TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles for type t; table[ROWS + t]: the
+N_ENTRIES = 2 * N_TYPES           # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
+
+
+def is_table(kinds_type) -> bool:
+    """Whether a kinds argument's Numba type is an entry table (else a kinds value, compiled in)."""
+    return isinstance(kinds_type, types.Array) and kinds_type.dtype == types.int64
+
+
+@intrinsic
+def call(typingctx, addr, args):
+    """call(addr, (a0, a1, ...)): call the compiled function whose C wrapper is at addr
+    (lumen.kernels.entries.address) with the arguments of the tuple, which must be of the types it was compiled
+    for (up to the dtype of an array's elements: its struct is the same); returns nothing. The callee is not
+    linked into the caller's code."""
+    if not (isinstance(addr, types.Integer) and isinstance(args, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        fn_addr, tup = llargs
+        tys = sig.args[1].types
+        fnty = ir.FunctionType(context.get_value_type(types.none), [context.get_value_type(t) for t in tys])
+        fn = builder.inttoptr(fn_addr, fnty.as_pointer())
+        builder.call(fn, [builder.extract_value(tup, i) for i in range(len(tys))])
+        return context.get_dummy_value()
+    return types.none(addr, args), codegen
+
+
+def same_abi(got: tuple, want: tuple) -> bool:
+    """Whether arguments of Numba types got can be passed to code compiled for want: the same types, except that an
+    array may be read-only on one side and writable on the other (the struct and the code are the same)."""
+    def norm(t):
+        if isinstance(t, types.Array):
+            return ("array", str(t.dtype), t.ndim, t.layout, t.aligned)
+        if isinstance(t, types.BaseNamedTuple):
+            return ("named", t.instance_class, tuple(norm(x) for x in t.types))
+        if isinstance(t, types.BaseTuple):
+            return ("tuple", tuple(norm(x) for x in t.types))
+        return str(t)
+    return len(got) == len(want) and all(norm(a) == norm(b) for a, b in zip(got, want))

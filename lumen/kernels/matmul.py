@@ -40,12 +40,13 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
-from lumen.kernels.kinds import ALL, sets, switch
+from lumen.kernels.kinds import ALL, TILES, call, is_table, same_abi, sets, switch
 from lumen.kernels.policy import UNPACK_ROWS, UNPACKED, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
@@ -488,6 +489,35 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
                     out[i, t * R + r] = facc[0, r]
 
 
+def tiles_signature(kinds_type) -> tuple:
+    """The Numba types `tiles` is compiled for in an entry table (lumen.kernels.entries): what matmul_kernel
+    passes it (run_tiles checks), with a kinds value of one type."""
+    f32_2, u8_2 = types.Array(types.float32, 2, "C"), types.Array(types.uint8, 2, "C")
+    mat = types.NamedTuple((types.int64, u8_2, types.Array(types.float32, 3, "C"), u8_2), Mat)
+    acts = types.NamedTuple((types.Array(types.int8, 2, "C"), f32_2, f32_2, types.Array(types.int32, 3, "C"), f32_2),
+                            Acts)
+    return (f32_2, mat, acts, f32_2, u8_2, types.int64, types.int64, types.int64, kinds_type)
+
+
+def run_tiles(kinds, out, w, x, facc, wbuf, wo, t0, t1):
+    """tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds), compiled in for a kinds value, or called through the entry
+    table (lumen.kernels.entries) at w's type. Compiled code only."""
+    raise NotImplementedError("run_tiles runs in compiled code only")
+
+
+@overload(run_tiles, inline="always")
+def _run_tiles(kinds, out, w, x, facc, wbuf, wo, t0, t1):
+    if not is_table(kinds):
+        return lambda kinds, out, w, x, facc, wbuf, wo, t0, t1: tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds)
+    got = (out, w, x, facc, wbuf, wo, t0, t1)
+    if not same_abi(got, tiles_signature(kinds)[:-1]):
+        raise TypingError(f"the tiles entries are compiled for {tiles_signature(kinds)[:-1]}, not for {got}")
+
+    def impl(kinds, out, w, x, facc, wbuf, wo, t0, t1):
+        call(kinds[TILES + w.qt], (out, w, x, facc, wbuf, wo, t0, t1, kinds))
+    return impl
+
+
 @njit(parallel=True, cache=True)
 def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
     """outs[m] (N, d_out_m) = W_m . x for the first n (1..3) matrices of the 3-tuple ws (Mats), all over the same
@@ -497,7 +527,8 @@ def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
     others' from the back (lumen.kernels.work.claim) until none is left (`tiles`); work[0] = STATIC keeps each
     worker to its own share (the old split, for measurements). facc (threads, R) f32 and wbuf (threads, bytes) u8:
     per-worker scratch (lumen.kernels.scratch.per_thread; wbuf holds a tile unpacked for prefill, `tiles`, and may
-    have 0 bytes: the passes then unpack as they go). kinds (lumen.kernels.kinds): the types the tile dispatch is compiled for.
+    have 0 bytes: the passes then unpack as they go). kinds (lumen.kernels.kinds): the types the tile dispatch is
+    compiled for, or the entry table whose `tiles` of each type it calls (run_tiles).
     A tile's outputs are one worker's, computed the same way whichever worker it is, so the bits do not depend on
     the distribution (tests/engine/test_threads.py); lumen/kernels/work.py has the measurements."""
     # (the region takes the Mats' fields as tuples: Numba's gufunc wrapper rejects a tuple of Mats)
@@ -527,8 +558,8 @@ def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
                     T = ss[m].shape[0]
                     a, b = max(a0, base), min(b0, base + T)
                     if a < b:
-                        tiles(outs[m], Mat(qts[m], qs[m], qfs[m], ss[m]), x, facc[ci:ci + 1], wbuf,
-                              ci * wbuf.shape[1], a - base, b - base, kinds)
+                        run_tiles(kinds, outs[m], Mat(qts[m], qs[m], qfs[m], ss[m]), x, facc[ci:ci + 1], wbuf,
+                                  ci * wbuf.shape[1], a - base, b - base)
                     base += T
 
 

@@ -9,7 +9,8 @@ computed only for the rows that will be sampled. A single sequence (lumen.Model)
 takes named bundles (NamedTuples, which Numba compiles as structs):
     Arch     the architecture: sizes, switches, RoPE tables, per-layer windows (from the Config)
     Weights  the token embedding (rows of the GGUF mmap), the packed matrices (lumen.kernels.layout.Packs)
-             and the norm/bias vectors, named after the GGUF tensors
+             and the norm/bias vectors, named after the GGUF tensors; the addresses of the kernels of the
+             model's weight types (lumen.kernels.entries), so nothing here depends on the model
     KV       the paged f16 K/V pools of every layer (lumen.kernels.attention)
     Batch    this step's tokens, their positions, sequences and cache slots, the block tables, the rows to sample
     Scratch  activation buffers and kernel scratch, allocated once for the largest step
@@ -28,6 +29,7 @@ from numba import njit
 from ..kernels.activation import add_kernel, add_kernel_par, gated
 from ..kernels.attention import AttnScratch, Paged, attention_kernel, attention_split_kernel, kv_store_kernel
 from ..kernels.dequant import dequant_row
+from ..kernels.entries import entries
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
 from ..kernels.matmul import Acts, Mat, matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_heads_kernel_par, rmsnorm_kernel, rmsnorm_kernel_par
@@ -79,7 +81,7 @@ class Arch(NamedTuple):
     rope_sin: np.ndarray
 
 
-class Weights(NamedTuple):
+class _WeightFields(NamedTuple):
     token_embd: np.ndarray       # (n_vocab, row_bytes) u8: rows of the GGUF mmap, dequantized on lookup
     token_embd_type: int         # its GGML type
     lut: np.ndarray              # (65536,) f32: f16 bits -> value
@@ -92,7 +94,7 @@ class Weights(NamedTuple):
     ffn_up: np.ndarray
     ffn_down: np.ndarray
     output: int                  # the output head's matrix id (token_embd's when tied)
-    kinds: np.ndarray            # (0,) lumen.kernels.kinds: its dtype names the types and activation compiled for
+    kinds: np.ndarray            # (N_ENTRIES,) i8 the entry table of the model's kinds (lumen.kernels.kinds)
     fvec: np.ndarray             # (n,) f32: every norm and bias vector; each below is (offset, length) into it
     attn_norm: np.ndarray        # (L, 2) i8
     ffn_norm: np.ndarray
@@ -104,6 +106,18 @@ class Weights(NamedTuple):
     post_attention_norm: np.ndarray
     post_ffw_norm: np.ndarray
     output_norm: np.ndarray      # (2,) i8
+
+
+class Weights(_WeightFields):
+    """The Weights bundle. A kinds value given for `kinds` (lumen.kernels.kinds.kinds: the types the model uses)
+    becomes its entry table here (lumen.kernels.entries: those types' kernels compiled or loaded now), so
+    the forward pass is one compiled function for every model, and its type-specific kernels are compiled once
+    per type on a machine."""
+    __slots__ = ()
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls, *args, **kwargs)
+        return self._replace(kinds=entries(self.kinds))
 
 
 class KV(NamedTuple):

@@ -1,0 +1,46 @@
+"""The entry table of a model's kinds: the addresses of its type-specific kernels, each compiled (or loaded from
+Numba's cache) for one type on its own, which the forward pass calls through lumen.kernels.kinds.call (the
+kinds module's docstring says why). Apart from lumen.kernels.kinds because it compiles the kernels of
+lumen.kernels.matmul and lumen.kernels.dequant, which import that module.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import typeof
+
+from .dequant import dequant_row_entry, row_signature
+from .kinds import N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
+from .matmul import tiles, tiles_signature
+
+
+def address(dispatcher, sig: tuple) -> int:
+    """The address of the C wrapper of dispatcher compiled for sig (compiled now, or loaded from Numba's cache):
+    what lumen.kernels.kinds.call calls. The dispatcher keeps the code alive for the life of the process."""
+    dispatcher.compile(sig)
+    cres = dispatcher.overloads[tuple(sig)]
+    return cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(slot: int, t: int) -> int:
+    if slot == TILES:
+        return address(tiles, tiles_signature(typeof(kinds(mats=(t,), embd=(), acts=()))))
+    return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
+
+
+def entries(k: np.ndarray) -> np.ndarray:
+    """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t the `tiles` of
+    each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, each compiled for its
+    one type; 0 for every other type (the loader checked that the model uses none). A table is returned as it is."""
+    if k.dtype == np.int64:
+        return k
+    mats, embd, _ = sets(typeof(k))
+    table = np.zeros(N_ENTRIES, np.int64)
+    for slot, ts in ((TILES, mats), (ROWS, embd)):
+        for t in ts:
+            if not 0 <= t < N_TYPES:
+                raise ValueError(f"GGML type {t} has no entry slot")
+            table[slot + t] = _entry(slot, t)
+    return table
