@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # When Lumen was imported (lumen/__init__.py imports this module first): lumen.model.packcache trusts a source
@@ -25,8 +26,10 @@ ROOT = Path(__file__).resolve().parent                  # the lumen package dire
 # Numba's compile cache, keyed by the compiled code. Numba checks a cached function against its own source file
 # only, but the forward pass inlines kernels from other files: after an edit to a kernel, the cached forward pass
 # would still run the old kernel. So the cache lives in $LUMEN_HOME/numba/<hash of every source file that holds
-# compiled code, and of the switches frozen into it (LUMEN_TIMERS, LUMEN_NO_VNNI)>; a change is a new directory.
-# An explicit NUMBA_CACHE_DIR wins.
+# compiled code, of the switches frozen into it (LUMEN_TIMERS, LUMEN_NO_VNNI), and of what else the code depends
+# on: Lumen's version, Numba's and llvmlite's, Python's, and the CPU's model and features (a home shared by
+# several machines or environments keeps one cache for each)>; a change is a new directory. An explicit
+# NUMBA_CACHE_DIR wins.
 COMPILED = ("kernels/*.py", "model/forward.py", "timer.py", "machine.py", "format/quants.py")
 
 
@@ -35,10 +38,36 @@ def lumen_home() -> Path:
     return Path(os.environ.get("LUMEN_HOME") or Path.home() / ".cache" / "lumen")
 
 
+def _platform() -> bytes:
+    """What compiled code depends on besides Lumen's sources: Lumen's version, the version files of Numba and
+    llvmlite (read, not imported: Numba must not start before the cache directory is set), Python's version, and
+    the CPU's model and feature flags. Cheap enough for every start (no package metadata scan)."""
+    import importlib.util
+    import re
+    import sys
+    m = re.search(r'__version__ = "([^"]+)"', (ROOT / "__init__.py").read_text())
+    parts = [f"lumen={m.group(1) if m else '?'}", f"python={sys.version}"]
+    for pkg in ("numba", "llvmlite"):
+        spec = importlib.util.find_spec(pkg)
+        try:
+            parts.append(f"{pkg}=" + (Path(spec.origin).parent / "_version.py").read_text())
+        except (AttributeError, TypeError, OSError):
+            parts.append(f"{pkg}=?")
+    try:
+        with open("/proc/cpuinfo") as f:
+            parts += [line for line in f.read().splitlines()[:40]
+                      if line.startswith(("vendor_id", "model name", "flags"))][:3]
+    except OSError:
+        import platform
+        parts.append(f"cpu={platform.machine()} {platform.processor()}")
+    return "\n".join(parts).encode()
+
+
 def compile_cache_dir() -> str:
-    """$LUMEN_HOME/numba/<key of the compiled sources and build switches> (see COMPILED)."""
+    """$LUMEN_HOME/numba/<key of the compiled sources, build switches and platform> (see COMPILED)."""
     h = hashlib.sha256(f"timers={os.environ.get('LUMEN_TIMERS', '1')} "
                        f"novnni={os.environ.get('LUMEN_NO_VNNI', '0')}\n".encode())
+    h.update(_platform())
     for pattern in COMPILED:
         for p in sorted(ROOT.glob(pattern)):
             h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes())
@@ -82,3 +111,44 @@ def use_compile_cache() -> None:
     if "numba" in sys.modules:                          # imported before lumen: it read its config already
         import numba.core.config
         numba.core.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+
+@contextmanager
+def _flock(directory: str, shared: bool):
+    """An flock on directory/lumen.lock (shared or exclusive) for the block; none if the file cannot be made."""
+    import fcntl
+    try:
+        os.makedirs(directory, exist_ok=True)
+        f = open(os.path.join(directory, "lumen.lock"), "a+b")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+
+
+def lock_compile_cache() -> None:
+    """Make Numba's cache safe for processes that compile at once (lumen.kernels calls this on import).
+
+    Numba saves a function's compiled code by reading its index, picking the next free data file name, writing the
+    index and then the data, with no lock: two processes that compile two signatures of one function at once both
+    take the same name, and the index can end up pointing a signature at the other's code, or lose one of them;
+    a process that loads between the index and the data reads a missing or stale file. Here each save holds an
+    exclusive lock on the cache directory's lumen.lock and each load a shared one, so the index and the data
+    always change together."""
+    from numba.core import caching
+    cls = caching.IndexDataCacheFile
+    if getattr(cls, "_lumen_locked", False):
+        return
+    save, load = cls.save, cls.load
+
+    def locked_save(self, key, data):
+        with _flock(self._cache_path, shared=False):
+            return save(self, key, data)
+
+    def locked_load(self, key):
+        with _flock(self._cache_path, shared=True):
+            return load(self, key)
+
+    cls.save, cls.load, cls._lumen_locked = locked_save, locked_load, True

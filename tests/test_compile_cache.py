@@ -1,0 +1,78 @@
+"""Numba's compile cache stays whole when processes compile into it at once (lumen.paths.lock_compile_cache), and
+its directory is keyed by the platform as well as the sources."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import lumen.kernels                      # locks Numba's cache (lumen.paths.lock_compile_cache)
+    from numba.core import caching
+    save_index = caching.IndexDataCacheFile._save_index
+
+    def slow_save_index(self, overloads):     # widen the window between reading the index and writing it
+        time.sleep(0.5)
+        save_index(self, overloads)
+
+    caching.IndexDataCacheFile._save_index = slow_save_index
+    import racy
+    start = float(sys.argv[2])
+    time.sleep(max(0.0, start - time.time()))
+    racy.f({"i": 1, "f": 1.5, "c": 1j, "b": True}[sys.argv[3]])
+""")
+
+RACY = textwrap.dedent("""
+    from numba import njit
+
+    @njit(cache=True)
+    def f(x):
+        return x + x
+""")
+
+CHECK = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import lumen.kernels
+    import racy
+    for x in (1, 1.5, 1j, True):
+        assert racy.f(x) == x + x
+    print(sum(racy.f.stats.cache_misses.values()), sum(racy.f.stats.cache_hits.values()))
+""")
+
+
+def test_processes_that_compile_at_once_keep_the_cache_index_whole(tmp_path):
+    (tmp_path / "racy.py").write_text(RACY)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(tmp_path)])}
+    start = time.time() + 8                         # every child imports first, then all compile at this time
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(start), kind], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for kind in "ifcb"]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    r = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0", "4"], f"cache misses, hits after 4 processes compiled at once: {r.stdout}"
+
+
+def test_the_cache_directory_depends_on_the_platform(monkeypatch):
+    from lumen import paths
+    here = paths.compile_cache_dir()
+    assert paths.compile_cache_dir() == here
+    monkeypatch.setattr(paths, "_platform", lambda: b"another numba, another cpu")
+    assert paths.compile_cache_dir() != here
