@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("lumen.models", "known models and their state; --fetch NAME"),
     "perplexity": ("lumen.perplexity", "perplexity of a model on a text file"),
     "gguf": ("lumen.gguf", "a GGUF file's metadata and tensor table"),
+    "warmup": ("lumen.warmup", "compile the kernels for the given models ahead of time (image builds, servers)"),
 }
 
 

@@ -152,3 +152,22 @@ def lock_compile_cache() -> None:
             return load(self, key)
 
     cls.save, cls.load, cls._lumen_locked = locked_save, locked_load, True
+
+
+@contextmanager
+def compiling():
+    """Hold the machine's compile turn for the block: one process at a time compiles into the compile cache, and
+    the others wait, then load what it compiled instead of compiling the same functions beside it (two replicas
+    starting on a fresh host each compiled everything, on the same cores). Wrap a first forward pass or a
+    warm-up in it; a process whose kernels are cached holds it for as long as loading them takes."""
+    directory = os.environ.get("NUMBA_CACHE_DIR") or compile_cache_dir()
+    import fcntl
+    try:
+        os.makedirs(directory, exist_ok=True)
+        f = open(os.path.join(directory, "compiling.lock"), "a+b")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield

@@ -13,7 +13,8 @@ one after another on one Numba cache (a new empty directory unless --cache), wit
     in the cache: argument by argument, down into the bundles' fields (array dtype, ndim, layout, readonly,
     tuple lengths, literal values, structured dtypes).
 The VERDICT line names the share of the first model's compile time the top function takes, and what the last
-model compiled again. --quick: SmolLM2 alone, twice on one cache (the second run must compile nothing).
+model compiled again. --quick: SmolLM2 alone, twice, on Lumen's own compile cache (the second run must compile
+nothing; the first too when the cache is warm).
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def _describe(t):
     """A Numba type as a nested dict of what makes two signatures differ."""
     from numba.core import types
     if isinstance(t, types.BaseNamedTuple):
-        return {"namedtuple": t.instance_class.__name__, "fields": {f: _describe(ft) for f, ft in zip(t.fields, t.types)}}
+        return {"namedtuple": t.instance_class.__name__,
+                "fields": {f: _describe(ft) for f, ft in zip(t.fields, t.types)}}
     if isinstance(t, types.Array):
         dtype = (f"Record({','.join(t.dtype.fields)})" if isinstance(t.dtype, types.Record) else str(t.dtype))
         return {"array": dtype, "ndim": t.ndim, "layout": t.layout, "readonly": not t.mutable,
@@ -132,7 +134,7 @@ def _sig_diff(sig_a, sig_b) -> list[str]:
 
 def run_model(model: str, cache: str, tokens: int) -> dict:
     out = tempfile.mktemp(suffix=".json", prefix="compile-profile-")
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+    env = dict(os.environ, **({"NUMBA_CACHE_DIR": cache} if cache else {}))
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model, out, str(tokens)], env=env,
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -184,11 +186,12 @@ def report(d: dict, seen: dict, top: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python profiling/compile_profile.py", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="SmolLM2 twice on one new cache")
+    p.add_argument("--quick", action="store_true", help="SmolLM2 twice on Lumen's own compile cache")
     p.add_argument("--models", nargs="+", default=None,
                    help="registry names or .gguf paths, run in this order on one cache (default: smollm2-135m, "
                         "gemma3-270m, smollm2-135m again)")
-    p.add_argument("--cache", default=None, help="Numba cache directory to use (default: a new empty one)")
+    p.add_argument("--cache", default=None,
+                   help="Numba cache directory to use (default: a new empty one; with --quick, Lumen's own)")
     p.add_argument("--tokens", type=int, default=8, help="tokens each run generates")
     p.add_argument("--top", type=int, default=15, help="functions listed per model")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -198,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = a.models or (["smollm2-135m", "smollm2-135m"] if a.quick else
                           ["smollm2-135m", "gemma3-270m", "smollm2-135m"])
-    own = a.cache is None
-    cache = a.cache or tempfile.mkdtemp(prefix="lumen-compile-profile-")
-    print(f"Numba cache: {cache}; load {open('/proc/loadavg').read().split()[0]}")
+    own = a.cache is None and not a.quick
+    cache = a.cache or (tempfile.mkdtemp(prefix="lumen-compile-profile-") if own else None)
+    where = cache or "Lumen's own"
+    print(f"Numba cache: {where}; load {open('/proc/loadavg').read().split()[0]}")
     try:
         seen: dict = {}
         results = []
@@ -216,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     tops = sorted(((c["incl"], c["fn"]) for c in first["compiles"] if c["depth"] == 0), reverse=True)
     top_s, top_fn = tops[0] if tops else (0.0, "nothing")
     again = sorted(set(results[-1][1]))
-    print(f"\nVERDICT: a cold {first['model']} compiles {outer(first):.1f} s of its {first['wall']:.1f} s, "
-          f"{top_s / max(outer(first), 1e-9):.0%} of it in {top_fn.rsplit('.', 1)[-1]} and its callees; "
-          f"{last['model']} after it compiles {outer(last):.1f} s"
+    share = (f", {top_s / outer(first):.0%} of it in {top_fn.rsplit('.', 1)[-1]} and its callees"
+             if outer(first) > 0 else "")
+    print(f"\nVERDICT: the first {first['model']} run compiles {outer(first):.1f} s of its {first['wall']:.1f} s"
+          f"{share}; {last['model']} after it compiles {outer(last):.1f} s"
           + (f" again ({len(again)} functions: {', '.join(f.rsplit('.', 1)[-1] for f in again[:6])}"
              f"{', ...' if len(again) > 6 else ''})" if again else " (nothing compiles again)"))
     return 0

@@ -1,0 +1,112 @@
+"""`python -m lumen.warmup [--model M ...]`: compile, ahead of time, everything a model's first request runs.
+
+A first run compiles Lumen's Numba kernels into the compile cache ($LUMEN_HOME/numba, lumen/paths.py); every later
+process loads them from there. Run this in an image build, or before a server reports healthy, so no user waits
+on the compiler. Per model it loads the weights (the kernels of its weight types, lumen.kernels.entries),
+runs a prefill and a decode step (the forward pass), a generation through the engine (the samplers) and a masked
+step (the structured-output kernels), and reports the seconds, the functions compiled (cache misses) and the
+ones loaded from the cache. A second warm-up of the same models compiles nothing. Warm-ups that start at once
+take turns (lumen.paths.compiling): the second loads what the first compiled. The forward pass is one
+compiled function for every model, so a model whose weight types a machine has seen compiles nothing either.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Warmed:
+    model: str
+    seconds: float          # load + the steps below, wall
+    compiled: int           # functions compiled (Numba cache misses)
+    compile_seconds: float  # of which compiling (outermost compiles)
+    loaded: int             # functions loaded from Numba's cache
+
+
+def _cache_hits() -> int:
+    """Functions loaded from Numba's cache so far in this process, over Lumen's compiled functions."""
+    from numba.core.dispatcher import Dispatcher
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if name == "lumen" or name.startswith("lumen."):
+            for obj in list(vars(mod).values()):
+                if isinstance(obj, Dispatcher):
+                    n += sum(obj._cache_hits.values())
+    return n
+
+
+def warm(model: str, *, threads: int | None = None, ctx: int = 64) -> Warmed:
+    """Load model (a registry name or a .gguf path) and run every compiled path of a first request."""
+    from numba.core import event
+    import lumen
+    from .engine.structured import bitmask
+    from .paths import compiling
+
+    class Count(event.Listener):
+        depth = compiled = 0
+        seconds = 0.0
+
+        def on_start(self, ev):
+            self.depth += 1
+            self.compiled += 1
+            if self.depth == 1:
+                self.t0 = time.perf_counter()
+
+        def on_end(self, ev):
+            self.depth -= 1
+            if self.depth == 0:
+                self.seconds += time.perf_counter() - self.t0
+
+    count = Count()
+    hits = _cache_hits()
+    t0 = time.perf_counter()
+    with compiling(), event.install_listener("numba:compile", count):
+        m = lumen.load(model, ctx=ctx, threads=threads)
+        ids = m.tokenize("Hello")[:4] or [0]
+        m.prefill(ids)                                  # the forward pass (one compiled function for every shape)
+        m.decode(ids[-1])
+        m.reset()
+        for _ in m.generate(ids, max_tokens=2, ignore_eos=True):   # the engine's step and its samplers
+            pass
+        bitmask.warm_up()                               # structured output's mask kernels
+    return Warmed(str(model), time.perf_counter() - t0, count.compiled, count.seconds, _cache_hits() - hits)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .commands import prog
+    from .model.store import DEFAULT_MODEL
+    p = argparse.ArgumentParser(
+        prog=prog("warmup"),
+        description="Compile Lumen's kernels for the given models ahead of time (into the compile cache under "
+                    "LUMEN_HOME), so a later start answers at full speed at once. A second run compiles nothing.")
+    p.add_argument("-m", "--model", action="append", default=None, metavar="M",
+                   help=f"a registry name or a .gguf path; repeat for several (default: {DEFAULT_MODEL})")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import LumenError
+    from .model.store import DEFAULT_MODEL
+    models = args.model or [DEFAULT_MODEL]
+    total = 0
+    for name in models:
+        try:
+            w = warm(name, threads=args.threads)
+        except (LumenError, ValueError, OSError) as e:
+            print(f"error: {name}: {e}", file=sys.stderr)
+            return 1
+        total += w.compiled
+        print(f"{w.model}: ready in {w.seconds:.1f} s; compiled {w.compiled} functions "
+              f"({w.compile_seconds:.1f} s), loaded {w.loaded} from the cache", flush=True)
+    if len(models) > 1:
+        print(f"compiled {total} functions in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

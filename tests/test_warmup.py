@@ -1,0 +1,48 @@
+"""Compiling once per machine: `lumen.warmup` compiles what a model needs, a second warm-up compiles nothing, and a
+model whose weight types the cache has seen compiles nothing whatever its architecture and sizes."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from synth import write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+LINE = re.compile(r"^(?P<model>\S+): ready in [\d.]+ s; compiled (?P<n>\d+) functions .*loaded (?P<hits>\d+) from",
+                  re.M)
+
+
+def warmup(*models, env=None) -> dict[str, int]:
+    """Run `python -m lumen.warmup --model ...` in a fresh process; {model: functions it compiled}."""
+    argv = [sys.executable, "-m", "lumen.warmup"] + [a for m in models for a in ("--model", str(m))]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = {m["model"]: int(m["n"]) for m in LINE.finditer(r.stdout)}
+    assert len(found) == len(models), r.stdout
+    return found
+
+
+@pytest.mark.slow
+def test_models_of_known_types_compile_nothing(smollm2_path, tmp_path):
+    # SmolLM2: Q4_1 and Q8_0 matrices, a Q8_0 embedding, llama. The synthetic models share those types only: a
+    # llama and a gemma3 (other sizes, norms, RoPE, activation, attention windows), all in Q8_0.
+    llama, gemma = tmp_path / "llama-q8.gguf", tmp_path / "gemma3-q8.gguf"
+    write_model(llama, "llama", qtype=T.Q8_0)
+    write_model(gemma, "gemma3", qtype=T.Q8_0)
+    warmup("smollm2-135m")                                     # compiles into the session's cache, if need be
+    assert warmup(llama, gemma) == {str(llama): 0, str(gemma): 0}
+    assert warmup("smollm2-135m", llama) == {"smollm2-135m": 0, str(llama): 0}    # a second warm-up
+
+
+def test_warmup_refuses_a_missing_model_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--model", str(tmp_path / "nope.gguf")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
