@@ -94,7 +94,7 @@ def compile_cache_is_empty() -> bool:
     if not d:
         return False
     for _, _, files in os.walk(d):                      # (Numba makes a folder per source file at import)
-        if files:
+        if any(not f.endswith(".lock") for f in files):  # (the locks: lock_compile_cache, compiling)
             return False
     return True                                         # no file, or no folder yet: Numba makes it when it writes
 
