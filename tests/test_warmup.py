@@ -31,12 +31,13 @@ def warmup(*models, env=None) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_models_of_known_types_compile_nothing(smollm2_path, tmp_path):
-    # SmolLM2: Q4_1 and Q8_0 matrices, a Q8_0 embedding, llama. The synthetic models share those types only: a
-    # llama and a gemma3 (other sizes, norms, RoPE, activation, attention windows), all in Q8_0.
+    # SmolLM2: Q4_1 and Q8_0 matrices, a Q8_0 embedding, SiLU; Gemma-3 adds GELU (and Q5_0, Q4_K, Q6_K). The
+    # synthetic models use kinds they have: a llama and a gemma3 (other sizes, norms, RoPE, attention windows),
+    # all in Q8_0.
     llama, gemma = tmp_path / "llama-q8.gguf", tmp_path / "gemma3-q8.gguf"
     write_model(llama, "llama", qtype=T.Q8_0)
     write_model(gemma, "gemma3", qtype=T.Q8_0)
-    warmup("smollm2-135m")                                     # compiles into the session's cache, if need be
+    warmup("smollm2-135m", "gemma3-270m")                      # compiles into the session's cache, if need be
     assert warmup(llama, gemma) == {str(llama): 0, str(gemma): 0}
     assert warmup("smollm2-135m", llama) == {"smollm2-135m": 0, str(llama): 0}    # a second warm-up
 

@@ -17,7 +17,8 @@ Raw kernels end in `_kernel` (serial) or `_kernel_par` (parallel over rows); the
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from .fp import exp_f32
@@ -140,8 +141,8 @@ def add_kernel_par(x, y):
 
 def gated(kinds, gelu, par, out, gate, up):
     """out = act(gate) * up with the model's gated activation (gelu: geglu, else swiglu), by the row-parallel kernel
-    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled, both for an entry table.
-    Compiled code only."""
+    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled; through its address in an
+    entry table. Compiled code only."""
     raise NotImplementedError("gated runs in compiled code only")
 
 
@@ -163,13 +164,31 @@ def _geglu(par, out, gate, up):
 
 @overload(gated)
 def _gated(kinds, gelu, par, out, gate, up):
-    from .kinds import ACTS, GELU, SILU, is_table, sets, switch
-    acts = ACTS if is_table(kinds) else sets(kinds)[2]       # an entry table: both (small kernels)
-    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in acts), 4)
+    from .kinds import ACT, GELU, SILU, call, is_table, same_abi, sets, switch
+    if is_table(kinds):                     # the entry table (lumen.kernels.entries): through its address
+        if not same_abi((gelu, par, out, gate, up), act_signature(kinds)[:-1]):
+            raise TypingError(f"the activation entries are compiled for {act_signature(kinds)[:-1]}, not for "
+                              f"{(gelu, par, out, gate, up)}")
+        return lambda kinds, gelu, par, out, gate, up: call(kinds[ACT + (GELU if gelu else SILU)],
+                                                            (gelu, par, out, gate, up, kinds))
+    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in sets(kinds)[2]), 4)
 
     def impl(kinds, gelu, par, out, gate, up):
         act(GELU if gelu else SILU, par, out, gate, up)
     return impl
+
+
+@njit(cache=True)
+def gated_entry(gelu, par, out, gate, up, kinds):
+    """gated with the kinds last: what an entry table calls (lumen.kernels.entries)."""
+    gated(kinds, gelu, par, out, gate, up)
+
+
+def act_signature(kinds_type) -> tuple:
+    """The Numba types gated_entry is compiled for in an entry table: the forward pass's FFN rows, with a kinds
+    value of one activation."""
+    f32_2 = types.Array(types.float32, 2, "C")
+    return (types.boolean, types.boolean, f32_2, f32_2, f32_2, kinds_type)
 
 
 def _check_gated(out, gate, up) -> None:

@@ -10,8 +10,9 @@ import functools
 import numpy as np
 from numba import typeof
 
+from .activation import act_signature, gated_entry
 from .dequant import dequant_row_entry, row_signature
-from .kinds import N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
+from .kinds import ACT, N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
 from .matmul import tiles, tiles_signature
 
 
@@ -27,20 +28,25 @@ def address(dispatcher, sig: tuple) -> int:
 def _entry(slot: int, t: int) -> int:
     if slot == TILES:
         return address(tiles, tiles_signature(typeof(kinds(mats=(t,), embd=(), acts=()))))
-    return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
+    if slot == ROWS:
+        return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
+    return address(gated_entry, act_signature(typeof(kinds(mats=(), embd=(), acts=(t,)))))
 
 
 def entries(k: np.ndarray) -> np.ndarray:
     """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t the `tiles` of
-    each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, each compiled for its
-    one type; 0 for every other type (the loader checked that the model uses none). A table is returned as it is."""
+    each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a its gated
+    activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
+    none). A table is returned as it is."""
     if k.dtype == np.int64:
         return k
-    mats, embd, _ = sets(typeof(k))
+    mats, embd, acts = sets(typeof(k))
     table = np.zeros(N_ENTRIES, np.int64)
     for slot, ts in ((TILES, mats), (ROWS, embd)):
         for t in ts:
             if not 0 <= t < N_TYPES:
                 raise ValueError(f"GGML type {t} has no entry slot")
             table[slot + t] = _entry(slot, t)
+    for a in acts:
+        table[ACT + a] = _entry(ACT, a)
     return table

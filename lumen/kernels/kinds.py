@@ -11,11 +11,11 @@ times over. The kinds travel in the Weights bundle, and their Numba type carries
 
 The forward pass does not take a model's kinds value itself but the table lumen.kernels.entries makes of it: the
 addresses of the type-specific kernels (lumen.kernels.matmul.tiles for each matrix type, the row dequantizer for
-the embedding type), each compiled (or loaded from Numba's cache) for its one type on its own, and called through
-`call`. The forward pass's code then holds none of them: it is one compiled function for every model, compiled
-once per machine; a model of new weight types compiles those types' kernels only, and a model of known types
-nothing. (With the kinds compiled into it, each new set of types compiled the whole forward pass again, every
-kernel it links included.)
+the embedding type, the gated activation), each compiled (or loaded from Numba's cache) for its one kind on its
+own, and called through `call`. The forward pass's code then holds none of them: it is one compiled function for
+every model, compiled once per machine; a model of new weight types compiles those types' kernels only, and a
+model of known types nothing. (With the kinds compiled into it, each new set of types compiled the whole forward
+pass again, every kernel it links included.)
 
 The value is a zero-length array whose structured dtype names the kinds (fields m<type>, e<type>, a<act>): Numba's
 dispatcher types arrays in its C fast path, so the bundle costs nothing per call (a Python object of a custom type
@@ -87,7 +87,9 @@ def switch(cases: tuple, n_args: int):
 
 N_TYPES = 32                      # GGML type ids below this (lumen.format.quants.QT)
 TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles for type t; table[ROWS + t]: the
-N_ENTRIES = 2 * N_TYPES           # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
+                                  # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
+ACT = 2 * N_TYPES                 # table[ACT + a]: the gated activation a (lumen.kernels.activation.gated_entry)
+N_ENTRIES = ACT + len(ACTS)
 
 
 def is_table(kinds_type) -> bool:
