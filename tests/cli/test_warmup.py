@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from synth import write_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^(?P<model>\S+): ready in [\d.]+ s; compiled (?P<n>\d+) functions .*loaded (?P<hits>\d+) from",
                   re.M)
 
