@@ -1,5 +1,6 @@
 """Shared fixtures: the two real models (fetched on first use into the user's LUMEN_HOME) and a temporary
-LUMEN_HOME for everything the tests make.
+LUMEN_HOME for everything the tests make; Qwen2.5-Coder-0.5B too, for the few tests that take it (qwen05_file,
+qwen05_path: fetched only when one of them runs, skipped with the reason when it cannot be).
 
 `test_home` (session, autouse) first resolves the real models in the user's LUMEN_HOME, so they are fetched once
 and kept there, and makes sure their packed-weight cache files exist there too (a user-visible asset that saves
@@ -19,7 +20,8 @@ loadfile`); `-n 0` runs it in one process. A worker takes the next file when it 
 longest go first (`pytest_collection_modifyitems`), and the run does not end waiting on one of them. On an empty
 Numba cache, two workers that reach the models at once would each compile the same kernels (1205 s of CPU against
 937 s): so the controller compiles them once, in a subprocess started beside the workers (`pytest_sessionstart`),
-and a test that runs the models first waits for it; the tests that do not (COMPILE_FREE) go first, meanwhile."""
+and a test that runs the models first waits for it; the tests that do not (COMPILE_FREE) go first, meanwhile. The
+0.5B is compiled the same way, after the two, only when the collected tests include one that runs it."""
 import fcntl
 import gc
 import os
@@ -251,6 +253,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     if not _qwen_fd:
         return
     fd = _qwen_fd.pop()
+
     def compile_free(nodeid):
         file, _, test = nodeid.partition("::")
         file = file.rsplit("/", 1)[-1]
