@@ -97,15 +97,21 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
 
 
 def load_engine(model: str, config: EngineConfig):
-    """The engine, warmed up (one token through the forward pass). A served context never exceeds the model's
-    trained one nor what the KV pool holds (config.fit_model_len)."""
+    """The engine, warmed up: every kernel a request runs is compiled (or loaded) before this returns, so a
+    server reports healthy only when it answers at full speed. Processes starting at once on one machine (Ray
+    replicas) take turns to compile (lumen.paths.compiling): the later ones load what the first compiled. A served
+    context never exceeds the model's trained one nor what the KV pool holds (config.fit_model_len)."""
     from ..engine.engine import Engine
     from ..engine.sampling.params import SamplingParams
+    from ..engine.structured.bitmask import warm_up
     from ..kernels.work import release_threads
-    engine = Engine(model, replace(config, fit_model_len=True))
-    if engine.max_model_len > engine.config.ctx_train:
-        raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens this "
-                         "model was trained on")
-    engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
+    from ..paths import compiling
+    with compiling():
+        engine = Engine(model, replace(config, fit_model_len=True))
+        if engine.max_model_len > engine.config.ctx_train:
+            raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens "
+                             "this model was trained on")
+        engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
+        warm_up()
     release_threads()              # the engine thread steps from now on: only its OpenMP pool may exist
     return engine
