@@ -83,16 +83,18 @@ def add_error_handlers(app: FastAPI) -> None:
 
 def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
              max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20,
-             speculative: str | None = None, profile_path: str | None = None, ui: bool = True):
+             speculative: str | None = None, profile_path: str | None = None, ui: bool = True,
+             tool_call_parser: str | None = None):
     """The FastAPI app over an engine, and its worker (started by the app's lifespan). ui: the chat page and the
-    dashboard (lumen.serve.ui)."""
+    dashboard (lumen.serve.ui). tool_call_parser: lumen.serve.tools' parser name or "none" (None: from the
+    template)."""
     from ..format.chat import chat_template_from_metadata
     template = chat_template if chat_template is not None else chat_template_from_metadata(engine.parts.gguf.metadata)
     prompter = Prompter(engine.tokenizer, template, engine.max_model_len)
     metrics = Metrics(engine, model_name)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics, profile_path=profile_path)
     settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                        speculative=speculative, ui=ui)
+                        speculative=speculative, ui=ui, tool_call_parser=tool_call_parser)
     return build_app(worker, prompter, metrics, settings), worker
 
 

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--router", choices=["prefix", "pow2"], default="prefix",
                     help="prefix: to the replica caching the longest prefix unless it is overloaded; pow2: Ray "
                          "Serve's power of two choices (default prefix)")
+    ap.add_argument("--tool-call-parser", choices=["hermes", "none"],
+                    help="how tool calls are read from the model's text (default: from the chat template; none: "
+                         "requests with tools get a 400 unless tool_choice is \"none\")")
     sp = ap.add_argument_group("speculative decoding (a request may choose with \"speculative\": \"ngram\" | "
                                "\"draft\" | \"none\" and \"num_speculative_tokens\")")
     sp.add_argument("--speculative", choices=["ngram", "draft"], help="the default for requests that do not say")
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         app, worker = make_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
                                max_queue=args.max_queue, max_n=args.max_n,
                                max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,
-                               profile_path=args.profile, ui=not args.no_ui)
+                               profile_path=args.profile, ui=not args.no_ui,
+                               tool_call_parser=args.tool_call_parser)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {cli_words(str(e))}", file=sys.stderr)
         return 1
@@ -227,7 +231,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     settings = Settings(model_id=model_id(args.model, args.served_model_name), api_key=args.api_key,
-                        max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative)
+                        max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative,
+                        tool_call_parser=args.tool_call_parser)
     scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                           router=args.router)
     app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue, chat_template=template,

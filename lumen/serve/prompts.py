@@ -6,11 +6,20 @@ chat template (the GGUF's, or --chat-template's), tokenized as llama-server and 
 - a rendered conversation that already starts with the BOS text gets no second BOS.
 A text too long to fit max_model_len however it tokenizes is refused before tokenizing (the app tokenizes in a
 worker thread, so a long prompt does not hold up the event loop).
+
+Tools (lumen.serve.tools) go to a template that renders them itself (Qwen2.5's: it mentions `tools` and
+`tool_call`) with the conversation's tool calls and tool messages as they are; any other template gets the
+fallback: the tools and the call format in the system message, calls and results as plain text turns.
 """
 from __future__ import annotations
 
+import inspect
+
 from ..format.chat import ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, render_chat
 from .protocol import ApiError, ChatMessage
+from .tools import Tool, check_messages, fallback_messages, template_takes_tools
+
+RENDER_TAKES_TOOLS = "tools" in inspect.signature(render_chat).parameters
 
 
 class Prompter:
@@ -57,21 +66,31 @@ class Prompter:
             out.append(ids)
         return out
 
-    def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> str:
-        """The conversation as prompt text, through the chat template (sandboxed)."""
+    def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
+               tools: list[Tool] | None = None) -> str:
+        """The conversation as prompt text, through the chat template (sandboxed), with the request's tools."""
         if self.template is None:
             raise ApiError(400, NO_CHAT_TEMPLATE_MESSAGE + " Or start the server with --chat-template FILE.",
                            "messages")
         if not messages:
             raise ApiError(400, "messages must be a non-empty list", "messages")
+        plain = [_plain(m) for m in messages]
+        check_messages(plain)
+        kw = {}
+        if RENDER_TAKES_TOOLS and template_takes_tools(self.template):
+            if tools:
+                kw["tools"] = [t.openai() for t in tools]
+        elif tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in plain):
+            plain = fallback_messages(plain, tools or [])
         try:
-            return render_chat(self.template, [_plain(m) for m in messages], bos_token=self.bos_text,
-                               eos_token=self.eos_text, add_generation_prompt=add_generation_prompt)
+            return render_chat(self.template, plain, bos_token=self.bos_text, eos_token=self.eos_text,
+                               add_generation_prompt=add_generation_prompt, **kw)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
 
-    def chat(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt))
+    def chat(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
+             tools: list[Tool] | None = None) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt, tools))
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """A token's text and bytes as logprobs show it (control tokens as their text)."""

@@ -133,8 +133,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None             # checked by lumen.serve.tools (parse_tools, parse_tool_choice)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
     @field_validator("logprobs", "add_generation_prompt", mode="before")
@@ -260,8 +261,6 @@ def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingPara
 
 def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams]:
     """One SamplingParams per choice of a chat request; ApiError(400) for what is not supported."""
-    if req.tools:
-        raise ApiError(400, "tools are not supported", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:

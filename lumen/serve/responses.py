@@ -9,6 +9,12 @@
 Choice i of prompt p has index p * n + i. completion_tokens counts every generated token, the end token
 included (as vLLM counts them); logprobs cover the same tokens. With return_token_ids (vLLM's extension) each
 choice also carries prompt_token_ids and token_ids (in a stream: the new token ids of each chunk).
+
+With tools (lumen.serve.tools), a chat choice's text goes through its ToolParser: the content before a call
+stays content, calls become message.tool_calls ({id, type: "function", function: {name, arguments}}, arguments
+a JSON string) and the finish_reason "tool_calls" (when the model ended its turn; "length" stays "length").
+A stream sends each call as OpenAI does: a tool_calls delta with its index, id, type and name, then argument
+fragments. The whole response is read by the same parser, so it is what a client joining the deltas gets.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import json
 import math
 
 from ..engine.sequence import RequestOutput
+from .tools import ToolParser, assemble
 
 DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0            # what vLLM reports for -inf (JSON has no infinity)
@@ -38,7 +45,7 @@ class Reply:
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, prompter, *, n: int,
                  prompts: list[list[int]], logprobs: int | None, return_token_ids: bool = False,
-                 echo: list[str] | None = None):
+                 echo: list[str] | None = None, tool_parser: type[ToolParser] | None = None):
         self.kind, self.id, self.model, self.created = kind, response_id, model, created
         self.prompter = prompter
         self.n, self.prompts = n, prompts
@@ -49,6 +56,8 @@ class Reply:
         self.offsets: dict[int, int] = {}        # choice index -> text_offset of its next token (completions)
         self.started: set[int] = set()           # choices that sent a token chunk
         self.finals: dict[int, RequestOutput] = {}
+        self.tool_parser = tool_parser           # chat with tools: the parser class of the model's call format
+        self.parsers: dict[int, ToolParser] = {}  # choice index -> its stream's parser
 
     @property
     def object(self) -> str:
@@ -69,9 +78,19 @@ class Reply:
             c["text"] = text
         else:
             c["message"] = {"role": "assistant", "content": text}
+        finish = out.finish_reason
+        if self.tool_parser is not None:
+            parser = self.tool_parser()
+            content, deltas = parser.feed(text)
+            rest, more = parser.finish()
+            calls = assemble(deltas + more)
+            c["message"] = {"role": "assistant", "content": (content + rest) or (None if calls else "")}
+            if calls:
+                c["message"]["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
         self.offsets.pop(index, None)
         c["logprobs"] = self._logprobs(index, out.token_ids, out.logprobs or [])
-        c["finish_reason"] = out.finish_reason
+        c["finish_reason"] = finish
         c["stop_reason"] = out.stop_reason
         if self.return_token_ids:
             c["prompt_token_ids"] = out.prompt_token_ids
@@ -121,6 +140,10 @@ class Reply:
         c: dict = {"index": index}
         if self.kind == "completion":
             c["text"] = out.delta_text
+        elif self.tool_parser is not None:
+            c["delta"] = self._tool_delta(index, out)
+            if not c["delta"] and not out.finished and not want_tokens:
+                return None
         else:
             c["delta"] = {"content": out.delta_text} if out.delta_text or not out.finished else {}
         entries = out.logprobs or []
@@ -128,6 +151,8 @@ class Reply:
         c["logprobs"] = self._logprobs(index, out.token_ids[start:len(entries)], entries[start:])
         self.sent_logprobs[index] = len(entries)
         c["finish_reason"] = out.finish_reason if out.finished else None
+        if out.finished and out.finish_reason == "stop" and index in self.parsers and self.parsers[index].made_calls:
+            c["finish_reason"] = "tool_calls"
         if out.finished:
             c["stop_reason"] = out.stop_reason
         if self.return_token_ids:
@@ -136,6 +161,22 @@ class Reply:
                 c["prompt_token_ids"] = out.prompt_token_ids
         self.started.add(index)
         return self._chunk([c], None, with_usage)
+
+    def _tool_delta(self, index: int, out: RequestOutput) -> dict:
+        """A stream's delta through the choice's tool parser: content and/or tool_calls (empty: nothing yet)."""
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = self.tool_parser()
+        content, deltas = parser.feed(out.delta_text)
+        if out.finished:
+            rest, more = parser.finish()
+            content, deltas = content + rest, deltas + more
+        d: dict = {}
+        if content:
+            d["content"] = content
+        if deltas:
+            d["tool_calls"] = [x.openai() for x in deltas]
+        return d
 
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage(), True)

@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, answered streamed or whole."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, answered streamed or whole.
+
+With `tools` (lumen.serve.tools): the tools are checked (400 naming the field), rendered with the conversation,
+and unless tool_choice is "none" the output is constrained by the tools' grammar (a call for "required" and a
+named function; free text or calls for "auto") and read back by the model's tool-call parser.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +11,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
+from ..tools import PARSERS, parse_tool_choice, parse_tools, parser_for_template
 from .serving import Generation
 
 router = APIRouter()
@@ -17,9 +23,24 @@ class ServingChat(Generation):
     async def create(self, req: P.ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         params = P.speculation(P.chat_params(req, self.settings.max_n), req, self.settings.speculative)
-        params = P.constrained(params, await asyncio.to_thread(P.constraint_of, req))   # 400 if invalid
-        prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt)]
-        return await self.respond(request, req, prompts, params)
+        constraint = await asyncio.to_thread(P.constraint_of, req)      # 400 if invalid
+        tools = await asyncio.to_thread(parse_tools, req.tools)
+        choice = parse_tool_choice(req.tool_choice, tools)
+        parser = None
+        if choice != "none":
+            name = parser_for_template(self.prompter.template, self.settings.tool_call_parser)
+            if name is None:
+                raise P.ApiError(400, "this server does not parse tool calls (--tool-call-parser none); send "
+                                      "tool_choice \"none\" or no tools", "tool_choice")
+            if constraint is not None:
+                raise P.ApiError(400, f"{P.constraint_field(req)} cannot be combined with tools unless tool_choice "
+                                      "is \"none\"", P.constraint_field(req))
+            parser = PARSERS[name]
+            constraint = await asyncio.to_thread(parser().grammar, tools, choice, req.parallel_tool_calls is not False)
+            await self.compile_grammar(constraint, "tools")
+        params = P.constrained(params, constraint)
+        prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)]
+        return await self.respond(request, req, prompts, params, tool_parser=parser)
 
 
 @router.post("/v1/chat/completions")

@@ -35,6 +35,7 @@ class Settings:
     max_n: int = 64                           # choices per request
     speculative: str | None = None            # the default speculative decoding of requests that do not say
     ui: bool = False                          # the chat page and the dashboard (lumen.serve.ui); cli: unless --no-ui
+    tool_call_parser: str | None = None       # --tool-call-parser: a lumen.serve.tools parser, "none"; None: auto
 
 
 def request_id(request: Request) -> str:
@@ -69,12 +70,12 @@ class Generation(Serving):
     prompt_param = ""                         # the parameter a refused prompt is blamed on
 
     async def respond(self, request: Request, req, prompts: list[list[int]], params: list,
-                      echo: list[str] | None = None):
+                      echo: list[str] | None = None, tool_parser=None):
         """Answer `req` (its prompts' token ids, one SamplingParams per choice): every prompt x choice is one
         engine request; streamed (req.stream) or whole."""
         reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
                       int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
-                      return_token_ids=req.return_token_ids, echo=echo)
+                      return_token_ids=req.return_token_ids, echo=echo, tool_parser=tool_parser)
         await self.compile_grammar(params[0].constraint, P.constraint_field(req))
         sub = await self.submit([p for p in prompts for _ in params], params * len(prompts))
         index = {r: i for i, r in enumerate(sub.request_ids)}

@@ -1,0 +1,499 @@
+"""Tool calling (OpenAI's `tools` / `tool_choice`) for the chat endpoint: the request's tools checked, the grammar
+that makes a call exact, and the parsers that read calls back out of the model's text.
+
+    tools = parse_tools(req.tools)                           # [Tool]; ApiError(400, param "tools") if malformed
+    choice = parse_tool_choice(req.tool_choice, tools)       # "none" | "auto" | "required" | a tool's name
+    parser = PARSERS["hermes"]()                             # one per choice of a response
+    content, calls = parser.feed(delta_text)                 # content text, [ToolCallDelta]; finish() at the end
+    constraint = parser.grammar(tools, choice, parallel)     # a Lark Constraint (llguidance), or None
+
+The model writes a call in its own format (Qwen2.5 / Hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n
+</tool_call>`); a parser is chosen from the chat template (`parser_for_template`), or by the server's
+--tool-call-parser. A format is one small ToolParser subclass: its open and close markers and the key of the
+arguments; the incremental reading and the grammar are shared.
+
+The grammar (llguidance Lark): each tool's call is `%json` of {"name": const, "arguments": its parameters schema},
+so a call names a declared tool and its arguments validate. `required` and a named function start with the call;
+`auto` allows free text not containing the open marker, or such text and then the marker and the calls: a call
+that starts is always well formed, and text without a call is unconstrained (the grammar's one-lexeme text rule
+accepts any text that does not spell the marker). JSON whitespace is bounded as for structured output. A tool
+with `strict: true` must have a schema llguidance enforces in full (else a 400); a non-strict tool's
+unenforceable keywords (uniqueItems, ...) are accepted and ignored, as structured output's "lenient".
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.structured import Constraint, StructuredOutputError
+from ..engine.structured.constraint import JSON_WHITESPACE
+from .protocol import ApiError
+
+NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
+CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One declared function: name, description, its parameters' JSON schema, strict."""
+    name: str
+    description: str | None
+    parameters: dict
+    strict: bool = False
+
+    def openai(self) -> dict:
+        """As the chat template and the fallback prompt show it (OpenAI's shape)."""
+        f: dict = {"name": self.name}
+        if self.description is not None:
+            f["description"] = self.description
+        f["parameters"] = self.parameters
+        return {"type": "function", "function": f}
+
+
+def parse_tools(tools: Any) -> list[Tool]:
+    """The request's `tools` -> [Tool]; ApiError(400, param "tools") naming the bad entry. Each schema is
+    compiled by llguidance here, so a schema it cannot enforce is refused before the request runs."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ApiError(400, f"tools must be a list of function tools, got {type(tools).__name__}", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise ApiError(400, f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        f = t.get("function")
+        if not isinstance(f, dict):
+            raise ApiError(400, f"{where}.function must be an object with a name", "tools")
+        name = f.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ApiError(400, f"{where}.function.name must be 1-64 letters, digits, _ . or -, got {name!r}",
+                           "tools")
+        if name in seen:
+            raise ApiError(400, f"{where}.function.name {name!r} is declared twice", "tools")
+        seen.add(name)
+        desc = f.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ApiError(400, f"{where}.function.description must be a string", "tools")
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        strict = f.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ApiError(400, f"{where}.function.strict must be true or false", "tools")
+        if not isinstance(params, dict):
+            raise ApiError(400, f"{where}.function.parameters must be a JSON schema object", "tools")
+        checked = params if strict else {**params, "x-guidance": {**params.get("x-guidance", {}), "lenient": True}}
+        try:
+            Constraint.json_schema(checked)
+        except StructuredOutputError as e:
+            raise ApiError(400, f"{where}.function.parameters: {e}", "tools") from None
+        out.append(Tool(name, desc, params, bool(strict)))
+    return out
+
+
+def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
+    """`tool_choice` -> "none", "auto", "required" or the name of the one function to call; ApiError(400,
+    param "tool_choice") for an unknown value or function. OpenAI's default: "auto" with tools, else "none"."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise ApiError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}",
+                           "tool_choice")
+        if choice != "none" and not tools:
+            raise ApiError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+        choice.get("function"), dict) else None
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise ApiError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in {t.name for t in tools}:
+        known = ", ".join(t.name for t in tools) or "none"
+        raise ApiError(400, f"tool_choice names the function {name!r}, which is not in tools (declared: {known})",
+                       "tool_choice")
+    return name
+
+
+def check_messages(messages: list[dict]) -> None:
+    """Assistant `tool_calls` well formed, and every `tool` message answers a call made before it (its
+    tool_call_id); ApiError(400, param "messages") naming the message."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls") is not None:
+            tcs = m["tool_calls"]
+            if not isinstance(tcs, list):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list", "messages")
+            for j, tc in enumerate(tcs):
+                f = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                    raise ApiError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
+                                        f"\"function\": {{\"name\", \"arguments\"}}}}", "messages")
+                args = f.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        json.loads(args or "{}")
+                    except json.JSONDecodeError:
+                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                                       "messages") from None
+                elif not isinstance(args, dict):
+                    raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string "
+                                        "or an object", "messages")
+                if isinstance(tc.get("id"), str):
+                    calls.add(tc["id"])
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str):
+                raise ApiError(400, f"messages[{i}] (role tool) needs a tool_call_id", "messages")
+            if tid not in calls:
+                raise ApiError(400, f"messages[{i}] answers tool_call_id {tid!r}, which no earlier assistant "
+                                    "message called", "messages")
+
+
+# --- the fallback prompt, for a chat template that does not take tools -----------------------------------------
+FALLBACK_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def fallback_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
+    """The conversation for a template without tool support: the tools and the call format in the system
+    message (Hermes' wording, which Qwen2.5's own template uses), assistant calls as `<tool_call>` text and tool
+    results as user messages in `<tool_response>` tags."""
+    out: list[dict] = []
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = [m.get("content") or ""] if m.get("content") else []
+            for tc in m["tool_calls"]:
+                f = tc["function"]
+                args = f.get("arguments", "{}")
+                args = json.loads(args or "{}") if isinstance(args, str) else args
+                blocks.append("<tool_call>\n" + json.dumps({"name": f["name"], "arguments": args},
+                                                            ensure_ascii=False) + "\n</tool_call>")
+            out.append({"role": "assistant", "content": "\n".join(blocks)})
+        elif role == "tool":
+            text = "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"
+            if out and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text, "_tool": True})
+        else:
+            out.append(dict(m))
+    for m in out:
+        m.pop("_tool", None)
+    if tools:
+        text = FALLBACK_SYSTEM.format(tools="\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+# --- parsers ----------------------------------------------------------------------------------------------------
+@dataclass
+class ToolCallDelta:
+    """A piece of one call, as OpenAI streams it: the first piece of call `index` has its id and name, the
+    following ones argument text."""
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def openai(self) -> dict:
+        d: dict = {"index": self.index}
+        if self.id is not None:
+            d["id"], d["type"] = self.id, "function"
+        f: dict = {"arguments": self.arguments}
+        if self.name is not None:
+            f["name"] = self.name
+        d["function"] = f
+        return d
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker (what may still become it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ToolParser:
+    """Calls in a model's text: content, then `open` JSON `close` blocks whose JSON is {"name": ..., args_key:
+    {...}}. Incremental: feed() text deltas, finish() at the end; the same deltas whether the text comes at once
+    or a token at a time. A subclass names its format in the class attributes, which also shape the grammar."""
+    open = "<tool_call>"
+    close = "</tool_call>"
+    args_key = "arguments"
+    separator = "\n"                           # between two calls, and around the JSON in a block
+    bare = True                                # auto: a bare JSON call ({"name": ...}) at the start is a call too
+
+    def __init__(self):
+        self.buf = ""
+        self.in_call = False
+        self.n_calls = 0
+        self.head_done = False                 # the call's name is out; its arguments stream
+        self.sent_args = 0                     # characters of the current call's arguments sent
+        self.held_ws = ""                      # content whitespace held back (dropped next to a call)
+        self.bare_ok = self.bare               # content so far is whitespace: a bare JSON call may start
+        self.is_bare = False                   # the current call is bare JSON (no markers)
+        self.fenced = False                    # ... in a ```json fence, whose end is not content
+        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(self.args_key)
+                                + r'"\s*:\s*(?=\S)')
+        self._tail = re.compile(r"\s*(\}\s*(" + "|".join(re.escape(self.close[:k]) for k in
+                                                        range(len(self.close), 0, -1)) + r")?)?$")
+
+    @property
+    def made_calls(self) -> bool:
+        return self.n_calls > 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Content text and call deltas that `text` (appended to what came before) completes."""
+        self.buf += text
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                if self.fenced:                             # the fence closing a fenced bare call
+                    head = self.buf.lstrip()
+                    if len(head) < 3 and "```".startswith(head):
+                        break
+                    if head.startswith("```"):
+                        self.buf = head[3:]
+                    self.fenced = False
+                if self.bare_ok:                            # a bare JSON call where content would start?
+                    head = self.buf.lstrip()
+                    fence = _FENCE.match(head)
+                    rest = head[fence.end():].lstrip() if fence else head
+                    undecided = not rest or _FENCE_PREFIX.fullmatch(head) or _BARE_PREFIX.fullmatch(rest)
+                    if undecided:
+                        break                               # not yet known
+                    if _BARE.match(rest):
+                        self.fenced = self.fenced or fence is not None
+                        self.buf, self.held_ws = rest, ""
+                        self.in_call, self.is_bare, self.head_done, self.sent_args = True, True, False, 0
+                        continue
+                    self.bare_ok = False
+                i = self.buf.find(self.open)
+                if i < 0:
+                    keep = _partial_suffix(self.buf, self.open)
+                    out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                    content.append(self._content(out, final=False))
+                    break
+                content.append(self._content(self.buf[:i], final=False))
+                self.held_ws = ""                          # whitespace next to a call is not content
+                self.buf = self.buf[i + len(self.open):]
+                self.in_call, self.head_done, self.sent_args = True, False, 0
+            else:
+                if self.is_bare:                            # the call ends where its JSON object does
+                    j = _object_end(self.buf, 1 if self.head_done else 0)
+                    j = -1 if j is None else j
+                else:
+                    j = self.buf.find(self.close)
+                body = self.buf if j < 0 else self.buf[:j]
+                if not self.head_done:
+                    m = self._head.match(body)
+                    if m is None:
+                        if j < 0:
+                            break
+                        whole = self._whole(body)           # another key order: the call at once
+                        if whole is None:                   # not a call after all: text
+                            bare = self.is_bare
+                            text = body if bare else self.open + body + self.close
+                            self.buf = self.buf[j + (0 if bare else len(self.close)):]
+                            self.in_call = self.is_bare = self.bare_ok = False
+                            content.append(self._content(text, final=False))
+                            continue
+                        calls.append(whole)
+                        self._end_call(j)
+                        continue
+                    calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}",
+                                               json.loads('"' + m.group(1) + '"')))
+                    self.head_done = True
+                    self.buf = self.buf[m.end():]
+                    continue
+                if j < 0:                                     # stream arguments, holding back a possible end
+                    tail = self._tail.search(self.buf)
+                    upto = tail.start() if tail else len(self.buf)
+                else:
+                    end = self.buf[:j].rstrip()
+                    upto = len(end) - 1 if end.endswith("}") else len(end)
+                    upto = len(self.buf[:upto].rstrip())
+                if upto > self.sent_args:
+                    calls.append(ToolCallDelta(self.n_calls, arguments=self.buf[self.sent_args:upto]))
+                    self.sent_args = upto
+                if j < 0:
+                    break
+                self._end_call(j)
+        return "".join(content), _merge(calls)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """What is held back, at the end of the text: a partial marker as content, an unclosed call's rest."""
+        content, calls = "", []
+        if self.in_call:
+            if self.head_done and len(self.buf) > self.sent_args:
+                calls.append(ToolCallDelta(self.n_calls, arguments=self.buf[self.sent_args:]))
+            elif not self.head_done:
+                content = ("" if self.is_bare else self.open) + self.buf    # never became a call: it was text
+            if self.head_done:
+                self.n_calls += 1
+        else:
+            content = self._content(self.buf, final=True)
+        self.buf, self.in_call, self.is_bare = "", False, False
+        return content, calls
+
+    def _content(self, text: str, final: bool) -> str:
+        text = self.held_ws + text
+        if final:
+            self.held_ws = ""
+            return "" if self.n_calls else text
+        stripped = text.rstrip()
+        self.held_ws = text[len(stripped):]
+        if self.n_calls and not stripped.strip():
+            return ""
+        return stripped
+
+    def _end_call(self, j: int) -> None:
+        self.buf = self.buf[j + (0 if self.is_bare else len(self.close)):]
+        self.in_call = self.is_bare = False
+        self.n_calls += 1
+
+    def _whole(self, body: str) -> ToolCallDelta | None:
+        """A call written in another key order, read at once; None if it is no call ({"name": str, args})."""
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(
+                obj.get(self.args_key, {}), dict):
+            return None
+        return ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", obj["name"],
+                             json.dumps(obj.get(self.args_key, {}), ensure_ascii=False))
+
+    # --- the grammar ----------------------------------------------------------------------------------------
+    def grammar(self, tools: list[Tool], choice: str, parallel: bool = True) -> Constraint | None:
+        """The Lark constraint for `choice` over `tools` (None for "none"): see the module docstring."""
+        if choice == "none" or not tools:
+            return None
+        named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+        schema: dict = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE,
+                                       "lenient": not all(t.strict for t in named)},
+                        "anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
+                                                                    self.args_key: t.parameters},
+                                   "required": ["name", self.args_key], "additionalProperties": False}
+                                  for t in named]}
+        if len(named) == 1:
+            schema = {"x-guidance": schema["x-guidance"], **schema["anyOf"][0]}
+        sep = json.dumps(self.separator)
+        lines = [f"body: %json {json.dumps(schema, ensure_ascii=False)}",
+                 f"rest: {sep} body {sep} {json.dumps(self.close)}",
+                 f"more: ({sep} {json.dumps(self.open)} rest)*" if parallel else "more: \"\""]
+        if choice == "auto":
+            no_open = f"/(.|\\n)*/ & ~/(.|\\n)*{re.escape(self.open)}(.|\\n)*/"
+            text = no_open
+            if self.bare:                   # a call as bare JSON at the start: not text, a call
+                ws = JSON_WHITESPACE
+                lead = f"(```(json)?\\n)?{ws}\\{{{ws}\"name\""     # Qwen2.5-Coder may fence it
+                text = f"{no_open} & ~/{lead}(.|\\n)*/"
+                lines += ["bare: BARE_OPEN bare_rest" + (f' ({sep} BARE_OPEN bare_rest)*' if parallel else "")
+                          + " FENCE_END?",
+                          f"BARE_OPEN: /{lead}{ws}:{ws}/",
+                          "FENCE_END: /\\n```/",
+                          "bare_rest: " + " | ".join(f"bare_{i}" for i in range(len(named)))]
+                for i, t in enumerate(named):
+                    args = {"x-guidance": schema["x-guidance"], **t.parameters}
+                    lines += [f"bare_{i}: {json.dumps(json.dumps(t.name))} /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ "
+                              f"args_{i} /{ws}\\}}/",
+                              f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
+            lines = ["start: TEXT | TEXT_OPEN rest more" + (" | bare" if self.bare else ""),
+                     f"TEXT: {text}",
+                     f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] + lines
+        else:
+            lines = [f"start: {json.dumps(self.open)} rest more"] + lines
+        try:
+            return Constraint.lark("\n".join(lines) + "\n")
+        except StructuredOutputError as e:
+            raise ApiError(400, f"tools: {e}", "tools") from None
+
+
+_BARE = re.compile(r'\{\s*"name"\s*:')
+_FENCE = re.compile(r"```(json)?\n")
+_FENCE_PREFIX = re.compile(r"`{1,3}(j(s(o(n)?)?)?)?")
+_BARE_PREFIX = re.compile(r'\{\s*("(n(a(m(e("\s*)?)?)?)?)?)?')
+
+
+def _object_end(text: str, depth: int) -> int | None:
+    """The index after the `}` that closes the JSON object `text` is in at `depth` (0: text starts with it)."""
+    in_str = esc = False
+    for k, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return k + 1
+    return None
+
+
+def _merge(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive deltas of one call as one."""
+    out: list[ToolCallDelta] = []
+    for c in calls:
+        if out and out[-1].index == c.index and c.id is None:
+            out[-1].arguments += c.arguments
+        else:
+            out.append(c)
+    return out
+
+
+class HermesParser(ToolParser):
+    """Qwen2.5 / Hermes 2 Pro: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, and (auto) a bare
+    or ```json-fenced `{"name": ..., "arguments": ...}` at the start, as Qwen2.5-Coder writes it (llama.cpp's
+    Hermes handler takes both too). Another format is a subclass like this one: Mistral's would set open =
+    "[TOOL_CALLS]" and read a JSON list; Llama 3.1's open = "<|python_tag|>", args_key = "parameters"."""
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser}
+
+
+def parser_for_template(template: str | None, flag: str | None = None) -> str | None:
+    """The parser's name: the --tool-call-parser flag ("none": no tool calling), else the template's own format
+    (a template that mentions `<tool_call>`: hermes), else hermes with the fallback prompt teaching it."""
+    if flag is not None:
+        if flag != "none" and flag not in PARSERS:
+            raise ValueError(f"unknown tool-call parser {flag!r} (known: {', '.join(PARSERS)}, none)")
+        return None if flag == "none" else flag
+    return "hermes"
+
+
+def template_takes_tools(template: str | None) -> bool:
+    """Whether the chat template renders `tools` itself (else the fallback system prompt carries them)."""
+    return template is not None and "tools" in template and "tool_call" in template
+
+
+def assemble(deltas: list[ToolCallDelta]) -> list[dict]:
+    """Deltas -> OpenAI's message.tool_calls (what a client that joins the stream's deltas gets)."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d.index, {"id": d.id, "type": "function", "function": {"name": d.name,
+                                                                                    "arguments": ""}})
+        c["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]

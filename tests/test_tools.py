@@ -1,0 +1,286 @@
+"""Tool calling without a model (lumen.serve.tools): the request's tools, tool_choice and tool messages checked (400
+naming the field), the Hermes parser reading the same calls whether the text comes whole or in any chunking, the
+tools' grammar accepting exactly well-formed calls (llguidance over SmolLM2's vocabulary), and the chat endpoint
+alone over a byte tokenizer and a worker that answers with a call: message.tool_calls, finish_reason "tool_calls",
+and a stream whose deltas (index, id, type and name first, then argument fragments) join to the whole answer."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from test_serve_handlers import ScriptedWorker
+
+from lumen.engine.structured.compiler import GrammarCompiler
+from lumen.format.gguf import GGUFFile
+from lumen.format.tokenizer import Tokenizer
+from lumen.serve import protocol as P
+from lumen.serve.app import add_error_handlers
+from lumen.serve.openai import chat
+from lumen.serve.openai.serving import Settings
+from lumen.serve.prompts import Prompter
+from lumen.serve.tools import (HermesParser, assemble, check_messages, fallback_messages, parse_tool_choice,
+                               parse_tools)
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+CITY = {"type": "function", "function": {"name": "weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+TOOLS = parse_tools([ADD, CITY])
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "}"} }}\n</tool_call>'
+BARE = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+
+# --- the request ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tools, words", [
+    ("add", "must be a list"),
+    ([{"type": "code_interpreter"}], "tools[0] must be"),
+    ([{"type": "function", "function": {"name": "two words"}}], "tools[0].function.name"),
+    ([ADD, ADD], "declared twice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters must be a JSON schema"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}], "uniqueItems"),
+])
+def test_bad_tools_are_400_naming_tools(tools, words):
+    with pytest.raises(P.ApiError) as e:
+        parse_tools(tools)
+    assert (e.value.status, e.value.param) == (400, "tools") and words in e.value.message, e.value.message
+
+
+def test_a_non_strict_tool_may_use_keywords_llguidance_cannot_enforce():
+    t = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}])
+    assert t[0].name == "f" and not t[0].strict
+    assert parse_tools([{"type": "function", "function": {"name": "g"}}])[0].parameters["type"] == "object"
+
+
+def test_tool_choice():
+    assert parse_tool_choice(None, TOOLS) == "auto" and parse_tool_choice(None, []) == "none"
+    assert parse_tool_choice("required", TOOLS) == "required"
+    assert parse_tool_choice({"type": "function", "function": {"name": "weather"}}, TOOLS) == "weather"
+    for bad in ("sometimes", {"type": "function", "function": {"name": "nope"}}, {"function": "add"}, 3):
+        with pytest.raises(P.ApiError) as e:
+            parse_tool_choice(bad, TOOLS)
+        assert (e.value.status, e.value.param) == (400, "tool_choice")
+    with pytest.raises(P.ApiError) as e:
+        parse_tool_choice("required", [])
+    assert e.value.param == "tool_choice"
+
+
+def _assistant(cid="call_1", args='{"a": 1, "b": 2}'):
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": "add", "arguments": args}}]}
+
+
+def test_tool_messages_must_answer_a_call():
+    user = {"role": "user", "content": "1+2?"}
+    check_messages([user, _assistant(), {"role": "tool", "tool_call_id": "call_1", "content": "3"}])
+    check_messages([user, _assistant(args={"a": 1, "b": 2})])
+    for msgs, words in [([user, {"role": "tool", "tool_call_id": "call_1", "content": "3"}], "no earlier"),
+                        ([user, _assistant(), {"role": "tool", "tool_call_id": "call_2", "content": "3"}], "call_2"),
+                        ([user, _assistant(), {"role": "tool", "content": "3"}], "needs a tool_call_id"),
+                        ([user, _assistant(args="{not json")], "not valid JSON"),
+                        ([user, {"role": "assistant", "tool_calls": [{"id": "x"}]}], "tool_calls[0]")]:
+        with pytest.raises(P.ApiError) as e:
+            check_messages(msgs)
+        assert (e.value.status, e.value.param) == (400, "messages") and words in e.value.message
+
+
+def test_fallback_prompt_carries_tools_calls_and_results():
+    msgs = fallback_messages([{"role": "user", "content": "1+2?"}, _assistant(),
+                              {"role": "tool", "tool_call_id": "call_1", "content": "3"}], TOOLS)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert '"name": "add"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
+    assert json.loads(msgs[2]["content"].split("\n")[1]) == {"name": "add", "arguments": {"a": 1, "b": 2}}
+    assert msgs[3]["content"] == "<tool_response>\n3\n</tool_response>"
+
+
+# --- the parser -------------------------------------------------------------------------------------------------
+def _parse(text: str, step: int) -> tuple[str, list[dict]]:
+    p, content, deltas = HermesParser(), [], []
+    for k in range(0, len(text), step):
+        c, d = p.feed(text[k:k + step])
+        content.append(c)
+        deltas += d
+    c, d = p.finish()
+    calls = assemble(deltas + d)
+    for call in calls:
+        assert call["id"].startswith("call_")
+        call["id"] = "X"
+    return "".join(content) + c, calls
+
+
+def _call(name, args):
+    return {"id": "X", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("Sure. " + CALL, "Sure.", [_call("add", '{"a": 1, "b": {"c": "}"} }')]),
+    (CALL + "\n" + CALL.replace("add", "weather"), "", [_call("add", '{"a": 1, "b": {"c": "}"} }'),
+                                                        _call("weather", '{"a": 1, "b": {"c": "}"} }')]),
+    ('<tool_call>\n{"arguments": {"x": 1}, "name": "w"}\n</tool_call>', "", [_call("w", '{"x": 1}')]),
+    ("no call here <tool", "no call here <tool", []),
+    ("Sure. <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1", "Sure.", [_call("add", '{"a": 1')]),
+    (BARE, "", [_call("add", '{"a": 1, "b": 2}')]),
+    ("\n" + BARE + "\n" + BARE, "", [_call("add", '{"a": 1, "b": 2}')] * 2),
+    ("```json\n" + BARE + "\n```", "", [_call("add", '{"a": 1, "b": 2}')]),
+    ('{"answer": 1}', '{"answer": 1}', []),
+    ('{"name": 1}', '{"name": 1}', []),
+    ("```python\nx = 1\n```", "```python\nx = 1\n```", []),
+    ("The sum is 3.", "The sum is 3.", []),
+])
+def test_parser_same_calls_whole_or_in_chunks(text, content, calls):
+    for step in (len(text) + 1, 1, 2, 3, 5, 8):
+        assert _parse(text, step) == (content, calls), step
+
+
+def test_parser_streams_name_first_then_argument_fragments():
+    p = HermesParser()
+    deltas = []
+    for ch in CALL:
+        deltas += p.feed(ch)[1]
+    deltas += p.finish()[1]
+    assert deltas[0].id and deltas[0].name == "add"
+    assert len(deltas) > 3 and all(d.id is None and d.name is None for d in deltas[1:])
+
+
+# --- the grammar ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiler(smollm2_path):
+    tok = Tokenizer.from_metadata(GGUFFile(str(smollm2_path)).metadata)
+    with GrammarCompiler(tok) as c:
+        yield tok, c
+
+
+def _accepts(compiler, constraint, text: str) -> bool:
+    tok, c = compiler
+    m = c.compile(constraint).matcher()
+    row = np.zeros(m.vocab.mask_words, np.int32)
+    try:
+        for t in tok.encode(text, add_bos=False, special=False) + [tok.eos_id]:
+            m.fill_mask(row)
+            m.advance(t)
+    except Exception:                        # noqa: BLE001 - StructuredOutputError: the token is not allowed
+        return False
+    return True
+
+
+W = '{"name": "weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("choice, parallel, text, ok", [
+    ("auto", True, "Hello, no call needed.", True),
+    ("auto", True, "", True),
+    ("auto", True, "Let me add. " + CALL.replace('{"c": "}"} ', "2"), True),
+    ("auto", True, "<tool_call>\n" + W + "\n</tool_call>\n<tool_call>\n" + W + "\n</tool_call>", True),
+    ("auto", False, "<tool_call>\n" + W + "\n</tool_call>\n<tool_call>\n" + W + "\n</tool_call>", False),
+    ("auto", True, "<tool_call>\n" + W + "\n</tool_call> and more text", False),
+    ("auto", True, "<tool_call>\n" + W.replace('"Paris"', "3") + "\n</tool_call>", False),       # invalid args
+    ("auto", True, "<tool_call>\n" + W.replace("weather", "wether") + "\n</tool_call>", False),  # unknown name
+    ("auto", True, '<tool_call>\n{"name": "weather", "arguments": {"city": "P", "x": 1}}\n</tool_call>', False),
+    ("auto", True, BARE, True),
+    ("auto", True, BARE.replace("2", '"two"'), False),
+    ("auto", True, "```json\n" + W + "\n```", True),
+    ("auto", True, '{"answer": 42}', True),
+    ("required", True, "<tool_call>\n" + W + "\n</tool_call>", True),
+    ("required", True, "Sure. <tool_call>\n" + W + "\n</tool_call>", False),
+    ("required", True, "No.", False),
+    ("weather", True, "<tool_call>\n" + W + "\n</tool_call>", True),
+    ("add", True, "<tool_call>\n" + W + "\n</tool_call>", False),
+])
+def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, ok):
+    assert _accepts(compiler, HermesParser().grammar(TOOLS, choice, parallel), text) is ok
+
+
+def test_no_grammar_for_none():
+    assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
+
+
+# --- the endpoint alone -----------------------------------------------------------------------------------------
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+class CallingWorker(ScriptedWorker):
+    """Answers with content and a call, ending with "stop" (the model's end of turn)."""
+    REPLY = ("Let me see. " + CALL).encode()
+
+    async def submit(self, prompts, params):
+        sub = await super().submit(prompts, params)
+        items = []
+        while not sub.queue.empty():
+            items.append(sub.queue.get_nowait())
+        for out in items:
+            if out.finished:
+                out.finish_reason = "stop"
+            sub.queue.put_nowait(out)
+        return sub
+
+
+@pytest.fixture
+def client():
+    worker = CallingWorker()
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(chat.router)
+    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, TEMPLATE, 4096),
+                                      Settings(model_id="bytes"))
+    app.state.worker = worker
+    return TestClient(app), worker
+
+
+BODY = {"messages": [{"role": "user", "content": "add 1 and 2"}], "tools": [ADD, CITY]}
+
+
+def test_endpoint_answers_tool_calls_whole_and_streamed(client):
+    http, worker = client
+    r = http.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["content"] == "Let me see."
+    [call] = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": {"c": "}"} }'}
+    prompt = bytes(worker.submitted[0][0][0][1:]).decode()
+    assert '"name": "add"' in prompt and "<tool_call>" in prompt          # the fallback system prompt
+    assert worker.submitted[0][1][0].constraint.kind == "grammar_lark"
+
+    with http.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as s:
+        events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert content == "Let me see."
+    assert calls[0]["id"] and calls[0]["type"] == "function" and calls[0]["function"]["name"] == "add"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:]) and len(calls) > 2
+    assert "".join(c["function"]["arguments"] for c in calls) == call["function"]["arguments"]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_endpoint_none_sends_no_grammar_and_no_parsing(client):
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={**BODY, "tool_choice": "none"})
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == "Let me see. " + CALL and "tool_calls" not in msg
+    assert worker.submitted[0][1][0].constraint is None
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": "add"}, "tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": "1"}]},
+     "messages"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_endpoint_bad_requests_are_400_naming_the_field(client, extra, param):
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={**BODY, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not worker.submitted
