@@ -284,3 +284,19 @@ def test_endpoint_bad_requests_are_400_naming_the_field(client, extra, param):
     r = http.post("/v1/chat/completions", json={**BODY, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert not worker.submitted
+
+
+def test_a_template_with_tools_renders_them_itself():
+    """Qwen2.5's template (from the llama-server goldens) takes the tools and the call history; no fallback."""
+    from pathlib import Path
+    data = json.loads((Path(__file__).parent / "data" / "qwen2.5-chat.llamacpp.json").read_text())
+    template = data["models"]["qwen2.5-coder-0.5b"]["template"]
+    worker = ScriptedWorker()
+    p = Prompter(worker.engine.tokenizer, template, 4096)
+    msgs = [P.ChatMessage(**m) for m in ({"role": "user", "content": "1+2?"}, _assistant(),
+                                        {"role": "tool", "tool_call_id": "call_1", "content": "3"})]
+    text = p.render(msgs, True, TOOLS)
+    assert "# Tools" in text and '"name": "add"' in text and "You are Qwen" in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<tool_response>\n3\n</tool_response>" in text
+    assert "<|im_start|>system\n# Tools" not in p.render(msgs[:1], True, TOOLS)   # the template's, not ours

@@ -1,0 +1,148 @@
+"""Tool calling through a live server (test_serve.live_server) on Qwen2.5-Coder-0.5B-Instruct, with the official
+`openai` client: `required` and named calls name a declared tool and their arguments validate (jsonschema); a
+streamed answer's tool_calls deltas joined by the client equal the whole answer; bad tools, tool_choice and
+dangling tool messages are 400s naming the field while concurrent good requests finish; and an agent loop (the
+model calls a real Python function, gets its result as a tool message, and answers with it) works end to end.
+Skips when the model cannot be fetched (the qwen05_path fixture)."""
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import pytest
+from test_serve import MODEL_ID, assert_error, live_server
+
+import lumen
+
+openai = pytest.importorskip("openai")
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers and return their sum.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}, "strict": True}}
+TOOLS = [ADD, WEATHER]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK_ADD = [{"role": "user", "content": "What is 1234 plus 4321? Use the add tool."}]
+ASK_WEATHER = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server(qwen05_path):
+    model = lumen.load(qwen05_path, ctx=1024, threads=2)
+    with live_server(model, max_num_seqs=8) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _validate(call) -> dict:
+    assert call.type == "function" and call.id
+    assert call.function.name in SCHEMAS
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_calls_validate(client, choice):
+    for messages in (ASK_ADD, ASK_WEATHER):
+        r = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=TOOLS, tool_choice=choice,
+                                           temperature=0, max_tokens=120)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        assert ch.message.tool_calls
+        for call in ch.message.tool_calls:
+            _validate(call)
+            if isinstance(choice, dict):
+                assert call.function.name == "get_weather"
+        assert r.usage.completion_tokens > 0
+
+
+def test_auto_calls_the_needed_tool(client):
+    r = client.chat.completions.create(model=MODEL_ID, messages=ASK_ADD, tools=TOOLS, temperature=0, max_tokens=120)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
+    assert [_validate(c) for c in ch.message.tool_calls][0] == {"a": 1234, "b": 4321}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_stream_reassembles_to_the_whole_answer(client, choice):
+    kw = dict(model=MODEL_ID, messages=ASK_WEATHER, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish, first = "", {}, None, {}
+    with client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw) as stream:
+        for chunk in stream:
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                for d in c.delta.tool_calls or []:
+                    if d.index not in calls:                # the first delta of a call: id, type and name
+                        assert d.id and d.type == "function" and d.function.name, d
+                        first[d.index] = d.function.name
+                        calls[d.index] = ""
+                    calls[d.index] += d.function.arguments or ""
+                finish = c.finish_reason or finish
+    assert finish == whole.finish_reason
+    assert (content or None) == whole.message.content
+    assert [(first[i], json.loads(calls[i])) for i in sorted(calls)] == _calls(whole.message)
+    assert [calls[i] for i in sorted(calls)] == [c.function.arguments for c in whole.message.tool_calls or []]
+
+
+def test_agent_loop(client):
+    """The model calls add, gets the real sum back as a tool message, and answers with it."""
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    messages = [{"role": "system", "content": "You are a helpful assistant. Call a tool when you need one; once "
+                                              "you have its result, answer the user in words."}, *ASK_ADD]
+    r = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=[ADD], temperature=0, max_tokens=120)
+    msg = r.choices[0].message
+    assert msg.tool_calls, msg
+    messages.append(msg.model_dump(exclude_none=True))
+    for call in msg.tool_calls:
+        result = add(**json.loads(call.function.arguments))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": result})})
+    r = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=[ADD], temperature=0, max_tokens=60)
+    answer = r.choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls, answer
+    assert "5555" in answer.message.content.replace(",", "")
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "array", "uniqueItems": True}}}, "strict": True}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [ADD], "messages": ASK_ADD + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+     "messages"),
+]
+
+
+def test_bad_requests_are_400_and_neighbours_finish(server):
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            good = {"model": MODEL_ID, "messages": ASK_ADD, "tools": [ADD], "tool_choice": "required",
+                    "temperature": 0, "max_tokens": 60}
+            bad = [{"model": MODEL_ID, "messages": ASK_ADD, **body} for body, _ in BAD]
+            return await asyncio.gather(*[http.post("/v1/chat/completions", json=b) for b in [good, *bad, good]])
+
+    rs = asyncio.run(go())
+    for r, (_, param) in zip(rs[1:-1], BAD):
+        assert_error(r, 400, param)
+    for r in (rs[0], rs[-1]):
+        assert r.status_code == 200, r.text
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "add"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS["add"])
