@@ -10,6 +10,7 @@ loads (exit code 2, as for other misuse).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a grammar file: Lark (llguidance's dialect, a `start:` rule) or GBNF (`root ::= ...`)")
     one.add_argument("--choice", action="append", metavar="TEXT", help="the text is one of the --choice values "
                      "(repeat it)")
+    tc = ap.add_argument_group("tool calling (implies --chat; calls are printed as JSON lines after the text)")
+    tc.add_argument("--tools", metavar="FILE", help="a JSON file: a list of OpenAI function tools "
+                                                    "([{\"type\": \"function\", \"function\": {\"name\", "
+                                                    "\"parameters\"}}])")
+    tc.add_argument("--tool-choice", default="auto", metavar="CHOICE",
+                    help="auto (default), required, none, or the name of the one function to call")
     return ap
 
 
@@ -184,6 +191,31 @@ def constraint_from_args(args):
         raise UsageError(f"{flag}: {e}") from None
 
 
+def tools_from_args(args):
+    """(tools, tool_choice) from --tools FILE and --tool-choice (None: no --tools); UsageError naming the flag."""
+    if not args.tools:
+        if args.tool_choice != "auto":
+            raise UsageError("--tool-choice needs --tools FILE")
+        return None
+    from .serve.protocol import ApiError
+    from .serve.tools import parse_tool_choice, parse_tools
+    try:
+        spec = json.loads(_read(args.tools, "--tools"))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--tools {args.tools}: not JSON ({e})") from None
+    if isinstance(spec, dict) and "tools" in spec:             # a request body's {"tools": [...]} too
+        spec = spec["tools"]
+    choice = args.tool_choice
+    if choice not in ("auto", "required", "none"):
+        choice = {"type": "function", "function": {"name": choice}}
+    try:
+        tools = parse_tools(spec)
+        return tools, parse_tool_choice(choice, tools)
+    except ApiError as e:
+        flag = "--tool-choice" if e.param == "tool_choice" else f"--tools {args.tools}"
+        raise UsageError(f"{flag}: {e.message}") from None
+
+
 def _read(path: str, flag: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -192,24 +224,32 @@ def _read(path: str, flag: str) -> str:
         raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
 
 
-def chat_prompt(model, user: str, system: str | None) -> tuple[str | None, str]:
+def chat_prompt(model, user: str, system: str | None, tools=None) -> tuple[str | None, str]:
     """The rendered chat prompt, or None with the reason when the model has no chat template."""
     from .format.chat import chat_template_from_metadata
     template = chat_template_from_metadata(model.metadata)
     if template is None:
         return None, "this model has no chat template (tokenizer.chat_template); running plain completion"
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return render_messages(model, template, messages), ""
+    return render_messages(model, template, messages, tools), ""
 
 
-def render_messages(model, template: str, messages: list[dict]) -> str:
+def render_messages(model, template: str, messages: list[dict], tools=None) -> str:
     """The conversation as the model's chat template writes it, ending with the assistant's turn opened (text to
-    tokenize with special tokens parsed)."""
+    tokenize with special tokens parsed). tools: lumen.serve.tools Tools, rendered by the template if it takes
+    them, else by the fallback system prompt (as the server does)."""
     from .format.chat import render_chat
     tok = model.tokenizer
+    kw = {}
+    if tools:
+        from .serve.tools import fallback_messages, template_takes_tools
+        if template_takes_tools(template):
+            kw["tools"] = [t.openai() for t in tools]
+        else:
+            messages = fallback_messages(messages, tools)
     return render_chat(template, messages, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                        eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-                       add_generation_prompt=True)
+                       add_generation_prompt=True, **kw)
 
 
 def summary_line(stats) -> str:
@@ -306,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt = read_stdin_prompt(sys.stdin)
     try:
         constraint = constraint_from_args(args)          # before the model loads: a bad file fails fast
+        tooling = tools_from_args(args)
+        if tooling is not None and constraint is not None and tooling[1] != "none":
+            raise UsageError("--tools cannot be combined with a structured-output flag (unless --tool-choice none)")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -331,8 +374,16 @@ def main(argv: list[str] | None = None) -> int:
                                   ngram_min=args.ngram_min, ngram_max=args.ngram_max)
             t_compile = model.warmup()
         prompt, special, chat = args.prompt, args.special, False
-        if args.chat:
-            rendered, why = chat_prompt(model, args.prompt, args.system)
+        parser = None
+        if tooling is not None:
+            from .serve.tools import HermesParser
+            if tooling[1] != "none":
+                parser = HermesParser()
+                constraint = parser.grammar(*tooling, True)
+        if args.chat or tooling is not None:
+            rendered, why = chat_prompt(model, args.prompt, args.system, tooling and tooling[0])
+            if rendered is None and tooling is not None:
+                raise LumenError("--tools needs a model with a chat template")
             if rendered is None:
                 print(f"note: {why}", file=sys.stderr)     # and plain completion's sampling
             else:
@@ -345,9 +396,28 @@ def main(argv: list[str] | None = None) -> int:
                              num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,
                              constraint=constraint)
         out = sys.stdout
+        deltas, wrote = [], False
         for tok in gen:
-            out.write(tok.text)
+            text = tok.text
+            if parser is not None:
+                text, calls = parser.feed(text)
+                deltas += calls
+            out.write(text)
             out.flush()
+            wrote = wrote or bool(text)
+        if parser is not None:
+            text, calls = parser.finish()
+            out.write(text)
+            wrote = wrote or bool(text)
+            from .serve.tools import assemble
+            for call in assemble(deltas + calls):        # one JSON line per call
+                f = call["function"]
+                try:
+                    arguments = json.loads(f["arguments"] or "{}")
+                except json.JSONDecodeError:               # cut by --max-tokens: as written
+                    arguments = f["arguments"]
+                out.write("\n" * wrote + json.dumps({"name": f["name"], "arguments": arguments}, ensure_ascii=False))
+                wrote = True
         out.write("\n")
         out.flush()
     except (LumenError, ValueError) as e:

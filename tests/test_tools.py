@@ -300,3 +300,24 @@ def test_a_template_with_tools_renders_them_itself():
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
     assert "<tool_response>\n3\n</tool_response>" in text
     assert "<|im_start|>system\n# Tools" not in p.render(msgs[:1], True, TOOLS)   # the template's, not ours
+
+
+# --- lumen.generate --tools -------------------------------------------------------------------------------------
+def test_generate_tools_flags(tmp_path):
+    from lumen.generate import UsageError, build_parser, tools_from_args
+    f = tmp_path / "tools.json"
+    f.write_text(json.dumps([ADD, CITY]))
+    args = build_parser().parse_args(["--tools", str(f), "--tool-choice", "weather", "-p", "x"])
+    tools, choice = tools_from_args(args)
+    assert [t.name for t in tools] == ["add", "weather"] and choice == "weather"
+    f.write_text(json.dumps({"tools": [ADD]}))                       # a request body's tools field too
+    assert tools_from_args(build_parser().parse_args(["--tools", str(f), "-p", "x"]))[1] == "auto"
+    assert tools_from_args(build_parser().parse_args(["-p", "x"])) is None
+    for argv, words in [(["--tool-choice", "required"], "--tool-choice needs --tools"),
+                        (["--tools", str(f), "--tool-choice", "nope"], "--tool-choice: tool_choice names"),
+                        (["--tools", str(tmp_path / "missing.json")], "cannot read it")]:
+        with pytest.raises(UsageError, match=words):
+            tools_from_args(build_parser().parse_args([*argv, "-p", "x"]))
+    f.write_text("[{")
+    with pytest.raises(UsageError, match="not JSON"):
+        tools_from_args(build_parser().parse_args(["--tools", str(f), "-p", "x"]))

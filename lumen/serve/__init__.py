@@ -8,6 +8,7 @@
     protocol.py   request bodies (pydantic), their SamplingParams, OpenAI's error shape
     prompts.py    completion prompts and chat templates -> token ids
     responses.py  engine outputs -> OpenAI responses, stream chunks, logprobs, usage
+    tools.py      tool calling: tools and tool_choice checked, their grammar, the parsers reading calls back
     worker.py     the engine's step loop in its own thread, bridged to asyncio
     metrics.py    /metrics (prometheus_client), vLLM's names with the lumen: prefix
     ray/          --replicas N: the same app as a Ray Serve application over N engine replicas
