@@ -146,3 +146,13 @@ def test_bad_requests_are_400_and_neighbours_finish(server):
         call = r.json()["choices"][0]["message"]["tool_calls"][0]
         assert call["function"]["name"] == "add"
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS["add"])
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_speculative_decoding_gives_the_same_calls(client, choice):
+    """Greedy with n-gram speculation: the same answer, calls included, as without."""
+    kw = dict(model=MODEL_ID, messages=ASK_WEATHER, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120)
+    plain = client.chat.completions.create(**kw).choices[0]
+    spec = client.chat.completions.create(extra_body={"speculative": "ngram"}, **kw).choices[0]
+    assert spec.finish_reason == plain.finish_reason and spec.message.content == plain.message.content
+    assert _calls(spec.message) == _calls(plain.message) and spec.message.tool_calls
