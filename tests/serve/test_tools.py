@@ -289,7 +289,7 @@ def test_endpoint_bad_requests_are_400_naming_the_field(client, extra, param):
 def test_a_template_with_tools_renders_them_itself():
     """Qwen2.5's template (from the llama-server goldens) takes the tools and the call history; no fallback."""
     from pathlib import Path
-    data = json.loads((Path(__file__).parent / "data" / "qwen2.5-chat.llamacpp.json").read_text())
+    data = json.loads((Path(__file__).parent.parent / "data" / "qwen2.5-chat.llamacpp.json").read_text())
     template = data["models"]["qwen2.5-coder-0.5b"]["template"]
     worker = ScriptedWorker()
     p = Prompter(worker.engine.tokenizer, template, 4096)
