@@ -1,7 +1,44 @@
-"""`python -m lumen.models`: the model store's command line (the store itself is lumen/model/store.py)."""
+"""`python -m lumen.models` (`lumen models`): the model store's command line (the store is lumen/model/store.py)."""
+from __future__ import annotations
+
+import argparse
 import sys
 
-from lumen.model.store import main
+from .commands import prog
+from .errors import FetchError
+from .model import store
+from .model.store import DEFAULT_MODEL, MODELS, fetch, home_blocker, lumen_home, model_path, state, unwritable, verify
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog("models"), description=store.__doc__.splitlines()[0])
+    ap.add_argument("--fetch", metavar="NAME", choices=sorted(MODELS), help="fetch (and verify) one model")
+    ap.add_argument("--verify", metavar="NAME", choices=sorted(MODELS), help="re-check a fetched model's sha256")
+    args = ap.parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+    console = Console()
+    try:
+        if home_blocker() is not None:  # nothing can ever be fetched there: say so now
+            raise unwritable(NotADirectoryError())
+        if args.fetch:
+            fetch(args.fetch, force=True)
+        if args.verify:
+            verify(args.verify)
+    except FetchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    table = Table(title=f"Lumen models (LUMEN_HOME={lumen_home()})")
+    for col in ("name", "about", "size", "state", "path"):
+        table.add_column(col)
+    for name, spec in MODELS.items():
+        st = state(name)
+        colour = {"verified": "green", "unverified": "yellow", "missing": "dim"}[st]
+        table.add_row(name + (" (default)" if name == DEFAULT_MODEL else ""), spec.about,
+                      f"{spec.size / 1e6:.1f} MB", f"[{colour}]{st}[/]", str(model_path(name)))
+    console.print(table)
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,6 @@ the path and the fix.
 """
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import os
@@ -404,37 +403,3 @@ def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
     if path.suffix == ".gguf" or os.sep in str(model):
         raise FetchError(f"no such model file: {path}")
     raise FetchError(f"unknown model {str(model)!r}: not a known name ({', '.join(MODELS)}) and not a file")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lumen.models", description=__doc__.splitlines()[0])
-    ap.add_argument("--fetch", metavar="NAME", choices=sorted(MODELS), help="fetch (and verify) one model")
-    ap.add_argument("--verify", metavar="NAME", choices=sorted(MODELS), help="re-check a fetched model's sha256")
-    args = ap.parse_args(argv)
-    from rich.console import Console
-    from rich.table import Table
-    console = Console()
-    try:
-        if home_blocker() is not None:  # nothing can ever be fetched there: say so now
-            raise unwritable(NotADirectoryError())
-        if args.fetch:
-            fetch(args.fetch, force=True)
-        if args.verify:
-            verify(args.verify)
-    except FetchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    table = Table(title=f"Lumen models (LUMEN_HOME={lumen_home()})")
-    for col in ("name", "about", "size", "state", "path"):
-        table.add_column(col)
-    for name, spec in MODELS.items():
-        st = state(name)
-        colour = {"verified": "green", "unverified": "yellow", "missing": "dim"}[st]
-        table.add_row(name + (" (default)" if name == DEFAULT_MODEL else ""), spec.about,
-                      f"{spec.size / 1e6:.1f} MB", f"[{colour}]{st}[/]", str(model_path(name)))
-    console.print(table)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
