@@ -114,12 +114,12 @@ def use_compile_cache() -> None:
 
 
 @contextmanager
-def _flock(directory: str, shared: bool):
-    """An flock on directory/lumen.lock (shared or exclusive) for the block; none if the file cannot be made."""
+def _flock(directory: str, shared: bool, name: str = "lumen.lock"):
+    """An flock on directory/name (shared or exclusive) for the block; none if the file cannot be made."""
     import fcntl
     try:
         os.makedirs(directory, exist_ok=True)
-        f = open(os.path.join(directory, "lumen.lock"), "a+b")
+        f = open(os.path.join(directory, name), "a+b")
     except OSError:
         yield
         return
@@ -160,14 +160,5 @@ def compiling():
     the others wait, then load what it compiled instead of compiling the same functions beside it (two replicas
     starting on a fresh host each compiled everything, on the same cores). Wrap a first forward pass or a
     warm-up in it; a process whose kernels are cached holds it for as long as loading them takes."""
-    directory = os.environ.get("NUMBA_CACHE_DIR") or compile_cache_dir()
-    import fcntl
-    try:
-        os.makedirs(directory, exist_ok=True)
-        f = open(os.path.join(directory, "compiling.lock"), "a+b")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with _flock(os.environ.get("NUMBA_CACHE_DIR") or compile_cache_dir(), shared=False, name="compiling.lock"):
         yield
