@@ -146,3 +146,16 @@ def test_gates_skip_a_cpu_without_baseline():
     assert "passed" not in r.stdout and "failed" not in r.stdout
     assert "NOT GATED" in r.stdout and "no baseline in baseline.json for LUMEN_BENCH_CPU (Some Other CPU" in r.stdout
     assert "LUMEN_BENCH=1 LUMEN_BENCH_WRITE=1 python -m pytest -q tests/benchmarks" in r.stdout
+
+
+@pytest.mark.slow
+def test_batch_llama_path_implies_compare(smollm2_path, tmp_path):
+    """--llama-batched-bench PATH alone asks for the comparison (as single's --llama-bench does): a path that is
+    not there is said in one line, and Lumen still runs."""
+    r = subprocess.run([sys.executable, "-m", "lumen.bench", "batch", "--model", str(smollm2_path), "-npp", "4",
+                        "-ntg", "2", "-npl", "1", "-r", "1", "-t", "1",
+                        "--llama-batched-bench", str(tmp_path / "no-such-binary")],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="160"))
+    assert r.returncode == 0, r.stderr
+    assert "llama-batched-bench not found" in r.stderr and "Traceback" not in r.stderr
+    assert "Lumen" in r.stdout
