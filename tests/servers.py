@@ -28,14 +28,15 @@ def lumen_serve(model_path, *extra) -> list[str]:
 
 class ServerProcess:
     """A server subprocess on a free port of 127.0.0.1: its URL, pid and log; waits until /health answers (a
-    server that exits or does not come up within health_timeout fails the test and is stopped)."""
+    server that exits or does not come up within health_timeout fails the test and is stopped). popen: more of
+    subprocess.Popen's arguments (env, start_new_session)."""
 
-    def __init__(self, args: list[str], log: Path, health_timeout: float = 180.0):
+    def __init__(self, args: list[str], log: Path, health_timeout: float = 180.0, **popen):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.p = subprocess.Popen([*args, "--port", str(self.port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                  cwd=ROOT)
+                                  cwd=ROOT, **popen)
         t0 = time.monotonic()
         try:
             while True:

@@ -8,15 +8,16 @@ thread each) behind one endpoint, started once for the module (a subprocess on a
   prompts spread over both replicas; /metrics shows each replica's lumen: series with a replica label and the
   router's decisions; /health and /v1/models answer for the application;
 - a killed replica: its request in flight gets an error, the other replica's completes, Ray starts a new one;
-- shutdown: SIGINT stops the server with exit code 0 and leaves no Ray process behind.
+- shutdown: SIGTERM, and SIGINT twice (the second stops at once), end the server with exit code 0 and leave no
+  process of its Ray instance (its session, or its marked environment).
 Every wait is bounded."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -34,11 +35,75 @@ from servers import ServerProcess, sse_events  # noqa: E402
 MAX_NUM_SEQS, MAX_QUEUE = 4, 2                  # per replica: 4 running, 2 waiting, then 429
 
 
-def ray_pids() -> set[int]:
-    """Processes of a Ray instance on this machine (its GCS, raylet, workers and actors)."""
-    r = subprocess.run(["pgrep", "-f", r"ray::|raylet|gcs_server|ray/_private/|default_worker\.py"],
-                       capture_output=True, text=True)
-    return {int(p) for p in r.stdout.split()}
+MARK = "LUMEN_TEST_RAY_SERVER"                  # in the environment of a test server and of every process it starts
+
+
+def ray_server(smollm2_path, log, *extra) -> ServerProcess:
+    """`python -m lumen.serve --replicas 2` (one thread each) in a session of its own, its environment marked:
+    every process of the Ray instance it starts can be found (session_processes) and killed if a test fails."""
+    mark = uuid.uuid4().hex
+    try:
+        proc = ServerProcess([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                              "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", "64", *extra],
+                             log, health_timeout=240, start_new_session=True, env={**os.environ, MARK: mark})
+    except BaseException:
+        kill_session(mark, None)
+        raise
+    proc.mark = mark
+    return proc
+
+
+def session_processes(mark: str, sid: int | None) -> dict[int, str]:
+    """pid -> name of every live process in session `sid` (the server's pid: Ray's processes stay in its session)
+    or with `mark` in its environment (zombies are not counted: they hold nothing but their pid)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        pid = int(d)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(b")") + 2:].split()        # after "pid (comm) ": state, ppid, pgrp, session
+            if fields[0] == b"Z":
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                name = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+            if int(fields[3]) == sid:
+                out[pid] = name
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"{MARK}={mark}".encode() in f.read():
+                    out[pid] = name
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def kill_session(mark: str, sid: int | None) -> dict[int, str]:
+    """SIGKILL to whatever session_processes finds; what it found."""
+    left = session_processes(mark, sid)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return left
+
+
+def wait_gone(proc: ServerProcess, timeout: float = 15.0) -> dict[int, str]:
+    """The server's processes still alive after `timeout` seconds (killed, so a failing test leaves none)."""
+    t0 = time.monotonic()
+    while session_processes(proc.mark, proc.p.pid) and time.monotonic() - t0 < timeout:
+        time.sleep(0.25)
+    return kill_session(proc.mark, proc.p.pid)
+
+
+def wait_log(proc: ServerProcess, text: str, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while text not in proc.log.read_text(errors="replace"):
+        assert proc.p.poll() is None and time.monotonic() - t0 < timeout, f"no {text!r} in the log:\n{proc.tail()}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +114,18 @@ def model(smollm2_path):
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     """Two replicas on a local Ray instance; stopped (SIGINT) by test_shutdown_leaves_no_ray_process, or here."""
-    before = ray_pids()
     log = tmp_path_factory.mktemp("serve_ray") / "server.log"
-    proc = ServerProcess([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
-                 "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", "64",
-                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL_ID, "--max-body-mb", str(MAX_BODY / 2 ** 20),
-                 "--shutdown-timeout", "5"], log, health_timeout=240)
-    proc.ray_before = before
-    wait_replicas(proc.url, 2)
-    yield proc
-    proc.stop(signal.SIGINT, timeout=90)
+    proc = ray_server(smollm2_path, log, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE),
+                      "--served-model-name", MODEL_ID, "--max-body-mb", str(MAX_BODY / 2 ** 20),
+                      "--shutdown-timeout", "5")
+    try:
+        wait_replicas(proc.url, 2)
+        yield proc
+    finally:
+        try:
+            proc.stop(signal.SIGINT, timeout=90)
+        finally:
+            wait_gone(proc, timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +243,51 @@ def test_router_in_flight_count_in_either_order_of_ray_s_reports():
     assert r.inflight == {"A": 0, "B": 0}, r.inflight
     assert r.routed == {"A": 1, "B": 2} and sum(r.decisions.values()) == 3
     assert not r._running and not r._names and list(r._done_first) == [("3", "A")]   # until its TTL
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stopping: no process of the Ray instance is left (before the module's server starts: one instance at a time)
+
+def stream_in_flight(url: str, outcome: list) -> threading.Thread:
+    """A long stream, running when this returns; `outcome` gets how it ended ("done", "error" or "broken")."""
+    started = threading.Event()
+
+    def run():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"prompt": "Count:", "max_tokens": 900, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if line.startswith('data: {"error"'):
+                        outcome.append("error")
+                    elif line == "data: [DONE]":
+                        outcome.append("done")
+        except httpx.HTTPError:
+            outcome.append("broken")
+        started.set()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(60)
+    return t
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_no_process_of_its_ray_instance(smollm2_path, tmp_path):
+    """SIGTERM with a stream in flight: the server exits 0, the stream ends with an error event or [DONE], and
+    no process of the Ray instance it started is left (Ray's own stop used to leave its raylet's agents)."""
+    proc = ray_server(smollm2_path, tmp_path / "server.log", "--shutdown-timeout", "2")
+    try:
+        wait_log(proc, "serving on")
+        running = session_processes(proc.mark, proc.p.pid)
+        assert any("DashboardAgent" in n for n in running.values()), running      # the check sees Ray's agents
+        outcome: list = []
+        t = stream_in_flight(proc.url, outcome)
+        assert proc.stop(signal.SIGTERM, timeout=60) == 0, proc.tail()
+        t.join(30)
+    finally:
+        left = wait_gone(proc)
+    assert not left, f"left after SIGTERM: {left}"
+    assert outcome and outcome[0] in ("done", "error", "broken"), outcome
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -398,9 +510,18 @@ def test_killed_replica_fails_its_requests_others_continue(server, model):
 
 
 @pytest.mark.slow
-def test_shutdown_leaves_no_ray_process(server):
-    assert server.stop(signal.SIGINT, timeout=90) == 0
+def test_second_sigint_stops_at_once_and_leaves_no_ray_process(server):
+    """Ctrl-C with a stream in flight starts a graceful stop (up to --shutdown-timeout 5 s for the stream, then
+    Serve's and Ray's own stop); a second Ctrl-C ends every process of the instance at once."""
+    outcome: list = []
+    t = stream_in_flight(server.url, outcome)
+    server.p.send_signal(signal.SIGINT)
+    wait_log(server, "press Ctrl-C again", timeout=30)
     t0 = time.monotonic()
-    while (left := ray_pids() - server.ray_before):
-        assert time.monotonic() - t0 < 30, f"Ray processes left: {left}"
-        time.sleep(0.5)
+    assert server.stop(signal.SIGINT, timeout=60) == 0, server.tail()
+    took = time.monotonic() - t0
+    t.join(30)
+    left = wait_gone(server, timeout=5)
+    assert not left, f"left after two SIGINTs: {left}"
+    assert took < 4, f"the second SIGINT took {took:.1f} s to stop the server"
+    assert outcome and outcome[0] in ("error", "broken"), outcome

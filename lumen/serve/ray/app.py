@@ -3,8 +3,9 @@ parameters, errors, SSE and X-Request-Id as one process) over an engine deployme
 process that starts it, serves until SIGTERM/SIGINT, and stops it.
 
     build(...)      the Application: Ingress.bind(EngineReplica deployment.bind(...))
-    serve_on_ray()  ray.init (a local instance, or --ray-address's cluster), serve.run on --host:--port, wait for
-                    a signal, then delete the application (and stop Serve and the local instance if we began them)
+    serve_on_ray()  connect (a local instance of our own, lumen.serve.ray.local, or --ray-address's cluster),
+                    serve.run on --host:--port, wait for a signal, then stop: on a joined cluster delete the
+                    application and nothing else; our local instance is stopped with every process of it
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ray.serve.config import RequestRouterConfig
 
 from ...engine.config import EngineConfig
 from ..app import Settings, build_app
+from .local import LocalRay
 from .metrics import ReplicaMetrics
 from .remote import ModelInfo, RemoteWorker
 from .replica import EngineReplica
@@ -110,56 +112,100 @@ def build(model: str, config: EngineConfig, settings: Settings, *, scale: Scale 
     return ingress.bind(engine.bind(model, settings.model_id, config, max_queue), model, settings, chat_template)
 
 
-def start(app, *, host: str, port: int, address: str | None = None, num_cpus: int | None = None,
-          log_to_driver: bool = True) -> float:
-    """Start Ray (a local instance, or join `address`) and Serve, run the application on host:port; returns
-    the seconds it took until the application answered."""
+def connect(address: str | None = None, *, num_cpus: int | None = None,
+            log_to_driver: bool = True) -> LocalRay | None:
+    """Join the cluster at `address`, or (None) start a local Ray instance of our own (returned, to be stopped)."""
     import ray
-    t0 = time.perf_counter()
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+        return None
+    return LocalRay(num_cpus=num_cpus, log_to_driver=log_to_driver)
+
+
+def start(app, *, host: str, port: int) -> float:
+    """Start Serve on the connected cluster and run the application on host:port; returns the seconds it took
+    until the application answered."""
+    t0 = time.perf_counter()
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=APP, route_prefix="/", blocking=False)
     return time.perf_counter() - t0
 
 
-def stop(*, address: str | None = None) -> None:
-    """Delete the application; when Ray was started here, stop Serve and Ray too (no process is left)."""
+def stop(local: LocalRay | None, grace: float = 2.0) -> None:
+    """On a cluster we joined: delete our application, and nothing else. On our local instance: stop Serve and
+    Ray, and then any process of the instance that outlived them (no process is left)."""
     import ray
+    if local is not None:
+        local.stop(grace)
+        return
     try:
-        if address:
-            serve.delete(APP)
-        else:
-            serve.shutdown()
+        serve.delete(APP)
     finally:
         ray.shutdown()
 
 
 def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int) -> int:
-    """Run the application until SIGTERM or SIGINT (the command line's Ray path)."""
-    done = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """Run the application until SIGTERM or SIGINT (the command line's Ray path). The first signal stops it as
+    stop() does (requests in flight get the shutdown timeout); a second one, or one while it starts, ends the
+    local instance's processes at once (on a joined cluster: deletes the application without waiting)."""
+    done, state = threading.Event(), {"serving": False, "signals": 0}
+
+    def on_signal(sig, frame):
+        state["signals"] += 1
+        if state["serving"] and state["signals"] == 1:
+            done.set()
+        else:
+            raise KeyboardInterrupt
+
+    def catch_signals() -> dict:                   # again once Ray is up: its core worker takes SIGTERM over
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    previous = catch_signals()
     cpus = os.cpu_count() or 1
     if not address and replicas * threads > cpus:
         log.warning("%d replicas x %d threads ask for more CPUs than this machine's %d: Ray will wait",
                     replicas, threads, cpus)
+    local = None
     try:
         try:
-            took = start(app, host=host, port=port, address=address)
+            local = connect(address)
+            catch_signals()
+            took = start(app, host=host, port=port)
+        except KeyboardInterrupt:
+            log.info("stopped while starting")
+            _stop_now(local, address)
+            return 0
         except Exception as e:                        # noqa: BLE001 - Ray's and the replicas' failures: one line
             print(f"error: the application did not start: {type(e).__name__}: {str(e).splitlines()[0]}",
                   file=sys.stderr)
+            _stop_now(local, address)
             return 1
         log.info("serving on http://%s:%d: %d replica(s) x %d thread(s) on Ray (%s), ready in %.1f s", host, port,
                  replicas, threads, address or "a local instance", took)
-        while not done.wait(0.5):
-            pass
-        log.info("stopping")
+        state["serving"] = True
+        try:
+            while not done.wait(0.5):
+                pass
+            log.info("stopping; press Ctrl-C again to stop now")
+            stop(local)
+        except KeyboardInterrupt:
+            log.info("stopping now")
+            _stop_now(local, address)
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
-        stop(address=address)
     log.info("stopped")
     return 0
+
+
+def _stop_now(local: LocalRay | None, address: str | None) -> None:
+    """Stop without waiting for anyone: kill our local instance's processes, or delete our application."""
+    import ray
+    if local is not None:
+        local.kill()
+        return
+    if address and ray.is_initialized():
+        try:
+            serve.delete(APP, _blocking=False)
+        finally:
+            ray.shutdown()

@@ -1,0 +1,135 @@
+"""The local Ray instance `lumen.serve --replicas N` starts without --ray-address, and its stop, which leaves no
+process of it behind.
+
+    ray = LocalRay(num_cpus=None)   ray.init(address="local", ...) in a temp dir of its own: a new instance even
+                                    when another runs on this machine (never joined: it would be stopped with ours)
+    ray.stop(grace=2.0)             serve.shutdown() and ray.shutdown(), then every process of the instance that is
+                                    still there gets SIGTERM and, after `grace` seconds, SIGKILL; the temp dir goes
+    ray.kill()                      every process of it at once, without waiting for Serve (a second Ctrl-C)
+
+ray.shutdown() alone leaves processes: its raylet's agents (ray::DashboardAgent, ray::RuntimeEnvAgent) outlive the
+raylet and ignore SIGTERM. The instance's processes are found three ways, so that none escapes: this process's
+descendants started after ray.init (taken before Ray stops, while the tree is whole), the orphans of the tree
+(this process is their subreaper on Linux, so they come back to it rather than to init), and any process whose
+command line names the instance's temp dir.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import tempfile
+
+import psutil
+
+log = logging.getLogger("lumen.serve")
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _subreaper() -> None:
+    """Orphaned descendants are re-parented to this process, not to init (Linux; elsewhere nothing happens)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class LocalRay:
+    """A Ray instance of this process's own (see the module docstring)."""
+
+    def __init__(self, num_cpus: int | None = None, log_to_driver: bool = True):
+        import ray
+        me = psutil.Process()
+        self.before = {p.pid for p in me.children(recursive=True)}      # not Ray's
+        # a short path: Ray's unix sockets live under it (at most 107 bytes)
+        self.temp_dir = tempfile.mkdtemp(prefix="lumen-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        _subreaper()
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                     _temp_dir=self.temp_dir)
+        except BaseException:
+            self.kill()
+            raise
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this instance."""
+        found: dict[int, psutil.Process] = {}
+        try:
+            for p in psutil.Process().children(recursive=True):
+                if p.pid not in self.before:
+                    found[p.pid] = p
+        except psutil.Error:
+            pass
+        for p in psutil.process_iter(["cmdline"]):
+            if p.pid not in found and p.pid != os.getpid() and \
+                    any(self.temp_dir in arg for arg in (p.info["cmdline"] or ())):
+                found[p.pid] = p
+        return list(found.values())
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop Serve and Ray as they stop themselves, then whatever is left (SIGTERM, then SIGKILL)."""
+        import ray
+        from ray import serve
+        procs = self.processes()
+        try:
+            serve.shutdown()
+        finally:
+            try:
+                ray.shutdown()
+            finally:
+                self._end(procs, grace)
+
+    def kill(self) -> None:
+        """Every process of the instance, now (the GCS last: this process leaves it first, which takes seconds
+        once it is gone)."""
+        import ray
+        procs = self.processes()
+        gcs = [p for p in procs if _name(p) == "gcs_server"]
+        psutil.wait_procs(_signal([p for p in procs if p not in gcs], "kill"), timeout=5.0)
+        ray.shutdown()
+        self._end(gcs, 0.0)
+
+    def _end(self, procs: list[psutil.Process], grace: float) -> None:
+        """SIGTERM to procs and to the instance's processes still there, SIGKILL after `grace` seconds (0: at
+        once); the temp dir goes once none is left."""
+        procs = {p.pid: p for p in procs + self.processes()}
+        alive = [p for p in procs.values() if p.is_running()]
+        if alive and grace > 0:
+            _, alive = psutil.wait_procs(_signal(alive, "terminate"), timeout=grace)
+        if alive:
+            log.info("killing %d process(es) of the local Ray instance: %s", len(alive),
+                     ", ".join(sorted({_name(p) for p in alive})))
+            _, alive = psutil.wait_procs(_signal(alive, "kill"), timeout=5.0)
+        later = [p for p in self.processes() if p.pid not in procs]     # started while it stopped
+        if later:
+            _, more = psutil.wait_procs(_signal(later, "kill"), timeout=5.0)
+            alive += more
+        if alive:
+            log.warning("processes of the local Ray instance still alive: %s", [p.pid for p in alive])
+        else:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _signal(procs: list[psutil.Process], how: str) -> list[psutil.Process]:
+    """Send terminate/kill to each; the ones that were still there."""
+    out = []
+    for p in procs:
+        try:
+            getattr(p, how)()
+            out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.Error as e:
+            log.warning("cannot %s process %d: %s", how, p.pid, e)
+    return out
+
+
+def _name(p: psutil.Process) -> str:
+    """ray::DashboardAgent, raylet, log_monitor.py, ..."""
+    try:
+        argv = p.cmdline() or [p.name()]
+    except psutil.Error:
+        return str(p.pid)
+    scripts = [a for a in argv[1:] if a.endswith(".py")]
+    return os.path.basename(scripts[0] if scripts and "python" in argv[0] else argv[0].split()[0])
