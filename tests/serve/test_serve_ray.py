@@ -30,6 +30,7 @@ openai = pytest.importorskip("openai")
 from test_serve import BAD_REQUESTS, MAX_BODY, MAX_MODEL_LEN, MESSAGES, MODEL_ID, PROMPT  # noqa: E402
 from test_serve import assert_error, chat_ids, post_bad, reference, strip_end  # noqa: E402
 from servers import ServerProcess, sse_events  # noqa: E402
+from test_structured_server import BAD as STRUCTURED_BAD  # noqa: E402
 
 
 MAX_NUM_SEQS, MAX_QUEUE = 4, 2                  # per replica: 4 running, 2 waiting, then 429
@@ -188,17 +189,25 @@ def served(m: dict, replica: str) -> float:
 # the wire between the ingress and a replica, without Ray
 
 def test_refusals_and_outputs_cross_the_wire():
-    """A replica's refusal travels as a kind and comes back as the same class (so the ingress answers what one
-    process answers); an output travels without what the ingress already has and is put back together."""
+    """A replica's refusal travels as the exception itself and comes back as the same class with the same message
+    and fields (so the ingress answers what one process answers); an output travels without what the ingress
+    already has and is put back together."""
+    import pickle
     from lumen.engine.engine import RequestError
     from lumen.engine.sampling.sampler import SamplerError
     from lumen.engine.sequence import RequestMetrics, RequestOutput
+    from lumen.engine.structured import StructuredOutputError
     from lumen.errors import ContextError
-    from lumen.serve.ray.remote import REFUSALS, Stream, pack, refusal
+    from lumen.serve.ray.remote import Stream, pack, refused
+    from lumen.serve.structured import StructuredFieldError
     from lumen.serve.worker import QueueFull, ShuttingDown, TooManyRequests
-    for e in (QueueFull("q"), ShuttingDown("s"), TooManyRequests("n"), SamplerError("x"), ContextError("c"),
-              RequestError("r"), ValueError("v")):
-        assert type(REFUSALS[refusal(e)](str(e))) is type(e)
+    for e in (QueueFull("q"), ShuttingDown("s"), TooManyRequests("n"), SamplerError("x", "logit_bias"),
+              ContextError("c"), RequestError("r"), ValueError("v"), StructuredOutputError("grammar: 999999")):
+        back = pickle.loads(pickle.dumps(refused(e))).error
+        assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e), (e, back)
+    odd = StructuredFieldError("f: bad", "f")            # its constructor takes two arguments: does not unpickle
+    back = pickle.loads(pickle.dumps(refused(odd))).error
+    assert type(back) is ValueError and str(back) == "f: bad"
     stream, sent = Stream(["a"], [[1, 2, 3]]), {}
     outs = [RequestOutput("a", [1, 2, 3], [7], "x", False, None, RequestMetrics(), delta_token_ids=[7],
                           delta_text="x", logprobs=[(-0.5, [])]),
@@ -348,6 +357,20 @@ def test_request_id_models_health(http):
 @pytest.mark.parametrize("path, body, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_400(http, path, body, param):
     post_bad(http, path, body, param)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_structured_output_400_as_one_process(http, path):
+    """Every structured-output 400 of the single process (test_structured_server.BAD), the grammar that fails only
+    against the vocabulary among them: llguidance finds that one with the tokenizer, in the replica; its refusal
+    crosses Ray as the StructuredOutputError it is and is the same 400 naming the field (it was a 500)."""
+    for extra, param, message in STRUCTURED_BAD:
+        body = {"max_tokens": 5, **extra} | ({"prompt": "x"} if path == "/v1/completions" else
+                                             {"messages": [{"role": "user", "content": "x"}]})
+        r = http.post(path, json=body)
+        assert_error(r, 400, param)
+        assert message in r.json()["error"]["message"], (extra, r.json())
 
 
 @pytest.mark.slow

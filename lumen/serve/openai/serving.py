@@ -76,8 +76,9 @@ class Generation(Serving):
         reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
                       int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
                       return_token_ids=req.return_token_ids, echo=echo, tool_parser=tool_parser)
-        await self.compile_grammar(params[0].constraint, P.constraint_field(req))
-        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts))
+        field = P.constraint_field(req) or ("tools" if tool_parser is not None else None)
+        await self.compile_grammar(params[0].constraint, field)
+        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field)
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
             return StreamingResponse(self.stream(request, reply, sub, index, req.include_usage),
@@ -123,10 +124,11 @@ class Generation(Serving):
         try:
             await asyncio.wrap_future(compiler.submit(constraint))
         except StructuredOutputError as e:
-            raise P.ApiError(400, f"{param}: {e}" if param else str(e), param) from None
+            raise grammar_error(e, param) from None
 
-    async def submit(self, prompts: list[list[int]], params: list):
-        """The worker's submission of these engine requests; its refusals as ApiErrors."""
+    async def submit(self, prompts: list[list[int]], params: list, constraint_param: str | None = None):
+        """The worker's submission of these engine requests; its refusals as ApiErrors (constraint_param: the
+        field a grammar the engine refuses is blamed on)."""
         try:
             return await self.worker.submit(prompts, params)  # a remote worker answers once a replica took it
         except ShuttingDown as e:
@@ -135,6 +137,8 @@ class Generation(Serving):
             raise P.ApiError(429, str(e)) from None
         except TooManyRequests as e:              # prompts x n beyond what the queue could ever hold
             raise P.ApiError(400, str(e), "n") from None
+        except StructuredOutputError as e:        # a remote engine's compile_grammar (lumen.serve.ray.replica)
+            raise grammar_error(e, constraint_param) from None
         except SamplerError as e:                 # token ids in the params outside the vocabulary
             raise P.ApiError(400, str(e), self.blamed(e, params)) from None
         except (ContextError, RequestError) as e:     # the prompt: too long, empty, ids outside the vocabulary
@@ -167,6 +171,11 @@ class Generation(Serving):
         finally:
             if not finished or sub.open:
                 worker.abort(sub)
+
+
+def grammar_error(e: StructuredOutputError, param: str | None) -> P.ApiError:
+    """The 400 of a grammar that fails to compile against the vocabulary, naming the field that asked for it."""
+    return P.ApiError(400, f"{param}: {e}" if param else str(e), param)
 
 
 def failure(sub, finals) -> tuple[int, str] | None:

@@ -3,7 +3,8 @@ draining) over a handle to the engine deployment, so the HTTP layer (lumen.serve
 
     submit(prompts, params)   awaits the replica's answer: Accepted -> a Submission whose outputs a task pumps
                               from the stream; Refused -> the exception the single process raises (QueueFull,
-                              ShuttingDown, ValueError and the engine's), so the client gets the same status
+                              ShuttingDown, ValueError and the engine's, a grammar that fails against the
+                              vocabulary among them), raised again here, so the client gets the same status
     abort(sub)                cancels the stream; the replica aborts the requests (their KV blocks are freed)
     a replica that dies       its submissions fail with 503 (the client may retry: another replica serves)
 
@@ -14,15 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from ...engine.engine import RequestError
-from ...engine.sampling.sampler import SamplerError
 from ...engine.sequence import RequestMetrics, RequestOutput
-from ...errors import ContextError
-from ..worker import SHUTDOWN, QueueFull, ShuttingDown, Submission, TooManyRequests
+from ..worker import SHUTDOWN, ShuttingDown, Submission
 
 log = logging.getLogger("lumen.serve")
 REPLICA_FAILED = "the replica serving this request failed; try again"
@@ -37,8 +36,8 @@ class Accepted:
 
 @dataclass
 class Refused:
-    kind: str
-    message: str
+    error: Exception              # the exception the single process raises (QueueFull, ShuttingDown, ValueError and
+    #                               the engine's: SamplerError with its param, StructuredOutputError...), as it is
 
 
 @dataclass
@@ -47,17 +46,16 @@ class Failed:
     message: str
 
 
-REFUSALS = {"queue_full": QueueFull, "shutting_down": ShuttingDown, "too_many": TooManyRequests,
-            "sampler": SamplerError, "context": ContextError, "request": RequestError, "value": ValueError}
-
-
-def refusal(e: Exception) -> str:
-    """The name under which a replica's refusal travels (the most specific class first)."""
-    for kind, cls in (("queue_full", QueueFull), ("shutting_down", ShuttingDown), ("too_many", TooManyRequests),
-                      ("sampler", SamplerError), ("context", ContextError), ("request", RequestError)):
-        if isinstance(e, cls):
-            return kind
-    return "value"
+def refused(e: Exception) -> Refused:
+    """A replica's refusal as it crosses to the ingress: the exception itself (Ray pickles it), so the ingress
+    raises what the single process raises; one that would not come back whole goes as a ValueError."""
+    try:
+        back = pickle.loads(pickle.dumps(e))
+        if type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e):
+            return Refused(e)
+    except Exception:                             # noqa: BLE001 - any failure to pickle: the fallback below
+        pass
+    return Refused(ValueError(str(e)))
 
 
 def pack(out: RequestOutput, sent: dict[str, int]) -> RequestOutput:
@@ -169,7 +167,7 @@ class RemoteWorker:
             gen.cancel()
             raise ShuttingDown(REPLICA_FAILED) from None
         if isinstance(first, Refused):
-            raise REFUSALS[first.kind](first.message)
+            raise first.error
         sub = RemoteSubmission(first.request_ids, first.replica, Stream(first.request_ids, prompts), gen)
         self._subs.add(sub)
         sub.pump = asyncio.create_task(self._pump(sub))

@@ -1,8 +1,10 @@
 """The engine deployment: one Engine per replica, stepped by the same EngineWorker as the single process.
 
-    generate(prompts, params)   a streaming method: first Accepted (the engine request ids) or Refused (why it
-                                was not queued), then lists of outputs as they come, then Failed if the replica
-                                ended the requests (shutdown); cancelling the stream aborts them
+    generate(prompts, params)   a streaming method: first Accepted (the engine request ids) or Refused (the
+                                exception that kept it from the queue: a full queue, a parameter or prompt the
+                                engine refuses, a grammar that fails against the vocabulary), then lists of
+                                outputs as they come, then Failed if the replica ended the requests (shutdown);
+                                cancelling the stream aborts them
     record_routing_stats()      called by Ray Serve every request_routing_stats_period_s; what the router reads:
                                 the replica's cached prefix blocks (their names, shortened), its load, and its
                                 /metrics text (lumen.serve.ray.metrics merges them)
@@ -19,7 +21,7 @@ import os
 import time
 
 from ..worker import EngineWorker, QueueFull, ShuttingDown
-from .remote import Accepted, Failed, Refused, pack, refusal
+from .remote import Accepted, Failed, pack, refused
 
 log = logging.getLogger("lumen.serve")
 NAME_BYTES = 8                     # a cached block's name as reported to the router: its digest's first 8 bytes
@@ -49,9 +51,10 @@ class EngineReplica:
 
     async def generate(self, prompts: list[list[int]], params: list):
         try:
+            await self.compile_grammar(params[0].constraint if params else None)
             sub = await self.worker.submit(prompts, params)
-        except (QueueFull, ShuttingDown, ValueError) as e:
-            yield Refused(refusal(e), str(e))
+        except (QueueFull, ShuttingDown, ValueError) as e:     # StructuredOutputError is a ValueError
+            yield refused(e)
             return
         yield Accepted(sub.request_ids, self.replica)
         sent: dict[str, int] = {}                 # request id -> logprob entries already sent
@@ -68,6 +71,13 @@ class EngineReplica:
                 yield Failed(*sub.failure)
         finally:
             self.worker.abort(sub)                # the stream was cancelled (client gone) or ended: a no-op then
+
+    async def compile_grammar(self, constraint) -> None:
+        """Wait (off the event loop) for the compilation of the request's constraint, as the single process's
+        HTTP layer does (lumen.serve.openai.serving): a grammar that fails against the vocabulary is refused
+        (StructuredOutputError) and never reaches the engine, which then finds it in its cache."""
+        if constraint is not None:
+            await asyncio.wrap_future(self.engine.structured.compiler.submit(constraint))
 
     def record_routing_stats(self) -> dict:
         bm, s = self.engine.blocks, self.engine.stats()
