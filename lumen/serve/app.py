@@ -57,7 +57,7 @@ def build_app(worker: Worker, prompter: Prompter, metrics: Metrics, settings: Se
     for router in ROUTERS:
         app.include_router(router)
     if settings.ui:                               # GET /, /dashboard, /dashboard/data, /ui/* (lumen.serve.ui)
-        worker.tap = StepTap()
+        worker.tap = StepTap() if getattr(worker, "steps_here", True) else None    # Ray: the steps are elsewhere
         app.include_router(ui_router(metrics.registry, worker.tap, model_id=settings.model_id,
                                      max_model_len=prompter.max_model_len, speculative=settings.speculative,
                                      structured_output=True))

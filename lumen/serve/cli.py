@@ -232,7 +232,7 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         return 1
     settings = Settings(model_id=model_id(args.model, args.served_model_name), api_key=args.api_key,
                         max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative,
-                        tool_call_parser=args.tool_call_parser)
+                        ui=not args.no_ui, tool_call_parser=args.tool_call_parser)
     scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                           router=args.router)
     app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue, chat_template=template,

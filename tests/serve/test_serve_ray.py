@@ -481,6 +481,31 @@ def test_metrics_per_replica(server, http):
     assert all(n == 0 for n in left.values()), left
 
 
+@pytest.mark.slow
+def test_chat_page_and_dashboard_per_replica_and_summed(server, http):
+    """The web pages of one process answer on the Ray ingress; the dashboard's data has each replica's figures
+    (as the replicas reported them) and the application's, their sum."""
+    for path in ("/", "/dashboard"):
+        r = http.get(path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (path, r.status_code)
+    assert http.get("/ui/info").json()["model"] == MODEL_ID
+    for k in range(2):                              # one request each (the second goes to the idle replica)
+        assert http.post("/v1/completions", json={"prompt": f"dash {k}", "max_tokens": 3}).status_code == 200
+    t0 = time.monotonic()
+    while True:                                     # replicas report every second
+        d = http.get("/dashboard/data").json()
+        reps = d.get("replicas", [])
+        if len(reps) == 2 and all(r["generation_tokens"] > 0 for r in reps):
+            break
+        assert time.monotonic() - t0 < 15, d
+        time.sleep(0.5)
+    assert len({r["replica"] for r in reps}) == 2
+    for key in ("generation_tokens", "kv_blocks", "threads"):
+        assert d[key] == sum(r[key] for r in reps) > 0, (key, d[key], [r[key] for r in reps])
+    assert d["ttft_ms"]["count"] == sum(r["ttft_ms"]["count"] for r in reps)
+    assert d["kv_usage"] == pytest.approx(sum(r["kv_usage"] * r["kv_blocks"] for r in reps) / d["kv_blocks"])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a replica dies; the server stops
 

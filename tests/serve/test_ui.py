@@ -59,6 +59,42 @@ def test_quantile_is_prometheus_histogram_quantile():
     assert quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
 
 
+def test_dashboard_per_replica_and_summed():
+    """A Ray application's registry holds each replica's series with a replica label: the data gives the figures
+    of each replica and of all (counters and histograms summed bound by bound, KV use over all blocks)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from lumen.serve.metrics import TTFT_BUCKETS
+    from lumen.serve.ui.dashboard import Dashboard
+    reg = CollectorRegistry()
+    labels = ["model_name", "replica"]
+    tokens = Counter("lumen:generation_tokens", "", labels, registry=reg)
+    usage = Gauge("lumen:kv_cache_usage_perc", "", labels, registry=reg)
+    blocks = Gauge("lumen:kv_cache_total_blocks", "", labels, registry=reg)
+    running = Gauge("lumen:num_requests_running", "", labels, registry=reg)
+    ttft = Histogram("lumen:time_to_first_token_seconds", "", labels, buckets=TTFT_BUCKETS, registry=reg)
+    board = Dashboard(reg, None, model_id="m")
+    for r, n, use, nb, ttft_s in (("A", 100, 0.5, 100, 0.05), ("B", 300, 0.25, 300, 0.5)):
+        tokens.labels("m", r).inc(n)
+        usage.labels("m", r).set(use)
+        blocks.labels("m", r).set(nb)
+        running.labels("m", r).set(1)
+        for _ in range(10):
+            ttft.labels("m", r).observe(ttft_s)
+    d = board.data()
+    assert [r["replica"] for r in d["replicas"]] == ["A", "B"]
+    a, b = d["replicas"]
+    assert (a["generation_tokens"], b["generation_tokens"], d["generation_tokens"]) == (100, 300, 400)
+    assert (a["running"], b["running"], d["running"]) == (1, 1, 2)
+    assert (a["kv_usage"], b["kv_usage"]) == (0.5, 0.25) and d["kv_usage"] == pytest.approx((50 + 75) / 400)
+    assert d["kv_blocks"] == 400
+    assert a["ttft_ms"]["count"] == b["ttft_ms"]["count"] == 10 and d["ttft_ms"]["count"] == 20
+    assert 40 < a["ttft_ms"]["p50"] <= 60 and 250 < b["ttft_ms"]["p50"] <= 500
+    assert 40 < d["ttft_ms"]["p50"] <= 60 and 250 < d["ttft_ms"]["p90"] <= 500     # 10 fast, then 10 slow
+    assert d["steps"]["available"] is False
+    one = Dashboard(CollectorRegistry(), None, model_id="m").data()          # one process: no replicas entry
+    assert "replicas" not in one and one["generation_tokens"] == 0
+
+
 def test_tap_records_only_while_a_dashboard_looks():
     """Without a look, the engine's step runs under the null profiler (the compiled forward skips its timers);
     after one, under the tap's recorder, for hold_s seconds."""

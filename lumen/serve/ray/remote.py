@@ -124,6 +124,8 @@ class ModelInfo:
 
 
 class RemoteWorker:
+    steps_here = False                            # the engines step in the replicas: no StepTap in the ingress
+
     def __init__(self, handle, engine: ModelInfo):
         self.handle = handle.options(stream=True)
         self.engine = engine

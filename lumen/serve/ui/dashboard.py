@@ -9,6 +9,10 @@ It reads two things:
   the readings are taken when the page polls (and one when the server starts), so the window is the last
   minute once a page has been open that long, and since the oldest reading before that (`window_s` says which).
 - a StepTap's ring of recent steps (lumen.serve.ui.steps), which each poll keeps recording for a few seconds.
+
+On Ray (lumen.serve.ray) the registry holds every replica's series with a `replica` label: the figures are the
+application's (summed; KV use over all blocks) and, under `replicas`, each replica's. No StepTap there: the engines
+step in the replicas.
 """
 from __future__ import annotations
 
@@ -33,25 +37,47 @@ GAUGES = ("lumen:num_requests_running", "lumen:num_requests_waiting", "lumen:kv_
 HISTOGRAMS = {"ttft": "lumen:time_to_first_token_seconds", "itl": "lumen:inter_token_latency_seconds"}
 
 
-class Reading:
-    """One collect() of the registry: counters, gauges and histograms' cumulative buckets."""
+class Part:
+    """Counters and gauges by name, and each histogram's cumulative buckets by upper bound, summed over samples."""
 
-    def __init__(self, registry):
-        self.t = time.monotonic()
+    def __init__(self):
         self.values: dict[str, float] = {}
-        self.buckets: dict[str, list[tuple[float, float]]] = {k: [] for k in HISTOGRAMS}
-        hist_of = {f"{name}_bucket": key for key, name in HISTOGRAMS.items()}
-        for family in registry.collect():
-            for s in family.samples:
-                if s.name in hist_of:
-                    self.buckets[hist_of[s.name]].append((float(s.labels["le"]), s.value))
-                elif s.name in COUNTERS or s.name in GAUGES:
-                    self.values[s.name] = self.values.get(s.name, 0.0) + s.value
-        for b in self.buckets.values():
-            b.sort()
+        self.bounds: dict[str, dict[float, float]] = {k: {} for k in HISTOGRAMS}
 
     def get(self, name: str) -> float:
         return self.values.get(name, 0.0)
+
+    def buckets(self, key: str) -> list[tuple[float, float]]:
+        return sorted(self.bounds[key].items())
+
+
+class Reading:
+    """One collect() of the registry: every series summed (`total`) and, for the series with a `replica` label (a
+    Ray application's registry, lumen.serve.ray.metrics), summed per replica (`replicas`)."""
+
+    def __init__(self, registry):
+        self.t = time.monotonic()
+        self.total = Part()
+        self.replicas: dict[str, Part] = {}
+        hist_of = {f"{name}_bucket": key for key, name in HISTOGRAMS.items()}
+        for family in registry.collect():
+            for s in family.samples:
+                key = hist_of.get(s.name)
+                if key is None and s.name not in COUNTERS and s.name not in GAUGES:
+                    continue
+                replica = s.labels.get("replica")
+                for part in (self.total, self.replicas.setdefault(replica, Part()) if replica else None):
+                    if part is None:
+                        continue
+                    if key is not None:
+                        le = float(s.labels["le"])
+                        part.bounds[key][le] = part.bounds[key].get(le, 0.0) + s.value
+                    else:
+                        part.values[s.name] = part.values.get(s.name, 0.0) + s.value
+
+    def part(self, replica: str | None) -> Part:
+        """The replica's sums (an empty Part if it had none yet), or the total's (None)."""
+        return self.total if replica is None else self.replicas.get(replica, Part())
 
 
 def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -104,46 +130,55 @@ class Dashboard:
         if self.tap is not None:
             self.tap.look()
         now, win, rate = self._read()
+        out = {"model": self.model_id, "time": time.time(), "window_s": round(now.t - win.t, 1),
+               **self._summary(now, win, rate, None)}
+        if now.replicas:                           # a Ray application: each replica's, and KV use over all blocks
+            reps = out["replicas"] = [{"replica": r, **self._summary(now, win, rate, r)} for r in sorted(now.replicas)]
+            blocks = sum(r["kv_blocks"] for r in reps)
+            out["kv_usage"] = sum(r["kv_usage"] * r["kv_blocks"] for r in reps) / blocks if blocks else 0.0
+        out["steps"] = self._steps()
+        return out
+
+    def _summary(self, now: Reading, win: Reading, rate: Reading, replica: str | None) -> dict:
+        """The figures of one replica (or of the whole server: None) from the three readings."""
+        n, w, r = now.part(replica), win.part(replica), rate.part(replica)
         dt_rate = now.t - rate.t
-        d = lambda name, old: now.get(name) - old.get(name)            # noqa: E731
+        d = lambda name, old: n.get(name) - old.get(name)            # noqa: E731
         pct = {}
         for key in HISTOGRAMS:
-            b = _delta(now.buckets[key], win.buckets[key])
+            b = _delta(n.buckets(key), w.buckets(key))
             pct[key] = {"count": int(b[-1][1]) if b else 0,
                         **{f"p{int(q * 100)}": _ms(quantile(q, b)) for q in (0.5, 0.9, 0.99)}}
-        queries = d("lumen:prefix_cache_queries_total", win)
-        drafted = d("lumen:spec_decode_num_draft_tokens_total", win)
-        drafted_all = now.get("lumen:spec_decode_num_draft_tokens_total")
+        queries = d("lumen:prefix_cache_queries_total", w)
+        drafted_all = n.get("lumen:spec_decode_num_draft_tokens_total")
         spec = None
         if self.speculative or drafted_all:
-            accepted = d("lumen:spec_decode_num_accepted_tokens_total", win)
+            drafted = d("lumen:spec_decode_num_draft_tokens_total", w)
+            accepted = d("lumen:spec_decode_num_accepted_tokens_total", w)
             spec = {"drafted": int(drafted), "accepted": int(accepted),
                     "acceptance": accepted / drafted if drafted else None, "default": self.speculative}
         return {
-            "model": self.model_id,
-            "time": time.time(),
-            "window_s": round(now.t - win.t, 1),
-            "output_tps": d("lumen:generation_tokens_total", rate) / dt_rate if dt_rate > 0 else 0.0,
-            "running": int(now.get("lumen:num_requests_running")),
-            "waiting": int(now.get("lumen:num_requests_waiting")),
-            "kv_usage": now.get("lumen:kv_cache_usage_perc"),
-            "kv_blocks": int(now.get("lumen:kv_cache_total_blocks")),
-            "threads": int(now.get("lumen:compute_threads")),
-            "threads_max": int(now.get("lumen:compute_threads_max")),
-            "generation_tokens": int(now.get("lumen:generation_tokens_total")),
-            "preemptions": int(now.get("lumen:num_preemptions_total")),
-            "prefix_hit_rate": d("lumen:prefix_cache_hits_total", win) / queries if queries else None,
+            "output_tps": d("lumen:generation_tokens_total", r) / dt_rate if dt_rate > 0 else 0.0,
+            "running": int(n.get("lumen:num_requests_running")),
+            "waiting": int(n.get("lumen:num_requests_waiting")),
+            "kv_usage": n.get("lumen:kv_cache_usage_perc"),
+            "kv_blocks": int(n.get("lumen:kv_cache_total_blocks")),
+            "threads": int(n.get("lumen:compute_threads")),
+            "threads_max": int(n.get("lumen:compute_threads_max")),
+            "generation_tokens": int(n.get("lumen:generation_tokens_total")),
+            "preemptions": int(n.get("lumen:num_preemptions_total")),
+            "prefix_hit_rate": d("lumen:prefix_cache_hits_total", w) / queries if queries else None,
             "ttft_ms": pct["ttft"],
             "itl_ms": pct["itl"],
             "speculative": spec,
-            "steps": self._steps(),
         }
 
     def _steps(self) -> dict:
         """The recent steps (oldest first) and their mean split by phase, in milliseconds."""
         if self.tap is None or not self.tap.timers:
             return {"available": False, "groups": list(GROUPS), "recent": [], "split": {},
-                    "note": "the op timers are compiled out (LUMEN_TIMERS=0)" if self.tap else "no engine"}
+                    "note": "the op timers are compiled out (LUMEN_TIMERS=0)" if self.tap else
+                    "no engine in this process (Ray replicas: steps are not collected)"}
         recs = self.tap.recent(time.time() - STEPS_S)[-MAX_STEPS:]
         split: dict[str, dict] = {}
         for r in recs:

@@ -69,6 +69,24 @@ function renderSplit(steps) {
   body.replaceChildren(...rows);
 }
 
+/* a Ray application's replicas, one row each (d.replicas: absent for one process) */
+function renderReplicas(replicas) {
+  $("replicas-section").hidden = !replicas;
+  if (!replicas) return;
+  const rows = replicas.map((r) => {
+    const tr = document.createElement("tr");
+    const cells = [r.replica, fmt(r.output_tps, 1), r.running, r.waiting, pct(r.kv_usage) + ` of ${r.kv_blocks}`,
+                   pct(r.prefix_hit_rate), triple(r.ttft_ms), triple(r.itl_ms), r.threads, r.generation_tokens];
+    for (const c of cells) {
+      const td = document.createElement("td");
+      td.textContent = String(c);
+      tr.append(td);
+    }
+    return tr;
+  });
+  $("replicas").querySelector("tbody").replaceChildren(...rows);
+}
+
 function render(d) {
   $("model").textContent = d.model;
   $("output_tps").textContent = fmt(d.output_tps, 1);
@@ -100,6 +118,7 @@ function render(d) {
     charts.wall.setData([t, byPhase(r, true, "wall_ms"), byPhase(r, false, "wall_ms")]);
   }
   renderSplit(d.steps);
+  renderReplicas(d.replicas);
   document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
 }
 
