@@ -21,6 +21,8 @@ get_computed_blocks / allocate_slots), and never sees its tables:
     bm.computed(rid, tokens, n_computed)      name its newly full blocks, return blocks past what it holds
     bm.free(rid)                              give everything back
     bm.row(rid)                               its block-table row, for the runner
+    bm.pin(key, blocks) / bm.unpin(key)       hold blocks without a row (a finished request's KV kept for a
+                                              transfer, lumen.engine.kv_transfer), and give them back
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))   # front = next to allocate
         self._free_rows = list(range(table.shape[0] - 1, -1, -1))                   # pop() -> lowest row
         self._held: dict[object, _Held] = {}
+        self._pinned: dict[object, list[int]] = {}   # key -> blocks held without a row (pin)
         self.hit_tokens = 0                          # prompt tokens served from the cache
         self.query_tokens = 0                        # prompt tokens looked up
         self.evictions = 0
@@ -170,6 +173,26 @@ class BlockManager:
             self._free_rows.append(h.row)
             self._free_rows.sort(reverse=True)
 
+    def pin(self, key, blocks) -> None:
+        """Hold `blocks` (already held by someone, e.g. a request about to be freed) under `key`, with no row."""
+        if key in self._pinned:
+            raise ValueError(f"{key!r} already pins blocks")
+        blocks = [int(b) for b in blocks]
+        for b in blocks:
+            if self._refs[b] == 0:
+                raise ValueError(f"block {b} is free: only held blocks can be pinned")
+            self._refs[b] += 1
+        self._pinned[key] = blocks
+
+    def unpin(self, key) -> None:
+        """Give back the blocks pinned under `key` (no-op when none), last first as _release does."""
+        for b in reversed(self._pinned.pop(key, [])):
+            self._drop(b)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(len(b) for b in self._pinned.values())
+
     # ---- the pool
     def _allocate(self, h: _Held, n: int) -> None:
         for i in range(h.n_held, h.n_held + n):
@@ -186,15 +209,17 @@ class BlockManager:
     def _release(self, h: _Held, keep: int) -> None:
         """Drop the blocks keep .. n_held-1, last first, so that a cached prefix's early blocks are evicted last."""
         for i in range(h.n_held - 1, keep - 1, -1):
-            b = int(self.table[h.row, i])
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free[b] = None
-                if self._name_of[b] is None:
-                    self._free.move_to_end(b, last=False)  # unnamed: nothing to keep, reuse first
-                                                            # named: reusable by a hit until evicted
+            self._drop(int(self.table[h.row, i]))
         h.n_held = keep
         h.n_named = min(h.n_named, keep)
+
+    def _drop(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            self._free[b] = None
+            if self._name_of[b] is None:
+                self._free.move_to_end(b, last=False)  # unnamed: nothing to keep, reuse first
+                                                        # named: reusable by a hit until evicted
 
     def check(self) -> None:
         """Internal consistency (tests): free blocks have no holder, names map both ways, holders add up."""
@@ -206,4 +231,7 @@ class BlockManager:
         for h in self._held.values():
             for b in self.table[h.row, :h.n_held]:
                 counts[int(b)] += 1
+        for blocks in self._pinned.values():
+            for b in blocks:
+                counts[b] += 1
         assert counts == self._refs, "reference counts disagree with the holders"

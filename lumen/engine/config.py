@@ -77,7 +77,9 @@ class EngineConfig:
     "fcfs" (a fixed token budget: max_num_batched_tokens every step) or "measured": each step's budget chosen from
     a fitted model of this machine's step costs (lumen.engine.costs.steps, lumen.engine.costs.budget), for the SLO
     targets slo_ttft_s and slo_tpot_s when given (goodput), else for throughput. cost_grid: "full" (~30 s, cached in $LUMEN_HOME/costs)
-    or "tiny" (tests). explain: log every step's decision. pack_cache: see lumen.model.packcache."""
+    or "tiny" (tests). explain: log every step's decision. pack_cache: see lumen.model.packcache.
+    kv_hold_timeout_s: how long a finished request's KV is held for a transfer to a decode engine before it is
+    released (lumen.engine.kv_transfer)."""
     threads: int | None = None
     adaptive_threads: bool = True
     max_model_len: int | None = None
@@ -95,6 +97,7 @@ class EngineConfig:
     slo_tpot_s: float | None = None
     cost_grid: str = "full"
     explain: bool = False
+    kv_hold_timeout_s: float = 60.0
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self):
@@ -116,6 +119,7 @@ class EngineConfig:
         _choice("cost_grid", self.cost_grid, ("full", "tiny"))
         _seconds("slo_ttft_s", self.slo_ttft_s)
         _seconds("slo_tpot_s", self.slo_tpot_s)
+        _seconds("kv_hold_timeout_s", self.kv_hold_timeout_s)
         if self.scheduler != "measured" and (self.slo_ttft_s is not None or self.slo_tpot_s is not None):
             raise ValueError("SLO targets need scheduler='measured'")
         if not isinstance(self.speculative, SpeculativeConfig):

@@ -38,6 +38,7 @@ from ..errors import LumenError
 from ..kernels.attention import BLOCK
 from ..timer import active as profiler_active
 from .block_manager import BlockManager
+from .kv_transfer import DO_REMOTE_DECODE, KVConnector, KVData
 from .costs.budget import MeasuredBudget, PacedBudget
 from .config import EngineConfig, kv_blocks
 from ..model.parts import parts_of
@@ -84,9 +85,11 @@ class Engine:
                              max_blocks=-(-self.max_model_len // BLOCK), n_threads=self.threads,
                              adaptive_threads=c.adaptive_threads)
         self.blocks = BlockManager(self.runner.n_blocks, self.runner.table, prefix_caching=c.enable_prefix_caching)
+        self._lock = threading.RLock()
+        self.kv = KVConnector(self.runner.kv, self.blocks, self._lock, hold_timeout_s=c.kv_hold_timeout_s)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=c.max_num_seqs,
                                    max_num_batched_tokens=c.max_num_batched_tokens,
-                                   chunked_prefill=c.enable_chunked_prefill)
+                                   chunked_prefill=c.enable_chunked_prefill, connector=self.kv)
         self.costs = StepCosts()
         self.structured = StructuredOutput(parts.tokenizer, cfg.n_vocab)   # grammars compile on its thread
         sc = c.speculative
@@ -103,7 +106,6 @@ class Engine:
         elif c.scheduler == "paced":
             self.budgeter = PacedBudget(self.costs, max_tokens=c.max_num_batched_tokens, pace=c.pace)
         self.decisions: deque = deque(maxlen=4096)  # the measured scheduler's decisions, newest last
-        self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []     # outputs made outside step() (aborts), returned by the next
         self._ids = itertools.count()
@@ -117,17 +119,26 @@ class Engine:
 
     # ---- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
-                    metrics: RequestMetrics | None = None) -> str:
+                    metrics: RequestMetrics | None = None, kv_transfer_params: dict | None = None,
+                    kv_data: KVData | None = None) -> str:
         """Queue a request; returns its id. Raises RequestError (a ValueError) when it cannot be served.
-        metrics: a RequestMetrics for the engine to fill (default: a new one, in every output)."""
+        metrics: a RequestMetrics for the engine to fill (default: a new one, in every output).
+        kv_transfer_params, kv_data (lumen.engine.kv_transfer): {"do_remote_decode": True} holds the request's KV
+        when it ends, for a decode engine; a prefill engine's kv_transfer_params with the runs received from it
+        (kv_data) start the request from that KV."""
         params = SamplingParams() if params is None else params
         ids, max_tokens = admit(prompt, params, self.tokenizer, self.config.n_vocab, self.max_model_len,
                                 self.blocks.n_blocks)
+        if kv_transfer_params is not None or kv_data is not None:
+            self.kv.check(kv_transfer_params, kv_data, len(ids))
         with self._lock:
             rid = request_id if request_id is not None else self._prefix + str(next(self._ids))
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens, self.tokenizer, self.end_ids, metrics=metrics)
+            if kv_transfer_params is not None:
+                seq.kv_hold = bool(kv_transfer_params.get(DO_REMOTE_DECODE))
+                seq.kv_transfer_params, seq.kv_data = (None, None) if seq.kv_hold else (kv_transfer_params, kv_data)
             self.speculator.admit(seq)
             ready = params.constraint is None or self.structured.admit(seq)   # False: compiling, it waits
             self._seqs[rid] = seq
@@ -140,6 +151,7 @@ class Engine:
         with self._lock:
             seq = self._seqs.pop(request_id, None)
             if seq is None or seq.finished:
+                self.kv.release(request_id)         # a finished prefill's held KV, if any
                 return
             if self.structured.discard(seq):        # still compiling its grammar: in no queue
                 seq.finish("abort", time.perf_counter())
@@ -181,6 +193,7 @@ class Engine:
         scheduler asks it how many drafted tokens each decode runs as it spends the budget."""
         with self._lock:
             outs, self._pending = self._pending, []
+            self.kv.expire(now)
             for seq, error in self.structured.ready():          # grammars compiled (or failed) since the last step
                 if error is None:
                     self.scheduler.add(seq)
@@ -286,6 +299,8 @@ class Engine:
         return toks, accepted
 
     def _finish(self, seq: Sequence, reason: str | None, now: float) -> None:
+        if seq.kv_hold and reason is None:          # stop or length: its KV is held for a decode engine
+            self.kv.request_finished(seq, now)
         self.scheduler.finish(seq, reason, now)
         self._seqs.pop(seq.request_id, None)
 
@@ -351,4 +366,4 @@ class Engine:
         return {"running": self.num_running, "waiting": self.num_waiting, "kv_usage": bm.usage,
                 "kv_blocks": bm.n_blocks, "kv_free_blocks": bm.num_free, "prefix_hit_tokens": bm.hit_tokens,
                 "prefix_query_tokens": bm.query_tokens, "preemptions": self.scheduler.num_preemptions,
-                "steps": self.steps}
+                "steps": self.steps, "kv_held_blocks": self.kv.num_held_blocks}

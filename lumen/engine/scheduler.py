@@ -37,8 +37,10 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, connector=None):
+        """connector: a lumen.engine.kv_transfer.KVConnector (KV received from a prefill engine counts as computed)."""
         self.blocks = blocks
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -90,13 +92,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cap:
             seq = self.waiting[0]
             hit = bm.cached_prefix(seq.tokens, seq.num_tokens - 1)   # the last token is always computed
-            start = hit.n_tokens
+            start = hit.n_tokens if seq.kv_data is None else self.connector.num_external_tokens(seq, hit)
             n = min(seq.num_tokens - start, budget)
             if n < seq.num_tokens - start and not self.chunked_prefill:
                 break
             if not bm.admit(seq.request_id, hit, start + n, n_query=seq.num_tokens):
                 break
             self.waiting.popleft()
+            if seq.kv_data is not None:
+                self.connector.after_alloc(seq, hit, start)
             seq.num_computed = start
             if seq.metrics.first_scheduled is None:
                 seq.metrics.cached_tokens = start

@@ -113,6 +113,7 @@ class RequestOutput:
     error: str | None = None
     stop_reason: object = None          # what stopped it: the stop string or stop token id; None for EOS
     delta_pieces: list = field(default_factory=list)   # the text each delta token released (joined: delta_text)
+    kv_transfer_params: dict | None = None   # a prefill for a remote decode: where its held KV is (kv_transfer)
 
 
 class Sequence:
@@ -142,6 +143,9 @@ class Sequence:
         self.grammar = None                    # structured output: its GrammarMatcher, once compiled
         self.grammar_future = None             # ... and the compilation it waits for (lumen.engine.engine)
         self.grammar_complete = False          # it ended because its grammar takes no more tokens
+        self.kv_transfer_params: dict | None = None   # lumen.engine.kv_transfer: the producer's (a decode) or
+        self.kv_hold = False                   # this request's once held (a prefill asked to hold its KV)
+        self.kv_data = None                    # a decode's received KV runs, until admitted
 
     @property
     def num_tokens(self) -> int:
@@ -201,7 +205,7 @@ class Sequence:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
                              self.finished, self.finish_reason, self.metrics, delta_ids, "".join(pieces),
                              None if self.logprobs is None else list(self.logprobs), self.error,
-                             self.stop_reason, pieces)
+                             self.stop_reason, pieces, self.kv_transfer_params if self.kv_hold else None)
 
 
 class TokenChooser:
