@@ -103,7 +103,7 @@ class Scheduler:
                 self.connector.after_alloc(seq, hit, start)
             seq.num_computed = start
             if seq.metrics.first_scheduled is None:
-                seq.metrics.cached_tokens = start
+                seq.metrics.cached_tokens = hit.n_tokens      # (KV received from a prefill engine is not)
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.append(Scheduled(seq, start, n, bm.row(seq.request_id)))

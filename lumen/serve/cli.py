@@ -69,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--router", choices=["prefix", "pow2"], default="prefix",
                     help="prefix: to the replica caching the longest prefix unless it is overloaded; pow2: Ray "
                          "Serve's power of two choices (default prefix)")
+    pd = ap.add_argument_group("disaggregated serving on Ray Serve: prompts prefilled on one pool of replicas, "
+                               "decoded on another (lumen.serve.ray.pd)")
+    pd.add_argument("--prefill-replicas", type=int, metavar="P", help="prefill replicas (with --decode-replicas)")
+    pd.add_argument("--decode-replicas", type=int, metavar="D", help="decode replicas (with --prefill-replicas)")
+    pd.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
+                    help="uncached prompt tokens from which a request is prefilled on the prefill pool; fewer are "
+                         "prefilled on the decode replica (default 256)")
+    pd.add_argument("--kv-failure", choices=["recompute", "error"], default="recompute",
+                    help="when a prefill replica fails during the hand-off: recompute the prompt on the decode "
+                         "replica, or answer 503 (default recompute)")
+    pd.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a prefill replica holds a prompt's KV for the decode replica (default 60)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "none"],
                     help="how tool calls are read from the model's text (default: from the chat template; none: "
                          "requests with tools get a 400 unless tool_choice is \"none\")")
@@ -169,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:
         ap.error(str(e))
-    if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None:
+    pd_error = _pd_flags_error(args)
+    if pd_error:
+        ap.error(pd_error)
+    if args.prefill_replicas is not None:
+        config = replace(config, kv_hold_timeout_s=args.kv_hold_timeout)
+    if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None \
+            or args.prefill_replicas is not None:
         return _main_ray(ap, args, config)
     from rich.console import Console
     from ..generate import status_while_compiling
@@ -206,6 +224,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _pd_flags_error(args) -> str | None:
+    """What is wrong with the disaggregated-serving flags, in one line (None: nothing)."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    if p is None and d is None:
+        if args.pd_threshold != 256 or args.kv_failure != "recompute" or args.kv_hold_timeout != 60.0:
+            return "--pd-threshold, --kv-failure and --kv-hold-timeout need --prefill-replicas and --decode-replicas"
+        return None
+    if p is None or d is None:
+        return "--prefill-replicas and --decode-replicas go together"
+    if p < 1 or d < 1:
+        return "--prefill-replicas and --decode-replicas must be at least 1"
+    if args.replicas != 1 or args.min_replicas is not None or args.max_replicas is not None:
+        return "--prefill-replicas/--decode-replicas size the pools: leave out --replicas, --min-replicas and " \
+               "--max-replicas"
+    if args.pd_threshold < 0:
+        return "--pd-threshold must not be negative"
+    if not 0 < args.kv_hold_timeout < 1e6:
+        return "--kv-hold-timeout must be a positive number of seconds"
+    return None
+
+
 def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     """--replicas N / --ray-address: the same server as a Ray Serve application (lumen.serve.ray)."""
     if args.replicas < 1 or any(v is not None and v < 1 for v in (args.min_replicas, args.max_replicas)):
@@ -220,7 +259,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     except ImportError as e:
         print(f"error: --replicas needs Ray Serve (pip install -e '.[ray]'): {e}", file=sys.stderr)
         return 1
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    pools = args.prefill_replicas + args.decode_replicas if args.prefill_replicas else args.replicas
+    threads = args.threads or max(1, (os.cpu_count() or 1) // pools)
     config = replace(config, threads=threads)
     try:
         from ..model.parts import open_gguf
@@ -235,7 +275,14 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
                         ui=not args.no_ui, tool_call_parser=args.tool_call_parser)
     scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                           router=args.router)
-    app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue, chat_template=template,
-                        shutdown_timeout=args.shutdown_timeout)
+    if args.prefill_replicas:
+        from .ray import pd
+        app = pd.build_pd(args.model, config, settings, pd.PDSettings(args.pd_threshold, args.kv_failure),
+                          prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
+                          router=args.router, max_queue=args.max_queue, chat_template=template,
+                          shutdown_timeout=args.shutdown_timeout)
+    else:
+        app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue,
+                            chat_template=template, shutdown_timeout=args.shutdown_timeout)
     return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
-                                replicas=args.replicas, threads=threads)
+                                replicas=pools, threads=threads)

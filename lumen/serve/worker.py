@@ -162,6 +162,11 @@ class EngineWorker:
         """Queue one engine request per (prompt, params). Raises ShuttingDown, QueueFull, TooManyRequests for
         more requests than the queue could ever hold, or the engine's ValueError (RequestError, ContextError,
         SamplerError) for a request it cannot serve; then nothing of this submission stays queued."""
+        return self.submit_now(prompts, params)
+
+    def submit_now(self, prompts: list[list[int]], params: list[SamplingParams],
+                   extras: list[dict] | None = None) -> Submission:
+        """submit, with each request's extra Engine.add_request keywords (extras[i]: kv_transfer_params ...)."""
         if self.draining:
             raise ShuttingDown(SHUTDOWN)
         if len(prompts) > self.max_queue:
@@ -172,7 +177,7 @@ class EngineWorker:
         rids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):
-                rids.append(self.engine.add_request(prompt, sp))
+                rids.append(self.engine.add_request(prompt, sp, **(extras[len(rids)] if extras else {})))
         except BaseException:
             for rid in rids:
                 self.engine.abort(rid)

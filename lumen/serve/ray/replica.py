@@ -52,7 +52,7 @@ class EngineReplica:
     async def generate(self, prompts: list[list[int]], params: list):
         try:
             await self.compile_grammar(params[0].constraint if params else None)
-            sub = await self.worker.submit(prompts, params)
+            sub = await self.submit(prompts, params)
         except (QueueFull, ShuttingDown, ValueError) as e:     # StructuredOutputError is a ValueError
             yield refused(e)
             return
@@ -78,6 +78,10 @@ class EngineReplica:
         (StructuredOutputError) and never reaches the engine, which then finds it in its cache."""
         if constraint is not None:
             await asyncio.wrap_future(self.engine.structured.compiler.submit(constraint))
+
+    async def submit(self, prompts: list[list[int]], params: list):
+        """Queue the requests on this replica's engine (lumen.serve.ray.pd's decode replica pulls KV first)."""
+        return await self.worker.submit(prompts, params)
 
     def record_routing_stats(self) -> dict:
         bm, s = self.engine.blocks, self.engine.stats()

@@ -9,6 +9,9 @@ what it reports every routing-stats period (its named blocks, so evictions are s
 it (a prefix routed a moment ago counts while its request runs, and until a report taken after it completed). Ties on the match go to the
 least loaded; ties on the load to the replica that was sent fewer requests so far.
 
+Calls of the methods in DIRECT (a prefill replica's export_kv and release_kv, lumen.serve.ray.pd) go to the replica
+their first argument names, and count nowhere.
+
 Policy "pow2" is Ray Serve's default procedure (power of two choices: two random replicas, the one with the
 shorter queue), kept here as the baseline so /metrics reads the same either way.
 
@@ -31,6 +34,7 @@ from .replica import NAME_BYTES
 
 INF = float("inf")
 CHOSEN_TTL_S = 30.0                            # a request chosen for a replica but never routed: forgotten
+DIRECT = ("export_kv", "release_kv")           # methods served by the replica their first argument names
 
 
 def block_names(tokens: list[int], limit: int | None = None) -> list[bytes]:
@@ -115,6 +119,7 @@ class LumenRouter(RequestRouter):
         self._chosen: dict[str, tuple] = {}           # internal request id -> (preferred replica, decision,
         #                                               blocks expected cached there, when chosen)
         self._running: dict[str, str] = {}            # internal request id -> the replica it counts in flight on
+        self._direct: set[str] = set()                # internal ids of calls to a named replica (DIRECT)
         self._done_first: dict[tuple, tuple] = {}     # (request id, replica) -> (when, its _chosen entry):
         #                                               completed before it was reported routed
         import lumen.serve.ray.metrics                # imported, not copied with this module: shared
@@ -133,6 +138,11 @@ class LumenRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True     # all replicas were candidates: back off
         if not candidate_replicas:
             return []
+        if pending_request is not None and pending_request.metadata.call_method in DIRECT:
+            with self.lock:                           # to the replica named by its first argument (pd.py)
+                self._direct.add(pending_request.metadata.internal_request_id)
+            target = pending_request.args[0]
+            return [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
         if self.policy == "pow2" or pending_request is None:
             two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
             if pending_request is not None:
@@ -163,6 +173,8 @@ class LumenRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = replica_id.unique_id
         key = pending_request.metadata.internal_request_id
+        if key in self._direct:
+            return
         names = self._request_names(pending_request)
         with self.lock:
             done = self._done_first.pop((key, rid), None)
@@ -188,6 +200,9 @@ class LumenRouter(RequestRouter):
         rejection completes an attempt that is never routed there: remembered as long as a chosen request is."""
         with self.lock:
             rid, key, now = replica_id.unique_id, internal_request_id, time.time()
+            if key in self._direct:
+                self._direct.discard(key)
+                return
             if self._running.get(key) == rid:
                 del self._running[key]
                 self.inflight[rid] -= 1                 # counted by on_request_routed (_running says so)

@@ -1,0 +1,209 @@
+"""Disaggregated serving on Ray Serve: a pool of prefill replicas beside a pool of decode replicas
+(`lumen.serve --prefill-replicas P --decode-replicas D`), the KV moved between them as whole-block runs
+(lumen.engine.kv_transfer).
+
+    client -> ingress (unchanged: lumen.serve.app over a RemoteWorker) -> a decode replica (prefix-aware router)
+    decode replica, per distinct prompt:
+        uncached = the prompt tokens its own prefix cache lacks (exact: its block manager)
+        uncached < threshold      run it here, as a colocated replica does (short prompts do not pay for PD)
+        else  prefill.prefill([ids], params)          a prefill replica (prefix-aware router) runs it with
+                                                    max_tokens=1 and holds its KV: {replica, kv_transfer_params}
+              prefill.export_kv(replica, rid, first, end)   routed to that replica (router.DIRECT): the blocks
+                                                    this replica lacks, numpy arrays through Ray's object store;
+                                                    the hold is released as they are copied out
+              engine.add_request(ids, params, kv_transfer_params=..., kv_data=...)   decoded here
+    a failure (the prefill replica died, the pull timed out, the KV expired): --kv-failure recompute runs the
+    prompt here instead; error answers 503. A refusal (the prefill pool's queue is full) always runs it here.
+
+The decode replica, not the ingress, decides and drives the hand-off: only it knows exactly which blocks its cache
+holds, and so which requests have many uncached tokens and which blocks to pull (vLLM's proxy asks the prefill
+first and cannot know). Held blocks are released by the export, by release_kv when the decode side gives up
+(cancelled), and after the engine's kv_hold_timeout_s (expired every routing-stats period, 1 s).
+
+Metrics of each decode replica (in /metrics with its replica label): lumen:kv_transfers_total{result=pulled|
+recomputed|error|local}, lumen:kv_transfer_bytes_total, lumen:kv_handoff_seconds (the pull: export call, copy,
+object store, write on admission excluded) and lumen:pd_prefill_seconds (the remote prefill call).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from prometheus_client import Counter, Histogram
+
+from ...engine.kv_transfer import DO_REMOTE_DECODE, KVData, needed_blocks
+from ...kernels.attention import BLOCK
+from ..metrics import TTFT_BUCKETS
+from ..worker import QueueFull, ShuttingDown
+from .replica import EngineReplica
+
+log = logging.getLogger("lumen.serve")
+PREFILL = "LumenPrefill"
+PREFILL_FAILED = "the prefill replica serving this request failed; try again"
+
+
+@dataclass(frozen=True)
+class PDSettings:
+    """threshold: uncached prompt tokens from which a request goes through the prefill pool; failure: "recompute"
+    or "error" when the hand-off fails; pull_timeout_s: the longest wait for the KV once prefilled."""
+    threshold: int = 256
+    failure: str = "recompute"
+    pull_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.failure not in ("recompute", "error"):
+            raise ValueError(f"kv failure policy must be 'recompute' or 'error', got {self.failure!r}")
+        if not isinstance(self.threshold, int) or self.threshold < 0:
+            raise ValueError(f"the PD threshold must be a non-negative number of tokens, got {self.threshold!r}")
+
+
+class PrefillReplica(EngineReplica):
+    """A replica of the prefill pool: runs prompts to their first token and holds their KV for a decode replica."""
+
+    async def prefill(self, prompts: list[list[int]], params) -> dict:
+        """One prompt (prompts: [its ids], as generate's first argument, which the router reads) to its first
+        token, its KV held: {"replica", "kv_transfer_params", "prefill_s"}, or {"refused": kind, "message"}."""
+        t0 = time.perf_counter()
+        try:
+            sub = self.worker.submit_now(prompts[:1], [replace(params, max_tokens=1)],
+                                         [{"kv_transfer_params": {DO_REMOTE_DECODE: True}}])
+        except (QueueFull, ShuttingDown, ValueError) as e:
+            return {"refused": type(e).__name__, "message": str(e)}
+        final = None
+        try:
+            async for out in self.worker.outputs(sub):
+                final = out if out.finished else final
+        finally:
+            self.worker.abort(sub)                    # cancelled: the request stops (no-op once finished)
+        if final is None or final.kv_transfer_params is None:
+            return {"refused": "value", "message": (final and final.error) or "the prefill did not finish"}
+        return {"replica": self.replica, "kv_transfer_params": final.kv_transfer_params,
+                "prefill_s": time.perf_counter() - t0}
+
+    async def export_kv(self, replica: str, request_id: str, first: int, end: int):
+        """The held blocks first .. end-1 of request_id (lumen.engine.kv_transfer.export), then released."""
+        if replica != self.replica:
+            raise RuntimeError(f"export_kv for replica {replica} reached {self.replica}")
+        return await asyncio.to_thread(self.engine.kv.export, request_id, first, end)
+
+    def release_kv(self, replica: str, request_id: str) -> bool:
+        return self.engine.kv.release(request_id)
+
+    def record_routing_stats(self) -> dict:
+        self.engine.kv.expire()                       # holds nobody pulled, even while the engine is idle
+        return super().record_routing_stats()
+
+
+class HandOff:
+    """A decode replica's side of the hand-off, apart from Ray (tests drive it with a stand-in prefill handle)."""
+
+    def __init__(self, engine, prefill, settings: PDSettings, registry, model_name: str):
+        self.engine, self.prefill, self.settings = engine, prefill, settings
+        labels = ["model_name"]
+        self.transfers = Counter("lumen:kv_transfers", "Prompts by how their KV was made: pulled from a prefill "
+                                 "replica, recomputed here after a failed hand-off, error (answered 503), or "
+                                 "local (too few uncached tokens for the prefill pool).", labels + ["result"],
+                                 registry=registry)
+        self.bytes = Counter("lumen:kv_transfer_bytes", "KV bytes pulled from prefill replicas.", labels,
+                             registry=registry).labels(model_name)
+        self.handoff = Histogram("lumen:kv_handoff_seconds", "Pulling a prompt's KV from the prefill replica (the "
+                                 "export call, its copy and the object store).", labels, buckets=TTFT_BUCKETS,
+                                 registry=registry).labels(model_name)
+        self.prefill_s = Histogram("lumen:pd_prefill_seconds", "The prefill pool's call, queue included.", labels,
+                                   buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
+        self.model_name = model_name
+
+    def count(self, result: str) -> None:
+        self.transfers.labels(self.model_name, result).inc()
+
+    async def extras(self, prompts: list[list[int]], params: list) -> list[dict]:
+        """Each request's add_request keywords: the pulled KV for prompts with many uncached tokens (one pull per
+        distinct prompt: n choices share it), {} for the rest. ShuttingDown (503) on a failure with "error"."""
+        out: list[dict] = [{} for _ in prompts]
+        seen: dict[tuple, dict] = {}
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            key = tuple(ids)
+            if key not in seen:
+                seen[key] = await self.pull(ids, sp)
+            out[i] = seen[key]
+        return out
+
+    async def pull(self, ids: list[int], params) -> dict:
+        first = self.engine.kv.first_missing(ids)
+        if len(ids) - 1 - first * BLOCK < self.settings.threshold:
+            self.count("local")
+            return {}
+        got = None
+        try:
+            t0 = time.perf_counter()
+            got = await self.prefill.prefill.remote([ids], params)
+            self.prefill_s.observe(time.perf_counter() - t0)
+            if "refused" in got:                      # not queued there (full, say): run it here
+                log.info("prefill pool refused a request (%s): running it here", got["message"])
+                self.count("local")
+                return {}
+            p = got["kv_transfer_params"]
+            t1 = time.perf_counter()
+            runs = await asyncio.wait_for(
+                self.prefill.export_kv.remote(got["replica"], p["remote_request_id"], first,
+                                              needed_blocks(p, len(ids))), self.settings.pull_timeout_s)
+            self.handoff.observe(time.perf_counter() - t1)
+        except asyncio.CancelledError:                # the client left: let the prefill replica go now
+            if got is not None and "kv_transfer_params" in got:
+                self.prefill.release_kv.remote(got["replica"], got["kv_transfer_params"]["remote_request_id"])
+            raise
+        except Exception as e:                        # noqa: BLE001 - the replica died, timed out, the KV expired
+            log.warning("KV hand-off failed (%s: %s): %s", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                        "recomputing here" if self.settings.failure == "recompute" else "answering 503")
+            if self.settings.failure == "error":
+                self.count("error")
+                raise ShuttingDown(PREFILL_FAILED) from None
+            self.count("recomputed")
+            return {}
+        data = KVData(runs)
+        self.bytes.inc(data.nbytes)
+        self.count("pulled")
+        return {"kv_transfer_params": p, "kv_data": data}
+
+
+class DecodeReplica(EngineReplica):
+    """A replica of the decode pool: the engine deployment the ingress calls, pulling KV from the prefill pool."""
+
+    async def __init__(self, model: str, model_name: str, config, max_queue: int, prefill, settings: PDSettings):
+        await super().__init__(model, model_name, config, max_queue)
+        self.handoff = HandOff(self.engine, prefill, settings, self.metrics.registry, model_name)
+
+    async def submit(self, prompts: list[list[int]], params: list):
+        extras = await self.handoff.extras(prompts, params)
+        return self.worker.submit_now(prompts, params, extras)
+
+
+def build_pd(model: str, config, settings, pd: PDSettings, *, prefill_replicas: int, decode_replicas: int,
+             router: str = "prefix", max_queue: int = 256, chat_template: str | None = None,
+             shutdown_timeout: float = 30.0, health_check_period_s: float = 2.0):
+    """The application: the ingress over a decode deployment (named as app.build's engine deployment, so /metrics
+    and the ingress read it the same) whose replicas call a prefill deployment."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from .app import ENGINE, INGRESS, MAX_CONSTRUCTOR_RETRIES, ROUTING_STATS_PERIOD_S, Ingress
+    from .router import LumenRouter
+    max_num_seqs = config.max_num_seqs
+
+    def deployment(cls, name: str, replicas: int):
+        return serve.deployment(
+            cls, name=name, num_replicas=replicas, ray_actor_options={"num_cpus": config.threads or 1},
+            max_ongoing_requests=max_num_seqs + max_queue + 1,
+            request_router_config=RequestRouterConfig(
+                request_router_class=LumenRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                request_router_kwargs={"policy": router, "imbalance": max_num_seqs // 2}),
+            health_check_period_s=health_check_period_s, graceful_shutdown_timeout_s=shutdown_timeout,
+            max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
+    prefill = deployment(PrefillReplica, PREFILL, prefill_replicas).bind(model, settings.model_id, config, max_queue)
+    decode = deployment(DecodeReplica, ENGINE, decode_replicas).bind(model, settings.model_id, config, max_queue,
+                                                                     prefill, pd)
+    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout,
+                               max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
+    return ingress.bind(decode, model, settings, chat_template)

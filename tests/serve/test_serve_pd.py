@@ -1,0 +1,216 @@
+"""Disaggregated serving (lumen.serve.ray.pd): the decode replica's hand-off against a stand-in prefill pool
+(threshold, pull, recompute or 503 on failure, release when cancelled, metrics), the command line's checks, and one
+end-to-end run of `python -m lumen.serve --prefill-replicas 1 --decode-replicas 1` as a user starts it: greedy
+output equal to one process for prompts through the prefill pool and past it, the transfer metrics, and a SIGINT
+that leaves no process the server started."""
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+
+import lumen
+from lumen import SamplingParams
+from lumen.engine.engine import Engine
+from lumen.engine.kv_transfer import DO_REMOTE_DECODE
+
+pytest.importorskip("ray.serve")
+psutil = pytest.importorskip("psutil")
+
+from lumen.serve.ray.pd import HandOff, PDSettings  # noqa: E402
+from lumen.serve.worker import ShuttingDown  # noqa: E402
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from servers import ServerProcess  # noqa: E402
+from test_serve import reference, strip_end  # noqa: E402
+
+PROMPT_LONG = "The history of the Roman empire is long and complicated, and historians disagree. " * 8
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return lumen.load(smollm2_path, ctx=1024, threads=1)
+
+
+class Call:
+    """handle.method.remote(*args) as Ray's DeploymentHandle: an awaitable (a coroutine here)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class StandIn:
+    """A prefill pool of one in-process Engine, behind the calls the decode replica makes (fail: which dies)."""
+
+    def __init__(self, engine, fail: str | None = None):
+        self.engine, self.fail, self.released = engine, fail, []
+        self.prefill, self.export_kv = Call(self._prefill), Call(self._export)
+        self.release_kv = Call(lambda replica, rid: self.released.append(rid) or self.engine.kv.release(rid))
+
+    async def _prefill(self, prompts, params):
+        if self.fail == "prefill":
+            raise ConnectionError("the prefill replica died")
+        rid = self.engine.add_request(prompts[0], SamplingParams(max_tokens=1, temperature=params.temperature),
+                                      kv_transfer_params={DO_REMOTE_DECODE: True})
+        while True:
+            for o in self.engine.step():
+                if o.request_id == rid and o.finished:
+                    return {"replica": "p0", "kv_transfer_params": o.kv_transfer_params, "prefill_s": 0.0}
+
+    async def _export(self, replica, rid, first, end):
+        if self.fail == "export":
+            raise ConnectionError("the prefill replica died")
+        if self.fail == "hang":
+            await asyncio.sleep(60)
+        return self.engine.kv.export(rid, first, end)
+
+
+def forget(engine):
+    """The engine's prefix cache forgets everything (as if evicted)."""
+    engine.blocks.by_name.clear()
+    engine.blocks._name_of = [None] * engine.blocks.n_blocks
+
+
+def metric(registry, name: str) -> dict:
+    out = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(name):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def test_hand_off_pulls_long_prompts_and_handles_failures(model):
+    mk = lambda: Engine(model, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_mb=16)  # noqa: E731
+    long_ids, short_ids = model.tokenize(PROMPT_LONG), model.tokenize("Hello there")
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    want = mk().generate([long_ids, short_ids], sp)
+    pre, dec = mk(), mk()
+    free_pre, free_dec = pre.blocks.num_free, dec.blocks.num_free
+
+    def run(handoff, prompts):
+        extras = asyncio.run(handoff.extras(prompts, [sp] * len(prompts)))
+        rids = [dec.add_request(p, sp, **x) for p, x in zip(prompts, extras)]
+        outs = {}
+        while dec.has_unfinished():
+            outs.update({o.request_id: o for o in dec.step()})
+        return extras, [outs[r].token_ids for r in rids]
+
+    reg = CollectorRegistry()
+    h = HandOff(dec, StandIn(pre), PDSettings(threshold=64), reg, "m")
+    extras, got = run(h, [long_ids, short_ids, long_ids])          # n=2 of the long one share one pull
+    assert got == [want[0].token_ids, want[1].token_ids, want[0].token_ids]
+    assert "kv_data" in extras[0] and extras[1] == {} and extras[2]["kv_data"] is extras[0]["kv_data"]
+    m = metric(reg, "lumen:kv_transfer")
+    assert m['lumen:kv_transfers_total{model_name="m",result="pulled"}'] == 1
+    assert m['lumen:kv_transfers_total{model_name="m",result="local"}'] == 1
+    assert m['lumen:kv_transfer_bytes_total{model_name="m"}'] == extras[0]["kv_data"].nbytes > 0
+    # now cached on the decode side: no pull
+    extras, got = run(h, [long_ids])
+    assert extras == [{}] and got == [want[0].token_ids]
+    # a prefill replica that dies: recomputed here (same tokens), or 503 with "error"; a pull that hangs times out
+    for fail in ("prefill", "export", "hang"):
+        forget(dec)
+        h = HandOff(dec, StandIn(pre, fail), PDSettings(threshold=64, pull_timeout_s=0.2), CollectorRegistry(), "m")
+        extras, got = run(h, [long_ids])
+        assert extras == [{}] and got == [want[0].token_ids]
+        h = HandOff(dec, StandIn(pre, fail), PDSettings(threshold=64, failure="error", pull_timeout_s=0.2),
+                    CollectorRegistry(), "m")
+        forget(dec)
+        with pytest.raises(ShuttingDown, match="prefill replica"):
+            asyncio.run(h.extras([long_ids], [sp]))
+        pre.kv.expire(time.perf_counter() + 1e6)                   # holds the failed pulls left: their timeout
+    # the client leaves while the KV is pulled: the hold is released on the prefill side at once
+    forget(dec)
+    stand_in = StandIn(pre, "hang")
+    h = HandOff(dec, stand_in, PDSettings(threshold=64), CollectorRegistry(), "m")
+
+    async def cancelled():
+        t = asyncio.ensure_future(h.extras([long_ids], [sp]))
+        await asyncio.sleep(0.3)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+    asyncio.run(cancelled())
+    assert len(stand_in.released) == 1 and pre.kv.num_holds == 0
+    for e, free in ((pre, free_pre), (dec, free_dec)):
+        e.blocks.check()
+        assert e.blocks.num_free == free and e.blocks.num_pinned == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill-replicas", "1"], "go together"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "leave out --replicas"),
+    (["--prefill-replicas", "0", "--decode-replicas", "1"], "at least 1"),
+    (["--kv-failure", "error"], "need --prefill-replicas"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--pd-threshold", "-1"], "not be negative"),
+])
+def test_bad_pd_flags_are_one_line_errors(flags, message, capsys):
+    from lumen.serve.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
+
+
+def descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def alive(pids) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                out.add(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_replicas_serve_one_process_output(smollm2_path, model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "local")          # a Ray instance of its own, never a cluster found here
+    proc = ServerProcess([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--prefill-replicas",
+                          "1", "--decode-replicas", "1", "--threads", "1", "--max-model-len", "1024",
+                          "--kv-cache-mb", "32", "--pd-threshold", "16", "--shutdown-timeout", "5"],
+                         tmp_path / "server.log", health_timeout=240)
+    started = set()
+    try:
+        prompts = [PROMPT_LONG, "Once upon a time", PROMPT_LONG[:200] + "Ships sailed the sea for years. " * 4]
+        with httpx.Client(base_url=proc.url, timeout=120) as http:
+            for prompt in prompts:
+                ids = model.tokenize(prompt)
+                want = model.detokenize(strip_end(model, reference(model, ids, max_tokens=12, temperature=0)))
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want
+            started = descendants(proc.p.pid)
+            deadline = time.monotonic() + 10                # the replica's metrics are at most ~1 s old
+            while True:
+                m = {line.rsplit(" ", 1)[0].split("{")[0] + "|" + line.split('result="')[1].split('"')[0]
+                     if 'result="' in line else line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+                     for line in http.get("/metrics").text.splitlines() if line.startswith("lumen:kv_")}
+                if m.get("lumen:kv_transfers_total|pulled") == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        assert m.get("lumen:kv_transfers_total|pulled") == 2 and m.get("lumen:kv_transfers_total|local") == 1, m
+        assert m["lumen:kv_transfer_bytes_total"] > 0 and m["lumen:kv_handoff_seconds_count"] == 2
+    finally:
+        started |= descendants(proc.p.pid)
+        code = proc.stop(signal.SIGINT, timeout=90)
+    t0 = time.monotonic()
+    while alive(started) and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+    left = alive(started)
+    for p in left:                                      # ours: do not leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    assert code == 0 and not left, f"exit {code}; left: {[psutil.Process(p).name() for p in left]}"
