@@ -376,10 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         prompt, special, chat = args.prompt, args.special, False
         parser = None
         if tooling is not None:
-            from .serve.tools import HermesParser
+            from .format.chat import chat_template_from_metadata
+            from .serve.tools import PARSERS, marker_token, parser_for_template
             if tooling[1] != "none":
-                parser = HermesParser()
-                constraint = parser.grammar(*tooling, True)
+                kind = PARSERS[parser_for_template(chat_template_from_metadata(model.metadata))]
+                parser = kind()
+                constraint = parser.grammar(*tooling, True, marker_token(model.tokenizer, kind))
         if args.chat or tooling is not None:
             rendered, why = chat_prompt(model, args.prompt, args.system, tooling and tooling[0])
             if rendered is None and tooling is not None:

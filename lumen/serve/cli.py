@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "replica, or answer 503 (default recompute)")
     pd.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
                     help="seconds a prefill replica holds a prompt's KV for the decode replica (default 60)")
-    ap.add_argument("--tool-call-parser", choices=["hermes", "none"],
+    ap.add_argument("--tool-call-parser", choices=["hermes", "llama3", "mistral", "none"],
                     help="how tool calls are read from the model's text (default: from the chat template; none: "
                          "requests with tools get a 400 unless tool_choice is \"none\")")
     sp = ap.add_argument_group("speculative decoding (a request may choose with \"speculative\": \"ngram\" | "

@@ -8,17 +8,20 @@ that makes a call exact, and the parsers that read calls back out of the model's
     constraint = parser.grammar(tools, choice, parallel)     # a Lark Constraint (llguidance), or None
 
 The model writes a call in its own format (Qwen2.5 / Hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n
-</tool_call>`); a parser is chosen from the chat template (`parser_for_template`), or by the server's
---tool-call-parser. A format is one small ToolParser subclass: its open and close markers and the key of the
+</tool_call>`; Llama 3: the message is `{"name": ..., "parameters": {...}}`; Mistral: `[TOOL_CALLS][{...}, ...]`);
+a parser is chosen from the chat template (`parser_for_template`), or by the server's --tool-call-parser. A format
+is one small ToolParser subclass: its markers (tagged calls anywhere, bare calls at the start) and the key of the
 arguments; the incremental reading and the grammar are shared.
 
 The grammar (llguidance Lark): each tool's call is `%json` of {"name": const, "arguments": its parameters schema},
 so a call names a declared tool and its arguments validate. `required` and a named function start with the call;
-`auto` allows free text not containing the open marker, or such text and then the marker and the calls: a call
-that starts is always well formed, and text without a call is unconstrained (the grammar's one-lexeme text rule
-accepts any text that does not spell the marker). JSON whitespace is bounded as for structured output. A tool
-with `strict: true` must have a schema llguidance enforces in full (else a 400); a non-strict tool's
-unenforceable keywords (uniqueItems, ...) are accepted and ignored, as structured output's "lenient".
+`auto` allows free text that neither contains the open marker nor starts as a bare call, or such text and then the
+calls: a call that starts is always well formed, and text without a call is unconstrained (the grammar's
+one-lexeme text rule accepts any text that does not spell a call's start). This is llama.cpp's lazy grammar
+written as one grammar, whose text lexeme is cheap to mask (profiling/tool_calling.py). JSON whitespace is bounded
+as for structured output. A tool with `strict: true` must have a schema llguidance enforces in full (else a 400);
+a non-strict tool's unenforceable keywords (uniqueItems, ...) are accepted and ignored, as structured output's
+"lenient".
 """
 from __future__ import annotations
 
@@ -229,14 +232,22 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 class ToolParser:
-    """Calls in a model's text: content, then `open` JSON `close` blocks whose JSON is {"name": ..., args_key:
-    {...}}. Incremental: feed() text deltas, finish() at the end; the same deltas whether the text comes at once
-    or a token at a time. A subclass names its format in the class attributes, which also shape the grammar."""
-    open = "<tool_call>"
+    """Calls in a model's text, each a JSON object {"name": ..., args_key: {...}}, in one or both of two shapes:
+    - tagged (`open` set): content, then `open` JSON `close` blocks, anywhere in the text (Hermes' <tool_call>);
+    - bare (`leads` set): at the very start, one of `leads`, then the calls' JSON separated by `bare_sep` and ended
+      by `bare_end` (Llama 3's `{...}; {...}`, Mistral's `[{...}, {...}]`, Qwen2.5-Coder's ```json fence).
+    Whitespace is free around the markers. Incremental: feed() text deltas, finish() at the end; the same deltas
+    whether the text comes at once or a token at a time. A subclass names its format in the class attributes,
+    which also shape the grammar."""
+    open: str | None = "<tool_call>"
     close = "</tool_call>"
     args_key = "arguments"
-    separator = "\n"                           # between two calls, and around the JSON in a block
-    bare = True                                # auto: a bare JSON call ({"name": ...}) at the start is a call too
+    separator = "\n"                           # tagged: between two blocks, and around the JSON in one
+    leads: tuple[str, ...] | None = ("", "```\n", "```json\n")    # bare: what may come before the first call
+    bare_sep = ""                              # bare: between two calls, besides whitespace
+    bare_end = "```"                           # bare: after the last call ("": nothing)
+    bare_end_required = False                  # ... which the grammar then asks for
+    marker: str | None = None                  # a token that may start the calls, shown as nothing when special
 
     def __init__(self):
         self.buf = ""
@@ -245,13 +256,20 @@ class ToolParser:
         self.head_done = False                 # the call's name is out; its arguments stream
         self.sent_args = 0                     # characters of the current call's arguments sent
         self.held_ws = ""                      # content whitespace held back (dropped next to a call)
-        self.bare_ok = self.bare               # content so far is whitespace: a bare JSON call may start
+        self.bare_ok = self.leads is not None  # content so far is whitespace: bare calls may start
         self.is_bare = False                   # the current call is bare JSON (no markers)
-        self.fenced = False                    # ... in a ```json fence, whose end is not content
+        self.group = False                     # after a bare call: another one, or the group's end, may follow
         self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(self.args_key)
                                 + r'"\s*:\s*(?=\S)')
-        self._tail = re.compile(r"\s*(\}\s*(" + "|".join(re.escape(self.close[:k]) for k in
-                                                        range(len(self.close), 0, -1)) + r")?)?$")
+        close = "|".join(re.escape(self.close[:k]) for k in range(len(self.close), 0, -1)) if self.open else ""
+        self._tail = re.compile(r"\s*(\}\s*(" + close + r")?)?$" if close else r"\s*(\}\s*)?$")
+        leads = self.leads or ()
+        self._first = re.compile(r"\s*(?:" + "|".join(_loose(s) for s in leads) + r")\s*(?=" + _CALL + ")")
+        self._next = re.compile(r"\s*" + _loose(self.bare_sep) + r"\s*(?=" + _CALL + ")")
+        self._end = re.compile(r"\s*" + _loose(self.bare_end)) if self.bare_end else None
+        self._first_targets = [_compact(s) + '{"name":' for s in leads]
+        self._next_targets = [_compact(self.bare_sep) + '{"name":'] + ([_compact(self.bare_end)] if self.bare_end
+                                                                        else [])
 
     @property
     def made_calls(self) -> bool:
@@ -263,29 +281,29 @@ class ToolParser:
         content, calls = [], []
         while True:
             if not self.in_call:
-                if self.fenced:                             # the fence closing a fenced bare call
-                    head = self.buf.lstrip()
-                    if len(head) < 3 and "```".startswith(head):
-                        break
-                    if head.startswith("```"):
-                        self.buf = head[3:]
-                    self.fenced = False
-                if self.bare_ok:                            # a bare JSON call where content would start?
-                    head = self.buf.lstrip()
-                    fence = _FENCE.match(head)
-                    rest = head[fence.end():].lstrip() if fence else head
-                    undecided = not rest or _FENCE_PREFIX.fullmatch(head) or _BARE_PREFIX.fullmatch(rest)
-                    if undecided:
-                        break                               # not yet known
-                    if _BARE.match(rest):
-                        self.fenced = self.fenced or fence is not None
-                        self.buf, self.held_ws = rest, ""
-                        self.in_call, self.is_bare, self.head_done, self.sent_args = True, True, False, 0
+                if self.group:                              # after a bare call: the next, the end, or neither
+                    m = self._next.match(self.buf)
+                    if m:
+                        self._start_bare(m.end())
                         continue
+                    m = self._end.match(self.buf) if self._end else None
+                    if m:
+                        self.buf, self.group = self.buf[m.end():], False
+                        continue
+                    if _undecided(self.buf, self._next_targets):
+                        break
+                    self.group = False
+                if self.bare_ok:                            # bare calls where content would start?
+                    m = self._first.match(self.buf)
+                    if m:
+                        self._start_bare(m.end())
+                        continue
+                    if _undecided(self.buf, self._first_targets):
+                        break
                     self.bare_ok = False
-                i = self.buf.find(self.open)
+                i = self.buf.find(self.open) if self.open else -1
                 if i < 0:
-                    keep = _partial_suffix(self.buf, self.open)
+                    keep = _partial_suffix(self.buf, self.open) if self.open else 0
                     out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                     content.append(self._content(out, final=False))
                     break
@@ -310,7 +328,7 @@ class ToolParser:
                             bare = self.is_bare
                             text = body if bare else self.open + body + self.close
                             self.buf = self.buf[j + (0 if bare else len(self.close)):]
-                            self.in_call = self.is_bare = self.bare_ok = False
+                            self.in_call = self.is_bare = self.bare_ok = self.group = False
                             content.append(self._content(text, final=False))
                             continue
                         calls.append(whole)
@@ -348,8 +366,13 @@ class ToolParser:
                 self.n_calls += 1
         else:
             content = self._content(self.buf, final=True)
-        self.buf, self.in_call, self.is_bare = "", False, False
+        self.buf, self.in_call, self.is_bare, self.group = "", False, False, False
         return content, calls
+
+    def _start_bare(self, at: int) -> None:
+        """A bare call's JSON starts at buf[at]."""
+        self.buf, self.held_ws = self.buf[at:], ""
+        self.in_call, self.is_bare, self.head_done, self.sent_args = True, True, False, 0
 
     def _content(self, text: str, final: bool) -> str:
         text = self.held_ws + text
@@ -364,6 +387,7 @@ class ToolParser:
 
     def _end_call(self, j: int) -> None:
         self.buf = self.buf[j + (0 if self.is_bare else len(self.close)):]
+        self.group = self.is_bare
         self.in_call = self.is_bare = False
         self.n_calls += 1
 
@@ -380,55 +404,84 @@ class ToolParser:
                              json.dumps(obj.get(self.args_key, {}), ensure_ascii=False))
 
     # --- the grammar ----------------------------------------------------------------------------------------
-    def grammar(self, tools: list[Tool], choice: str, parallel: bool = True) -> Constraint | None:
-        """The Lark constraint for `choice` over `tools` (None for "none"): see the module docstring."""
+    def grammar(self, tools: list[Tool], choice: str, parallel: bool = True,
+                marker_id: int | None = None) -> Constraint | None:
+        """The Lark constraint for `choice` over `tools` (None for "none"): see the module docstring. marker_id:
+        the vocabulary's id of `marker` when it is a special token (`marker_token`), which may then start the
+        bare calls (the text cannot spell it)."""
         if choice == "none" or not tools:
             return None
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
-        schema: dict = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE,
-                                       "lenient": not all(t.strict for t in named)},
-                        "anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
-                                                                    self.args_key: t.parameters},
-                                   "required": ["name", self.args_key], "additionalProperties": False}
-                                  for t in named]}
-        if len(named) == 1:
-            schema = {"x-guidance": schema["x-guidance"], **schema["anyOf"][0]}
-        sep = json.dumps(self.separator)
-        lines = [f"body: %json {json.dumps(schema, ensure_ascii=False)}",
-                 f"rest: {sep} body {sep} {json.dumps(self.close)}",
-                 f"more: ({sep} {json.dumps(self.open)} rest)*" if parallel else "more: \"\""]
+        xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not all(t.strict for t in named)}
+        tagged = self.open is not None
+        bare = self.leads is not None and (choice == "auto" or not tagged)
+        ws = JSON_WHITESPACE
+        lines = []
+        if tagged:
+            schema: dict = {"x-guidance": xg, "anyOf": [
+                {"type": "object", "properties": {"name": {"const": t.name}, self.args_key: t.parameters},
+                 "required": ["name", self.args_key], "additionalProperties": False} for t in named]}
+            if len(named) == 1:
+                schema = {"x-guidance": xg, **schema["anyOf"][0]}
+            sep = json.dumps(self.separator)
+            lines += [f"body: %json {json.dumps(schema, ensure_ascii=False)}",
+                      f"rest: {sep} body {sep} {json.dumps(self.close)}",
+                      f"more: ({sep} {json.dumps(self.open)} rest)*" if parallel else "more: \"\""]
+        if bare:
+            leads = "|".join(_lark_re(s) for s in self.leads if s)
+            leads = f"({leads})" + ("?" if "" in self.leads else "") if leads else ""
+            call = f'\\{{{ws}"name"{ws}:{ws}'
+            end = (" BARE_END" + ("" if self.bare_end_required else "?")) if self.bare_end else ""
+            mark = f"<[{int(marker_id)}]>? " if marker_id is not None else ""
+            lines += [f"bare: {mark}BARE_FIRST bare_rest" + (" (BARE_NEXT bare_rest)*" if parallel else "") + end,
+                      f"BARE_FIRST: /{leads}{ws}{call}/",
+                      f"BARE_NEXT: /{ws}{_lark_re(self.bare_sep)}{ws}{call}/",
+                      f"BARE_END: /{ws}{_lark_re(self.bare_end)}/",
+                      "bare_rest: " + " | ".join(f"bare_{i}" for i in range(len(named)))]
+            for i, t in enumerate(named):
+                args = {"x-guidance": xg, **t.parameters}
+                lines += [f"bare_{i}: {json.dumps(json.dumps(t.name))} /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ "
+                          f"args_{i} /{ws}\\}}/",
+                          f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
         if choice == "auto":
-            no_open = f"/(.|\\n)*/ & ~/(.|\\n)*{re.escape(self.open)}(.|\\n)*/"
-            text = no_open
-            if self.bare:                   # a call as bare JSON at the start: not text, a call
-                ws = JSON_WHITESPACE
-                lead = f"(```(json)?\\n)?{ws}\\{{{ws}\"name\""     # Qwen2.5-Coder may fence it
-                text = f"{no_open} & ~/{lead}(.|\\n)*/"
-                lines += ["bare: BARE_OPEN bare_rest" + (f' ({sep} BARE_OPEN bare_rest)*' if parallel else "")
-                          + " FENCE_END?",
-                          f"BARE_OPEN: /{lead}{ws}:{ws}/",
-                          "FENCE_END: /\\n```/",
-                          "bare_rest: " + " | ".join(f"bare_{i}" for i in range(len(named)))]
-                for i, t in enumerate(named):
-                    args = {"x-guidance": schema["x-guidance"], **t.parameters}
-                    lines += [f"bare_{i}: {json.dumps(json.dumps(t.name))} /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ "
-                              f"args_{i} /{ws}\\}}/",
-                              f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
-            lines = ["start: TEXT | TEXT_OPEN rest more" + (" | bare" if self.bare else ""),
-                     f"TEXT: {text}",
-                     f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] + lines
+            text = "/(.|\\n)*/"
+            if tagged:                      # text never spells the open marker ...
+                text += f" & ~/(.|\\n)*{_lark_re(self.open)}(.|\\n)*/"
+            if self.leads is not None:      # ... nor starts as a bare call would (as the parser reads one)
+                loose = "|".join(_loose(s) for s in self.leads)
+                text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"(.|\\n)*/"
+            lines = ["start: TEXT" + (" | TEXT_OPEN rest more" if tagged else "") + (" | bare" if bare else ""),
+                     f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines
         else:
-            lines = [f"start: {json.dumps(self.open)} rest more"] + lines
+            lines = [f"start: {json.dumps(self.open)} rest more" if tagged else "start: bare"] + lines
         try:
             return Constraint.lark("\n".join(lines) + "\n")
         except StructuredOutputError as e:
             raise ApiError(400, f"tools: {e}", "tools") from None
 
 
-_BARE = re.compile(r'\{\s*"name"\s*:')
-_FENCE = re.compile(r"```(json)?\n")
-_FENCE_PREFIX = re.compile(r"`{1,3}(j(s(o(n)?)?)?)?")
-_BARE_PREFIX = re.compile(r'\{\s*("(n(a(m(e("\s*)?)?)?)?)?)?')
+_CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts
+_LARK_SPECIAL = set("\\.+*?()|[]{}^$&~-#/")
+
+
+def _loose(text: str) -> str:
+    """A regex for `text` with any whitespace between its characters (and none required)."""
+    return r"\s*".join(re.escape(c) for c in text if not c.isspace())
+
+
+def _lark_re(text: str) -> str:
+    """`text` as a literal inside a llguidance Lark /regex/."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in _LARK_SPECIAL else c for c in text)
+
+
+def _compact(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def _undecided(text: str, targets: list[str]) -> bool:
+    """Whether text (whitespace aside) may still become one of targets: a proper prefix of one."""
+    c = _compact(text)
+    return any(len(c) < len(t) and t.startswith(c) for t in targets)
 
 
 def _object_end(text: str, depth: int) -> int | None:
@@ -467,20 +520,58 @@ def _merge(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
 class HermesParser(ToolParser):
     """Qwen2.5 / Hermes 2 Pro: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, and (auto) a bare
     or ```json-fenced `{"name": ..., "arguments": ...}` at the start, as Qwen2.5-Coder writes it (llama.cpp's
-    Hermes handler takes both too). Another format is a subclass like this one: Mistral's would set open =
-    "[TOOL_CALLS]" and read a JSON list; Llama 3.1's open = "<|python_tag|>", args_key = "parameters"."""
+    Hermes handler takes both too)."""
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser}
+class Llama3Parser(ToolParser):
+    """Llama 3.1-3.3's JSON tool calls: the message is `{"name": ..., "parameters": {...}}` (calls separated by
+    `;`), maybe after `<|python_tag|>` (a control token in a GGUF: not shown)."""
+    open = None
+    marker = "<|python_tag|>"
+    args_key = "parameters"
+    leads = ("", "<|python_tag|>")
+    bare_sep = ";"
+    bare_end = ""
+
+
+class MistralParser(ToolParser):
+    """Mistral's (v3 tokenizer: 7B v0.3, Nemo): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; in a GGUF
+    the marker is a control token, not shown, so the text starts at `[`."""
+    open = None
+    marker = "[TOOL_CALLS]"
+    leads = ("[", "[TOOL_CALLS][")
+    bare_sep = ","
+    bare_end = "]"
+    bare_end_required = True
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3": Llama3Parser, "mistral": MistralParser}
+
+
+def marker_token(tokenizer, parser: type[ToolParser]) -> int | None:
+    """The id of the parser's marker in this vocabulary when it is one token that renders as nothing (a control
+    token), else None (no marker, or one the text spells)."""
+    if parser.marker is None:
+        return None
+    ids = tokenizer.encode(parser.marker, add_bos=False, special=True)
+    return ids[0] if len(ids) == 1 and tokenizer.token_bytes(ids[0]) == b"" else None
 
 
 def parser_for_template(template: str | None, flag: str | None = None) -> str | None:
-    """The parser's name: the --tool-call-parser flag ("none": no tool calling), else the template's own format
-    (a template that mentions `<tool_call>`: hermes), else hermes with the fallback prompt teaching it."""
+    """The parser's name: the --tool-call-parser flag ("none": no tool calling), else the format the chat template
+    teaches (`<tool_call>`: hermes; `[TOOL_CALLS]`: mistral; `<|python_tag|>` or Llama 3's "parameters"
+    wording: llama3), else hermes, with the fallback prompt teaching it."""
     if flag is not None:
         if flag != "none" and flag not in PARSERS:
             raise ValueError(f"unknown tool-call parser {flag!r} (known: {', '.join(PARSERS)}, none)")
         return None if flag == "none" else flag
+    t = template or ""
+    if "<tool_call>" in t:
+        return "hermes"
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_tag|>" in t or '"parameters": dictionary' in t:
+        return "llama3"
     return "hermes"
 
 

@@ -21,8 +21,8 @@ from lumen.serve.app import add_error_handlers
 from lumen.serve.openai import chat
 from lumen.serve.openai.serving import Settings
 from lumen.serve.prompts import Prompter
-from lumen.serve.tools import (HermesParser, assemble, check_messages, fallback_messages, parse_tool_choice,
-                               parse_tools)
+from lumen.serve.tools import (PARSERS, HermesParser, Llama3Parser, MistralParser, assemble, check_messages,
+                               fallback_messages, marker_token, parse_tool_choice, parse_tools, parser_for_template)
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -99,8 +99,8 @@ def test_fallback_prompt_carries_tools_calls_and_results():
 
 
 # --- the parser -------------------------------------------------------------------------------------------------
-def _parse(text: str, step: int) -> tuple[str, list[dict]]:
-    p, content, deltas = HermesParser(), [], []
+def _parse(text: str, step: int, parser=HermesParser) -> tuple[str, list[dict]]:
+    p, content, deltas = parser(), [], []
     for k in range(0, len(text), step):
         c, d = p.feed(text[k:k + step])
         content.append(c)
@@ -137,6 +137,47 @@ def test_parser_same_calls_whole_or_in_chunks(text, content, calls):
         assert _parse(text, step) == (content, calls), step
 
 
+L3 = '{"name": "add", "parameters": {"a": 1, "b": {"c": "}"}}}'
+MI = '{"name": "add", "arguments": {"a": 1, "b": "]"}}'
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    (Llama3Parser, L3, "", [_call("add", '{"a": 1, "b": {"c": "}"}}')]),
+    (Llama3Parser, "<|python_tag|>" + L3, "", [_call("add", '{"a": 1, "b": {"c": "}"}}')]),
+    (Llama3Parser, L3 + "; " + L3.replace("add", "weather"), "", [_call("add", '{"a": 1, "b": {"c": "}"}}'),
+                                                                   _call("weather", '{"a": 1, "b": {"c": "}"}}')]),
+    (Llama3Parser, "The sum is 3.", "The sum is 3.", []),
+    (Llama3Parser, '{"answer": 1}', '{"answer": 1}', []),
+    (Llama3Parser, "Sure: " + L3, "Sure: " + L3, []),                   # a call only as the whole message
+    (MistralParser, "[TOOL_CALLS][" + MI + "]", "", [_call("add", '{"a": 1, "b": "]"}')]),
+    (MistralParser, "[" + MI + ", " + MI.replace("add", "weather") + "]", "",
+     [_call("add", '{"a": 1, "b": "]"}'), _call("weather", '{"a": 1, "b": "]"}')]),
+    (MistralParser, " [TOOL_CALLS] [\n" + MI + "\n]", "", [_call("add", '{"a": 1, "b": "]"}')]),
+    (MistralParser, "[1, 2, 3]", "[1, 2, 3]", []),
+    (MistralParser, "[TOOL", "[TOOL", []),
+    (MistralParser, "Hi there.", "Hi there.", []),
+])
+def test_other_formats_same_calls_whole_or_in_chunks(parser, text, content, calls):
+    for step in (len(text) + 1, 1, 2, 3, 5, 8):
+        assert _parse(text, step, parser) == (content, calls), step
+
+
+@pytest.mark.parametrize("template, name", [
+    ("{{ '<tool_call>' }}", "hermes"),
+    ("{{ '[TOOL_CALLS]' + tool_calls|tojson }}", "mistral"),
+    ("{{ '<|python_tag|>' }}", "llama3"),
+    ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
+     "llama3"),
+    ("{{ messages }}", "hermes"),
+    (None, "hermes"),
+])
+def test_parser_for_template(template, name):
+    assert parser_for_template(template) == name
+    assert parser_for_template(template, "mistral") == "mistral" and parser_for_template(template, "none") is None
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        parser_for_template(template, "nope")
+
+
 def test_parser_streams_name_first_then_argument_fragments():
     p = HermesParser()
     deltas = []
@@ -155,12 +196,12 @@ def compiler(smollm2_path):
         yield tok, c
 
 
-def _accepts(compiler, constraint, text: str) -> bool:
+def _accepts(compiler, constraint, text: str, first: tuple[int, ...] = ()) -> bool:
     tok, c = compiler
     m = c.compile(constraint).matcher()
     row = np.zeros(m.vocab.mask_words, np.int32)
     try:
-        for t in tok.encode(text, add_bos=False, special=False) + [tok.eos_id]:
+        for t in [*first, *tok.encode(text, add_bos=False, special=False), tok.eos_id]:
             m.fill_mask(row)
             m.advance(t)
     except Exception:                        # noqa: BLE001 - StructuredOutputError: the token is not allowed
@@ -193,6 +234,59 @@ W = '{"name": "weather", "arguments": {"city": "Paris"}}'
 ])
 def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, ok):
     assert _accepts(compiler, HermesParser().grammar(TOOLS, choice, parallel), text) is ok
+
+
+@pytest.mark.parametrize("parser, choice, parallel, text, ok", [
+    (Llama3Parser, "auto", True, "Hello, no call needed.", True),
+    (Llama3Parser, "auto", True, W.replace("arguments", "parameters"), True),
+    (Llama3Parser, "auto", True, "<|python_tag|>" + W.replace("arguments", "parameters"), True),
+    (Llama3Parser, "auto", True, W.replace("arguments", "parameters") + "; " + BARE.replace("arguments", "parameters"),
+     True),
+    (Llama3Parser, "auto", False, W.replace("arguments", "parameters") + "; " + W.replace("arguments", "parameters"),
+     False),
+    (Llama3Parser, "auto", True, W, False),                                          # Hermes' key
+    (Llama3Parser, "auto", True, W.replace("arguments", "parameters").replace('"Paris"', "3"), False),
+    (Llama3Parser, "required", True, "No.", False),
+    (Llama3Parser, "weather", True, W.replace("arguments", "parameters"), True),
+    (MistralParser, "auto", True, "Hello.", True),
+    (MistralParser, "auto", True, "[" + W + "]", True),
+    (MistralParser, "auto", True, "[TOOL_CALLS][" + W + ", " + BARE + "]", True),
+    (MistralParser, "auto", True, "[" + W, False),                                   # the list must end
+    (MistralParser, "auto", True, "[" + W.replace("weather", "wether") + "]", False),
+    (MistralParser, "auto", True, "[1, 2]", True),
+    (MistralParser, "required", True, "[" + BARE + "]", True),
+    (MistralParser, "add", True, "[" + W + "]", False),
+])
+def test_other_formats_grammar_accepts_their_own_calls(compiler, parser, choice, parallel, text, ok):
+    assert _accepts(compiler, parser().grammar(TOOLS, choice, parallel), text) is ok
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_every_parser_reads_what_its_grammar_allows(compiler, name):
+    """A call the grammar accepts (written by a required choice's forced path, here by hand) parses back."""
+    parser = PARSERS[name]
+    one = {"hermes": "<tool_call>\n" + W + "\n</tool_call>", "llama3": W.replace("arguments", "parameters"),
+           "mistral": "[" + W + "]"}[name]
+    assert _accepts(compiler, parser().grammar(TOOLS, "required"), one)
+    assert _parse(one, 3, parser) == ("", [_call("weather", '{"city": "Paris"}')])
+
+
+def test_a_marker_that_is_a_special_token_may_start_the_calls(compiler):
+    """Mistral's [TOOL_CALLS] is a control token in its GGUF: the text cannot spell it, so the grammar names its id
+    (here SmolLM2's <|im_start|> stands in for it)."""
+    tok, _ = compiler
+
+    class Marked(MistralParser):
+        marker = "<|im_start|>"
+
+    mark = marker_token(tok, Marked)
+    assert mark == tok.encode("<|im_start|>", add_bos=False, special=True)[0]
+    assert marker_token(tok, Llama3Parser) is None and marker_token(tok, HermesParser) is None   # not one token
+    auto, required = Marked().grammar(TOOLS, "auto", True, mark), Marked().grammar(TOOLS, "required", True, mark)
+    assert _accepts(compiler, auto, "[" + W + "]", (mark,)) and _accepts(compiler, auto, "[" + W + "]")
+    assert _accepts(compiler, required, "[" + W + "]", (mark,))
+    assert not _accepts(compiler, auto, "Hello.", (mark,))                       # the marker starts calls only
+    assert not _accepts(compiler, Marked().grammar(TOOLS, "auto", True), "[" + W + "]", (mark,))
 
 
 def test_no_grammar_for_none():

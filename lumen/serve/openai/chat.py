@@ -11,7 +11,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
-from ..tools import PARSERS, parse_tool_choice, parse_tools, parser_for_template
+from ..tools import PARSERS, marker_token, parse_tool_choice, parse_tools, parser_for_template
 from .serving import Generation
 
 router = APIRouter()
@@ -36,7 +36,8 @@ class ServingChat(Generation):
                 raise P.ApiError(400, f"{P.constraint_field(req)} cannot be combined with tools unless tool_choice "
                                       "is \"none\"", P.constraint_field(req))
             parser = PARSERS[name]
-            constraint = await asyncio.to_thread(parser().grammar, tools, choice, req.parallel_tool_calls is not False)
+            constraint = await asyncio.to_thread(parser().grammar, tools, choice, req.parallel_tool_calls is not False,
+                                                 marker_token(self.engine.tokenizer, parser))
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
         prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)]
