@@ -356,6 +356,37 @@ def test_endpoint_answers_tool_calls_whole_and_streamed(client):
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+MISTRAL_TEMPLATE = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                    "{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "{# an assistant's tool_calls come back as [TOOL_CALLS] #}")
+
+
+@pytest.mark.parametrize("template, flag, reply, key", [
+    (MISTRAL_TEMPLATE, None, '[{"name": "add", "arguments": {"a": 1, "b": 2}}]', '"arguments"'),
+    (TEMPLATE, "llama3", '{"name": "add", "parameters": {"a": 1, "b": 2}}', '"parameters"'),
+])
+def test_endpoint_reads_the_format_of_the_template_or_the_flag(template, flag, reply, key):
+    class Worker(CallingWorker):
+        REPLY = reply.encode()
+
+    worker = Worker()
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(chat.router)
+    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, template, 4096),
+                                      Settings(model_id="bytes", tool_call_parser=flag))
+    r = TestClient(app).post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = [c["function"] for c in choice["message"]["tool_calls"]]
+    assert calls == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
+    prompt = bytes(worker.submitted[0][0][0][1:]).decode()
+    assert ("[AVAILABLE_TOOLS]" in prompt) is (template == MISTRAL_TEMPLATE)     # the template renders the tools
+    grammar = worker.submitted[0][1][0].constraint.value
+    assert "BARE_FIRST" in grammar and "<tool_call>" not in grammar and key in grammar
+
+
 def test_endpoint_none_sends_no_grammar_and_no_parsing(client):
     http, worker = client
     r = http.post("/v1/chat/completions", json={**BODY, "tool_choice": "none"})
