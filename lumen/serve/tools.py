@@ -358,8 +358,10 @@ class ToolParser:
         """What is held back, at the end of the text: a partial marker as content, an unclosed call's rest."""
         content, calls = "", []
         if self.in_call:
-            if self.head_done and len(self.buf) > self.sent_args:
-                calls.append(ToolCallDelta(self.n_calls, arguments=self.buf[self.sent_args:]))
+            end = _object_end(self.buf, 1) if self.head_done else None    # the call's JSON ended, its close not
+            rest = self.buf if end is None else self.buf[:end - 1].rstrip()
+            if self.head_done and len(rest) > self.sent_args:
+                calls.append(ToolCallDelta(self.n_calls, arguments=rest[self.sent_args:]))
             elif not self.head_done:
                 content = ("" if self.is_bare else self.open) + self.buf    # never became a call: it was text
             if self.head_done:

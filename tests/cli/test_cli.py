@@ -216,6 +216,21 @@ def test_chat_uses_the_template(smollm2_path, tokenizer):
         "the prompt that ran is not the rendered chat template"
 
 
+def test_tools_print_the_call_as_a_json_line(smollm2_path, tmp_path):
+    """--tools with a named --tool-choice: the grammar holds the model to the call and the template's parser reads
+    it back; the call is a JSON line on stdout (greedy: the first call completes within the tokens given)."""
+    f = tmp_path / "tools.json"
+    f.write_text(json.dumps([{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}]))
+    r = generate(smollm2_path, "--tools", f, "--tool-choice", "add", "--temperature", 0, "-p", "What is 2 plus 3?",
+                 "-n", 40)
+    assert r.returncode == 0, r.stderr
+    call = json.loads(r.stdout.splitlines()[0])
+    assert call["name"] == "add" and set(call["arguments"]) == {"a", "b"}, r.stdout
+    assert all(isinstance(v, int) for v in call["arguments"].values())
+
+
 @pytest.mark.slow
 def test_chat_without_template_falls_back(synth_model):
     chat = generate(synth_model, "--chat", "--prompt", "the cat", "-n", 6)

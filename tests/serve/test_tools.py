@@ -124,6 +124,8 @@ def _call(name, args):
     ('<tool_call>\n{"arguments": {"x": 1}, "name": "w"}\n</tool_call>', "", [_call("w", '{"x": 1}')]),
     ("no call here <tool", "no call here <tool", []),
     ("Sure. <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1", "Sure.", [_call("add", '{"a": 1')]),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}\n}\n</tool_', "", [_call("add", '{"a": 1}')]),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}', "", [_call("add", '{"a": 1}')]),
     (BARE, "", [_call("add", '{"a": 1, "b": 2}')]),
     ("\n" + BARE + "\n" + BARE, "", [_call("add", '{"a": 1, "b": 2}')] * 2),
     ("```json\n" + BARE + "\n```", "", [_call("add", '{"a": 1, "b": 2}')]),
