@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the most tokens drafted per step (default 5; the engine adapts k to the acceptance)")
     sp.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup matches (default 1)")
     sp.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the lookup matches (default 4)")
+    sp.add_argument("--draft-vocab", type=int, default=32768, metavar="N",
+                    help="the draft model proposes only the first N token ids (default 32768)")
     so = ap.add_argument_group("structured output (the text must match; ends when the grammar is complete)")
     one = so.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE",
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 draft = (load_model(args.draft_model, args.ctx, args.threads, args.force_ctx) if args.draft_model
                          else None)
                 model.speculation(draft_model=draft, num_speculative_tokens=args.num_speculative_tokens or 5,
-                                  ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                                  ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
             t_compile = model.warmup()
         prompt, special, chat = args.prompt, args.special, False
         parser = None

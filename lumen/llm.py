@@ -181,12 +181,13 @@ class Model:
         return self._engine
 
     def speculation(self, *, draft_model=None, num_speculative_tokens: int = 5, ngram_min: int = 1,
-                    ngram_max: int = 4) -> None:
+                    ngram_max: int = 4, draft_vocab: int | None = 32768) -> None:
         """Set up speculative decoding for generate(..., speculative="ngram" | "draft"): draft_model (a
         lumen.Model, name or path sharing this model's vocabulary) for "draft", the most tokens drafted per step,
-        the n-gram sizes the "ngram" drafter matches (lumen.engine.speculative)."""
+        the n-gram sizes the "ngram" drafter matches, the token ids the draft proposes (lumen.engine.speculative,
+        lumen.engine.config.SpeculativeConfig)."""
         self._spec = dict(draft_model=draft_model, num_speculative_tokens=num_speculative_tokens,
-                          ngram_min=ngram_min, ngram_max=ngram_max)
+                          ngram_min=ngram_min, ngram_max=ngram_max, draft_vocab=draft_vocab)
         self._engine = None
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

@@ -48,18 +48,23 @@ class SpeculativeConfig:
     num_speculative_tokens: the most tokens drafted per step (a request may ask for fewer);
     ngram_min/ngram_max: the n-gram sizes the "ngram" drafter matches (lumen.engine.speculative);
     adaptive_k: choose each step's k from the request's acceptance rate and the measured step costs (False: always
-    the most, as a fixed-k engine does)."""
+    the most, as a fixed-k engine does);
+    draft_vocab: the draft model's head computes the logits of the first draft_vocab token ids only (None: all;
+    lossless either way: lumen.engine.speculative.drafters.DraftModel)."""
     draft_model: object = None
     num_speculative_tokens: int = 5
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive_k: bool = True
+    draft_vocab: int | None = 32768
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         check_int("ngram_min", self.ngram_min, 1, MAX_SPECULATIVE_TOKENS)
         check_int("ngram_max", self.ngram_max, self.ngram_min, MAX_SPECULATIVE_TOKENS)
         object.__setattr__(self, "adaptive_k", bool(self.adaptive_k))
+        if self.draft_vocab is not None:
+            check_int("draft_vocab", self.draft_vocab, 64)
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,8 @@ CLI_ARGS: dict[str, tuple[tuple[str, ...], dict, str]] = {
                                "most tokens drafted per step"),
     "ngram_min": (("--ngram-min",), dict(type=int, default=1, metavar="N"), "shortest n-gram the lookup matches"),
     "ngram_max": (("--ngram-max",), dict(type=int, default=4, metavar="N"), "longest n-gram the lookup matches"),
+    "draft_vocab": (("--draft-vocab",), dict(type=int, default=32768, metavar="N"),
+                    "the draft model proposes only the first N token ids (its output head reads that share)"),
 }
 
 

@@ -49,6 +49,7 @@ from .scheduler import Scheduled, Scheduler
 from .admission import RequestError, admit
 from .sequence import RequestMetrics, RequestOutput, Sequence
 from .speculative import DraftModel, Speculator
+from .speculative.drafters import step_bytes
 from .costs.steps import CostKey, StepCosts, calibrate
 from .structured.constraint import StructuredOutputError
 from .structured.manager import StructuredOutput
@@ -96,11 +97,13 @@ class Engine:
         draft = None if sc.draft_model is None else DraftModel(
             parts_of(sc.draft_model), n_vocab=cfg.n_vocab, max_model_len=self.max_model_len,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, threads=self.threads,
-            governor=self.runner.governor)
+            governor=self.runner.governor, vocab=sc.draft_vocab, target_bytes=step_bytes(parts.bundle))
         self.speculator = Speculator(sc, self.costs, draft)
         self.cost_model = self.budgeter = None
+        self._keys_per_token = 0.0                  # attention keys a token of the last step read (the fallback's K)
         if c.scheduler == "measured":
             self.cost_model = calibrate(self.runner, self.cost_key, tiny=c.cost_grid == "tiny")
+            self.costs.fallback = lambda n, rows: self.cost_model.predict(n, rows, n * self._keys_per_token)
             self.budgeter = MeasuredBudget(self.cost_model, max_tokens=c.max_num_batched_tokens,
                                            slo_ttft_s=c.slo_ttft_s, slo_tpot_s=c.slo_tpot_s)
         elif c.scheduler == "paced":
@@ -183,7 +186,7 @@ class Engine:
         self.structured.apply_masks(masks, logits)
         with self._lock:
             outs += self._postprocess(plan, logits, prof)
-        self._observe(decision, n_tokens, len(plan), n_keys, time.perf_counter() - t0)
+        self._observe(decision, n_tokens, len(plan), n_keys, time.perf_counter() - t0 - self.speculator.draft_s)
         prof.end_step()
         return outs
 
@@ -216,8 +219,10 @@ class Engine:
         return outs, plan, decision
 
     def _observe(self, decision, n_tokens: int, n_seqs: int, n_keys: int, wall: float) -> None:
-        """What the step cost, for the speculator's choice of k and the measured scheduler's cost model."""
-        self.costs.add(n_tokens, wall)
+        """What the step cost (the draft model's share not included: the speculator prices it apart), for the
+        speculator's choice of k, the paced budget and the measured scheduler's cost model."""
+        self.costs.add(n_tokens, wall, n_seqs)
+        self._keys_per_token = n_keys / max(1, n_tokens)
         if self.cost_model is not None:
             self.cost_model.observe(n_tokens, n_seqs, n_keys, wall)
         if decision is not None:

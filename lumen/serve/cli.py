@@ -29,7 +29,7 @@ log = logging.getLogger("lumen.serve")
 ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb",
                 "enable_prefix_caching", "enable_chunked_prefill", "scheduler", "pace", "slo_ttft_s", "slo_tpot_s",
                 "explain")
-SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max")
+SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_vocab")
 
 
 def build_parser() -> argparse.ArgumentParser:

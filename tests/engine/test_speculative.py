@@ -13,7 +13,10 @@ import synth
 from goldens import corpus
 from lumen import Engine, SamplingParams
 from lumen.engine.sampling.sampler import PICK, RESIDUAL, uniform
-from lumen.engine.speculative import NgramDrafter, SpecState, choose_k, expected_tokens, update_alpha, verify
+from lumen.engine.config import SpeculativeConfig
+from lumen.engine.costs.steps import StepCosts
+from lumen.engine.speculative import (PRIOR, NgramDrafter, SpecState, Speculator, choose_k, expected_tokens,
+                                      update_alpha, verify)
 from lumen.engine.speculative.verify import draw, prob
 
 
@@ -282,3 +285,149 @@ def test_choose_k_weighs_acceptance_against_measured_cost():
     assert choose_k(0.05, 8, flat) <= 1
     assert choose_k(0.9, 8, steep) == 0          # speculation does not pay: plain decode
     assert math.isclose(expected_tokens(0.5, 2), 1.75)
+
+
+# ---------------------------------------------------------------- k by measured cost
+
+class _Params:
+    def __init__(self, speculative):
+        self.speculative, self.num_speculative_tokens = speculative, None
+
+
+class _Seq:
+    """What the speculator reads of a decoding request."""
+    def __init__(self, speculative="draft", alpha=0.8):
+        self.params = _Params(speculative)
+        self.spec = SpecState(alpha=alpha, hits=alpha)
+        self.tokens = [1, 2, 3, 4, 1, 2, 3]
+
+
+class _Draft:
+    def __init__(self, ms_per_step):
+        self.costs, self.cost_ratio = StepCosts(), 0.4
+        self.costs.add(1, ms_per_step * 1e-3, 1)
+
+
+def _speculator(target_ms: dict, draft_ms: float | None = None) -> Speculator:
+    """A Speculator over a fake cost table: target_ms {tokens: ms} of one-sequence steps, draft_ms a draft step."""
+    costs = StepCosts()
+    for n, ms in target_ms.items():
+        costs.add(n, ms * 1e-3, 1)
+    return Speculator(SpeculativeConfig(num_speculative_tokens=5), costs,
+                      None if draft_ms is None else _Draft(draft_ms))
+
+
+FLAT = {n: 20.0 + 0.5 * (n - 1) for n in range(1, 7)}        # bandwidth-bound: a verification costs ~a step
+STEEP = {n: 20.0 * n for n in range(1, 7)}                   # compute-bound: each row costs a step
+
+
+@pytest.mark.parametrize("target, draft_ms, alpha, wins", [
+    (FLAT, 3.0, 0.8, True),            # a cheap, good draft
+    (FLAT, 15.0, 0.6, False),          # a draft step 3/4 of the target's at 0.6 acceptance: plain decode is faster
+    (FLAT, 15.0, 0.95, True),          # ... unless nearly every draft is accepted
+    (STEEP, 1.0, 0.9, False),          # verification rows cost what steps cost: nothing beats plain decode
+])
+def test_k_by_measured_cost_includes_the_draft(target, draft_ms, alpha, wins):
+    sp = _speculator(target, draft_ms)
+    seq = _Seq("draft", alpha)
+    k = sp._choose_k(seq, room=5, planned=0)
+    assert (k > 0) == wins, k
+    if k:                                  # the k chosen has the most expected tokens per second, k = 0 included
+        rate = lambda j: expected_tokens(alpha, j) / (target[1 + j] + j * draft_ms)   # noqa: E731
+        assert rate(k) == max(rate(j) for j in range(6)) and rate(k) > rate(0)
+
+
+def test_k_by_measured_cost_ngram():
+    seq = _Seq("ngram")
+    seq.spec.alpha_n[3] = 0.5
+    seq.spec.judged_n[3] = (0.5, 1.0)
+    assert _speculator(FLAT)._choose_k(seq, room=5, planned=0) >= 3
+    assert _speculator(STEEP)._choose_k(seq, room=5, planned=0) == 0
+    assert seq.spec.alpha_n[3] > 0.5                  # judged not to pay: drifts back towards the prior
+
+
+def test_draft_cost_before_it_is_measured_follows_the_bytes():
+    sp = _speculator(FLAT, 10.0)
+    sp.draft.costs = StepCosts()                      # nothing measured: the target's step scaled by bytes
+    assert math.isclose(sp.draft_cost(0.020), 0.020 * 0.4)
+
+
+def test_a_skipped_draft_request_recovers():
+    sp = _speculator(FLAT, 15.0)
+    seq = _Seq("draft", 0.3)
+    seq.spec.judged = 1.0
+    assert sp._choose_k(seq, room=5, planned=0) == 0
+    assert 0.3 < seq.spec.alpha < PRIOR and math.isclose(seq.spec.hits / seq.spec.judged, seq.spec.alpha)
+
+
+def test_acceptance_estimate_is_per_token():
+    """At k = 5 and a per-token rate of 0.8, accepted / proposed reads about 0.54; accepted / judged reads 0.8."""
+    rng = np.random.default_rng(0)
+    st = SpecState()
+    for _ in range(400):
+        a = 0
+        while a < 5 and rng.random() < 0.8:
+            a += 1
+        update_alpha(st, 5, a, weight=0.02)
+    assert abs(st.alpha - 0.8) < 0.06
+    assert st.accepted / st.proposed < 0.65
+
+
+def test_step_costs_by_shape():
+    c = StepCosts()
+    c.add(6, 0.030, rows=1)                # a verification of 5 drafts
+    c.add(6, 0.020, rows=6)                # six decodes
+    assert c.predict(6, 1) == 0.030 and c.predict(6, 6) == 0.020
+    assert c.known(6, 1) and not c.known(6, 2) and c.known(6)
+    assert math.isclose(c.predict(6), 0.028)          # any rows: the token count's average
+    assert c.predict(40) is None                      # one count measured, no fallback: explore
+    c.fallback = lambda n, rows: 0.5
+    assert c.predict(40, 3) == 0.5
+    for r in range(StepCosts.SHAPES + 10):            # a bounded table of recent shapes
+        c.add(1, 0.01, rows=r + 10)
+    assert len(c.shapes) == StepCosts.SHAPES and not c.known(6, 1)
+
+
+def test_draft_vocab_head_is_a_prefix_and_lossless(smollm2_path):
+    """A draft whose head computes the first 1024 token ids: the same greedy output, drafts only from them."""
+    m = lumen.load(smollm2_path, ctx=512, threads=2)
+    eng = Engine(m, max_model_len=512, max_num_seqs=2, kv_cache_mb=16, draft_model=m, draft_vocab=1000,
+                 num_speculative_tokens=4, adaptive_k=False)
+    draft = eng.speculator.draft
+    assert draft.vocab == 1024
+    seen = []
+    propose = draft.propose
+
+    def spy(reqs):
+        out = propose(reqs)
+        for d in out.values():
+            seen.extend(d.tokens)
+        return out
+    draft.propose = spy
+    ids = prompts(m)[1]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = eng.generate([ids], p)[0]
+    spec = eng.generate([ids], p.replace(speculative="draft"))[0]
+    assert spec.token_ids == plain.token_ids
+    assert seen and max(seen) < 1024 and spec.metrics.spec_accepted > 0
+    full = Engine(m, max_model_len=512, max_num_seqs=2, kv_cache_mb=16, draft_model=m, draft_vocab=None)
+    assert full.speculator.draft.vocab == m.config.n_vocab
+    assert full.speculator.draft.cost_ratio == 1.0 and draft.cost_ratio < 0.8     # its head reads 1/48 of its rows
+
+
+def test_greedy_qwen_drafting_for_itself_and_ngram_is_bit_identical(qwen05_path):
+    """Qwen2.5-Coder-0.5B (the draft the 1.5B uses) drafting for itself, its head cut to the first 32768 ids
+    (the default), and n-gram lookup: greedy output equals plain decoding, on code to copy and on free text."""
+    m = lumen.load(qwen05_path, ctx=512, threads=2)
+    eng = Engine(m, max_model_len=512, max_num_seqs=2, kv_cache_mb=16, draft_model=m, num_speculative_tokens=4,
+                 adaptive_k=False)
+    code = "Here is a function:\n```python\ndef add(a, b):\n    return a + b\n```\nRename a to x:\n```python\n"
+    for text in (code, "The three largest cities of France are"):
+        ids = m.tokenize(text)
+        p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        plain = eng.generate([ids], p)[0]
+        for how in ("draft", "ngram"):
+            spec = eng.generate([ids], p.replace(speculative=how))[0]
+            assert spec.token_ids == plain.token_ids, (text, how)
+            assert spec.text == plain.text
+    assert eng.speculator.draft.vocab == 32768

@@ -1,7 +1,8 @@
 """What a step costs on this machine, measured: the numbers the engine schedules by.
 
-StepCosts   every engine step's wall time, folded into an exponential average per token count (what speculative
-            decoding weighs its drafts against, lumen.engine.speculative.choose_k).
+StepCosts   every engine step's wall time, folded into an exponential average per token count and per recent
+            (rows, tokens) shape (what speculative decoding weighs its drafts against,
+            lumen.engine.speculative.choose_k, and what the paced budget paces by).
 CostModel   step time as a function of the step's shape, fitted to measurements:
 
                 t(T, S, K) = f + b * max(0, T - T*) + c * S + d * K
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,17 +41,24 @@ def bucket(n_tokens: int) -> int:
 
 
 class StepCosts:
-    """Step wall times by token count: an exponential average per bucket (exact up to 32, then powers of two).
-    A count never measured interpolates linearly between the nearest measured ones and extrapolates from the
-    last two; with fewer than two measured counts, predict returns None (the caller explores)."""
+    """Step wall times by shape: an exponential average per token count (bucketed: exact up to 32, then powers of
+    two) over all steps, and per (rows, token count) for the SHAPES shapes measured most recently (rows: the
+    sequences in the step). predict(n, rows) answers from the shape's own average when it was measured, else from
+    the token count's, else from `fallback` (a fitted cost model, when the engine has one), else interpolates
+    linearly between the nearest measured token counts (extrapolating from the last two); with fewer than two
+    measured counts and no fallback it returns None (the caller explores)."""
+    SHAPES = 64
 
-    def __init__(self, weight: float = 0.2):
+    def __init__(self, weight: float = 0.2, fallback=None):
+        """fallback: (n_tokens, rows) -> seconds, e.g. a CostModel's prediction (None: none)."""
         self.weight = weight
+        self.fallback = fallback
         self.ema: dict[int, float] = {}
         self.count: dict[int, int] = {}
+        self.shapes: OrderedDict[tuple[int, int], float] = OrderedDict()   # (rows, bucket) -> seconds, LRU
         self._keys: list[int] = []
 
-    def add(self, n_tokens: int, seconds: float) -> None:
+    def add(self, n_tokens: int, seconds: float, rows: int | None = None) -> None:
         b = bucket(n_tokens)
         if b in self.ema:
             self.ema[b] += self.weight * (seconds - self.ema[b])
@@ -58,11 +67,21 @@ class StepCosts:
             self.ema[b] = seconds
             self.count[b] = 1
             bisect.insort(self._keys, b)
+        if rows is not None:
+            key = (rows, b)
+            old = self.shapes.pop(key, None)
+            self.shapes[key] = seconds if old is None else old + self.weight * (seconds - old)
+            if len(self.shapes) > self.SHAPES:
+                self.shapes.popitem(last=False)
 
-    def predict(self, n_tokens: int) -> float | None:
+    def predict(self, n_tokens: int, rows: int | None = None) -> float | None:
         b = bucket(n_tokens)
+        if rows is not None and (rows, b) in self.shapes:
+            return self.shapes[(rows, b)]
         if b in self.ema:
             return self.ema[b]
+        if self.fallback is not None:
+            return self.fallback(n_tokens, rows or 1)
         ks = self._keys
         if len(ks) < 2:
             return None
@@ -71,8 +90,10 @@ class StepCosts:
         t_lo, t_hi = self.ema[lo], self.ema[hi]
         return max(1e-9, t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo))
 
-    def known(self, n_tokens: int) -> bool:
-        return bucket(n_tokens) in self.ema
+    def known(self, n_tokens: int, rows: int | None = None) -> bool:
+        """Whether steps of n_tokens (and of `rows` sequences, when given) were measured."""
+        b = bucket(n_tokens)
+        return (rows, b) in self.shapes if rows is not None else b in self.ema
 
 
 @dataclass

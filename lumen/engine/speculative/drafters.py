@@ -10,9 +10,14 @@ how many tokens were drafted at once, and a draft made for a request's tokens st
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ...kernels.attention import BLOCK
+from ...kernels.layout import C_DOUT, C_FAM, C_G, C_NIN, C_QT, C_T, F32, R, q_len, s_len
+from ..costs.steps import StepCosts
 from ..block_manager import BlockManager, CachedPrefix
 from ...model.parts import ModelParts
 from ..runner import Runner
@@ -35,8 +40,11 @@ class SpecState:
     """One request's speculation: its drafter's index, its acceptance average, its counts."""
     index: dict = field(default_factory=dict)       # n -> {ngram tuple: position after its last occurrence}
     indexed: int = 0                                # tokens indexed so far
-    alpha: float = PRIOR                            # acceptance rate estimate (exponential average)
+    alpha: float = PRIOR                            # per-token acceptance rate estimate: hits / judged
+    hits: float = PRIOR                             # accepted drafts per verification (exponential average)
+    judged: float = 1.0                             # drafts judged per verification: accepted + the first rejected
     alpha_n: dict = field(default_factory=dict)     # the n-gram drafter: the same, per match length n (from PRIOR)
+    judged_n: dict = field(default_factory=dict)    # n -> (hits, judged)
     matched: tuple = (-1, None)                     # (tokens, n) of the last match: k's choice and the draft share it
     steps: int = 0                                  # verification steps
     proposed: int = 0
@@ -121,27 +129,45 @@ class NgramDrafter:
 class DraftModel:
     """A second model with the target's vocabulary, run by its own runner (the engine's forward pass) over its
     own block pool. Each speculating request has a row of its block table; the draft's cache holds the request's
-    tokens up to `done[seq]`, and catches up (prefill of the new tokens) before drafting. Drafts of all requests
-    are made together: one batched forward per drafted position."""
+    tokens up to `done[seq]`, and catches up (the tokens it lacks run in its first draft forward, a long gap in
+    prefill chunks before) as it drafts. Drafts of all requests are made together: one batched forward per
+    drafted position. Every forward's time is kept by shape (`costs`), which the speculator prices k with.
+
+    vocab: the draft's output head computes the logits of the first `vocab` token ids only (the tiles of the
+    head's rows are contiguous, so this is a prefix of its packed matrix; BPE vocabularies put the frequent
+    tokens first): the draft then never proposes a token past them, which verification treats like any other
+    wrong draft (lossless), and its head, 37% of a 0.5B model's bytes at 152k tokens, reads a fraction."""
     name = "draft"
+    FOLD = 8                                        # a gap of up to this many tokens rides in the first forward
 
     def __init__(self, parts: ModelParts, *, n_vocab: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, threads: int, governor=None):
+                 max_num_batched_tokens: int, threads: int, governor=None, vocab: int | None = None,
+                 target_bytes: int | None = None):
         """parts: the draft model's; n_vocab: the target's vocabulary (they must agree); the sizes are the
-        engine's; governor: the engine runner's (one thread count for the engine's steps)."""
+        engine's; governor: the engine runner's (one thread count for the engine's steps); vocab: the token ids
+        the draft's head computes (None: all); target_bytes: what a target step reads (the prior of the draft's
+        cost until its steps are measured)."""
         if parts.config.n_vocab != n_vocab:
             raise ValueError(f"the draft model's vocabulary has {parts.config.n_vocab} tokens, the target's "
                              f"{n_vocab}: they must share one")
         self.parts = parts
+        w = parts.bundle
+        self.vocab = n_vocab if vocab is None or vocab >= n_vocab else -(-vocab // R) * R
+        if self.vocab < n_vocab:
+            w = prefix_head(w, self.vocab)
         max_blocks = -(-max_model_len // BLOCK)
         rows = max_num_seqs
-        self.max_tokens = max(max_num_batched_tokens, rows * 16)
-        self.runner = Runner(parts.config, parts.bundle, parts.rope_freqs, n_blocks=rows * max_blocks,
+        self.max_tokens = max(max_num_batched_tokens, rows * (self.FOLD + 1), rows * 16)
+        self.runner = Runner(parts.config, w, parts.rope_freqs, n_blocks=rows * max_blocks,
                              max_tokens=self.max_tokens, max_rows=rows, max_blocks=max_blocks, n_threads=threads)
         if governor is not None:
             self.runner.governor = governor
+        self.logits = np.full((rows, n_vocab), -np.inf, np.float32)    # past `vocab`: never written, -inf
         self.blocks = BlockManager(rows * max_blocks, self.runner.table, prefix_caching=False)
         self.done: dict = {}                         # seq -> tokens of it in the draft's cache
+        self.costs = StepCosts()                     # the draft's forward steps, by (rows, tokens)
+        draft_bytes = step_bytes(w)
+        self.cost_ratio = draft_bytes / target_bytes if target_bytes else 0.5
 
     def forget(self, seq) -> None:
         if self.done.pop(seq, None) is not None:
@@ -157,13 +183,17 @@ class DraftModel:
             self.done[seq] = start + len(toks)
             rows.append(i - 1)
         r.set_out_rows(rows if sample else rows[-1:])
-        return r.forward(i, len(rows) if sample else 1)
+        t0 = time.perf_counter()
+        out = r.forward(i, len(rows) if sample else 1, self.logits)
+        self.costs.add(i, time.perf_counter() - t0, len(items))
+        return out
 
     def propose(self, requests: list) -> dict:
         """requests: [(seq, k)] -> {seq: Draft}: the draft's own tokens, drawn with the request's sampler and a
-        uniform keyed by its position (DRAFT use), their distributions kept for verification. The draft's cache
-        first catches up with the request's tokens (prefill chunks), then each drafted position is one batched
-        forward of every request still drafting."""
+        uniform keyed by its position (DRAFT use), their distributions kept for verification. A long gap in the
+        draft's cache is first filled in prefill chunks; the last FOLD tokens of a gap and the pending token run in
+        the first draft forward; then each drafted position is one batched forward of every request still
+        drafting."""
         for seq in [q for q in self.done if q.finished]:
             self.forget(seq)
         active = []
@@ -176,10 +206,10 @@ class DraftModel:
             if not self.blocks.can_grow(seq, len(seq.tokens) + k):
                 continue                             # no room in the draft's pool: no draft this step
             active.append((seq, k))
-        while True:                                  # catch up, everything but the pending token
+        while True:                                  # catch up, but for the tokens the first draft forward takes
             items, room = [], self.max_tokens
             for seq, _ in active:
-                n = min(len(seq.tokens) - 1 - self.done[seq], room)
+                n = min(len(seq.tokens) - 1 - self.FOLD - self.done[seq], room)
                 if n > 0:
                     items.append((seq, seq.tokens[self.done[seq]:self.done[seq] + n]))
                     room -= n
@@ -188,7 +218,7 @@ class DraftModel:
             self._forward(items, sample=False)
         drafts = {seq: ([], []) for seq, _ in active}
         for step in range(max((k for _, k in active), default=0)):
-            items = [(seq, [seq.tokens[-1]] if step == 0 else [drafts[seq][0][-1]])
+            items = [(seq, seq.tokens[self.done[seq]:] if step == 0 else [drafts[seq][0][-1]])
                      for seq, k in active if step < k]
             logits = self._forward(items, sample=True)
             for j, (seq, _) in enumerate(items):
@@ -207,3 +237,26 @@ class DraftModel:
             if toks:
                 out[seq] = Draft(toks, None if all(q is None for q in qs) else qs)
         return out
+
+
+def prefix_head(w, n: int):
+    """The Weights bundle w with an output head of its first n rows (n a multiple of the tile height R): a table
+    row of its own over the same packed bytes (the buffers are shared, nothing is copied)."""
+    pk = w.packs
+    row = pk.table[w.output].copy()
+    row[C_T], row[C_DOUT] = n // R, n
+    packs = pk._replace(table=np.vstack([pk.table, row[None]]))
+    return w._replace(packs=packs, output=pk.table.shape[0])
+
+
+def step_bytes(w) -> int:
+    """Bytes of packed weights a decode step reads: every matrix but the token embedding (read a row a token),
+    unless it is the output head too (tied)."""
+    t = w.packs.table
+    used = {int(x) for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+            for x in getattr(w, name)} | {int(w.output)}
+    total = 0
+    for i in used:
+        fam, T, G, n_in, qt = (int(t[i, c]) for c in (C_FAM, C_T, C_G, C_NIN, C_QT))
+        total += q_len(fam, T, G, n_in) * (4 if fam == F32 else 1) + s_len(qt, T, G)
+    return total

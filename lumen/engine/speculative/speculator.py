@@ -7,16 +7,21 @@
     toks, accepted = speculator.verify(seq, k, rows)     after the forward pass: the tokens it keeps
     speculator.accepted(seq, k, accepted)                the acceptance bookkeeping
 
-Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an exponential average of its
-acceptance rate alpha; the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against the
-step time the engine measured for that many more tokens (lumen.engine.costs.steps.StepCosts); k = 0 (plain
-decode) when speculation does not pay. `propose` drafts as many tokens as pay in a step of the decodes ahead of
+Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an estimate of its per-token
+acceptance rate alpha (accepted drafts over the drafts judged: the accepted ones and the first rejected one, each
+an exponential average); the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against
+what the step costs: the target's step time the engine measured for that shape, (rows, tokens + k)
+(lumen.engine.costs.steps.StepCosts), plus for a draft model k of its own forward steps (measured the same way by
+the draft, or until then priced by the bytes it reads against the target's); k = 0 (plain decode) when nothing
+beats plain decode. `propose` drafts as many tokens as pay in a step of the decodes ahead of
 the request; `k_for` prices k again at the place the scheduler actually gives it, within the room its budget
 leaves, so k is always chosen against the step that runs. A sampled request also gets the draft's token for the
 position after its verified ones (and for a position it samples without drafting), which verify decides by the
 acceptance rule.
 """
 from __future__ import annotations
+
+import time
 
 from ..admission import RequestError
 from ..config import SpeculativeConfig
@@ -38,6 +43,9 @@ class Speculator:
         self.verify_rule = verify             # (row, draft, k, key, pos, sampler) -> (tokens, accepted)
         self._drafts: dict = {}               # seq -> (its token count when drafted, k asked, Draft)
         self._step: dict = {}                 # seq -> Draft, this step's
+        self._rows = 1                        # sequences in the step being planned (the shape priced)
+        self._drafting = 1                    # requests the draft model drafts for in it (its rows)
+        self.draft_s = 0.0                    # seconds the draft model spent this step (not the target's step)
 
     def admit(self, seq: Sequence) -> None:
         """A new request: its speculation state (None when it does not speculate)."""
@@ -51,10 +59,14 @@ class Speculator:
         each could run (the scheduler decides how many do: k_for). A decode is priced in a step of the decodes
         ahead of it. A preempted request recomputing its tokens gets the one token a sampled request decides by
         the acceptance rule."""
+        self.draft_s = 0.0
         if not any(seq.spec is not None for seq in [*running, *waiting]):
             self._step = {}
             return {}
         want, ahead = [], 0
+        self._rows = max(1, len(running))
+        self._drafting = max(1, sum(1 for s in running if s.spec is not None and s.params.speculative == "draft"
+                                    and s.num_tokens - s.num_computed == 1))
         for seq in running:
             left = seq.num_tokens - seq.num_computed
             k = 0
@@ -96,7 +108,9 @@ class Speculator:
                 todo[seq.params.speculative].append((seq, k))
         got = self.ngram.propose(todo["ngram"]) if todo["ngram"] else {}
         if todo["draft"]:
+            t0 = time.perf_counter()
             got.update(self.draft.propose(todo["draft"]))
+            self.draft_s += time.perf_counter() - t0
         for seq, k in todo["ngram"] + todo["draft"]:
             self._drafts[seq] = (seq.num_tokens, k, got.get(seq))
             if seq in got:
@@ -105,8 +119,9 @@ class Speculator:
 
     def _choose_k(self, seq: Sequence, room: int, planned: int) -> int:
         """Drafted tokens for a decoding sequence: k with the most expected tokens per second of step time, by
-        its acceptance rate and the step times measured for that many tokens (0: plain decode pays more). A match
-        length judged not to pay drifts back towards the prior (skipped)."""
+        its acceptance rate and the measured costs (0: plain decode pays more). An estimate judged not to pay
+        drifts back towards the prior (skipped): per match length for the n-gram drafter, per request for a
+        draft model."""
         k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
         if seq.params.speculative == "ngram" and self.ngram.match(seq.spec, seq.tokens) is None:
             return 0                                                # nothing to draft from
@@ -119,7 +134,7 @@ class Speculator:
 
     def _best_k(self, seq: Sequence, k_max: int, planned: int) -> tuple[int, int | None]:
         """(the k in 0 .. k_max with the most tokens per second after `planned` tokens, the n-gram match length it
-        follows or None); no side effects."""
+        follows, 0 for a draft model, None when nothing was priced); no side effects."""
         st, n = seq.spec, None
         alpha = st.alpha
         if seq.params.speculative == "ngram":
@@ -127,11 +142,21 @@ class Speculator:
             if n is None:
                 return 0, None
             alpha = st.alpha_n.get(n, PRIOR)
-        base = planned + 1
-        c0 = self.costs.predict(base)
-        if c0 is None or not self.costs.known(base + k_max):       # not measured yet: explore both ends
-            return (0 if st.steps % 8 == 7 and not self.costs.known(base) else k_max), n
-        return choose_k(alpha, k_max, lambda k: self.costs.predict(base + k) or c0), n
+        base, rows = planned + 1, self._rows
+        c0 = self.costs.predict(base, rows)
+        if c0 is None or not self.costs.known(base + k_max, rows):  # not measured yet: explore both ends
+            return (0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else k_max), n
+        per_draft = self.draft_cost(c0) if seq.params.speculative == "draft" else 0.0
+        k = choose_k(alpha, k_max, lambda k: (self.costs.predict(base + k, rows) or c0) + k * per_draft)
+        return k, (0 if n is None else n)
+
+    def draft_cost(self, c0: float) -> float:
+        """Seconds one drafted token of a request costs the draft model: a draft forward step of the requests it
+        drafts for, shared among them (measured; before any is, the target's step c0 scaled by the bytes the
+        draft reads against the target's)."""
+        b = self._drafting
+        t = self.draft.costs.predict(b, b)
+        return (c0 * self.draft.cost_ratio if t is None else t) / b
 
     # ---- after the forward pass
     def drafted(self, seq: Sequence, k: int) -> bool:
@@ -175,20 +200,34 @@ def choose_k(alpha: float, k_max: int, cost) -> int:
 
 
 def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.3, n: int = 0) -> None:
-    """Fold one verification into the acceptance average (the share of proposed tokens accepted), and into that
-    of match length n when the draft followed an n-token match."""
+    """Fold one verification into the acceptance estimate, and into that of match length n when the draft followed
+    an n-token match (n = 0: none). The per-token acceptance rate alpha is estimated as accepted drafts over drafts
+    judged: the accepted ones and the first rejected one (the drafts after it were never judged), each an
+    exponential average. (Accepted over proposed would read a rate of 0.8 as 0.54 at k = 5.)"""
     if proposed:
-        st.alpha = (1 - weight) * st.alpha + weight * (accepted / proposed)
+        judged = accepted + (accepted < proposed)
+        st.hits = (1 - weight) * st.hits + weight * accepted
+        st.judged = (1 - weight) * st.judged + weight * judged
+        st.alpha = st.hits / st.judged
         if n:
-            st.alpha_n[n] = (1 - weight) * st.alpha_n.get(n, PRIOR) + weight * (accepted / proposed)
+            h, j = st.judged_n.get(n, (PRIOR, 1.0))
+            h, j = (1 - weight) * h + weight * accepted, (1 - weight) * j + weight * judged
+            st.judged_n[n] = (h, j)
+            st.alpha_n[n] = h / j
         st.steps += 1
         st.proposed += proposed
         st.accepted += accepted
 
 
 def skipped(st: SpecState, n: int) -> None:
-    """A match of length n was not drafted (its acceptance did not pay): its estimate drifts back towards the
-    prior, so a request whose text turns to copying again gets to draft again (without drafting, the estimate
-    would never be corrected)."""
-    a = st.alpha_n.get(n, PRIOR)
-    st.alpha_n[n] = a + RECOVER * (PRIOR - a)
+    """A request (n = 0) or its match of length n was not drafted (its acceptance did not pay): the estimate
+    drifts back towards the prior, so a request whose text turns predictable again gets to draft again (without
+    drafting, the estimate would never be corrected)."""
+    if n:
+        a = st.alpha_n.get(n, PRIOR)
+        st.alpha_n[n] = a = a + RECOVER * (PRIOR - a)
+        h, j = st.judged_n.get(n, (PRIOR, 1.0))
+        st.judged_n[n] = (a * j, j)
+    else:
+        st.alpha += RECOVER * (PRIOR - st.alpha)
+        st.hits = st.alpha * st.judged
