@@ -1,19 +1,24 @@
-"""Speculative decoding per workload kind: `lumen.generate` with and without `--speculative ngram`, interleaved.
+"""Speculative decoding per workload: `lumen.generate` plain, with `--speculative ngram` and (given
+--draft-model) with `--speculative draft`, interleaved.
 
-    python -m lumen.bench spec --model smollm2-135m [-n 160] [-r 5] [-t 2] [--prompts-per-kind 3]
-        [--kinds code,extract,summarize,chat] [--num-speculative-tokens 5] [--llama-lookup PATH [--llama-args -nr]]
-        [--json FILE]
+    python -m lumen.bench spec --model qwen2.5-coder-1.5b [--draft-model qwen2.5-coder-0.5b] [-n 160] [-r 5]
+        [-t 2] [--prompts-per-kind 3] [--kinds completion,edit,chat] [--num-speculative-tokens 5]
+        [--llama-lookup PATH [--llama-args -nr]] [--json FILE]
 
-The prompts are the committed request set (lumen/bench/data/prompts.json): the first --prompts-per-kind of each
-kind. Every run is its own `python -m lumen.generate` process at temperature 0 with --ignore-eos, so prompt and
-output lengths are fixed; the decode t/s and the acceptance come from its stats line. Repetition by repetition
-the plain and the speculative run of a prompt alternate (which goes first alternates too), so a noisy neighbour
-hits both. Per kind: the median over prompts and repetitions of decode t/s, of the per-pair speed-up, and the
-acceptance (accepted / drafted) and mean tokens per step. The two outputs of every pair must be the same text
-(greedy speculation is exact); a difference is reported and fails the run.
+Workloads (--kinds): completion (the head of a function to write on), edit (a whole function and a rename: the
+answer repeats the prompt), chat (a free question through the chat template), from
+lumen/bench/data/spec_prompts.json; and code, extract, summarize from the serving request set
+(lumen/bench/data/prompts.json); the first --prompts-per-kind of each. Every run is its own `python -m
+lumen.generate` process at temperature 0 with --ignore-eos, so prompt and output lengths are fixed; the decode
+t/s and the acceptance come from its stats line. Repetition by repetition the methods of a prompt run one after
+another in a rotating order, so a noisy neighbour hits all of them. Per kind and method: the median over prompts
+and repetitions of decode t/s, of the speed-up over the plain run of the same prompt and repetition, of the
+acceptance (accepted / drafted) and of the mean tokens per verification step. All outputs of a prompt must be
+the same text (greedy speculation is exact); a difference is reported and fails the run.
 
 --llama-lookup PATH runs llama.cpp's `llama-lookup` (prompt lookup decoding) on the same GGUF, prompts, thread
-count and -n, with its default draft length and --spec-draft-n-max 0 as its plain decode, interleaved likewise.
+count and -n, with its default draft length and --spec-draft-n-max 0 as its plain decode, interleaved likewise
+(raw prompts: the chat workload's question is given without a template there).
 """
 from __future__ import annotations
 
@@ -30,29 +35,43 @@ from pathlib import Path
 from ..commands import prog
 from ..engine.config import EngineConfig
 
-KINDS = ("code", "extract", "summarize", "chat")
+SPEC_KINDS = ("completion", "edit", "chat")         # spec_prompts.json
+SERVE_KINDS = ("code", "extract", "summarize")      # prompts.json
+KINDS = SPEC_KINDS + SERVE_KINDS
 _STATS = re.compile(r"decode ([\d.]+) tok/s .*?\| (\d+) generated")
-_SPEC = re.compile(r"ngram: (\d+)% of (\d+) drafted accepted, ([\d.]+) tok/step")
+_SPEC = re.compile(r"(?:ngram|draft): (\d+)% of (\d+) drafted accepted, ([\d.]+) tok/step")
 _LL_SPEED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 _LL_N = re.compile(r"\b(n_drafted|n_accept|n_predict)\s*=\s*(\d+)")
+DATA = Path(__file__).parent / "data"
 
 
 def prompts(kinds: list[str], per_kind: int) -> list[dict]:
-    items = json.loads((Path(__file__).parent / "data" / "prompts.json").read_text())["items"]
+    """The first per_kind prompts of each kind, in kind order: {"id", "kind", "prompt", "chat"}."""
+    items = {}
+    for name in ("spec_prompts.json", "prompts.json"):
+        for x in json.loads((DATA / name).read_text())["items"]:
+            if (x["kind"] in SPEC_KINDS) == (name == "spec_prompts.json"):
+                items.setdefault(x["kind"], []).append({"chat": False, **x})
     out = []
     for kind in kinds:
-        some = [x for x in items if x["kind"] == kind][:per_kind]
+        some = items.get(kind, [])[:per_kind]
         if not some:
-            raise SystemExit(f"error: no prompts of kind {kind!r} in prompts.json (kinds: {', '.join(KINDS)})")
+            raise SystemExit(f"error: no prompts of kind {kind!r} (kinds: {', '.join(KINDS)})")
         out += some
     return out
 
 
-def run_lumen(model: str, prompt: str, n: int, threads: int, spec: bool, k: int) -> dict:
+def run_lumen(model: str, prompt: str, n: int, threads: int, method: str, k: int, draft_model: str | None = None,
+              chat: bool = False) -> dict:
+    """One `lumen.generate` run; method "plain", "ngram" or "draft" (with draft_model)."""
     cmd = [sys.executable, "-m", "lumen.generate", "-m", model, "--no-escape", "-p", prompt, "-n", str(n),
            "--ignore-eos", "--temp", "0", "-t", str(threads)]
-    if spec:
-        cmd += ["--speculative", "ngram", "--num-speculative-tokens", str(k)]
+    if chat:
+        cmd.append("--chat")
+    if method != "plain":
+        cmd += ["--speculative", method, "--num-speculative-tokens", str(k)]
+    if method == "draft":
+        cmd += ["--draft-model", draft_model]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"lumen.generate failed ({r.returncode}): {r.stderr.strip()[-500:]}")
@@ -61,7 +80,7 @@ def run_lumen(model: str, prompt: str, n: int, threads: int, spec: bool, k: int)
         raise RuntimeError(f"no stats line in lumen.generate's output: {r.stderr.strip()[-300:]}")
     row = {"tps": float(m.group(1)), "tokens": int(m.group(2)), "text": r.stdout}
     s = _SPEC.search(r.stderr)
-    if spec:
+    if method != "plain":
         row.update(accepted_pct=float(s.group(1)) if s else 0.0, drafted=int(s.group(2)) if s else 0,
                    tok_per_step=float(s.group(3)) if s else 1.0)
     return row
@@ -92,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog("bench spec"), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default="smollm2-135m")
+    ap.add_argument("--draft-model", metavar="MODEL", help="also run --speculative draft with this draft model")
     ap.add_argument("-n", "--n-gen", type=int, default=160, help="generated tokens per run (default 160)")
     ap.add_argument("-r", "--repetitions", type=int, default=5)
     ap.add_argument("--prompts-per-kind", type=int, default=3)
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default {','.join(KINDS)})")
+    ap.add_argument("--kinds", default=",".join(SPEC_KINDS), help=f"comma-separated, of {', '.join(KINDS)} "
+                    f"(default {','.join(SPEC_KINDS)})")
     EngineConfig.add_cli_args(ap, only=("threads", "num_speculative_tokens"),
                               defaults={"threads": os.cpu_count() or 1})
     ap.add_argument("--llama-lookup", metavar="PATH", help="also run llama.cpp's llama-lookup, interleaved")
@@ -105,31 +126,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.n_gen < 1 or args.repetitions < 1 or args.prompts_per_kind < 1 or args.num_speculative_tokens < 1:
         ap.error("-n, -r, --prompts-per-kind and --num-speculative-tokens must be at least 1")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds:
+        ap.error("--kinds names no workload")
     for k in kinds:
         if k not in KINDS:
             ap.error(f"unknown kind {k!r} (kinds: {', '.join(KINDS)})")
     if args.llama_lookup and not (os.path.isfile(args.llama_lookup) and os.access(args.llama_lookup, os.X_OK)):
         ap.error(f"--llama-lookup {args.llama_lookup}: not an executable file")
+    from ..errors import LumenError
     from ..model.store import resolve
-    gguf = str(resolve(args.model))
+    try:
+        gguf = str(resolve(args.model))
+        if args.draft_model:
+            resolve(args.draft_model)
+    except (LumenError, OSError, ValueError) as e:
+        ap.error(str(e))
     extra = shlex.split(args.llama_args)
     items = prompts(kinds, args.prompts_per_kind)
+    methods = ["plain", "ngram"] + (["draft"] if args.draft_model else [])
     runs: list[dict] = []
     mismatches = []
     t_start = time.time()
     for rep in range(args.repetitions):
         for it in items:
-            order = (False, True) if (rep + len(runs)) % 2 == 0 else (True, False)
-            pair = {}
-            for spec in order:
-                pair[spec] = run_lumen(args.model, it["prompt"], args.n_gen, args.threads, spec,
-                                       args.num_speculative_tokens)
-            if pair[False]["text"] != pair[True]["text"]:
+            turn = (rep + len(runs)) % len(methods)
+            res = {}
+            for method in methods[turn:] + methods[:turn]:
+                res[method] = run_lumen(args.model, it["prompt"], args.n_gen, args.threads, method,
+                                        args.num_speculative_tokens, args.draft_model, it["chat"])
+            same = all(res[m]["text"] == res["plain"]["text"] for m in methods)
+            if not same:
                 mismatches.append(it["id"])
-            row = {"id": it["id"], "kind": it["kind"], "rep": rep, "plain_tps": pair[False]["tps"],
-                   "spec_tps": pair[True]["tps"], "speedup": pair[True]["tps"] / pair[False]["tps"],
-                   "accepted_pct": pair[True]["accepted_pct"], "tok_per_step": pair[True]["tok_per_step"],
-                   "tokens": pair[False]["tokens"], "same_text": pair[False]["text"] == pair[True]["text"]}
+            row = {"id": it["id"], "kind": it["kind"], "rep": rep, "plain_tps": res["plain"]["tps"],
+                   "tokens": res["plain"]["tokens"], "same_text": same}
+            for m in methods[1:]:
+                row.update({f"{m}_tps": res[m]["tps"], f"{m}_speedup": res[m]["tps"] / res["plain"]["tps"],
+                            f"{m}_accepted_pct": res[m]["accepted_pct"], f"{m}_tok_per_step": res[m]["tok_per_step"]})
             if args.llama_lookup:
                 ll = {}
                 for draft in ((None, 0) if rep % 2 == 0 else (0, None)):
@@ -138,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(llama_plain_tps=ll[0]["tps"], llama_lookup_tps=ll[None]["tps"],
                            llama_speedup=ll[None]["tps"] / ll[0]["tps"], llama_accepted_pct=ll[None]["accepted_pct"])
             runs.append(row)
-            print(f"  rep {rep + 1}/{args.repetitions} {it['id']:<14} plain {row['plain_tps']:6.1f}  ngram "
-                  f"{row['spec_tps']:6.1f} t/s ({row['speedup']:.2f}x, {row['accepted_pct']:.0f}% accepted)"
+            print(f"  rep {rep + 1}/{args.repetitions} {it['id']:<16} plain {row['plain_tps']:6.1f}"
+                  + "".join(f" | {m} {row[m + '_tps']:6.1f} t/s ({row[m + '_speedup']:.2f}x, "
+                            f"{row[m + '_accepted_pct']:.0f}% accepted)" for m in methods[1:])
                   + (f" | llama.cpp {row['llama_plain_tps']:.1f} / lookup {row['llama_lookup_tps']:.1f} "
                      f"({row['llama_speedup']:.2f}x, {row['llama_accepted_pct']:.0f}%)" if args.llama_lookup else ""),
                   file=sys.stderr, flush=True)
@@ -147,29 +180,35 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         rs = [r for r in runs if r["kind"] == kind]
         s = {"kind": kind, "prompts": len({r["id"] for r in rs}), "runs": len(rs),
-             "plain_tps": median([r["plain_tps"] for r in rs]), "spec_tps": median([r["spec_tps"] for r in rs]),
-             "speedup": median([r["speedup"] for r in rs]), "accepted_pct": median([r["accepted_pct"] for r in rs]),
-             "tok_per_step": median([r["tok_per_step"] for r in rs])}
+             "plain_tps": median([r["plain_tps"] for r in rs])}
+        for m in methods[1:]:
+            for f in ("tps", "speedup", "accepted_pct", "tok_per_step"):
+                s[f"{m}_{f}"] = median([r[f"{m}_{f}"] for r in rs])
         if args.llama_lookup:
             s.update(llama_plain_tps=median([r["llama_plain_tps"] for r in rs]),
                      llama_lookup_tps=median([r["llama_lookup_tps"] for r in rs]),
                      llama_speedup=median([r["llama_speedup"] for r in rs]),
                      llama_accepted_pct=median([r["llama_accepted_pct"] for r in rs]))
         summary.append(s)
-    head = (f"{args.model}, {args.threads} threads, -n {args.n_gen} (EOS ignored), temperature 0, "
+    head = (f"{args.model}" + (f", draft {args.draft_model}" if args.draft_model else "")
+            + f", {args.threads} threads, -n {args.n_gen} (EOS ignored), temperature 0, "
             f"k <= {args.num_speculative_tokens}, medians of {args.repetitions} repetitions x "
             f"{args.prompts_per_kind} prompts per kind")
     print(head)
-    cols = "| workload | plain t/s | ngram t/s | speed-up | accepted | tok/step |"
-    sep = "|---|---:|---:|---:|---:|---:|"
+    cols, sep = "| workload | plain t/s |", "|---|---:|"
+    for m in methods[1:]:
+        cols += f" {m} t/s | speed-up | accepted | tok/step |"
+        sep += "---:|---:|---:|---:|"
     if args.llama_lookup:
         cols += " llama.cpp plain t/s | llama-lookup t/s | speed-up | accepted |"
         sep += "---:|---:|---:|---:|"
     print(cols)
     print(sep)
     for s in summary:
-        line = (f"| {s['kind']} | {s['plain_tps']:.1f} | {s['spec_tps']:.1f} | {s['speedup']:.2f}x | "
-                f"{s['accepted_pct']:.0f}% | {s['tok_per_step']:.2f} |")
+        line = f"| {s['kind']} | {s['plain_tps']:.1f} |"
+        for m in methods[1:]:
+            line += (f" {s[m + '_tps']:.1f} | {s[m + '_speedup']:.2f}x | {s[m + '_accepted_pct']:.0f}% | "
+                     f"{s[m + '_tok_per_step']:.2f} |")
         if args.llama_lookup:
             line += (f" {s['llama_plain_tps']:.1f} | {s['llama_lookup_tps']:.1f} | {s['llama_speedup']:.2f}x | "
                      f"{s['llama_accepted_pct']:.0f}% |")
@@ -178,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: speculative output differed from plain decoding on {sorted(set(mismatches))}",
               file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "n_gen": args.n_gen,
+        Path(args.json).write_text(json.dumps({"model": args.model, "draft_model": args.draft_model,
+                                               "threads": args.threads, "n_gen": args.n_gen,
                                                "repetitions": args.repetitions, "summary": summary, "runs": runs,
                                                "seconds": time.time() - t_start}, indent=1))
     return 1 if mismatches else 0

@@ -1,5 +1,6 @@
-"""python -m lumen.bench spec: one real interleaved run on SmolLM2 (rows, JSON, identical greedy text), flag errors,
-and the parsing of llama-lookup's report."""
+"""python -m lumen.bench spec: one real interleaved run on SmolLM2 (plain, ngram and a draft model side by side:
+rows, JSON, identical greedy text), flag errors, the workloads' prompts, and the parsing of llama-lookup's
+report."""
 from __future__ import annotations
 
 import json
@@ -14,33 +15,53 @@ from lumen.bench import spec
 @pytest.mark.slow
 def test_one_run_per_kind(smollm2_path, tmp_path):
     out = tmp_path / "spec.json"
-    r = subprocess.run([sys.executable, "-m", "lumen.bench", "spec", "-m", str(smollm2_path), "-n", "24", "-r", "1",
-                        "--prompts-per-kind", "1", "--kinds", "code,chat", "-t", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "lumen.bench", "spec", "-m", str(smollm2_path), "--draft-model",
+                        str(smollm2_path), "-n", "24", "-r", "1", "--prompts-per-kind", "1", "--kinds", "edit,chat",
+                        "-t", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "| code |" in r.stdout and "| chat |" in r.stdout
+    assert "| edit |" in r.stdout and "| chat |" in r.stdout
+    assert "ngram t/s" in r.stdout and "draft t/s" in r.stdout
     data = json.loads(out.read_text())
-    assert [s["kind"] for s in data["summary"]] == ["code", "chat"]
+    assert [s["kind"] for s in data["summary"]] == ["edit", "chat"]
     for row in data["runs"]:
         assert row["same_text"] and row["tokens"] == 24
-        assert row["plain_tps"] > 0 and row["spec_tps"] > 0
-        assert 0 <= row["accepted_pct"] <= 100 and row["tok_per_step"] >= 1.0
-    # the code prompt asks for the file back: prompt lookup finds something to draft there
-    assert data["runs"][0]["accepted_pct"] > 0
+        for m in ("plain", "ngram", "draft"):
+            assert row[f"{m}_tps"] > 0
+        for m in ("ngram", "draft"):
+            assert 0 <= row[f"{m}_accepted_pct"] <= 100 and row[f"{m}_tok_per_step"] >= 1.0
+    # the edit prompt asks for the function back: prompt lookup finds something to draft there; the model drafting
+    # for itself is right but where the token is past the draft's vocabulary (--draft-vocab)
+    assert data["runs"][0]["ngram_accepted_pct"] > 0 and data["runs"][0]["draft_accepted_pct"] > 50
 
 
 @pytest.mark.parametrize("argv, msg", [(["--kinds", "poetry"], "unknown kind"), (["-r", "0"], "at least 1"),
-                                       (["--llama-lookup", "/nonexistent"], "not an executable")])
+                                       (["--kinds", ","], "names no workload"),
+                                       (["--llama-lookup", "/nonexistent"], "not an executable"),
+                                       (["--draft-model", "/nonexistent/draft.gguf"], "draft.gguf")])
 def test_bad_flags(argv, msg, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         spec.main(argv)
-    assert msg in capsys.readouterr().err
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
 
 
-def test_prompts_are_the_committed_set_in_kind_order():
-    items = spec.prompts(["chat", "code"], 2)
-    assert [x["kind"] for x in items] == ["chat", "chat", "code", "code"]
+def test_prompts_are_the_committed_sets_in_kind_order():
+    items = spec.prompts(["chat", "code", "completion", "edit"], 2)
+    assert [x["kind"] for x in items] == ["chat", "chat", "code", "code", "completion", "completion", "edit", "edit"]
     assert all(x["prompt"] for x in items)
+    assert [x["chat"] for x in items] == [True, True] + [False] * 6      # free chat goes through the template
+
+
+def test_workloads_are_what_they_say():
+    """completion: the head of a function in an open fence; edit: a whole function and a rename whose answer
+    repeats the prompt's code."""
+    for it in spec.prompts(["completion"], 12):
+        assert it["prompt"].startswith("```python\n") and it["prompt"].count("```") == 1
+    for it in spec.prompts(["edit"], 12):
+        body = it["prompt"].split("```python\n")[1].split("```")[0]
+        old = it["prompt"].split("renaming `")[1].split("`")[0]
+        assert body.count(old) >= 3 and it["prompt"].endswith("```python\n")
 
 
 def test_llama_lookup_report_parsed(tmp_path):
