@@ -21,6 +21,17 @@ Soak: --duration S keeps sending for S seconds (--request-rate R for a steady Po
 tok/s, TTFT and ITL p99, and the server's RSS (process_resident_memory_bytes from its /metrics, which
 lumen.serve exports); then the drift from the first window to the last. The issue's soak is
 `--duration 600 --request-rate R --window 60`.
+
+A benchmark anyone can rerun: --mix chat|long (seeded prompt and output lengths cut from committed text:
+lumen.bench.mix), --concurrency 1,4,16 (a sweep; --num-prompts per level, default 2x the level), and
+--serve-model MODEL, which starts `lumen.serve` itself on a free port of 127.0.0.1; --compare llama.cpp
+[--llama-server PATH] starts llama-server too on the same GGUF (-np <largest level> -c <enough> -t --threads,
+weight repacking on) and runs the same requests against both, interleaved per level and repetition, then prints
+output tok/s, TTFT p50/p99 and ITL p50/p99 side by side with their ratios. Every server started is stopped at
+the end, on an error and on Ctrl-C (lumen.bench.launch).
+
+    python -m lumen.bench serve --serve-model qwen2.5-coder-1.5b --compare llama.cpp --llama-server PATH \
+        --mix chat --concurrency 1,4,16 --ignore-eos -r 2
 """
 from __future__ import annotations
 
@@ -35,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 from ..commands import prog
+from .mix import MIXES as MIX_NAMES
 
 LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
 llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
@@ -44,6 +56,9 @@ llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
   build/bin/llama-server -m MODEL.gguf -t 2 -np 16 -c 8192 --host 127.0.0.1 --port 8080
   python -m lumen.bench serve --url http://127.0.0.1:8080 --max-concurrency 16 --input-len 100 --output-len 128 \\
       --ignore-eos
+or let the benchmark start both servers and stop them:
+  python -m lumen.bench serve --serve-model MODEL --llama-server build/bin/llama-server --mix chat \\
+      --concurrency 1,4,16 --ignore-eos
 -np 16 gives 16 slots of -c / 16 tokens each (8192 / 16 = 512 here). Weight repacking (llama.cpp's default and its
 fastest path) stays on; add -nr (--no-repack) only where its AMX repacking dies with an illegal instruction (on
 Xeons whose AMX tiles the OS does not grant), and say so beside the figures."""
@@ -71,6 +86,7 @@ class Load:
     duration: float | None = None
     window: float = 60.0
     label: str | None = None
+    mix: str | None = None
 
 
 @dataclass
@@ -95,12 +111,13 @@ class Outcome:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog("bench serve"), description=__doc__.splitlines()[0],
                                  epilog=LLAMA_SERVER, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    ap.add_argument("--url", default=None, help="the server's base URL (default http://127.0.0.1:8000)")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                     help="/v1/completions (default) or /v1/chat/completions")
     ap.add_argument("--model", help="model id to send (default: the first of GET /v1/models)")
     ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    ap.add_argument("--num-prompts", type=int, default=64, help="requests to send (default 64)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="requests to send (default 64; with --concurrency, per level: 2x the level, at least 8)")
     ap.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second, Poisson arrivals (default inf: all at once)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
@@ -120,10 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="soak: report latency, throughput and the server's RSS per window of this many seconds")
     ap.add_argument("--label", default=None, help="a name for this run in the JSON")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
+    wl = ap.add_argument_group("a reproducible sweep (lumen.bench.mix; the servers started here)")
+    wl.add_argument("--mix", choices=sorted(MIX_NAMES),
+                    help="prompt and output lengths: chat (prompts log-normal around 150 tokens, with a tail), long "
+                         "(1024..2048 tokens); seeded by --seed, cut from committed text")
+    wl.add_argument("--concurrency", metavar="LEVELS",
+                    help="a sweep of --max-concurrency levels, comma-separated (e.g. 1,4,16), each with its own "
+                         "--num-prompts requests")
+    wl.add_argument("-r", "--repetitions", type=int, default=1,
+                    help="runs per level and server, interleaved (default 1; medians)")
+    wl.add_argument("--serve-model", metavar="MODEL",
+                    help="start `lumen.serve --model MODEL` on a free port of 127.0.0.1 and measure it (instead of "
+                         "--url); stopped at the end")
+    wl.add_argument("--threads", "-t", type=int, default=2, help="threads of the servers started here (default 2)")
+    wl.add_argument("--serve-args", default="", help="extra lumen.serve flags, e.g. \"--max-num-batched-tokens 64\"")
+    wl.add_argument("--compare", choices=["llama.cpp"],
+                    help="also start llama-server on the same GGUF (-np <largest level> -c <enough> -t THREADS) "
+                         "and run the same requests against it, interleaved per level; needs --serve-model")
+    wl.add_argument("--llama-server", metavar="PATH",
+                    help="the llama-server binary (implies --compare; default $LLAMA_SERVER, else on $PATH)")
+    wl.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. \"-nr\", said beside figures)")
     return ap
 
 
 # ---- the requests
+_CORPUS: dict[str, list[int]] = {}        # the mix's corpus as token ids, by server URL (tokenized once)
+
 async def _model_id(client) -> str:
     r = await client.get("/v1/models")
     r.raise_for_status()
@@ -142,6 +181,37 @@ async def _fit_prompt(client, text: str, n: int) -> str:
     r = await client.post("/detokenize", json={"tokens": ids})
     r.raise_for_status()
     return r.json()["content"]
+
+
+async def prepare(load: Load, client, variant: int = 0) -> list[tuple[str, int]]:
+    """The run's (prompt, max_tokens) list: the committed workload (cut or repeated to --input-len), or with
+    --mix, windows of the committed corpus of the mix's lengths (lumen.bench.mix), through the server's
+    /tokenize and /detokenize; --input-len and --output-len override the lengths. Each variant (a sweep's level
+    and repetition) cuts the same lengths from other places, so no run finds another's prompts cached."""
+    from .offline import workload
+    if load.mix is None:
+        reqs = workload(load.num_prompts)
+        if load.input_len is not None:
+            reqs = [(await _fit_prompt(client, p, load.input_len), n) for p, n in reqs]
+    else:
+        from . import mix
+        lens = mix.lengths(load.mix, load.num_prompts, load.seed)
+        if load.input_len is not None:
+            lens = [(load.input_len, o) for _, o in lens]
+        ids = _CORPUS.get(load.url)
+        if ids is None:
+            r = await client.post("/tokenize", json={"content": mix.corpus()})
+            r.raise_for_status()
+            ids = _CORPUS[load.url] = r.json()["tokens"]
+        reqs = []
+        for (a, b), (_, o) in zip(mix.windows(len(ids), [p for p, _ in lens], load.seed * 1_000_003 + variant),
+                                  lens):
+            r = await client.post("/detokenize", json={"tokens": ids[a:b]})
+            r.raise_for_status()
+            reqs.append((r.json()["content"], o))
+    if load.output_len is not None:
+        reqs = [(p, load.output_len) for p, _ in reqs]
+    return reqs
 
 
 def _payload(load: Load, model: str, prompt: str, max_tokens: int) -> dict:
@@ -246,30 +316,41 @@ async def sample_rss(client, interval: float, stop: asyncio.Event, t0: float, ou
         out.append((time.perf_counter() - t0, await server_rss_mb(client)))
 
 
-def run_load(load: Load) -> dict:
-    """`run` on uvloop where it is installed (uvicorn[standard] brings it): the client shares the cores with the
+def _arun(coro):
+    """`coro` on uvloop where it is installed (uvicorn[standard] brings it): the client shares the cores with the
     server it measures, and asyncio's own loop costs it more CPU per token."""
     try:
         import uvloop
-        return uvloop.run(run(load))
     except ImportError:
-        return asyncio.run(run(load))
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
-async def run(load: Load) -> dict:
+def run_load(load: Load, reqs: list[tuple[str, int]] | None = None) -> dict:
+    return _arun(run(load, reqs))
+
+
+def prepare_load(load: Load, variant: int = 0) -> list[tuple[str, int]]:
+    """`prepare` against load.url, on its own: the prompts a comparison sends to every server."""
     import httpx
-    from .offline import workload
+
+    async def go():
+        async with httpx.AsyncClient(base_url=load.url, timeout=httpx.Timeout(None, connect=30.0)) as client:
+            return await prepare(load, client, variant)
+    return _arun(go())
+
+
+async def run(load: Load, reqs: list[tuple[str, int]] | None = None) -> dict:
+    """One load against load.url: reqs (prompt, max_tokens), or those `prepare` makes."""
+    import httpx
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
     timeout = httpx.Timeout(None, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=load.url, headers=headers, timeout=timeout, limits=limits) as client, \
             httpx.AsyncClient(base_url=load.url, headers=headers, timeout=timeout) as prober:
         model = load.model or await _model_id(client)
-        reqs = workload(load.num_prompts)
-        if load.input_len is not None:
-            reqs = [(await _fit_prompt(client, p, load.input_len), n) for p, n in reqs]
-        if load.output_len is not None:
-            reqs = [(p, load.output_len) for p, _ in reqs]
+        if reqs is None:
+            reqs = await prepare(load, client)
         path = "/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions"
         warm = await send(client, path, _payload(load, model, reqs[0][0], 4))
         if not warm.ok:
@@ -341,7 +422,7 @@ def summarize(outcomes: list[Outcome], duration: float, health: list | None, loa
     res = {"label": load.label, "url": load.url, "endpoint": load.endpoint, "model": model,
            "num_prompts": len(outcomes), "request_rate": None if load.request_rate == float("inf")
            else load.request_rate, "max_concurrency": load.max_concurrency, "input_len": load.input_len,
-           "output_len": load.output_len, "ignore_eos": load.ignore_eos,
+           "output_len": load.output_len, "ignore_eos": load.ignore_eos, "mix": load.mix, "seed": load.seed,
            "completed": len(ok), "failed": len(outcomes) - len(ok),
            "errors": sorted({o.error for o in outcomes if not o.ok})[:5], "duration_s": duration,
            "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
@@ -443,10 +524,131 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- a sweep, against the servers started here
+FIGURES = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
+           ("ITL p50", "itl_ms", "p50"), ("ITL p99", "itl_ms", "p99"))
+
+
+def figure(res: dict, key: str, stat: str | None) -> float | None:
+    return res[key] if stat is None else res[key][stat]
+
+
+def medians(runs: list[dict]) -> dict:
+    """The median of each side-by-side figure over repetitions, and the failures summed."""
+    out = {}
+    for name, key, stat in FIGURES:
+        vals = [v for v in (figure(r, key, stat) for r in runs) if v is not None]
+        out[name] = float(np.median(vals)) if vals else None
+    out["failed"] = sum(r["failed"] for r in runs)
+    return out
+
+
+def side_by_side(table: dict, reps: int, title: str) -> str:
+    """table: {level: {server: medians}} -> one row per server and level, and each other server's ratio to the
+    first (Lumen) when there are two."""
+    servers = list(next(iter(table.values())))
+    head = f"{'conc':>5} {'server':<12}" + "".join(f"{n:>13}" for n, _, _ in FIGURES) + f"{'failed':>8}"
+    lines = [title, f"(medians of {reps}; TTFT and ITL in ms; ratio = {servers[0]} / {servers[-1]})"
+             if len(servers) > 1 else f"(medians of {reps}; TTFT and ITL in ms)", head]
+    for c, row in table.items():
+        for srv, m in row.items():
+            lines.append(f"{c if c else 'all':>5} {srv:<12}" + "".join(
+                f"{'-' if m[n] is None else format(m[n], '.1f'):>13}" for n, _, _ in FIGURES) + f"{m['failed']:>8}")
+        if len(servers) > 1:
+            a, b = row[servers[0]], row[servers[-1]]
+            lines.append(f"{'':>5} {'ratio':<12}" + "".join(
+                f"{'-' if not a[n] or not b[n] else format(a[n] / b[n], '.2f') + 'x':>13}" for n, _, _ in FIGURES))
+    return "\n".join(lines)
+
+
+def per_level(load: Load, levels: list[int | None], num_prompts: int | None) -> dict:
+    """Each level's Load: its max_concurrency and number of requests (default 2x the level, at least 8)."""
+    from dataclasses import replace
+    return {c: replace(load, max_concurrency=c, num_prompts=num_prompts or (64 if c is None else max(8, 2 * c)))
+            for c in levels}
+
+
+def all_prompts(loads: dict, reps: int, url: str) -> dict:
+    """{(level, repetition): requests}, made through url's tokenizer; each its own variant of the prompts."""
+    from dataclasses import replace
+    return {(c, r): prepare_load(replace(lv, url=url), variant=1 + k * reps + r)
+            for k, (c, lv) in enumerate(loads.items()) for r in range(reps)}
+
+
+def sweep(loads: dict, prompts: dict, reps: int, servers: dict[str, str]) -> tuple[dict, dict]:
+    """Every level's load against every server, the servers interleaved per repetition, each repetition with
+    prompts of its own (`all_prompts`), the same for every server.
+    Returns ({level: {server: medians}}, {level: {server: [results]}})."""
+    from dataclasses import replace
+    table, raw = {}, {}
+    for c, lv in loads.items():
+        raw[c] = {name: [] for name in servers}
+        for r in range(reps):
+            for name, url in servers.items():
+                res = run_load(replace(lv, url=url, label=name), prompts[c, r])
+                raw[c][name].append(res)
+                print(f"concurrency {c or 'all'}: {name} {res['output_throughput']:.1f} output tok/s, "
+                      f"{res['failed']} failed", file=sys.stderr, flush=True)
+        table[c] = {name: medians(runs) for name, runs in raw[c].items()}
+    return table, raw
+
+
+def _token_lengths(url: str, texts: list[str]) -> list[int]:
+    import httpx
+    with httpx.Client(base_url=url, timeout=120) as client:
+        out = []
+        for t in texts:
+            r = client.post("/tokenize", json={"content": t})
+            r.raise_for_status()
+            out.append(len(r.json()["tokens"]))
+    return out
+
+
+def run_started(loads: dict, args, binary: str | None) -> tuple[dict, dict, dict]:
+    """Start lumen.serve (and llama-server), sweep, stop them (also on an error or a Ctrl-C). The prompts are
+    made through lumen.serve's tokenizer and sent to both."""
+    import shlex
+
+    from . import launch
+    from ..model.store import resolve
+    path = str(resolve(args.serve_model))
+    top = max((c for c in loads if c), default=16)
+    info = {"model": path, "threads": args.threads}
+    with launch.Servers() as started:
+        extra = shlex.split(args.serve_args) + ["--shutdown-timeout", "5"]
+        if top > 16 and "--max-num-seqs" not in extra:
+            extra += ["--max-num-seqs", str(top)]
+        lumen = started.start(launch.Server("Lumen", launch.lumen_serve_args(path, args.threads, extra)))
+        servers = {"Lumen": lumen.url}
+        info["lumen_cmd"] = " ".join(lumen.args)
+        prompts = all_prompts(loads, args.repetitions, lumen.url)
+        if binary is not None:
+            # one slot per concurrent request, each holding the longest prompt and output of the run with room
+            longest = max(_token_lengths(lumen.url, sorted({p for reqs in prompts.values() for p, _ in reqs})))
+            per_slot = longest + max(n for reqs in prompts.values() for _, n in reqs) + 64
+            ctx = top * (-(-per_slot // 256) * 256)
+            llama = started.start(launch.Server("llama.cpp", launch.llama_server_args(
+                binary, path, args.threads, top, ctx, shlex.split(args.llama_args))))
+            servers["llama.cpp"] = llama.url
+            info["llama_cmd"] = " ".join(llama.args)
+        table, raw = sweep(loads, prompts, args.repetitions, servers)
+    return table, raw, info
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency takes comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency levels must be at least 1, got {text!r}")
+    return sorted(set(levels))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.num_prompts < 1:
+    if args.num_prompts is not None and args.num_prompts < 1:
         ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if not args.request_rate > 0:
         ap.error(f"--request-rate must be positive, got {args.request_rate}")
@@ -454,16 +656,74 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--duration and --window must be positive")
     if args.duration and args.request_rate == float("inf") and not args.max_concurrency:
         ap.error("--duration needs --request-rate or --max-concurrency (else it would send without bound)")
-    for name in ("max_concurrency", "input_len", "output_len"):
+    for name in ("max_concurrency", "input_len", "output_len", "repetitions", "threads"):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    levels = [args.max_concurrency]
+    if args.concurrency is not None:
+        try:
+            levels = _levels(args.concurrency)
+        except ValueError as e:
+            ap.error(str(e))
+        if args.max_concurrency is not None:
+            ap.error("give --concurrency (a sweep) or --max-concurrency, not both")
+        if args.duration is not None:
+            ap.error("--concurrency sweeps a fixed number of requests per level; it does not take --duration")
+    compare = args.compare or args.llama_server
+    if args.serve_model is None:
+        if compare:
+            ap.error("--compare starts both servers on one GGUF: give it with --serve-model MODEL")
+        for flag in ("serve_args", "llama_args"):
+            if getattr(args, flag):
+                ap.error(f"--{flag.replace('_', '-')} goes with --serve-model (the servers started here)")
+    elif args.url is not None:
+        ap.error("give --url (a running server) or --serve-model (start one here), not both")
+    elif args.duration is not None:
+        ap.error("--serve-model runs a fixed number of requests; a soak (--duration) takes a running server (--url)")
+    if args.repetitions > 1 and args.serve_model is None and args.concurrency is None:
+        ap.error("-r repeats the runs of a sweep: give --concurrency or --serve-model")
+    binary = None
+    if compare:
+        from .launch import find_llama_server
+        try:
+            binary = find_llama_server(args.llama_server)
+        except FileNotFoundError as e:
+            ap.error(str(e))
+    skip = {"json", "concurrency", "repetitions", "serve_model", "threads", "serve_args", "compare", "llama_server",
+            "llama_args"}
+    load = Load(**{k: v for k, v in vars(args).items() if k not in skip})
+    load.url = args.url or "http://127.0.0.1:8000"
+    sweeping = args.serve_model is not None or args.concurrency is not None
+    if not sweeping:
+        load.num_prompts = args.num_prompts or 64
     try:
-        res = run_load(Load(**{k: v for k, v in vars(args).items() if k != "json"}))
-    except Exception as e:  # noqa: BLE001 - unreachable server, bad URL, HTTP errors: one line
+        if not sweeping:
+            res = run_load(load)
+        elif args.serve_model is None:
+            loads = per_level(load, levels, args.num_prompts)
+            prompts = all_prompts(loads, args.repetitions, load.url)
+            table, raw = sweep(loads, prompts, args.repetitions, {"server": load.url})
+            info = {"url": load.url}
+        else:
+            table, raw, info = run_started(per_level(load, levels, args.num_prompts), args, binary)
+    except KeyboardInterrupt:
+        print("interrupted: every server started here is stopped", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - unreachable server, bad URL, HTTP errors, a server that fails: one line
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(report(res))
+    if not sweeping:
+        print(report(res))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return 0 if res["completed"] else 1
+    mixname = f"mix {load.mix}" if load.mix else "the committed workload"
+    lens = f", input {load.input_len}" if load.input_len else ""
+    lens += f", output {load.output_len}" if load.output_len else ""
+    print(side_by_side(table, args.repetitions, f"== {info.get('model', load.url)}: {mixname}{lens}, "
+                                                f"{'ignore_eos' if load.ignore_eos else 'stopping at EOS'} =="))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    return 0 if res["completed"] else 1
+        Path(args.json).write_text(json.dumps({"info": info, "levels": list(table), "medians": {
+            str(c): v for c, v in table.items()}, "runs": {str(c): v for c, v in raw.items()}}, indent=1))
+    return 0 if all(m["failed"] == 0 for row in table.values() for m in row.values()) else 1

@@ -1,0 +1,192 @@
+"""`python -m lumen.bench serve` as a reproducible benchmark: the prompt-length mixes (deterministic, the intended
+distribution), the flag errors (one line, no traceback), a small sweep against a lumen.serve it starts itself,
+every process it starts stopped (also on Ctrl-C), and --compare llama.cpp when llama-server is built."""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lumen.bench import mix
+from lumen.bench import serve as bench
+from servers import ROOT
+
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", "/tmp/lcpp/build/bin/llama-server"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the mixes
+
+def test_mix_is_deterministic():
+    assert mix.lengths("chat", 50, seed=3) == mix.lengths("chat", 50, seed=3)
+    assert mix.lengths("chat", 50, seed=3) != mix.lengths("chat", 50, seed=4)
+    assert mix.lengths("chat", 20, seed=3) == mix.lengths("chat", 50, seed=3)[:20]      # a prefix of the same run
+    # pinned: the same seed names the same workload on every platform and Python version
+    assert mix.lengths("chat", 4, seed=0) == [(305, 136), (130, 69), (153, 85), (260, 74)]
+    assert mix.windows(10_000, [100, 200], seed=0) == mix.windows(10_000, [100, 200], seed=0)
+
+
+def test_mix_distributions():
+    chat = mix.lengths("chat", 4000, seed=1)
+    p = sorted(x for x, _ in chat)
+    assert 140 <= statistics.median(p) <= 160                          # around 150 tokens
+    assert 300 <= p[int(0.9 * len(p))] <= 450 and p[int(0.99 * len(p))] >= 650       # with a tail
+    assert min(p) >= 8 and max(p) <= 2048
+    o = [y for _, y in chat]
+    assert 85 <= statistics.median(o) <= 105 and min(o) >= 16 and max(o) <= 256
+    long = mix.lengths("long", 4000, seed=1)
+    p = sorted(x for x, _ in long)
+    assert 1300 <= statistics.median(p) <= 1500 and min(p) >= 1024 and max(p) <= 2048
+    with pytest.raises(ValueError, match="unknown mix"):
+        mix.lengths("code", 4)
+
+
+def test_mix_windows_fit_the_corpus():
+    plens = [p for p, _ in mix.lengths("long", 200, seed=2)]
+    w = mix.windows(3000, plens, seed=2)
+    assert [b - a for a, b in w] == plens and all(0 <= a and b <= 3000 for a, b in w)
+    assert len({a for a, _ in w}) > 150                                # the prompts differ
+    with pytest.raises(ValueError, match="does not fit"):
+        mix.windows(1000, [1500], seed=0)
+    assert len(mix.corpus()) > 100_000                                 # > 2048 tokens of committed text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flag errors
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--concurrency", "1,x"], "--concurrency takes comma-separated integers"),
+    (["--concurrency", "0,4"], "--concurrency levels must be at least 1"),
+    (["--concurrency", "4", "--max-concurrency", "4"], "not both"),
+    (["--concurrency", "4", "--duration", "10", "--request-rate", "4"], "does not take --duration"),
+    (["--compare", "llama.cpp"], "give it with --serve-model"),
+    (["--serve-model", "smollm2-135m", "--url", "http://127.0.0.1:1"], "not both"),
+    (["--serve-args", "--pace 2"], "goes with --serve-model"),
+    (["--serve-model", "smollm2-135m", "--llama-server", "/no/such/llama-server"],
+     "llama-server not found at /no/such/llama-server"),
+    (["--mix", "code"], "invalid choice"),
+    (["-r", "0"], "--repetitions must be at least 1"),
+    (["-r", "2"], "-r repeats the runs of a sweep"),
+    (["--serve-model", "smollm2-135m", "--threads", "0"], "--threads must be at least 1"),
+])
+def test_bad_flags(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1
+
+
+def test_missing_llama_server_on_path(monkeypatch, capsys):
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SystemExit):
+        bench.main(["--serve-model", "smollm2-135m", "--compare", "llama.cpp"])
+    assert "llama-server not found: give --llama-server PATH" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# against servers it starts
+
+def children(pid: int) -> set[int]:
+    """Every descendant of pid (the servers run in sessions of their own, but stay its children)."""
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        out |= {int(k) for k in kids}
+        todo += [int(k) for k in kids]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def run_bench(*argv, timeout=300) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """Run it, noting every process it starts while it runs."""
+    p = subprocess.Popen([sys.executable, "-m", "lumen.bench", "serve", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    seen: set[int] = set()
+    t0 = time.monotonic()
+    while p.poll() is None and time.monotonic() - t0 < timeout:
+        seen |= children(p.pid)
+        time.sleep(0.2)
+    if p.poll() is None:
+        p.kill()
+    out, err = p.communicate(timeout=30)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), seen
+
+
+@pytest.mark.slow
+def test_sweep_against_a_server_it_starts(smollm2_path, tmp_path):
+    out = tmp_path / "sweep.json"
+    r, seen = run_bench("--serve-model", str(smollm2_path), "--mix", "chat", "--concurrency", "1,3",
+                        "--num-prompts", "3", "--output-len", "4", "--ignore-eos", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and seen
+    assert not [p for p in seen if alive(p)]                           # every server it started is gone
+    res = json.loads(out.read_text())
+    assert res["levels"] == [1, 3] and "--threads 2" in res["info"]["lumen_cmd"]
+    for c in ("1", "3"):
+        (run,) = res["runs"][c]["Lumen"]
+        assert run["completed"] == 3 and run["failed"] == 0 and run["total_output_tokens"] == 12
+        assert run["max_concurrency"] == int(c) and run["mix"] == "chat"
+        assert 30 <= run["total_input_tokens"] <= 3 * 2048
+        m = res["medians"][c]["Lumen"]
+        assert m["output tok/s"] > 0 and 0 < m["TTFT p50"] <= m["TTFT p99"] and 0 < m["ITL p50"] <= m["ITL p99"]
+    assert "output tok/s" in r.stdout and "TTFT p99" in r.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_servers(smollm2_path):
+    p = subprocess.Popen([sys.executable, "-m", "lumen.bench", "serve", "--serve-model", str(smollm2_path),
+                          "--concurrency", "2", "--num-prompts", "4", "--output-len", "200", "--ignore-eos"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        t0 = time.monotonic()
+        while not children(p.pid) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        kids = children(p.pid)
+        assert kids, "no server was started"
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+        t0 = time.monotonic()
+        while [k for k in kids if alive(k)] and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        assert not [k for k in kids if alive(k)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"llama-server is not built at {LLAMA_SERVER}")
+def test_compare_llama_server(smollm2_path, tmp_path):
+    out = tmp_path / "compare.json"
+    r, seen = run_bench("--serve-model", str(smollm2_path), "--llama-server", str(LLAMA_SERVER), "--mix", "chat",
+                        "--concurrency", "2", "--num-prompts", "2", "--output-len", "4", "--ignore-eos", "--json",
+                        str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(seen) >= 2 and not [p for p in seen if alive(p)]
+    res = json.loads(out.read_text())
+    assert "-np 2" in res["info"]["llama_cmd"] and "-t 2" in res["info"]["llama_cmd"]
+    lumen, llama = res["runs"]["2"]["Lumen"][0], res["runs"]["2"]["llama.cpp"][0]
+    assert lumen["completed"] == llama["completed"] == 2 and llama["total_output_tokens"] == 8
+    assert abs(lumen["total_input_tokens"] - llama["total_input_tokens"]) <= 4      # the same prompts
+    assert "ratio" in r.stdout
