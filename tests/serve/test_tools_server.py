@@ -2,7 +2,8 @@
 `openai` client: `required` and named calls name a declared tool and their arguments validate (jsonschema); a
 streamed answer's tool_calls deltas joined by the client equal the whole answer; bad tools, tool_choice and
 dangling tool messages are 400s naming the field while concurrent good requests finish; and an agent loop (the
-model calls a real Python function, gets its result as a tool message, and answers with it) works end to end.
+model calls a real Python function, gets its result as a tool message, and answers with it) works end to end; and
+--tool-call-parser llama3 / mistral hold the same model to those formats and read them back.
 Skips when the model cannot be fetched (the qwen05_path fixture)."""
 import asyncio
 import json
@@ -32,8 +33,12 @@ ASK_WEATHER = [{"role": "user", "content": "What's the weather like in Paris rig
 
 
 @pytest.fixture(scope="module")
-def server(qwen05_path):
-    model = lumen.load(qwen05_path, ctx=1024, threads=2)
+def model(qwen05_path):
+    return lumen.load(qwen05_path, ctx=1024, threads=2)
+
+
+@pytest.fixture(scope="module")
+def server(model):
     with live_server(model, max_num_seqs=8) as s:
         yield s
 
@@ -156,3 +161,24 @@ def test_speculative_decoding_gives_the_same_calls(client, choice):
     spec = client.chat.completions.create(extra_body={"speculative": "ngram"}, **kw).choices[0]
     assert spec.finish_reason == plain.finish_reason and spec.message.content == plain.message.content
     assert _calls(spec.message) == _calls(plain.message) and spec.message.tool_calls
+
+
+@pytest.mark.parametrize("fmt", ["llama3", "mistral"])
+def test_other_formats_through_the_flag(model, fmt):
+    """--tool-call-parser llama3 / mistral on Qwen: the grammar holds the model to that format (over the real
+    vocabulary), the parser reads the call back, and the stream joins to the whole answer."""
+    with live_server(model, max_num_seqs=2, tool_call_parser=fmt) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        kw = dict(model=MODEL_ID, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", temperature=0,
+                  max_tokens=80, parallel_tool_calls=False)
+        whole = client.chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1, whole
+        assert _validate(whole.message.tool_calls[0])["city"] == "Paris"
+        args, name = "", None
+        with client.chat.completions.create(stream=True, **kw) as stream:
+            for chunk in stream:
+                for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    name = name or d.function.name
+                    args += d.function.arguments or ""
+        call = whole.message.tool_calls[0].function
+        assert (name, args) == (call.name, call.arguments)
