@@ -6,6 +6,7 @@ and a stream whose deltas (index, id, type and name first, then argument fragmen
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -99,10 +100,12 @@ def test_fallback_prompt_carries_tools_calls_and_results():
 
 
 # --- the parser -------------------------------------------------------------------------------------------------
-def _parse(text: str, step: int, parser=HermesParser) -> tuple[str, list[dict]]:
+def _parse(text: str, step: int, parser=HermesParser, cuts: list[int] | None = None) -> tuple[str, list[dict]]:
+    """(content, calls) of text fed in pieces of `step` characters, or cut at `cuts`."""
     p, content, deltas = parser(), [], []
-    for k in range(0, len(text), step):
-        c, d = p.feed(text[k:k + step])
+    bounds = [0, *(cuts if cuts is not None else range(step, len(text), step)), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        c, d = p.feed(text[a:b])
         content.append(c)
         deltas += d
     c, d = p.finish()
@@ -162,6 +165,25 @@ MI = '{"name": "add", "arguments": {"a": 1, "b": "]"}}'
 def test_other_formats_same_calls_whole_or_in_chunks(parser, text, content, calls):
     for step in (len(text) + 1, 1, 2, 3, 5, 8):
         assert _parse(text, step, parser) == (content, calls), step
+
+
+@pytest.mark.parametrize("name, text, n_calls", [
+    ("hermes", 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "x}y"}}\n</tool_call>', 1),
+    ("hermes", ' \n{"name": "a", "arguments": {}}\n{"name": "b", "arguments": {"c": "\\"}"}}', 2),
+    ("hermes", '```json\n{"name": "a", "arguments": {"x": [1, {"y": "]"}]}}\n```', 1),
+    ("hermes", "Text with <tool and ``` code ```", 0),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": [1, {"b": 2}]}}; {"name": "b", "parameters": {}}', 2),
+    ("llama3", 'Just text {"name": 1}', 0),
+    ("mistral", '[TOOL_CALLS] [ {"name": "add", "arguments": {"a": "]"}} ,{"name": "b", "arguments": {}} ]', 2),
+    ("mistral", "[1, 2]", 0),
+])
+def test_parsers_same_calls_in_random_chunkings(name, text, n_calls):
+    rng = random.Random(0)
+    whole = _parse(text, len(text) + 1, PARSERS[name])
+    assert len(whole[1]) == n_calls, whole
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        assert _parse(text, 0, PARSERS[name], cuts) == whole, cuts
 
 
 @pytest.mark.parametrize("template, name", [
