@@ -7,6 +7,7 @@ Read from the engine when scraped:
     lumen:prefix_cache_queries_total, lumen:prefix_cache_hits_total   counters, prompt tokens
     lumen:prefix_cache_hit_rate                                  gauge, hits / queries since start
     lumen:num_preemptions_total                                  counter
+    lumen:kv_held_blocks                                         gauge: held for a transfer (lumen.engine.kv_transfer)
     lumen:compute_threads, lumen:compute_threads_max             gauges: the step's threads now, and the most
     lumen:cpu_others_cores                                       gauge: what others used (lumen.engine.threads)
     lumen:compute_threads_changes_total                          counter
@@ -66,6 +67,8 @@ class _EngineState:
         q = s["prefix_query_tokens"]
         yield gauge("prefix_cache_hit_rate", "Prefix cache hits / queries (prompt tokens) since start.",
                     s["prefix_hit_tokens"] / q if q else 0.0)
+        yield gauge("kv_held_blocks", "KV blocks of finished prefills held for a decode engine to pull.",
+                    s["kv_held_blocks"])
         yield counter("num_preemptions", "Preemptions (a request's blocks freed, recomputed later).",
                       s["preemptions"])
         g = self.engine.runner.governor

@@ -194,16 +194,28 @@ def test_prefill_and_decode_replicas_serve_one_process_output(smollm2_path, mode
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == want
             started = descendants(proc.p.pid)
-            deadline = time.monotonic() + 10                # the replica's metrics are at most ~1 s old
+            deadline = time.monotonic() + 10                # the replicas' metrics are at most ~1 s old
             while True:
-                m = {line.rsplit(" ", 1)[0].split("{")[0] + "|" + line.split('result="')[1].split('"')[0]
-                     if 'result="' in line else line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
-                     for line in http.get("/metrics").text.splitlines() if line.startswith("lumen:kv_")}
-                if m.get("lumen:kv_transfers_total|pulled") == 2 or time.monotonic() > deadline:
+                m, pools = {}, {}
+                for line in http.get("/metrics").text.splitlines():
+                    if not line.startswith("lumen:"):
+                        continue
+                    key, value = line.rsplit(" ", 1)
+                    name = key.split("{")[0]
+                    if 'result="' in key:
+                        name += "|" + key.split('result="')[1].split('"')[0]
+                    if name in ("lumen:kv_cache_free_blocks", "lumen:kv_cache_total_blocks", "lumen:kv_held_blocks"):
+                        pools.setdefault(key.split('replica="')[1].split('"')[0], {})[name] = float(value)
+                    m[name] = m.get(name, 0.0) + float(value)
+                if (m.get("lumen:kv_transfers_total|pulled") == 2 and len(pools) == 2 and m["lumen:kv_held_blocks"]
+                        == 0) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
         assert m.get("lumen:kv_transfers_total|pulled") == 2 and m.get("lumen:kv_transfers_total|local") == 1, m
         assert m["lumen:kv_transfer_bytes_total"] > 0 and m["lumen:kv_handoff_seconds_count"] == 2
+        assert len(pools) == 2, pools                       # the prefill replica's series are there too
+        for p in pools.values():                            # and no block is held or leaked on either
+            assert p["lumen:kv_held_blocks"] == 0 and p["lumen:kv_cache_free_blocks"] == p["lumen:kv_cache_total_blocks"]
     finally:
         started |= descendants(proc.p.pid)
         code = proc.stop(signal.SIGINT, timeout=90)

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 ROUTERS: dict = {}                 # deployment name -> its LumenRouter in this process (set by the router)
+ALSO: dict = {}                    # deployment name -> more deployments whose replicas' series it shows (pd.py)
 
 
 class ReplicaMetrics:
@@ -32,6 +33,9 @@ class ReplicaMetrics:
         if router is None:                          # no request routed yet
             return
         stats = router.replica_stats()
+        for other in ALSO.get(self.deployment, ()):   # the prefill pool's replicas, beside the decode pool's
+            if ROUTERS.get(other) is not None:
+                stats.update(ROUTERS[other].replica_stats())
         families: dict[str, Metric] = {}
         for replica, st in sorted(stats.items()):
             text = st.get("metrics")

@@ -38,7 +38,9 @@ from prometheus_client.core import CounterMetricFamily
 from ...engine.kv_transfer import DO_REMOTE_DECODE, KVData, needed_blocks
 from ...kernels.attention import BLOCK
 from ..metrics import TTFT_BUCKETS
-from ..worker import QueueFull, ShuttingDown
+from ..worker import EngineWorker, QueueFull, ShuttingDown
+from . import metrics as ray_metrics
+from .app import ENGINE, Ingress
 from .replica import EngineReplica
 
 log = logging.getLogger("lumen.serve")
@@ -190,16 +192,32 @@ class _ImportState:
             yield c
 
 
+class HandOffWorker(EngineWorker):
+    """The decode replica's worker: each submission's prompts go through the hand-off first."""
+    handoff: HandOff | None = None
+
+    async def submit(self, prompts: list[list[int]], params: list):
+        extras = await self.handoff.extras(prompts, params) if self.handoff is not None else None
+        return self.submit_now(prompts, params, extras)
+
+
 class DecodeReplica(EngineReplica):
     """A replica of the decode pool: the engine deployment the ingress calls, pulling KV from the prefill pool."""
+    worker_class = HandOffWorker
 
     async def __init__(self, model: str, model_name: str, config, max_queue: int, prefill, settings: PDSettings):
         await super().__init__(model, model_name, config, max_queue)
-        self.handoff = HandOff(self.engine, prefill, settings, self.metrics.registry, model_name)
+        self.worker.handoff = HandOff(self.engine, prefill, settings, self.metrics.registry, model_name)
 
-    async def submit(self, prompts: list[list[int]], params: list):
-        extras = await self.handoff.extras(prompts, params)
-        return self.worker.submit_now(prompts, params, extras)
+
+class PDIngress(Ingress):
+    """The ingress with the prefill pool's handle too: its replicas' series appear in /metrics beside the decode
+    pool's (the handle's router, made in this process by a first call, reports their stats)."""
+
+    async def __init__(self, engine, prefill, model: str, settings, chat_template: str | None):
+        await prefill.info.remote()
+        ray_metrics.ALSO[ENGINE] = (PREFILL,)
+        await super().__init__(engine, model, settings, chat_template)
 
 
 def build_pd(model: str, config, settings, pd: PDSettings, *, prefill_replicas: int, decode_replicas: int,
@@ -209,7 +227,7 @@ def build_pd(model: str, config, settings, pd: PDSettings, *, prefill_replicas: 
     and the ingress read it the same) whose replicas call a prefill deployment."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-    from .app import ENGINE, INGRESS, MAX_CONSTRUCTOR_RETRIES, ROUTING_STATS_PERIOD_S, Ingress
+    from .app import INGRESS, MAX_CONSTRUCTOR_RETRIES, ROUTING_STATS_PERIOD_S
     from .router import LumenRouter
     max_num_seqs = config.max_num_seqs
 
@@ -225,7 +243,7 @@ def build_pd(model: str, config, settings, pd: PDSettings, *, prefill_replicas: 
     prefill = deployment(PrefillReplica, PREFILL, prefill_replicas).bind(model, settings.model_id, config, max_queue)
     decode = deployment(DecodeReplica, ENGINE, decode_replicas).bind(model, settings.model_id, config, max_queue,
                                                                      prefill, pd)
-    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
+    ingress = serve.deployment(PDIngress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout,
                                max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
-    return ingress.bind(decode, model, settings, chat_template)
+    return ingress.bind(decode, prefill, model, settings, chat_template)

@@ -29,6 +29,7 @@ NAME_BYTES = 8                     # a cached block's name as reported to the ro
 
 class EngineReplica:
     """Ray Serve builds one per replica (serve.deployment(EngineReplica)): app.load_engine(model, config)."""
+    worker_class = EngineWorker               # lumen.serve.ray.pd's decode replica submits through a hand-off
 
     async def __init__(self, model: str, model_name: str, config, max_queue: int):
         from ray import serve
@@ -38,7 +39,7 @@ class EngineReplica:
         self.replica = ctx.replica_id.unique_id if ctx is not None else f"pid{os.getpid()}"
         self.engine = await asyncio.to_thread(load_engine, model, config)
         self.metrics = Metrics(self.engine, model_name)
-        self.worker = EngineWorker(self.engine, max_queue=max_queue, metrics=self.metrics)
+        self.worker = self.worker_class(self.engine, max_queue=max_queue, metrics=self.metrics)
         self.worker.start()                       # the engine thread, bridged to this replica's event loop
         s = self.engine.stats()
         log.info("replica %s (pid %d): %d threads, max_model_len %d, %d KV blocks", self.replica, os.getpid(),
@@ -52,7 +53,7 @@ class EngineReplica:
     async def generate(self, prompts: list[list[int]], params: list):
         try:
             await self.compile_grammar(params[0].constraint if params else None)
-            sub = await self.submit(prompts, params)
+            sub = await self.worker.submit(prompts, params)
         except (QueueFull, ShuttingDown, ValueError) as e:     # StructuredOutputError is a ValueError
             yield refused(e)
             return
@@ -78,10 +79,6 @@ class EngineReplica:
         (StructuredOutputError) and never reaches the engine, which then finds it in its cache."""
         if constraint is not None:
             await asyncio.wrap_future(self.engine.structured.compiler.submit(constraint))
-
-    async def submit(self, prompts: list[list[int]], params: list):
-        """Queue the requests on this replica's engine (lumen.serve.ray.pd's decode replica pulls KV first)."""
-        return await self.worker.submit(prompts, params)
 
     def record_routing_stats(self) -> dict:
         bm, s = self.engine.blocks, self.engine.stats()
