@@ -136,6 +136,22 @@ def test_paced_budget_keeps_decode_steps_near_a_decode_steps_time():
     assert done.budget == 512 and "no prefill" in done.rejected
 
 
+def test_one_slow_step_does_not_widen_the_paced_limit():
+    """A step that ran slow once (a pause, a neighbour) moves its bucket by at most 20%, and a bucket that reads
+    high (its first step was slow) cannot make a few decodes look expensive: a step costs no more than a larger
+    one. So 4 decodes keep a limit near their real 12 ms step and get a small chunk, not the whole budget."""
+    from lumen.engine.costs.budget import PacedBudget
+    c = _costs(0.5, 10.0)                                   # 10 ms + 0.5 ms/token: 16 decodes 18 ms, 512 266 ms
+    c.add(16, 0.5)                                          # one 500 ms hiccup
+    assert c.predict(16) <= 0.018 * 1.2 + 1e-9
+    c.ema[4] = 0.125                                        # a bucket whose steps all ran slow
+    assert c.predict(4) == 0.125 and c.at_most(4) == c.predict(5) and c.at_most(4) < 0.013
+    assert c.at_most(4096) == c.predict(4096)              # nothing larger measured: the prediction
+    dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(4)]
+    d = PacedBudget(c, max_tokens=512, pace=1.5).decide(FakeScheduler(dec, [FakeSeq(2000, 0, 0, None, 0.9)]), 1.0)
+    assert d.limit_s < 0.02 and d.budget - 4 <= 16, d
+
+
 def test_admission_stops_where_the_decodes_would_miss_their_tpot():
     """10 ms a step plus 10 ms a sequence against a 45 ms TPOT target: 3 sequences decode within it (40 ms), 4 do
     not (50 ms), so no fourth request is admitted while 3 run; the scheduler honours the cap."""

@@ -132,7 +132,7 @@ class PacedBudget:
             return Decision(D, self.max_tokens, self.costs.predict(self.max_tokens) or 0.0, None, why)
         room = max(0, self.max_tokens - D)
         smallest = min(self.MIN_CHUNK, room)
-        alone = self.costs.predict(D)
+        alone = self.costs.at_most(D)           # one slow small step must not widen the limit for every step
         if alone is None:
             return Decision(D, D + smallest, 0.0, None, "larger chunks: no step time measured yet")
         limit = self.pace * alone

@@ -46,7 +46,10 @@ class StepCosts:
     sequences in the step). predict(n, rows) answers from the shape's own average when it was measured, else from
     the token count's, else from `fallback` (a fitted cost model, when the engine has one), else interpolates
     linearly between the nearest measured token counts (extrapolating from the last two); with fewer than two
-    measured counts and no fallback it returns None (the caller explores)."""
+    measured counts and no fallback it returns None (the caller explores). One slow step (a pause of the process,
+    a neighbour's burst) moves an average by at most `weight` times itself, so it cannot make a small step look
+    like a large one for the many steps an average takes to forget it; a lasting change still shows within a few
+    steps."""
     SHAPES = 64
 
     def __init__(self, weight: float = 0.2, fallback=None):
@@ -61,7 +64,7 @@ class StepCosts:
     def add(self, n_tokens: int, seconds: float, rows: int | None = None) -> None:
         b = bucket(n_tokens)
         if b in self.ema:
-            self.ema[b] += self.weight * (seconds - self.ema[b])
+            self.ema[b] += self.weight * (min(seconds, 2.0 * self.ema[b]) - self.ema[b])
             self.count[b] += 1
         else:
             self.ema[b] = seconds
@@ -70,7 +73,7 @@ class StepCosts:
         if rows is not None:
             key = (rows, b)
             old = self.shapes.pop(key, None)
-            self.shapes[key] = seconds if old is None else old + self.weight * (seconds - old)
+            self.shapes[key] = seconds if old is None else old + self.weight * (min(seconds, 2.0 * old) - old)
             if len(self.shapes) > self.SHAPES:
                 self.shapes.popitem(last=False)
 
@@ -89,6 +92,14 @@ class StepCosts:
         lo, hi = (ks[0], ks[1]) if i == 0 else (ks[-2], ks[-1]) if i == len(ks) else (ks[i - 1], ks[i])
         t_lo, t_hi = self.ema[lo], self.ema[hi]
         return max(1e-9, t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo))
+
+    def at_most(self, n_tokens: int) -> float | None:
+        """A bound on a step of n_tokens that holds when some buckets read high: a step costs no more than a
+        larger one, so the least of predict(n_tokens) and every larger bucket's average."""
+        p = self.predict(n_tokens)
+        i = bisect.bisect_left(self._keys, bucket(n_tokens))
+        larger = [self.ema[k] for k in self._keys[i:]]
+        return min([p, *larger]) if p is not None else (min(larger) if larger else None)
 
     def known(self, n_tokens: int, rows: int | None = None) -> bool:
         """Whether steps of n_tokens (and of `rows` sequences, when given) were measured."""
