@@ -29,9 +29,9 @@ def test_one_run_per_kind(smollm2_path, tmp_path):
             assert row[f"{m}_tps"] > 0
         for m in ("ngram", "draft"):
             assert 0 <= row[f"{m}_accepted_pct"] <= 100 and row[f"{m}_tok_per_step"] >= 1.0
-    # the edit prompt asks for the function back: prompt lookup finds something to draft there; the model drafting
-    # for itself is right but where the token is past the draft's vocabulary (--draft-vocab)
-    assert data["runs"][0]["ngram_accepted_pct"] > 0 and data["runs"][0]["draft_accepted_pct"] > 50
+    # the edit prompt asks for the function back: prompt lookup finds something to draft there, and so does the
+    # model drafting for itself
+    assert data["runs"][0]["ngram_accepted_pct"] > 0 and data["runs"][0]["draft_accepted_pct"] > 0
 
 
 @pytest.mark.parametrize("argv, msg", [(["--kinds", "poetry"], "unknown kind"), (["-r", "0"], "at least 1"),

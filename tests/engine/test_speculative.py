@@ -2,6 +2,7 @@
 sampled output distribution equal to the target's (a chi-square test that two wrong acceptance rules fail),
 seeded requests reproducible, requests with and without speculation in one step, and across preemption."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -296,10 +297,14 @@ class _Params:
 
 class _Seq:
     """What the speculator reads of a decoding request."""
-    def __init__(self, speculative="draft", alpha=0.8):
+    def __init__(self, speculative="draft", alpha=0.8, tokens=(5, 6, 7)):
         self.params = _Params(speculative)
         self.spec = SpecState(alpha=alpha, hits=alpha)
-        self.tokens = [1, 2, 3, 4, 1, 2, 3]
+        self.tokens = list(tokens)                     # the default has no n-gram match
+        self.chooser = SimpleNamespace(sampler=SimpleNamespace(greedy=True))
+
+
+MATCH = (1, 2, 3, 4, 1, 2, 3)                          # ends in "1 2 3", which occurred before
 
 
 class _Draft:
@@ -338,7 +343,7 @@ def test_k_by_measured_cost_includes_the_draft(target, draft_ms, alpha, wins):
 
 
 def test_k_by_measured_cost_ngram():
-    seq = _Seq("ngram")
+    seq = _Seq("ngram", tokens=MATCH)
     seq.spec.alpha_n[3] = 0.5
     seq.spec.judged_n[3] = (0.5, 1.0)
     assert _speculator(FLAT)._choose_k(seq, room=5, planned=0) >= 3
@@ -431,3 +436,39 @@ def test_greedy_qwen_drafting_for_itself_and_ngram_is_bit_identical(qwen05_path)
             assert spec.token_ids == plain.token_ids, (text, how)
             assert spec.text == plain.text
     assert eng.speculator.draft.vocab == 32768
+
+
+def test_a_draft_request_drafts_by_ngram_when_that_pays_more():
+    """A draft-model request with a good n-gram match drafts from the prompt (no model step); without a match,
+    or with a poor one, from the draft model."""
+    sp = _speculator(FLAT, 6.0)
+    seq = _Seq("draft", 0.7, MATCH)
+    seq.spec.alpha_n[3], seq.spec.judged_n[3] = 0.9, (0.9, 1.0)
+    assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "ngram"
+    seq.spec.alpha_n[3], seq.spec.judged_n[3] = 0.1, (0.1, 1.0)
+    assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "draft"
+    seq.tokens = [7, 8, 9]                             # no match
+    assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "draft"
+    seq.tokens = list(MATCH)
+    seq.spec.alpha_n[3], seq.spec.judged_n[3] = 0.9, (0.9, 1.0)
+    seq.chooser.sampler.greedy = False                 # sampled: its tokens must not depend on what drafted
+    assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "draft"
+    # the model's estimate and the lookup's are kept apart
+    update_alpha(seq.spec, 4, 4, n=3)
+    assert seq.spec.alpha == 0.7 and seq.spec.alpha_n[3] > 0.1
+
+
+def test_the_draft_prefills_its_prompt_beside_the_targets(tiny):
+    """The draft's cache takes the prompt in the step that prefills the target's (up to the tokens its first draft
+    forward takes), not in the first decode step; the output stays the plain one."""
+    target, draft = tiny
+    eng = Engine(target, max_model_len=128, max_num_seqs=2, kv_cache_mb=4, draft_model=draft, adaptive_k=False)
+    ids = list(range(14)) * 2
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, speculative="draft")
+    rid = eng.add_request(ids, p)
+    seq = eng._seqs[rid]
+    eng.step()                                         # the prompt's step
+    assert eng.speculator.draft.done[seq] == len(ids) - 1 - eng.speculator.draft.FOLD
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_ids == eng.generate([ids], p.replace(speculative=None))[0].token_ids

@@ -129,8 +129,8 @@ class NgramDrafter:
 class DraftModel:
     """A second model with the target's vocabulary, run by its own runner (the engine's forward pass) over its
     own block pool. Each speculating request has a row of its block table; the draft's cache holds the request's
-    tokens up to `done[seq]`, and catches up (the tokens it lacks run in its first draft forward, a long gap in
-    prefill chunks before) as it drafts. Drafts of all requests are made together: one batched forward per
+    tokens up to `done[seq]`: it takes the prompt beside the target's prefill (`prefill`), and catches up (the
+    tokens it lacks run in its first draft forward, a long gap in prefill chunks before) as it drafts. Drafts of all requests are made together: one batched forward per
     drafted position. Every forward's time is kept by shape (`costs`), which the speculator prices k with.
 
     vocab: the draft's output head computes the logits of the first `vocab` token ids only (the tiles of the
@@ -188,6 +188,30 @@ class DraftModel:
         self.costs.add(i, time.perf_counter() - t0, len(items))
         return out
 
+    def _admit(self, seq) -> bool:
+        if seq not in self.done:
+            if not self.blocks.admit(seq, CachedPrefix([], [], 0), 0):
+                return False                         # every row is held (preempted requests keep theirs)
+            self.done[seq] = 0
+        return True
+
+    def prefill(self, seqs: list) -> None:
+        """Catch the draft's cache up on the prompts of requests the target is prefilling, one forward of at most
+        max_tokens tokens a step (so the draft's prompt is processed beside the target's, not in the first
+        decode step), up to the FOLD tokens the first draft forward takes."""
+        for seq in [q for q in self.done if q.finished]:
+            self.forget(seq)
+        items, room = [], self.max_tokens
+        for seq in seqs:
+            if room <= 0 or not self._admit(seq):
+                continue
+            n = min(len(seq.tokens) - 1 - self.FOLD - self.done[seq], room)
+            if n > 0 and self.blocks.can_grow(seq, self.done[seq] + n):
+                items.append((seq, seq.tokens[self.done[seq]:self.done[seq] + n]))
+                room -= n
+        if items:
+            self._forward(items, sample=False)
+
     def propose(self, requests: list) -> dict:
         """requests: [(seq, k)] -> {seq: Draft}: the draft's own tokens, drawn with the request's sampler and a
         uniform keyed by its position (DRAFT use), their distributions kept for verification. A long gap in the
@@ -198,10 +222,8 @@ class DraftModel:
             self.forget(seq)
         active = []
         for seq, k in requests:
-            if seq not in self.done:
-                if not self.blocks.admit(seq, CachedPrefix([], [], 0), 0):
-                    continue                         # every row is held (preempted requests keep theirs)
-                self.done[seq] = 0
+            if not self._admit(seq):
+                continue
             self.done[seq] = min(self.done[seq], len(seq.tokens) - 1)   # past the tokens the draft agrees with
             if not self.blocks.can_grow(seq, len(seq.tokens) + k):
                 continue                             # no room in the draft's pool: no draft this step

@@ -13,7 +13,8 @@ an exponential average); the expected tokens of a step with k drafts, (1 - alpha
 what the step costs: the target's step time the engine measured for that shape, (rows, tokens + k)
 (lumen.engine.costs.steps.StepCosts), plus for a draft model k of its own forward steps (measured the same way by
 the draft, or until then priced by the bytes it reads against the target's); k = 0 (plain decode) when nothing
-beats plain decode. `propose` drafts as many tokens as pay in a step of the decodes ahead of
+beats plain decode. A greedy draft-model request weighs the n-gram lookup the same way (free drafts, their own
+acceptance per match length) and drafts with whichever pays more that step. `propose` drafts as many tokens as pay in a step of the decodes ahead of
 the request; `k_for` prices k again at the place the scheduler actually gives it, within the room its budget
 leaves, so k is always chosen against the step that runs. A sampled request also gets the draft's token for the
 position after its verified ones (and for a position it samples without drafting), which verify decides by the
@@ -45,6 +46,7 @@ class Speculator:
         self._step: dict = {}                 # seq -> Draft, this step's
         self._rows = 1                        # sequences in the step being planned (the shape priced)
         self._drafting = 1                    # requests the draft model drafts for in it (its rows)
+        self._source: dict = {}               # seq -> "ngram" | "draft": what drafts for it this step
         self.draft_s = 0.0                    # seconds the draft model spent this step (not the target's step)
 
     def admit(self, seq: Sequence) -> None:
@@ -67,6 +69,7 @@ class Speculator:
         self._rows = max(1, len(running))
         self._drafting = max(1, sum(1 for s in running if s.spec is not None and s.params.speculative == "draft"
                                     and s.num_tokens - s.num_computed == 1))
+        self._source = {}
         for seq in running:
             left = seq.num_tokens - seq.num_computed
             k = 0
@@ -80,6 +83,12 @@ class Speculator:
                 want.append((seq, k, k + extra))
         want += [(seq, 0, 1) for seq in waiting if seq.spec is not None and self._extra(seq)]
         self._step = self._propose([(seq, asked) for seq, _, asked in want])
+        prompts = [seq for seq in [*running, *waiting] if seq.spec is not None and seq.params.speculative == "draft"
+                   and seq.num_tokens - seq.num_computed > 1]
+        if prompts:                                                 # their prompts, beside the target's prefill
+            t0 = time.perf_counter()
+            self.draft.prefill(prompts)
+            self.draft_s += time.perf_counter() - t0
         return {seq: min(k, len(self._step[seq].tokens)) for seq, k, _ in want if k and seq in self._step}
 
     def k_for(self, seq: Sequence, offered: int, room: int, planned: int) -> int:
@@ -89,7 +98,7 @@ class Speculator:
         k_max = min(offered, room)
         if k_max <= 0:
             return 0
-        return self._best_k(seq, k_max, planned)[0] if self.adaptive_k else k_max
+        return self._best_k(seq, k_max, planned, self.source(seq))[0] if self.adaptive_k else k_max
 
     @staticmethod
     def _extra(seq: Sequence) -> bool:
@@ -102,53 +111,76 @@ class Speculator:
         out, todo = {}, {"ngram": [], "draft": []}
         for seq, k in requests:
             made = self._drafts.get(seq)
-            if made is not None and made[0] == seq.num_tokens and made[1] >= k:
+            source = self.source(seq)
+            if made is not None and made[0] == seq.num_tokens and made[1] >= k and made[3] == source:
                 out[seq] = made[2]
             else:
-                todo[seq.params.speculative].append((seq, k))
+                todo[source].append((seq, k))
         got = self.ngram.propose(todo["ngram"]) if todo["ngram"] else {}
         if todo["draft"]:
             t0 = time.perf_counter()
             got.update(self.draft.propose(todo["draft"]))
             self.draft_s += time.perf_counter() - t0
         for seq, k in todo["ngram"] + todo["draft"]:
-            self._drafts[seq] = (seq.num_tokens, k, got.get(seq))
+            self._drafts[seq] = (seq.num_tokens, k, got.get(seq), self.source(seq))
             if seq in got:
                 out[seq] = got[seq]
         return out
 
+    def source(self, seq: Sequence) -> str:
+        """What drafts for seq this step: its own drafter, or for a draft-model request the n-gram lookup when
+        that was priced higher (_best_k)."""
+        return self._source.get(seq, seq.params.speculative)
+
     def _choose_k(self, seq: Sequence, room: int, planned: int) -> int:
         """Drafted tokens for a decoding sequence: k with the most expected tokens per second of step time, by
         its acceptance rate and the measured costs (0: plain decode pays more). An estimate judged not to pay
-        drifts back towards the prior (skipped): per match length for the n-gram drafter, per request for a
-        draft model."""
+        drifts back towards the prior (skipped): per match length for the n-gram lookup, per request for a draft
+        model."""
         k_max = min(room, seq.params.num_speculative_tokens or self.k_max)
         if seq.params.speculative == "ngram" and self.ngram.match(seq.spec, seq.tokens) is None:
             return 0                                                # nothing to draft from
         if not self.adaptive_k:
             return k_max
-        k, n = self._best_k(seq, k_max, planned)
-        if k == 0 and n is not None:
-            skipped(seq.spec, n)
+        k, source, priced = self._best_k(seq, k_max, planned)
+        self._source[seq] = source
+        if k == 0:
+            for n in priced:
+                skipped(seq.spec, n)
         return k
 
-    def _best_k(self, seq: Sequence, k_max: int, planned: int) -> tuple[int, int | None]:
-        """(the k in 0 .. k_max with the most tokens per second after `planned` tokens, the n-gram match length it
-        follows, 0 for a draft model, None when nothing was priced); no side effects."""
-        st, n = seq.spec, None
-        alpha = st.alpha
-        if seq.params.speculative == "ngram":
-            n = self.ngram.match(st, seq.tokens)
-            if n is None:
-                return 0, None
-            alpha = st.alpha_n.get(n, PRIOR)
+    def _best_k(self, seq: Sequence, k_max: int, planned: int, source: str | None = None
+                ) -> tuple[int, str, list]:
+        """(the k in 0 .. k_max with the most tokens per second after `planned` tokens, the drafter it drafts
+        with, the estimates it weighed: n-gram match lengths, 0 for the draft model); no side effects. A greedy
+        draft-model request weighs the n-gram lookup too when it has a match (its drafts cost no model step; a
+        sampled one keeps to its draft model, so its tokens do not depend on which drafted); `source` prices
+        that drafter only."""
+        st = seq.spec
+        hybrid = seq.params.speculative == "draft" and seq.chooser.sampler.greedy
+        sources = [source] if source else ["ngram", "draft"] if hybrid else [seq.params.speculative]
         base, rows = planned + 1, self._rows
         c0 = self.costs.predict(base, rows)
-        if c0 is None or not self.costs.known(base + k_max, rows):  # not measured yet: explore both ends
-            return (0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else k_max), n
-        per_draft = self.draft_cost(c0) if seq.params.speculative == "draft" else 0.0
-        k = choose_k(alpha, k_max, lambda k: (self.costs.predict(base + k, rows) or c0) + k * per_draft)
-        return k, (0 if n is None else n)
+        best, priced = (0, seq.params.speculative, 0.0), []
+        for src in sources:
+            if src == "ngram":
+                n = self.ngram.match(st, seq.tokens)
+                if n is None:
+                    continue
+                alpha = st.alpha_n.get(n, PRIOR)
+            else:
+                n, alpha = 0, st.alpha
+            if c0 is None or not self.costs.known(base + k_max, rows):   # not measured yet: explore both ends
+                k = 0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else k_max
+                return k, src if len(sources) == 1 else seq.params.speculative, []
+            per_draft = self.draft_cost(c0) if src == "draft" else 0.0
+            cost = lambda j: (self.costs.predict(base + j, rows) or c0) + j * per_draft   # noqa: E731
+            k = choose_k(alpha, k_max, cost)
+            rate = expected_tokens(alpha, k) / cost(k) if k else 0.0
+            priced.append(n)
+            if rate > best[2]:
+                best = (k, src, rate)
+        return best[0], best[1], priced
 
     def draft_cost(self, c0: float) -> float:
         """Seconds one drafted token of a request costs the draft model: a draft forward step of the requests it
@@ -200,16 +232,17 @@ def choose_k(alpha: float, k_max: int, cost) -> int:
 
 
 def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.3, n: int = 0) -> None:
-    """Fold one verification into the acceptance estimate, and into that of match length n when the draft followed
-    an n-token match (n = 0: none). The per-token acceptance rate alpha is estimated as accepted drafts over drafts
+    """Fold one verification into the acceptance estimate of what drafted: the n-gram lookup's of match length n,
+    or (n = 0) the draft model's. The per-token acceptance rate alpha is estimated as accepted drafts over drafts
     judged: the accepted ones and the first rejected one (the drafts after it were never judged), each an
     exponential average. (Accepted over proposed would read a rate of 0.8 as 0.54 at k = 5.)"""
     if proposed:
         judged = accepted + (accepted < proposed)
-        st.hits = (1 - weight) * st.hits + weight * accepted
-        st.judged = (1 - weight) * st.judged + weight * judged
-        st.alpha = st.hits / st.judged
-        if n:
+        if not n:
+            st.hits = (1 - weight) * st.hits + weight * accepted
+            st.judged = (1 - weight) * st.judged + weight * judged
+            st.alpha = st.hits / st.judged
+        else:
             h, j = st.judged_n.get(n, (PRIOR, 1.0))
             h, j = (1 - weight) * h + weight * accepted, (1 - weight) * j + weight * judged
             st.judged_n[n] = (h, j)
