@@ -93,7 +93,7 @@ def test_decode_bytes_line(full, smollm2_path):
     assert gguf == pytest.approx(sum(t.nbytes for t in g.tensors.values()) / 1e6, abs=0.05)
     g.close()
     assert total == pytest.approx(weights + kv + act, abs=0.15)
-    assert 0.95 * gguf < weights <= 1.05 * gguf    # the packs are no larger than the GGUF (issue 14)
+    assert 0.95 * gguf < weights <= 1.05 * gguf    # the packs are no larger than the GGUF
     assert 0 < kv < weights and 0 < act < 0.1 * weights
     b = json.loads((d / "p.json").read_text())["summary"]["decode_bytes"]
     assert b["total"] == pytest.approx(b["weights"] + b["kv"] + b["activations"])

@@ -13,7 +13,7 @@ differences flip a rounding. Measured on this text, in standard errors (SE) of l
 - llama.cpp with flash attention on instead of off: SmolLM2 +0.75, -0.3; Gemma -0.1, +1.6;
 - the reference itself with llama.cpp's roundings but exact sums: SmolLM2 +1.5, -1.3; Gemma -0.5, -0.2;
 - Lumen with llama.cpp's unfused float step in the matmuls: SmolLM2 +1.6, -1.1; Gemma -1.25, +0.44;
-- Lumen today (fused multiply-adds, issue 18): SmolLM2 +0.47, -0.32; Gemma -1.32, +0.44;
+- Lumen today (fused multiply-adds): SmolLM2 +0.47, -0.32; Gemma -1.32, +0.44;
 - Lumen compiled afresh vs loaded from Numba's cache (the issue-9 difference; a longer text): +0.7, -0.9.
 A strict "no worse than llama.cpp" failed on SmolLM2 before the fused step and flips with any summation-order
 change. So the test asserts that Lumen is not worse than llama.cpp by more than Z = 3 SE, with SE from the committed

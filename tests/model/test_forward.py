@@ -25,7 +25,7 @@ from synth import write_model
 GAP_NEAR_TIE = 0.1        # the issue's near-tie: llama.cpp's own top-1 and top-2 within this
 GAP_NOISE = 0.5           # divergences above the near-tie must still be below llama.cpp's own noise (see above)
 # Loose guards against a broken forward (decode path included), far outside any rounding difference: Lumen's
-# perplexity was -2.6% to +3.2% off the golden files' (issue 9, fresh and cached compiles), and llama.cpp's own
+# perplexity was -2.6% to +3.2% off the golden files' (fresh and cached compiles), and llama.cpp's own
 # runs here and elsewhere agree on 376 of 384 greedy argmaxes (2 points; tests/data/README.md)
 PPL_GUARD = 0.25          # relative to llama.cpp's perplexity on the same 512 tokens
 TOP1_GUARD = 0.85         # agreement with llama.cpp's argmax on its own greedy tokens
