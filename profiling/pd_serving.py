@@ -7,6 +7,9 @@ the streams' inter-token latency, and which P:D ratio a larger machine wants.
     python profiling/pd_serving.py threshold [--model smollm2-135m]
         P1 D1: TTFT through the prefill pool and on the decode replica for prompts of 32 .. 1024 tokens: the
         hand-off's fixed cost, and the prompt length whose local prefill takes as long (--pd-threshold's default)
+    python profiling/pd_serving.py leaks [--model smollm2-135m]
+        P1 D1: 200 requests (48-600 tokens, 4 at a time), the prefill replica killed (SIGKILL) twice: blocks held
+        or leaked on any replica afterwards, and the requests that failed
     python profiling/pd_serving.py itl [--model smollm2-135m] [--streams 3] [--long 3] [--prompt-tokens 1000]
         ITL p99 of streams decoding while long prompts arrive: PD (P1 D1, 1 thread each) vs colocated (one
         process, 2 threads, the default paced scheduler), back to back, the same requests
@@ -116,6 +119,82 @@ def threshold(model: str, sizes: list[int], repeats: int, log: Path) -> dict:
     verdict(f"{model}: PD adds {1e3 * cost:.0f} ms to a request's TTFT (median over {len(sizes)} sizes); a local "
             f"prefill takes that long at {at:.0f} tokens ({1e3 * per_token:.2f} ms/token): the --pd-threshold")
     return {"cost_s": cost, "threshold": at}
+
+
+# ---- no block leaked when a prefill replica dies
+def pool_state(url: str) -> dict:
+    """Per replica: its pid, free/total/held KV blocks and whether it is a decode replica (it counts transfers)."""
+    out: dict = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if not line.startswith("lumen:") or 'replica="' not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        rep = key.split('replica="')[1].split('"')[0]
+        d = out.setdefault(rep, {"decode": False})
+        name = key.split("{")[0][6:]
+        if name == "replica_info":
+            d["pid"] = int(key.split('pid="')[1].split('"')[0])
+        elif name in ("kv_cache_free_blocks", "kv_cache_total_blocks", "kv_held_blocks"):
+            d[name] = float(value)
+        elif name == "kv_transfers_total":
+            d["decode"] = True
+            d[key.split('result="')[1].split('"')[0]] = float(value)
+    return out
+
+
+def prefill_pid(url: str, not_pid: int | None = None, timeout: float = 120.0) -> int:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        pids = [d["pid"] for d in pool_state(url).values() if not d["decode"] and "pid" in d]
+        pids = [p for p in pids if p != not_pid and os.path.exists(f"/proc/{p}")]
+        if pids:
+            return pids[0]
+        time.sleep(0.5)
+    raise RuntimeError("no prefill replica reported")
+
+
+def leaks(model: str, n_requests: int, kills: list[int], hold_s: float, log: Path) -> dict:
+    ray_serve.MODEL = model
+    os.environ["RAY_ADDRESS"] = "local"
+    rng = random.Random(0)
+    reqs = [text_ids(model, rng.randrange(48, 600), rng.randrange(8)) for _ in range(n_requests)]
+    with Server([*pd_args(), "--max-model-len", "700", "--kv-cache-mb", "64", "--kv-hold-timeout", str(hold_s),
+                 "--max-num-seqs", "8"], log) as s:
+        killed: list[int] = []
+        failed, done = [], 0
+
+        async def run():
+            from lumen.bench.serve import send
+            gate = asyncio.Semaphore(4)
+            async with httpx.AsyncClient(base_url=s.url, timeout=httpx.Timeout(None, connect=30.0)) as client:
+                async def one(i, ids):
+                    nonlocal done
+                    async with gate:
+                        if i in kills:                    # the prefill replica dies with requests in flight
+                            pid = await asyncio.to_thread(prefill_pid, s.url, killed[-1] if killed else None)
+                            os.kill(pid, 9)
+                            killed.append(pid)
+                        o = await send(client, "/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0,
+                                                                   "stream": True})
+                        done += 1
+                        if not o.ok:
+                            failed.append(o.error)
+                await asyncio.gather(*(one(i, ids) for i, ids in enumerate(reqs)))
+        t0 = time.perf_counter()
+        asyncio.run(run())
+        took = time.perf_counter() - t0
+        time.sleep(hold_s + 3)                            # holds nobody pulled expire; the next reports
+        state = pool_state(s.url)
+    leaked = sum(d["kv_cache_total_blocks"] - d["kv_cache_free_blocks"] for d in state.values()
+                 if "kv_cache_total_blocks" in d)
+    held = sum(d.get("kv_held_blocks", 0) for d in state.values())
+    row = {"mode": "leaks", "model": model, "requests": n_requests, "killed": len(killed), "failed": len(failed),
+           "errors": sorted(set(failed))[:3], "leaked_blocks": leaked, "held_blocks": held, "took_s": took,
+           "replicas": state, "load": os.getloadavg()[0]}
+    print(json.dumps(row), flush=True)
+    verdict(f"{model}: {n_requests} requests, the prefill replica killed {len(killed)} times: {leaked:.0f} blocks "
+            f"leaked, {held:.0f} held, {len(failed)} requests failed (--kv-failure recompute); target 0 leaked")
+    return row
 
 
 # ---- ITL of running streams while long prompts arrive
@@ -253,7 +332,7 @@ def simulate(model: str, cores: int, max_seqs: int = 64) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["handoff", "threshold", "itl", "simulate"])
+    ap.add_argument("mode", choices=["handoff", "threshold", "leaks", "itl", "simulate"])
     ap.add_argument("--model")
     ap.add_argument("--prompt-tokens", type=int)
     ap.add_argument("--streams", type=int, default=3)
@@ -268,6 +347,8 @@ def main(argv=None) -> int:
         handoff(args.model or "qwen2.5-coder-1.5b", args.prompt_tokens or 2000, Path(args.log))
     elif args.mode == "threshold":
         threshold(args.model or "smollm2-135m", [32, 128, 512, 1024], 3, Path(args.log))
+    elif args.mode == "leaks":
+        leaks(args.model or "smollm2-135m", 200, [60, 130], 5.0, Path(args.log))
     elif args.mode == "itl":
         itl(args.model or "smollm2-135m", args.streams, args.long, args.prompt_tokens or 1000, args.gap,
             args.out_tokens, Path(args.log))
