@@ -10,6 +10,10 @@ the streams' inter-token latency, and which P:D ratio a larger machine wants.
     python profiling/pd_serving.py leaks [--model smollm2-135m]
         P1 D1: 200 requests (48-600 tokens, 4 at a time), the prefill replica killed (SIGKILL) twice: blocks held
         or leaked on any replica afterwards, and the requests that failed
+    python profiling/pd_serving.py goodput [--configs colocated,pd] [--rates 0.3,0.6,0.9,1.2] [--json FILE]
+        Poisson arrivals of 2000-token prompts, 64 tokens out (smollm2-135m): the share of requests within a TTFT
+        of 3 s and a TPOT of 20 ms at each rate; goodput (DistServe): the highest rate at which 90% are; the
+        verdict once FILE holds both configs (one per invocation keeps each exclusive hold short)
     python profiling/pd_serving.py itl [--model smollm2-135m] [--streams 3] [--long 3] [--prompt-tokens 1000]
         ITL p99 of streams decoding while long prompts arrive: PD (P1 D1, 1 thread each) vs colocated (one
         process, 2 threads, the default paced scheduler), back to back, the same requests
@@ -197,6 +201,46 @@ def leaks(model: str, n_requests: int, kills: list[int], hold_s: float, log: Pat
     return row
 
 
+# ---- goodput, as DistServe defines it
+def goodput(model: str, configs: list[str], rates: list[float], n: int, n_in: int, n_out: int, slo_ttft_ms: float,
+            slo_tpot_ms: float, log: Path, json_path: Path) -> None:
+    """Poisson arrivals of n requests (n_in random prompt tokens, n_out out) at each rate; the share meeting both
+    SLOs; goodput = the highest rate at which 90% do. Rows go to json_path; the verdict compares the configs
+    found there for this model and workload (run them in separate invocations to keep each exclusive hold short)."""
+    ray_serve.MODEL = model
+    os.environ["RAY_ADDRESS"] = "local"
+    common = ["--max-model-len", str(n_in + n_out + 64), "--kv-cache-mb", "256", "--max-num-seqs", "16"]
+    args = {"colocated": ["--threads", "2", *common], "pd": [*pd_args(), *common]}
+    for config in configs:
+        with Server(args[config], log) as s:
+            warm = ray_serve.bench(s.url, num_prompts=2, max_concurrency=1, input_len=n_in, output_len=4,
+                                   ignore_eos=True)
+            assert warm["failed"] == 0, warm["errors"]
+            for i, rate in enumerate(rates):
+                res = ray_serve.bench(s.url, num_prompts=n, request_rate=rate, input_len=n_in, output_len=n_out,
+                                      ignore_eos=True, seed=i + 1, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+                row = {"mode": "goodput", "config": config, "model": model, "input_len": n_in, "output_len": n_out,
+                       "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "rate": rate, "n": n,
+                       "met": res["goodput"] * res["duration_s"] / n, "failed": res["failed"],
+                       "ttft_ms_p50": res["ttft_ms"]["p50"], "ttft_ms_p99": res["ttft_ms"]["p99"],
+                       "tpot_ms_p50": res["tpot_ms"]["p50"], "tpot_ms_p99": res["tpot_ms"]["p99"],
+                       "itl_ms_p99": res["itl_ms"]["p99"], "load": os.getloadavg()[0]}
+                print(json.dumps(row), flush=True)
+                with json_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    rows = [json.loads(line) for line in json_path.read_text().splitlines() if line.strip()]
+    best = {}
+    for r in rows:
+        if (r["model"], r["input_len"], r["output_len"]) == (model, n_in, n_out) and r["met"] >= 0.9:
+            best[r["config"]] = max(best.get(r["config"], 0.0), r["rate"])
+    seen = {r["config"] for r in rows if (r["model"], r["input_len"], r["output_len"]) == (model, n_in, n_out)}
+    if seen >= {"pd", "colocated"}:
+        pd, colo = best.get("pd", 0.0), best.get("colocated", 0.0)
+        verdict(f"{model}, {n_in} in / {n_out} out, SLO TTFT {slo_ttft_ms:.0f} ms and TPOT {slo_tpot_ms:.0f} ms "
+                f"for 90%: goodput PD (P1 D1 x 1 thread) {pd:g} req/s vs colocated (2 threads) {colo:g} req/s "
+                f"(rates {', '.join(f'{r:g}' for r in rates)}); target PD >= 1.2x")
+
+
 # ---- ITL of running streams while long prompts arrive
 async def itl_load(url: str, model: str, streams: int, n_long: int, n: int, gap_s: float, out_tokens: int) -> dict:
     from lumen.bench.serve import send
@@ -332,7 +376,13 @@ def simulate(model: str, cores: int, max_seqs: int = 64) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["handoff", "threshold", "leaks", "itl", "simulate"])
+    ap.add_argument("mode", choices=["handoff", "threshold", "leaks", "goodput", "itl", "simulate"])
+    ap.add_argument("--configs", default="colocated,pd", help="goodput: which servers, in this invocation")
+    ap.add_argument("--rates", default="0.3,0.6,0.9,1.2", help="goodput: requests per second")
+    ap.add_argument("--requests", type=int, default=12, help="goodput: requests per rate")
+    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=20.0)
+    ap.add_argument("--json", default="/tmp/pd_serving.jsonl", help="goodput: rows appended here")
     ap.add_argument("--model")
     ap.add_argument("--prompt-tokens", type=int)
     ap.add_argument("--streams", type=int, default=3)
@@ -349,6 +399,10 @@ def main(argv=None) -> int:
         threshold(args.model or "smollm2-135m", [32, 128, 512, 1024], 3, Path(args.log))
     elif args.mode == "leaks":
         leaks(args.model or "smollm2-135m", 200, [60, 130], 5.0, Path(args.log))
+    elif args.mode == "goodput":
+        goodput(args.model or "smollm2-135m", args.configs.split(","), [float(r) for r in args.rates.split(",")],
+                args.requests, args.prompt_tokens or 2000, args.out_tokens, args.slo_ttft_ms, args.slo_tpot_ms,
+                Path(args.log), Path(args.json))
     elif args.mode == "itl":
         itl(args.model or "smollm2-135m", args.streams, args.long, args.prompt_tokens or 1000, args.gap,
             args.out_tokens, Path(args.log))
