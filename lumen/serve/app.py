@@ -114,6 +114,7 @@ def load_engine(model: str, config: EngineConfig):
             raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens "
                              "this model was trained on")
         engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
+        engine.costs.clear()       # that step timed loading the kernels: it must not pace the first requests
         warm_up()
     release_threads()              # the engine thread steps from now on: only its OpenMP pool may exist
     return engine

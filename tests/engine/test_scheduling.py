@@ -332,3 +332,14 @@ def test_engine_config_checks_every_field_once():
     assert c.max_num_seqs == 4 and c.speculative == SpeculativeConfig(num_speculative_tokens=3, adaptive_k=False)
     with pytest.raises(TypeError, match="max_num_seq\\b"):
         EngineConfig.from_kwargs(max_num_seq=4)                      # a typo is an error, not a default
+
+
+def test_served_engine_forgets_its_warm_up_step(smollm2_path):
+    """lumen.serve's warm-up step times loading the kernels; it must not stand as a 1-token step's cost when the
+    paced budget sets the first requests' limits."""
+    from lumen.engine.config import EngineConfig
+    from lumen.serve.app import load_engine
+    eng = load_engine(str(smollm2_path), EngineConfig(threads=2, max_model_len=64, kv_cache_mb=8))
+    assert eng.steps == 1 and not eng.costs.ema and eng.costs.predict(1) is None
+    eng.generate([[5, 6, 7]], lumen.SamplingParams(max_tokens=3, temperature=0))
+    assert eng.costs.known(1) and eng.costs.known(3)

@@ -93,6 +93,12 @@ class StepCosts:
         t_lo, t_hi = self.ema[lo], self.ema[hi]
         return max(1e-9, t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo))
 
+    def clear(self) -> None:
+        """Forget every step: after a warm-up, whose steps timed compiling and loading kernels, not serving."""
+        self.ema.clear()
+        self.count.clear()
+        self._keys.clear()
+
     def at_most(self, n_tokens: int) -> float | None:
         """A bound on a step of n_tokens that holds when some buckets read high: a step costs no more than a
         larger one, so the least of predict(n_tokens) and every larger bucket's average."""
