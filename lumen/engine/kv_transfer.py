@@ -283,9 +283,9 @@ def transfer(prefill, decode, token_ids: list[int], params, *, fetch=None) -> st
     """Run token_ids through `prefill` (one token, KV held), pull the blocks `decode` lacks, and queue the request
     on `decode` with them; returns its request id there (step `decode` to run it). fetch(kv_transfer_params, first):
     the runs (default: prefill.kv.export, in this process). Both engines run the same model."""
-    from dataclasses import replace
-    rid = prefill.add_request(token_ids, replace(params, max_tokens=1),
-                              kv_transfer_params={DO_REMOTE_DECODE: True})
+    from .sampling.params import SamplingParams
+    rid = prefill.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0),   # its token is not used:
+                              kv_transfer_params={DO_REMOTE_DECODE: True})           # decode samples the first
     out = None
     while out is None or not out.finished:
         for o in prefill.step():

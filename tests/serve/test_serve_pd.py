@@ -1,7 +1,7 @@
 """Disaggregated serving (lumen.serve.ray.pd): the decode replica's hand-off against a stand-in prefill pool
 (threshold, pull, recompute or 503 on failure, release when cancelled, metrics), the command line's checks, and one
 end-to-end run of `python -m lumen.serve --prefill-replicas 1 --decode-replicas 1` as a user starts it: greedy
-output equal to one process for prompts through the prefill pool and past it, the transfer metrics, and a SIGINT
+output equal to one process for prompts through the prefill pool (one with min_tokens) and past it, the transfer metrics, and a SIGINT
 that leaves no process the server started."""
 import asyncio
 import os
@@ -20,7 +20,7 @@ from lumen.engine.kv_transfer import DO_REMOTE_DECODE
 pytest.importorskip("ray.serve")
 psutil = pytest.importorskip("psutil")
 
-from lumen.serve.ray.pd import HandOff, PDSettings  # noqa: E402
+from lumen.serve.ray.pd import PREFILL_PARAMS, HandOff, PDSettings  # noqa: E402
 from lumen.serve.worker import ShuttingDown  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from servers import ServerProcess  # noqa: E402
@@ -55,7 +55,7 @@ class StandIn:
     async def _prefill(self, prompts, params):
         if self.fail == "prefill":
             raise ConnectionError("the prefill replica died")
-        rid = self.engine.add_request(prompts[0], SamplingParams(max_tokens=1, temperature=params.temperature),
+        rid = self.engine.add_request(prompts[0], PREFILL_PARAMS,
                                       kv_transfer_params={DO_REMOTE_DECODE: True})
         while True:
             for o in self.engine.step():
@@ -105,6 +105,7 @@ def test_hand_off_pulls_long_prompts_and_handles_failures(model):
     h = HandOff(dec, StandIn(pre), PDSettings(threshold=64), reg, "m")
     extras, got = run(h, [long_ids, short_ids, long_ids])          # n=2 of the long one share one pull
     assert got == [want[0].token_ids, want[1].token_ids, want[0].token_ids]
+    assert pre.kv.stats.exported == 1
     assert "kv_data" in extras[0] and extras[1] == {} and extras[2]["kv_data"] is extras[0]["kv_data"]
     m = metric(reg, "lumen:kv_transfer")
     assert m['lumen:kv_transfers_total{model_name="m",result="pulled"}'] == 1
@@ -185,12 +186,14 @@ def test_prefill_and_decode_replicas_serve_one_process_output(smollm2_path, mode
                          tmp_path / "server.log", health_timeout=240)
     started = set()
     try:
-        prompts = [PROMPT_LONG, "Once upon a time", PROMPT_LONG[:200] + "Ships sailed the sea for years. " * 4]
+        prompts = [(PROMPT_LONG, {}), ("Once upon a time", {}),
+                   (PROMPT_LONG[:200] + "Ships sailed the sea for years. " * 4, {}),   # partly cached on decode
+                   ("Rivers run to the sea, and the sea is never full. " * 6, {"min_tokens": 11})]   # (not prefill's)
         with httpx.Client(base_url=proc.url, timeout=120) as http:
-            for prompt in prompts:
+            for prompt, kw in prompts:
                 ids = model.tokenize(prompt)
-                want = model.detokenize(strip_end(model, reference(model, ids, max_tokens=12, temperature=0)))
-                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+                want = model.detokenize(strip_end(model, reference(model, ids, max_tokens=12, temperature=0, **kw)))
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0, **kw})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == want
             started = descendants(proc.p.pid)
@@ -207,12 +210,12 @@ def test_prefill_and_decode_replicas_serve_one_process_output(smollm2_path, mode
                     if name in ("lumen:kv_cache_free_blocks", "lumen:kv_cache_total_blocks", "lumen:kv_held_blocks"):
                         pools.setdefault(key.split('replica="')[1].split('"')[0], {})[name] = float(value)
                     m[name] = m.get(name, 0.0) + float(value)
-                if (m.get("lumen:kv_transfers_total|pulled") == 2 and len(pools) == 2 and m["lumen:kv_held_blocks"]
+                if (m.get("lumen:kv_transfers_total|pulled") == 3 and len(pools) == 2 and m["lumen:kv_held_blocks"]
                         == 0) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
-        assert m.get("lumen:kv_transfers_total|pulled") == 2 and m.get("lumen:kv_transfers_total|local") == 1, m
-        assert m["lumen:kv_transfer_bytes_total"] > 0 and m["lumen:kv_handoff_seconds_count"] == 2
+        assert m.get("lumen:kv_transfers_total|pulled") == 3 and m.get("lumen:kv_transfers_total|local") == 1, m
+        assert m["lumen:kv_transfer_bytes_total"] > 0 and m["lumen:kv_handoff_seconds_count"] == 3
         assert len(pools) == 2, pools                       # the prefill replica's series are there too
         for p in pools.values():                            # and no block is held or leaked on either
             assert p["lumen:kv_held_blocks"] == 0 and p["lumen:kv_cache_free_blocks"] == p["lumen:kv_cache_total_blocks"]

@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from ...engine.kv_transfer import DO_REMOTE_DECODE, KVData, needed_blocks
+from ...engine.sampling.params import SamplingParams
 from ...kernels.attention import BLOCK
 from ..metrics import TTFT_BUCKETS
 from ..worker import EngineWorker, QueueFull, ShuttingDown
@@ -46,6 +47,7 @@ from .replica import EngineReplica
 log = logging.getLogger("lumen.serve")
 PREFILL = "LumenPrefill"
 PREFILL_FAILED = "the prefill replica serving this request failed; try again"
+PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0)   # a prefill's own token is never used
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class PrefillReplica(EngineReplica):
         token, its KV held: {"replica", "kv_transfer_params", "prefill_s"}, or {"refused": kind, "message"}."""
         t0 = time.perf_counter()
         try:
-            sub = self.worker.submit_now(prompts[:1], [replace(params, max_tokens=1)],
+            sub = self.worker.submit_now(prompts[:1], [PREFILL_PARAMS],    # (its token is the decode's to make)
                                          [{"kv_transfer_params": {DO_REMOTE_DECODE: True}}])
         except (QueueFull, ShuttingDown, ValueError) as e:
             return {"refused": type(e).__name__, "message": str(e)}
