@@ -472,3 +472,26 @@ def test_the_draft_prefills_its_prompt_beside_the_targets(tiny):
     while eng.has_unfinished():
         eng.step()
     assert seq.output_ids == eng.generate([ids], p.replace(speculative=None))[0].token_ids
+
+
+def test_a_greedy_draft_stops_after_a_guess(tiny):
+    """A greedy draft stops after a token the draft gives less than its confidence bound (1.01: after the first
+    token; 0: never), and the output stays the plain one."""
+    target, draft = tiny
+    eng = Engine(target, max_model_len=128, max_num_seqs=2, kv_cache_mb=4, draft_model=draft,
+                 num_speculative_tokens=4, adaptive_k=False)
+    dm = eng.speculator.draft
+    lengths = []
+    propose = dm.propose
+
+    def spy(reqs):
+        out = propose(reqs)
+        lengths.extend(len(d.tokens) for d in out.values())
+        return out
+    dm.propose = spy
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = eng.generate([[1, 2, 3]], p)[0].token_ids
+    for confidence, most in ((1.01, 1), (0.0, 4)):
+        dm.confidence, lengths[:] = confidence, []
+        assert eng.generate([[1, 2, 3]], p.replace(speculative="draft"))[0].token_ids == plain
+        assert max(lengths) == most

@@ -139,6 +139,7 @@ class DraftModel:
     wrong draft (lossless), and its head, 37% of a 0.5B model's bytes at 152k tokens, reads a fraction."""
     name = "draft"
     FOLD = 8                                        # a gap of up to this many tokens rides in the first forward
+    CONFIDENCE = 0.4                                # a greedy draft stops after a token it gives less than this
 
     def __init__(self, parts: ModelParts, *, n_vocab: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, threads: int, governor=None, vocab: int | None = None,
@@ -166,6 +167,7 @@ class DraftModel:
         self.blocks = BlockManager(rows * max_blocks, self.runner.table, prefix_caching=False)
         self.done: dict = {}                         # seq -> tokens of it in the draft's cache
         self.costs = StepCosts()                     # the draft's forward steps, by (rows, tokens)
+        self.confidence = self.CONFIDENCE
         draft_bytes = step_bytes(w)
         self.cost_ratio = draft_bytes / target_bytes if target_bytes else 0.5
 
@@ -214,7 +216,9 @@ class DraftModel:
 
     def propose(self, requests: list) -> dict:
         """requests: [(seq, k)] -> {seq: Draft}: the draft's own tokens, drawn with the request's sampler and a
-        uniform keyed by its position (DRAFT use), their distributions kept for verification. A long gap in the
+        uniform keyed by its position (DRAFT use), their distributions kept for verification. A greedy request's
+        draft stops after a token the draft itself gives less than `confidence` (the drafts after a likely wrong
+        one cost a draft step and a verification row each, for little). A long gap in the
         draft's cache is first filled in prefill chunks; the last FOLD tokens of a gap and the pending token run in
         the first draft forward; then each drafted position is one batched forward of every request still
         drafting."""
@@ -239,15 +243,21 @@ class DraftModel:
                 break
             self._forward(items, sample=False)
         drafts = {seq: ([], []) for seq, _ in active}
+        unsure: set = set()                          # greedy requests whose last draft token was a guess
         for step in range(max((k for _, k in active), default=0)):
             items = [(seq, seq.tokens[self.done[seq]:] if step == 0 else [drafts[seq][0][-1]])
-                     for seq, k in active if step < k]
+                     for seq, k in active if step < k and seq not in unsure]
+            if not items:
+                break
             logits = self._forward(items, sample=True)
             for j, (seq, _) in enumerate(items):
                 ch = seq.chooser
                 x = ch.process(logits[j], seq.tokens + drafts[seq][0], len(seq.output_ids) + step)
                 if ch.sampler.greedy:
                     t, q = ch.sampler.pick(x, 0.0), None
+                    head = x[:self.vocab]
+                    if 1.0 / np.exp(head - head[t]).sum() < self.confidence:
+                        unsure.add(seq)              # the next drafts would follow a likely wrong one
                 else:
                     ids, p = ch.sampler.distribution(x)
                     t, q = draw(ids, p, uniform(ch.key, len(seq.tokens) + step, DRAFT)), (ids, p)
