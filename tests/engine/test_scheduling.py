@@ -149,7 +149,37 @@ def test_one_slow_step_does_not_widen_the_paced_limit():
     assert c.at_most(4096) == c.predict(4096)              # nothing larger measured: the prediction
     dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(4)]
     d = PacedBudget(c, max_tokens=512, pace=1.5).decide(FakeScheduler(dec, [FakeSeq(2000, 0, 0, None, 0.9)]), 1.0)
-    assert d.limit_s < 0.02 and d.budget - 4 <= 16, d
+    assert d.limit_s < 0.04 and d.budget - 4 <= 16, d                   # pace 1.5 or 20 ms more: 32.5 ms
+
+
+def test_a_bucket_that_read_slow_once_does_not_keep_its_chunks_out():
+    """33..64-token steps measured once at 60 ms (a first call) while 22 tokens take 12 ms and 512 take 106 ms:
+    a step rises no faster than linearly, so the 40-token chunk is priced on that line (~20 ms), under the 26 ms
+    limit, instead of never being tried again."""
+    from lumen.engine.costs.budget import PacedBudget
+    from lumen.engine.costs.steps import StepCosts
+    c = StepCosts()
+    for n, ms in ((1, 5.0), (4, 5.6), (22, 12.0), (64, 60.0), (512, 106.0)):
+        c.add(n, ms / 1e3)
+    assert c.predict(40) == 0.060 and math.isclose(c.at_least(40), 0.012 + (0.106 - 0.012) * 42 / 490)
+    assert c.at_least(512) == c.predict(512) and c.at_least(1) == c.predict(1)   # no neighbour on one side
+    dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(4)]
+    d = PacedBudget(c, max_tokens=512, pace=1.5).decide(FakeScheduler(dec, [FakeSeq(150, 0, 0, None, 0.9)]), 1.0)
+    assert d.budget == 4 + 48 and d.predicted_s <= d.limit_s, d
+
+
+def test_paced_limit_follows_the_concurrency_about_to_run():
+    """At a wave's start 2 streams decode and 10 prompts wait: the limit is pace x a step of the 12 decodes about to
+    run (100 ms + 1 ms/token: 112 ms, limit 168 ms), not of the 2 running, so chunks of 48 tokens admit the
+    queue instead of 16-token ones keeping the batch small."""
+    from lumen.engine.costs.budget import PacedBudget
+    dec = [FakeSeq(101, 100, 10, first_token=0.45, arrival=0.0) for _ in range(2)]
+    waiting = [FakeSeq(150, 0, 0, None, arrival=0.9) for _ in range(10)]
+    b = PacedBudget(_costs(1.0, 100.0), max_tokens=512, pace=1.5)
+    d = b.decide(FakeScheduler(dec, waiting), now=1.0)
+    assert math.isclose(d.limit_s, 1.5 * 0.112) and d.budget == 2 + 48, d
+    lone = b.decide(FakeScheduler(dec, waiting[:1]), now=1.0)         # 3 about to run: limit 154.5 ms
+    assert math.isclose(lone.limit_s, 1.5 * 0.103) and lone.budget == 2 + 16
 
 
 def test_admission_stops_where_the_decodes_would_miss_their_tpot():

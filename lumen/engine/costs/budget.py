@@ -111,12 +111,16 @@ class PacedBudget:
     """The default: keep every running stream's step near a decode step's time, and spread prompts over steps.
 
     A prompt chunk rides along with the running decodes only as far as the step's predicted time stays within
-    `pace` times what a step of those decodes alone costs (StepCosts: every step's wall time by token count, as
-    measured while serving); at least MIN_CHUNK tokens a step, so a new request always gets going, and the whole
+    `pace` times (or SLACK_S more than, whichever is more) what a step of those decodes alone costs (StepCosts: every step's wall time by token count, as
+    measured while serving) at the concurrency about to run (the decodes plus the prompts in flight and queued, up
+    to max_num_seqs); at least MIN_CHUNK tokens a step, so a new request always gets going, and the whole
     budget (max_num_batched_tokens) when nothing decodes. So a long prompt costs the streams a bounded slowdown
     per token for more steps, instead of one stall as long as its prefill. Before step times are known for the
     sizes it needs, it takes MIN_CHUNK (the steps that follow measure the rest)."""
     MIN_CHUNK = 16
+    SLACK_S = 0.02      # a step may always take this much longer than the decodes alone: on a small model, where a
+    #                     decode step is a few ms, pace x that would cut prompts into chunks whose per-step cost
+    #                     (scheduling, sampling) outweighs them; 20 ms more per token is not a stall anyone sees
 
     def __init__(self, costs, *, max_tokens: int, pace: float = 1.5):
         """costs: the engine's StepCosts (lumen.engine.costs.steps)."""
@@ -132,16 +136,21 @@ class PacedBudget:
             return Decision(D, self.max_tokens, self.costs.predict(self.max_tokens) or 0.0, None, why)
         room = max(0, self.max_tokens - D)
         smallest = min(self.MIN_CHUNK, room)
-        alone = self.costs.at_most(D)           # one slow small step must not widen the limit for every step
+        # the decodes the server is about to run: those running now and every prompt in flight or queued (they
+        # decode once prefilled), up to max_num_seqs; pacing by the few running at a wave's start would keep the
+        # chunks at the minimum, the queue long and the batch small
+        soon = min(scheduler.max_num_seqs, D + sum(1 for s in running if s.num_tokens - s.num_computed > 1)
+                   + len(scheduler.waiting))
+        alone = self.costs.at_most(soon)        # one slow small step must not widen the limit for every step
         if alone is None:
             return Decision(D, D + smallest, 0.0, None, "larger chunks: no step time measured yet")
-        limit = self.pace * alone
+        limit = max(self.pace * alone, alone + self.SLACK_S)
         most = min(room, prefill_left)
         c, why = smallest, "nothing larger"
         for cand in [x for x in CHUNKS if smallest < x < most] + ([most] if most > smallest else []):
-            p = self.costs.predict(D + cand)
+            p = self.costs.at_least(D + cand)
             if p is None or p > limit:
                 why = f"chunk {cand} " + ("(not measured)" if p is None else f"(predicted {p * 1e3:.1f} ms > limit)")
                 break
             c = cand
-        return Decision(D, D + c, self.costs.predict(D + c) or 0.0, limit, why)
+        return Decision(D, D + c, self.costs.at_least(D + c) or 0.0, limit, why)

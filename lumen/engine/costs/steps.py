@@ -93,6 +93,22 @@ class StepCosts:
         t_lo, t_hi = self.ema[lo], self.ema[hi]
         return max(1e-9, t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo))
 
+    def at_least(self, n_tokens: int) -> float | None:
+        """predict(n_tokens), but no more than the line between the nearest measured buckets below and above it
+        say: a step's time rises with its tokens no faster than linearly (flat, then linear past the knee), so a
+        bucket whose few steps ran slow (a first call, a neighbour's burst) and that nothing else re-measures
+        cannot keep every chunk of that size out for good."""
+        p = self.predict(n_tokens)
+        b, ks = bucket(n_tokens), self._keys
+        i = bisect.bisect_left(ks, b)
+        lo = i - 1
+        hi = i + 1 if i < len(ks) and ks[i] == b else i
+        if p is None or lo < 0 or hi >= len(ks):
+            return p
+        k0, k1 = ks[lo], ks[hi]
+        line = self.ema[k0] + (self.ema[k1] - self.ema[k0]) * (b - k0) / (k1 - k0)
+        return min(p, max(line, self.ema[k0]))
+
     def clear(self) -> None:
         """Forget every step: after a warm-up, whose steps timed compiling and loading kernels, not serving."""
         self.ema.clear()
