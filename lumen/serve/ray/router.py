@@ -119,7 +119,7 @@ class LumenRouter(RequestRouter):
         self._chosen: dict[str, tuple] = {}           # internal request id -> (preferred replica, decision,
         #                                               blocks expected cached there, when chosen)
         self._running: dict[str, str] = {}            # internal request id -> the replica it counts in flight on
-        self._direct: set[str] = set()                # internal ids of calls to a named replica (DIRECT)
+        self._direct: dict[str, float] = {}           # internal id -> when: calls to a named replica (DIRECT)
         self._done_first: dict[tuple, tuple] = {}     # (request id, replica) -> (when, its _chosen entry):
         #                                               completed before it was reported routed
         import lumen.serve.ray.metrics                # imported, not copied with this module: shared
@@ -140,7 +140,10 @@ class LumenRouter(RequestRouter):
             return []
         if pending_request is not None and pending_request.metadata.call_method in DIRECT:
             with self.lock:                           # to the replica named by its first argument (pd.py)
-                self._direct.add(pending_request.metadata.internal_request_id)
+                now = time.time()
+                self._direct[pending_request.metadata.internal_request_id] = now
+                for key in [k for k, t in self._direct.items() if now - t > CHOSEN_TTL_S]:
+                    del self._direct[key]             # never routed (the replica is gone): forgotten
             target = pending_request.args[0]
             return [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
         if self.policy == "pow2" or pending_request is None:
@@ -201,7 +204,7 @@ class LumenRouter(RequestRouter):
         with self.lock:
             rid, key, now = replica_id.unique_id, internal_request_id, time.time()
             if key in self._direct:
-                self._direct.discard(key)
+                del self._direct[key]
                 return
             if self._running.get(key) == rid:
                 del self._running[key]
