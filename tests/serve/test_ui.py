@@ -144,7 +144,8 @@ def test_recorder_folds_real_steps_draft_apart(smollm2_path):
     share = sorted((r.split[g["matmul"]] + r.split[g["head"]] + r.split[g["draft"]]) / r.wall_s for r in decode)
     assert share[len(share) // 2] >= 0.5, share
     assert any(r.split[g["draft"]] > 0 for r in decode)      # the draft's forwards, not the target's matmuls
-    assert all(r.split[g["draft"]] == 0 for r in recs[:1])
+    # the draft model takes its requests' prompts in the step that prefills the target's, and is counted there
+    assert recs[0].split[g["draft"]] > 0 and recs[0].split[g["matmul"]] > 0
 
 
 # ---- the browser
