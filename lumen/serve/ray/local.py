@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 
+import ray                         # first: Ray puts its own copy of psutil on the path (not a requirement of ray)
 import psutil
 
 log = logging.getLogger("lumen.serve")
@@ -39,7 +40,6 @@ class LocalRay:
     """A Ray instance of this process's own (see the module docstring)."""
 
     def __init__(self, num_cpus: int | None = None, log_to_driver: bool = True):
-        import ray
         me = psutil.Process()
         self.before = {p.pid for p in me.children(recursive=True)}      # not Ray's
         # a short path: Ray's unix sockets live under it (at most 107 bytes)
@@ -69,7 +69,6 @@ class LocalRay:
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop Serve and Ray as they stop themselves, then whatever is left (SIGTERM, then SIGKILL)."""
-        import ray
         from ray import serve
         procs = self.processes()
         try:
@@ -83,7 +82,6 @@ class LocalRay:
     def kill(self) -> None:
         """Every process of the instance, now (the GCS last: this process leaves it first, which takes seconds
         once it is gone)."""
-        import ray
         procs = self.processes()
         gcs = [p for p in procs if _name(p) == "gcs_server"]
         psutil.wait_procs(_signal([p for p in procs if p not in gcs], "kill"), timeout=5.0)
@@ -94,10 +92,11 @@ class LocalRay:
         """SIGTERM to procs and to the instance's processes still there, SIGKILL after `grace` seconds (0: at
         once); the temp dir goes once none is left."""
         procs = {p.pid: p for p in procs + self.processes()}
-        alive = [p for p in procs.values() if p.is_running()]
+        alive = _live(procs.values())
         if alive and grace > 0:
             _, alive = psutil.wait_procs(_signal(alive, "terminate"), timeout=grace)
-        if alive:
+        if _live(alive):
+            alive = _live(alive)
             log.info("killing %d process(es) of the local Ray instance: %s", len(alive),
                      ", ".join(sorted({_name(p) for p in alive})))
             _, alive = psutil.wait_procs(_signal(alive, "kill"), timeout=5.0)
@@ -105,10 +104,24 @@ class LocalRay:
         if later:
             _, more = psutil.wait_procs(_signal(later, "kill"), timeout=5.0)
             alive += more
+        alive = _live(alive)
         if alive:
             log.warning("processes of the local Ray instance still alive: %s", [p.pid for p in alive])
         else:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _live(procs) -> list[psutil.Process]:
+    """The ones still running: not gone, not a zombie (an exited process whose parent, init in some containers,
+    has not reaped it: it holds nothing but its pid)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _signal(procs: list[psutil.Process], how: str) -> list[psutil.Process]:
