@@ -130,8 +130,9 @@ class DraftModel:
     """A second model with the target's vocabulary, run by its own runner (the engine's forward pass) over its
     own block pool. Each speculating request has a row of its block table; the draft's cache holds the request's
     tokens up to `done[seq]`: it takes the prompt beside the target's prefill (`prefill`), and catches up (the
-    tokens it lacks run in its first draft forward, a long gap in prefill chunks before) as it drafts. Drafts of all requests are made together: one batched forward per
-    drafted position. Every forward's time is kept by shape (`costs`), which the speculator prices k with.
+    tokens it lacks run in its first draft forward, a long gap in prefill chunks before) as it drafts. Drafts of
+    all requests are made together: one batched forward per drafted position. Every forward's time is kept by shape
+    (`costs`), which the speculator prices k with.
 
     vocab: the draft's output head computes the logits of the first `vocab` token ids only (the tiles of the
     head's rows are contiguous, so this is a prefix of its packed matrix; BPE vocabularies put the frequent
