@@ -21,8 +21,8 @@ import os
 import shutil
 import tempfile
 
-import ray                         # first: Ray puts its own copy of psutil on the path (not a requirement of ray)
 import psutil
+import ray
 
 log = logging.getLogger("lumen.serve")
 PR_SET_CHILD_SUBREAPER = 36
