@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,7 +57,8 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
-        fd, path = tempfile.mkstemp(prefix=f"lumen-bench-{name.replace('.', '')}-", suffix=".log")
+        tag = re.sub(r"[^A-Za-z0-9_-]+", "-", name)
+        fd, path = tempfile.mkstemp(prefix=f"lumen-bench-{tag}-", suffix=".log")
         os.close(fd)
         self.log = Path(path)
         self.p: subprocess.Popen | None = None
