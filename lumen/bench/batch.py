@@ -44,6 +44,12 @@ from ..commands import prog
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 
+# Seconds of rest between the two engines' blocks, both ways. Lumen's one-sequence decode right after
+# llama-batched-bench's process exits ran 28.0 ms a step against 21.4-21.7 alone or after this rest (the exiting
+# process's gigabyte of repacked weights is still being freed while the next block streams its own weights).
+SETTLE_ENGINES_S = 3.0
+
+
 def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
     """One repetition at one parallel level: {t_pp, t_tg} seconds."""
     from ..engine.sampling.params import SamplingParams
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     beside[kind]["Lumen"][b].append(figures(run_lumen(engine, args.npp, args.ntg, b, ids), args.npp,
                                                             args.ntg, b))
                 if binary:
+                    time.sleep(SETTLE_ENGINES_S)
                     try:
                         got = run_llama(binary, str(path), args.npp, args.ntg, levels, model.threads, extra)
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         return 1
                     for b in levels:
                         beside[kind]["llama.cpp"][b].append(figures(got[b], args.npp, args.ntg, b))
+                    time.sleep(SETTLE_ENGINES_S)
         if sys.stderr.isatty():
             print(f"\rrep {r + 1}/{args.repetitions} done  ", end="", file=sys.stderr, flush=True)
     if sys.stderr.isatty():
