@@ -18,7 +18,7 @@ import statistics
 
 from lumen import Engine, SamplingParams
 from lumen.bench.spec import prompts
-from lumen.engine.speculative.drafters import PRIOR, NgramDrafter, SpecState
+from lumen.engine.speculative.drafters import NgramDrafter, SpecState
 from lumen.engine.speculative.speculator import choose_k, skipped, update_alpha
 from verdict import verdict
 
@@ -41,7 +41,7 @@ def replay(prompt: list, out: list, drafter: NgramDrafter, row_cost: float) -> t
         if n is None:
             unmatched += 1
         elif room > 0:
-            k = choose_k(seq.spec.alpha_n.get(n, PRIOR), room, cost)
+            k = choose_k(seq.spec.alpha_of(n), room, cost)
             if k == 0:
                 skipped(seq.spec, n)
         d = drafter.propose([(seq, k)]).get(seq) if k else None

@@ -275,7 +275,7 @@ def test_acceptance_is_kept_per_match_length():
     for _ in range(10):
         update_alpha(st, 4, 0, n=1)
         update_alpha(st, 4, 4, n=3)
-    assert st.alpha_n[1] < 0.05 and st.alpha_n[3] > 0.95
+    assert st.alpha_of(1) < 0.05 and st.alpha_of(3) > 0.95
     assert st.steps == 20 and st.proposed == 80 and st.accepted == 40
 
 
@@ -299,7 +299,7 @@ class _Seq:
     """What the speculator reads of a decoding request."""
     def __init__(self, speculative="draft", alpha=0.8, tokens=(5, 6, 7)):
         self.params = _Params(speculative)
-        self.spec = SpecState(alpha=alpha, hits=alpha)
+        self.spec = SpecState(hits=alpha)
         self.tokens = list(tokens)                     # the default has no n-gram match
         self.chooser = SimpleNamespace(sampler=SimpleNamespace(greedy=True))
 
@@ -344,11 +344,10 @@ def test_k_by_measured_cost_includes_the_draft(target, draft_ms, alpha, wins):
 
 def test_k_by_measured_cost_ngram():
     seq = _Seq("ngram", tokens=MATCH)
-    seq.spec.alpha_n[3] = 0.5
     seq.spec.judged_n[3] = (0.5, 1.0)
     assert _speculator(FLAT)._choose_k(seq, room=5, planned=0) >= 3
     assert _speculator(STEEP)._choose_k(seq, room=5, planned=0) == 0
-    assert seq.spec.alpha_n[3] > 0.5                  # judged not to pay: drifts back towards the prior
+    assert seq.spec.alpha_of(3) > 0.5                  # judged not to pay: drifts back towards the prior
 
 
 def test_draft_cost_before_it_is_measured_follows_the_bytes():
@@ -443,19 +442,19 @@ def test_a_draft_request_drafts_by_ngram_when_that_pays_more():
     or with a poor one, from the draft model."""
     sp = _speculator(FLAT, 6.0)
     seq = _Seq("draft", 0.7, MATCH)
-    seq.spec.alpha_n[3], seq.spec.judged_n[3] = 0.9, (0.9, 1.0)
+    seq.spec.judged_n[3] = (0.9, 1.0)
     assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "ngram"
-    seq.spec.alpha_n[3], seq.spec.judged_n[3] = 0.1, (0.1, 1.0)
+    seq.spec.judged_n[3] = (0.1, 1.0)
     assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "draft"
     seq.tokens = [7, 8, 9]                             # no match
     assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "draft"
     seq.tokens = list(MATCH)
-    seq.spec.alpha_n[3], seq.spec.judged_n[3] = 0.9, (0.9, 1.0)
+    seq.spec.judged_n[3] = (0.9, 1.0)
     seq.chooser.sampler.greedy = False                 # sampled: its tokens must not depend on what drafted
     assert sp._choose_k(seq, room=5, planned=0) > 0 and sp.source(seq) == "draft"
     # the model's estimate and the lookup's are kept apart
     update_alpha(seq.spec, 4, 4, n=3)
-    assert seq.spec.alpha == 0.7 and seq.spec.alpha_n[3] > 0.1
+    assert seq.spec.alpha == 0.7 and seq.spec.alpha_of(3) > 0.1
 
 
 def test_the_draft_prefills_its_prompt_beside_the_targets(tiny):

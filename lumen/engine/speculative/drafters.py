@@ -40,15 +40,23 @@ class SpecState:
     """One request's speculation: its drafter's index, its acceptance average, its counts."""
     index: dict = field(default_factory=dict)       # n -> {ngram tuple: position after its last occurrence}
     indexed: int = 0                                # tokens indexed so far
-    alpha: float = PRIOR                            # per-token acceptance rate estimate: hits / judged
     hits: float = PRIOR                             # accepted drafts per verification (exponential average)
     judged: float = 1.0                             # drafts judged per verification: accepted + the first rejected
-    alpha_n: dict = field(default_factory=dict)     # the n-gram drafter: the same, per match length n (from PRIOR)
-    judged_n: dict = field(default_factory=dict)    # n -> (hits, judged)
+    judged_n: dict = field(default_factory=dict)    # the n-gram drafter: n -> (hits, judged) per match length n
     matched: tuple = (-1, None)                     # (tokens, n) of the last match: k's choice and the draft share it
     steps: int = 0                                  # verification steps
     proposed: int = 0
     accepted: int = 0
+
+    @property
+    def alpha(self) -> float:
+        """The draft model's per-token acceptance rate estimate: hits / judged."""
+        return self.hits / self.judged
+
+    def alpha_of(self, n: int) -> float:
+        """The n-gram drafter's estimate for match length n (PRIOR before any verification)."""
+        h, j = self.judged_n.get(n, (PRIOR, 1.0))
+        return h / j
 
 
 # ---------------------------------------------------------------- drafters

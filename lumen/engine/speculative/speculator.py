@@ -169,7 +169,7 @@ class Speculator:
                 n = self.ngram.match(st, seq.tokens)
                 if n is None:
                     continue
-                alpha = st.alpha_n.get(n, PRIOR)
+                alpha = st.alpha_of(n)
             else:
                 n, alpha = 0, st.alpha
             if c0 is None or not self.costs.known(base + k_max, rows):   # not measured yet: explore both ends
@@ -243,12 +243,9 @@ def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.
         if not n:
             st.hits = (1 - weight) * st.hits + weight * accepted
             st.judged = (1 - weight) * st.judged + weight * judged
-            st.alpha = st.hits / st.judged
         else:
             h, j = st.judged_n.get(n, (PRIOR, 1.0))
-            h, j = (1 - weight) * h + weight * accepted, (1 - weight) * j + weight * judged
-            st.judged_n[n] = (h, j)
-            st.alpha_n[n] = h / j
+            st.judged_n[n] = ((1 - weight) * h + weight * accepted, (1 - weight) * j + weight * judged)
         st.steps += 1
         st.proposed += proposed
         st.accepted += accepted
@@ -259,10 +256,7 @@ def skipped(st: SpecState, n: int) -> None:
     drifts back towards the prior, so a request whose text turns predictable again gets to draft again (without
     drafting, the estimate would never be corrected)."""
     if n:
-        a = st.alpha_n.get(n, PRIOR)
-        st.alpha_n[n] = a = a + RECOVER * (PRIOR - a)
         h, j = st.judged_n.get(n, (PRIOR, 1.0))
-        st.judged_n[n] = (a * j, j)
+        st.judged_n[n] = (h + RECOVER * (PRIOR * j - h), j)
     else:
-        st.alpha += RECOVER * (PRIOR - st.alpha)
-        st.hits = st.alpha * st.judged
+        st.hits += RECOVER * (PRIOR * st.judged - st.hits)
