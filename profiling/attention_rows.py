@@ -54,7 +54,7 @@ def chunk_loop(R: int):
 @njit
 def _layer_loop(n, out, q, kv, pos, seqs, scr):
     for _ in range(n):
-        attention_kernel(out, q, kv, pos, seqs, 0, np.float32(0.125), scr)
+        attention_kernel(out, q, kv, pos, seqs, 0, np.float32(0.125), scr, False)
 
 
 def caches(rng, L, N, ctx, KVH, hd, in_order=False):

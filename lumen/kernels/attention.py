@@ -17,8 +17,8 @@ thread count: its keys are cut into CHUNKs at fixed absolute positions (0, CHUNK
 softmax is computed whole, starting from nothing: its scores, their max, the exponentials, and the output block
 by block in key order (lumen.kernels.fp.attn_chunk_R spells out every sum); the chunks' partial results are then
 merged in chunk order by one function (`_merge`). Prefill and batched steps run a token's chunks one after
-another on one thread (`attention_kernel`); a lone decode token may hand its chunks to all threads and merge
-afterwards (`attention_split_kernel`). Both give the same bits.
+another on one thread; a lone decode token may hand its chunks to all threads and merge afterwards (split);
+`attention_kernel` does both, with the same bits.
 
 The kernels take the layer's cache as a Paged (k_pool, v_pool, block_tables) and their scratch as an AttnScratch
 (per lane, from `attention_scratch`): o, ro (lanes, n_heads, head_dim_v) chunk and running outputs,
@@ -82,13 +82,12 @@ def key_range(p, window):
 @njit(cache=True, inline="always")
 def _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, a, b, scale):
     """The softmax of query rows h0 .. h0+G-1 of token t over keys a .. b-1 (inside one chunk), from nothing:
-    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output. _chunk and _token take arrays, not the
-    Paged / AttnScratch bundles, and _chunk its rows: reading a bundle's fields here put 8 atomic reference count
-    increments into _chunk's compiled code (0 without) and 26 into _token's (12 without), and computing
-    G = n_heads // n_kv here 6 (the division's error branch defeats Numba's reference count pruning): updates on
-    arrays both threads share, once per chunk (LLVM IR of each, counted). _token and its helpers are inlined
-    (inline="always"): as calls, a (token, kv head) item of 16 keys took 580 ns on one thread, 292 inlined, of
-    which the chunk kernel is 95 (profiling/attention_rows.py's shapes)."""
+    st[lane, h] = (max, 16 lane sums), o[lane, h] = unnormalised output. _chunk takes arrays, not the Paged /
+    AttnScratch bundles, and its rows: reading a bundle's fields here put 8 atomic reference count increments into
+    its compiled code (0 without), and computing G = n_heads // n_kv here 6 (the division's error branch defeats
+    Numba's reference count pruning): updates on arrays both threads share, once per chunk (LLVM IR, counted). It
+    and the other helpers are inlined (inline="always"): as calls, a (token, kv head) item of 16 keys took 580 ns
+    on one thread, 292 inlined, of which the chunk kernel is 95 (profiling/attention_rows.py's shapes)."""
     hd, hdv = q.shape[2], v_pool.shape[3]
     KVH, H = k_pool.shape[1], q.shape[1]
     kb, kg = KVH * hd * BLOCK, g * hd * BLOCK
@@ -151,77 +150,63 @@ def _finish(out, t, h0, G, ro, rm, i):
             out[t, h, d] = ro[i, h, d] * inv
 
 
-@njit(cache=True, inline="always")
-def _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, s, p, g, window, scale):
-    """Attention of token t (position p of sequence s), kv group g: its chunks in order on this lane."""
-    G = q.shape[1] // k_pool.shape[1]
-    h0 = g * G
-    j0, j1 = key_range(p, window)
-    for h in range(h0, h0 + G):
-        rm[lane, h, 0] = NEG
-        rm[lane, h, 1] = 0.0
-    for c in range(j0 // CHUNK, (j1 - 1) // CHUNK + 1):
-        _chunk(o, st, lane, h0, G, q, t, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK), min(j1, (c + 1) * CHUNK),
-               scale)
-        for h in range(h0, h0 + G):
-            l1 = _lane_total(st, lane, h)
-            _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
-    _finish(out, t, h0, G, ro, rm, lane)
-
-
-@njit(cache=True, parallel=True)  # parallel over (token, kv head) items: prefill and batched steps
-def attention_kernel(out, q, kv, positions, seqs, window, scale, scr):
+@njit(cache=True, parallel=True)
+def attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split):
     """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc) over
-    the layer's cache kv (Paged), scr an AttnScratch; work items (token, kv head) dealt round-robin to the lanes
-    (later tokens see more keys)."""
-    o, st, ro, rm = scr.o, scr.st, scr.ro, scr.rm
-    k_pool, v_pool, bt = kv
-    N = q.shape[0]
-    KVH = k_pool.shape[1]
-    lanes = o.shape[0]
-    n_items = N * KVH
-    for lane_ in prange(lanes):
-        lane = np.int64(lane_)                   # (one signature for the callees: prange counts in uint64)
-        for item in range(lane, n_items, lanes):
-            t = item // KVH
-            g = item - t * KVH
-            _token(out, o, st, ro, rm, lane, q, t, k_pool, v_pool, bt, seqs[t], positions[t], g, window, scale)
-
-
-@njit(cache=True, parallel=True)  # split-K over lanes: one decode token has only n_kv items of work
-def attention_split_kernel(out, q, kv, p, s, window, scale, scr):
-    """Same contract as attention_kernel for one token (row 0 of q, position p of sequence s): the items
-    (kv head, chunk) are spread over the lanes, each writes its partial result to scr.po/pm, then one thread
-    merges every row's chunks in chunk order with _merge. Bit-identical to attention_kernel."""
+    the layer's cache kv (Paged), scr an AttnScratch. Not split (prefill and batched steps): the work items
+    (token, kv head) are dealt round-robin to the lanes (later tokens see more keys), each runs its token's chunks
+    in order and merges them as it goes. split (one decode token, row 0, has only n_kv items): the items are
+    (kv head, chunk), each writes its partial result to scr.po/pm, then one thread merges every row's chunks in
+    chunk order with _merge; the same bits. One kernel with one call site of the chunk kernels, not two kernels:
+    each site compiles its own copy of the four attn_chunk_R (a first run compiled 3.8 s for the second)."""
     o, st, ro, rm, po, pm = scr
     k_pool, v_pool, bt = kv
-    H = q.shape[1]
+    N, H = q.shape[0], q.shape[1]
     KVH = k_pool.shape[1]
     G = H // KVH
     lanes = o.shape[0]
-    j0, j1 = key_range(p, window)
-    c0 = j0 // CHUNK
-    nc = (j1 - 1) // CHUNK + 1 - c0
-    n_items = KVH * nc
-    zero = np.int64(0)                           # (not a literal: one signature for the callees)
+    j0s, j1s = key_range(positions[0], window)    # split: the one token's keys, in chunks c0 .. c0 + nc - 1
+    c0 = j0s // CHUNK
+    nc = (j1s - 1) // CHUNK + 1 - c0
+    n_items = KVH * nc if split else N * KVH
     for lane_ in prange(lanes):
-        lane = np.int64(lane_)
+        lane = np.int64(lane_)                   # (one signature for the callees: prange counts in uint64)
         for item in range(lane, n_items, lanes):
-            g = item // nc
-            c = c0 + item - g * nc
-            _chunk(o, st, lane, g * G, G, q, zero, k_pool, v_pool, bt, s, g, max(j0, c * CHUNK),
-                   min(j1, (c + 1) * CHUNK), scale)
-            for h in range(g * G, g * G + G):
-                pm[c - c0, h, 0] = st[lane, h, 0]
-                pm[c - c0, h, 1] = _lane_total(st, lane, h)
-                for d in range(po.shape[2]):
-                    po[c - c0, h, d] = o[lane, h, d]
-    for h in range(H):
-        rm[0, h, 0] = NEG
-        rm[0, h, 1] = 0.0
-        for c in range(nc):
-            _merge(ro, rm, zero, h, po, c, h, pm[c, h, 0], pm[c, h, 1])
-    _finish(out, zero, zero, H, ro, rm, zero)
+            if split:
+                t, g = np.int64(0), item // nc
+                j0, j1 = j0s, j1s
+                ca = c0 + item - g * nc
+                cb = ca + 1
+            else:
+                t = item // KVH
+                g = item - t * KVH
+                j0, j1 = key_range(positions[t], window)
+                ca, cb = j0 // CHUNK, (j1 - 1) // CHUNK + 1
+                for h in range(g * G, g * G + G):
+                    rm[lane, h, 0] = NEG
+                    rm[lane, h, 1] = 0.0
+            for c in range(ca, cb):
+                _chunk(o, st, lane, g * G, G, q, t, k_pool, v_pool, bt, seqs[t], g, max(j0, c * CHUNK),
+                       min(j1, (c + 1) * CHUNK), scale)
+                for h in range(g * G, g * G + G):
+                    l1 = _lane_total(st, lane, h)
+                    if split:
+                        pm[c - c0, h, 0] = st[lane, h, 0]
+                        pm[c - c0, h, 1] = l1
+                        for d in range(po.shape[2]):
+                            po[c - c0, h, d] = o[lane, h, d]
+                    else:
+                        _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
+            if not split:
+                _finish(out, t, g * G, G, ro, rm, lane)
+    if split:
+        zero = np.int64(0)                       # (not a literal: one signature for the callees)
+        for h in range(H):
+            rm[0, h, 0] = NEG
+            rm[0, h, 1] = 0.0
+            for c in range(nc):
+                _merge(ro, rm, zero, h, po, c, h, pm[c, h, 0], pm[c, h, 1])
+        _finish(out, zero, zero, H, ro, rm, zero)
 
 
 @njit(cache=True)  # serial: a copy of N * n_kv * (head_dim + head_dim_v) values
@@ -317,10 +302,7 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
           and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
     if split is None:
         split = bool(split_attention(N, int(positions[0]) + 1))
-    kv = Paged(k_pool, v_pool, block_tables)
-    if split:
-        check(N == 1, "split attention takes one token")
-        attention_split_kernel(out, q, kv, int(positions[0]), int(seqs[0]), int(window), np.float32(scale), scratch)
-    else:
-        attention_kernel(out, q, kv, positions, seqs, int(window), np.float32(scale), scratch)
+    check(not split or N == 1, "split attention takes one token")
+    attention_kernel(out, q, Paged(k_pool, v_pool, block_tables), positions, seqs, int(window), np.float32(scale),
+                     scratch, bool(split))
     return out

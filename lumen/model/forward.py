@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels.activation import add_kernel, add_kernel_par, gated
-from ..kernels.attention import AttnScratch, Paged, attention_kernel, attention_split_kernel, kv_store_kernel
+from ..kernels.attention import AttnScratch, Paged, attention_kernel, kv_store_kernel
 from ..kernels.dequant import dequant_row
 from ..kernels.entries import entries
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
@@ -323,11 +323,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
         _mark(times, prof, lb + Op.kv_store)
         cache = Paged(kv.k[il], kv.v[il], batch.block_tables)
-        if split:
-            attention_split_kernel(a3, q3, cache, batch.positions[0], batch.seqs[0], arch.windows[il], arch.attn_scale,
-                                   scr.attn)
-        else:
-            attention_kernel(a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale, scr.attn)
+        attention_kernel(a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale, scr.attn, split)
         _mark(times, prof, lb + Op.attention)
         mm(xn, att, w.attn_output[il], w, scr.mm)
         _mark(times, prof, lb + Op.o)
