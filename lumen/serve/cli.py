@@ -30,6 +30,7 @@ ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", 
                 "enable_prefix_caching", "enable_chunked_prefill", "scheduler", "pace", "slo_ttft_s", "slo_tpot_s",
                 "explain")
 PD_THRESHOLD = 64              # profiling/pd_serving.py threshold: PD adds ~31 ms to TTFT, a 59-token local prefill
+PD_PREFILL_TIMEOUT = 60.0
 SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_vocab")
 
 
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "replica, or answer 503 (default recompute)")
     pd.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
                     help="seconds a prefill replica holds a prompt's KV for the decode replica (default 60)")
+    pd.add_argument("--pd-prefill-timeout", type=float, default=PD_PREFILL_TIMEOUT, metavar="S",
+                    help="seconds a decode replica waits for the prefill pool's answer (its queue and the "
+                         "prefill) before it cancels the call and follows --kv-failure, so a prefill replica that "
+                         f"hangs does not hang the request (default {PD_PREFILL_TIMEOUT:g}: far above a prefill "
+                         "of the context at one thread; raise it for long contexts on large models)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3", "mistral", "none"],
                     help="how tool calls are read from the model's text (default: from the chat template; none: "
                          "requests with tools get a 400 unless tool_choice is \"none\")")
@@ -230,8 +236,10 @@ def _pd_flags_error(args) -> str | None:
     """What is wrong with the disaggregated-serving flags, in one line (None: nothing)."""
     p, d = args.prefill_replicas, args.decode_replicas
     if p is None and d is None:
-        if args.pd_threshold != PD_THRESHOLD or args.kv_failure != "recompute" or args.kv_hold_timeout != 60.0:
-            return "--pd-threshold, --kv-failure and --kv-hold-timeout need --prefill-replicas and --decode-replicas"
+        if args.pd_threshold != PD_THRESHOLD or args.kv_failure != "recompute" or args.kv_hold_timeout != 60.0 \
+                or args.pd_prefill_timeout != PD_PREFILL_TIMEOUT:
+            return "--pd-threshold, --pd-prefill-timeout, --kv-failure and --kv-hold-timeout need --prefill-replicas " \
+                   "and --decode-replicas"
         return None
     if p is None or d is None:
         return "--prefill-replicas and --decode-replicas go together"
@@ -244,6 +252,8 @@ def _pd_flags_error(args) -> str | None:
         return "--pd-threshold must not be negative"
     if not 0 < args.kv_hold_timeout < 1e6:
         return "--kv-hold-timeout must be a positive number of seconds"
+    if not 0 < args.pd_prefill_timeout < 1e6:
+        return "--pd-prefill-timeout must be a positive number of seconds"
     return None
 
 
@@ -279,7 +289,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
                           router=args.router)
     if args.prefill_replicas:
         from .ray import pd
-        app = pd.build_pd(args.model, config, settings, pd.PDSettings(args.pd_threshold, args.kv_failure),
+        pd_settings = pd.PDSettings(args.pd_threshold, args.kv_failure, prefill_timeout_s=args.pd_prefill_timeout)
+        app = pd.build_pd(args.model, config, settings, pd_settings,
                           prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
                           router=args.router, max_queue=args.max_queue, chat_template=template,
                           shutdown_timeout=args.shutdown_timeout)

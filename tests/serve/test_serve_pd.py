@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 
 import httpx
@@ -20,8 +21,8 @@ from lumen.engine.kv_transfer import DO_REMOTE_DECODE
 pytest.importorskip("ray.serve")
 psutil = pytest.importorskip("psutil")
 
-from lumen.serve.ray.pd import PREFILL_PARAMS, HandOff, PDSettings  # noqa: E402
-from lumen.serve.worker import ShuttingDown  # noqa: E402
+from lumen.serve.ray.pd import PREFILL_PARAMS, HandOff, PDSettings, PrefillReplica  # noqa: E402
+from lumen.serve.worker import EngineWorker, ShuttingDown  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 from test_serve import reference, strip_end  # noqa: E402
@@ -34,14 +35,37 @@ def model(smollm2_path):
     return lumen.load(smollm2_path, ctx=1024, threads=1)
 
 
-class Call:
-    """handle.method.remote(*args) as Ray's DeploymentHandle: an awaitable (a coroutine here)."""
+class Response:
+    """As Ray Serve's DeploymentResponse: awaiting it waits for the call, and a wait that is cancelled (timed out)
+    leaves the call running; cancel() stops it (Ray Serve cancels the replica's task for it)."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, result):
+        if asyncio.iscoroutine(result):
+            self.task = asyncio.ensure_future(result)
+        else:
+            self.task = asyncio.get_running_loop().create_future()
+            self.task.set_result(result)
+        self.cancelled = False
+
+    def __await__(self):
+        return asyncio.shield(self.task).__await__()
+
+    def cancel(self):
+        self.cancelled = True
+        self.task.cancel()
+
+
+class Call:
+    """handle.method.remote(*args) as Ray's DeploymentHandle: a Response (the calls made are kept in `made`)."""
+
+    def __init__(self, fn, made: list | None = None):
+        self.fn, self.made = fn, made
 
     def remote(self, *args):
-        return self.fn(*args)
+        r = Response(self.fn(*args))
+        if self.made is not None:
+            self.made.append((args, r))
+        return r
 
 
 class StandIn:
@@ -144,12 +168,119 @@ def test_hand_off_pulls_long_prompts_and_handles_failures(model):
         assert e.blocks.num_free == free and e.blocks.num_pinned == 0
 
 
+def prefill_replica(engine, name: str) -> PrefillReplica:
+    """A PrefillReplica over `engine` without Ray: its worker's engine thread started on the running loop."""
+    r = PrefillReplica.__new__(PrefillReplica)
+    r.replica, r.engine = name, engine
+    r.worker = EngineWorker(engine, max_queue=16)
+    r.worker.start()
+    return r
+
+
+class Pool:
+    """The prefill deployment's handle over such replicas: prefill to route(prompt ids), export_kv and release_kv
+    to the replica they name (as lumen.serve.ray.router's DIRECT); the calls made in `made`."""
+
+    def __init__(self, replicas, route):
+        self.made: list = []
+        by_name = {r.replica: r for r in replicas}
+        self.prefill = Call(lambda prompts, params: route(prompts[0]).prefill(prompts, params), self.made)
+        self.export_kv = Call(lambda replica, *args: by_name[replica].export_kv(replica, *args), self.made)
+        self.release_kv = Call(lambda replica, rid: by_name[replica].release_kv(replica, rid), self.made)
+
+
+def stall(engine) -> tuple[threading.Event, list[int]]:
+    """From now on the engine's thread hangs after each step (a stuck replica) until the event is set; the list
+    gets the engine's free blocks at each hang."""
+    gate, free = threading.Event(), []
+    step = engine.step
+
+    def stuck():
+        out = step()
+        free.append(engine.blocks.num_free)
+        gate.wait()
+        return out
+    engine.step = stuck
+    return gate, free
+
+
+@pytest.mark.parametrize("failure", ["recompute", "error"])
+def test_hand_off_gives_up_on_a_prefill_replica_that_hangs(model, failure):
+    """A prefill replica stuck mid-prefill: past --pd-prefill-timeout the decode replica cancels the call (the
+    replica aborts the request and frees its blocks) and recomputes the prompt or answers 503, while a request
+    served by a healthy prefill replica at the same time is pulled as usual; a client that leaves while waiting
+    cancels the call too; no block is left taken anywhere."""
+    mk = lambda: Engine(model, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_mb=16)  # noqa: E731
+    hung_ids = model.tokenize(PROMPT_LONG)                         # > 128 tokens: two prefill chunks
+    ok_ids = model.tokenize("Rivers run to the sea, and the sea is never full. " * 8)
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    want = [o.token_ids for o in mk().generate([hung_ids, ok_ids], sp)]
+    hung, ok, dec = mk(), mk(), mk()
+    free = {e: e.blocks.num_free for e in (hung, ok, dec)}
+    gate, hung_free = stall(hung)
+    timeout = 3.0
+    reg = CollectorRegistry()
+
+    async def serve():
+        replicas = [prefill_replica(hung, "hung"), prefill_replica(ok, "ok")]
+        pool = Pool(replicas, lambda ids: replicas[0] if ids == hung_ids else replicas[1])
+        h = HandOff(dec, pool, PDSettings(threshold=64, failure=failure, prefill_timeout_s=timeout), reg, "m")
+        t0 = time.perf_counter()
+
+        async def one(ids):
+            try:
+                return await h.extras([ids], [sp]), time.perf_counter() - t0
+            except ShuttingDown as e:
+                return e, time.perf_counter() - t0
+        try:
+            got = await asyncio.gather(one(hung_ids), one(ok_ids))
+            left = asyncio.ensure_future(h.extras([hung_ids], [sp]))   # and a client that leaves meanwhile
+            await asyncio.sleep(0.5)
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            await asyncio.sleep(0.05)                              # the cancelled calls' aborts run
+            return got, pool.made
+        finally:
+            gate.set()
+            for r in replicas:
+                r.worker.stop()
+
+    # a test-level timeout: a hand-off that waits forever fails here instead of hanging the suite
+    [(hung_x, hung_s), (ok_x, ok_s)], made = asyncio.run(asyncio.wait_for(serve(), 30))
+    assert hung_free and hung_free[0] < free[hung]                  # the stuck replica held blocks mid-prefill
+    assert timeout <= hung_s < timeout + 5 and ok_s < timeout      # the other request did not wait for it
+    prefills = [r for args, r in made if len(args) == 2 and args[0] == [hung_ids]]
+    assert len(prefills) == 2 and all(r.cancelled for r in prefills)   # the calls given up on: cancelled there
+    assert "kv_data" in ok_x[0]
+    m = metric(reg, "lumen:kv_transfers_total")
+    assert m['lumen:kv_transfers_total{model_name="m",result="pulled"}'] == 1
+    if failure == "error":
+        assert isinstance(hung_x, ShuttingDown) and "prefill replica" in str(hung_x)
+        assert m['lumen:kv_transfers_total{model_name="m",result="error"}'] == 1
+        prompts, extras = [ok_ids], ok_x
+    else:
+        assert hung_x == [{}]                                      # run here instead
+        assert m['lumen:kv_transfers_total{model_name="m",result="recomputed"}'] == 1
+        prompts, extras = [hung_ids, ok_ids], hung_x + ok_x
+    rids = [dec.add_request(p, sp, **x) for p, x in zip(prompts, extras)]
+    outs = {}
+    while dec.has_unfinished():
+        outs.update({o.request_id: o for o in dec.step()})
+    assert [outs[r].token_ids for r in rids] == want[-len(prompts):]
+    for e in (hung, ok, dec):
+        e.blocks.check()
+        assert e.blocks.num_free == free[e] and e.blocks.num_pinned == 0 and e.kv.num_holds == 0
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prefill-replicas", "1"], "go together"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "leave out --replicas"),
     (["--prefill-replicas", "0", "--decode-replicas", "1"], "at least 1"),
     (["--kv-failure", "error"], "need --prefill-replicas"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--pd-threshold", "-1"], "not be negative"),
+    (["--pd-prefill-timeout", "5"], "need --prefill-replicas"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--pd-prefill-timeout", "0"], "positive number"),
 ])
 def test_bad_pd_flags_are_one_line_errors(flags, message, capsys):
     from lumen.serve.cli import main

@@ -12,13 +12,17 @@
                                                     this replica lacks, numpy arrays through Ray's object store;
                                                     the hold is released as they are copied out
               engine.add_request(ids, params, kv_transfer_params=..., kv_data=...)   decoded here
-    a failure (the prefill replica died, the pull timed out, the KV expired): --kv-failure recompute runs the
-    prompt here instead; error answers 503. A refusal (the prefill pool's queue is full) always runs it here.
+    a failure (the prefill replica died, it did not answer within --pd-prefill-timeout, the pull timed out, the KV
+    expired): --kv-failure recompute runs the prompt here instead; error answers 503. A refusal (the prefill pool's
+    queue is full) always runs it here. A call given up on is cancelled (Ray Serve cancels its task on the
+    replica, which aborts the request and so frees or releases its blocks); awaiting a handle call with a timeout
+    alone would not stop it there.
 
 The decode replica, not the ingress, decides and drives the hand-off: only it knows exactly which blocks its cache
 holds, and so which requests have many uncached tokens and which blocks to pull (vLLM's proxy asks the prefill
 first and cannot know). Held blocks are released by the export, by release_kv when the decode side gives up
-(cancelled), and after the engine's kv_hold_timeout_s (expired every routing-stats period, 1 s).
+(cancelled), and after the engine's kv_hold_timeout_s (expired every routing-stats period, 1 s): the last also
+covers a prefill that finished just as the decode replica gave up on it.
 
 Metrics of each decode replica (in /metrics with its replica label): lumen:kv_transfers_total{result=pulled|
 recomputed|error|local}, lumen:kv_transfer_bytes_total, lumen:kv_handoff_seconds (the pull: export call, copy,
@@ -53,18 +57,24 @@ PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0)   # a prefill's own
 @dataclass(frozen=True)
 class PDSettings:
     """threshold: uncached prompt tokens from which a request goes through the prefill pool; failure: "recompute"
-    or "error" when the hand-off fails; pull_timeout_s: the longest wait for the KV once prefilled. The threshold's
-    default: the hand-off adds ~31 ms to a request's TTFT, as long as a local prefill of ~59 tokens takes on
-    SmolLM2-135M at one thread, fewer on larger models (profiling/pd_serving.py threshold)."""
+    or "error" when the hand-off fails; prefill_timeout_s: the longest wait for the prefill pool's answer (its
+    queue and the prefill; a replica that hangs must not hang the request); pull_timeout_s: the longest wait for the
+    KV once prefilled. The threshold's default: the hand-off adds ~31 ms to a request's TTFT, as long as a local
+    prefill of ~59 tokens takes on SmolLM2-135M at one thread, fewer on larger models (profiling/pd_serving.py
+    threshold)."""
     threshold: int = 64
     failure: str = "recompute"
     pull_timeout_s: float = 30.0
+    prefill_timeout_s: float = 60.0
 
     def __post_init__(self):
         if self.failure not in ("recompute", "error"):
             raise ValueError(f"kv failure policy must be 'recompute' or 'error', got {self.failure!r}")
         if not isinstance(self.threshold, int) or self.threshold < 0:
             raise ValueError(f"the PD threshold must be a non-negative number of tokens, got {self.threshold!r}")
+        for name in ("pull_timeout_s", "prefill_timeout_s"):
+            if not 0 < getattr(self, name) < 1e6:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
 
 
 class PrefillReplica(EngineReplica):
@@ -144,10 +154,11 @@ class HandOff:
         if len(ids) - 1 - first * BLOCK < self.settings.threshold:
             self.count("local")
             return {}
-        got = None
+        got = call = None
         try:
             t0 = time.perf_counter()
-            got = await self.prefill.prefill.remote([ids], params)
+            call = self.prefill.prefill.remote([ids], params)
+            got = await bounded(call, self.settings.prefill_timeout_s, "the prefill pool")
             self.prefill_s.observe(time.perf_counter() - t0)
             if "refused" in got:                      # not queued there (full, say): run it here
                 log.info("prefill pool refused a request (%s): running it here", got["message"])
@@ -155,12 +166,14 @@ class HandOff:
                 return {}
             p = got["kv_transfer_params"]
             t1 = time.perf_counter()
-            runs = await asyncio.wait_for(
-                self.prefill.export_kv.remote(got["replica"], p["remote_request_id"], first,
-                                              needed_blocks(p, len(ids))), self.settings.pull_timeout_s)
+            runs = await bounded(self.prefill.export_kv.remote(got["replica"], p["remote_request_id"], first,
+                                                               needed_blocks(p, len(ids))),
+                                 self.settings.pull_timeout_s, "the KV pull")
             self.handoff.observe(time.perf_counter() - t1)
         except asyncio.CancelledError:                # the client left: let the prefill replica go now
-            if got is not None and "kv_transfer_params" in got:
+            if got is None and call is not None:
+                call.cancel()                         # the prefill in flight: its replica aborts it
+            elif got is not None and "kv_transfer_params" in got:
                 self.prefill.release_kv.remote(got["replica"], got["kv_transfer_params"]["remote_request_id"])
             raise
         except Exception as e:                        # noqa: BLE001 - the replica died, timed out, the KV expired
@@ -175,6 +188,17 @@ class HandOff:
         self.bytes.inc(data.nbytes)
         self.count("pulled")
         return {"kv_transfer_params": p, "kv_data": data}
+
+
+async def bounded(call, timeout_s: float, what: str):
+    """The result of a handle call (a Ray Serve DeploymentResponse), awaited for at most timeout_s seconds; past
+    that, the call is cancelled and TimeoutError raised. The cancel is what stops the call on its replica (Ray Serve
+    cancels the replica's task for it): wait_for's own cancel only stops this side's wait."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        call.cancel()
+        raise TimeoutError(f"{what} did not answer within {timeout_s:g} s") from None
 
 
 class _ImportState:
