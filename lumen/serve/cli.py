@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--pd-prefill-timeout", type=float, default=PD_PREFILL_TIMEOUT, metavar="S",
                     help="seconds a decode replica waits for the prefill pool's answer (its queue and the "
                          "prefill) before it cancels the call and follows --kv-failure, so a prefill replica that "
-                         f"hangs does not hang the request (default {PD_PREFILL_TIMEOUT:g}: far above a prefill "
-                         "of the context at one thread; raise it for long contexts on large models)")
+                         f"hangs does not hang the request (default {PD_PREFILL_TIMEOUT:g}; raise it when a prefill "
+                         "can take longer: long prompts on a large model, or a deep queue on the prefill pool)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3", "mistral", "none"],
                     help="how tool calls are read from the model's text (default: from the chat template; none: "
                          "requests with tools get a 400 unless tool_choice is \"none\")")
