@@ -24,6 +24,7 @@ from ..model.config import ROPE_NEOX, Config
 from ..timer import active as profiler_active
 from .threads import Governor
 from ..model.forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
+from ..model import precompile
 
 f32 = np.float32
 
@@ -109,15 +110,15 @@ class Runner:
         if not (out.dtype == f32 and out.ndim == 2 and out.shape[0] >= n_out and out.shape[1] == self.cfg.n_vocab
                 and out.flags.c_contiguous and out.flags.writeable):
             raise ValueError(f"logits must be a writeable C-contiguous float32 (>= {n_out}, {self.cfg.n_vocab}) array")
-        batch = Batch(self._tokens[:n], self._positions[:n], self._seqs[:n], self._slots[:n], self.table,
-                      self._out_rows[:n_out])
         prof = profiler_active()
         own = prof.enabled and not prof.in_step
         if own:
             prof.begin_step(phase, n, n_seqs, kv_tokens)
         self.governor.threads()
-        args = (self.arch, self.w, self.kv, batch, self.scr, out, prof.enabled)
+        args = self.forward_args(n, n_out, out, prof.enabled)
+        batch = args[3]
         if self._entry is None:                   # the first call types the arguments and compiles (or loads);
+            precompile.wait()                     # (a first run: what lumen.model.precompile compiled meanwhile)
             forward(*args)                        # every later call has the same types, checked above, so it
             self._entry = forward.overloads[tuple(forward.typeof_pyval(a) for a in args)].entry_point
         else:                                     # skips the dispatcher's typing of the bundles (~35 us a call)
@@ -126,6 +127,12 @@ class Runner:
         if prof.enabled:
             prof.record_forward(self, batch, own)
         return out[:n_out]
+
+    def forward_args(self, n: int, n_out: int, out: np.ndarray, profiled: bool) -> tuple:
+        """The arguments of lumen.model.forward.forward for the first n batch entries and n_out out rows."""
+        batch = Batch(self._tokens[:n], self._positions[:n], self._seqs[:n], self._slots[:n], self.table,
+                      self._out_rows[:n_out])
+        return self.arch, self.w, self.kv, batch, self.scr, out, profiled
 
     def set_tokens(self, i: int, tokens, start: int, row: int) -> int:
         """Put tokens (at positions start, start+1, ...) of the sequence in block-table `row` into the batch at

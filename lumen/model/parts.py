@@ -65,6 +65,8 @@ def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None =
                quiet: bool = False) -> ModelParts:
     """The parts of an opened GGUF file: its weights loaded (repacked, or from the pack cache). quiet: no line
     on stderr when the weights are packed (lumen.model.weights.load_weights)."""
+    from . import precompile
+    precompile.start()                  # a first run: the forward pass compiles on the other core meanwhile
     w = load_weights(g, cfg, pack_cache=pack_cache, quiet=quiet)
     return ModelParts(Path(path), g, cfg, tok, w, Weights(**w.arrays), w.rope_freqs)
 

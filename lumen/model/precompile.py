@@ -1,0 +1,159 @@
+"""A first run compiles the forward pass on the other core while this process loads the model.
+
+On a machine whose compile cache lacks it, the forward pass is most of a first run: about 18 s of SmolLM2's 24 s
+on a 2-vCPU EPYC, all of it on one core (Numba compiles serially) while the other waits. Its types are the same
+for every model (the model's numbers and its weight types' kernels are runtime values: lumen.kernels.entries), so
+it can be compiled before the model is even read, from arguments of no size with the same types (`forward_args`).
+`start()` (lumen.model.parts, before the weights load) then, when the cache lacks it:
+- starts `python -m lumen.model.precompile`, which compiles the forward pass into the cache on the other core;
+- compiles the attention kernel here meanwhile, the largest of the forward pass's kernels (about 5 s), so the
+  child loads it from the cache when its own compile reaches it, and the two halves take about the same time;
+then this process loads and packs the weights and compiles their type's kernels as before. The runner's first
+forward pass calls `wait()`: the child is done by then or soon after, and the forward pass loads from the cache.
+Children of processes that start at once take turns (a lock in the cache directory): the second finds the forward
+pass cached and stops. If the child fails, the forward pass compiles here as it did before; the bits are the same
+either way (compiled code does not depend on which process compiled it). LUMEN_PRECOMPILE=0 turns it off.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from ..kernels.attention import AttnScratch, Paged, attention_kernel
+from ..kernels.layout import Packs
+from ..paths import _flock
+from .forward import KV, Arch, Batch, MMScratch, Scratch, Weights, forward
+
+_child: subprocess.Popen | None = None
+_started_at = 0.0
+
+
+def _z(dtype, ndim: int) -> np.ndarray:
+    return np.zeros((1,) * ndim, dtype)
+
+
+def forward_args() -> tuple:
+    """Arguments of the types every model passes `forward` (lumen.engine.runner.Runner.forward), of no use but
+    their types (tests/model/test_precompile.py checks them against every model's)."""
+    f32, i64 = np.float32, np.int64
+    embd = _z(np.uint8, 2)
+    embd.setflags(write=False)                         # the GGUF's mapped bytes
+    arch = Arch(1, 1, 1, 1, 1, False, False, False, False, False, f32(0), f32(0), f32(0), f32(0), _z(i64, 1),
+                _z(i64, 1), _z(f32, 3), _z(f32, 3))
+    w = Weights(embd, 0, _z(f32, 1), Packs(_z(i64, 2), _z(np.uint8, 1), _z(f32, 1), _z(np.uint8, 1)),
+                *(_z(i64, 1) for _ in range(7)), 0, _z(i64, 1), _z(f32, 1), *(_z(i64, 2) for _ in range(9)),
+                _z(i64, 1))
+    kv = KV(_z(np.uint16, 5), _z(np.uint16, 5))
+    batch = Batch(_z(i64, 1), _z(i64, 1), _z(i64, 1), _z(i64, 1), _z(i64, 2), _z(i64, 1))
+    mm = MMScratch(_z(np.int8, 1), _z(f32, 1), _z(f32, 1), _z(f32, 1), _z(f32, 2), _z(np.uint8, 2), _z(i64, 1))
+    scr = Scratch(*(_z(f32, 2) for _ in range(8)), mm, attention_scratch_args(), _z(i64, 1))
+    return arch, w, kv, batch, scr, _z(f32, 2), False
+
+
+def attention_scratch_args() -> AttnScratch:
+    return AttnScratch(*(_z(np.float32, 3) for _ in range(6)))
+
+
+def attention_args() -> tuple:
+    """Arguments of the types `forward` passes lumen.kernels.attention.attention_kernel."""
+    i64 = np.int64
+    return (_z(np.float32, 3), _z(np.float32, 3), Paged(_z(np.uint16, 4), _z(np.uint16, 4), _z(i64, 2)), _z(i64, 1),
+            _z(i64, 1), i64(0), np.float32(0), attention_scratch_args(), False)
+
+
+def signature(dispatcher, args: tuple) -> tuple:
+    return tuple(dispatcher.typeof_pyval(a) for a in args)
+
+
+def cached(dispatcher, sig: tuple) -> bool:
+    """Whether Numba's compile cache holds dispatcher's code for sig (read from its index: nothing is loaded)."""
+    cache = dispatcher._cache
+    if not getattr(cache, "_enabled", False):
+        return False
+    key = cache._index_key(sig, dispatcher.targetctx.codegen())
+    return key in cache._cache_file._load_index()
+
+
+def _cache_dir() -> str:
+    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "numba")
+
+
+def start() -> bool:
+    """Start compiling the forward pass in a child process when the compile cache lacks it, and compile the
+    attention kernel here meanwhile (module doc). Returns whether a child was started. Once per process."""
+    global _child, _started_at
+    if _child is not None or os.environ.get("LUMEN_PRECOMPILE", "1") == "0" or not cached_ok():
+        return False
+    if cached(forward, signature(forward, forward_args())) or forward.overloads:
+        return False
+    _started_at = time.perf_counter()
+    try:
+        _child = subprocess.Popen([sys.executable, "-m", "lumen.model.precompile", str(os.getpid())],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return False
+    atexit.register(_stop)
+    attention_kernel.compile(signature(attention_kernel, attention_args()))
+    return True
+
+
+def cached_ok() -> bool:
+    """Whether this process uses Numba's compile cache at all (forward is cached=True; off, nothing is shared)."""
+    return getattr(forward._cache, "_enabled", False)
+
+
+def wait() -> float:
+    """Wait for the child started by start() (if any) to finish compiling; returns the seconds waited."""
+    global _child
+    if _child is None:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        _child.wait()
+    finally:
+        _child = None
+    return time.perf_counter() - t0
+
+
+def _stop() -> None:
+    """At exit: a child still compiling for a process that never ran a forward pass is stopped."""
+    global _child
+    if _child is not None and _child.poll() is None:
+        _child.terminate()
+        try:
+            _child.wait(5)
+        except subprocess.TimeoutExpired:
+            _child.kill()
+    _child = None
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG), and out now if it already has."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> None:
+    """The child (argv: the parent's pid): compile the forward pass into the cache, unless another process's child
+    just did."""
+    if argv and argv[0].isdigit():
+        _die_with_parent(int(argv[0]))
+    with _flock(_cache_dir(), shared=False, name="precompile.lock"):
+        sig = signature(forward, forward_args())
+        if not cached(forward, sig):
+            forward.compile(sig)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
