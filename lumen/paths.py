@@ -160,5 +160,14 @@ def compiling():
     the others wait, then load what it compiled instead of compiling the same functions beside it (two replicas
     starting on a fresh host each compiled everything, on the same cores). Wrap a first forward pass or a
     warm-up in it; a process whose kernels are cached holds it for as long as loading them takes."""
-    with _flock(os.environ.get("NUMBA_CACHE_DIR") or compile_cache_dir(), shared=False, name="compiling.lock"):
+    with compile_turn("compiling"):
+        yield
+
+
+@contextmanager
+def compile_turn(what: str):
+    """Hold the machine's turn to compile `what` (a name) for the block: processes that start at once (replicas,
+    test workers) compile it one after the other, and the later ones load it from the cache instead of compiling
+    it beside the first on the same cores. Different names are independent (no process waits for itself)."""
+    with _flock(os.environ.get("NUMBA_CACHE_DIR") or compile_cache_dir(), shared=False, name=f"{what}.lock"):
         yield

@@ -10,7 +10,7 @@ it can be compiled before the model is even read, from arguments of no size with
   child loads it from the cache when its own compile reaches it, and the two halves take about the same time;
 then this process loads and packs the weights and compiles their type's kernels as before. The runner's first
 forward pass calls `wait()`: the child is done by then or soon after, and the forward pass loads from the cache.
-Children of processes that start at once take turns (a lock in the cache directory): the second finds the forward
+Children of processes that start at once take turns (lumen.paths.compile_turn), and so do their attention compiles: the second finds the forward
 pass cached and stops. If the child fails, the forward pass compiles here as it did before; the bits are the same
 either way (compiled code does not depend on which process compiled it). LUMEN_PRECOMPILE=0 turns it off.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..kernels.attention import AttnScratch, Paged, attention_kernel
 from ..kernels.layout import Packs
-from ..paths import _flock
+from ..paths import compile_turn
 from .forward import KV, Arch, Batch, MMScratch, Scratch, Weights, forward
 
 _child: subprocess.Popen | None = None
@@ -79,10 +79,6 @@ def cached(dispatcher, sig: tuple) -> bool:
     return key in cache._cache_file._load_index()
 
 
-def _cache_dir() -> str:
-    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "numba")
-
-
 def start() -> bool:
     """Start compiling the forward pass in a child process when the compile cache lacks it, and compile the
     attention kernel here meanwhile (module doc). Returns whether a child was started. Once per process."""
@@ -98,7 +94,8 @@ def start() -> bool:
     except OSError:
         return False
     atexit.register(_stop)
-    attention_kernel.compile(signature(attention_kernel, attention_args()))
+    with compile_turn("attention"):              # (replicas starting at once: the first compiles, the rest load)
+        attention_kernel.compile(signature(attention_kernel, attention_args()))
     return True
 
 
@@ -149,7 +146,7 @@ def main(argv: list[str]) -> None:
     just did."""
     if argv and argv[0].isdigit():
         _die_with_parent(int(argv[0]))
-    with _flock(_cache_dir(), shared=False, name="precompile.lock"):
+    with compile_turn("precompile"):
         sig = signature(forward, forward_args())
         if not cached(forward, sig):
             forward.compile(sig)

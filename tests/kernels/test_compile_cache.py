@@ -76,3 +76,43 @@ def test_the_cache_directory_depends_on_the_platform(monkeypatch):
     assert paths.compile_cache_dir() == here
     monkeypatch.setattr(paths, "_platform", lambda: b"another numba, another cpu")
     assert paths.compile_cache_dir() != here
+
+
+# One of two processes that start at once on an empty cache and both need the kernels of one weight type.
+ENTRIES = textwrap.dedent("""
+    import sys, time
+    from numba.core import event
+    n = [0]
+
+    class Count(event.Listener):
+        def on_start(self, ev):
+            pass
+
+        def on_end(self, ev):
+            n[0] += ev.data["dispatcher"].py_func.__name__ == "tiles"
+
+    from lumen.kernels.entries import entries
+    from lumen.kernels.kinds import kinds
+    time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+    with event.install_listener("numba:compile", Count()):
+        entries(kinds(mats=(8,), embd=(8,), acts=(0,)))     # Q8_0 matrices and embedding, SiLU
+    print(n[0])
+""")
+
+
+def test_processes_that_start_at_once_compile_a_types_kernels_once(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(ROOT)}
+    start = time.time() + 8
+    procs = [subprocess.Popen([sys.executable, "-c", ENTRIES, str(start)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(int(out.split()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sorted(outs) == [0, 1], f"tiles compiled by each process: {outs} (the second should load it)"
