@@ -5,7 +5,7 @@ on a 2-vCPU EPYC, all of it on one core (Numba compiles serially) while the othe
 for every model (the model's numbers and its weight types' kernels are runtime values: lumen.kernels.entries), so
 it can be compiled before the model is even read, from arguments of no size with the same types (`forward_args`).
 `start()` (lumen.model.parts, before the weights load) then, when the cache lacks it:
-- starts `python -m lumen.model.precompile`, which compiles the forward pass into the cache on the other core;
+- starts a child process (`main` here), which compiles the forward pass into the cache on the other core;
 - compiles the attention kernel here meanwhile, the largest of the forward pass's kernels (about 5 s), so the
   child loads it from the cache when its own compile reaches it, and the two halves take about the same time;
 then this process loads and packs the weights and compiles their type's kernels as before. The runner's first
@@ -89,8 +89,11 @@ def start() -> bool:
         return False
     _started_at = time.perf_counter()
     try:
-        _child = subprocess.Popen([sys.executable, "-m", "lumen.model.precompile", str(os.getpid())],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        code = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r)\n"    # this lumen, wherever
+                f"from lumen.model.precompile import main; main([{str(os.getpid())!r}])")  # it was imported from
+        _child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
     except OSError:
         return False
     atexit.register(_stop)
