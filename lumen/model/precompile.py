@@ -72,7 +72,7 @@ def signature(dispatcher, args: tuple) -> tuple:
 
 def cached(dispatcher, sig: tuple) -> bool:
     """Whether Numba's compile cache holds dispatcher's code for sig (read from its index: nothing is loaded)."""
-    cache = dispatcher._cache
+    cache = getattr(dispatcher, "_cache", None)
     if not getattr(cache, "_enabled", False):
         return False
     key = cache._index_key(sig, dispatcher.targetctx.codegen())
@@ -85,7 +85,10 @@ def start() -> bool:
     global _child, _started_at
     if _child is not None or os.environ.get("LUMEN_PRECOMPILE", "1") == "0" or not cached_ok():
         return False
-    if cached(forward, signature(forward, forward_args())) or forward.overloads:
+    try:
+        if cached(forward, signature(forward, forward_args())) or forward.overloads:
+            return False
+    except Exception:                            # noqa: BLE001 - Numba's cache internals moved: compile here, as before
         return False
     _started_at = time.perf_counter()
     try:
@@ -104,7 +107,7 @@ def start() -> bool:
 
 def cached_ok() -> bool:
     """Whether this process uses Numba's compile cache at all (forward is cached=True; off, nothing is shared)."""
-    return getattr(forward._cache, "_enabled", False)
+    return getattr(getattr(forward, "_cache", None), "_enabled", False)     # (NUMBA_DISABLE_JIT: no cache)
 
 
 def wait() -> float:
