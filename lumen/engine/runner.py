@@ -15,8 +15,7 @@ import mmap
 import numpy as np
 
 from ..kernels.attention import BLOCK, attention_scratch
-from ..kernels.layout import R
-from ..kernels.matmul import unpack_scratch
+from ..kernels.matmul import FACC, unpack_scratch
 from ..kernels.rope import rope_cache
 from ..kernels.scratch import per_thread
 from ..kernels.work import counters
@@ -61,7 +60,7 @@ def make_scratch(cfg: Config, max_tokens: int, max_pos: int, n_threads: int) -> 
     max_in = max(E, F, H * hdv)
     G = max_in // 32
     mm = MMScratch(xq=np.zeros(B * max_in, np.int8), xd=np.zeros(B * G, f32), xs=np.zeros(B * G, f32),
-                   xf=np.zeros(B * max_in, f32), facc=per_thread((n_threads, R), f32),
+                   xf=np.zeros(B * max_in, f32), facc=per_thread((n_threads, FACC), f32),
                    wbuf=unpack_scratch(n_threads, max_in, B), work=counters(n_threads))
     return Scratch(x=np.zeros((B, E), f32), xn=np.zeros((B, E), f32), q=np.zeros((B, H * hd), f32),
                    k=np.zeros((B, KV_ * hd), f32), v=np.zeros((B, KV_ * hdv), f32), att=np.zeros((B, H * hdv), f32),

@@ -17,7 +17,8 @@ How (lumen/kernels/simd.py has the tile kernels and why they are built as they a
 - N = 1 (decode): the tile kernel streams one tile's groups in memory order with its 64 row sums in registers.
 - N > 1 (batched): each half tile (32 rows) is applied to NR = 4 activation rows per pass, groups outer, each
   weight quad unpacked once for the 4 rows and each activation quad broadcast once for the half tile's 2 vectors
-  (the remaining N % 4 rows one at a time with the N = 1 kernel), while the tile is in cache; the next tile is
+  (the remaining N % 4 rows one at a time with the N = 1 kernel; 3 rows of a wide matrix as one pass over
+  activations padded to 4 rows, lumen.kernels.policy.pad_rows), while the tile is in cache; the next tile is
   prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
   in the N = 1 kernel, so the two paths agree bit for bit.
 - Prefill-sized N, the Q4, Q5 and Q6 families (lumen.kernels.policy.unpack_rows): each tile is first unpacked to
@@ -47,7 +48,7 @@ from numba.extending import overload
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
 from lumen.kernels.kinds import ALL, TILES, call, is_table, same_abi, sets, switch
-from lumen.kernels.policy import UNPACK_ROWS, UNPACKED, parallel_quantize, unpack_rows
+from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
@@ -432,8 +433,10 @@ def tiles_1(out, w, x, facc, t0, t1, kinds):
 def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W the Mat w (its tiles q and scale records
     s, or qf for the F32 family), x the Acts rounded by prepare_x. Per tile: the next tile prefetched, then each
-    half tile over NR rows per pass, the rest (N % NR) one at a time; a last tile of fewer than R rows goes one
-    row at a time through facc (1, R) f32 (and so does every F32-family tile). From
+    half tile over NR rows per pass, the rest (N % NR) one at a time; 3 rows of a wide matrix (policy.pad_rows)
+    as one pass over the activations padded to NR rows (x holds NR rows, prepare_x zeroed the padding) into
+    facc (1, NR * R) f32, then copied out. A last tile of fewer than R rows goes one row at a time through facc (and so does every
+    F32-family tile). From
     lumen.kernels.policy.unpack_rows rows on (prefill), each tile is first unpacked to a byte per column into
     wbuf.flat[wo:] (this worker's scratch, when it holds G * UNPACKED_GROUP bytes) and the passes read that
     (tile_rows_u): the unpacking is then done once per tile instead of once per NR rows. Three call sites of the
@@ -452,7 +455,12 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     G = x.xd.shape[1]
     qb = w.q.shape[1]
     sb = w.s.shape[1]
-    nb = N - N % NR                                   # rows in passes of NR; the rest one at a time
+    # 3 rows of a wide matrix (lumen.kernels.policy.pad_rows): one NR-row pass over the activations padded to NR
+    # rows (prepare_x zeroes the padding) into facc, when both have room, and the rows copied out; else the rows
+    # past N - N % NR go one at a time
+    pad = pad_rows(N, G * 32) and x.xd.shape[0] >= NR and facc.shape[1] >= NR * R
+    nb = NR if pad else N - N % NR                    # rows in passes of NR
+    dst = facc.reshape((NR, R)) if pad else out       # where the passes write
     pre = unpack_rows(N, w.qt) and wbuf.shape[1] >= G * UNPACKED_GROUP
     zero = np.int64(0)
     for t in range(t0, t1):
@@ -474,13 +482,18 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
             chunk = -(-qb // P // 64) * 64
             per = -(-chunk // G // 64) * 64 if t + 1 < t1 else zero
             p = 0
+            c0 = zero if pad else t * R
             for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
                 for i in range(0, nb, NR):
                     pb = per if p * chunk < qb else zero
-                    tile_rows(kinds, NR, out, np.int64(i), t * R, w, t, x, np.int64(i), np.int64(v0),
+                    tile_rows(kinds, NR, dst, np.int64(i), c0, w, t, x, np.int64(i), np.int64(v0),
                               qb + p * chunk, pb)
                     p += 1
-            i0 = nb
+            if pad:
+                for i in range(N):
+                    for r in range(R):
+                        out[i, t * R + r] = dst[i, r]
+            i0 = min(nb, N)
         for i in range(i0, N):
             dst, r0, c0 = (out, np.int64(i), t * R) if full else (facc, zero, zero)
             tile_rows(kinds, 1, dst, r0, c0, w, t, x, np.int64(i), zero, zero, zero)
@@ -620,13 +633,23 @@ def _check_io(out, x, w: Packed):
 
 def _run(out: np.ndarray, x: np.ndarray, w: Packed) -> np.ndarray:
     fmt = ACT_FORMAT[QT(int(w.qtype))]
-    acts = new_acts(x.shape[0], w.n_in, fmt)
+    acts = new_acts(act_rows(x.shape[0]), w.n_in, fmt)
     prepare_x(acts, x, fmt)
-    facc = per_thread((numba.get_num_threads(), R), np.float32)
+    facc = per_thread((numba.get_num_threads(), FACC), np.float32)
     m = mat(w)
     matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, unpack_scratch(facc.shape[0], w.n_in, x.shape[0]),
                   counters(facc.shape[0]), ALL)
     return out
+
+
+FACC = NR * R            # f32 per worker of matmul_kernel's facc: a padded pass's NR rows of a tile (`tiles`)
+
+
+@njit(cache=True, inline="always")
+def act_rows(n):
+    """The rows of the Acts for n activation rows: PAD_ROWS padded to NR (`tiles` may run them as one NR-row pass,
+    lumen.kernels.policy.pad_rows)."""
+    return NR if n == PAD_ROWS else n
 
 
 def unpack_scratch(threads: int, n_in: int, n_rows: int | None = None) -> np.ndarray:

@@ -31,7 +31,7 @@ from ..kernels.attention import AttnScratch, Paged, attention_kernel, kv_store_k
 from ..kernels.dequant import dequant_row
 from ..kernels.entries import entries
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
-from ..kernels.matmul import Acts, Mat, matmul_kernel, prepare_x
+from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_heads_kernel_par, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_kernel, rope_kernel_par
@@ -140,7 +140,7 @@ class MMScratch(NamedTuple):
     xs: np.ndarray               # (rows * max_in / 32,) f32 their scaled sums
     xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
                                  # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
-    facc: np.ndarray             # (lanes, R) f32 per-thread accumulators
+    facc: np.ndarray             # (lanes, FACC) f32 per-thread accumulators (lumen.kernels.matmul)
     wbuf: np.ndarray             # (lanes, max_in / 32 * 2048) u8 per-thread unpacked tile (matmul_kernel)
     work: np.ndarray             # (8,) i8 the work counter of the matmul regions (lumen.kernels.work), own line
 
@@ -195,6 +195,8 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
                        and (n == 2 or (m2.qf.shape[0] == 0 and f2 == f0)))
     N, n_in = x.shape
     G = n_in // 32
+    if act_rows(N) * n_in <= scr.xq.shape[0]:     # 3 rows padded for one NR-row pass (matmul.tiles)
+        N = act_rows(N)
     acts = Acts(scr.xq[:N * n_in].reshape((N, n_in)), scr.xd[:N * G].reshape((N, G)),
                 scr.xs[:N * G].reshape((N, G)),
                 scr.xf[:N * G * 2].view(np.int32).reshape((N, G, 2)),   # xf is free for the 8-bit formats

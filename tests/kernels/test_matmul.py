@@ -17,7 +17,7 @@ import pytest
 
 from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
-from lumen.kernels.policy import UNPACKED
+from lumen.kernels.policy import PAD_MIN_IN, UNPACKED
 from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
 
 ALL = sorted(SUPPORTED, key=int)
@@ -106,6 +106,27 @@ def test_batched_equals_matvec_row_by_row(weights, qtype):
     one = np.empty((1, 100), np.float32)                  # the batched path also takes N = 1
     matmul_batched(one, x[:1], packed, qtype)
     np.testing.assert_allclose(one[0], batched[0], rtol=1e-5, atol=1e-6 * np.abs(batched[0]).max())
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_two_and_three_rows_have_the_bits_of_any_batch(qtype):
+    """3 rows of a wide matrix (lumen.kernels.policy.pad_rows) run as one pass over activations padded to 4 rows,
+    2 rows one at a time: each row's bits are those it gets in a batch of 9 (passes of 4 and a single row), and
+    alone (the decode kernel)."""
+    n_in = PAD_MIN_IN
+    rng = np.random.default_rng(7)
+    packed = prepare(make_weight(qtype, 100, n_in, rng), qtype)
+    x = rng.standard_normal((9, n_in)).astype(np.float32)
+    batch = np.empty((9, 100), np.float32)
+    matmul_batched(batch, x, packed, qtype)
+    for n in (2, 3):
+        for first in (0, 5):                              # rows of a full pass of the 9, and the last ones
+            out = np.full((n, 100), np.nan, np.float32)
+            matmul_batched(out, np.ascontiguousarray(x[first:first + n]), packed, qtype)
+            assert np.array_equal(out, batch[first:first + n]), (n, first)
+    one = np.empty((1, 100), np.float32)
+    matvec(one, x[8:9], packed, qtype)
+    assert np.array_equal(one, batch[8:9])
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q6_K, QT.F16], ids=lambda t: t.name)
