@@ -10,8 +10,8 @@ it can be compiled before the model is even read, from arguments of no size with
   child loads it from the cache when its own compile reaches it, and the two halves take about the same time;
 then this process loads and packs the weights and compiles their type's kernels as before. The runner's first
 forward pass calls `wait()`: the child is done by then or soon after, and the forward pass loads from the cache.
-Children of processes that start at once take turns (lumen.paths.compile_turn), and so do their attention compiles: the second finds the forward
-pass cached and stops. If the child fails, the forward pass compiles here as it did before; the bits are the same
+Processes that start at once take turns (lumen.paths.compile_turn) for the attention kernel and in their children:
+the second child finds the forward pass cached and stops. If the child fails, the forward pass compiles here as it did before; the bits are the same
 either way (compiled code does not depend on which process compiled it). LUMEN_PRECOMPILE=0 turns it off.
 """
 from __future__ import annotations
@@ -56,6 +56,7 @@ def forward_args() -> tuple:
 
 
 def attention_scratch_args() -> AttnScratch:
+    """An AttnScratch of the types the runner makes (lumen.kernels.attention.attention_scratch)."""
     return AttnScratch(*(_z(np.float32, 3) for _ in range(6)))
 
 
