@@ -435,12 +435,11 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     s, or qf for the F32 family), x the Acts rounded by prepare_x. Per tile: the next tile prefetched, then each
     half tile over NR rows per pass, the rest (N % NR) one at a time; 3 rows of a wide matrix (policy.pad_rows)
     as one pass over the activations padded to NR rows (x holds NR rows, prepare_x zeroed the padding) into
-    facc (1, NR * R) f32, then copied out. A last tile of fewer than R rows goes one row at a time through facc (and so does every
-    F32-family tile). From
-    lumen.kernels.policy.unpack_rows rows on (prefill), each tile is first unpacked to a byte per column into
-    wbuf.flat[wo:] (this worker's scratch, when it holds G * UNPACKED_GROUP bytes) and the passes read that
-    (tile_rows_u): the unpacking is then done once per tile instead of once per NR rows. Three call sites of the
-    tile dispatch (each is code for every type)."""
+    facc (1, NR * R) f32, then copied out. A last tile of fewer than R rows goes one row at a time through facc
+    (and so does every F32-family tile). From lumen.kernels.policy.unpack_rows rows on (prefill), each tile is
+    first unpacked to a byte per column into wbuf.flat[wo:] (this worker's scratch, when it holds
+    G * UNPACKED_GROUP bytes) and the passes read that (tile_rows_u): the unpacking is then done once per tile
+    instead of once per NR rows. Three call sites of the tile dispatch (each is code for every type)."""
     N, d_out = out.shape
     if w.qf.shape[0] > 0:
         for t in range(t0, t1):

@@ -11,8 +11,9 @@ it can be compiled before the model is even read, from arguments of no size with
 then this process loads and packs the weights and compiles their type's kernels as before. The runner's first
 forward pass calls `wait()`: the child is done by then or soon after, and the forward pass loads from the cache.
 Processes that start at once take turns (lumen.paths.compile_turn) for the attention kernel and in their children:
-the second child finds the forward pass cached and stops. If the child fails, the forward pass compiles here as it did before; the bits are the same
-either way (compiled code does not depend on which process compiled it). LUMEN_PRECOMPILE=0 turns it off.
+the second child finds the forward pass cached and stops. If the child fails, the forward pass compiles here as
+it did before; the bits are the same either way (compiled code does not depend on which process compiled it).
+LUMEN_PRECOMPILE=0 turns it off.
 """
 from __future__ import annotations
 
