@@ -39,8 +39,11 @@ import numpy as np
 from ..errors import LumenError
 from ..kernels.attention import BLOCK
 from .admission import RequestError
+from .sampling.params import SamplingParams
 
 DO_REMOTE_DECODE = "do_remote_decode"          # the producer's request: hold the KV when done
+PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0)   # a producer's own token is never used: the
+#                                                 consumer computes the last prompt position and samples the first
 KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "num_tokens")
 
 
@@ -283,9 +286,7 @@ def transfer(prefill, decode, token_ids: list[int], params, *, fetch=None) -> st
     """Run token_ids through `prefill` (one token, KV held), pull the blocks `decode` lacks, and queue the request
     on `decode` with them; returns its request id there (step `decode` to run it). fetch(kv_transfer_params, first):
     the runs (default: prefill.kv.export, in this process). Both engines run the same model."""
-    from .sampling.params import SamplingParams
-    rid = prefill.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0),   # its token is not used:
-                              kv_transfer_params={DO_REMOTE_DECODE: True})           # decode samples the first
+    rid = prefill.add_request(token_ids, PREFILL_PARAMS, kv_transfer_params={DO_REMOTE_DECODE: True})
     out = None
     while out is None or not out.finished:
         for o in prefill.step():

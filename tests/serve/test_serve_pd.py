@@ -21,7 +21,8 @@ from lumen.engine.kv_transfer import DO_REMOTE_DECODE
 pytest.importorskip("ray.serve")
 psutil = pytest.importorskip("psutil")
 
-from lumen.serve.ray.pd import PREFILL_PARAMS, HandOff, PDSettings, PrefillReplica  # noqa: E402
+from lumen.engine.kv_transfer import PREFILL_PARAMS  # noqa: E402
+from lumen.serve.ray.pd import HandOff, PDSettings, PrefillReplica  # noqa: E402
 from lumen.serve.worker import EngineWorker, ShuttingDown  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from servers import ServerProcess  # noqa: E402

@@ -26,8 +26,9 @@ covers a prefill that finished just as the decode replica gave up on it.
 
 Metrics of each decode replica (in /metrics with its replica label): lumen:kv_transfers_total{result=pulled|
 recomputed|error|local}, lumen:kv_transfer_bytes_total, lumen:kv_handoff_seconds (the pull: export call, copy,
-object store, write on admission excluded) and lumen:pd_prefill_seconds (the remote prefill call), lumen:kv_import_seconds_total (writing the runs into its
-blocks), lumen:kv_import_blocks_total and lumen:kv_import_skipped_blocks_total.
+object store, write on admission excluded), lumen:pd_prefill_seconds (the remote prefill call),
+lumen:kv_import_seconds_total (writing the runs into its blocks), lumen:kv_import_blocks_total and
+lumen:kv_import_skipped_blocks_total.
 """
 from __future__ import annotations
 
@@ -39,8 +40,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from ...engine.kv_transfer import DO_REMOTE_DECODE, KVData, needed_blocks
-from ...engine.sampling.params import SamplingParams
+from ...engine.kv_transfer import DO_REMOTE_DECODE, PREFILL_PARAMS, KVData, needed_blocks
 from ...kernels.attention import BLOCK
 from ..metrics import TTFT_BUCKETS
 from ..worker import EngineWorker, QueueFull, ShuttingDown
@@ -51,7 +51,6 @@ from .replica import EngineReplica
 log = logging.getLogger("lumen.serve")
 PREFILL = "LumenPrefill"
 PREFILL_FAILED = "the prefill replica serving this request failed; try again"
-PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0)   # a prefill's own token is never used
 
 
 @dataclass(frozen=True)
