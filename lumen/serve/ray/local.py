@@ -95,8 +95,8 @@ class LocalRay:
         alive = _live(procs.values())
         if alive and grace > 0:
             _, alive = psutil.wait_procs(_signal(alive, "terminate"), timeout=grace)
-        if _live(alive):
-            alive = _live(alive)
+        alive = _live(alive)
+        if alive:
             log.info("killing %d process(es) of the local Ray instance: %s", len(alive),
                      ", ".join(sorted({_name(p) for p in alive})))
             _, alive = psutil.wait_procs(_signal(alive, "kill"), timeout=5.0)
