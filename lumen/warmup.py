@@ -6,9 +6,10 @@ on the compiler. Per model it loads the weights (the kernels of its weight types
 runs a prefill and a decode step (the forward pass), a generation through the engine (the samplers) and a masked
 step (the structured-output kernels), and reports the seconds, the functions compiled (cache misses) and the
 ones loaded from the cache (on an empty cache the forward pass compiles in a child process meanwhile,
-lumen.model.precompile, and is counted as loaded). A second warm-up of the same models compiles nothing. Warm-ups that start at once
-take turns (lumen.paths.compiling): the second loads what the first compiled. The forward pass is one
-compiled function for every model, so a model whose weight types a machine has seen compiles nothing either.
+lumen.model.precompile, and is counted as loaded). A second warm-up of the same models compiles nothing.
+Warm-ups that start at once take turns (lumen.paths.compiling): the second loads what the first compiled. The
+forward pass is one compiled function for every model, so a model whose weight types a machine has seen compiles
+nothing either.
 """
 from __future__ import annotations
 

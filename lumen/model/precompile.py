@@ -31,7 +31,7 @@ from ..paths import compile_turn
 from .forward import KV, Arch, Batch, MMScratch, Scratch, Weights, forward
 
 _child: subprocess.Popen | None = None
-_started_at = 0.0
+_started = False                 # whether this process started a child (tests read it)
 
 
 def _z(dtype, ndim: int) -> np.ndarray:
@@ -84,7 +84,7 @@ def cached(dispatcher, sig: tuple) -> bool:
 def start() -> bool:
     """Start compiling the forward pass in a child process when the compile cache lacks it, and compile the
     attention kernel here meanwhile (module doc). Returns whether a child was started. Once per process."""
-    global _child, _started_at
+    global _child, _started
     if _child is not None or os.environ.get("LUMEN_PRECOMPILE", "1") == "0" or not cached_ok():
         return False
     try:
@@ -92,7 +92,6 @@ def start() -> bool:
             return False
     except Exception:                            # noqa: BLE001 - Numba's cache internals moved: compile here, as before
         return False
-    _started_at = time.perf_counter()
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         code = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r)\n"    # this lumen, wherever
@@ -101,6 +100,7 @@ def start() -> bool:
                                   stderr=subprocess.DEVNULL)
     except OSError:
         return False
+    _started = True
     atexit.register(_stop)
     with compile_turn("attention"):              # (replicas starting at once: the first compiles, the rest load)
         attention_kernel.compile(signature(attention_kernel, attention_args()))

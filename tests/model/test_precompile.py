@@ -59,7 +59,7 @@ with event.install_listener("numba:compile", Listen()):
     import lumen
     from lumen.model import precompile
     m = lumen.load(sys.argv[1], ctx=64, threads=2)
-    started = precompile._started_at > 0
+    started = precompile._started
     ids = [t.id for t in m.generate(sys.argv[2], max_tokens=6, temperature=0, ignore_eos=True)]
 from lumen.kernels.attention import attention_kernel
 from lumen.model.forward import forward

@@ -110,13 +110,13 @@ class MeasuredBudget:
 class PacedBudget:
     """The default: keep every running stream's step near a decode step's time, and spread prompts over steps.
 
-    A prompt chunk rides along with the running decodes only as far as the step's predicted time stays within
-    `pace` times (or SLACK_S more than, whichever is more) what a step of those decodes alone costs (StepCosts: every step's wall time by token count, as
-    measured while serving) at the concurrency about to run (the decodes plus the prompts in flight and queued, up
-    to max_num_seqs); at least MIN_CHUNK tokens a step, so a new request always gets going, and the whole
-    budget (max_num_batched_tokens) when nothing decodes. So a long prompt costs the streams a bounded slowdown
-    per token for more steps, instead of one stall as long as its prefill. Before step times are known for the
-    sizes it needs, it takes MIN_CHUNK (the steps that follow measure the rest)."""
+    A prompt chunk rides along with the running decodes only as far as the step's predicted time stays within `pace`
+    times (or SLACK_S more than, whichever is more) what a step of those decodes alone costs (StepCosts: every
+    step's wall time by token count, as measured while serving) at the concurrency about to run (the decodes plus
+    the prompts in flight and queued, up to max_num_seqs); at least MIN_CHUNK tokens a step, so a new request always
+    gets going, and the whole budget (max_num_batched_tokens) when nothing decodes. So a long prompt costs the
+    streams a bounded slowdown per token for more steps, instead of one stall as long as its prefill. Before step
+    times are known for the sizes it needs, it takes MIN_CHUNK (the steps that follow measure the rest)."""
     MIN_CHUNK = 16
     SLACK_S = 0.02      # a step may always take this much longer than the decodes alone: on a small model, where a
     #                     decode step is a few ms, pace x that would cut prompts into chunks whose per-step cost
