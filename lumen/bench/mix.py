@@ -53,9 +53,17 @@ def lengths(mix: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
     return out
 
 
+SEPARATOR = "\n\n"
+
+
+def corpus_pieces() -> list[str]:
+    """The committed text the prompts are cut from, piece by piece: every prompt of the benchmark's data."""
+    return [it["prompt"] for it in load_prompts()]
+
+
 def corpus() -> str:
-    """The committed text the prompts are cut from: every prompt of the benchmark's data, joined."""
-    return "\n\n".join(it["prompt"] for it in load_prompts())
+    """The committed text the prompts are cut from: corpus_pieces() joined by SEPARATOR."""
+    return SEPARATOR.join(corpus_pieces())
 
 
 def windows(n_ids: int, plens: list[int], seed: int = 0) -> list[tuple[int, int]]:

@@ -169,6 +169,28 @@ async def _model_id(client) -> str:
     return r.json()["data"][0]["id"]
 
 
+async def _tokenize_corpus(client, mix) -> list[int]:
+    """The mix's corpus as the server tokenizes it: whole, or, from a server that refuses a text that long (one
+    with a short max_model_len), each committed prompt apart, joined by the separator's ids."""
+    r = await client.post("/tokenize", json={"content": mix.corpus()})
+    if r.status_code != 400:
+        r.raise_for_status()
+        return r.json()["tokens"]
+    out: list[int] = []
+    sep = None
+    for piece in mix.corpus_pieces():
+        if out:
+            if sep is None:
+                r = await client.post("/tokenize", json={"content": mix.SEPARATOR})
+                r.raise_for_status()
+                sep = r.json()["tokens"]
+            out += sep
+        r = await client.post("/tokenize", json={"content": piece})
+        r.raise_for_status()
+        out += r.json()["tokens"]
+    return out
+
+
 async def _fit_prompt(client, text: str, n: int) -> str:
     """The text cut or repeated to n tokens, through the server's /tokenize and /detokenize (llama-server's
     shape, which lumen.serve also takes)."""
@@ -200,9 +222,7 @@ async def prepare(load: Load, client, variant: int = 0) -> list[tuple[str, int]]
             lens = [(load.input_len, o) for _, o in lens]
         ids = _CORPUS.get(load.url)
         if ids is None:
-            r = await client.post("/tokenize", json={"content": mix.corpus()})
-            r.raise_for_status()
-            ids = _CORPUS[load.url] = r.json()["tokens"]
+            ids = _CORPUS[load.url] = await _tokenize_corpus(client, mix)
         reqs = []
         for (a, b), (_, o) in zip(mix.windows(len(ids), [p for p, _ in lens], load.seed * 1_000_003 + variant),
                                   lens):

@@ -56,6 +56,26 @@ def test_mix_windows_fit_the_corpus():
     assert len(mix.corpus()) > 100_000                                 # > 2048 tokens of committed text
 
 
+def test_corpus_from_a_server_with_a_short_context():
+    """A server that refuses the whole corpus as too long (a short max_model_len) gets it piece by piece: the same
+    ids as whole where the tokenizer does not merge across the separator (here: one id per character)."""
+    import asyncio
+
+    import httpx
+
+    def tokenize(request):
+        text = json.loads(request.content)["content"]
+        if len(text) > 5000:
+            return httpx.Response(400, json={"error": {"message": "too long"}})
+        return httpx.Response(200, json={"tokens": [ord(c) for c in text]})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(tokenize), base_url="http://t") as client:
+            return await bench._tokenize_corpus(client, mix)
+
+    assert asyncio.run(run()) == [ord(c) for c in mix.corpus()]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # flag errors
 
