@@ -11,9 +11,11 @@ the streams' inter-token latency, and which P:D ratio a larger machine wants.
         P1 D1: 200 requests (48-600 tokens, 4 at a time), the prefill replica killed (SIGKILL) twice: blocks held
         or leaked on any replica afterwards, and the requests that failed
     python profiling/pd_serving.py goodput [--configs colocated,pd] [--rates 0.3,0.6,0.9,1.2] [--json FILE]
-        Poisson arrivals of 2000-token prompts, 64 tokens out (smollm2-135m): the share of requests within a TTFT
-        of 3 s and a TPOT of 20 ms at each rate; goodput (DistServe): the highest rate at which 90% are; the
-        verdict once FILE holds both configs (one per invocation keeps each exclusive hold short)
+            [--model M] [--prompt-tokens 2000 --out-tokens 64 | --mix chat|long] [--slo-ttft-ms --slo-tpot-ms]
+        Poisson arrivals of 2000-token prompts, 64 tokens out (smollm2-135m), or of a lumen.bench.mix workload:
+        the share of requests within a TTFT of 3 s and a TPOT of 20 ms at each rate; goodput (DistServe): the
+        highest rate at which 90% are; the verdict once FILE holds both configs for the model and workload (one
+        config per invocation keeps each exclusive hold short)
     python profiling/pd_serving.py itl [--model smollm2-135m] [--streams 3] [--long 3] [--prompt-tokens 1000]
         ITL p99 of streams decoding while long prompts arrive: PD (P1 D1, 1 thread each) vs colocated (one
         process, 2 threads, the default paced scheduler), back to back, the same requests
@@ -203,23 +205,31 @@ def leaks(model: str, n_requests: int, kills: list[int], hold_s: float, log: Pat
 
 # ---- goodput, as DistServe defines it
 def goodput(model: str, configs: list[str], rates: list[float], n: int, n_in: int, n_out: int, slo_ttft_ms: float,
-            slo_tpot_ms: float, log: Path, json_path: Path) -> None:
-    """Poisson arrivals of n requests (n_in random prompt tokens, n_out out) at each rate; the share meeting both
-    SLOs; goodput = the highest rate at which 90% do. Rows go to json_path; the verdict compares the configs
-    found there for this model and workload (run them in separate invocations to keep each exclusive hold short)."""
+            slo_tpot_ms: float, log: Path, json_path: Path, mix: str | None = None) -> None:
+    """Poisson arrivals of n requests (n_in prompt tokens, n_out out; or mix's lengths), each prompt a window of the
+    mix's committed text at its own offset (lumen.bench.mix: no prompt finds another's prefix cached), at each rate; the share meeting both SLOs; goodput = the highest rate at which 90% do. Rows go to json_path; the
+    verdict compares the configs found there for this model and workload (run them in separate invocations to
+    keep each exclusive hold short)."""
     ray_serve.MODEL = model
     os.environ["RAY_ADDRESS"] = "local"
-    common = ["--max-model-len", str(n_in + n_out + 64), "--kv-cache-mb", "256", "--max-num-seqs", "16"]
+    if mix is not None:
+        from lumen.bench.mix import MIXES
+        m = MIXES[mix]
+        n_in, n_out = m.prompt_range[1], m.output_range[1]          # the longest request, for --max-model-len
+    workload = mix or f"{n_in}/{n_out}"
+    common = ["--max-model-len", str(n_in + n_out + 64), "--kv-cache-mb", "512", "--max-num-seqs", "16"]
     args = {"colocated": ["--threads", "2", *common], "pd": [*pd_args(), *common]}
     for config in configs:
         with Server(args[config], log) as s:
-            warm = ray_serve.bench(s.url, num_prompts=2, max_concurrency=1, input_len=n_in, output_len=4,
+            warm = ray_serve.bench(s.url, num_prompts=2, max_concurrency=1, input_len=min(n_in, 512), output_len=4,
                                    ignore_eos=True)
             assert warm["failed"] == 0, warm["errors"]
             for i, rate in enumerate(rates):
-                res = ray_serve.bench(s.url, num_prompts=n, request_rate=rate, input_len=n_in, output_len=n_out,
-                                      ignore_eos=True, seed=i + 1, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
-                row = {"mode": "goodput", "config": config, "model": model, "input_len": n_in, "output_len": n_out,
+                lens = {} if mix else {"input_len": n_in, "output_len": n_out}     # windows of the chat mix's
+                res = ray_serve.bench(s.url, num_prompts=n, request_rate=rate, **lens,  # text: no prefix cached
+                                      ignore_eos=True, seed=i + 1, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                                      mix=mix or "chat")
+                row = {"mode": "goodput", "config": config, "model": model, "workload": workload,
                        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "rate": rate, "n": n,
                        "met": res["goodput"] * res["duration_s"] / n, "failed": res["failed"],
                        "ttft_ms_p50": res["ttft_ms"]["p50"], "ttft_ms_p99": res["ttft_ms"]["p99"],
@@ -231,14 +241,20 @@ def goodput(model: str, configs: list[str], rates: list[float], n: int, n_in: in
     rows = [json.loads(line) for line in json_path.read_text().splitlines() if line.strip()]
     best = {}
     for r in rows:
-        if (r["model"], r["input_len"], r["output_len"]) == (model, n_in, n_out) and r["met"] >= 0.9:
+        if (r["model"], _workload(r)) == (model, workload) and r["met"] >= 0.9:
             best[r["config"]] = max(best.get(r["config"], 0.0), r["rate"])
-    seen = {r["config"] for r in rows if (r["model"], r["input_len"], r["output_len"]) == (model, n_in, n_out)}
+    seen = {r["config"] for r in rows if (r["model"], _workload(r)) == (model, workload)}
     if seen >= {"pd", "colocated"}:
         pd, colo = best.get("pd", 0.0), best.get("colocated", 0.0)
-        verdict(f"{model}, {n_in} in / {n_out} out, SLO TTFT {slo_ttft_ms:.0f} ms and TPOT {slo_tpot_ms:.0f} ms "
+        name = f"{mix} mix" if mix else f"{n_in} in / {n_out} out"
+        verdict(f"{model}, {name}, SLO TTFT {slo_ttft_ms:.0f} ms and TPOT {slo_tpot_ms:.0f} ms "
                 f"for 90%: goodput PD (P1 D1 x 1 thread) {pd:g} req/s vs colocated (2 threads) {colo:g} req/s "
                 f"(rates {', '.join(f'{r:g}' for r in rates)}); target PD >= 1.2x")
+
+
+def _workload(row: dict) -> str:
+    """A goodput row's workload: its mix, or "in/out" (rows written before mixes had input_len/output_len)."""
+    return row.get("workload") or f"{row['input_len']}/{row['output_len']}"
 
 
 # ---- ITL of running streams while long prompts arrive
@@ -388,7 +404,8 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--long", type=int, default=3)
     ap.add_argument("--gap", type=float, default=2.0, help="seconds between the long prompts (itl)")
-    ap.add_argument("--out-tokens", type=int, default=64, help="tokens per stream request (itl)")
+    ap.add_argument("--out-tokens", type=int, default=64, help="tokens out per request (itl, goodput)")
+    ap.add_argument("--mix", choices=["chat", "long"], help="goodput: lumen.bench.mix's lengths and text instead")
     ap.add_argument("--cores", type=int, default=16)
     ap.add_argument("--log", default="/tmp/pd_serving.log")
     args = ap.parse_args(argv)
@@ -402,7 +419,7 @@ def main(argv=None) -> int:
     elif args.mode == "goodput":
         goodput(args.model or "smollm2-135m", args.configs.split(","), [float(r) for r in args.rates.split(",")],
                 args.requests, args.prompt_tokens or 2000, args.out_tokens, args.slo_ttft_ms, args.slo_tpot_ms,
-                Path(args.log), Path(args.json))
+                Path(args.log), Path(args.json), args.mix)
     elif args.mode == "itl":
         itl(args.model or "smollm2-135m", args.streams, args.long, args.prompt_tokens or 1000, args.gap,
             args.out_tokens, Path(args.log))
