@@ -84,6 +84,10 @@ def serving_main(args) -> int:
     from . import serving
     prof, traces = serving.load(args.serving)
     rep = serving.report(prof, traces)
+    if not rep["requests"]:
+        print(f"{args.serving}: no request finished while the server ran with --profile (send some before stopping "
+              "it): nothing to report")
+        return 1
     serving.print_report(rep)
     print(serving.summary_line(rep))
     if args.json:

@@ -246,3 +246,16 @@ def test_profile_serving_names_a_file_that_is_not_a_profile(tmp_path, text, caps
     assert main(["--serving", str(f)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {f}: not a serving profile") and len(err.strip().splitlines()) == 1
+
+
+def test_profile_serving_of_no_requests_says_so(tmp_path, capsys):
+    """A server stopped before any request finished writes an empty profile: one line saying so, not an empty
+    table."""
+    from lumen.profile import Profiler
+    from lumen.profile import serving
+    from lumen.profile.__main__ import main
+    f = tmp_path / "p.json"
+    serving.save(f, Profiler(), [])
+    assert main(["--serving", str(f)]) == 1
+    out = capsys.readouterr().out
+    assert "no request finished" in out and len(out.strip().splitlines()) == 1
