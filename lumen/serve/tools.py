@@ -420,11 +420,16 @@ class ToolParser:
         ws = JSON_WHITESPACE
         lines = []
         if tagged:
+            defs = {f"tool{i}": _rebased(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(named)
+                    if _refs(t.parameters, None)}
             schema: dict = {"x-guidance": xg, "anyOf": [
-                {"type": "object", "properties": {"name": {"const": t.name}, self.args_key: t.parameters},
-                 "required": ["name", self.args_key], "additionalProperties": False} for t in named]}
+                {"type": "object", "properties": {"name": {"const": t.name}, self.args_key: {
+                    "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else t.parameters},
+                 "required": ["name", self.args_key], "additionalProperties": False} for i, t in enumerate(named)]}
             if len(named) == 1:
                 schema = {"x-guidance": xg, **schema["anyOf"][0]}
+            if defs:
+                schema["$defs"] = defs
             sep = json.dumps(self.separator)
             lines += [f"body: %json {json.dumps(schema, ensure_ascii=False)}",
                       f"rest: {sep} body {sep} {json.dumps(self.close)}",
@@ -463,6 +468,35 @@ class ToolParser:
 
 
 _CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts
+_DATA_KEYS = ("enum", "const", "default", "examples")   # keywords whose values are JSON data, not schemas
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")   # name -> schema maps
+
+
+def _refs(x: Any, at: str | None, names: bool = False) -> Any:
+    """Walk a schema (names: a map of names to schemas) rewriting its local `$ref`s ("#", "#/...") to point
+    below `at` ("#/$defs/tool0"), or (at None) return whether it has any."""
+    if isinstance(x, list):
+        out = [_refs(v, at) for v in x]
+        return any(out) if at is None else out
+    if not isinstance(x, dict):
+        return False if at is None else x
+    out = {}
+    for k, v in x.items():
+        if not names and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = True if at is None else at + v[1:]
+        elif not names and k in _DATA_KEYS:
+            out[k] = False if at is None else v
+        else:
+            out[k] = _refs(v, at, not names and k in _NAMED)
+    return any(out.values()) if at is None else out
+
+
+def _rebased(schema: dict, at: str) -> dict:
+    """`schema` moved from a document's root to the pointer `at` of another: its local `$ref`s point there, and its
+    root `$id` and `$schema` are dropped (so that they resolve against the new root)."""
+    return _refs({k: v for k, v in schema.items() if k not in ("$id", "$schema")}, at)
+
+
 _LARK_SPECIAL = set("\\.+*?()|[]{}^$&~-#/")
 
 

@@ -313,6 +313,27 @@ def test_a_marker_that_is_a_special_token_may_start_the_calls(compiler):
     assert not _accepts(compiler, Marked().grammar(TOOLS, "auto", True), "[" + W + "]", (mark,))
 
 
+REFS = parse_tools([{"type": "function", "function": {"name": "tree", "parameters": {
+    "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object", "properties": {
+        "label": {"$ref": "#/$defs/label"}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        "kind": {"$ref": "#/definitions/kind"}, "note": {"const": {"$ref": "#/not/a/ref"}}},
+    "required": ["label", "kids"], "additionalProperties": False,
+    "$defs": {"label": {"type": "string", "maxLength": 8}}, "definitions": {"kind": {"enum": ["a", "b"]}}}}},
+    ADD])
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "tree"])
+def test_a_tool_schema_may_refer_to_itself(compiler, choice):
+    """$ref into the parameters' own $defs / definitions, or to their root, holds once they sit inside a call."""
+    call = '{"name": "tree", "arguments": {"label": "x", "kids": [{"label": "y", "kids": []}], "kind": "a"}}'
+    grammar = HermesParser().grammar(REFS, choice)
+    assert _accepts(compiler, grammar, "<tool_call>\n" + call + "\n</tool_call>")
+    assert not _accepts(compiler, grammar, "<tool_call>\n" + call.replace('"y"', "3") + "\n</tool_call>")
+    assert not _accepts(compiler, grammar, "<tool_call>\n" + call.replace('"a"', '"c"') + "\n</tool_call>")
+    if choice == "auto":
+        assert _accepts(compiler, grammar, call)
+
+
 def test_no_grammar_for_none():
     assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
 
