@@ -14,14 +14,14 @@ is one small ToolParser subclass: its markers (tagged calls anywhere, bare calls
 arguments; the incremental reading and the grammar are shared.
 
 The grammar (llguidance Lark): each tool's call is `%json` of {"name": const, "arguments": its parameters schema},
-so a call names a declared tool and its arguments validate. `required` and a named function start with the call;
-`auto` allows free text that neither contains the open marker nor starts as a bare call, or such text and then the
-calls: a call that starts is always well formed, and text without a call is unconstrained (the grammar's
-one-lexeme text rule accepts any text that does not spell a call's start). This is llama.cpp's lazy grammar
-written as one grammar, whose text lexeme is cheap to mask (profiling/tool_calling.py). JSON whitespace is bounded
-as for structured output. A tool with `strict: true` must have a schema llguidance enforces in full (else a 400);
-a non-strict tool's unenforceable keywords (uniqueItems, ...) are accepted and ignored, as structured output's
-"lenient".
+so a call names a declared tool and its arguments validate. `required` and a named function start with the call (a
+named function: that one call only, as OpenAI and vLLM answer it); `auto` allows free text that neither contains the
+open marker nor starts as a bare call, or such text and then the calls: a call that starts is always well formed,
+and text without a call is unconstrained (the grammar's one-lexeme text rule accepts any text that does not spell a
+call's start). This is llama.cpp's lazy grammar written as one grammar, whose text lexeme is cheap to mask
+(profiling/tool_calling.py). JSON whitespace is bounded as for structured output. A tool with `strict: true` must
+have a schema llguidance enforces in full (else a 400); a non-strict tool's unenforceable keywords (uniqueItems,
+...) are accepted and ignored, as structured output's "lenient".
 """
 from __future__ import annotations
 
@@ -413,6 +413,7 @@ class ToolParser:
         bare calls (the text cannot spell it)."""
         if choice == "none" or not tools:
             return None
+        parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not all(t.strict for t in named)}
         tagged = self.open is not None

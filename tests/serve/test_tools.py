@@ -254,6 +254,7 @@ W = '{"name": "weather", "arguments": {"city": "Paris"}}'
     ("required", True, "Sure. <tool_call>\n" + W + "\n</tool_call>", False),
     ("required", True, "No.", False),
     ("weather", True, "<tool_call>\n" + W + "\n</tool_call>", True),
+    ("weather", True, "<tool_call>\n" + W + "\n</tool_call>\n<tool_call>\n" + W + "\n</tool_call>", False),
     ("add", True, "<tool_call>\n" + W + "\n</tool_call>", False),
 ])
 def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, ok):
@@ -272,6 +273,8 @@ def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, o
     (Llama3Parser, "auto", True, W.replace("arguments", "parameters").replace('"Paris"', "3"), False),
     (Llama3Parser, "required", True, "No.", False),
     (Llama3Parser, "weather", True, W.replace("arguments", "parameters"), True),
+    (Llama3Parser, "weather", True, W.replace("arguments", "parameters") + "; " + W.replace("arguments", "parameters"),
+     False),
     (MistralParser, "auto", True, "Hello.", True),
     (MistralParser, "auto", True, "[" + W + "]", True),
     (MistralParser, "auto", True, "[TOOL_CALLS][" + W + ", " + BARE + "]", True),
@@ -280,6 +283,7 @@ def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, o
     (MistralParser, "auto", True, "[1, 2]", True),
     (MistralParser, "required", True, "[" + BARE + "]", True),
     (MistralParser, "add", True, "[" + W + "]", False),
+    (MistralParser, "weather", True, "[" + W + ", " + W + "]", False),
 ])
 def test_other_formats_grammar_accepts_their_own_calls(compiler, parser, choice, parallel, text, ok):
     assert _accepts(compiler, parser().grammar(TOOLS, choice, parallel), text) is ok
