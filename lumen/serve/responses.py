@@ -14,7 +14,8 @@ With tools (lumen.serve.tools), a chat choice's text goes through its ToolParser
 stays content, calls become message.tool_calls ({id, type: "function", function: {name, arguments}}, arguments
 a JSON string) and the finish_reason "tool_calls" (when the model ended its turn; "length" stays "length").
 A stream sends each call as OpenAI does: a tool_calls delta with its index, id, type and name, then argument
-fragments. The whole response is read by the same parser, so it is what a client joining the deltas gets.
+fragments, and its content is null until some comes (a choice with neither says "" at its end). The whole response
+is read by the same parser, so it is what a client joining the deltas gets, content included.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class Reply:
         self.finals: dict[int, RequestOutput] = {}
         self.tool_parser = tool_parser           # chat with tools: the parser class of the model's call format
         self.parsers: dict[int, ToolParser] = {}  # choice index -> its stream's parser
+        self.said: set[int] = set()              # choices whose stream sent content or a call (with tools)
 
     @property
     def object(self) -> str:
@@ -118,8 +120,9 @@ class Reply:
         out = []
         for index in range(len(self.prompts) * self.n):
             delta = None
-            if self.kind == "chat":
-                delta = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            if self.kind == "chat":                     # with tools, content stays null until there is some
+                content = None if self.tool_parser is not None else ""
+                delta = {"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                          "finish_reason": None}
             elif self.echo is not None:
                 delta = {"index": index, "text": self.echo[index // self.n], "logprobs": None,
@@ -176,6 +179,10 @@ class Reply:
             d["content"] = content
         if deltas:
             d["tool_calls"] = [x.openai() for x in deltas]
+        if d:
+            self.said.add(index)
+        elif out.finished and index not in self.said:
+            d["content"] = ""                     # no call and no text: "", as the whole answer says
         return d
 
     def usage_chunk(self) -> dict:

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from test_serve_handlers import ScriptedWorker
 
+from lumen.engine.sequence import RequestMetrics, RequestOutput
 from lumen.engine.structured.compiler import GrammarCompiler
 from lumen.format.gguf import GGUFFile
 from lumen.format.tokenizer import Tokenizer
@@ -403,6 +404,58 @@ def test_endpoint_answers_tool_calls_whole_and_streamed(client):
     assert all("id" not in c and "name" not in c["function"] for c in calls[1:]) and len(calls) > 2
     assert "".join(c["function"]["arguments"] for c in calls) == call["function"]["arguments"]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _joined(events: list[dict]) -> dict:
+    """The message a client makes of a stream's deltas (the openai client's rule: a null is replaced, text is
+    appended), and the finish_reason."""
+    msg: dict = {}
+    for e in events:
+        for c in e["choices"]:
+            for k, v in c["delta"].items():
+                if k == "tool_calls":
+                    for tc in v:
+                        call = msg.setdefault("tool_calls", {}).setdefault(tc["index"], {"arguments": ""})
+                        call["name"] = call.get("name") or tc["function"].get("name")
+                        call["arguments"] += tc["function"]["arguments"]
+                elif v is None:
+                    msg.setdefault(k, None)
+                elif msg.get(k) is None:
+                    msg[k] = v
+                else:
+                    msg[k] += v
+            msg["finish_reason"] = c["finish_reason"] or msg.get("finish_reason")
+    return msg
+
+
+@pytest.mark.parametrize("reply", [CALL, "Let me see.", ""])
+def test_endpoint_stream_joins_to_the_whole_message(reply):
+    """content too: null with only calls, "" with nothing at all, as the whole answer has it."""
+    class Worker(CallingWorker):
+        REPLY = reply.encode()
+
+        async def submit(self, prompts, params):
+            if self.REPLY:
+                return await super().submit(prompts, params)
+            sub = await ScriptedWorker.submit(self, prompts, params)      # no output for an empty reply: one
+            sub.queue.put_nowait(RequestOutput("r0", prompts[0], [], "", True, "stop", RequestMetrics()))
+            return sub
+
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(chat.router)
+    worker = Worker()
+    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, TEMPLATE, 4096),
+                                      Settings(model_id="bytes"))
+    http = TestClient(app)
+    whole = http.post("/v1/chat/completions", json=BODY).json()["choices"][0]
+    with http.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as s:
+        events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    joined = _joined(events)
+    assert joined["content"] == whole["message"]["content"] == ({CALL: None, "": ""}.get(reply, reply))
+    assert joined["finish_reason"] == whole["finish_reason"]
+    calls = [{"name": c["name"], "arguments": c["arguments"]} for c in joined.get("tool_calls", {}).values()]
+    assert calls == [c["function"] for c in whole["message"].get("tool_calls", [])]
 
 
 MISTRAL_TEMPLATE = ("{% for m in messages %}{{ m.content }}{% endfor %}"
