@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.structured import Constraint, StructuredOutputError
-from ..engine.structured.constraint import JSON_WHITESPACE
+from ..engine.structured.constraint import JSON_WHITESPACE, known_formats, map_subschemas
 from .protocol import ApiError
 
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
@@ -416,16 +416,20 @@ class ToolParser:
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not all(t.strict for t in named)}
+        params = [known_formats(t.parameters) for t in named]
         tagged = self.open is not None
         bare = self.leads is not None and (choice == "auto" or not tagged)
         ws = JSON_WHITESPACE
         lines = []
         if tagged:
-            defs = {f"tool{i}": _rebased(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(named)
-                    if _refs(t.parameters, None)}
+            defs = {}                         # parameters with local $refs, moved under the call's $defs
+            for i, p in enumerate(params):
+                moved = _rebased(p, f"#/$defs/tool{i}")
+                if moved != _rebased(p, "#"):
+                    defs[f"tool{i}"] = moved
             schema: dict = {"x-guidance": xg, "anyOf": [
                 {"type": "object", "properties": {"name": {"const": t.name}, self.args_key: {
-                    "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else t.parameters},
+                    "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else params[i]},
                  "required": ["name", self.args_key], "additionalProperties": False} for i, t in enumerate(named)]}
             if len(named) == 1:
                 schema = {"x-guidance": xg, **schema["anyOf"][0]}
@@ -447,7 +451,7 @@ class ToolParser:
                       f"BARE_END: /{ws}{_lark_re(self.bare_end)}/",
                       "bare_rest: " + " | ".join(f"bare_{i}" for i in range(len(named)))]
             for i, t in enumerate(named):
-                args = {"x-guidance": xg, **t.parameters}
+                args = {"x-guidance": xg, **params[i]}
                 lines += [f"bare_{i}: {json.dumps(json.dumps(t.name))} /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ "
                           f"args_{i} /{ws}\\}}/",
                           f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
@@ -469,33 +473,17 @@ class ToolParser:
 
 
 _CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts
-_DATA_KEYS = ("enum", "const", "default", "examples")   # keywords whose values are JSON data, not schemas
-_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")   # name -> schema maps
-
-
-def _refs(x: Any, at: str | None, names: bool = False) -> Any:
-    """Walk a schema (names: a map of names to schemas) rewriting its local `$ref`s ("#", "#/...") to point
-    below `at` ("#/$defs/tool0"), or (at None) return whether it has any."""
-    if isinstance(x, list):
-        out = [_refs(v, at) for v in x]
-        return any(out) if at is None else out
-    if not isinstance(x, dict):
-        return False if at is None else x
-    out = {}
-    for k, v in x.items():
-        if not names and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
-            out[k] = True if at is None else at + v[1:]
-        elif not names and k in _DATA_KEYS:
-            out[k] = False if at is None else v
-        else:
-            out[k] = _refs(v, at, not names and k in _NAMED)
-    return any(out.values()) if at is None else out
+def _is_local_ref(ref: Any) -> bool:
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 
 
 def _rebased(schema: dict, at: str) -> dict:
-    """`schema` moved from a document's root to the pointer `at` of another: its local `$ref`s point there, and its
-    root `$id` and `$schema` are dropped (so that they resolve against the new root)."""
-    return _refs({k: v for k, v in schema.items() if k not in ("$id", "$schema")}, at)
+    """`schema` moved from a document's root to the pointer `at` ("#/$defs/tool0") of another: its local `$ref`s
+    ("#", "#/$defs/x") point there, and its root `$id` and `$schema` are dropped (so that they resolve against the
+    new root). `at` "#" changes no ref."""
+    def point(d: dict) -> dict:
+        return {**d, "$ref": at + d["$ref"][1:]} if _is_local_ref(d.get("$ref")) else d
+    return map_subschemas({k: v for k, v in schema.items() if k not in ("$id", "$schema")}, point)
 
 
 _LARK_SPECIAL = set("\\.+*?()|[]{}^$&~-#/")

@@ -125,6 +125,27 @@ def test_constraint_values_and_keys():
         a.kind = "regex"                                      # frozen
 
 
+def test_unknown_string_formats_are_annotations(toks, compilers):
+    """A format llguidance does not know is dropped (JSON Schema: an annotation), a known one kept and enforced;
+    a property named "format" and data that looks like a schema are left alone."""
+    schema = {"type": "object", "properties": {
+        "pw": {"type": "string", "format": "password"}, "ref": {"type": "string", "format": "uri-reference"},
+        "format": {"type": "string", "enum": ["a"]}, "day": {"type": "string", "format": "date"},
+        "note": {"const": {"format": "password"}}, "more": {"type": "array", "items": {"format": "int64"}}},
+        "required": ["pw", "ref", "format", "day"], "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    kept = json.loads(c.value)["properties"]
+    assert "format" not in kept["pw"] and "format" not in kept["ref"] and "format" not in kept["more"]["items"]
+    assert kept["day"]["format"] == "date" and kept["note"] == {"const": {"format": "password"}}
+    assert kept["format"] == {"type": "string", "enum": ["a"]}
+    tok, m = toks["smollm2-135m"], compilers["smollm2-135m"].compile(c).matcher()
+    ok = '{"pw": "x", "ref": "../a", "format": "a", "day": "2024-01-31"}'
+    ids = tok.encode(ok, add_bos=False, special=False)
+    assert m.validate_draft([*ids, tok.eos_id]) == len(ids) + 1
+    bad = tok.encode(ok.replace("2024-01-31", "yesterday"), add_bos=False, special=False)
+    assert m.validate_draft(bad) < len(bad)
+
+
 def test_compiler_caches_and_compiles_off_thread(toks):
     tok = toks["smollm2-135m"]
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "when": {"type": "string", "format": "date"}},

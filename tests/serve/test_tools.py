@@ -339,6 +339,17 @@ def test_a_tool_schema_may_refer_to_itself(compiler, choice):
         assert _accepts(compiler, grammar, call)
 
 
+def test_a_strict_tool_may_use_formats_llguidance_does_not_know(compiler):
+    """An unknown string format is an annotation (JSON Schema): accepted for a strict tool, and not enforced."""
+    login = parse_tools([{"type": "function", "function": {"name": "login", "strict": True, "parameters": {
+        "type": "object", "properties": {"user": {"type": "string", "format": "email"},
+                                         "password": {"type": "string", "format": "password"}},
+        "required": ["user", "password"], "additionalProperties": False}}}])
+    call = '<tool_call>\n{"name": "login", "arguments": {"user": "a@b.co", "password": "x1"}}\n</tool_call>'
+    assert _accepts(compiler, HermesParser().grammar(login, "required"), call)
+    assert not _accepts(compiler, HermesParser().grammar(login, "required"), call.replace("a@b.co", "ab"))
+
+
 def test_no_grammar_for_none():
     assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
 

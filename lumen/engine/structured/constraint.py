@@ -22,7 +22,8 @@ item_separator, key_separator, lenient, ...) apply on top; one that sets whitesp
 whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": false}`: compact JSON).
 Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propertyNames) are an error rather than
 silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
-them and ignores them.
+them and ignores them. A string `format` llguidance does not know ("password", "uri-reference") is dropped: JSON
+Schema makes an unknown format an annotation, which validators ignore too.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar_lark", "gramm
 JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"        # one JSON whitespace gap: at most 22 characters
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}  # llguidance JSON options, before the schema's x-guidance
 MAX_TEXT = 1 << 20                                     # 1 MiB: longest schema / regex / grammar text accepted
+FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+# ^ the string formats llguidance enforces; any other ("password", "uri-reference", ...) is only an annotation
+_DATA_KEYS = ("enum", "const", "default", "examples")   # schema keywords whose values are JSON data
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")   # name -> schema maps
 
 
 class StructuredOutputError(LumenError, ValueError):
@@ -107,6 +112,7 @@ class Constraint:
             _fail("json_schema", "the schema false matches nothing")
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
+        schema = known_formats(schema)
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -152,6 +158,31 @@ class Constraint:
         if not isinstance(text, str):
             _fail("grammar_lark", f"expected a string, got {type(text).__name__}")
         return cls.lark(text) if is_lark(text) else cls.gbnf(text)
+
+
+def map_subschemas(schema: Any, fn) -> Any:
+    """`schema` with `fn` (dict -> dict) applied to it and to each schema object inside it, inner ones first:
+    what keywords hold (properties' values, items, anyOf's entries, $defs' values, ...), not JSON data (enum,
+    const, default, examples) nor a property's name."""
+    def walk(x: Any, names: bool = False) -> Any:
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        if names:
+            return {k: walk(v) for k, v in x.items()}
+        return fn({k: v if k in _DATA_KEYS else walk(v, k in _NAMED) for k, v in x.items()})
+    return walk(schema)
+
+
+def known_formats(schema: Any) -> Any:
+    """`schema` without the string `format`s llguidance does not know (FORMATS): JSON Schema makes an unknown
+    format an annotation that validators ignore, so dropping it keeps every output valid, where llguidance would
+    refuse the schema ("Unknown format: password")."""
+    def drop(d: dict) -> dict:
+        f = d.get("format")
+        return {k: v for k, v in d.items() if k != "format"} if isinstance(f, str) and f not in FORMATS else d
+    return map_subschemas(schema, drop)
 
 
 def is_lark(text: str) -> bool:
