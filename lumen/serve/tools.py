@@ -16,7 +16,8 @@ arguments; the incremental reading and the grammar are shared.
 The grammar (llguidance Lark): each tool's call is `%json` of {"name": const, "arguments": its parameters schema},
 so a call names a declared tool and its arguments validate. `required` and a named function start with the call (a
 named function: that one call only, as OpenAI and vLLM answer it); `auto` allows free text that neither contains the
-open marker nor starts as a bare call, or such text and then the calls: a call that starts is always well formed,
+open marker nor starts as a bare call (`{"name": "<a tool>"`, or any name then the arguments' key: JSON text such as
+`{"name": "Bob", "age": 3}` stays text), or such text and then the calls: a call that starts is always well formed,
 and text without a call is unconstrained (the grammar's one-lexeme text rule accepts any text that does not spell a
 call's start). This is llama.cpp's lazy grammar written as one grammar, whose text lexeme is cheap to mask
 (profiling/tool_calling.py). JSON whitespace is bounded as for structured output. A tool with `strict: true` must
@@ -258,6 +259,7 @@ class ToolParser:
         self.held_ws = ""                      # content whitespace held back (dropped next to a call)
         self.bare_ok = self.leads is not None  # content so far is whitespace: bare calls may start
         self.is_bare = False                   # the current call is bare JSON (no markers)
+        self.lead = ""                         # ... and the text before its JSON (a fence, a separator)
         self.group = False                     # after a bare call: another one, or the group's end, may follow
         self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(self.args_key)
                                 + r'"\s*:\s*(?=\S)')
@@ -326,7 +328,7 @@ class ToolParser:
                         whole = self._whole(body)           # another key order: the call at once
                         if whole is None:                   # not a call after all: text
                             bare = self.is_bare
-                            text = body if bare else self.open + body + self.close
+                            text = self.lead + body if bare else self.open + body + self.close
                             self.buf = self.buf[j + (0 if bare else len(self.close)):]
                             self.in_call = self.is_bare = self.bare_ok = self.group = False
                             content.append(self._content(text, final=False))
@@ -363,7 +365,7 @@ class ToolParser:
             if self.head_done and len(rest) > self.sent_args:
                 calls.append(ToolCallDelta(self.n_calls, arguments=rest[self.sent_args:]))
             elif not self.head_done:
-                content = ("" if self.is_bare else self.open) + self.buf    # never became a call: it was text
+                content = (self.lead if self.is_bare else self.open) + self.buf    # never became a call: text
             if self.head_done:
                 self.n_calls += 1
         else:
@@ -373,6 +375,7 @@ class ToolParser:
 
     def _start_bare(self, at: int) -> None:
         """A bare call's JSON starts at buf[at]."""
+        self.lead = self.held_ws + self.buf[:at]        # the text again, should the call turn out to be none
         self.buf, self.held_ws = self.buf[at:], ""
         self.in_call, self.is_bare, self.head_done, self.sent_args = True, True, False, 0
 
@@ -400,10 +403,10 @@ class ToolParser:
         except json.JSONDecodeError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(
-                obj.get(self.args_key, {}), dict):
+                obj.get(self.args_key), dict):
             return None
         return ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", obj["name"],
-                             json.dumps(obj.get(self.args_key, {}), ensure_ascii=False))
+                             json.dumps(obj[self.args_key], ensure_ascii=False))
 
     # --- the grammar ----------------------------------------------------------------------------------------
     def grammar(self, tools: list[Tool], choice: str, parallel: bool = True,
@@ -445,23 +448,27 @@ class ToolParser:
             call = f'\\{{{ws}"name"{ws}:{ws}'
             end = (" BARE_END" + ("" if self.bare_end_required else "?")) if self.bare_end else ""
             mark = f"<[{int(marker_id)}]>? " if marker_id is not None else ""
-            lines += [f"bare: {mark}BARE_FIRST bare_rest" + (" (BARE_NEXT bare_rest)*" if parallel else "") + end,
-                      f"BARE_FIRST: /{leads}{ws}{call}/",
+            # the first call's lexeme runs to its tool's name, so that text starting {"name": "<no tool>" is text
+            lines += [f"bare: {mark}bare_first" + (" (BARE_NEXT bare_rest)*" if parallel else "") + end,
                       f"BARE_NEXT: /{ws}{_lark_re(self.bare_sep)}{ws}{call}/",
                       f"BARE_END: /{ws}{_lark_re(self.bare_end)}/",
-                      "bare_rest: " + " | ".join(f"bare_{i}" for i in range(len(named)))]
+                      "bare_first: " + " | ".join(f"BARE_FIRST_{i} tail_{i}" for i in range(len(named))),
+                      "bare_rest: " + " | ".join(f"{json.dumps(json.dumps(t.name))} tail_{i}"
+                                                 for i, t in enumerate(named))]
             for i, t in enumerate(named):
                 args = {"x-guidance": xg, **params[i]}
-                lines += [f"bare_{i}: {json.dumps(json.dumps(t.name))} /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ "
-                          f"args_{i} /{ws}\\}}/",
+                lines += [f"BARE_FIRST_{i}: /{leads}{ws}{call}{_lark_re(json.dumps(t.name))}/",
+                          f"tail_{i}: /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ args_{i} /{ws}\\}}/",
                           f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
         if choice == "auto":
             text = "/(.|\\n)*/"
             if tagged:                      # text never spells the open marker ...
                 text += f" & ~/(.|\\n)*{_lark_re(self.open)}(.|\\n)*/"
-            if self.leads is not None:      # ... nor starts as a bare call would (as the parser reads one)
-                loose = "|".join(_loose(s) for s in self.leads)
-                text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"(.|\\n)*/"
+            if self.leads is not None:      # ... nor starts as a bare call would (as the parser reads one): naming
+                loose = "|".join(_loose(s) for s in self.leads)             # a tool, or with arguments next
+                names = "|".join(_lark_re(json.dumps(t.name)) for t in named)
+                head = f'"([^"\\\\]|\\\\.)*"\\s*,\\s*"{self.args_key}"'
+                text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"\\s*:\\s*({names}|{head})(.|\\n)*/"
             lines = ["start: TEXT" + (" | TEXT_OPEN rest more" if tagged else "") + (" | bare" if bare else ""),
                      f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines
         else:

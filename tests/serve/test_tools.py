@@ -135,6 +135,8 @@ def _call(name, args):
     ("```json\n" + BARE + "\n```", "", [_call("add", '{"a": 1, "b": 2}')]),
     ('{"answer": 1}', '{"answer": 1}', []),
     ('{"name": 1}', '{"name": 1}', []),
+    ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),                  # JSON text, not a call
+    ('```json\n{"name": "Bob"}\n```', '```json\n{"name": "Bob"}\n```', []),
     ("```python\nx = 1\n```", "```python\nx = 1\n```", []),
     ("The sum is 3.", "The sum is 3.", []),
 ])
@@ -251,6 +253,11 @@ W = '{"name": "weather", "arguments": {"city": "Paris"}}'
     ("auto", True, BARE.replace("2", '"two"'), False),
     ("auto", True, "```json\n" + W + "\n```", True),
     ("auto", True, '{"answer": 42}', True),
+    ("auto", True, '{"name": "Bob", "age": 3}', True),                 # JSON text that names no tool
+    ("auto", True, 'Here:\n```json\n{"name": "Bob"}\n```', True),
+    ("auto", True, '```json\n{"name": "Bob"}\n```', True),
+    ("auto", True, '{"name": "wether", "arguments": {"city": "P"}}', False),   # a call of no tool
+    ("auto", True, '{"name": "weather", "age": 3}', False),            # a tool's name starts a call
     ("required", True, "<tool_call>\n" + W + "\n</tool_call>", True),
     ("required", True, "Sure. <tool_call>\n" + W + "\n</tool_call>", False),
     ("required", True, "No.", False),
@@ -271,6 +278,8 @@ def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, o
     (Llama3Parser, "auto", False, W.replace("arguments", "parameters") + "; " + W.replace("arguments", "parameters"),
      False),
     (Llama3Parser, "auto", True, W, False),                                          # Hermes' key
+    (Llama3Parser, "auto", True, '{"name": "Bob", "age": 3}', True),
+    (Llama3Parser, "auto", True, '{"name": "Bob", "parameters": {}}', False),
     (Llama3Parser, "auto", True, W.replace("arguments", "parameters").replace('"Paris"', "3"), False),
     (Llama3Parser, "required", True, "No.", False),
     (Llama3Parser, "weather", True, W.replace("arguments", "parameters"), True),
