@@ -159,3 +159,19 @@ def test_bad_request_between_good_concurrent_ones(server, aclient):
     assert results[2] == "refused"
     for obj in results[:2] + results[3:]:
         jsonschema.validate(obj, schema)
+
+
+def test_a_grammar_llguidance_gives_up_on_is_a_400(http):
+    """A pattern llguidance compiles but whose lexer exceeds its limits at the first character: a 400 naming the
+    field (a stream: an error event with code 400), and the next request is served."""
+    schema = {"type": "string", "pattern": "^((a{100}){100}){100}$"}
+    body = {"messages": USER, "max_tokens": 5, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, "response_format")
+    assert "llguidance cannot follow this grammar" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", json=body | {"stream": True})
+    errors = [e["error"] for e in sse_events(r) if "error" in e]
+    assert errors and errors[0]["code"] == 400 and errors[0]["param"] == "response_format"
+    r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

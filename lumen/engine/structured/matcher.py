@@ -9,7 +9,8 @@
 The matcher state moves only with `advance` (and `rollback`): masks of speculative positions are computed
 without committing (lumen.engine.structured.bitmask.fill_masks), so a rejected draft needs no rollback. A token
 the grammar does not allow is an engine bug, not a user error: `advance` raises StructuredOutputError and the
-matcher stays where it was.
+matcher stays where it was. When llguidance itself gives up on the grammar (a limit of its lexer or parser, which
+a pathological pattern reaches), the error begins with GRAMMAR_FAILED: the grammar's fault, not the engine's.
 
 Not thread-safe: the engine either uses a matcher on its step thread, or hands it to the mask filler for the
 length of a fill (which must end before the next `advance`).
@@ -23,6 +24,8 @@ import numpy as np
 
 from .constraint import StructuredOutputError
 from .vocab import GrammarVocab
+
+GRAMMAR_FAILED = "grammar matcher failed"   # how an error llguidance's matcher itself reports begins
 
 
 class GrammarMatcher:
@@ -39,13 +42,15 @@ class GrammarMatcher:
     def advance(self, token: int) -> None:
         """Commit one sampled token. StructuredOutputError if the grammar does not allow it here."""
         t = self._ll_token(token)
+        if self.ll.is_error():                  # llguidance gave up (a limit of its lexer or parser), not the token
+            raise StructuredOutputError(f"{GRAMMAR_FAILED} before token {token}: {self.ll.get_error()}")
         # a stopped matcher still takes EOS (validate_tokens says 0 for it there)
         end = t == self.vocab.eos_id and self.ll.is_stopped()
-        if self.ll.is_error() or not (end or self.ll.validate_tokens([t]) == 1):
+        if not (end or self.ll.validate_tokens([t]) == 1):
             raise StructuredOutputError(f"token {token} is not allowed by the grammar here (after "
                                         f"{self.n_tokens} tokens){self._why()}")
         if not self.ll.consume_token(t):
-            raise StructuredOutputError(f"grammar matcher failed on token {token}: {self.ll.get_error()}")
+            raise StructuredOutputError(f"{GRAMMAR_FAILED} on token {token}: {self.ll.get_error()}")
         self.n_tokens += 1
 
     def advance_many(self, tokens: Sequence[int]) -> None:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ...engine.engine import RequestError
 from ...engine.sampling.sampler import SamplerError
 from ...engine.structured import StructuredOutputError
+from ...engine.structured.matcher import GRAMMAR_FAILED
 from ...errors import ContextError
 from .. import protocol as P
 from ..prompts import Prompter
@@ -81,7 +82,7 @@ class Generation(Serving):
         sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field)
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
-            return StreamingResponse(self.stream(request, reply, sub, index, req.include_usage),
+            return StreamingResponse(self.stream(request, reply, sub, index, req.include_usage, field),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         worker = self.worker
         watcher = asyncio.create_task(_disconnected(request))
@@ -93,7 +94,7 @@ class Generation(Serving):
         finally:
             watcher.cancel()
             worker.abort(sub)                     # a no-op once all finished
-        fail = failure(sub, reply.finals.values())
+        fail = failure(sub, reply.finals.values(), field)
         if fail is not None:
             raise P.ApiError(*fail)
         request.state.usage = reply.usage()
@@ -146,15 +147,17 @@ class Generation(Serving):
         except ValueError as e:                   # any other request the engine refuses
             raise P.ApiError(400, str(e)) from None
 
-    async def stream(self, request: Request, reply: Reply, sub, index: dict, include_usage: bool):
+    async def stream(self, request: Request, reply: Reply, sub, index: dict, include_usage: bool,
+                     grammar_param: str | None = None):
         """The SSE events of a streamed answer: the opening chunks, one chunk per output that adds something, the
-        usage chunk if asked for, then [DONE]; an error event instead when the submission fails."""
+        usage chunk if asked for, then [DONE]; an error event instead when the submission fails (grammar_param:
+        the field a grammar that fails is blamed on)."""
         worker, finished = self.worker, False
         try:
             for chunk in reply.opening(include_usage):
                 yield sse(chunk)
             async for out in worker.outputs(sub):
-                fail = failure(sub, [out] if out.finished else [])
+                fail = failure(sub, [out] if out.finished else [], grammar_param)
                 if fail is not None:
                     yield sse(P.error_body(*fail))
                     break
@@ -178,12 +181,16 @@ def grammar_error(e: StructuredOutputError, param: str | None) -> P.ApiError:
     return P.ApiError(400, f"{param}: {e}" if param else str(e), param)
 
 
-def failure(sub, finals) -> tuple[int, str] | None:
-    """(status, message) when the submission did not end normally: the server ended it, or the engine failed
-    one of its requests."""
+def failure(sub, finals, grammar_param: str | None = None) -> tuple | None:
+    """(status, message[, param]) when the submission did not end normally: the server ended it, or the engine
+    failed one of its requests. A grammar llguidance gives up on while generating (a limit of its lexer or parser,
+    reached by a pattern such as ((a{100}){100}){100}) is the request's fault: a 400 naming grammar_param."""
     if sub.failure is not None:
         return sub.failure
     for out in finals:
+        if out.finish_reason == "error" and grammar_param and (out.error or "").startswith(GRAMMAR_FAILED):
+            why = out.error.split("\n", 1)[0].split(": ", 1)[-1]
+            return 400, f"{grammar_param}: llguidance cannot follow this grammar: {why}", grammar_param
         if out.finish_reason == "error":
             return 500, f"internal error: {out.error}"
         if out.finish_reason == "abort":          # nobody but a gone client's watcher aborts without a failure
