@@ -83,8 +83,8 @@ def parse_tools(tools: Any) -> list[Tool]:
         if desc is not None and not isinstance(desc, str):
             raise ApiError(400, f"{where}.function.description must be a string", "tools")
         params = f.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
+        if params is None:                  # OpenAI: "omitting parameters defines an empty parameter list"
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         strict = f.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ApiError(400, f"{where}.function.strict must be true or false", "tools")

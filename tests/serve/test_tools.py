@@ -359,6 +359,16 @@ def test_a_strict_tool_may_use_formats_llguidance_does_not_know(compiler):
     assert not _accepts(compiler, HermesParser().grammar(login, "required"), call.replace("a@b.co", "ab"))
 
 
+def test_a_tool_without_parameters_takes_no_arguments(compiler):
+    """OpenAI: omitting parameters defines an empty parameter list, so the call's arguments are {}."""
+    now = parse_tools([{"type": "function", "function": {"name": "now", "description": "The time."}}])
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    for choice in ("auto", "required", "now"):
+        grammar = HermesParser().grammar(now, choice)
+        assert _accepts(compiler, grammar, call)
+        assert not _accepts(compiler, grammar, call.replace("{}", '{"tz": "UTC"}'))
+
+
 def test_no_grammar_for_none():
     assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
 
