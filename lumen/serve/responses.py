@@ -12,7 +12,8 @@ choice also carries prompt_token_ids and token_ids (in a stream: the new token i
 
 With tools (lumen.serve.tools), a chat choice's text goes through its ToolParser: the content before a call
 stays content, calls become message.tool_calls ({id, type: "function", function: {name, arguments}}, arguments
-a JSON string) and the finish_reason "tool_calls" (when the model ended its turn; "length" stays "length").
+a JSON string) and the finish_reason "tool_calls" (when the model ended its turn; "length" stays "length", and a
+stop string that cut a call's arguments leaves "stop").
 A stream sends each call as OpenAI does: a tool_calls delta with its index, id, type and name, then argument
 fragments, and its content is null until some comes (a choice with neither says "" at its end). The whole response
 is read by the same parser, so it is what a client joining the deltas gets, content included.
@@ -89,7 +90,7 @@ class Reply:
             c["message"] = {"role": "assistant", "content": (content + rest) or (None if calls else "")}
             if calls:
                 c["message"]["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = "tool_calls" if finish == "stop" and not parser.cut else finish
         self.offsets.pop(index, None)
         c["logprobs"] = self._logprobs(index, out.token_ids, out.logprobs or [])
         c["finish_reason"] = finish
@@ -154,7 +155,8 @@ class Reply:
         c["logprobs"] = self._logprobs(index, out.token_ids[start:len(entries)], entries[start:])
         self.sent_logprobs[index] = len(entries)
         c["finish_reason"] = out.finish_reason if out.finished else None
-        if out.finished and out.finish_reason == "stop" and index in self.parsers and self.parsers[index].made_calls:
+        parser = self.parsers.get(index)
+        if out.finished and out.finish_reason == "stop" and parser is not None and parser.made_calls and not parser.cut:
             c["finish_reason"] = "tool_calls"
         if out.finished:
             c["stop_reason"] = out.stop_reason

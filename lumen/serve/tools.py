@@ -260,6 +260,7 @@ class ToolParser:
         self.bare_ok = self.leads is not None  # content so far is whitespace: bare calls may start
         self.is_bare = False                   # the current call is bare JSON (no markers)
         self.lead = ""                         # ... and the text before its JSON (a fence, a separator)
+        self.cut = False                       # finish(): the text ended inside a call's arguments
         self.group = False                     # after a bare call: another one, or the group's end, may follow
         self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(self.args_key)
                                 + r'"\s*:\s*(?=\S)')
@@ -368,6 +369,7 @@ class ToolParser:
                 content = (self.lead if self.is_bare else self.open) + self.buf    # never became a call: text
             if self.head_done:
                 self.n_calls += 1
+                self.cut = end is None
         else:
             content = self._content(self.buf, final=True)
         self.buf, self.in_call, self.is_bare, self.group = "", False, False, False

@@ -458,9 +458,10 @@ def _joined(events: list[dict]) -> dict:
     return msg
 
 
-@pytest.mark.parametrize("reply", [CALL, "Let me see.", ""])
+@pytest.mark.parametrize("reply", [CALL, "Let me see.", "", CALL[:-25]])
 def test_endpoint_stream_joins_to_the_whole_message(reply):
-    """content too: null with only calls, "" with nothing at all, as the whole answer has it."""
+    """content too: null with only calls, "" with nothing at all, as the whole answer has it; a call whose
+    arguments a stop string cut finishes with "stop", not "tool_calls"."""
     class Worker(CallingWorker):
         REPLY = reply.encode()
 
@@ -482,8 +483,9 @@ def test_endpoint_stream_joins_to_the_whole_message(reply):
     with http.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as s:
         events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
     joined = _joined(events)
-    assert joined["content"] == whole["message"]["content"] == ({CALL: None, "": ""}.get(reply, reply))
-    assert joined["finish_reason"] == whole["finish_reason"]
+    assert joined["content"] == whole["message"]["content"] == ({CALL: None, "": ""}.get(reply, reply)
+                                                                if reply != CALL[:-25] else None)
+    assert joined["finish_reason"] == whole["finish_reason"] == ("tool_calls" if reply == CALL else "stop")
     calls = [{"name": c["name"], "arguments": c["arguments"]} for c in joined.get("tool_calls", {}).values()]
     assert calls == [c["function"] for c in whole["message"].get("tool_calls", [])]
 
