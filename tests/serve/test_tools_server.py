@@ -3,7 +3,8 @@
 streamed answer's tool_calls deltas joined by the client equal the whole answer; bad tools, tool_choice and
 dangling tool messages are 400s naming the field while concurrent good requests finish; and an agent loop (the
 model calls a real Python function, gets its result as a tool message, and answers with it) works end to end; and
---tool-call-parser llama3 / mistral hold the same model to those formats and read them back.
+--tool-call-parser llama3 / mistral hold the same model to those formats and read them back; and a tool from
+openai.pydantic_function_tool ($defs and $ref) parses back through the client's parse() and stream().
 Skips when the model cannot be fetched (the qwen05_path fixture)."""
 import asyncio
 import json
@@ -182,3 +183,34 @@ def test_other_formats_through_the_flag(model, fmt):
                     args += d.function.arguments or ""
         call = whole.message.tool_calls[0].function
         assert (name, args) == (call.name, call.arguments)
+
+
+def test_pydantic_tools_with_defs_parse(client):
+    """openai.pydantic_function_tool writes nested models as $defs and $ref (strict): the call validates and the
+    client's parse() reads it back as the model, whole and streamed."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):
+        city: str
+        country: str | None
+
+    class Forecast(BaseModel):
+        """The weather forecast for a place."""
+        place: Place
+        unit: Literal["celsius", "fahrenheit"]
+        days: int = Field(ge=1, le=7)
+
+    tools = [openai.pydantic_function_tool(Forecast)]
+    assert "$defs" in tools[0]["function"]["parameters"]
+    ask = [{"role": "user", "content": "The forecast for Paris, France for 3 days, in celsius?"}]
+    kw = dict(model=MODEL_ID, messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=100)
+    whole = client.beta.chat.completions.parse(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    [call] = whole.message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Forecast)
+    with client.beta.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content is None
+    assert [c.function.parsed_arguments for c in final.message.tool_calls] == [call.function.parsed_arguments]
