@@ -471,10 +471,12 @@ class ToolParser:
                 names = "|".join(_lark_re(json.dumps(t.name)) for t in named)
                 head = f'"([^"\\\\]|\\\\.)*"\\s*,\\s*"{self.args_key}"'
                 text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"\\s*:\\s*({names}|{head})(.|\\n)*/"
-            lines = ["start: TEXT" + (" | TEXT_OPEN rest more" if tagged else "") + (" | bare" if bare else ""),
+            lines = ["start: TEXT" + (" | TEXT_OPEN rest more TRAIL?" if tagged else "")
+                     + (" | bare TRAIL?" if bare else ""),
                      f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines
         else:
-            lines = [f"start: {json.dumps(self.open)} rest more" if tagged else "start: bare"] + lines
+            lines = [f"start: {json.dumps(self.open)} rest more TRAIL?" if tagged else "start: bare TRAIL?"] + lines
+        lines.append(f"TRAIL: /{TRAIL}/")       # whitespace after the calls (a token "}}\n"), then the end
         try:
             return Constraint.lark("\n".join(lines) + "\n")
         except StructuredOutputError as e:
@@ -482,6 +484,7 @@ class ToolParser:
 
 
 _CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts
+TRAIL = r"[ \t\r\n]{1,4}"                        # whitespace the grammar takes after the last call
 def _is_local_ref(ref: Any) -> bool:
     return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 

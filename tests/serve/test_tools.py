@@ -132,6 +132,8 @@ def _call(name, args):
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1}', "", [_call("add", '{"a": 1}')]),
     (BARE, "", [_call("add", '{"a": 1, "b": 2}')]),
     ("\n" + BARE + "\n" + BARE, "", [_call("add", '{"a": 1, "b": 2}')] * 2),
+    (BARE + "\n" + BARE + "\n", "", [_call("add", '{"a": 1, "b": 2}')] * 2),
+    (CALL + "\n", "", [_call("add", '{"a": 1, "b": {"c": "}"} }')]),
     ("```json\n" + BARE + "\n```", "", [_call("add", '{"a": 1, "b": 2}')]),
     ('{"answer": 1}', '{"answer": 1}', []),
     ('{"name": 1}', '{"name": 1}', []),
@@ -258,6 +260,12 @@ W = '{"name": "weather", "arguments": {"city": "Paris"}}'
     ("auto", True, '```json\n{"name": "Bob"}\n```', True),
     ("auto", True, '{"name": "wether", "arguments": {"city": "P"}}', False),   # a call of no tool
     ("auto", True, '{"name": "weather", "age": 3}', False),            # a tool's name starts a call
+    ("auto", True, BARE + "\n", True),                                 # the model's token "}}\n", then its end
+    ("auto", True, BARE + "\n" + BARE + "\n", True),
+    ("auto", True, "<tool_call>\n" + W + "\n</tool_call>\n", True),
+    ("required", True, "<tool_call>\n" + W + "\n</tool_call>\n", True),
+    ("weather", True, "<tool_call>\n" + W + "\n</tool_call>\n", True),
+    ("auto", True, BARE + "\n" * 5, False),                            # whitespace stays bounded
     ("required", True, "<tool_call>\n" + W + "\n</tool_call>", True),
     ("required", True, "Sure. <tool_call>\n" + W + "\n</tool_call>", False),
     ("required", True, "No.", False),
@@ -293,6 +301,8 @@ def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, o
     (MistralParser, "auto", True, "[1, 2]", True),
     (MistralParser, "required", True, "[" + BARE + "]", True),
     (MistralParser, "add", True, "[" + W + "]", False),
+    (MistralParser, "required", True, "[" + W + "]\n", True),
+    (Llama3Parser, "required", True, W.replace("arguments", "parameters") + " \n", True),
     (MistralParser, "weather", True, "[" + W + ", " + W + "]", False),
 ])
 def test_other_formats_grammar_accepts_their_own_calls(compiler, parser, choice, parallel, text, ok):
