@@ -17,6 +17,7 @@ import warnings
 from contextlib import contextmanager
 
 from .errors import ContextWarning, LumenError
+from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
 from .commands import prog
 from .engine.config import THREAD_FLAGS, EngineConfig
@@ -37,9 +38,10 @@ flag given overrides its default. --greedy makes it greedy (temperature 0, no re
 def process_escapes(text: str) -> str:
     r"""llama.cpp's string_process_escapes (common/common.cpp): \n \r \t \' \" \\ become the character and \xHH
     the byte 0xHH; any other backslash (\a, \b and other unknown escapes, \x without two hex digits, a trailing
-    backslash) is kept. Works on the UTF-8 bytes, so \xc3\xa9 is "é"; ValueError if the bytes made are not valid
-    UTF-8."""
-    src = text.encode("utf-8", "surrogateescape")  # argv's undecodable bytes come back as they were
+    backslash) is kept. Works on the UTF-8 bytes, so \xc3\xa9 is "é"; ValueError if the text or the bytes made are
+    not valid UTF-8."""
+    check_unicode(text)                                  # argv's undecodable bytes: not the escapes' fault
+    src = text.encode("utf-8")
     out = bytearray()
     i = 0
     while i < len(src):
@@ -103,7 +105,10 @@ def sampling_from_args(args, chat: bool) -> dict:
 def read_stdin_prompt(stream) -> str:
     """A prompt piped on stdin, as is but for one trailing newline (as llama.cpp reads a prompt file, -f): echo
     and a file's last line end in one the user did not mean as part of the prompt."""
-    text = stream.read()
+    try:
+        text = stream.read()
+    except UnicodeDecodeError as e:                      # (a strict UTF-8 stdin; a C locale's escapes the bytes)
+        raise ValueError(f"the prompt on stdin is not valid UTF-8 ({e.reason})") from None
     if text.endswith("\n"):
         text = text[:-2] if text.endswith("\r\n") else text[:-1]
     return text
@@ -345,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdin.isatty():
             print("error: give --prompt TEXT or pipe the prompt on stdin", file=sys.stderr)
             return 2
-        args.prompt = read_stdin_prompt(sys.stdin)
+        try:
+            args.prompt = read_stdin_prompt(sys.stdin)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     try:
         constraint = constraint_from_args(args)          # before the model loads: a bad file fails fast
         tooling = tools_from_args(args)

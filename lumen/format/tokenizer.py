@@ -156,6 +156,17 @@ def _strip_flags(meta: Mapping[str, Any], ids: Mapping[str, int], special: Seque
     return flags
 
 
+def check_unicode(text: str) -> None:
+    """ValueError if `text` holds a lone surrogate, which no tokenizer can encode: what bytes that are not UTF-8
+    become when read with surrogateescape (argv, a C-locale stdin), or a "\\udcff" escape in JSON."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
+        raise ValueError(f"the text is not valid UTF-8: it holds {what}") from None
+
+
 class Tokenizer:
     """Common part: vocab, special ids, special-token partition, decoding. Build with `from_metadata`."""
 
@@ -310,6 +321,7 @@ class Tokenizer:
         "<|im_start|>", "<start_of_turn>", "<bos>") as those tokens; user-defined tokens are always parsed."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        check_unicode(text)
         ids: list[int] = []
         if add_bos:
             if self.bos_id is None:

@@ -320,6 +320,22 @@ def test_escapes_that_are_not_utf8(smollm2_path):
     assert r.stderr.startswith("error: the escapes in 'bad \\\\xff byte' make bytes that are not UTF-8")
 
 
+@pytest.mark.parametrize("io", ["utf-8:surrogateescape", "utf-8:strict"])
+def test_prompts_that_are_not_utf8(smollm2_path, io):
+    """Undecodable bytes on stdin (however Python's locale reads them) or in argv with --no-escape: one line of
+    error, no traceback."""
+    env = {**base_env(), "PYTHONIOENCODING": io}
+    cmd = [sys.executable, "-m", "lumen.generate", "--model", str(smollm2_path), "-n", "1"]
+    r = subprocess.run(cmd, input=b"ab\xff\n", capture_output=True, env=env, timeout=TIMEOUT)
+    assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr
+    assert r.stderr.decode().startswith("error: ") and "not valid UTF-8" in r.stderr.decode()
+    for flags in ([], ["--no-escape"]):
+        r = subprocess.run([*cmd, *flags, "--prompt", b"ab\xff"], stdin=subprocess.DEVNULL, capture_output=True,
+                           env=env, timeout=TIMEOUT)
+        assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr
+        assert r.stderr.decode() == "error: the text is not valid UTF-8: it holds byte 0xff\n"
+
+
 def test_help_documents_escapes():
     r = run("lumen.generate", "--help")
     text = one_line(r.stdout)

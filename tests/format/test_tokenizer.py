@@ -153,6 +153,16 @@ def test_add_bos(smol, gemma):
     assert smol.encode("Hello", add_bos=True, special=False) == [1, 19556]
 
 
+def test_text_not_utf8_is_a_value_error(toks):
+    """Undecodable bytes read with surrogateescape (argv, a C-locale stdin) are refused with a message, not a
+    TypeError from deep inside the tokenizer."""
+    for tok in toks.values():
+        with pytest.raises(ValueError, match="not valid UTF-8: it holds byte 0xff"):
+            tok.encode("ab\udcff", add_bos=False, special=False)
+        with pytest.raises(ValueError, match="lone surrogate U\\+D800"):
+            tok.encode("\ud800", add_bos=False, special=True)
+
+
 def test_prompt_ids_match_golden(toks):
     """The greedy prompts as llama.cpp tokenized them (with the model's add_bos default)."""
     for name, tok in toks.items():
