@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 # command -> (module whose main(argv) runs it, one line for `lumen --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,3 +36,16 @@ def prog(cmd: str) -> str:
         return f"lumen {cmd}"
     head, _, rest = cmd.partition(" ")
     return f"python -m lumen.{head}" + (f" {rest}" if rest else "")
+
+
+def check_writable(path: str, what: str) -> str | None:
+    """Why `path` cannot be written, or None: a tool checks its output files before a long run, not after."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{what} path {path} is a directory"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"cannot write {what} to {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return f"cannot write {what} to {path}: permission denied"
+    return None

@@ -40,7 +40,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
-from ..commands import prog
+from ..commands import check_writable, prog
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         kinds = parse_kinds(args.corunner)
     except ValueError as e:
         ap.error(str(e))
+    if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
+        ap.error(why)
     binary = None
     if args.compare or args.llama_batched_bench:
         binary = find_llama_batched_bench(args.llama_batched_bench)

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from ..commands import prog
+from ..commands import check_writable, prog
 from ..engine.config import EngineConfig
 
 PROMPTS = Path(__file__).with_name("data") / "prompts.json"
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.requests < 1:
         ap.error(f"--requests must be at least 1, got {args.requests}")
+    if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
+        ap.error(why)
     from .. import Engine, SamplingParams, load
     from ..errors import LumenError
     try:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from ..commands import prog
+from ..commands import check_writable, prog
 from .mix import MIXES as MIX_NAMES
 
 LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
@@ -703,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--serve-model runs a fixed number of requests; a soak (--duration) takes a running server (--url)")
     if args.repetitions > 1 and args.serve_model is None and args.concurrency is None:
         ap.error("-r repeats the runs of a sweep: give --concurrency or --serve-model")
+    if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
+        ap.error(why)
     binary = None
     if compare:
         from .launch import find_llama_server

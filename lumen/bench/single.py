@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
-from ..commands import prog
+from ..commands import check_writable, prog
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
@@ -403,6 +403,8 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
         args.corunners = parse_kinds(args.corunner)
     except ValueError as e:
         ap.error(str(e))
+    if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
+        ap.error(why)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from ..commands import prog
+from ..commands import check_writable, prog
 from ..engine.config import EngineConfig
 
 SPEC_KINDS = ("completion", "edit", "chat")         # spec_prompts.json
@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown kind {k!r} (kinds: {', '.join(KINDS)})")
     if args.llama_lookup and not (os.path.isfile(args.llama_lookup) and os.access(args.llama_lookup, os.X_OK)):
         ap.error(f"--llama-lookup {args.llama_lookup}: not an executable file")
+    if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
+        ap.error(why)
     from ..errors import LumenError
     from ..model.store import resolve
     try:

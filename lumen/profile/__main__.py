@@ -39,7 +39,7 @@ from pathlib import Path
 from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
-from ..commands import prog
+from ..commands import check_writable, prog
 from ..engine.config import EngineConfig
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -151,19 +151,6 @@ def model_bytes(model) -> dict:
             "embed_row_bytes": int(w.token_embd.shape[1]),
             "kv_cache_bytes": sum(a.nbytes for a in model.runner.kv), "n_layer": c.n_layer,
             "attn_act_bytes": 4 * (c.q_dim + c.n_head * c.head_dim_v)}
-
-
-def check_writable(path: str, what: str) -> str | None:
-    """Why `path` cannot be written, or None."""
-    p = Path(path)
-    if p.is_dir():
-        return f"{what} path {path} is a directory"
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        return f"cannot write {what} to {path}: the directory {parent} does not exist"
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        return f"cannot write {what} to {path}: permission denied"
-    return None
 
 
 # ---- the run ----

@@ -78,6 +78,17 @@ def test_bad_flags(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["single"], ["batch"], ["offline"], ["serve", "--url", "http://127.0.0.1:9"],
+                                  ["spec"]], ids=lambda a: a[0])
+def test_json_path_is_checked_before_the_run(argv, tmp_path, capsys):
+    """A --json FILE that cannot be written is a usage error at once, not a traceback after the whole run."""
+    from lumen.bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--json", str(tmp_path / "missing" / "out.json")])
+    assert e.value.code == 2
+    assert "cannot write the JSON to" in capsys.readouterr().err
+
+
 def test_missing_model_is_one_line_error(capsys):
     assert bench.main(["--model", "/nonexistent/model.gguf", "-p", "4", "-n", "2", "-r", "1"]) == 1
     err = capsys.readouterr().err
