@@ -94,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     reqs = workload(args.requests)
     params_of = lambda n: SamplingParams(max_tokens=n, temperature=0)  # noqa: E731
-    engine.generate(["warm up"], params_of(4))
-    t_eng, outs, eff = run_engine(engine, reqs, params_of)
+    try:
+        engine.generate(["warm up"], params_of(4))
+        t_eng, outs, eff = run_engine(engine, reqs, params_of)
+    except LumenError as e:                  # a request the engine refuses (--kv-cache-mb too small for it)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     n_out = sum(len(o.token_ids) for o in outs.values())
     n_in = sum(len(o.prompt_token_ids) for o in outs.values())
     res = {"model": str(model.path), "requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out,

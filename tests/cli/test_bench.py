@@ -89,6 +89,13 @@ def test_json_path_is_checked_before_the_run(argv, tmp_path, capsys):
     assert "cannot write the JSON to" in capsys.readouterr().err
 
 
+def test_offline_kv_cache_too_small_is_one_line_error(smollm2_path, capsys):
+    from lumen.bench.offline import main
+    assert main(["--model", str(smollm2_path), "--requests", "1", "--kv-cache-mb", "1", "--no-baseline"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the prompt (") and "raise kv_cache_mb" in err and len(err.splitlines()) == 1
+
+
 def test_missing_model_is_one_line_error(capsys):
     assert bench.main(["--model", "/nonexistent/model.gguf", "-p", "4", "-n", "2", "-r", "1"]) == 1
     err = capsys.readouterr().err
