@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve(args.model)
         model = load(path, ctx=64, threads=args.threads, adaptive_threads=args.adaptive_threads)
+        if args.npp + args.ntg + 1 > model.config.ctx_train:     # as lumen.generate refuses it
+            raise LumenError(f"-npp {args.npp} + -ntg {args.ntg} + 1 tokens are beyond the {model.config.ctx_train} "
+                             "tokens this model was trained on; use a smaller -npp or -ntg")
         top = levels[-1]
         per_block = model.runner.kv_bytes_per_block
         blocks = top * (-(-(args.npp + args.ntg + 1) // 16)) + 1

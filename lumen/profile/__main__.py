@@ -34,9 +34,10 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
-from lumen.errors import LumenError
+from lumen.errors import ContextWarning, LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
 from ..commands import check_writable, prog
@@ -273,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             print_machine(lim, console)
             return 0
         from lumen import load
-        model = load(args.model, ctx=args.prompt_tokens + args.gen_tokens + 1, threads=args.threads)
+        with warnings.catch_warnings():      # as lumen.generate: a context past the trained one is refused
+            warnings.simplefilter("error", ContextWarning)
+            try:
+                model = load(args.model, ctx=args.prompt_tokens + args.gen_tokens + 1, threads=args.threads)
+            except ContextWarning as e:
+                raise LumenError(f"{e}; use fewer --prompt-tokens or --gen-tokens") from None
         if args.overhead:
             overhead(model, args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.repeats, console)
             return 0

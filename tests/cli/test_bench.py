@@ -96,6 +96,19 @@ def test_offline_kv_cache_too_small_is_one_line_error(smollm2_path, capsys):
     assert err.startswith("error: the prompt (") and "raise kv_cache_mb" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["single", "-p", "9000", "-n", "2", "-r", "1"], "error: ctx=9000 is beyond the 8192 tokens this model was "
+     "trained on (output past that is unreliable); use a smaller -p or -n"),
+    (["batch", "-npp", "9000", "-ntg", "2", "-npl", "1", "-r", "1"], "error: -npp 9000 + -ntg 2 + 1 tokens are "
+     "beyond the 8192 tokens this model was trained on; use a smaller -npp or -ntg"),
+], ids=["single", "batch"])
+def test_context_beyond_the_trained_one_is_refused(smollm2_path, argv, says, capsys):
+    """As lumen.generate refuses it (SmolLM2: 8192 tokens), at once, not after minutes of prefill."""
+    from lumen.bench.cli import main
+    assert main([*argv, "--model", str(smollm2_path)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == says
+
+
 def test_missing_model_is_one_line_error(capsys):
     assert bench.main(["--model", "/nonexistent/model.gguf", "-p", "4", "-n", "2", "-r", "1"]) == 1
     err = capsys.readouterr().err

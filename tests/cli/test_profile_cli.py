@@ -214,6 +214,15 @@ def test_unwritable_path_fails_before_the_run(home, smollm2_path, tmp_path):
     assert r.returncode == 2 and "is a directory" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_context_beyond_the_trained_one_is_refused(home, smollm2_path):
+    """As lumen.generate refuses it: SmolLM2 was trained on 8192 tokens; 9000 would run for minutes."""
+    r = run(home, "--model", smollm2_path, "--prompt-tokens", 9000, "--gen-tokens", 2, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Warning" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: ctx=9003 is beyond the 8192 tokens this model was trained on (output past that is unreliable); "
+        "use fewer --prompt-tokens or --gen-tokens")
+
+
 def test_machine_prints_cached_limits(home):
     r = run(home, "--machine")
     assert r.returncode == 0, r.stderr
