@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_body_mb <= 0 or args.shutdown_timeout < 0:
         ap.error("--max-body-mb must be positive and --shutdown-timeout not negative")
+    if not 1 <= args.port <= 65535:                    # (getaddrinfo wraps 70000 to 4464 without a word)
+        ap.error(f"--port must be between 1 and 65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
     if args.speculative == "draft" and not args.draft_model:
@@ -197,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None \
             or args.prefill_replicas is not None:
         return _main_ray(ap, args, config)
+    why = bind_error(args.host, args.port)             # now, not after loading the model
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     from rich.console import Console
     from ..generate import status_while_compiling
     try:
@@ -230,6 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("stopped")
     return 0
+
+
+def bind_error(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (a port in use, a host that does not resolve or is not this
+    machine's), or None. Checked before the model loads, so such a mistake fails at once."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as uvicorn binds
+            s.bind(addr)
+    except OSError as e:                               # (socket.gaierror too)
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
 
 
 def _pd_flags_error(args) -> str | None:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -322,3 +323,20 @@ def test_cli_startup_errors_are_one_line(smollm2_path, args, says):
     err = r.stderr.strip().splitlines()
     assert r.returncode == 1 and err[-1].startswith("error:") and says in err[-1], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_cli_port_in_use_or_out_of_range_fails_before_loading(smollm2_path):
+    """--port 70000 served on port 4464 (getaddrinfo wraps it) while the log said 70000; a port in use or a host
+    that does not resolve failed only after the model had loaded, in uvicorn's words."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, code, says in ((["--port", "70000"], 2, "--port must be between 1 and 65535, got 70000"),
+                                 (["--port", str(port)], 1, f"error: cannot listen on 127.0.0.1:{port}: "),
+                                 (["--host", "nosuchhost.invalid"], 1, "error: cannot listen on nosuchhost.invalid")):
+            r = subprocess.run([*lumen_serve(smollm2_path), *args], capture_output=True, text=True, timeout=60,
+                               cwd=ROOT)
+            err = r.stderr.strip().splitlines()
+            assert r.returncode == code and says in err[-1], r.stderr
+            assert "Traceback" not in r.stderr and "serving" not in r.stderr, r.stderr
