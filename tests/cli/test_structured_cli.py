@@ -60,7 +60,7 @@ def test_bad_constraint_is_usage_error(smollm2_path, tmp_path, args, message):
     (tmp_path / "bad.gbnf").write_text('root ::= "a" missing\n')
     r = generate(smollm2_path, "--prompt", "x", *[a.format(tmp=tmp_path) for a in args])
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith(message.format(tmp=tmp_path)), r.stderr
+    assert r.stderr.startswith(message.format(tmp=tmp_path)) and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_one_constraint_flag_at_most(smollm2_path):

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 
 from ...format.tokenizer import Tokenizer
-from .constraint import Constraint, StructuredOutputError
+from .constraint import Constraint, StructuredOutputError, one_line
 from .matcher import GrammarMatcher
 from .vocab import GrammarVocab, grammar_vocab
 
@@ -42,7 +42,8 @@ class CompiledGrammar:
         self.vocab = vocab
         self._template = llguidance.LLMatcher(vocab.ll, constraint.grammar, log_level=0)
         if self._template.is_error():
-            raise StructuredOutputError(f"invalid {constraint.kind} constraint: {self._template.get_error()}")
+            raise StructuredOutputError(f"invalid {constraint.kind} constraint: "
+                                        f"{one_line(self._template.get_error())}")
         self.compile_s = time.perf_counter() - t0
 
     def matcher(self) -> GrammarMatcher:

@@ -52,8 +52,18 @@ class StructuredOutputError(LumenError, ValueError):
     the message says which and carries llguidance's own."""
 
 
+def one_line(msg: str) -> str:
+    """llguidance's message on one line. It may echo the input with carets under it ("   1 | start: /(/" then
+    "^"), and a regex error puts what is wrong on a line "error: WHAT": the echoes go, the first line and each WHAT
+    stay."""
+    lines = [ln.strip() for ln in msg.strip().splitlines()]
+    lines = [ln for ln in lines if ln.strip("^ ") and not re.match(r"\d+ \| ", ln)]
+    said = [ln.removeprefix("error:").strip() for ln in lines[1:] if ln.startswith("error:")]
+    return " ".join(lines[:1] + said if said else lines)
+
+
 def _fail(kind: str, msg: str) -> None:
-    raise StructuredOutputError(f"invalid {kind} constraint: {msg}")
+    raise StructuredOutputError(f"invalid {kind} constraint: {one_line(msg)}")
 
 
 @dataclass(frozen=True)
