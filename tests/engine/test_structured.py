@@ -382,6 +382,19 @@ def test_json_whitespace_is_bounded(toks, compilers, name):
     assert not finished and len(text.strip()) < 20
 
 
+def test_matcher_error_is_one_line(toks, compilers):
+    """A regex too big for llguidance's lexer passes compilation and fails on the first token; llguidance's
+    error then carries a dump of its state and the grammar, which must not reach a user (a command's error line,
+    an HTTP body): only its first line does."""
+    compiled = compilers["smollm2-135m"].compile(Constraint.regex("a{99999999}"))
+    m = compiled.matcher()
+    m.fill_mask(np.zeros(compiled.vocab.mask_words, np.int32))
+    with pytest.raises(StructuredOutputError) as e:
+        m.advance(toks["smollm2-135m"].encode("aaaa", add_bos=False, special=False)[0])
+    assert str(e.value) == "grammar matcher failed on token 46880: lexer error: too many expressions constructed"
+    assert m.error == "lexer error: too many expressions constructed"
+
+
 # --- end tokens, stop, rollback, drafts ---------------------------------------------------------------------------
 def _allowed(row: np.ndarray, n_vocab: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little", count=n_vocab))

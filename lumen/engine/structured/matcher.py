@@ -43,14 +43,14 @@ class GrammarMatcher:
         """Commit one sampled token. StructuredOutputError if the grammar does not allow it here."""
         t = self._ll_token(token)
         if self.ll.is_error():                  # llguidance gave up (a limit of its lexer or parser), not the token
-            raise StructuredOutputError(f"{GRAMMAR_FAILED} before token {token}: {self.ll.get_error()}")
+            raise StructuredOutputError(f"{GRAMMAR_FAILED} before token {token}: {self.error}")
         # a stopped matcher still takes EOS (validate_tokens says 0 for it there)
         end = t == self.vocab.eos_id and self.ll.is_stopped()
         if not (end or self.ll.validate_tokens([t]) == 1):
             raise StructuredOutputError(f"token {token} is not allowed by the grammar here (after "
                                         f"{self.n_tokens} tokens){self._why()}")
         if not self.ll.consume_token(t):
-            raise StructuredOutputError(f"{GRAMMAR_FAILED} on token {token}: {self.ll.get_error()}")
+            raise StructuredOutputError(f"{GRAMMAR_FAILED} on token {token}: {self.error}")
         self.n_tokens += 1
 
     def advance_many(self, tokens: Sequence[int]) -> None:
@@ -69,7 +69,7 @@ class GrammarMatcher:
         if not 0 <= n <= self.n_tokens:
             raise ValueError(f"cannot roll back {n} tokens: {self.n_tokens} were advanced")
         if n and not self.ll.rollback(n):
-            raise StructuredOutputError(f"grammar matcher could not roll back {n} tokens: {self.ll.get_error()}")
+            raise StructuredOutputError(f"grammar matcher could not roll back {n} tokens: {self.error}")
         self.n_tokens -= n
 
     @property
@@ -84,8 +84,10 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        """llguidance's error message, "" while healthy."""
-        return self.ll.get_error()
+        """llguidance's error message, "" while healthy: its first line (what follows is a dump of the matcher's
+        state and the whole grammar, dozens of lines that would end up in a command's error or an HTTP body)."""
+        err = self.ll.get_error().strip()
+        return err.splitlines()[0] if err else ""
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the next token's allowed set into `row` (int32, vocab.mask_words, C-contiguous), end tokens
@@ -98,5 +100,5 @@ class GrammarMatcher:
         self.vocab.allow_end_tokens(rows)
 
     def _why(self) -> str:
-        err = self.ll.get_error()
+        err = self.error
         return f": {err}" if err else (" (the grammar is complete)" if self.ll.is_stopped() else "")
