@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from ..commands import prog
+
 COMMANDS = ("single", "batch", "offline", "serve", "spec")
 USAGE = """usage: python -m lumen.bench [single|batch|offline|serve|spec] ...
 
@@ -22,6 +24,9 @@ the default command, single:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     named = bool(argv) and argv[0] in COMMANDS
+    if argv and not named and not argv[0].startswith("-"):     # a typo, not single's first option
+        print(f"{prog('bench')}: unknown benchmark {argv[0]!r}; benchmarks: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     cmd = argv.pop(0) if named else "single"
     if not named and argv in (["-h"], ["--help"]):
         print(USAGE)                              # no command given: the commands, then single's options

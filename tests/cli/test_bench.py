@@ -109,6 +109,13 @@ def test_context_beyond_the_trained_one_is_refused(smollm2_path, argv, says, cap
     assert capsys.readouterr().err.strip().splitlines()[-1] == says
 
 
+def test_unknown_benchmark_is_named(capsys):
+    from lumen.bench.cli import main
+    assert main(["sngle", "-r", "1"]) == 2
+    assert capsys.readouterr().err == ("python -m lumen.bench: unknown benchmark 'sngle'; benchmarks: single, batch, "
+                                       "offline, serve, spec\n")
+
+
 def test_missing_model_is_one_line_error(capsys):
     assert bench.main(["--model", "/nonexistent/model.gguf", "-p", "4", "-n", "2", "-r", "1"]) == 1
     err = capsys.readouterr().err
