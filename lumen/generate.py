@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         tooling = tools_from_args(args)
         if tooling is not None and constraint is not None and tooling[1] != "none":
             raise UsageError("--tools cannot be combined with a structured-output flag (unless --tool-choice none)")
+        if args.system is not None and not (args.chat or tooling is not None):   # (it would be dropped unsaid)
+            raise UsageError("--system is the system message of a chat: give --chat too")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -204,6 +204,13 @@ def test_empty_stdin_prompt(smollm2_path):
     assert one_line(r.stderr).startswith("error: the prompt is empty")
 
 
+def test_system_without_chat_is_a_usage_error(smollm2_path):
+    """Plain completion has no system message: --system alone was dropped without a word."""
+    r = generate(smollm2_path, "--system", "Be terse.", "--prompt", "Hi", "-n", 2)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "error: --system is the system message of a chat: give --chat too\n"
+
+
 def test_chat_uses_the_template(smollm2_path, tokenizer):
     question = "What is the capital of France?"
     r = generate(smollm2_path, "--chat", "--prompt", question, "-n", 16)
