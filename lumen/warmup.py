@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             w = warm(name, threads=args.threads)
         except (LumenError, ValueError, OSError) as e:
-            print(f"error: {name}: {e}", file=sys.stderr)
+            said = str(e)                               # most messages name the model already
+            print(f"error: {said}" if name in said else f"error: {name}: {said}", file=sys.stderr)
             return 1
         total += w.compiled
         print(f"{w.model}: ready in {w.seconds:.1f} s; compiled {w.compiled} functions "

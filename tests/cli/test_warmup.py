@@ -46,4 +46,10 @@ def test_warmup_refuses_a_missing_model_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--model", str(tmp_path / "nope.gguf")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 1
-    assert r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == f"error: no such model file: {tmp_path / 'nope.gguf'}\n", r.stderr     # named once
+    r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--model", "nosuch", "--threads", "0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("error: unknown model 'nosuch'"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--threads", "0"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("error: smollm2-135m: threads must be between 1 and"), r.stderr
