@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from ..admission import RequestError
+from ..sampling.sampler import SamplerError
 from ..config import SpeculativeConfig
 from ..sequence import Sequence
 from ..costs.steps import StepCosts
@@ -54,7 +54,8 @@ class Speculator:
     def admit(self, seq: Sequence) -> None:
         """A new request: its speculation state (None when it does not speculate)."""
         if seq.params.speculative == "draft" and self.draft is None:
-            raise RequestError("speculative='draft' needs a draft model: Engine(..., draft_model=...)")
+            raise SamplerError("speculative \"draft\" needs a draft model, and none was loaded (lumen serve "
+                               "--draft-model M, or Engine(..., draft_model=M))", param="speculative")
         seq.spec = SpecState() if seq.params.speculative is not None else None
 
     # ---- before scheduling
