@@ -31,7 +31,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("lumen.engine",)),                               # runner, scheduler, sampling, engine
     ("api", ("lumen", "lumen.profile")),                         # the facade (lumen.load, Model) and the profiler
     ("interfaces", ("lumen.generate", "lumen.perplexity", "lumen.chat", "lumen.bench", "lumen.serve",
-                    "lumen.models", "lumen.gguf", "lumen.cli", "lumen.warmup")),  # command lines and the server
+                    "lumen.models", "lumen.gguf", "lumen.cli", "lumen.__main__",  # command lines and the server
+                    "lumen.warmup")),
 ]
 
 # Known arrows up, each (importer, imported): none. The profiler hook lives in lumen.timer and the cache paths in

@@ -56,6 +56,14 @@ def test_a_wrong_flag_is_an_error_not_a_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--no-such-flag" in r.stderr
 
 
+def test_python_m_lumen_is_the_script():
+    """`python -m lumen COMMAND`, as a user who has not found the script may type it (like `python -m pip`)."""
+    r = subprocess.run([sys.executable, "-m", "lumen", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and all(f"  {name} " in r.stdout for name in COMMANDS), r.stderr
+    r = subprocess.run([sys.executable, "-m", "lumen", "genrate"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown command 'genrate'" in r.stderr, r.stderr
+
+
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("lumen ")

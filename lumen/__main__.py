@@ -1,0 +1,5 @@
+import sys
+
+from lumen.cli import main
+
+sys.exit(main())
