@@ -733,7 +733,12 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: every server started here is stopped", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - unreachable server, bad URL, HTTP errors, a server that fails: one line
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        import httpx
+        if isinstance(e, httpx.ConnectError) and args.serve_model is None:    # say where, and what to do
+            print(f"error: cannot connect to {load.url} ({e}): start a server there (python -m lumen.serve), "
+                  "or give --url URL, or --serve-model MODEL to start one here", file=sys.stderr)
+        else:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if not sweeping:
         print(report(res))

@@ -4,6 +4,7 @@ every process it starts stopped (also on Ctrl-C), and --compare llama.cpp when l
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,17 @@ def test_missing_llama_server_on_path(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--serve-model", "smollm2-135m", "--compare", "llama.cpp"])
     assert "llama-server not found: give --llama-server PATH" in capsys.readouterr().err
+
+
+def test_no_server_at_the_url_says_where_and_what_to_do(capsys):
+    """With no --url, a new user's first run meets no server at the default URL: the error names it."""
+    with socket.socket() as s:                   # a port with nothing listening on it
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert bench.main(["--url", url, "--num-prompts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot connect to {url} (") and "--serve-model MODEL" in err, err
+    assert err.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------------------------------
