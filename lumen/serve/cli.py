@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from ..generate import status_while_compiling
     try:
-        template = Path(args.chat_template).read_text() if args.chat_template else None
+        template = read_template(args.chat_template)
         name = model_id(args.model, args.served_model_name)
         with status_while_compiling(Console(stderr=True, highlight=False)):    # the port opens after it
             from .app import load_engine, make_app     # (in the block: some kernels compile as they import)
@@ -237,6 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("stopped")
     return 0
+
+
+def read_template(path: str | None) -> str | None:
+    """The text of --chat-template FILE (None without it); LumenError naming the flag and the file."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LumenError(f"--chat-template {path}: cannot read it ({e})") from None
 
 
 def bind_error(host: str, port: int) -> str | None:
@@ -299,7 +309,7 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         from ..model.parts import open_gguf
         from ..model.store import resolve
         open_gguf(resolve(args.model))                 # a bad --model fails here, before Ray starts
-        template = Path(args.chat_template).read_text() if args.chat_template else None
+        template = read_template(args.chat_template)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

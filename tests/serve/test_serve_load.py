@@ -315,9 +315,13 @@ def test_cli_flags_log_line_and_sigint(smollm2_path, model, tmp_path):
     (["--model", "/nonexistent/nope.gguf"], "nope.gguf"),
     (["--max-model-len", "9000"], "trained on"),
     (["--max-model-len", "2048", "--kv-cache-mb", "8"], "--kv-cache-mb"),
-    (["--chat-template", "/nonexistent/t.jinja"], "t.jinja"),
-], ids=["no such model", "beyond the trained context", "KV cache too small", "no such template"])
-def test_cli_startup_errors_are_one_line(smollm2_path, args, says):
+    (["--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: cannot read it"),
+    (["--chat-template", "{bad}"], "--chat-template {bad}: cannot read it ('utf-8' codec can't decode byte 0xff"),
+], ids=["no such model", "beyond the trained context", "KV cache too small", "no such template", "not UTF-8"])
+def test_cli_startup_errors_are_one_line(smollm2_path, args, says, tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_bytes(b"{{ messages }}\xff")
+    args, says = [a.replace("{bad}", str(bad)) for a in args], says.replace("{bad}", str(bad))
     cmd = lumen_serve(smollm2_path, *args) if args[0] != "--model" else [sys.executable, "-m", "lumen.serve", *args]
     r = subprocess.run([*cmd, "--port", str(free_port())], capture_output=True, text=True, timeout=180, cwd=ROOT)
     err = r.stderr.strip().splitlines()
