@@ -1,11 +1,12 @@
-"""`python -m lumen.gguf FILE`: a GGUF file's metadata and tensor table (the reader is lumen/format/gguf.py)."""
+"""`python -m lumen.gguf FILE|NAME`: a GGUF file's metadata and tensor table (the reader is lumen/format/gguf.py)."""
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from lumen.errors import GGUFError
+from lumen.errors import FetchError, GGUFError
 from lumen.format.gguf import GGUFFile
+from lumen.model.store import MODELS, resolve
 from .commands import prog
 
 
@@ -23,12 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
     ap = argparse.ArgumentParser(prog=prog("gguf"), description="Show a GGUF file's metadata and tensors")
-    ap.add_argument("file", help="path to a .gguf file")
+    ap.add_argument("file", help="path to a .gguf file, or a registry name (python -m lumen.models)")
     args = ap.parse_args(argv)
     console = Console()
     try:
-        g = GGUFFile(args.file)
-    except GGUFError as e:
+        path = resolve(args.file) if args.file in MODELS else args.file     # as every other tool takes a name
+        g = GGUFFile(path)
+    except (GGUFError, FetchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     meta = Table(title=f"{g.path.name}: GGUF v{g.version}, {len(g.metadata)} metadata keys")

@@ -64,6 +64,12 @@ def test_python_m_lumen_is_the_script():
     assert r.returncode == 2 and "unknown command 'genrate'" in r.stderr, r.stderr
 
 
+def test_gguf_takes_a_registry_name(smollm2_path):
+    """`lumen gguf smollm2-135m`, as `lumen generate -m smollm2-135m`: the name was taken for a missing file."""
+    r = run("gguf", "smollm2-135m")
+    assert r.returncode == 0 and f"{smollm2_path.name}: GGUF v3" in " ".join(r.stdout.split()), r.stderr
+
+
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("lumen ")
