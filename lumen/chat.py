@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         with status_while_compiling(err):
             t0 = time.perf_counter()
             model = load_model(args.model, args.ctx, args.threads, False, adaptive_threads=args.adaptive_threads)
+            if args.max_tokens is not None and args.max_tokens >= model.n_ctx:       # no message would ever fit
+                raise LumenError(f"--max-tokens {args.max_tokens} leaves no room for a message in the context of "
+                                 f"{model.n_ctx} tokens (--ctx)")
             template = chat_template_from_metadata(model.metadata)
             if template is None:
                 raise LumenError(f"{args.model} has no chat template (tokenizer.chat_template); use "

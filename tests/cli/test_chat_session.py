@@ -78,6 +78,15 @@ def test_commands_and_a_model_without_a_template(smollm2_path, tmp_path):
         "has no chat template (tokenizer.chat_template); use python -m lumen.generate for plain completion")
 
 
+def test_max_tokens_past_the_context_is_refused_at_start(smollm2_path):
+    """Every message would be refused, one error line per line typed, and the session would end with 0."""
+    r = subprocess.run([*chat(smollm2_path), "-n", "4096", "--ctx", "1024"], input="hi\nhello\n", capture_output=True,
+                       text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (1, ""), r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("error: --max-tokens 4096 leaves no room for a message in the "
+                                                 "context of 1024 tokens (--ctx)")
+
+
 class Session:
     """lumen.chat in a subprocess with both pipes read by threads, so the test can wait for what it printed."""
 
