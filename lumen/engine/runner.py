@@ -10,6 +10,7 @@ preallocated batch arrays.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 
 import numpy as np
@@ -20,6 +21,7 @@ from ..kernels.rope import rope_cache
 from ..kernels.scratch import per_thread
 from ..kernels.work import counters
 from ..model.config import ROPE_NEOX, Config
+from ..errors import LumenError
 from ..timer import active as profiler_active
 from .threads import Governor
 from ..model.forward import KV, Arch, AttnScratch, Batch, MMScratch, Scratch, Weights, forward, n_slots
@@ -78,8 +80,15 @@ class Runner:
         self.arch = make_arch(cfg, max_pos, rope_freqs)
         self.w = weights
         L, KV_, hd, hdv = cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
-        self.kv = KV(k=lazy_zeros((L, n_blocks, KV_, hd, BLOCK), np.uint16),      # f16 bits
-                     v=lazy_zeros((L, n_blocks, KV_, BLOCK, hdv), np.uint16))
+        try:
+            self.kv = KV(k=lazy_zeros((L, n_blocks, KV_, hd, BLOCK), np.uint16),      # f16 bits
+                         v=lazy_zeros((L, n_blocks, KV_, BLOCK, hdv), np.uint16))
+        except OSError as e:                        # ENOMEM: more than the machine lets this process map
+            if e.errno != errno.ENOMEM:
+                raise
+            gb = 2 * L * n_blocks * KV_ * BLOCK * (hd + hdv) / 1e9
+            raise LumenError(f"the KV cache of {n_blocks * BLOCK} tokens needs {gb:.1f} GB, more than this machine "
+                             "can map: use a smaller context (ctx, max_model_len) or kv_cache_mb") from None
         self.n_blocks = n_blocks
         self.scr = make_scratch(cfg, max_tokens, max_pos, n_threads)
         self.table = np.zeros((max_rows, max_blocks), np.int64)     # block tables, one row per sequence

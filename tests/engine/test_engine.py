@@ -248,6 +248,20 @@ def test_bad_requests_are_errors_of_their_own(model):
     assert "empty" in outs[1].error and "max_model_len" in outs[2].error
 
 
+def test_a_kv_cache_the_machine_cannot_map_is_a_lumen_error(model, monkeypatch):
+    """generate --ctx 10000000 --force-ctx died with a bare "[Errno 12] Cannot allocate memory": the mmap of a
+    230 GB KV cache fails on a 24 GB machine. (Made to fail here whatever the machine's memory.)"""
+    import errno
+    import lumen.engine.runner as runner
+
+    def no_memory(shape, dtype):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    monkeypatch.setattr(runner, "lazy_zeros", no_memory)
+    with pytest.raises(LumenError, match=r"the KV cache of 256 tokens needs [\d.]+ GB, more than this machine can "
+                                         r"map: use a smaller context"):
+        Engine(model, max_model_len=256, max_num_seqs=1, kv_cache_mb=model.runner.kv_bytes_per_block * 16 / 2 ** 20)
+
+
 def test_nan_logits_affect_that_request_only(model):
     eng = Engine(model, max_model_len=256, max_num_seqs=4, kv_cache_mb=16)
     p = SamplingParams(max_tokens=5, temperature=0)
