@@ -26,6 +26,7 @@ from .engine.sampling.params import SamplingParams
 from .engine.sequence import RequestMetrics
 
 DEFAULT_CTX = 2048
+MAX_CTX = 1 << 24           # the most positions RoPE tables hold exactly in float32 (lumen.kernels.rope)
 DEFAULT_BATCH = 256
 
 
@@ -67,7 +68,7 @@ class Model:
             g, cfg, tok = parts.gguf, parts.config, parts.tokenizer
         if ctx is None:
             ctx = min(DEFAULT_CTX, cfg.ctx_train)
-        check_int(ctx_name, ctx)
+        check_int(ctx_name, ctx, hi=MAX_CTX)
         if ctx > cfg.ctx_train:
             warnings.warn(ContextWarning(f"{ctx_name}={ctx} is beyond the {cfg.ctx_train} tokens this model was "
                                          "trained on (output past that is unreliable)"), stacklevel=2)

@@ -559,15 +559,16 @@ def corrupt_empty(tmp_path, smollm2_path):
     (["--max-tokens", "0"], "error: max_tokens must be a positive integer, got 0"),
     (["--temperature", "-1"], "error: temperature must be >= 0"),
     (["--top-p", "2"], "error: top_p must be in (0, 1]"),
-    (["--ctx", "0"], "error: ctx must be a positive integer, got 0"),
+    (["--ctx", "0"], "error: ctx must be an integer in [1, 16777216], got 0"),
+    (["--ctx", str(10 ** 22), "--force-ctx"], f"error: ctx must be an integer in [1, 16777216], got {10 ** 22}"),
     (["--threads", "0"], "error: threads must be between 1 and"),
     (["--model", "nosuchmodel"], f"error: unknown model 'nosuchmodel': not a known name ({', '.join(MODELS)})"),
     (["--model", "{tmp}/x.gguf"], "error: no such model file: {tmp}/x.gguf"),
     (["--model", corrupt_random], "error: {model}: not a GGUF file"),
     (["--model", corrupt_truncated], "extends beyond the end of the file"),
     (["--model", corrupt_empty], "error: {model}: not a GGUF file (only 0 bytes)"),
-], ids=["max-tokens", "max-tokens-0", "temperature", "top-p", "ctx", "threads", "unknown-name", "missing-path", "corrupt-random",
-        "corrupt-truncated", "corrupt-empty"])
+], ids=["max-tokens", "max-tokens-0", "temperature", "top-p", "ctx", "ctx-huge", "threads", "unknown-name", "missing-path",
+        "corrupt-random", "corrupt-truncated", "corrupt-empty"])
 @pytest.mark.slow
 def test_bad_arguments(smollm2_path, tmp_path, args, message):
     model = str(smollm2_path)
