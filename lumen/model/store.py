@@ -400,6 +400,8 @@ def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
     by_file = {spec.filename: name for name, spec in MODELS.items()}
     if isinstance(model, str) and model in by_file:  # a registry model's file name, not a file here
         return resolve(by_file[model], quiet=quiet)
+    if str(model) and path.is_dir():                     # ("" is Path("."): an unknown name, below)
+        raise FetchError(f"{path} is a directory: give the path of a .gguf file in it, or a registry name")
     if path.suffix == ".gguf" or os.sep in str(model):
         raise FetchError(f"no such model file: {path}")
     raise FetchError(f"unknown model {str(model)!r}: not a known name ({', '.join(MODELS)}) and not a file")

@@ -5,6 +5,7 @@ import errno
 import hashlib
 import io
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -463,6 +464,14 @@ def test_resolve_existing_path(home, tmp_path):
 def test_resolve_missing_path(home, missing):
     with pytest.raises(FetchError, match="no such model file"):
         store.resolve(missing)
+
+
+def test_resolve_a_directory(home, tmp_path, monkeypatch):
+    """`--model .` or `--model models/` was 'unknown model' or 'no such model file', though it exists."""
+    monkeypatch.chdir(tmp_path)
+    for d in (".", str(tmp_path)):
+        with pytest.raises(FetchError, match=f"^{re.escape(d)} is a directory: give the path of a .gguf file in it"):
+            store.resolve(d)
 
 
 def test_resolve_unknown_name_lists_known_names(home):
