@@ -355,6 +355,27 @@ def test_chat_stop_then_regenerate(server, page, artifacts):
     assert not page.errors, page.errors
 
 
+def test_chat_refused_message_leaves_the_conversation(server, page):
+    """A message the server refuses (a prompt over max_model_len: HTTP 400) is taken back out of the conversation:
+    the next message is answered, with only itself as the prompt, and the refused text is back in the box."""
+    page.goto(server.url + "/")
+    page.wait_for_selector("body[data-ready='1']")
+    set_value(page, "#temperature", 0)
+    set_value(page, "#max_tokens", 4)
+    long = "word " * 1500
+    send(page, long)
+    page.wait_for_selector(".msg.assistant .error >> text=max_model_len")
+    assert page.input_value("#input") == long and page.locator(".msg.user.unsent").count() == 1
+    send(page, "Say hi.")
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1].textContent.length > 0",
+                           timeout=120_000)
+    stats = page.locator(".msg.assistant .stats").nth(1).inner_text()
+    want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0, "max_tokens": 4}).json()
+    m = STATS.match(stats)
+    assert m and int(m.group(1)) == want["usage"]["prompt_tokens"], stats
+
+
 HOSTILE = ('<script>window.__pwned = 1</script> <img src=x onerror="window.__pwned = 2"> '
            '<b>bold</b> &amp; &lt;i&gt; </div><iframe src="javascript:window.__pwned=3"></iframe>')
 

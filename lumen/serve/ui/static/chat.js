@@ -68,6 +68,9 @@ function statsLine(s) {
   return parts.join(" | ");
 }
 
+/* Ask for the reply to the conversation in `history` (it ends with the user's turn). Resolves to false when the
+   request failed before any of the reply came (refused, or the server unreachable): the caller then takes the
+   user's turn back out of the history, so that one bad message does not fail every later one. */
 async function reply(fmt) {
   const messages = [];
   const system = $("system").value.trim();
@@ -136,10 +139,22 @@ async function reply(fmt) {
     }
   } finally {
     controller = null;
-    history.push({role: "assistant", content});
     view.stats.textContent = statsLine(s);
-    setBusy(false);
   }
+  const answered = content !== "" || s.finish !== "error";
+  if (answered) history.push({role: "assistant", content});
+  setBusy(false);
+  return answered;
+}
+
+/* The user's last turn was not answered: out of the history, its bubble marked, its text back in the box. */
+function unsend() {
+  const turn = history.pop();
+  const users = $("messages").querySelectorAll(".msg.user:not(.unsent)");
+  const div = users[users.length - 1];
+  div.classList.add("unsent");
+  div.querySelector(".who").textContent = "user (not sent: the model will not see this message)";
+  if (!$("input").value) $("input").value = turn.content;
 }
 
 function send(ev) {
@@ -151,7 +166,7 @@ function send(ev) {
   $("input").value = "";
   history.push({role: "user", content: text});
   addMessage("user", text);
-  reply(fmt);
+  reply(fmt).then((answered) => answered || unsend());
 }
 
 function regenerate() {
@@ -163,7 +178,7 @@ function regenerate() {
   history.pop();
   const msgs = $("messages").querySelectorAll(".msg.assistant");
   msgs[msgs.length - 1].remove();
-  reply(fmt);
+  reply(fmt).then((answered) => answered || unsend());
 }
 
 async function init() {
