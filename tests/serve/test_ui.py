@@ -376,6 +376,27 @@ def test_chat_refused_message_leaves_the_conversation(server, page):
     assert m and int(m.group(1)) == want["usage"]["prompt_tokens"], stats
 
 
+def test_chat_clear_mid_reply_starts_afresh(server, page):
+    """Clear while a reply streams: the cut reply is not carried into the next conversation's first request."""
+    page.goto(server.url + "/")
+    page.wait_for_selector("body[data-ready='1']")
+    set_value(page, "#temperature", 0)
+    set_value(page, "#max_tokens", 600)
+    send(page, "Write a long story about a lighthouse keeper.")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 20",
+                           timeout=120_000)
+    page.click("#clear")
+    set_value(page, "#max_tokens", 4)
+    send(page, "Say hi.")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.length > 0",
+                           timeout=120_000)
+    assert page.locator(".msg").count() == 2
+    want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0, "max_tokens": 4}).json()
+    m = STATS.match(page.inner_text(".msg.assistant .stats"))
+    assert m and int(m.group(1)) == want["usage"]["prompt_tokens"], page.inner_text(".msg.assistant .stats")
+
+
 HOSTILE = ('<script>window.__pwned = 1</script> <img src=x onerror="window.__pwned = 2"> '
            '<b>bold</b> &amp; &lt;i&gt; </div><iframe src="javascript:window.__pwned=3"></iframe>')
 

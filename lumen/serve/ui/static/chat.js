@@ -5,6 +5,7 @@
 const $ = (id) => document.getElementById(id);
 const history = [];          // {role, content} of the conversation, without the system prompt
 let controller = null;       // the AbortController of the reply in flight
+let conversation = 0;        // counts the Clears: a reply cut by one does not go into the new conversation
 let structured = false;      // the server honours response_format json_schema (GET /ui/info)
 
 function addMessage(role, text) {
@@ -81,6 +82,7 @@ async function reply(fmt) {
   const view = addMessage("assistant", "");
   const text = document.createTextNode("");
   view.body.append(text);
+  const mine = conversation;
   const s = {t0: performance.now(), tFirst: null, tLast: null, completion: 0, prompt: null, finish: null};
   controller = new AbortController();
   setBusy(true);
@@ -141,6 +143,7 @@ async function reply(fmt) {
     controller = null;
     view.stats.textContent = statsLine(s);
   }
+  if (mine !== conversation) { setBusy(false); return true; }        // cleared meanwhile: nothing to keep
   const answered = content !== "" || s.finish !== "error";
   if (answered) history.push({role: "assistant", content});
   setBusy(false);
@@ -195,6 +198,7 @@ async function init() {
   $("regenerate").addEventListener("click", regenerate);
   $("clear").addEventListener("click", () => {
     if (controller) controller.abort();
+    conversation += 1;
     history.length = 0;
     $("messages").replaceChildren();
     setBusy(false);
