@@ -534,6 +534,26 @@ def test_dashboard_moves_under_load(server, page, artifacts):
     assert not page.errors, page.errors
 
 
+def test_pages_fit_a_phone(server, browser, artifacts):
+    """At 375 x 667 (a phone) neither page scrolls sideways, and the chat's box and Send are on screen."""
+    ctx = browser.new_context(viewport={"width": 375, "height": 667})
+    try:
+        page = ctx.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 375
+        for sel in ("#input", "#send"):
+            box = page.locator(sel).bounding_box()
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 375 and 0 <= box["y"] <= 667 - box["height"], (sel, box)
+        shot(page, artifacts, "chat-phone")
+        page.goto(server.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 375
+        shot(page, artifacts, "dashboard-phone")
+    finally:
+        ctx.close()
+
+
 def test_first_paint(server, page):
     """First contentful paint of both pages on loopback (the target is 300 ms; the bound here leaves room for a
     shared machine)."""

@@ -11,9 +11,12 @@ function fmt(x, digits) { return x == null ? "–" : Number(x).toFixed(digits); 
 function pct(x) { return x == null ? "–" : (100 * x).toFixed(1) + " %"; }
 function triple(p) { return p.count ? `${fmt(p.p50, 1)} / ${fmt(p.p90, 1)} / ${fmt(p.p99, 1)}` : "–"; }
 
+/* the width of the chart's box: its figure's (a phone's screen can be narrower than 300 px) */
+function chartWidth(el) { return Math.max(200, el.clientWidth || 420); }
+
 function makeChart(id, seriesOpts, time) {
   const el = $(id);
-  const opts = {width: Math.max(300, el.clientWidth || 420), height: 180, legend: {show: true},
+  const opts = {width: chartWidth(el), height: 180, legend: {show: true},
                 scales: {x: {time: time}}, series: [{}, ...seriesOpts],
                 axes: [{}, {size: 50}]};
   return new uPlot(opts, [[], ...seriesOpts.map(() => [])], el);
@@ -137,7 +140,7 @@ async function poll() {
 window.addEventListener("resize", () => {
   for (const [name, chart] of Object.entries(charts)) {
     const el = $("chart-" + name);
-    chart.setSize({width: Math.max(300, el.clientWidth || 420), height: 180});
+    chart.setSize({width: chartWidth(el), height: 180});
   }
 });
 
