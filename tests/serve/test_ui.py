@@ -95,6 +95,25 @@ def test_dashboard_per_replica_and_summed():
     assert "replicas" not in one and one["generation_tokens"] == 0
 
 
+def test_dashboard_rate_is_recent_not_since_start():
+    """A page's first poll of a server that has been idle since its last tokens: no output rate (it is not
+    known over the last seconds), not the tokens since the server started over its lifetime; a poll later, the
+    rate since the first."""
+    from prometheus_client import CollectorRegistry, Counter
+    from lumen.serve.ui.dashboard import Dashboard
+    reg = CollectorRegistry()
+    tokens = Counter("lumen:generation_tokens", "", ["model_name"], registry=reg)
+    board = Dashboard(reg, None, model_id="m")
+    board._readings[0].t -= 100.0                 # the server started 100 s ago, then made 500 tokens, then idled
+    tokens.labels("m").inc(500)
+    assert board.data()["output_tps"] is None
+    time.sleep(0.6)
+    assert board.data()["output_tps"] == 0.0
+    tokens.labels("m").inc(30)
+    time.sleep(0.6)
+    assert 10 < board.data()["output_tps"] < 60
+
+
 def test_tap_records_only_while_a_dashboard_looks():
     """Without a look, the engine's step runs under the null profiler (the compiled forward skips its timers);
     after one, under the tap's recorder, for hold_s seconds."""

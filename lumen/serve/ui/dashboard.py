@@ -25,6 +25,7 @@ from .steps import GROUPS, StepTap
 
 WINDOW_S = 60.0           # percentiles and rates over this
 RATE_S = 3.0              # output tok/s over about this (the newest reading at least this old)
+RATE_MAX_S = 12.0         # ... and at most this old: an older one (no page polled since) says nothing of now
 STEPS_S = 10.0            # steps shown: those of the last STEPS_S seconds, at most MAX_STEPS
 MAX_STEPS = 120
 # what is read from the registry (without the model_name label)
@@ -113,8 +114,10 @@ class Dashboard:
         self._readings: deque[Reading] = deque([Reading(registry)])
         self._lock = threading.Lock()
 
-    def _read(self) -> tuple[Reading, Reading, Reading]:
-        """(now, the reading about WINDOW_S ago or the oldest, the newest at least RATE_S old or the oldest)."""
+    def _read(self) -> tuple[Reading, Reading, Reading | None]:
+        """(now, the reading about WINDOW_S ago or the oldest, the reading to take the output rate from: the newest
+        between RATE_S and RATE_MAX_S old, else the newest at least 0.5 s old (a page began polling), else None: no
+        reading of the last RATE_MAX_S seconds but this one, as at the first poll of a server up for minutes)."""
         with self._lock:
             now = Reading(self.registry)
             rs = self._readings
@@ -123,7 +126,8 @@ class Dashboard:
             while len(rs) > 1 and now.t - rs[1].t >= WINDOW_S:
                 rs.popleft()                       # rs[0]: the newest reading at least WINDOW_S old, or the oldest
             window = rs[0]
-            rate = next((r for r in reversed(rs) if now.t - r.t >= RATE_S), rs[0])
+            recent = [r for r in rs if 0.5 <= now.t - r.t <= RATE_MAX_S]
+            rate = next((r for r in reversed(recent) if now.t - r.t >= RATE_S), recent[-1] if recent else None)
             return now, window, rate
 
     def data(self) -> dict:
@@ -139,10 +143,10 @@ class Dashboard:
         out["steps"] = self._steps()
         return out
 
-    def _summary(self, now: Reading, win: Reading, rate: Reading, replica: str | None) -> dict:
-        """The figures of one replica (or of the whole server: None) from the three readings."""
-        n, w, r = now.part(replica), win.part(replica), rate.part(replica)
-        dt_rate = now.t - rate.t
+    def _summary(self, now: Reading, win: Reading, rate: Reading | None, replica: str | None) -> dict:
+        """The figures of one replica (or of the whole server: None) from the three readings (output_tps: None
+        without a rate reading)."""
+        n, w = now.part(replica), win.part(replica)
         d = lambda name, old: n.get(name) - old.get(name)            # noqa: E731
         pct = {}
         for key in HISTOGRAMS:
@@ -158,7 +162,8 @@ class Dashboard:
             spec = {"drafted": int(drafted), "accepted": int(accepted),
                     "acceptance": accepted / drafted if drafted else None, "default": self.speculative}
         return {
-            "output_tps": d("lumen:generation_tokens_total", r) / dt_rate if dt_rate > 0 else 0.0,
+            "output_tps": None if rate is None else
+            d("lumen:generation_tokens_total", rate.part(replica)) / (now.t - rate.t),
             "running": int(n.get("lumen:num_requests_running")),
             "waiting": int(n.get("lumen:num_requests_waiting")),
             "kv_usage": n.get("lumen:kv_cache_usage_perc"),
