@@ -375,24 +375,36 @@ def test_chat_stop_then_regenerate(server, page, artifacts):
 
 
 def test_chat_refused_message_leaves_the_conversation(server, page):
-    """A message the server refuses (a prompt over max_model_len: HTTP 400) is taken back out of the conversation:
-    the next message is answered, with only itself as the prompt, and the refused text is back in the box."""
+    """A message the server refuses (a prompt over max_model_len: HTTP 400) is taken back out of the conversation
+    and the page: the error says so, the text is back in the box, Regenerate redoes the last reply that came, and
+    the next message is answered with only the conversation before it as the prompt."""
     page.goto(server.url + "/")
     page.wait_for_selector("body[data-ready='1']")
     set_value(page, "#temperature", 0)
     set_value(page, "#max_tokens", 4)
+    send(page, "Say hi.")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.length > 0",
+                           timeout=120_000)
     long = "word " * 1500
     send(page, long)
-    page.wait_for_selector(".msg.assistant .error >> text=max_model_len")
-    assert page.input_value("#input") == long and page.locator(".msg.user.unsent").count() == 1
-    send(page, "Say hi.")
-    page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1].textContent.length > 0",
+    page.wait_for_selector("#notice >> text=max_model_len")
+    assert page.input_value("#input") == long and page.locator(".msg").count() == 2
+    page.click("#regenerate")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('generated (')",
+                           timeout=120_000)
+    assert page.locator(".msg").count() == 2 and page.inner_text("#notice") == ""
+    first = page.eval_on_selector(".msg.assistant .body", "e => e.textContent")
+    send(page, "Say bye.")
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent.length > 0",
                            timeout=120_000)
     stats = page.locator(".msg.assistant .stats").nth(1).inner_text()
     want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0, "max_tokens": 4}).json()
+        "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "Say bye."}], "temperature": 0, "max_tokens": 4}).json()
     m = STATS.match(stats)
     assert m and int(m.group(1)) == want["usage"]["prompt_tokens"], stats
+    assert page.locator(".msg").count() == 4
+    assert all("status of 400" in e for e in page.errors), page.errors
 
 
 def test_chat_clear_mid_reply_starts_afresh(server, page):

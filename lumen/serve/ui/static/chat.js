@@ -69,9 +69,9 @@ function statsLine(s) {
   return parts.join(" | ");
 }
 
-/* Ask for the reply to the conversation in `history` (it ends with the user's turn). Resolves to false when the
-   request failed before any of the reply came (refused, or the server unreachable): the caller then takes the
-   user's turn back out of the history, so that one bad message does not fail every later one. */
+/* Ask for the reply to the conversation in `history` (it ends with the user's turn). Resolves to null, or to the
+   error when the request failed before any of the reply came (refused, or the server unreachable): its bubble is
+   gone, and the caller takes the user's turn back out, so that one bad message does not fail every later one. */
 async function reply(fmt) {
   const messages = [];
   const system = $("system").value.trim();
@@ -86,7 +86,8 @@ async function reply(fmt) {
   const s = {t0: performance.now(), tFirst: null, tLast: null, completion: 0, prompt: null, finish: null};
   controller = new AbortController();
   setBusy(true);
-  let content = "";
+  $("notice").textContent = "";
+  let content = "", failure = null;
   try {
     const r = await keyedFetch("/v1/chat/completions", {method: "POST", body: JSON.stringify(body),
       headers: {"Content-Type": "application/json"}, signal: controller.signal});
@@ -133,31 +134,38 @@ async function reply(fmt) {
     if (e.name === "AbortError") {
       s.finish = "stopped";
     } else {
-      const err = document.createElement("div");
-      err.className = "error";
-      err.textContent = String(e.message || e);
-      view.div.append(err);
+      failure = String(e.message || e);
       s.finish = "error";
     }
   } finally {
     controller = null;
     view.stats.textContent = statsLine(s);
   }
-  if (mine !== conversation) { setBusy(false); return true; }        // cleared meanwhile: nothing to keep
-  const answered = content !== "" || s.finish !== "error";
-  if (answered) history.push({role: "assistant", content});
+  if (mine !== conversation || (failure && !content)) {
+    setBusy(false);
+    if (mine !== conversation) return null;        // cleared meanwhile: nothing to keep
+    view.div.remove();
+    return failure;
+  }
+  if (failure) {                                   // cut short: what came is kept, with why it stopped
+    const err = document.createElement("div");
+    err.className = "error";
+    err.textContent = failure;
+    view.div.append(err);
+  }
+  history.push({role: "assistant", content});
   setBusy(false);
-  return answered;
+  return null;
 }
 
-/* The user's last turn was not answered: out of the history, its bubble marked, its text back in the box. */
-function unsend() {
+/* The user's last turn was not answered: out of the history and the page, its text back in the box, and why. */
+function unsend(failure) {
   const turn = history.pop();
-  const users = $("messages").querySelectorAll(".msg.user:not(.unsent)");
-  const div = users[users.length - 1];
-  div.classList.add("unsent");
-  div.querySelector(".who").textContent = "user (not sent: the model will not see this message)";
+  const users = $("messages").querySelectorAll(".msg.user");
+  users[users.length - 1].remove();
   if (!$("input").value) $("input").value = turn.content;
+  $("notice").textContent = `Not sent: ${failure}. The message is back in the box.`;
+  setBusy(false);
 }
 
 function send(ev) {
@@ -169,7 +177,7 @@ function send(ev) {
   $("input").value = "";
   history.push({role: "user", content: text});
   addMessage("user", text);
-  reply(fmt).then((answered) => answered || unsend());
+  reply(fmt).then((failure) => failure && unsend(failure));
 }
 
 function regenerate() {
@@ -181,7 +189,7 @@ function regenerate() {
   history.pop();
   const msgs = $("messages").querySelectorAll(".msg.assistant");
   msgs[msgs.length - 1].remove();
-  reply(fmt).then((answered) => answered || unsend());
+  reply(fmt).then((failure) => failure && unsend(failure));
 }
 
 async function init() {
@@ -200,6 +208,7 @@ async function init() {
     if (controller) controller.abort();
     conversation += 1;
     history.length = 0;
+    $("notice").textContent = "";
     $("messages").replaceChildren();
     setBusy(false);
   });
