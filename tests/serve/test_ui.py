@@ -474,6 +474,29 @@ def test_json_schema_field_only_when_the_server_supports_it(page):
         stub.stop()
 
 
+def test_server_gone_says_so_on_both_pages(browser):
+    """The server stops: the chat page says it could not be reached (the message back in the box), the dashboard
+    that it is unreachable and that it keeps trying."""
+    stub = StubApp("hello")
+    ctx = browser.new_context()
+    try:
+        chat, dash = ctx.new_page(), ctx.new_page()
+        chat.goto(stub.url + "/")
+        chat.wait_for_selector("body[data-ready='1']")
+        dash.goto(stub.url + "/dashboard")
+        dash.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        stub.stop()
+        send(chat, "anyone there?")
+        chat.wait_for_selector("#notice >> text=could not be reached")
+        assert chat.input_value("#input") == "anyone there?" and chat.is_enabled("#send")
+        dash.wait_for_selector("#status >> text=unreachable")
+        assert "trying again" in dash.inner_text("#status")
+    finally:
+        ctx.close()
+        if stub.thread.is_alive():
+            stub.stop()
+
+
 def test_api_key_pages_open_data_keyed_key_kept_in_the_tab(browser, artifacts):
     stub = StubApp("keyed hello", api_key="s3cret")
     ctx = browser.new_context()

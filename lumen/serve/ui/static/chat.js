@@ -135,6 +135,9 @@ async function reply(fmt) {
       s.finish = "stopped";
     } else {
       failure = String(e.message || e);
+      if (e instanceof TypeError)                  // fetch's network failures: no answer, or the stream cut
+        failure = content ? `the connection to the server was lost (${failure})` :
+          `the server could not be reached (${failure}); is it running?`;
       s.finish = "error";
     }
   } finally {

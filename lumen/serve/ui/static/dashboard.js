@@ -132,7 +132,8 @@ async function poll() {
     render(await r.json());
     $("status").textContent = "live";
   } catch (e) {
-    $("status").textContent = "no data: " + (e.message || e);
+    const why = e instanceof TypeError ? `server unreachable (${e.message})` : String(e.message || e);
+    $("status").textContent = `no data: ${why}; trying again every second`;
   }
   setTimeout(poll, 1000);
 }
