@@ -489,6 +489,7 @@ def test_server_gone_says_so_on_both_pages(browser):
         send(chat, "anyone there?")
         chat.wait_for_selector("#notice >> text=could not be reached")
         assert chat.input_value("#input") == "anyone there?" and chat.is_enabled("#send")
+        assert "?." not in chat.inner_text("#notice"), chat.inner_text("#notice")
         dash.wait_for_selector("#status >> text=unreachable")
         assert "trying again" in dash.inner_text("#status")
     finally:

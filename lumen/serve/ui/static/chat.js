@@ -167,7 +167,8 @@ function unsend(failure) {
   const users = $("messages").querySelectorAll(".msg.user");
   users[users.length - 1].remove();
   if (!$("input").value) $("input").value = turn.content;
-  $("notice").textContent = `Not sent: ${failure}. The message is back in the box.`;
+  const stop = /[.?!]$/.test(failure) ? "" : ".";
+  $("notice").textContent = `Not sent: ${failure}${stop} The message is back in the box.`;
   setBusy(false);
 }
 
