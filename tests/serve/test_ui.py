@@ -498,6 +498,33 @@ def test_server_gone_says_so_on_both_pages(browser):
             stub.stop()
 
 
+def test_invalid_settings_are_refused_in_the_page(page):
+    """A max tokens of 0, -5, 2.5 or "1e" and a seed of -1 are said to be wrong, and nothing is sent (the message
+    stays in the box); an empty max tokens or seed takes the default."""
+    stub = StubApp("ok")
+    try:
+        page.goto(stub.url + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        for sel, value in (("#max_tokens", "0"), ("#max_tokens", "-5"), ("#max_tokens", "2.5"), ("#seed", "-1")):
+            set_value(page, sel, value)
+            send(page, "hello")
+            page.wait_for_selector("#notice >> text=" + ("Max tokens" if sel == "#max_tokens" else "Seed"))
+            assert stub.bodies == [] and page.input_value("#input") == "hello", (sel, value)
+            set_value(page, sel, "")
+        page.focus("#max_tokens")
+        page.keyboard.type("1e")                      # the browser's number field: bad input, an empty value
+        page.click("#send")
+        page.wait_for_selector("#notice >> text=Max tokens")
+        assert stub.bodies == []
+        set_value(page, "#max_tokens", "5")
+        page.click("#send")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('(stop)')")
+        assert stub.bodies[-1]["max_tokens"] == 5 and "seed" not in stub.bodies[-1]
+        assert page.inner_text("#notice") == ""
+    finally:
+        stub.stop()
+
+
 def test_api_key_pages_open_data_keyed_key_kept_in_the_tab(browser, artifacts):
     stub = StubApp("keyed hello", api_key="s3cret")
     ctx = browser.new_context()

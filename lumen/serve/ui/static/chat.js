@@ -40,6 +40,15 @@ function params() {
   return p;
 }
 
+/* What is wrong with a setting the browser can check (a max tokens of 0 or 2.5, a negative seed), or "" */
+function badSetting() {
+  for (const [id, label] of [["max_tokens", "Max tokens"], ["seed", "Seed"]]) {
+    const el = $(id);
+    if (!el.validity.valid) return `${label}: ${el.validationMessage || "not a valid value"} Nothing was sent.`;
+  }
+  return "";
+}
+
 /* The optional JSON schema as a response_format, or null; throws with a message on bad JSON. */
 function responseFormat() {
   if (!structured) return null;
@@ -176,6 +185,8 @@ function send(ev) {
   ev.preventDefault();
   const text = $("input").value;
   if (!text.trim() || controller) return;
+  $("notice").textContent = badSetting();
+  if ($("notice").textContent) return;                         // the message stays in the box
   let fmt;
   try { fmt = responseFormat(); } catch (e) { return; }      // the message stays in the box
   $("input").value = "";
@@ -188,6 +199,8 @@ function regenerate() {
   if (controller) return;
   const last = history.length - 1;
   if (last < 0 || history[last].role !== "assistant") return;
+  $("notice").textContent = badSetting();
+  if ($("notice").textContent) return;
   let fmt;
   try { fmt = responseFormat(); } catch (e) { return; }
   history.pop();
