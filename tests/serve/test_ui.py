@@ -558,6 +558,27 @@ def test_api_key_pages_open_data_keyed_key_kept_in_the_tab(browser, artifacts):
         stub.stop()
 
 
+def test_api_key_asked_once_for_all_waiting_requests(browser):
+    """A message sent while the page still waits for the key (the form open since the page loaded): one key
+    entered answers both the page's own request and the message's."""
+    stub = StubApp("keyed hello", api_key="s3cret")
+    ctx = browser.new_context()
+    try:
+        page = ctx.new_page()
+        page.goto(stub.url + "/")
+        page.wait_for_selector("#keyform:not([hidden])")
+        send(page, "hi")
+        page.fill("#keyform input", "s3cret")
+        page.click("#keyform button")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .stats')?.textContent.includes('(stop)')")
+        assert page.inner_text(".msg.assistant .body") == "keyed hello"
+        page.wait_for_selector("body[data-ready='1']", timeout=5_000)
+        assert page.inner_text("#model") == "stub"
+    finally:
+        ctx.close()
+        stub.stop()
+
+
 # ---- dashboard
 def _load(url: str, stop: threading.Event, n_clients: int = 4, max_rounds: int = 6) -> None:
     """n_clients concurrent streamed chat requests, round after round, until `stop` or max_rounds."""

@@ -18,22 +18,28 @@ function authHeaders(extra) {
   return h;
 }
 
-/* Show the key form (an element #keyform with an input and a button); resolves once a key is entered. */
+/* Show the key form (an element #keyform with an input and a button); resolves once a key is entered. Every
+   request refused meanwhile waits for that same key (one form, one promise). */
+let asking = null;
+
 function askKey(message) {
   const form = document.getElementById("keyform");
   const input = form.querySelector("input");
   form.querySelector(".why").textContent = message || "This server needs an API key.";
+  if (asking) return asking;
   form.hidden = false;
   input.value = "";
   input.focus();
-  return new Promise((resolve) => {
+  asking = new Promise((resolve) => {
     form.onsubmit = (ev) => {
       ev.preventDefault();
       setApiKey(input.value.trim());
       form.hidden = true;
+      asking = null;
       resolve();
     };
   });
+  return asking;
 }
 
 /* fetch with the key; on 401 ask for it and try again. */
