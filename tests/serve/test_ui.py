@@ -476,7 +476,7 @@ def test_json_schema_field_only_when_the_server_supports_it(page):
 
 def test_server_gone_says_so_on_both_pages(browser):
     """The server stops: the chat page says it could not be reached (the message back in the box), the dashboard
-    that it is unreachable and that it keeps trying."""
+    that it is unreachable and that it keeps trying, and its time charts show a gap."""
     stub = StubApp("hello")
     ctx = browser.new_context()
     try:
@@ -492,6 +492,8 @@ def test_server_gone_says_so_on_both_pages(browser):
         assert "?." not in chat.inner_text("#notice"), chat.inner_text("#notice")
         dash.wait_for_selector("#status >> text=unreachable")
         assert "trying again" in dash.inner_text("#status")
+        # the time charts break their lines over the outage, not draw the last figures across it
+        assert dash.evaluate("charts.tps.data[1].includes(null) && charts.reqs.data[1].includes(null)")
     finally:
         ctx.close()
         if stub.thread.is_alive():

@@ -33,6 +33,17 @@ function ensureCharts() {
   charts.wall = makeChart("chart-wall", [dots("decode", "#2a6fdb"), dots("prefill/mixed", "#d9480f")], true);
 }
 
+/* a point of the time charts (nulls: no data, a gap in the lines), the last KEEP_S seconds kept */
+function addPoint(t, tps, running, waiting) {
+  if (series.t.length && t <= series.t[series.t.length - 1]) return;
+  series.t.push(t); series.tps.push(tps); series.running.push(running); series.waiting.push(waiting);
+  while (series.t.length && series.t[0] < t - KEEP_S) for (const k in series) series[k].shift();
+  if (charts.tps) {
+    charts.tps.setData([series.t, series.tps]);
+    charts.reqs.setData([series.t, series.running, series.waiting]);
+  }
+}
+
 /* a column per phase: the value where the step is of that phase, else null (no point) */
 function byPhase(recent, decode, key) {
   return recent.map((s) => ((s.phase === "decode") === decode ? s[key] : null));
@@ -108,13 +119,9 @@ function render(d) {
   }
   $("window").textContent = `latency percentiles, prefix hits and acceptance over the last ${d.window_s} s ` +
     `(${d.ttft_ms.count} first tokens, ${d.itl_ms.count} inter-token gaps of finished requests)`;
-  const now = d.time;
-  series.t.push(now); series.tps.push(d.output_tps); series.running.push(d.running); series.waiting.push(d.waiting);
-  while (series.t.length && series.t[0] < now - KEEP_S) for (const k in series) series[k].shift();
   ensureCharts();
+  addPoint(d.time, d.output_tps, d.running, d.waiting);
   if (charts.tps) {
-    charts.tps.setData([series.t, series.tps]);
-    charts.reqs.setData([series.t, series.running, series.waiting]);
     const r = d.steps.recent;
     const t = r.map((s) => s.t);
     charts.steps.setData([t, byPhase(r, true, "tokens"), byPhase(r, false, "tokens"), r.map((s) => s.seqs)]);
@@ -134,6 +141,7 @@ async function poll() {
   } catch (e) {
     const why = e instanceof TypeError ? `server unreachable (${e.message})` : String(e.message || e);
     $("status").textContent = `no data: ${why}; trying again every second`;
+    addPoint(Date.now() / 1e3, null, null, null);      // the lines break over the time without data
   }
   setTimeout(poll, 1000);
 }
