@@ -428,6 +428,30 @@ def test_chat_clear_mid_reply_starts_afresh(server, page):
     assert m and int(m.group(1)) == want["usage"]["prompt_tokens"], page.inner_text(".msg.assistant .stats")
 
 
+def test_chat_scrolled_up_stays_while_a_reply_streams(server, browser):
+    """Following the reply keeps the view at its end; scrolled up to read, the view stays put as text comes."""
+    ctx = browser.new_context(viewport={"width": 900, "height": 420})
+    try:
+        page = ctx.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        set_value(page, "#max_tokens", 400)
+        set_value(page, "#seed", 3)
+        send(page, "Write a long story about a lighthouse keeper.")
+        gap = "(() => { const m = document.getElementById('messages'); return m.scrollHeight - m.scrollTop - m.clientHeight; })()"
+        page.wait_for_function("() => { const m = document.getElementById('messages'); "
+                               "return m.scrollHeight > m.clientHeight + 150; }", timeout=120_000)
+        assert page.evaluate(gap) < 40                # following: at the end
+        page.evaluate("document.getElementById('messages').scrollTop = 0")
+        grown = page.evaluate("document.getElementById('messages').scrollHeight")
+        page.wait_for_function(f"() => document.getElementById('messages').scrollHeight > {grown} + 60",
+                               timeout=120_000)
+        assert page.evaluate("document.getElementById('messages').scrollTop") == 0
+        page.click("#stop")
+    finally:
+        ctx.close()
+
+
 HOSTILE = ('<script>window.__pwned = 1</script> <img src=x onerror="window.__pwned = 2"> '
            '<b>bold</b> &amp; &lt;i&gt; </div><iframe src="javascript:window.__pwned=3"></iframe>')
 

@@ -22,7 +22,7 @@ function addMessage(role, text) {
   stats.title = "measured in this page: TTFT from sending the request to the first token's arrival";
   div.append(who, body, stats);
   $("messages").append(div);
-  div.scrollIntoView({block: "end"});
+  $("messages").scrollTop = $("messages").scrollHeight;
   return {div, body, stats};
 }
 
@@ -112,6 +112,8 @@ async function reply(fmt) {
       const {value, done} = await reader.read();
       if (done) break;
       buf += decoder.decode(value, {stream: true});
+      const m = $("messages");
+      const atEnd = m.scrollHeight - m.scrollTop - m.clientHeight < 40;      // the reader follows the reply
       let cut;
       while ((cut = buf.indexOf("\n\n")) >= 0) {
         const event = buf.slice(0, cut);
@@ -137,7 +139,7 @@ async function reply(fmt) {
           }
         }
       }
-      view.div.scrollIntoView({block: "end"});
+      if (atEnd) m.scrollTop = m.scrollHeight;
     }
   } catch (e) {
     if (e.name === "AbortError") {
