@@ -478,6 +478,35 @@ def test_model_output_is_text_never_html(page, artifacts):
         stub.stop()
 
 
+def test_chat_reload_keeps_the_conversation_and_settings(page):
+    """A reload keeps the tab's conversation and settings (sessionStorage): the next message goes with the turns
+    before it; Clear, then a reload, starts empty."""
+    stub = StubApp("ok")
+    try:
+        page.goto(stub.url + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        page.fill("#system", "Be brief.")
+        page.fill("#max_tokens", "7")
+        send(page, "hello")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('(stop)')")
+        page.reload()
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.locator(".msg .body").all_inner_texts() == ["hello", "ok"]
+        assert page.input_value("#system") == "Be brief." and page.input_value("#max_tokens") == "7"
+        send(page, "again")
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent.length > 0")
+        assert stub.bodies[-1]["messages"] == [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}, ]
+        assert stub.bodies[-1]["max_tokens"] == 7 and page.evaluate("localStorage.length") == 0
+        page.click("#clear")
+        page.reload()
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.locator(".msg").count() == 0
+    finally:
+        stub.stop()
+
+
 def test_json_schema_field_only_when_the_server_supports_it(page):
     stub = StubApp('{"a": 1}', structured_output=True)
     try:

@@ -7,6 +7,33 @@ const history = [];          // {role, content} of the conversation, without the
 let controller = null;       // the AbortController of the reply in flight
 let conversation = 0;        // counts the Clears: a reply cut by one does not go into the new conversation
 let structured = false;      // the server honours response_format json_schema (GET /ui/info)
+const SAVED = "lumen-chat";  // this tab's conversation and settings in sessionStorage: a reload keeps them
+const FIELDS = ["system", "temperature", "top_p", "max_tokens", "seed", "schema"];
+
+function save() {
+  const settings = {};
+  for (const id of FIELDS) settings[id] = $(id).value;
+  try { sessionStorage.setItem(SAVED, JSON.stringify({history, settings})); } catch (e) { /* full, or off */ }
+}
+
+/* The conversation and settings saved by this tab before a reload; a last user turn whose reply never came
+   goes back in the box. */
+function restore() {
+  let saved = null;
+  try { saved = JSON.parse(sessionStorage.getItem(SAVED) || "null"); } catch (e) { /* off, or not ours */ }
+  if (!saved || typeof saved !== "object") return;
+  for (const id of FIELDS) {
+    const v = saved.settings && saved.settings[id];
+    if (typeof v === "string") $(id).value = v;
+  }
+  const turns = (Array.isArray(saved.history) ? saved.history : []).filter((t) => t &&
+    (t.role === "user" || t.role === "assistant") && typeof t.content === "string");
+  if (turns.length && turns[turns.length - 1].role === "user") $("input").value = turns.pop().content;
+  for (const t of turns) {
+    history.push(t);
+    addMessage(t.role, t.content);
+  }
+}
 
 function addMessage(role, text) {
   const div = document.createElement("div");
@@ -168,6 +195,7 @@ async function reply(fmt) {
     view.div.append(err);
   }
   history.push({role: "assistant", content});
+  save();
   setBusy(false);
   return null;
 }
@@ -175,6 +203,7 @@ async function reply(fmt) {
 /* The user's last turn was not answered: out of the history and the page, its text back in the box, and why. */
 function unsend(failure) {
   const turn = history.pop();
+  save();
   const users = $("messages").querySelectorAll(".msg.user");
   users[users.length - 1].remove();
   if (!$("input").value) $("input").value = turn.content;
@@ -193,6 +222,7 @@ function send(ev) {
   try { fmt = responseFormat(); } catch (e) { return; }      // the message stays in the box
   $("input").value = "";
   history.push({role: "user", content: text});
+  save();
   addMessage("user", text);
   reply(fmt).then((failure) => failure && unsend(failure));
 }
@@ -212,6 +242,8 @@ function regenerate() {
 }
 
 async function init() {
+  restore();
+  for (const id of FIELDS) $(id).addEventListener("input", save);
   for (const id of ["temperature", "top_p"]) {
     const show = () => { $(id + "-v").textContent = $(id).value; };
     $(id).addEventListener("input", show);
@@ -227,6 +259,7 @@ async function init() {
     if (controller) controller.abort();
     conversation += 1;
     history.length = 0;
+    save();
     $("notice").textContent = "";
     $("messages").replaceChildren();
     setBusy(false);
