@@ -615,7 +615,7 @@ def test_api_key_pages_open_data_keyed_key_kept_in_the_tab(browser, artifacts):
 
 def test_api_key_asked_once_for_all_waiting_requests(browser):
     """A message sent while the page still waits for the key (the form open since the page loaded): one key
-    entered answers both the page's own request and the message's."""
+    entered answers both the page's own request and the message's. Stop ends a reply that waits for a key."""
     stub = StubApp("keyed hello", api_key="s3cret")
     ctx = browser.new_context()
     try:
@@ -629,6 +629,18 @@ def test_api_key_asked_once_for_all_waiting_requests(browser):
         assert page.inner_text(".msg.assistant .body") == "keyed hello"
         page.wait_for_selector("body[data-ready='1']", timeout=5_000)
         assert page.inner_text("#model") == "stub"
+        page.evaluate("sessionStorage.setItem('lumen-api-key', 'wrong')")
+        send(page, "again")                           # a refused key; Stop while the form asks for another
+        page.wait_for_selector("#keyform:not([hidden])")
+        page.click("#stop")
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent"
+                               ".includes('(stopped)')", timeout=5_000)
+        assert page.is_enabled("#send") and not page.is_enabled("#stop")
+        page.fill("#keyform input", "s3cret")
+        page.click("#keyform button")
+        send(page, "and again")
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[2]?.textContent"
+                               ".includes('(stop)')")
     finally:
         ctx.close()
         stub.stop()

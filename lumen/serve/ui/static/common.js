@@ -42,13 +42,18 @@ function askKey(message) {
   return asking;
 }
 
-/* fetch with the key; on 401 ask for it and try again. */
+/* fetch with the key; on 401 ask for it and try again (init.signal aborts the wait for it too). */
 async function keyedFetch(url, init) {
   for (;;) {
     const opts = Object.assign({}, init || {});
     opts.headers = authHeaders(opts.headers);
     const r = await fetch(url, opts);
     if (r.status !== 401) return r;
-    await askKey(apiKey() ? "That API key was refused; enter it again." : "This server needs an API key.");
+    const ask = askKey(apiKey() ? "That API key was refused; enter it again." : "This server needs an API key.");
+    await new Promise((resolve, reject) => {         // or give up when the caller aborts (Stop) meanwhile
+      ask.then(resolve);
+      if (opts.signal) opts.signal.addEventListener("abort", () => reject(new DOMException("aborted", "AbortError")),
+                                                    {once: true});
+    });
   }
 }
