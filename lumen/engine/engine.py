@@ -111,6 +111,8 @@ class Engine:
         self.decisions: deque = deque(maxlen=4096)  # the measured scheduler's decisions, newest last
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []     # outputs made outside step() (aborts), returned by the next
+        self._streams: dict[str, deque] = {}        # request id -> its stream()'s outputs not yet yielded
+        self._step_lock = threading.Lock()          # one step at a time (streams followed from several threads)
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{id(self) & 0xffff:x}-"
         self.steps = 0
@@ -168,7 +170,17 @@ class Engine:
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that advanced or ended."""
+        """Run one step; returns an output for every request that advanced or ended. Outputs of requests that
+        a stream() follows are also queued for it, whoever steps (another stream, generate, a loop)."""
+        with self._step_lock:
+            outs = self._step()
+        for out in outs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.append(out)
+        return outs
+
+    def _step(self) -> list[RequestOutput]:
         prof = profiler_active()
         prof.begin_step("decode")
         t0 = time.perf_counter()
@@ -342,20 +354,31 @@ class Engine:
     def stream(self, prompt, params: SamplingParams | None = None, *,
                metrics: RequestMetrics | None = None) -> Iterator[RequestOutput]:
         """Yield the request's outputs as its tokens arrive (other requests advance too). Closing the iterator
-        early aborts the request. The request is queued at once (a bad one raises here, not at the first next)."""
-        return self._follow(self.add_request(prompt, params, metrics=metrics))
+        early, or dropping it, aborts the request. The request is queued at once (a bad one raises here, not at
+        the first next). Several streams may be followed at once, interleaved or from several threads."""
+        with self._lock:                            # registered before any step can make its first output
+            rid = self.add_request(prompt, params, metrics=metrics)
+            self._streams[rid] = deque()
+        return _Stream(self, rid)
 
     def _follow(self, rid: str) -> Iterator[RequestOutput]:
-        done = False
+        q, done = self._streams[rid], False
         try:
             while not done:
-                for out in self.step():
-                    if out.request_id == rid:
-                        done = out.finished
-                        yield out
+                if not q:
+                    if not self.step() and not q and not self.has_unfinished():
+                        raise LumenError(f"request {rid} left the engine without a final output")
+                    continue
+                out = q.popleft()
+                done = out.finished
+                yield out
         finally:
-            if not done:
-                self.abort(rid)
+            self._drop(rid, done)
+
+    def _drop(self, rid: str, done: bool = False) -> None:
+        """A stream is closed: forget its queue and abort its request unless it ended."""
+        if self._streams.pop(rid, None) is not None and not done:
+            self.abort(rid)
 
     # ---- state, for metrics and tests
     @property
@@ -372,3 +395,25 @@ class Engine:
                 "kv_blocks": bm.n_blocks, "kv_free_blocks": bm.num_free, "prefix_hit_tokens": bm.hit_tokens,
                 "prefix_query_tokens": bm.query_tokens, "preemptions": self.scheduler.num_preemptions,
                 "steps": self.steps, "kv_held_blocks": self.kv.num_held_blocks}
+
+
+class _Stream:
+    """Engine.stream's iterator: a generator over the request's queue that also aborts the request when it is
+    closed or garbage-collected before it was ever started (a generator's finally would not run then)."""
+
+    def __init__(self, engine: Engine, rid: str):
+        self._engine, self._rid = engine, rid
+        self._gen = engine._follow(rid)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        self._engine._drop(self._rid)
+
+    def __del__(self):
+        self.close()

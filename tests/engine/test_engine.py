@@ -311,3 +311,42 @@ def test_model_generate_runs_through_the_engine(model):
     toks = [t.id for t in model.generate(ids, max_tokens=10)]
     eng = Engine(model, max_model_len=512, max_num_seqs=4, kv_cache_mb=16)
     assert eng.generate([ids], SamplingParams(max_tokens=10, temperature=0))[0].token_ids[:len(toks)] == toks
+
+
+@pytest.fixture(scope="module")
+def small(smollm2_path):
+    return lumen.load(smollm2_path, ctx=256, threads=2)
+
+
+def test_interleaved_and_dropped_streams_each_get_their_own_tokens(small):
+    """Two Model.generate iterators (one-sequence engine) interleaved: each gets all its tokens, none hangs;
+    one dropped before its first next is aborted, not left to run."""
+    a, b = "The capital of France is", "def fibonacci(n):"
+    want = {p: [t.id for t in small.generate(p, max_tokens=6)] for p in (a, b)}
+    ia, ib = small.generate(a, max_tokens=6), small.generate(b, max_tokens=6)
+    got = {a: [next(ia).id], b: [next(ib).id]}
+    got[a] += [t.id for t in ia]
+    got[b] += [t.id for t in ib]
+    assert got == want
+    unused = small.generate(a, max_tokens=6)
+    del unused
+    assert not small.engine._streams and small.engine.num_running == small.engine.num_waiting == 0
+    eng = Engine(small, max_model_len=256, max_num_seqs=2, kv_cache_mb=16)
+    sa, sb = eng.stream(a, SamplingParams(max_tokens=6, temperature=0)), eng.stream(b, SamplingParams(
+        max_tokens=6, temperature=0))
+    outs = {a: [next(sa)], b: [next(sb)]}
+    outs[a] += list(sa)
+    outs[b] += list(sb)
+    assert {p: [o.delta_token_ids[0] for o in outs[p]] for p in outs} == want
+
+
+def test_model_generate_from_two_threads(small):
+    want = [t.id for t in small.generate("The capital of France is", max_tokens=8)]
+    got = {}
+
+    def run(i):
+        got[i] = [t.id for t in small.generate("The capital of France is", max_tokens=8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert got == {0: want, 1: want}
