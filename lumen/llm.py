@@ -211,8 +211,6 @@ class Model:
             check_int("max_tokens", sampling["max_tokens"], 0)
             if sampling["max_tokens"] == 0:
                 return iter(())
-            if "stop" in sampling:
-                sampling["stop"] = tuple(sampling["stop"])
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")

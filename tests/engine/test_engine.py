@@ -350,3 +350,16 @@ def test_model_generate_from_two_threads(small):
     [t.start() for t in threads]
     [t.join(120) for t in threads]
     assert got == {0: want, 1: want}
+
+
+def test_model_generate_stop_string_is_one_string(small):
+    """stop="answer" stops at "answer", not at the "a" of "Paris" (a string is not a list of characters)."""
+    free = "".join(t.text for t in small.generate("The capital of France is", max_tokens=8))
+    assert free.startswith(" Paris") and "answer" in free
+    text = "".join(t.text for t in small.generate("The capital of France is", max_tokens=8, stop="answer"))
+    assert text == free.split("answer")[0]
+    listed = "".join(t.text for t in small.generate("The capital of France is", max_tokens=8, stop=["answer"]))
+    assert listed == text
+    for bad in ("", None, [""]):
+        with pytest.raises(SamplerError, match="stop"):
+            small.generate("The capital of France is", max_tokens=8, stop=bad)
