@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import ContextError, ContextWarning, LumenError
 from .kernels.attention import BLOCK
+from .engine.admission import prompt_ids
 from .engine.config import check_int
 from .engine.engine import Engine
 from .model.parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
@@ -214,12 +215,7 @@ class Model:
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt, special=params.special)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens); give some text or token ids")
+        ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)   # RequestError if bad
         n_new = params.max_tokens or 0
         if len(ids) + n_new > self.n_ctx:
             raise ContextError(f"the prompt ({len(ids)} tokens) plus max_tokens ({n_new}) exceeds the "

@@ -363,3 +363,11 @@ def test_model_generate_stop_string_is_one_string(small):
     for bad in ("", None, [""]):
         with pytest.raises(SamplerError, match="stop"):
             small.generate("The capital of France is", max_tokens=8, stop=bad)
+
+
+@pytest.mark.parametrize("prompt", [None, 7, ["a", "b"], [1.5, 2.7], [True], [], "", [1, 10 ** 9]])
+def test_model_generate_bad_prompt_is_a_request_error(small, prompt):
+    """Model.generate checks a prompt as the engine does: no TypeError from int(), no float ids truncated."""
+    with pytest.raises(RequestError, match="prompt|token id"):
+        small.generate(prompt, max_tokens=2)
+    assert [t.id for t in small.generate([1, 2, 3], max_tokens=2)]
