@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import operator
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
@@ -339,6 +340,10 @@ class Tokenizer:
         return self.tokens[self._check(token_id)]
 
     def _check(self, token_id: int) -> int:
+        try:
+            token_id = operator.index(token_id)          # int or numpy integer; not a float, a str, None
+        except TypeError:
+            raise TypeError(f"a token id must be an integer, got {token_id!r}") from None
         if not 0 <= token_id < self.n_vocab:
             raise ValueError(f"token id {token_id} is outside the vocabulary (n_vocab {self.n_vocab})")
         return token_id

@@ -10,6 +10,7 @@ import re
 import struct
 import zlib
 
+import numpy as np
 import pytest
 from goldens import DATA, MODEL_NAMES, corpus, golden
 
@@ -210,6 +211,15 @@ def test_token_text(smol, gemma):
     assert gemma.token_text(1902) == "▁world" and gemma.decode([1902]) == " world"
     with pytest.raises(ValueError):
         gemma.token_text(gemma.n_vocab)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_decode_non_integer_ids_is_a_type_error(toks, name):
+    tok = toks[name]
+    for ids in ("abc", ["a"], [1.5], [None], [np.float32(3)]):
+        with pytest.raises(TypeError, match="token id must be an integer"):
+            tok.decode(ids)
+    assert tok.decode(np.array(tok.encode("Hello", add_bos=False, special=False))) == "Hello"
 
 
 # --- streaming ---------------------------------------------------------------------------------------------
