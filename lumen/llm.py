@@ -215,6 +215,9 @@ class Model:
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a lumen.SamplingParams (or give its fields as keywords), got "
+                            f"{type(params).__name__}")
         ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)   # RequestError if bad
         n_new = params.max_tokens or 0
         if len(ids) + n_new > self.n_ctx:

@@ -371,3 +371,9 @@ def test_model_generate_bad_prompt_is_a_request_error(small, prompt):
     with pytest.raises(RequestError, match="prompt|token id"):
         small.generate(prompt, max_tokens=2)
     assert [t.id for t in small.generate([1, 2, 3], max_tokens=2)]
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 2}, 2, "greedy"])
+def test_model_generate_params_not_sampling_params_is_a_type_error(small, params):
+    with pytest.raises(TypeError, match="params must be a lumen.SamplingParams"):
+        small.generate("Hello", params)
