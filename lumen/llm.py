@@ -199,7 +199,7 @@ class Model:
         prompt: text (tokenized with the model's BOS default; `special` parses special-token text) or token ids.
         params: a lumen.SamplingParams; or its fields as keywords (`sampling`: max_tokens, temperature, top_k,
         top_p, min_p, the penalties, seed, stop, special, speculative, ignore_eos, constraint, ...), where
-        max_tokens defaults to 128 and temperature to 0 (greedy).
+        max_tokens defaults to 128 (None: the rest of the context) and temperature to 0 (greedy).
         Stops at max_tokens, an end-of-generation token (EOS / end-of-turn from the metadata), or a stop string
         (the text before it is yielded, the stop string itself is not). The end-of-generation token itself is
         yielded only if it releases held-back text (a possible stop-string prefix), with that text.
@@ -209,9 +209,10 @@ class Model:
         """
         if params is None:
             sampling = {"max_tokens": 128, "temperature": 0.0, **sampling}
-            check_int("max_tokens", sampling["max_tokens"], 0)
-            if sampling["max_tokens"] == 0:
-                return iter(())
+            if sampling["max_tokens"] is not None:              # None: the rest of the context
+                check_int("max_tokens", sampling["max_tokens"], 0)
+                if sampling["max_tokens"] == 0:
+                    return iter(())
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")

@@ -15,6 +15,7 @@ from lumen.engine.engine import Engine, RequestError
 from lumen.errors import ContextError, LumenError
 from lumen.kernels.attention import BLOCK
 from lumen.engine.sampling.sampler import SamplerError
+from lumen.engine.sequence import RequestMetrics
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 
@@ -377,3 +378,12 @@ def test_model_generate_bad_prompt_is_a_request_error(small, prompt):
 def test_model_generate_params_not_sampling_params_is_a_type_error(small, params):
     with pytest.raises(TypeError, match="params must be a lumen.SamplingParams"):
         small.generate("Hello", params)
+
+
+def test_model_generate_max_tokens_none_is_the_rest_of_the_context(small):
+    """max_tokens=None as a keyword means what SamplingParams(max_tokens=None) does: up to the context's end."""
+    ids = small.tokenize("The capital of France is")
+    stats = RequestMetrics()
+    kw = [t.id for t in small.generate(ids, max_tokens=None, ignore_eos=True, stats=stats)]
+    sp = [t.id for t in small.generate(ids, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))]
+    assert kw == sp and stats.gen_tokens == small.n_ctx - len(ids)
