@@ -319,4 +319,13 @@ def test_sampler_error_names_its_field(kw, param):
     from lumen.engine.sampling.params import SamplingParams
     with pytest.raises(SamplerError) as e:
         SamplingParams(**kw)
-    assert e.value.param == param
+    assert e.value.param == param and str(e.value).startswith(param + " ")
+
+
+@pytest.mark.parametrize("v", [-5, 1.5, "3"])
+def test_repeat_last_n_errors_say_repeat_last_n(v):
+    """The keyword is repeat_last_n (SamplingParams, Model.generate, the server): the message uses that word."""
+    from lumen.engine.sampling.params import SamplingParams
+    with pytest.raises(SamplerError, match=r"^repeat_last_n ") as e:
+        SamplingParams(repeat_last_n=v)
+    assert e.value.param == "repeat_last_n"

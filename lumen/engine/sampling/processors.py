@@ -24,9 +24,9 @@ def check_penalties(repeat_penalty, presence_penalty, frequency_penalty, last_n)
     for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not math.isfinite(v):
             raise SamplerError(f"{name} must be finite (0 = off), got {v}", param=name)
-    last_n = _integer("last_n", last_n)
+    last_n = _integer("repeat_last_n", last_n)
     if last_n < -1:
-        raise SamplerError(f"last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}", param="repeat_last_n")
+        raise SamplerError(f"repeat_last_n must be >= -1 (0 = off, -1 = whole history), got {last_n}", param="repeat_last_n")
     return repeat_penalty, presence_penalty, frequency_penalty, last_n
 
 
