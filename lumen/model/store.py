@@ -390,6 +390,8 @@ def _verify(name: str) -> Path:
 
 def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
     """A registry name (fetched on first use) or a path to a .gguf file -> the path of a GGUF file."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a registry name or a path to a .gguf file, got {type(model).__name__}")
     if isinstance(model, str) and model in MODELS:
         if state(model) == "verified":
             return model_path(model)

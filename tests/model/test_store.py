@@ -474,6 +474,12 @@ def test_resolve_a_directory(home, tmp_path, monkeypatch):
             store.resolve(d)
 
 
+@pytest.mark.parametrize("model", [None, 3, ["smollm2-135m"], b"model.gguf"])
+def test_resolve_not_a_name_or_path_is_a_type_error(home, model):
+    with pytest.raises(TypeError, match="^model must be a registry name or a path to a .gguf file, got "):
+        store.resolve(model)
+
+
 def test_resolve_unknown_name_lists_known_names(home):
     with pytest.raises(FetchError) as e:
         store.resolve("llama-7b")
