@@ -9,6 +9,7 @@ engine's stream. The two never share a runner, so `reset()` only ever touches th
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from functools import cached_property
@@ -84,6 +85,7 @@ class Model:
         self.n_batch = self.max_num_batched_tokens = min(n_batch, ctx)
         self.adaptive_threads = adaptive_threads
         self.n_past = 0                              # positions 0 .. n_past-1 are in the cache
+        self._forward_lock = threading.RLock()       # one prefill / decode / logits at a time (own runner, n_past)
         self._engine = None
         self._spec = {}                              # speculative decoding options of the engine (speculation())
 
@@ -140,34 +142,39 @@ class Model:
         """Run prompt tokens through the model in chunks of n_batch, appending to the cache. Returns the last
         position's logits (V,), or every position's (len(ids), V) when all_logits."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        self._check_ids(ids)
-        out = np.empty((ids.size, self.config.n_vocab), np.float32) if all_logits else None
-        last = None
-        for a in range(0, ids.size, self.n_batch):
-            chunk = ids[a:a + self.n_batch]
-            if all_logits:
-                self._run(chunk, chunk.size, "prefill", out[a:a + chunk.size])
-            else:
-                last = self._run(chunk, 1, "prefill")
-        return out if all_logits else last[0].copy()
+        with self._forward_lock:
+            self._check_ids(ids)
+            out = np.empty((ids.size, self.config.n_vocab), np.float32) if all_logits else None
+            last = None
+            for a in range(0, ids.size, self.n_batch):
+                chunk = ids[a:a + self.n_batch]
+                if all_logits:
+                    self._run(chunk, chunk.size, "prefill", out[a:a + chunk.size])
+                else:
+                    last = self._run(chunk, 1, "prefill")
+            return out if all_logits else last[0].copy()
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token at the next position; returns its logits (V,) (a view, valid until the next call)."""
         ids = np.array([token], dtype=np.int64)
-        self._check_ids(ids)
-        return self._run(ids, 1, "decode")[0]
+        with self._forward_lock:
+            self._check_ids(ids)
+            return self._run(ids, 1, "decode")[0]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Teacher-forced logits (len(ids), n_vocab) for a fresh sequence."""
-        self.reset()
-        return self.prefill(ids, all_logits=True)
+        """Teacher-forced logits (len(ids), n_vocab) for a fresh sequence (safe to call from several threads:
+        one runs at a time)."""
+        with self._forward_lock:
+            self.reset()
+            return self.prefill(ids, all_logits=True)
 
     def warmup(self) -> float:
         """Compile the forward pass (or load it from Numba's cache) with one throwaway token; returns seconds."""
         t = time.perf_counter()
-        self.reset()
-        self.decode(0)
-        self.reset()
+        with self._forward_lock:
+            self.reset()
+            self.decode(0)
+            self.reset()
         return time.perf_counter() - t
 
     # ---- generation: one request through the engine ----

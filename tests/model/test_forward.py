@@ -215,3 +215,20 @@ def test_tied_output_and_qwen2_bias_are_used(tmp_path):
     off, n = w.attn_q_bias[0]
     w.fvec[off:off + n] = 0.0                                                      # zero blk.0 q bias
     assert np.abs(q.logits(ids) - with_bias).max() > 1e-3
+
+
+def test_logits_from_two_threads(models):
+    """Model.logits from two threads: each gets its own input's logits (the runner and n_past are shared)."""
+    import threading
+    m = get(models, "smollm2-135m")
+    a = m.tokenize("The capital of France is Paris, and the capital of Germany is Berlin. " * 6)
+    b = m.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n" * 5)
+    want = {0: m.logits(a), 1: m.logits(b)}
+    got = {0: [], 1: []}
+
+    def run(i, ids):
+        got[i] += [m.logits(ids) for _ in range(3)]
+    threads = [threading.Thread(target=run, args=x) for x in ((0, a), (1, b))]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    assert all(len(got[i]) == 3 and all(np.array_equal(g, want[i]) for g in got[i]) for i in (0, 1))
