@@ -220,6 +220,27 @@ def test_refusals_and_outputs_cross_the_wire():
     assert back[-1].logprobs == outs[-1].logprobs and back[-1].metrics.prompt_tokens == 3
 
 
+def test_ray_address_that_does_not_answer_fails_in_one_line(smollm2_path):
+    """--ray-address host:port where nothing listens: one line, exit 1, in seconds (ray.init used to retry it for
+    minutes); an address that accepts a connection passes the check."""
+    import socket
+    import subprocess
+    from lumen.serve.ray.app import check_answers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))                      # bound, not listening: connections are refused
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(ConnectionError, match="nothing answers at --ray-address"):
+            check_answers(address, timeout=2)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                            "--port", "1", "--ray-address", address], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and time.monotonic() - t0 < 45, (r.returncode, r.stderr[-2000:])
+    assert "nothing answers at --ray-address" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        check_answers(f"127.0.0.1:{listening.getsockname()[1]}", timeout=2)
+    check_answers("auto")                             # left to Ray
+
+
 def _bare_router():
     """A LumenRouter with its state and none of Ray's (its hooks take ids and requests as plain objects)."""
     from types import SimpleNamespace

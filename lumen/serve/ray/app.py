@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ from .router import LumenRouter
 
 log = logging.getLogger("lumen.serve")
 APP, INGRESS, ENGINE = "lumen", "LumenIngress", "LumenEngine"
+CONNECT_TIMEOUT_S = 5.0                 # --ray-address host:port must accept a connection within this
 ROUTING_STATS_PERIOD_S = 1.0            # how often each replica reports its cached blocks, load and metrics
 MAX_CONSTRUCTOR_RETRIES = 2             # a replica that cannot load its engine: the start fails, not retried 20x
 
@@ -117,9 +119,22 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     """Join the cluster at `address`, or (None) start a local Ray instance of our own (returned, to be stopped)."""
     import ray
     if address:
+        check_answers(address)
         ray.init(address=address, log_to_driver=log_to_driver)
         return None
     return LocalRay(num_cpus=num_cpus, log_to_driver=log_to_driver)
+
+
+def check_answers(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """ConnectionError unless a host:port address accepts a TCP connection within `timeout` (ray.init retries
+    an address that does not answer for minutes). Other forms ('auto', ray://...) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "/" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at --ray-address {address}: {e}") from None
 
 
 def start(app, *, host: str, port: int) -> float:
