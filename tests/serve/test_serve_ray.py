@@ -241,6 +241,21 @@ def test_ray_address_that_does_not_answer_fails_in_one_line(smollm2_path):
     check_answers("auto")                             # left to Ray
 
 
+def test_stop_deletes_the_application_before_stopping_ray(monkeypatch):
+    """A graceful stop of our local instance deletes the application first (so requests in flight get the
+    deployments' graceful shutdown, as one process gives them --shutdown-timeout), then stops Ray; it used to stop
+    Serve at once, which cut streams in flight without an error event."""
+    from lumen.serve.ray import app as ray_app
+    calls = []
+    monkeypatch.setattr(ray_app.serve, "delete", lambda name, **kw: calls.append(("delete", name)))
+
+    class Local:
+        def stop(self, grace):
+            calls.append(("stop", grace))
+    ray_app.stop(Local(), grace=1.5)
+    assert calls == [("delete", ray_app.APP), ("stop", 1.5)]
+
+
 def _bare_router():
     """A LumenRouter with its state and none of Ray's (its hooks take ids and requests as plain objects)."""
     from types import SimpleNamespace

@@ -147,16 +147,17 @@ def start(app, *, host: str, port: int) -> float:
 
 
 def stop(local: LocalRay | None, grace: float = 2.0) -> None:
-    """On a cluster we joined: delete our application, and nothing else. On our local instance: stop Serve and
-    Ray, and then any process of the instance that outlived them (no process is left)."""
+    """Delete our application (requests in flight get the deployments' graceful shutdown). On a cluster we
+    joined: nothing else. On our local instance: then stop Serve and Ray, and any process of the instance that
+    outlived them (no process is left)."""
     import ray
-    if local is not None:
-        local.stop(grace)
-        return
     try:
-        serve.delete(APP)
+        serve.delete(APP)                 # first: requests in flight get the deployments' graceful shutdown
     finally:
-        ray.shutdown()
+        if local is not None:
+            local.stop(grace)
+        else:
+            ray.shutdown()
 
 
 def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int) -> int:
