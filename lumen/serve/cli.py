@@ -313,6 +313,10 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    why = None if args.ray_address else bind_error(args.host, args.port)   # our local instance's proxy binds here
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     settings = Settings(model_id=model_id(args.model, args.served_model_name), api_key=args.api_key,
                         max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative,
                         ui=not args.no_ui, tool_call_parser=args.tool_call_parser)

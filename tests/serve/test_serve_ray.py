@@ -256,6 +256,19 @@ def test_stop_deletes_the_application_before_stopping_ray(monkeypatch):
     assert calls == [("delete", ray_app.APP), ("stop", 1.5)]
 
 
+def test_port_in_use_fails_before_ray_starts(smollm2_path):
+    """--replicas 2 on a port in use: the single process's one line, exit 1, before Ray starts (Ray's proxy used to
+    fail after ~15 s with 'RayTaskError(RuntimeError): ray::ProxyActor.ready() (pid=...)', naming no cause)."""
+    import socket
+    import subprocess
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                            "--threads", "1", "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"error: cannot listen on 127.0.0.1:{port}:" in r.stderr and "Ray" not in r.stderr, r.stderr[-2000:]
+
+
 def _bare_router():
     """A LumenRouter with its state and none of Ray's (its hooks take ids and requests as plain objects)."""
     from types import SimpleNamespace
