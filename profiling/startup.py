@@ -86,7 +86,7 @@ def child(out_path: str, cli_args: list[str]) -> None:
     wrap(lumen.model.parts, "load_weights", "weights")     # Model -> parts.make_parts -> load_weights
     wrap(llm.Model, "__init__", "init")
     wrap(llm.Model, "warmup", "warmup")
-    wrap(llm.Model, "tokenize", "tokenize")
+    wrap(llm, "prompt_ids", "tokenize")                       # Model.generate's prompt -> ids
     import lumen.engine.engine
     wrap(lumen.engine.engine.Engine, "step", "prefill")        # generate's first engine step is the prefill
     import lumen.engine.runner
