@@ -245,15 +245,21 @@ def test_stop_deletes_the_application_before_stopping_ray(monkeypatch):
     """A graceful stop of our local instance deletes the application first (so requests in flight get the
     deployments' graceful shutdown, as one process gives them --shutdown-timeout), then stops Ray; it used to stop
     Serve at once, which cut streams in flight without an error event."""
+    from types import SimpleNamespace
+
     from lumen.serve.ray import app as ray_app
     calls = []
-    monkeypatch.setattr(ray_app.serve, "delete", lambda name, **kw: calls.append(("delete", name)))
+    monkeypatch.setattr(ray_app.serve, "delete", lambda name, **kw: calls.append(("delete", name, kw)))
+    listed = iter([{ray_app.APP: 1}, {ray_app.APP: 1}, {}])     # Serve lists it for two polls, then not
+    monkeypatch.setattr(ray_app.serve, "status", lambda: SimpleNamespace(applications=next(listed)))
+    monkeypatch.setattr(ray_app.time, "sleep", lambda s: calls.append(("sleep",)))
 
     class Local:
         def stop(self, grace):
             calls.append(("stop", grace))
     ray_app.stop(Local(), grace=1.5)
-    assert calls == [("delete", ray_app.APP), ("stop", 1.5)]
+    # not blocking in serve.delete: waited in short sleeps, where a second Ctrl-C lands at once
+    assert calls == [("delete", ray_app.APP, {"_blocking": False}), ("sleep",), ("sleep",), ("stop", 1.5)]
 
 
 def test_port_in_use_fails_before_ray_starts(smollm2_path):

@@ -149,15 +149,26 @@ def start(app, *, host: str, port: int) -> float:
 def stop(local: LocalRay | None, grace: float = 2.0) -> None:
     """Delete our application (requests in flight get the deployments' graceful shutdown). On a cluster we
     joined: nothing else. On our local instance: then stop Serve and Ray, and any process of the instance that
-    outlived them (no process is left)."""
+    outlived them (no process is left), also when the delete failed. A second Ctrl-C (KeyboardInterrupt) is not
+    caught here: the caller then stops everything at once (_stop_now)."""
     import ray
     try:
-        serve.delete(APP)                 # first: requests in flight get the deployments' graceful shutdown
-    finally:
-        if local is not None:
-            local.stop(grace)
-        else:
-            ray.shutdown()
+        serve.delete(APP, _blocking=False)
+        _wait_deleted()
+    except Exception as e:                    # noqa: BLE001 - whatever failed, the instance is stopped below
+        log.warning("the application was not deleted: %s: %s", type(e).__name__, e)
+    if local is not None:
+        local.stop(grace)
+    else:
+        ray.shutdown()
+
+
+def _wait_deleted(timeout: float = 300.0, poll: float = 0.2) -> None:
+    """Wait until Serve no longer lists our application, in short sleeps: a second Ctrl-C (KeyboardInterrupt
+    from serve_on_ray's handler) lands within one poll, where a blocking serve.delete held it for seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and APP in serve.status().applications:
+        time.sleep(poll)
 
 
 def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int) -> int:
