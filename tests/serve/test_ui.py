@@ -312,6 +312,18 @@ def send(page, text: str) -> None:
     page.click("#send")
 
 
+def ask_for_a_long_story(page, url: str, **settings) -> None:
+    """Open the chat page, set its fields (name -> value), and ask for a long story; returns once the reply
+    streams (more than 20 characters shown)."""
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-ready='1']")
+    for name, value in settings.items():
+        set_value(page, f"#{name}", value)
+    send(page, "Write a long story about a lighthouse keeper.")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 20",
+                           timeout=120_000)
+
+
 def test_chat_streams_the_servers_greedy_reply_with_stats(server, page, artifacts):
     page.goto(server.url + "/")
     page.wait_for_selector("body[data-ready='1']")
@@ -342,13 +354,7 @@ def test_chat_streams_the_servers_greedy_reply_with_stats(server, page, artifact
 
 
 def test_chat_stop_then_regenerate(server, page, artifacts):
-    page.goto(server.url + "/")
-    page.wait_for_selector("body[data-ready='1']")
-    set_value(page, "#max_tokens", 600)
-    set_value(page, "#seed", 7)
-    send(page, "Write a long story about a lighthouse keeper.")
-    page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 20",
-                           timeout=120_000)
+    ask_for_a_long_story(page, server.url, max_tokens=600, seed=7)
     page.click("#stop")
     page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('(stopped)')")
     cut = page.eval_on_selector(".msg.assistant .body", "e => e.textContent")
@@ -409,13 +415,7 @@ def test_chat_refused_message_leaves_the_conversation(server, page):
 
 def test_chat_clear_mid_reply_starts_afresh(server, page):
     """Clear while a reply streams: the cut reply is not carried into the next conversation's first request."""
-    page.goto(server.url + "/")
-    page.wait_for_selector("body[data-ready='1']")
-    set_value(page, "#temperature", 0)
-    set_value(page, "#max_tokens", 600)
-    send(page, "Write a long story about a lighthouse keeper.")
-    page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 20",
-                           timeout=120_000)
+    ask_for_a_long_story(page, server.url, temperature=0, max_tokens=600)
     page.click("#clear")
     set_value(page, "#max_tokens", 4)
     send(page, "Say hi.")
