@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import ContextWarning, LumenError
 
 # command -> (module whose main(argv) runs it, one line for `lumen --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,3 +53,15 @@ def check_writable(path: str, what: str) -> str | None:
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         return f"cannot write {what} to {path}: permission denied"
     return None
+
+
+@contextmanager
+def trained_context_only(hint: str, allow: bool = False):
+    """Every command line refuses a context beyond the model's trained one, where lumen.load only warns: the
+    block's ContextWarning becomes a LumenError ending with `hint` (what to change); allow (--force-ctx): ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if allow else "error", ContextWarning)
+        try:
+            yield
+        except ContextWarning as e:
+            raise LumenError(f"{e}; {hint}") from None

@@ -13,13 +13,12 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from contextlib import contextmanager
 
-from .errors import ContextWarning, LumenError
+from .errors import LumenError
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
-from .commands import prog
+from .commands import prog, trained_context_only
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
@@ -327,12 +326,8 @@ def status_while_compiling(console, text: str = COMPILING):
 def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool, **kw):
     """lumen.load, refusing a ctx beyond the model's trained context (the API only warns) unless force_ctx."""
     from . import load
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore" if force_ctx else "error", ContextWarning)
-        try:
-            return load(name, ctx=ctx, threads=threads, **kw)
-        except ContextWarning as e:
-            raise LumenError(f"{e}; pass --force-ctx to use it anyway") from None
+    with trained_context_only("pass --force-ctx to use it anyway", allow=force_ctx):
+        return load(name, ctx=ctx, threads=threads, **kw)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,13 +45,12 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
-from ..commands import check_writable, prog
+from ..commands import check_writable, prog, trained_context_only
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
@@ -419,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"llama-bench not found or not executable: {args.llama_bench or os.environ.get('LLAMA_BENCH')}")
     from rich.console import Console
 
-    from ..errors import ContextWarning, LumenError
+    from ..errors import LumenError
     from ..model.store import resolve
     console = Console()
     tests = make_tests(args.n_prompt, args.n_gen, args.small)
@@ -427,12 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1)
     try:
         path = resolve(args.model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", ContextWarning)
+        with trained_context_only("use a smaller -p or -n"):
             lumen = LumenEngine(path, args.threads, ctx, max_pp, adaptive_threads=args.adaptive_threads)
-    except ContextWarning as e:              # as lumen.generate: a context past the trained one is refused
-        print(f"error: {e}; use a smaller -p or -n", file=sys.stderr)
-        return 1
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -34,13 +34,12 @@ import os
 import statistics
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
-from lumen.errors import ContextWarning, LumenError
+from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
-from ..commands import check_writable, prog
+from ..commands import check_writable, prog, trained_context_only
 from ..engine.config import EngineConfig
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -274,12 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             print_machine(lim, console)
             return 0
         from lumen import load
-        with warnings.catch_warnings():      # as lumen.generate: a context past the trained one is refused
-            warnings.simplefilter("error", ContextWarning)
-            try:
-                model = load(args.model, ctx=args.prompt_tokens + args.gen_tokens + 1, threads=args.threads)
-            except ContextWarning as e:
-                raise LumenError(f"{e}; use fewer --prompt-tokens or --gen-tokens") from None
+        with trained_context_only("use fewer --prompt-tokens or --gen-tokens"):
+            model = load(args.model, ctx=args.prompt_tokens + args.gen_tokens + 1, threads=args.threads)
         if args.overhead:
             overhead(model, args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.repeats, console)
             return 0
