@@ -174,10 +174,11 @@ class Engine:
         a stream() follows are also queued for it, whoever steps (another stream, generate, a loop)."""
         with self._step_lock:
             outs = self._step()
-        for out in outs:
-            q = self._streams.get(out.request_id)
-            if q is not None:
-                q.append(out)
+        if self._streams:                           # (a server's loop follows no stream: nothing to do per output)
+            for out in outs:
+                q = self._streams.get(out.request_id)
+                if q is not None:
+                    q.append(out)
         return outs
 
     def _step(self) -> list[RequestOutput]:
