@@ -1,9 +1,9 @@
 """Profile Lumen on this machine: `python -m lumen.profile [MODE] ...`, one parser for every mode (MODES below).
 
-    python -m lumen.profile --machine [--remeasure]      # this machine's limits (measured once, cached)
+    python -m lumen.profile --machine [--remeasure] [--json F]   # this machine's limits (measured once, cached)
     python -m lumen.profile --model smollm2-135m --prompt-tokens 512 --gen-tokens 128 \\
         [--threads T] [--json F.json] [--plot F.png] [--phase prefill|decode] [--op NAME] [--layer N]
-    python -m lumen.profile --model M --overhead [--repeats 5]   # decode tok/s: timers off / compiled out / on
+    python -m lumen.profile --model M --overhead [--repeats 5] [--json F]   # decode tok/s: timers off / out / on
     python -m lumen.profile --engine --model M [--max-num-batched-tokens N] [--max-num-seqs S] [--tiny] [--plot F]
     python -m lumen.profile --serving FILE [--json F] [--plot F.png]    # a serving profile (lumen.serve --profile)
 
@@ -50,8 +50,8 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 MODES = """modes (one at a time; without one, a profiled generate run):
   (default)          profile a generate run op by op: --model, --prompt-tokens, --gen-tokens, --threads,
                      --phase/--op/--layer, --json, --plot
-  --machine          this machine's measured limits (measured once, cached; --remeasure measures again)
-  --overhead         decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on: --repeats
+  --machine          this machine's measured limits (measured once, cached; --remeasure measures again); --json
+  --overhead         decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on: --repeats, --json
   --engine           the engine's measured step costs and their fit (lumen/profile/serving_cli.py):
                      --max-num-batched-tokens, --max-num-seqs, --max-model-len, --tiny, --remeasure,
                      --json, --plot (the cost surface)
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(common, only=("threads",))
     common.add_argument("--remeasure", action="store_true",
                         help="measure again instead of reading the cache (machine limits; --engine: the step costs)")
-    common.add_argument("--json", metavar="F", help="write the records / table / report and the summary as JSON to F")
+    common.add_argument("--json", metavar="F", help="write the run's records and summary, the limits (--machine), "
+                                                     "the tok/s (--overhead), the table or the report as JSON to F")
     common.add_argument("--plot", metavar="F.png", help="a run: the roofline to F.png and the op times to F-ops.png; "
                                                          "--engine: the cost surface; --serving: the time split")
     run = ap.add_argument_group("a profiled run (the default mode)")
@@ -234,8 +235,35 @@ def overhead(model, model_arg: str, prompt_tokens: int, gen_tokens: int, threads
     return out
 
 
+def check_outputs(args, mode: str) -> str | None:
+    """Why the --json/--plot files cannot be written, checked before any measuring (an --engine calibration takes
+    minutes): a missing or unwritable directory, a plot format matplotlib cannot write, or a flag the mode has no
+    output for (--machine and --overhead draw nothing)."""
+    if args.plot and mode in ("machine", "overhead"):
+        return f"--plot does not go with --{mode} (it draws nothing; --json writes its numbers)"
+    outs = [(args.json, "the JSON"), (args.plot, "the plot")]
+    if args.plot and mode == "run":
+        outs.append((ops_png(args.plot), "the op plot"))
+    for path, what in outs:
+        why = path and check_writable(path, what)
+        if why:
+            return why
+    if args.plot:
+        from matplotlib.figure import Figure
+        formats = Figure().canvas.get_supported_filetypes()
+        ext = Path(args.plot).suffix.lower().lstrip(".")
+        if ext not in formats:
+            return (f"cannot write the plot to {args.plot}: {'.' + ext if ext else 'no'} file extension; "
+                    f"use one of {', '.join('.' + f for f in sorted(formats))}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap, args, mode = parse(argv)
+    why = check_outputs(args, mode)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     if mode in ("engine", "serving"):
         from .serving_cli import engine_main, serving_main          # the engine's step costs, a serving profile
         try:
@@ -256,27 +284,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase is not None and args.phase not in PHASES:
         print(f"error: unknown phase {args.phase!r}; phases are {', '.join(PHASES)}", file=sys.stderr)
         return 2
-    for path, what in ((args.json, "the JSON"), (args.plot, "the plot")):
-        why = path and check_writable(path, what)
-        if why:
-            print(f"error: {why}", file=sys.stderr)
-            return 2
-    if args.plot:
-        why = check_writable(ops_png(args.plot), "the op plot")
-        if why:
-            print(f"error: {why}", file=sys.stderr)
-            return 2
     try:
         from lumen.machine import limits
         lim = limits(remeasure=args.remeasure)
         if args.machine:
             print_machine(lim, console)
+            if args.json:
+                Path(args.json).write_text(json.dumps(lim, indent=1))
+                console.print(f"wrote {args.json}")
             return 0
         from lumen import load
         with trained_context_only("use fewer --prompt-tokens or --gen-tokens"):
             model = load(args.model, ctx=args.prompt_tokens + args.gen_tokens + 1, threads=args.threads)
+        if args.layer is not None and not -1 <= args.layer < model.config.n_layer:
+            raise LumenError(f"unknown layer {args.layer}; recorded layers are -1..{model.config.n_layer - 1}")
         if args.overhead:
-            overhead(model, args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.repeats, console)
+            res = overhead(model, args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.repeats,
+                           console)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"model": str(model.path), "prompt_tokens": args.prompt_tokens,
+                                                       "gen_tokens": args.gen_tokens, "threads": model.threads,
+                                                       **res}, indent=1))
+                console.print(f"wrote {args.json}")
             return 0
         with console.status("compiling and warming up (first run only; cached afterwards)..."):
             prof, stats = profiled_run(model, args.prompt_tokens, args.gen_tokens)

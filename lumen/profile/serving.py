@@ -189,7 +189,11 @@ def load(path):
     one."""
     from . import Profiler, Record, Step
     try:
-        d = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the serving profile {path}: {e.strerror or e}") from None
+    try:
+        d = json.loads(text)
         prof = Profiler()
         prof.steps = [Step(**{**s, "requests": tuple(s["requests"])}) for s in d["steps"]]
         prof.records = [Record(**r) for r in d["records"]]

@@ -231,3 +231,37 @@ def test_machine_prints_cached_limits(home):
     assert re.search(r"256-bit vectors +│ +75 │ +150", r.stdout)
     assert re.search(r"512-bit vectors +│ +150 │ +300", r.stdout)
     assert "caches per core: L1d 48 KiB, L2 2 MiB, L3 32 MiB" in r.stdout
+
+
+def test_machine_json_writes_the_limits(home, tmp_path):
+    r = run(home, "--machine", "--json", tmp_path / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "m.json").read_text()) == json.loads((home / "machine.json").read_text())
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--machine", "--plot", "{tmp}/m.png"], "--plot does not go with --machine"),
+    (["--overhead", "--plot", "{tmp}/o.png"], "--plot does not go with --overhead"),
+    (["--plot", "{tmp}/p.txt"], "cannot write the plot to {tmp}/p.txt: .txt file extension; use one of"),
+    (["--plot", "{tmp}/p"], "cannot write the plot to {tmp}/p: no file extension"),
+    (["--engine", "--json", "/no/such/dir/c.json"], "the directory /no/such/dir does not exist"),
+    (["--engine", "--plot", "{tmp}"], "is a directory"),
+    (["--serving", "{tmp}/s.json", "--plot", "/no/such/dir/s.png"], "the directory /no/such/dir does not exist"),
+])
+def test_outputs_that_cannot_be_written_fail_before_any_work(home, tmp_path, args, msg):
+    """Every mode checks its --json and --plot before measuring (an --engine calibration takes minutes), and a flag
+    a mode has no output for is refused rather than ignored."""
+    (tmp_path / "s.json").write_text("{}")
+    r = run(home, *[a.format(tmp=tmp_path) for a in args], timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: ") and msg.format(tmp=tmp_path) in lines[0]
+
+
+@pytest.mark.parametrize("what", ["missing", "a directory"])
+def test_serving_file_that_cannot_be_read(home, tmp_path, what):
+    path = tmp_path / "s.json" if what == "missing" else tmp_path
+    r = run(home, "--serving", path, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"error: cannot read the serving profile {path}: "), r.stderr
+    assert "Errno" not in r.stderr
