@@ -94,15 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .errors import LumenError
     from .model.store import DEFAULT_MODEL
+    from .model.store import MODELS, resolve
     models = args.model or [DEFAULT_MODEL]
     total = 0
+
+    def fail(name: str, e: Exception) -> int:
+        said = str(e)                                   # most messages name the model already
+        print(f"error: {said}" if name in said else f"error: {name}: {said}", file=sys.stderr)
+        return 1
+    for name in models:                                 # a typo in the last name fails before the first compile
+        if name not in MODELS:
+            try:
+                resolve(name, quiet=True)
+            except (LumenError, OSError) as e:
+                return fail(name, e)
     for name in models:
         try:
             w = warm(name, threads=args.threads)
         except (LumenError, ValueError, OSError) as e:
-            said = str(e)                               # most messages name the model already
-            print(f"error: {said}" if name in said else f"error: {name}: {said}", file=sys.stderr)
-            return 1
+            return fail(name, e)
         total += w.compiled
         print(f"{w.model}: ready in {w.seconds:.1f} s; compiled {w.compiled} functions "
               f"({w.compile_seconds:.1f} s), loaded {w.loaded} from the cache", flush=True)

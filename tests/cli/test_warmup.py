@@ -53,3 +53,11 @@ def test_warmup_refuses_a_missing_model_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--threads", "0"], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert r.returncode == 1 and r.stderr.startswith("error: smollm2-135m: threads must be between 1 and"), r.stderr
+
+
+def test_warmup_checks_every_name_before_it_warms_any(tmp_path):
+    """Several models: a wrong name among the later ones is refused before the first one compiles."""
+    r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--model", "smollm2-135m", "--model", "nosuch"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr.startswith("error: unknown model 'nosuch'") and len(r.stderr.splitlines()) == 1, r.stderr
