@@ -268,6 +268,30 @@ def test_a_read_only_store_serves_a_verified_model(fake, monkeypatch):
     assert store.resolve(NAME, quiet=True) == path
 
 
+def test_a_read_only_store_serves_a_model_it_must_check_again(fake, monkeypatch):
+    """A store copied without its mtimes (cp -r, an image layer) and mounted read-only: the model's stamp no longer
+    matches, so it is checked again; it passes, and the stamp that cannot be written is no reason to refuse it."""
+    path = store.fetch(NAME, quiet=True)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    real_write_text = Path.write_text
+
+    def refuse(self, *args, **kw):
+        if str(self).startswith(str(store.lumen_home())):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_write_text(self, *args, **kw)
+
+    def refuse_os(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(args[0]))
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    for name in ("mkdir", "replace", "unlink"):
+        monkeypatch.setattr(store.os, name, refuse_os)
+    assert store.resolve(NAME, quiet=True) == path
+    assert store.verify(NAME) == path
+    assert len(fake.calls) == 2 and store.state(NAME) == "unverified"
+
+
 # ---- verification failures ----
 
 def test_wrong_sha256_deletes_the_download(home, monkeypatch):
