@@ -136,12 +136,19 @@ def lock_compile_cache() -> None:
     take the same name, and the index can end up pointing a signature at the other's code, or lose one of them;
     a process that loads between the index and the data reads a missing or stale file. Here each save holds an
     exclusive lock on the cache directory's lumen.lock and each load a shared one, so the index and the data
-    always change together."""
+    always change together.
+
+    A cache file that cannot be unpickled (cut short: Numba does not fsync, so a power cut can leave it empty)
+    made Numba raise in every later process; here it is a miss: the function compiles again and its save
+    rewrites the index (a damaged index counts as empty) and the data."""
+    import pickle
     from numba.core import caching
     cls = caching.IndexDataCacheFile
     if getattr(cls, "_lumen_locked", False):
         return
-    save, load = cls.save, cls.load
+    save, load, load_index = cls.save, cls.load, cls._load_index
+    damaged = (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError,
+               pickle.UnpicklingError)
 
     def locked_save(self, key, data):
         with _flock(self._cache_path, shared=False):
@@ -149,9 +156,18 @@ def lock_compile_cache() -> None:
 
     def locked_load(self, key):
         with _flock(self._cache_path, shared=True):
-            return load(self, key)
+            try:
+                return load(self, key)
+            except damaged:
+                return None
 
-    cls.save, cls.load, cls._lumen_locked = locked_save, locked_load, True
+    def whole_index(self):
+        try:
+            return load_index(self)
+        except damaged:
+            return {}
+
+    cls.save, cls.load, cls._load_index, cls._lumen_locked = locked_save, locked_load, whole_index, True
 
 
 @contextmanager

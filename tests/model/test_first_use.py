@@ -193,3 +193,37 @@ def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch)
     assert store.resolve(NAME, quiet=True) == path
     assert path.read_bytes() == WHOLE and store.state(NAME) == "verified"
     assert leftovers(path) == []
+
+
+# A compiled function with Numba's cache, called once: prints its cache misses and hits.
+CACHED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import lumen.kernels                      # Numba's cache as Lumen sets it up (lumen.paths.lock_compile_cache)
+from numba import njit
+
+import cached
+assert cached.f(2) == 4
+print(sum(cached.f.stats.cache_misses.values()), sum(cached.f.stats.cache_hits.values()))
+"""
+
+
+@pytest.mark.parametrize("damage", ["index", "data"])
+def test_a_damaged_compile_cache_file_is_compiled_again(tmp_path, damage):
+    """A cache file cut short (a power cut after Numba wrote it, without an fsync, leaves it empty or partial)
+    made every later process fail in pickle; it is a miss: the function compiles, and the cache is whole again."""
+    (tmp_path / "cached.py").write_text("from numba import njit\n\n\n@njit(cache=True)\ndef f(x):\n    return x + x\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(tmp_path)])}
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", CACHED, str(tmp_path)], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    assert run() == ["1", "0"]
+    (victim,) = (tmp_path / "numba").rglob("cached.f-*.nbi" if damage == "index" else "cached.f-*.nbc")
+    victim.write_bytes(victim.read_bytes()[:10])
+    assert run() == ["1", "0"]
+    assert run() == ["0", "1"]
