@@ -134,6 +134,8 @@ def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, 
                 by_layer.setdefault(r.layer, Agg()).add(r)
         rows, notes = [], {}
         for name, a in sorted(by_op.items(), key=lambda kv: -kv[1].seconds):
+            if name not in GLUE and name != op and a.bytes == 0 and a.flops == 0:
+                continue        # a layer op this architecture does not have (qk_norm in llama): no row
             roof, peak = (INT8, L["int8_dot_gops"]) if name in matmuls else (FMA, L["fma_gflops"])
             bound, bound_by, share = None, None, None
             if a.flops > 0:
@@ -191,7 +193,8 @@ def print_report(s: dict, lim: dict, title: str, console) -> None:
     console.print(limits_line(L, lim.get("cpu", "?")), markup=False)
     for ph, rows in s["ops"].items():
         p = s["phases"][ph]
-        t = Table(title=f"{ph}: {p['tokens']} tokens in {p['steps']} steps, {p['wall_ms']:.1f} ms, "
+        t = Table(title=f"{ph}: {p['tokens']} tokens in {p['steps']} step{'s' * (p['steps'] != 1)}, "
+                        f"{p['wall_ms']:.1f} ms, "
                         f"{p['tok_per_s']:.1f} tok/s", title_justify="left")
         for col in ("op", "calls", "ms", "share", "us/call", "GB/s", "GFLOP/s", "FLOP/B", "bound by",
                     "of roofline"):
@@ -419,7 +422,8 @@ def roofline_figure(s: dict, title: str):
         _place_labels(ax, fig, labels, 7.5, roof_labels)
         if ph in s["phases"]:
             p = s["phases"][ph]
-            ax.set_title(f"{ph}: {p['tokens']} tokens in {p['steps']} steps, {p['tok_per_s']:.1f} tok/s",
+            ax.set_title(f"{ph}: {p['tokens']} tokens in {p['steps']} step{'s' * (p['steps'] != 1)}, "
+                         f"{p['tok_per_s']:.1f} tok/s",
                          fontsize=10)
     axes[0].set_ylabel("achieved GFLOP/s (matmuls: GOP/s of int8 dot products)")
 

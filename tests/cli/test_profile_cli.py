@@ -58,7 +58,8 @@ def test_report_tables(full):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     # 4 generated tokens: the first is sampled from the prefill step, then 3 decode steps
-    for title in ("prefill: 16 tokens", "decode: 3 tokens", "ms per layer", "Python/dispatch overhead"):
+    for title in ("prefill: 16 tokens in 1 step,", "decode: 3 tokens in 3 steps,", "ms per layer",
+                  "Python/dispatch overhead"):
         assert title in out, out
     assert "coverage decode: min" in out and "coverage prefill: min" in out
     flat = " ".join(out.split())                    # the machine line wraps where the CPU's name ends it
@@ -67,6 +68,7 @@ def test_report_tables(full):
         rows = _rows(out, phase + ":")
         ops = {row[0] for row in rows}
         assert {*matmul_ops(), "attention", "embed"} <= ops
+        assert not ops & {"qk_norm", "post_attn_norm", "post_ffn_norm"}, "a llama has none of these: no row"
         for row in rows:
             for cell in row[1:8]:
                 assert math.isfinite(float(cell.rstrip("%")))
