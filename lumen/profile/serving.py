@@ -9,6 +9,9 @@ A request's interval [a, b] is split into parts:
     queue        before its first step (admission waits for a free slot, a block or the budget)
     schedule, prepare, forward, sample, detokenize
                  the segments of the steps it ran in (the whole step: it waits for all of the step's work)
+    unattributed the steps' time between their segments
+    profiling    the profiler's own bookkeeping inside those steps (costing each op of a new batch shape takes
+                 milliseconds): time the step took only because it was profiled
     other steps  steps it did not run in after admission (its prefill chunk did not fit the budget, preemption)
     between steps  time covered by no step (the engine loop, waiting for work)
     send         from the step that made the token to the bytes leaving the server (SSE, JSON)
@@ -24,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SEGMENTS = ("schedule", "prepare", "forward", "sample", "detokenize")
-PARTS = ("queue",) + SEGMENTS + ("unattributed", "other steps", "between steps", "send")
+PARTS = ("queue",) + SEGMENTS + ("unattributed", "profiling", "other steps", "between steps", "send")
 CATCH_ALL = ("unattributed", "between steps")
 
 
@@ -62,9 +65,10 @@ def step_segments(prof) -> list[dict]:
     out = []
     for st in prof.steps:
         d = seg.get(st.step, dict.fromkeys(SEGMENTS, 0.0))
+        wall = max(st.t1 - st.t0, 1e-12)                 # on the clock; wall_s leaves out the profiler's pauses
         d = dict(d, unattributed=max(0.0, st.wall_s - sum(d.values())))
-        out.append({"t0": st.t0, "t1": st.t1, "wall": max(st.t1 - st.t0, 1e-12), "requests": set(st.requests),
-                    "parts": d})
+        d["profiling"] = max(0.0, wall - sum(d.values()))
+        out.append({"t0": st.t0, "t1": st.t1, "wall": wall, "requests": set(st.requests), "parts": d})
     out.sort(key=lambda s: s["t0"])
     return out
 

@@ -1,0 +1,34 @@
+"""The serving profile's report (lumen/profile/serving.py) on a made-up engine run whose times are known: every
+part of a TTFT or an inter-token gap is accounted for, so the shares of each column add up to 100%."""
+import pytest
+
+from lumen.profile import Profiler, Record, Step
+from lumen.profile.serving import PARTS, Trace, report
+
+
+def made_up_run():
+    """Request a arrives at 0 and runs in steps 0-3, b arrives at 0.015 and waits for step 1. Each step is 10 ms
+    on the clock; 8 ms of it is the step's own time (wall_s: schedule 1, forward 6, sample 1), 2 ms is the
+    profiler's bookkeeping (the time it pauses itself for, left out of wall_s)."""
+    prof = Profiler()
+    for i in range(4):
+        t0 = 0.001 + 0.010 * i
+        reqs = ("a",) if i == 0 else ("a", "b")
+        prof.steps.append(Step(i, "decode", len(reqs), len(reqs), 0, wall_s=0.008, t0=t0, t1=t0 + 0.010,
+                               requests=reqs))
+        prof.records += [Record(i, "decode", -1, "schedule", 0.001, 0, 0),
+                         Record(i, "decode", 0, "qkv", 0.006, 1, 1), Record(i, "decode", -1, "sample", 0.001, 0, 0)]
+    made = [0.011, 0.021, 0.031, 0.041]
+    return prof, [Trace("a", 0.0, made), Trace("b", 0.015, made[1:])]
+
+
+def test_the_parts_add_up_to_the_wall_time():
+    rep = report(*made_up_run())
+    assert rep["requests"] == 2 and rep["coverage_min"] == pytest.approx(1.0)
+    for col in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        parts = rep[col + "_parts"]
+        assert set(parts) == set(PARTS)
+        assert sum(parts.values()) == pytest.approx(1.0), (col, parts)
+    itl = rep["itl_p50_parts"]                      # a 10 ms gap: one step
+    assert itl["forward"] == pytest.approx(0.6) and itl["profiling"] == pytest.approx(0.2)
+    assert rep["ttft_p99_parts"]["queue"] > 0       # b waited for step 1
