@@ -34,8 +34,9 @@ COMPILED = ("kernels/*.py", "model/forward.py", "timer.py", "machine.py", "forma
 
 
 def lumen_home() -> Path:
-    """$LUMEN_HOME, or ~/.cache/lumen."""
-    return Path(os.environ.get("LUMEN_HOME") or Path.home() / ".cache" / "lumen")
+    """$LUMEN_HOME (a leading ~ is the user's home, even where no shell expanded it), or ~/.cache/lumen."""
+    home = os.environ.get("LUMEN_HOME")
+    return Path(os.path.expanduser(home)) if home else Path.home() / ".cache" / "lumen"
 
 
 def _platform() -> bytes:

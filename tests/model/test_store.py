@@ -292,6 +292,16 @@ def test_a_read_only_store_serves_a_model_it_must_check_again(fake, monkeypatch)
     assert len(fake.calls) == 2 and store.state(NAME) == "unverified"
 
 
+def test_lumen_home_with_a_tilde(tmp_path, monkeypatch):
+    """LUMEN_HOME="~/models" from a file that no shell expands (a .env, a unit's Environment=) means the user's
+    home, not a folder named "~" in whatever directory the process started in."""
+    from lumen.paths import lumen_home
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LUMEN_HOME", "~/models")
+    assert lumen_home() == tmp_path / "models"
+    assert store.model_path("smollm2-135m").is_relative_to(tmp_path / "models")
+
+
 # ---- verification failures ----
 
 def test_wrong_sha256_deletes_the_download(home, monkeypatch):
