@@ -34,6 +34,7 @@ writes them. Any OSError (unwritable directory, full disk) only means the packs 
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -175,6 +176,8 @@ def open_packs(path: Path, key: str, expected: np.ndarray) -> Packs:
             raw = bytearray(hlen)
             _read_at(f, 16, raw)
             head = json.loads(raw)
+            if not isinstance(head, dict):
+                raise Unreadable(f"a header that is not a JSON object ({type(head).__name__})")
             if head.get("key") != key:
                 raise Unreadable("another key in its header")
             if head.get("size") != size:
@@ -246,7 +249,7 @@ def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill) -> str | N
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb"):
             os.ftruncate(fd, size)                           # the padding stays zero (and sparse)
             _pwrite(fd, MAGIC + struct.pack("<Q", len(head)) + head, 0)
             _pwrite(fd, np.ascontiguousarray(table, np.int64), offsets["table"])
@@ -278,7 +281,8 @@ def _evict(keep: Path) -> None:
     interrupted writes older than an hour."""
     stem = keep.name[:keep.name.rindex("-")]
     try:
-        mine = [p for p in keep.parent.glob(f"{stem}-*.lpack") if p.name[:p.name.rindex("-")] == stem and p != keep]
+        mine = [p for p in keep.parent.glob(f"{glob.escape(stem)}-*.lpack")
+                if p.name[:p.name.rindex("-")] == stem and p != keep]
         mine.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
         for p in mine[KEEP - 1:]:
             p.unlink(missing_ok=True)

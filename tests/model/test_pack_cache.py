@@ -175,6 +175,16 @@ def test_changed_code_rebuilds(home, model_file, monkeypatch):
     assert len(cache_files(home)) == packcache.KEEP                   # the oldest was evicted
 
 
+def test_eviction_of_a_file_name_with_glob_characters(home, tmp_path, monkeypatch):
+    """Old cache files of "model[v2].gguf" are evicted like any other's (its stem is not a glob pattern)."""
+    path = tmp_path / "model[v2].gguf"
+    write_model(path, "llama", tensor_types=MIXED)
+    for layout in ("one layout", "another", "a third"):
+        monkeypatch.setattr(packcache, "code_hash", lambda layout=layout: layout)
+        assert packs_of(path, True).packs_from == "packed, cached"
+    assert len(cache_files(home)) == packcache.KEEP
+
+
 def test_changed_gguf_rebuilds(home, model_file):
     """Another file of the same size and name (another seed): another key, and its own weights."""
     size = model_file.stat().st_size
@@ -242,6 +252,9 @@ CORRUPTIONS = {
     "array shorter in header": lambda p: _edit_header(p, lambda h: h["arrays"]["s"][1].__setitem__(0, 64)),
     "array dtype in header": lambda p: _edit_header(p, lambda h: h["arrays"]["qf"].__setitem__(0, "<f8")),
     "another key in header": lambda p: _edit_header(p, lambda h: h.__setitem__("key", "0" * 64)),
+    "header not an object": lambda p: _patch(p, 16, b"[1]".ljust(len(json.dumps(_header(p)).encode()))),
+    "array entry not a list": lambda p: _edit_header(p, lambda h: h["arrays"].__setitem__("q", 7)),
+    "unknown dtype in header": lambda p: _edit_header(p, lambda h: h["arrays"]["qf"].__setitem__(0, "<z9")),
 }
 
 
