@@ -108,16 +108,20 @@ def main(argv: list[str] | None = None) -> int:
                 resolve(name, quiet=True)
             except (LumenError, OSError) as e:
                 return fail(name, e)
+    from rich.console import Console
+    from .generate import status_while_compiling
+    console = Console(stderr=True)
     for name in models:
         try:
-            w = warm(name, threads=args.threads)
+            with status_while_compiling(console):      # a first run compiles for a minute or two: say so
+                w = warm(name, threads=args.threads)
         except (LumenError, ValueError, OSError) as e:
             return fail(name, e)
         total += w.compiled
-        print(f"{w.model}: ready in {w.seconds:.1f} s; compiled {w.compiled} functions "
+        print(f"{w.model}: ready in {w.seconds:.1f} s; compiled {w.compiled} function{'s' * (w.compiled != 1)} "
               f"({w.compile_seconds:.1f} s), loaded {w.loaded} from the cache", flush=True)
     if len(models) > 1:
-        print(f"compiled {total} functions in all")
+        print(f"compiled {total} function{'s' * (total != 1)} in all")
     return 0
 
 

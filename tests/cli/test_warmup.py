@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from synth import write_model
 
 ROOT = Path(__file__).resolve().parents[2]
-LINE = re.compile(r"^(?P<model>\S+): ready in [\d.]+ s; compiled (?P<n>\d+) functions .*loaded (?P<hits>\d+) from",
+LINE = re.compile(r"^(?P<model>\S+): ready in [\d.]+ s; compiled (?P<n>\d+) functions? .*loaded (?P<hits>\d+) from",
                   re.M)
 
 
@@ -61,3 +61,27 @@ def test_warmup_checks_every_name_before_it_warms_any(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 1 and r.stdout == "", r.stdout
     assert r.stderr.startswith("error: unknown model 'nosuch'") and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_warmup_says_it_is_compiling_only_when_it_compiles(monkeypatch, capsys):
+    """A first run compiles for a minute or more: the warm-up says so at once, as the other commands do, and a
+    warm cache (nothing compiles) says nothing but its result."""
+    import lumen.warmup as warmup_mod
+    from lumen.generate import COMPILING
+    from numba import njit
+
+    compiles = [True]
+
+    def fake_warm(model, threads=None):
+        if compiles[0]:
+            njit(lambda x: x + 1)(1)                   # a compile, as a first warm-up's
+        return warmup_mod.Warmed(model, 0.1, int(compiles[0]), 0.0, 0)
+
+    monkeypatch.setattr(warmup_mod, "warm", fake_warm)
+    assert warmup_mod.main(["-m", "smollm2-135m"]) == 0
+    out, err = capsys.readouterr()
+    assert COMPILING in err and "compiled 1 function (" in out, err
+    compiles[0] = False
+    assert warmup_mod.main(["-m", "smollm2-135m"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "compiled 0 functions" in out, err
