@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 w = warm(name, threads=args.threads)
         except (LumenError, ValueError, OSError) as e:
             return fail(name, e)
+        except KeyboardInterrupt:                       # what compiled so far is in the cache already
+            print("\ninterrupted", file=sys.stderr)
+            return 130
         total += w.compiled
         print(f"{w.model}: ready in {w.seconds:.1f} s; compiled {w.compiled} function{'s' * (w.compiled != 1)} "
               f"({w.compile_seconds:.1f} s), loaded {w.loaded} from the cache", flush=True)

@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         except (LumenError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
     from rich.console import Console
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     if mode == "worker":

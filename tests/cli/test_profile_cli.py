@@ -267,3 +267,16 @@ def test_serving_file_that_cannot_be_read(home, tmp_path, what):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"error: cannot read the serving profile {path}: "), r.stderr
     assert "Errno" not in r.stderr
+
+
+def test_ctrl_c_during_an_engine_calibration_is_one_line(monkeypatch, capsys):
+    import lumen.profile.__main__ as cli
+    import lumen.profile.serving_cli as serving_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving_cli, "engine_main", interrupted)
+    assert cli.main(["--engine"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "interrupted", err

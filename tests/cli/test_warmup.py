@@ -85,3 +85,15 @@ def test_warmup_says_it_is_compiling_only_when_it_compiles(monkeypatch, capsys):
     assert warmup_mod.main(["-m", "smollm2-135m"]) == 0
     out, err = capsys.readouterr()
     assert err == "" and "compiled 0 functions" in out, err
+
+
+def test_ctrl_c_stops_the_warmup_in_one_line(monkeypatch, capsys):
+    import lumen.warmup as warmup_mod
+
+    def interrupted(model, threads=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(warmup_mod, "warm", interrupted)
+    assert warmup_mod.main(["-m", "smollm2-135m"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "interrupted", err
