@@ -38,7 +38,7 @@ from pathlib import Path
 
 from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
-from lumen.profile.report import PHASES, ops_png, plot, print_machine, print_report, summarize
+from lumen.profile.report import GLUE, PHASES, ops_png, plot, print_machine, print_report, summarize
 from ..commands import check_writable, prog, trained_context_only
 from ..engine.config import EngineConfig
 
@@ -286,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.phase is not None and args.phase not in PHASES:
         print(f"error: unknown phase {args.phase!r}; phases are {', '.join(PHASES)}", file=sys.stderr)
+        return 2
+    from lumen.model.forward import OPS
+    if args.op is not None and args.op not in OPS + GLUE:          # (before the load and the run)
+        print(f"error: unknown op {args.op!r}; ops are {', '.join(sorted(OPS + GLUE))}", file=sys.stderr)
+        return 2
+    if args.layer is not None and args.layer < -1:
+        print(f"error: unknown layer {args.layer}; layers are -1 (ops outside the layer stack) and 0 up",
+              file=sys.stderr)
         return 2
     try:
         from lumen.machine import limits

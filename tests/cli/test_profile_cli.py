@@ -196,7 +196,8 @@ def test_filters(home, smollm2_path):
 
 @pytest.mark.parametrize("args, code, msg", [
     (["--phase", "training"], 2, "unknown phase 'training'"),
-    (["--op", "flash"], 1, "unknown op 'flash'"),
+    (["--op", "flash"], 2, "unknown op 'flash'; ops are act, attention,"),
+    (["--layer", "-2"], 2, "unknown layer -2"),
     (["--layer", "99"], 1, "unknown layer 99"),
     (["--prompt-tokens", "0"], 2, "--prompt-tokens must be at least 1"),
     (["--gen-tokens", "-3"], 2, "--gen-tokens must be at least 1"),
