@@ -76,7 +76,8 @@ def compile_cache_dir() -> str:
 
 
 def prune_compile_caches(keep: str, n: int = 3) -> None:
-    """When this code's cache is new, drop all but the n most recently used caches of other code."""
+    """When this code's cache is new, keep n caches in all: it and the n - 1 most recently used caches of other
+    code (a cache's folder time is its last use: use_compile_cache touches it)."""
     parent = os.path.dirname(keep)
     try:
         others = [e for e in os.scandir(parent) if e.is_dir() and e.path != keep]
@@ -108,6 +109,11 @@ def use_compile_cache() -> None:
     os.environ["NUMBA_CACHE_DIR"] = compile_cache_dir()
     if not os.path.isdir(os.environ["NUMBA_CACHE_DIR"]):
         prune_compile_caches(os.environ["NUMBA_CACHE_DIR"])
+    else:
+        try:                                            # its time is its last use: what pruning keeps
+            os.utime(os.environ["NUMBA_CACHE_DIR"])
+        except OSError:                                 # (a read-only home)
+            pass
     import sys
     if "numba" in sys.modules:                          # imported before lumen: it read its config already
         import numba.core.config

@@ -195,6 +195,25 @@ def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch)
     assert leftovers(path) == []
 
 
+def test_pruning_keeps_the_compile_caches_used_last(tmp_path, monkeypatch):
+    """A cache made long ago but used every day is kept over ones made later and not used since (its folder's
+    time is that of its use, not of its making): a second version of Lumen in the same home keeps its cache."""
+    import numba.core.config
+    from lumen import paths
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", numba.core.config.CACHE_DIR)   # restored afterwards
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "")
+    root = tmp_path / "numba"
+    for i, name in enumerate(["daily", "b", "c"]):
+        (root / name).mkdir(parents=True)
+        os.utime(root / name, (1000 + i, 1000 + i))
+    for used in ("daily", "new"):                     # a process of the daily version, then of a new one
+        monkeypatch.delenv("NUMBA_CACHE_DIR")
+        monkeypatch.setattr(paths, "compile_cache_dir", lambda used=used: str(root / used))
+        paths.use_compile_cache()
+        (root / used).mkdir(exist_ok=True)
+    assert sorted(p.name for p in root.iterdir()) == ["c", "daily", "new"]
+
+
 # A compiled function with Numba's cache, called once: prints its cache misses and hits.
 CACHED = """
 import sys
