@@ -74,6 +74,7 @@ def engine_main(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": str(model.path), "threads": eng.threads, **cm.to_json(), "table": cm.table()}, f,
                       indent=1)
+        console.print(f"wrote {args.json}", markup=False)
     if args.plot:
         plot_costs(cm, args.plot, f"{model.config.name or model.path.name}, {eng.threads} threads")
         console.print(f"wrote {args.plot}", markup=False)
@@ -93,8 +94,10 @@ def serving_main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1)
+        print(f"wrote {args.json}")
     if args.plot:
         plot_serving(rep, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -1,9 +1,11 @@
 """The serving profile's report (lumen/profile/serving.py) on a made-up engine run whose times are known: every
 part of a TTFT or an inter-token gap is accounted for, so the shares of each column add up to 100%."""
+import json
+
 import pytest
 
 from lumen.profile import Profiler, Record, Step
-from lumen.profile.serving import PARTS, Trace, report
+from lumen.profile.serving import PARTS, Trace, report, save
 
 
 def made_up_run():
@@ -32,3 +34,18 @@ def test_the_parts_add_up_to_the_wall_time():
     itl = rep["itl_p50_parts"]                      # a 10 ms gap: one step
     assert itl["forward"] == pytest.approx(0.6) and itl["profiling"] == pytest.approx(0.2)
     assert rep["ttft_p99_parts"]["queue"] > 0       # b waited for step 1
+
+
+def test_the_command_line_writes_what_it_says(tmp_path, capsys):
+    """python -m lumen.profile --serving FILE --json F --plot P: the table, the summary line, and each file
+    written named."""
+    from lumen.profile.__main__ import main
+    save(tmp_path / "s.json", *made_up_run())
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["--serving", str(tmp_path / "s.json"), "--json", str(out_json), "--plot", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert "serving profile: 2 requests" in out and "profiling" in out
+    assert f"wrote {out_json}" in out and f"wrote {out_png}" in out
+    rep = json.loads(out_json.read_text())
+    assert rep["requests"] == 2 and sum(rep["itl_p50_parts"].values()) == pytest.approx(1.0)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
