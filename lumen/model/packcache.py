@@ -6,8 +6,8 @@ of 2.5-2.7 s, at half the peak RSS (710 MB vs 1.42 GB).
 Where: `$LUMEN_HOME/packs/<gguf stem>-<key>.lpack` (default ~/.cache/lumen/packs), for registry models and
 .gguf paths alike. Off with LUMEN_PACK_CACHE=0 or `lumen.load(..., pack_cache=False)`; clear it by deleting
 the directory (running processes keep their mapping of a deleted file; a file must never be changed in place,
-which is why every write goes to a new file). At most KEEP files per GGUF stem are kept (the oldest are deleted
-when a new one is written).
+which is why every write goes to a new file). At most KEEP files per GGUF stem are kept (the ones used longest
+ago are deleted when a new one is written; a hit sets its file's time).
 
 Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's
 identity (size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing
@@ -277,7 +277,7 @@ def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill) -> str | N
 
 
 def _evict(keep: Path) -> None:
-    """Delete all but the KEEP newest cache files of keep's stem (keep itself stays), and temporary files of
+    """Delete all but the KEEP most recently used cache files of keep's stem (keep itself stays), and temporary files of
     interrupted writes older than an hour."""
     stem = keep.name[:keep.name.rindex("-")]
     try:
@@ -327,6 +327,10 @@ def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expect
 
     packs, _ = attempt()
     if packs is not None:
+        try:
+            os.utime(path)  # its time is its last use: what eviction keeps
+        except OSError:
+            pass
         return packs, "cache"
     with ExitStack() as held:
         try:

@@ -175,6 +175,22 @@ def test_changed_code_rebuilds(home, model_file, monkeypatch):
     assert len(cache_files(home)) == packcache.KEEP                   # the oldest was evicted
 
 
+def test_eviction_keeps_the_file_used_last(home, model_file, monkeypatch):
+    """Eviction drops the file read longest ago, not the one written longest ago: a version of Lumen used every
+    day keeps its packs when others are tried (a read does not change a file's time, so a hit sets it)."""
+    def load_with(layout: str) -> str:
+        monkeypatch.setattr(packcache, "code_hash", lambda: layout)
+        return packs_of(model_file, True).packs_from
+
+    assert load_with("daily") == "packed, cached"
+    (daily,) = cache_files(home)
+    os.utime(daily, (1, 1))                                   # written long ago
+    assert load_with("tried once") == "packed, cached"
+    assert load_with("daily") == "cache"                      # and used today
+    assert load_with("a third") == "packed, cached"           # evicts "tried once", the one used longest ago
+    assert load_with("daily") == "cache"
+
+
 def test_eviction_of_a_file_name_with_glob_characters(home, tmp_path, monkeypatch):
     """Old cache files of "model[v2].gguf" are evicted like any other's (its stem is not a glob pattern)."""
     path = tmp_path / "model[v2].gguf"
