@@ -277,8 +277,8 @@ def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill) -> str | N
 
 
 def _evict(keep: Path) -> None:
-    """Delete all but the KEEP most recently used cache files of keep's stem (keep itself stays), and temporary files of
-    interrupted writes older than an hour."""
+    """Delete all but the KEEP most recently used cache files of keep's stem (keep itself stays), and temporary
+    files of interrupted writes older than an hour."""
     stem = keep.name[:keep.name.rindex("-")]
     try:
         mine = [p for p in keep.parent.glob(f"{glob.escape(stem)}-*.lpack")

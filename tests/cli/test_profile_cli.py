@@ -258,7 +258,8 @@ def test_outputs_that_cannot_be_written_fail_before_any_work(home, tmp_path, arg
     r = run(home, *[a.format(tmp=tmp_path) for a in args], timeout=60)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.splitlines()
-    assert r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: ") and msg.format(tmp=tmp_path) in lines[0]
+    assert r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: ")
+    assert msg.format(tmp=tmp_path) in lines[0]
 
 
 @pytest.mark.parametrize("what", ["missing", "a directory"])
