@@ -147,7 +147,8 @@ def lock_compile_cache() -> None:
 
     A cache file that cannot be unpickled (cut short: Numba does not fsync, so a power cut can leave it empty)
     made Numba raise in every later process; here it is a miss: the function compiles again and its save
-    rewrites the index (a damaged index counts as empty) and the data."""
+    rewrites the index (a damaged index counts as empty) and the data. A save that fails (ENOSPC: Numba raised
+    it out of the call that compiled) leaves the function uncached."""
     import pickle
     from numba.core import caching
     cls = caching.IndexDataCacheFile
@@ -159,7 +160,10 @@ def lock_compile_cache() -> None:
 
     def locked_save(self, key, data):
         with _flock(self._cache_path, shared=False):
-            return save(self, key, data)
+            try:
+                return save(self, key, data)
+            except OSError:                             # a full disk: the function runs, uncached
+                return None
 
     def locked_load(self, key):
         with _flock(self._cache_path, shared=True):

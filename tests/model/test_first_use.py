@@ -281,3 +281,33 @@ def test_ctrl_c_during_a_fetch_says_so_in_one_line(tmp_path):
     assert p.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
     assert sorted(n.name for n in folder.iterdir()) == ["fake.gguf.lock"]
+
+
+FULL = """
+import errno, os, sys
+sys.path.insert(0, sys.argv[1])
+import lumen.kernels
+from numba.core import caching
+
+
+def full(self, filepath):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filepath)
+
+
+caching.IndexDataCacheFile._open_for_write = full      # every cache write: the disk is full
+import cached
+assert cached.f(2) == 4
+print(sum(cached.f.stats.cache_misses.values()))
+"""
+
+
+def test_a_full_disk_only_means_nothing_is_cached(tmp_path):
+    """A compile whose cache write fails (the disk filled up since the cache folder was made) still runs the
+    function it compiled: Numba raised the write's OSError out of the call."""
+    (tmp_path / "cached.py").write_text("from numba import njit\n\n\n@njit(cache=True)\ndef f(x):\n    return x + x\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(tmp_path)])}
+    r = subprocess.run([sys.executable, "-c", FULL, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["1"], r.stderr[-2000:]
+    assert not list((tmp_path / "numba").rglob("*.nb[ic]"))
