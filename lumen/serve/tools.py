@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.structured import Constraint, StructuredOutputError
-from ..engine.structured.constraint import JSON_WHITESPACE, known_formats, map_subschemas
+from ..engine.structured.constraint import JSON_WHITESPACE, closed_objects, known_formats, map_subschemas
 from .protocol import ApiError
 
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
@@ -421,7 +421,7 @@ class ToolParser:
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not all(t.strict for t in named)}
-        params = [known_formats(t.parameters) for t in named]
+        params = [closed_objects(known_formats(t.parameters)) for t in named]
         tagged = self.open is not None
         bare = self.leads is not None and (choice == "auto" or not tagged)
         ws = JSON_WHITESPACE

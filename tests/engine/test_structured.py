@@ -146,6 +146,35 @@ def test_unknown_string_formats_are_annotations(toks, compilers):
     assert m.validate_draft(bad) < len(bad)
 
 
+def test_objects_that_list_their_properties_take_no_others(toks, compilers):
+    """An object schema that lists its properties and says nothing of others takes no other key (llama.cpp's and
+    xgrammar's reading: a small model left free adds keys of its own); additionalProperties true keeps it open, and
+    allOf entries, whose properties add up, stay open."""
+    tok, c = toks["smollm2-135m"], compilers["smollm2-135m"]
+
+    def accepts(schema, text):
+        m = c.compile(Constraint.json_schema(schema)).matcher()
+        ids = tok.encode(text, add_bos=False, special=False) + [tok.eos_id]
+        return m.validate_draft(ids) == len(ids)
+
+    item = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}
+    order = {"type": "object", "properties": {"items": {"type": "array", "items": item}}, "required": ["items"]}
+    assert accepts(order, '{"items": [{"sku": "a"}]}')
+    assert not accepts(order, '{"items": [{"sku": "a"}], "total": 3}')
+    assert not accepts(order, '{"items": [{"sku": "a", "qty": 1}]}')
+    assert accepts({**order, "additionalProperties": True}, '{"items": [{"sku": "a"}], "total": 3}')
+    assert accepts({"type": "object"}, '{"total": 3}')
+    both = {"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},
+                                        {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert accepts(both, '{"a": "x", "b": 1}')
+    union = {"type": "object", "properties": {"k": {"type": "string"}},
+             "anyOf": [{"properties": {"r": {"type": "number"}}, "required": ["r"]}]}
+    assert accepts(union, '{"k": "c", "r": 1}')
+    tree = {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "c": {
+        "type": "array", "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"}
+    assert accepts(tree, '{"v": 1, "c": [{"v": 2}]}') and not accepts(tree, '{"v": 1, "c": [{"v": 2, "w": 3}]}')
+
+
 def test_compiler_caches_and_compiles_off_thread(toks):
     tok = toks["smollm2-135m"]
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "when": {"type": "string", "format": "date"}},

@@ -379,6 +379,20 @@ def test_a_tool_without_parameters_takes_no_arguments(compiler):
         assert not _accepts(compiler, grammar, call.replace("{}", '{"tz": "UTC"}'))
 
 
+def test_a_call_takes_no_arguments_its_tool_does_not_list(compiler):
+    """Arguments a function would not take (a key the schema does not list, at any depth) are refused, as
+    llama.cpp and vLLM's default grammar refuse them."""
+    order = parse_tools([{"type": "function", "function": {"name": "order", "parameters": {
+        "type": "object", "properties": {"items": {"type": "array", "items": {
+            "type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}}}}}}])
+    call = '<tool_call>\n{"name": "order", "arguments": %s}\n</tool_call>'
+    for choice in ("auto", "required", "order"):
+        grammar = HermesParser().grammar(order, choice)
+        assert _accepts(compiler, grammar, call % '{"items": [{"sku": "a"}]}')
+        assert not _accepts(compiler, grammar, call % '{"items": [{"sku": "a"}], "minItems": 1}')
+        assert not _accepts(compiler, grammar, call % '{"items": [{"sku": "a", "qty": 2}]}')
+
+
 def test_no_grammar_for_none():
     assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
 

@@ -23,7 +23,8 @@ whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": 
 Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propertyNames) are an error rather than
 silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
 them and ignores them. A string `format` llguidance does not know ("password", "uri-reference") is dropped: JSON
-Schema makes an unknown format an annotation, which validators ignore too.
+Schema makes an unknown format an annotation, which validators ignore too. An object schema that lists its
+properties takes no other key unless it says so (`closed_objects`).
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ class Constraint:
             _fail("json_schema", "the schema false matches nothing")
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
-        schema = known_formats(schema)
+        schema = closed_objects(known_formats(schema))
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -193,6 +194,42 @@ def known_formats(schema: Any) -> Any:
         f = d.get("format")
         return {k: v for k, v in d.items() if k != "format"} if isinstance(f, str) and f not in FORMATS else d
     return map_subschemas(schema, drop)
+
+
+_COMBINERS = ("allOf", "anyOf", "oneOf")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` in each object schema that lists its properties and says
+    nothing of others, as llama.cpp's json-schema-to-grammar and xgrammar (vLLM's default) read a schema: left
+    free, a model adds keys of its own ("price", "minItems") that a function called with the arguments does not
+    take. A schema whose properties may come from elsewhere stays open: one with its own allOf / anyOf / oneOf /
+    $ref, an allOf entry, and an anyOf / oneOf entry of a schema that has properties. `"additionalProperties":
+    true` keeps an object open."""
+    def close(d: dict, partial: bool) -> dict:
+        if partial or not ("properties" in d or "patternProperties" in d) or any(
+                k in d for k in ("additionalProperties", "unevaluatedProperties", "$ref", *_COMBINERS)):
+            return d
+        return {**d, "additionalProperties": False}
+
+    def walk(x: Any, partial: bool = False) -> Any:
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        out = {}
+        for k, v in x.items():
+            if k in _DATA_KEYS:
+                out[k] = v
+            elif k in _NAMED and isinstance(v, dict):
+                out[k] = {name: walk(s, k == "dependentSchemas") for name, s in v.items()}
+            elif k in _COMBINERS and isinstance(v, list):
+                part = k == "allOf" or "properties" in x or "patternProperties" in x
+                out[k] = [walk(s, part) for s in v]
+            else:
+                out[k] = walk(v)
+        return close(out, partial)
+    return walk(schema)
 
 
 def is_lark(text: str) -> bool:
