@@ -90,13 +90,27 @@ def parse_tools(tools: Any) -> list[Tool]:
             raise ApiError(400, f"{where}.function.strict must be true or false", "tools")
         if not isinstance(params, dict):
             raise ApiError(400, f"{where}.function.parameters must be a JSON schema object", "tools")
-        checked = params if strict else {**params, "x-guidance": {**params.get("x-guidance", {}), "lenient": True}}
+        kind = params.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ApiError(400, f"{where}.function.parameters must describe an object (the call's arguments), got "
+                                f"type {kind!r}", "tools")
+        own = params.get("x-guidance", {})
+        if not isinstance(own, dict):
+            raise ApiError(400, f"{where}.function.parameters.x-guidance must be an object", "tools")
+        checked = arguments_schema(params)
+        checked = checked if strict else {**checked, "x-guidance": {**own, "lenient": True}}
         try:
             Constraint.json_schema(checked)
         except StructuredOutputError as e:
             raise ApiError(400, f"{where}.function.parameters: {e}", "tools") from None
         out.append(Tool(name, desc, params, bool(strict)))
     return out
+
+
+def arguments_schema(parameters: dict) -> dict:
+    """The schema a call's arguments follow: the tool's parameters, always an object (OpenAI sends the arguments
+    as a JSON object's text; a schema without a type, such as {}, would allow any JSON value)."""
+    return {**parameters, "type": "object"}
 
 
 def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
@@ -421,7 +435,7 @@ class ToolParser:
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not all(t.strict for t in named)}
-        params = [closed_objects(known_formats(t.parameters)) for t in named]
+        params = [closed_objects(known_formats(arguments_schema(t.parameters))) for t in named]
         tagged = self.open is not None
         bare = self.leads is not None and (choice == "auto" or not tagged)
         ws = JSON_WHITESPACE

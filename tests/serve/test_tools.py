@@ -43,6 +43,9 @@ BARE = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     ([ADD, ADD], "declared twice"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters must be a JSON schema"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "must describe an object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "null"}}}], "must describe an object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"x-guidance": 3}}}], "x-guidance"),
     ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}], "uniqueItems"),
 ])
@@ -391,6 +394,18 @@ def test_a_call_takes_no_arguments_its_tool_does_not_list(compiler):
         assert _accepts(compiler, grammar, call % '{"items": [{"sku": "a"}]}')
         assert not _accepts(compiler, grammar, call % '{"items": [{"sku": "a"}], "minItems": 1}')
         assert not _accepts(compiler, grammar, call % '{"items": [{"sku": "a", "qty": 2}]}')
+
+
+def test_arguments_are_an_object_whatever_the_schema_leaves_open(compiler):
+    """A schema without a type ({}, or only properties) still makes the arguments a JSON object."""
+    for params in ({}, {"properties": {"q": {"type": "string"}}}, {"type": ["object", "null"]}):
+        tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+        for choice in ("auto", "required"):
+            grammar = HermesParser().grammar(tools, choice)
+            assert _accepts(compiler, grammar, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+            for args in ('"text"', "null", "[1]", "3"):
+                text = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>' % args
+                assert not _accepts(compiler, grammar, text), (params, args)
 
 
 def test_no_grammar_for_none():
