@@ -276,8 +276,9 @@ class ToolParser:
         self.lead = ""                         # ... and the text before its JSON (a fence, a separator)
         self.cut = False                       # finish(): the text ended inside a call's arguments
         self.group = False                     # after a bare call: another one, or the group's end, may follow
-        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(self.args_key)
-                                + r'"\s*:\s*(?=\S)')
+        self._name = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+        self._head = re.compile(self._name.pattern + r'\s*,\s*"' + re.escape(self.args_key) + r'"\s*:\s*(?=\S)')
+        self._head_cut = re.compile(self._name.pattern + r'\s*,\s*"' + re.escape(self.args_key) + r'"\s*:\s*$')
         close = "|".join(re.escape(self.close[:k]) for k in range(len(self.close), 0, -1)) if self.open else ""
         self._tail = re.compile(r"\s*(\}\s*(" + close + r")?)?$" if close else r"\s*(\}\s*)?$")
         leads = self.leads or ()
@@ -377,10 +378,20 @@ class ToolParser:
         if self.in_call:
             end = _object_end(self.buf, 1) if self.head_done else None    # the call's JSON ended, its close not
             rest = self.buf if end is None else self.buf[:end - 1].rstrip()
-            if self.head_done and len(rest) > self.sent_args:
-                calls.append(ToolCallDelta(self.n_calls, arguments=rest[self.sent_args:]))
-            elif not self.head_done:
-                content = (self.lead if self.is_bare else self.open) + self.buf    # never became a call: text
+            if self.head_done:
+                if len(rest) > self.sent_args:
+                    calls.append(ToolCallDelta(self.n_calls, arguments=rest[self.sent_args:]))
+            elif not self.is_bare or self.n_calls or self._head_cut.match(self.buf):
+                # a call cut before its arguments (after its open marker, after another call, or at its arguments'
+                # key): its name if complete, never its markup as content
+                name = self._name.match(self.buf)
+                if name:
+                    calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}",
+                                               json.loads('"' + name.group(1) + '"')))
+                    self.n_calls += 1
+                self.cut = True
+            else:
+                content = self.lead + self.buf                  # a first bare call that never became one: text
             if self.head_done:
                 self.n_calls += 1
                 self.cut = end is None

@@ -133,6 +133,15 @@ def _call(name, args):
     ("Sure. <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1", "Sure.", [_call("add", '{"a": 1')]),
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1}\n}\n</tool_', "", [_call("add", '{"a": 1}')]),
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1}', "", [_call("add", '{"a": 1}')]),
+    # cut (max_tokens, a stop string) before the arguments: the call's name if complete, never its markup
+    ('Sure. <tool_call>\n{"name": "add", "arguments":', "Sure.", [_call("add", "")]),
+    ('<tool_call>\n{"name": "add"', "", [_call("add", "")]),
+    ('<tool_call>\n{"name": "ad', "", []),
+    ("<tool_call>", "", []),
+    ('{"name": "add", "arguments": ', "", [_call("add", "")]),
+    (BARE + '\n{"name": "add",', "", [_call("add", '{"a": 1, "b": 2}'), _call("add", "")]),
+    (BARE + '\n{"na', "", [_call("add", '{"a": 1, "b": 2}')]),
+    ('{"name": "Bob"', '{"name": "Bob"', []),                                         # maybe JSON text
     (BARE, "", [_call("add", '{"a": 1, "b": 2}')]),
     ("\n" + BARE + "\n" + BARE, "", [_call("add", '{"a": 1, "b": 2}')] * 2),
     (BARE + "\n" + BARE + "\n", "", [_call("add", '{"a": 1, "b": 2}')] * 2),
