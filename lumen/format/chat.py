@@ -176,7 +176,9 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with a GGUF/Hugging Face chat template.
 
     The template sees `messages`, `tools` (None when there are none), `bos_token`, `eos_token` and
-    `add_generation_prompt`, plus the helpers listed in the module docstring. Assistant messages may carry
+    `add_generation_prompt`, plus the helpers listed in the module docstring. A `developer` message (OpenAI's newer
+    name of the system role) is a system message for a template that never names that role (Qwen2.5's would drop
+    it; llama.cpp and vLLM map it the same way). Assistant messages may carry
     OpenAI `tool_calls` (arguments as a JSON string, or an object) and `tool` messages the results. The result is
     text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
     wrote `bos_token`.
@@ -186,6 +188,8 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     tools = _openai_tools(tools)
     compiled = compile_template(template)
     messages = list(messages)
+    if "developer" not in template:      # OpenAI's newer name of the system role, for a template that lacks it
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     if any(m.get("tool_calls") for m in messages) and _wants_object_arguments(template):
         messages = [_with_object_arguments(m) for m in messages]
     return _render(compiled, messages, bos_token=bos_token, eos_token=eos_token,

@@ -283,3 +283,19 @@ def test_tojson_writes_floats_as_llamacpp():
     value = {"a": 5.0, "b": 0.1, "c": 1234567.0, "d": 3.14159265, "e": 1e-5, "f": [2, True, None]}
     env_out = render("{{ messages[0].v | tojson }}", [{"v": value}])
     assert env_out == '{"a": 5, "b": 0.1, "c": 1.23457e+06, "d": 3.14159, "e": 1e-05, "f": [2, true, null]}'
+
+
+def test_developer_role_is_system_unless_the_template_names_it(qwen05_file, smol_template):
+    """OpenAI's `developer` message is the system message for a template without that role (Qwen2.5's dropped it,
+    with and without tools); a template that names the role gets it as it is."""
+    qwen = chat_template_from_metadata(GGUFFile(qwen05_file).metadata)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for template in (qwen, smol_template):
+        for kw in ({}, {"tools": tools} if template is qwen else {}):
+            dev = render_chat(template, [{"role": "developer", "content": "Answer in French."},
+                                         {"role": "user", "content": "Hi"}], bos_token="", eos_token="", **kw)
+            system = render_chat(template, [{"role": "system", "content": "Answer in French."},
+                                            {"role": "user", "content": "Hi"}], bos_token="", eos_token="", **kw)
+            assert dev == system and "Answer in French." in dev
+    own = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer #}"
+    assert render_chat(own, [{"role": "developer", "content": "x"}], bos_token="", eos_token="") == "[developer]x"
