@@ -5,7 +5,9 @@
 Both conventions are accepted, each under its own names:
 - OpenAI / vLLM `response_format`: {"type": "text"} (no constraint), {"type": "json_object"},
   {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}; llama-server's
-  {"type": "json_object", "schema": {...}} and {"type": "json_schema", "schema": {...}} too.
+  {"type": "json_object", "schema": {...}} and {"type": "json_schema", "schema": {...}} too. Unless `strict` is
+  true, a json_schema may use keywords llguidance cannot enforce (uniqueItems, not, ...; an overlapping oneOf is
+  read as anyOf), which are then ignored, as for a non-strict tool; a strict one must be enforced in full.
 - vLLM `structured_outputs`: {"json": schema | JSON text} | {"regex": str} | {"choice": [str, ...]} |
   {"grammar": str} | {"json_object": true}, with its JSON options `disable_any_whitespace` (compact JSON) and
   `whitespace_pattern`; the older top-level aliases guided_json, guided_regex, guided_choice, guided_grammar (with
@@ -94,7 +96,10 @@ def _response_format(rf: Any):
             _fail("response_format.json_schema", "must be an object with the schema under \"schema\"")
         if js.get("schema") is None:
             _fail("response_format.json_schema.schema", "is required")
-        return lambda: _schema(js["schema"], "response_format.json_schema.schema")
+        if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
+            _fail("response_format.json_schema.strict", f"must be true or false, got {js.get('strict')!r}")
+        lenient = None if js.get("strict") else {"lenient": True}
+        return lambda: _schema(js["schema"], "response_format.json_schema.schema", lenient)
     _fail("response_format.type", f"must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
 
 

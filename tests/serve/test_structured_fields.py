@@ -90,3 +90,22 @@ def test_bad_fields_are_named(body, param, message):
 def test_body_must_be_a_mapping():
     with pytest.raises(TypeError):
         constraint_from_body([("guided_regex", "a")])
+
+
+def test_response_format_schema_is_exact_only_when_strict():
+    """OpenAI's json_schema: strict, every keyword is enforced (one llguidance cannot is refused); not strict (the
+    default), such keywords are accepted and ignored, as for a non-strict tool."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}, "required": ["tags"]}
+
+    def body(**js):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, **js}}}
+
+    for js in ({}, {"strict": False}, {"strict": None}):
+        assert constraint_from_body(body(**js)).kind == "json_schema"
+    with pytest.raises(StructuredFieldError, match="uniqueItems") as e:
+        constraint_from_body(body(strict=True))
+    assert e.value.param == "response_format"
+    with pytest.raises(StructuredFieldError, match="strict") as e:
+        constraint_from_body(body(strict="yes"))
+    assert e.value.param == "response_format"

@@ -118,8 +118,9 @@ def test_regex_choice_grammar_fields(http, path, extra, check):
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
       "properties": {"a": {"type": "strng"}}}}}}, "response_format", "strng"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
-     "response_format", "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True},
+                                                                  "strict": True}}},
+     "response_format", "uniqueItems"),                               # strict: every keyword enforced, or a 400
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
     ({"guided_regex": "a", "json_schema": {"type": "object"}}, "json_schema", "conflicting"),
     ({"grammar": 'root ::= "a" undefined_rule'}, "grammar", "undefined_rule"),
