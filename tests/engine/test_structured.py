@@ -173,6 +173,8 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     tree = {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "c": {
         "type": "array", "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"}
     assert accepts(tree, '{"v": 1, "c": [{"v": 2}]}') and not accepts(tree, '{"v": 1, "c": [{"v": 2, "w": 3}]}')
+    sloppy = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}   # b not listed
+    assert accepts(sloppy, '{"b": 1}')
 
 
 def test_compiler_caches_and_compiles_off_thread(toks):

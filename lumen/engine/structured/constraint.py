@@ -204,12 +204,16 @@ def closed_objects(schema: Any) -> Any:
     nothing of others, as llama.cpp's json-schema-to-grammar and xgrammar (vLLM's default) read a schema: left
     free, a model adds keys of its own ("price", "minItems") that a function called with the arguments does not
     take. A schema whose properties may come from elsewhere stays open: one with its own allOf / anyOf / oneOf /
-    $ref, an allOf entry, and an anyOf / oneOf entry of a schema that has properties. `"additionalProperties":
-    true` keeps an object open."""
+    $ref, an allOf entry, an anyOf / oneOf entry of a schema that has properties, and one that requires a key it
+    does not list. `"additionalProperties": true` keeps an object open."""
     def close(d: dict, partial: bool) -> dict:
         if partial or not ("properties" in d or "patternProperties" in d) or any(
                 k in d for k in ("additionalProperties", "unevaluatedProperties", "$ref", *_COMBINERS)):
             return d
+        listed = d.get("properties") if isinstance(d.get("properties"), dict) else {}
+        required = d.get("required") if isinstance(d.get("required"), list) else []
+        if "patternProperties" not in d and any(k not in listed for k in required):
+            return d                        # it requires a key it does not list: only an open object has it
         return {**d, "additionalProperties": False}
 
     def walk(x: Any, partial: bool = False) -> Any:
