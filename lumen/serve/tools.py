@@ -437,32 +437,37 @@ class ToolParser:
 
     # --- the grammar ----------------------------------------------------------------------------------------
     def grammar(self, tools: list[Tool], choice: str, parallel: bool = True,
-                marker_id: int | None = None) -> Constraint | None:
+                marker_id: int | None = None, answer: dict | None = None) -> Constraint | None:
         """The Lark constraint for `choice` over `tools` (None for "none"): see the module docstring. marker_id:
         the vocabulary's id of `marker` when it is a special token (`marker_token`), which may then start the
-        bare calls (the text cannot spell it)."""
+        bare calls (the text cannot spell it). answer: with "auto", the JSON schema of a text answer (the
+        request's response_format): the output is then calls, or JSON text that follows it."""
         if choice == "none" or not tools:
             return None
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
-        xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not all(t.strict for t in named)}
+        answer = answer if choice == "auto" else None
+        lenient = not all(t.strict for t in named) or bool(answer and (answer.get("x-guidance") or {}).get("lenient"))
+        xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": lenient}
         params = [closed_objects(known_formats(arguments_schema(t.parameters))) for t in named]
         tagged = self.open is not None
         bare = self.leads is not None and (choice == "auto" or not tagged)
         ws = JSON_WHITESPACE
         lines = []
+        defs = {}                             # parameters with local $refs, moved under the call's $defs
+        for i, p in enumerate(params):
+            moved = _rebased(p, f"#/$defs/tool{i}")
+            if moved != _rebased(p, "#"):
+                defs[f"tool{i}"] = moved
+        objects = [{"type": "object", "properties": {"name": {"const": t.name}, self.args_key: {
+            "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else params[i]},
+            "required": ["name", self.args_key], "additionalProperties": False} for i, t in enumerate(named)]
+        if answer is not None:
+            return self._answer_grammar(objects, defs, xg, answer, parallel, marker_id)
         if tagged:
-            defs = {}                         # parameters with local $refs, moved under the call's $defs
-            for i, p in enumerate(params):
-                moved = _rebased(p, f"#/$defs/tool{i}")
-                if moved != _rebased(p, "#"):
-                    defs[f"tool{i}"] = moved
-            schema: dict = {"x-guidance": xg, "anyOf": [
-                {"type": "object", "properties": {"name": {"const": t.name}, self.args_key: {
-                    "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else params[i]},
-                 "required": ["name", self.args_key], "additionalProperties": False} for i, t in enumerate(named)]}
+            schema: dict = {"x-guidance": xg, "anyOf": objects}
             if len(named) == 1:
-                schema = {"x-guidance": xg, **schema["anyOf"][0]}
+                schema = {"x-guidance": xg, **objects[0]}
             if defs:
                 schema["$defs"] = defs
             sep = json.dumps(self.separator)
@@ -501,11 +506,46 @@ class ToolParser:
                      f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines
         else:
             lines = [f"start: {json.dumps(self.open)} rest more TRAIL?" if tagged else "start: bare TRAIL?"] + lines
-        lines.append(f"TRAIL: /{TRAIL}/")       # whitespace after the calls (a token "}}\n"), then the end
-        try:
-            return Constraint.lark("\n".join(lines) + "\n")
-        except StructuredOutputError as e:
-            raise ApiError(400, f"tools: {e}", "tools") from None
+        return _lark(lines)
+
+    def _answer_grammar(self, objects: list[dict], defs: dict, xg: dict, answer: dict, parallel: bool,
+                        marker_id: int | None) -> Constraint:
+        """"auto" with a response_format: calls, or a JSON answer. A bare call with no lead and the answer are
+        both JSON objects, so they are one %json (anyOf the answer and the calls; then one call only): llguidance's
+        lexer is greedy, and a bare call's own lexeme beside the answer's would cut the answer off at its first
+        key. Tagged calls, and bare calls after a lead (Mistral's `[`), stay beside the answer."""
+        ws = JSON_WHITESPACE
+        own = {k: v for k, v in answer.items() if k != "x-guidance"}
+        body = {"x-guidance": xg, "anyOf": objects, **({"$defs": defs} if defs else {})}
+        alts = ["first TRAIL?"]
+        if self.leads is not None and "" in self.leads:
+            merged = {"x-guidance": xg, "anyOf": [{"$ref": "#/$defs/answer"}, *objects],
+                      "$defs": {**defs, "answer": _rebased(own, "#/$defs/answer")}}
+            lines = [f"first: %json {json.dumps(merged, ensure_ascii=False)}"]
+        else:
+            lines = [f"first: %json {json.dumps({'x-guidance': xg, **own}, ensure_ascii=False)}"]
+            if self.leads is not None:
+                mark = f"<[{int(marker_id)}]>? " if marker_id is not None else ""
+                leads = "|".join(_lark_re(x) for x in self.leads)
+                alts.append(f"{mark}LEAD call (SEP call)* END TRAIL?" if parallel else f"{mark}LEAD call END TRAIL?")
+                lines += [f"LEAD: /({leads}){ws}/", f"SEP: /{ws}{_lark_re(self.bare_sep)}{ws}/",
+                          f"END: /{ws}{_lark_re(self.bare_end)}/",
+                          f"call: %json {json.dumps(body, ensure_ascii=False)}"]
+        if self.open is not None:
+            sep = json.dumps(self.separator)
+            alts.append(f"{json.dumps(self.open)} rest more TRAIL?")
+            lines += [f"body: %json {json.dumps(body, ensure_ascii=False)}",
+                      f"rest: {sep} body {sep} {json.dumps(self.close)}",
+                      f"more: ({sep} {json.dumps(self.open)} rest)*" if parallel else "more: \"\""]
+        return _lark(["start: " + " | ".join(alts), *lines])
+
+
+def _lark(lines: list[str]) -> Constraint:
+    lines = [*lines, f"TRAIL: /{TRAIL}/"]       # whitespace after the calls (a token "}}\n"), then the end
+    try:
+        return Constraint.lark("\n".join(lines) + "\n")
+    except StructuredOutputError as e:
+        raise ApiError(400, f"tools: {e}", "tools") from None
 
 
 _CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts

@@ -417,6 +417,38 @@ def test_arguments_are_an_object_whatever_the_schema_leaves_open(compiler):
                 assert not _accepts(compiler, grammar, text), (params, args)
 
 
+ANSWER = {"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+          "required": ["city", "temp"]}
+
+
+@pytest.mark.parametrize("parser, text, ok", [
+    (HermesParser, '{"city": "Paris", "temp": 21}', True),
+    (HermesParser, '{"city": "Paris", "temp": "warm"}', False),                  # the answer follows its schema
+    (HermesParser, '{"city": "Paris"}', False),
+    (HermesParser, "It is warm.", False),                                        # no free text beside it
+    (HermesParser, "<tool_call>\n" + W + "\n</tool_call>", True),
+    (HermesParser, "<tool_call>\n" + W + "\n</tool_call>\n<tool_call>\n" + BARE + "\n</tool_call>", True),
+    (HermesParser, W, True),                                                     # a bare call
+    (HermesParser, W.replace('"Paris"', "3"), False),
+    (HermesParser, '{"name": "wether", "arguments": {"city": "P"}}', False),
+    (Llama3Parser, '{"city": "Paris", "temp": 21}', True),
+    (Llama3Parser, W.replace("arguments", "parameters"), True),
+    (MistralParser, '{"city": "Paris", "temp": 21}', True),
+    (MistralParser, "[" + W + ", " + BARE + "]", True),
+    (MistralParser, "[" + W.replace("weather", "wether") + "]", False),
+])
+def test_auto_with_a_response_format_is_calls_or_the_answer(compiler, parser, text, ok):
+    """tool_choice auto with a JSON response_format: the output is calls, or JSON text that follows the answer's
+    schema (OpenAI's reading: the format is the text answer's), and the parser reads each back as such."""
+    assert _accepts(compiler, parser().grammar(TOOLS, "auto", True, None, ANSWER), text) is ok
+    if ok and text.startswith('{"city"'):
+        assert _parse(text, 3, parser) == (text, [])
+
+
+def test_required_ignores_the_answer():
+    assert HermesParser().grammar(TOOLS, "required", True, None, ANSWER) == HermesParser().grammar(TOOLS, "required")
+
+
 def test_no_grammar_for_none():
     assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
 
@@ -577,13 +609,28 @@ def test_endpoint_none_sends_no_grammar_and_no_parsing(client):
     assert worker.submitted[0][1][0].constraint is None
 
 
+@pytest.mark.parametrize("choice, answered", [("auto", True), ("required", False), ("none", True)])
+def test_endpoint_takes_a_response_format_beside_tools(client, choice, answered):
+    """OpenAI's Agents SDK sends its output type as response_format on every turn, tools or not: with auto the
+    grammar allows the calls or the JSON answer, with required only calls, with none only the answer."""
+    http, worker = client
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": ANSWER}}
+    r = http.post("/v1/chat/completions", json={**BODY, "tool_choice": choice, "response_format": rf})
+    assert r.status_code == 200, r.text
+    c = worker.submitted[0][1][0].constraint
+    assert (c.kind == "json_schema") is (choice == "none")
+    assert ('"temp"' in c.value) is answered
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
     ({"tools": "add"}, "tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": "1"}]},
      "messages"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),        # not JSON: no answer beside calls
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])
 def test_endpoint_bad_requests_are_400_naming_the_field(client, extra, param):

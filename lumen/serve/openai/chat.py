@@ -2,11 +2,14 @@
 
 With `tools` (lumen.serve.tools): the tools are checked (400 naming the field), rendered with the conversation,
 and unless tool_choice is "none" the output is constrained by the tools' grammar (a call for "required" and a
-named function; free text or calls for "auto") and read back by the model's tool-call parser.
+named function; free text or calls for "auto") and read back by the model's tool-call parser. A JSON
+response_format with tools (as OpenAI's Agents SDK sends its output type on every turn) constrains the text answer
+only: "auto" gives calls or JSON that follows it, "required" and a named function a call, "none" the JSON.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import APIRouter, Request
 
@@ -32,12 +35,15 @@ class ServingChat(Generation):
             if name is None:
                 raise P.ApiError(400, "this server does not parse tool calls (--tool-call-parser none); send "
                                       "tool_choice \"none\" or no tools", "tool_choice")
-            if constraint is not None:
-                raise P.ApiError(400, f"{P.constraint_field(req)} cannot be combined with tools unless tool_choice "
-                                      "is \"none\"", P.constraint_field(req))
-            parser = PARSERS[name]
+            answer = None                   # "auto" with response_format: calls, or an answer that follows it
+            if constraint is not None and choice == "auto":
+                if constraint.kind not in ("json_schema", "json_object"):
+                    raise P.ApiError(400, f"{P.constraint_field(req)} can be combined with tools only as a JSON "
+                                          "schema or object, or with tool_choice \"none\"", P.constraint_field(req))
+                answer = json.loads(constraint.value) if constraint.kind == "json_schema" else {"type": "object"}
+            parser = PARSERS[name]          # (required, a named function: a call, whatever response_format says)
             constraint = await asyncio.to_thread(parser().grammar, tools, choice, req.parallel_tool_calls is not False,
-                                                 marker_token(self.engine.tokenizer, parser))
+                                                 marker_token(self.engine.tokenizer, parser), answer)
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
         prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)]
