@@ -18,7 +18,8 @@ renders to the same prompt there and here:
 - assistant messages' `tool_calls` and `tool` messages go as given, except that a template that reads a call's
   arguments as an object (Qwen2.5's writes them with tojson) gets OpenAI's JSON-string arguments parsed, and a
   string that is not JSON is refused. Which templates: those that show a probe call's arguments when they are an
-  object and not when they are a JSON string (llama.cpp probes each template for what it reads).
+  object and not when they are a JSON string (llama.cpp probes each template for what it reads); missing or
+  empty arguments are "{}".
 """
 from __future__ import annotations
 
@@ -190,8 +191,10 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     messages = list(messages)
     if "developer" not in template:      # OpenAI's newer name of the system role, for a template that lacks it
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-    if any(m.get("tool_calls") for m in messages) and _wants_object_arguments(template):
-        messages = [_with_object_arguments(m) for m in messages]
+    if any(m.get("tool_calls") for m in messages):
+        messages = [_with_arguments(m) for m in messages]
+        if _wants_object_arguments(template):
+            messages = [_with_object_arguments(m) for m in messages]
     return _render(compiled, messages, bos_token=bos_token, eos_token=eos_token,
                    add_generation_prompt=bool(add_generation_prompt), tools=tools)
 
@@ -249,6 +252,21 @@ def _wants_object_arguments(template: str) -> bool:
 
     args = {"argument_needle": "print('Hello, World!')"}
     return not shows(json.dumps(args)) and shows(args)
+
+
+def _with_arguments(message: Mapping) -> Mapping:
+    """The message with each tool call's missing or empty arguments as "{}" (a call of a function that takes
+    none; the template would otherwise write an undefined value or fail on it)."""
+    calls = message.get("tool_calls")
+    if not calls or not isinstance(calls, (list, tuple)):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping) and fn.get("arguments") in (None, ""):
+            call = {**call, "function": {**fn, "arguments": "{}"}}
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 def _with_object_arguments(message: Mapping) -> Mapping:

@@ -299,3 +299,17 @@ def test_developer_role_is_system_unless_the_template_names_it(qwen05_file, smol
             assert dev == system and "Answer in French." in dev
     own = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer #}"
     assert render_chat(own, [{"role": "developer", "content": "x"}], bos_token="", eos_token="") == "[developer]x"
+
+
+@pytest.mark.parametrize("args", [{}, {"arguments": ""}, {"arguments": None}])
+def test_a_call_without_arguments_renders_as_empty_arguments(qwen05_file, smol_template, args):
+    """A call whose arguments are missing or empty (a function that takes none) renders as {} with either kind of
+    template, instead of failing on an undefined value."""
+    qwen = chat_template_from_metadata(GGUFFile(qwen05_file).metadata)
+    tool_calls = [{"id": "c1", "type": "function", "function": {"name": "now", **args}}]
+    for template in (qwen, smol_template):
+        out = render_chat(template, [{"role": "user", "content": "Time?"},
+                                     {"role": "assistant", "content": "", "tool_calls": tool_calls}],
+                          bos_token="", eos_token="", add_generation_prompt=False)
+        if template is qwen:
+            assert '{"name": "now", "arguments": {}}' in out
