@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.structured import Constraint, StructuredOutputError
-from ..engine.structured.constraint import JSON_WHITESPACE, closed_objects, known_formats, map_subschemas
+from ..engine.structured.constraint import (JSON_WHITESPACE, closed_objects, enforceable_patterns, known_formats,
+                                            map_subschemas)
 from .protocol import ApiError
 
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
@@ -450,6 +451,7 @@ class ToolParser:
         lenient = not all(t.strict for t in named) or bool(answer and (answer.get("x-guidance") or {}).get("lenient"))
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": lenient}
         params = [closed_objects(known_formats(arguments_schema(t.parameters))) for t in named]
+        params = [p if t.strict else enforceable_patterns(p) for p, t in zip(params, named)]
         tagged = self.open is not None
         bare = self.leads is not None and (choice == "auto" or not tagged)
         ws = JSON_WHITESPACE

@@ -177,6 +177,19 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     assert accepts(sloppy, '{"b": 1}')
 
 
+def test_a_lenient_schema_drops_patterns_llguidance_cannot_enforce():
+    """Look-around and backreferences (ECMA-262 patterns, not Rust regexes): refused in an exact schema, dropped
+    from a lenient one, whose other patterns stay."""
+    pw = {"type": "object", "properties": {"pw": {"type": "string", "pattern": "^(?=.*\\d).{8,}$"},
+                                           "twice": {"type": "string", "pattern": "(a)\\1"},
+                                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}
+    with pytest.raises(StructuredOutputError, match="look-around"):
+        Constraint.json_schema(pw)
+    kept = json.loads(Constraint.json_schema({**pw, "x-guidance": {"lenient": True}}).value)["properties"]
+    assert kept["pw"] == {"type": "string"} and kept["twice"] == {"type": "string"}
+    assert kept["zip"]["pattern"] == "^[0-9]{5}$"
+
+
 def test_compiler_caches_and_compiles_off_thread(toks):
     tok = toks["smollm2-135m"]
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "when": {"type": "string", "format": "date"}},

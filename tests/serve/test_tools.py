@@ -449,6 +449,16 @@ def test_required_ignores_the_answer():
     assert HermesParser().grammar(TOOLS, "required", True, None, ANSWER) == HermesParser().grammar(TOOLS, "required")
 
 
+def test_a_non_strict_tool_ignores_a_pattern_llguidance_cannot_enforce(compiler):
+    params = {"type": "object", "properties": {"pw": {"type": "string", "pattern": "^(?=.*\\d).{8,}$"}},
+              "required": ["pw"]}
+    login = parse_tools([{"type": "function", "function": {"name": "login", "parameters": params}}])
+    call = '<tool_call>\n{"name": "login", "arguments": {"pw": "abc"}}\n</tool_call>'
+    assert _accepts(compiler, HermesParser().grammar(login, "required"), call)
+    with pytest.raises(P.ApiError, match="look-around"):
+        parse_tools([{"type": "function", "function": {"name": "login", "parameters": params, "strict": True}}])
+
+
 def test_no_grammar_for_none():
     assert HermesParser().grammar(TOOLS, "none") is None and HermesParser().grammar([], "auto") is None
 

@@ -24,10 +24,12 @@ Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propert
 silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
 them and ignores them. A string `format` llguidance does not know ("password", "uri-reference") is dropped: JSON
 Schema makes an unknown format an annotation, which validators ignore too. An object schema that lists its
-properties takes no other key unless it says so (`closed_objects`).
+properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
+patterns llguidance cannot enforce (look-around, backreferences).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -124,6 +126,9 @@ class Constraint:
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
         schema = closed_objects(known_formats(schema))
+        own = schema.get("x-guidance")
+        if isinstance(own, dict) and own.get("lenient") is True:
+            schema = enforceable_patterns(schema)
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -194,6 +199,25 @@ def known_formats(schema: Any) -> Any:
         f = d.get("format")
         return {k: v for k, v in d.items() if k != "format"} if isinstance(f, str) and f not in FORMATS else d
     return map_subschemas(schema, drop)
+
+
+def enforceable_patterns(schema: Any) -> Any:
+    """`schema` without the string `pattern`s llguidance cannot enforce (look-around, backreferences: JSON Schema
+    patterns are ECMA-262, llguidance's regexes Rust's), for a lenient schema, which ignores what it cannot
+    enforce: a password rule `^(?=.*\\d).{8,}$` is dropped rather than the request refused."""
+    def drop(d: dict) -> dict:
+        p = d.get("pattern")
+        return {k: v for k, v in d.items() if k != "pattern"} if isinstance(p, str) and not _pattern_ok(p) else d
+    return map_subschemas(schema, drop)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern_ok(pattern: str) -> bool:
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
+    except Exception:  # noqa: BLE001 - ValueError from llguidance: the pattern does not parse
+        return False
+    return not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]
 
 
 _COMBINERS = ("allOf", "anyOf", "oneOf")
