@@ -617,6 +617,10 @@ def test_endpoint_none_sends_no_grammar_and_no_parsing(client):
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == "Let me see. " + CALL and "tool_calls" not in msg
     assert worker.submitted[0][1][0].constraint is None
+    prompt = bytes(worker.submitted[0][0][0][1:]).decode()
+    assert "<tools>" not in prompt and '"add"' not in prompt           # not shown tools it may not call
+    http.post("/v1/chat/completions", json=BODY)
+    assert '"add"' in bytes(worker.submitted[1][0][0][1:]).decode()
 
 
 @pytest.mark.parametrize("choice, answered", [("auto", True), ("required", False), ("none", True)])

@@ -2,7 +2,9 @@
 
 With `tools` (lumen.serve.tools): the tools are checked (400 naming the field), rendered with the conversation,
 and unless tool_choice is "none" the output is constrained by the tools' grammar (a call for "required" and a
-named function; free text or calls for "auto") and read back by the model's tool-call parser. A JSON
+named function; free text or calls for "auto") and read back by the model's tool-call parser; with "none" the
+prompt leaves the tools out (else a model shown them writes a call as text; vLLM's
+--exclude-tools-when-tool-choice-none). A JSON
 response_format with tools (as OpenAI's Agents SDK sends its output type on every turn) constrains the text answer
 only: "auto" gives calls or JSON that follows it, "required" and a named function a call, "none" the JSON.
 """
@@ -46,7 +48,8 @@ class ServingChat(Generation):
                                                  marker_token(self.engine.tokenizer, parser), answer)
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
-        prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)]
+        shown = tools if choice != "none" else None        # "none": the model is not shown tools it may not call
+        prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, shown)]
         return await self.respond(request, req, prompts, params, tool_parser=parser)
 
 
