@@ -20,7 +20,9 @@ open marker nor starts as a bare call (`{"name": "<a tool>"`, or any name then t
 `{"name": "Bob", "age": 3}` stays text), or such text and then the calls: a call that starts is always well formed,
 and text without a call is unconstrained (the grammar's one-lexeme text rule accepts any text that does not spell a
 call's start). This is llama.cpp's lazy grammar written as one grammar, whose text lexeme is cheap to mask
-(profiling/tool_calling.py). JSON whitespace is bounded as for structured output. A tool with `strict: true` must
+(profiling/tool_calling.py). With a JSON response_format, `auto` takes calls or JSON text that follows it (the
+answer) instead of free text. JSON whitespace is bounded as for structured output; a call's arguments are an
+object whose properties are the listed ones (`closed_objects`). A tool with `strict: true` must
 have a schema llguidance enforces in full (else a 400); a non-strict tool's unenforceable keywords (uniqueItems,
 ...) are accepted and ignored, as structured output's "lenient".
 """
