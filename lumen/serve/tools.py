@@ -213,7 +213,7 @@ def fallback_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
         m.pop("_tool", None)
     if tools:
         text = FALLBACK_SYSTEM.format(tools="\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools))
-        if out and out[0].get("role") == "system":
+        if out and out[0].get("role") in ("system", "developer"):       # (developer: OpenAI's newer name)
             out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
         else:
             out.insert(0, {"role": "system", "content": text})

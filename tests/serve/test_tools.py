@@ -101,6 +101,9 @@ def test_fallback_prompt_carries_tools_calls_and_results():
     assert '"name": "add"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
     assert json.loads(msgs[2]["content"].split("\n")[1]) == {"name": "add", "arguments": {"a": 1, "b": 2}}
     assert msgs[3]["content"] == "<tool_response>\n3\n</tool_response>"
+    dev = fallback_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "1+2?"}], TOOLS)
+    assert [m["role"] for m in dev] == ["developer", "user"]                  # one system message, rendered as such
+    assert dev[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "add"' in dev[0]["content"]
 
 
 # --- the parser -------------------------------------------------------------------------------------------------
