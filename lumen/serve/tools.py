@@ -267,7 +267,9 @@ class ToolParser:
     bare_end_required = False                  # ... which the grammar then asks for
     marker: str | None = None                  # a token that may start the calls, shown as nothing when special
 
-    def __init__(self):
+    def __init__(self, names=None):
+        """names: the declared tools' names, if known: a bare call (JSON text) naming another is text."""
+        self.names = frozenset(names) if names is not None else None
         self.buf = ""
         self.in_call = False
         self.n_calls = 0
@@ -355,8 +357,13 @@ class ToolParser:
                         calls.append(whole)
                         self._end_call(j)
                         continue
-                    calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}",
-                                               json.loads('"' + m.group(1) + '"')))
+                    name = json.loads('"' + m.group(1) + '"')
+                    if self.is_bare and not self._declared(name):     # JSON text that names no tool
+                        text, self.buf = self.lead + self.buf, ""
+                        self.in_call = self.is_bare = self.bare_ok = self.group = False
+                        content.append(self._content(text, final=False))
+                        continue
+                    calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", name))
                     self.head_done = True
                     self.buf = self.buf[m.end():]
                     continue
@@ -384,9 +391,9 @@ class ToolParser:
             if self.head_done:
                 if len(rest) > self.sent_args:
                     calls.append(ToolCallDelta(self.n_calls, arguments=rest[self.sent_args:]))
-            elif not self.is_bare or self.n_calls or self._head_cut.match(self.buf):
-                # a call cut before its arguments (after its open marker, after another call, or at its arguments'
-                # key): its name if complete, never its markup as content
+            elif self._cut_call():
+                # a call cut before its arguments (after its open marker, after another call, at its arguments' key,
+                # or naming a declared tool): its name if complete, never its markup as content
                 name = self._name.match(self.buf)
                 if name:
                     calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}",
@@ -402,6 +409,22 @@ class ToolParser:
             content = self._content(self.buf, final=True)
         self.buf, self.in_call, self.is_bare, self.group = "", False, False, False
         return content, calls
+
+    def _declared(self, name: str) -> bool:
+        return self.names is None or name in self.names
+
+    def _cut_call(self) -> bool:
+        """Whether the unfinished call head in buf, cut before its arguments, is a call (else it is text)."""
+        if not self.is_bare:
+            return True
+        m = self._name.match(self.buf)
+        if m is not None:
+            name = json.loads('"' + m.group(1) + '"')
+            if not self._declared(name):
+                return False
+            if self.names is not None:
+                return True
+        return bool(self.n_calls or self._head_cut.match(self.buf))
 
     def _start_bare(self, at: int) -> None:
         """A bare call's JSON starts at buf[at]."""
@@ -433,7 +456,7 @@ class ToolParser:
         except json.JSONDecodeError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(
-                obj.get(self.args_key), dict):
+                obj.get(self.args_key), dict) or (self.is_bare and not self._declared(obj["name"])):
             return None
         return ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", obj["name"],
                              json.dumps(obj[self.args_key], ensure_ascii=False))

@@ -5,6 +5,7 @@ alone over a byte tokenizer and a worker that answers with a call: message.tool_
 and a stream whose deltas (index, id, type and name first, then argument fragments) join to the whole answer."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -220,6 +221,23 @@ def test_parser_for_template(template, name):
     assert parser_for_template(template, "mistral") == "mistral" and parser_for_template(template, "none") is None
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         parser_for_template(template, "nope")
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (BARE, "", [_call("add", '{"a": 1, "b": 2}')]),
+    (BARE.replace("add", "sub"), BARE.replace("add", "sub"), []),           # JSON text naming no declared tool
+    ('{"arguments": {"a": 1}, "name": "sub"}', '{"arguments": {"a": 1}, "name": "sub"}', []),
+    ("```json\n" + BARE.replace("add", "sub") + "\n```", "```json\n" + BARE.replace("add", "sub") + "\n```", []),
+    (CALL, "", [_call("add", '{"a": 1, "b": {"c": "}"} }')]),                 # tagged: the grammar names it
+    ('{"name": "add"', "", [_call("add", "")]),                                # cut: a declared tool's name
+    ('{"name": "sub", "arguments": ', '{"name": "sub", "arguments": ', []),
+])
+def test_a_parser_that_knows_the_tools_reads_only_their_bare_calls(text, content, calls):
+    """With a JSON response_format beside tools the answer may be any object, {"name": ..., "arguments": ...}
+    too: a bare call is one of a declared tool, else it is the text it is."""
+    parser = functools.partial(HermesParser, names=["add", "weather"])
+    for step in (1, 3, len(text)):
+        assert _parse(text, step, parser) == (content, calls)
 
 
 def test_parser_streams_name_first_then_argument_fragments():
@@ -637,6 +655,21 @@ def test_endpoint_takes_a_response_format_beside_tools(client, choice, answered)
     c = worker.submitted[0][1][0].constraint
     assert (c.kind == "json_schema") is (choice == "none")
     assert ('"temp"' in c.value) is answered
+
+
+def test_endpoint_answer_naming_no_tool_stays_content(client):
+    """An answer (response_format json_object) shaped like a call of a tool that is not declared is content, whole
+    and streamed."""
+    http, worker = client
+    answer = '{"name": "sub", "arguments": {"a": 1}}'
+    worker.REPLY = answer.encode()
+    body = {**BODY, "response_format": {"type": "json_object"}}
+    msg = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert msg["content"] == answer and "tool_calls" not in msg
+    events = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json={**body, "stream": True})
+              .text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == answer
+    assert not any("tool_calls" in e["choices"][0]["delta"] for e in events if e["choices"])
 
 
 @pytest.mark.parametrize("extra, param", [

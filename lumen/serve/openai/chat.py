@@ -11,6 +11,7 @@ only: "auto" gives calls or JSON that follows it, "required" and a named functio
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 from fastapi import APIRouter, Request
@@ -43,9 +44,10 @@ class ServingChat(Generation):
                     raise P.ApiError(400, f"{P.constraint_field(req)} can be combined with tools only as a JSON "
                                           "schema or object, or with tool_choice \"none\"", P.constraint_field(req))
                 answer = json.loads(constraint.value) if constraint.kind == "json_schema" else {"type": "object"}
-            parser = PARSERS[name]          # (required, a named function: a call, whatever response_format says)
-            constraint = await asyncio.to_thread(parser().grammar, tools, choice, req.parallel_tool_calls is not False,
-                                                 marker_token(self.engine.tokenizer, parser), answer)
+            cls = PARSERS[name]             # (required, a named function: a call, whatever response_format says)
+            constraint = await asyncio.to_thread(cls().grammar, tools, choice, req.parallel_tool_calls is not False,
+                                                 marker_token(self.engine.tokenizer, cls), answer)
+            parser = functools.partial(cls, names=[t.name for t in tools])
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
         shown = tools if choice != "none" else None        # "none": the model is not shown tools it may not call
