@@ -4,7 +4,8 @@ streamed answer's tool_calls deltas joined by the client equal the whole answer;
 dangling tool messages are 400s naming the field while concurrent good requests finish; and an agent loop (the
 model calls a real Python function, gets its result as a tool message, and answers with it) works end to end; and
 --tool-call-parser llama3 / mistral hold the same model to those formats and read them back; and a tool from
-openai.pydantic_function_tool ($defs and $ref) parses back through the client's parse() and stream().
+openai.pydantic_function_tool ($defs and $ref) parses back through the client's parse() and stream(); and a
+JSON response_format beside tools gives calls or JSON that follows it.
 Skips when the model cannot be fetched (the qwen05_path fixture)."""
 import asyncio
 import json
@@ -214,3 +215,27 @@ def test_pydantic_tools_with_defs_parse(client):
         final = stream.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls" and final.message.content is None
     assert [c.function.parsed_arguments for c in final.message.tool_calls] == [call.function.parsed_arguments]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_format_beside_tools_gives_calls_or_its_json(client, stream):
+    """As OpenAI's Agents SDK sends it (its output type as response_format, on every turn): 200 with calls that
+    validate, or content that follows the schema; and no call for a tool the request does not declare."""
+    report = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "report", "schema": report, "strict": True}}
+    for messages in (ASK_ADD, [{"role": "user", "content": "Reply with the JSON report: the answer is 7."}]):
+        kw = dict(model=MODEL_ID, messages=messages, tools=TOOLS, response_format=rf, temperature=0, max_tokens=120)
+        if stream:
+            with client.chat.completions.stream(**kw) as s:
+                for _ in s:
+                    pass
+                r = s.get_final_completion()
+        else:
+            r = client.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            assert r.choices[0].finish_reason == "tool_calls"
+            for call in msg.tool_calls:
+                _validate(call)
+        else:
+            jsonschema.validate(json.loads(msg.content), report)
