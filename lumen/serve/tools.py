@@ -473,7 +473,8 @@ class ToolParser:
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
         named = [t for t in tools if choice in ("auto", "required") or t.name == choice]
         answer = answer if choice == "auto" else None
-        lenient = not all(t.strict for t in named) or bool(answer and (answer.get("x-guidance") or {}).get("lenient"))
+        own = answer.get("x-guidance") if answer is not None else None
+        lenient = not all(t.strict for t in named) or (isinstance(own, dict) and own.get("lenient") is True)
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": lenient}
         params = [closed_objects(known_formats(arguments_schema(t.parameters))) for t in named]
         params = [p if t.strict else enforceable_patterns(p) for p, t in zip(params, named)]

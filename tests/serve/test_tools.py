@@ -468,6 +468,8 @@ def test_auto_with_a_response_format_is_calls_or_the_answer(compiler, parser, te
 
 def test_required_ignores_the_answer():
     assert HermesParser().grammar(TOOLS, "required", True, None, ANSWER) == HermesParser().grammar(TOOLS, "required")
+    odd = {**ANSWER, "x-guidance": 5}                   # options that are no object: ignored, not a 500
+    assert HermesParser().grammar(TOOLS[1:], "auto", True, None, odd).kind == "grammar_lark"     # strict tool
 
 
 def test_a_non_strict_tool_ignores_a_pattern_llguidance_cannot_enforce(compiler):
