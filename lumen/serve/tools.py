@@ -97,7 +97,7 @@ def parse_tools(tools: Any) -> list[Tool]:
         if kind != "object" and not (isinstance(kind, list) and "object" in kind):
             raise ApiError(400, f"{where}.function.parameters must describe an object (the call's arguments), got "
                                 f"type {kind!r}", "tools")
-        own = params.get("x-guidance", {})
+        own = params.get("x-guidance") or {}
         if not isinstance(own, dict):
             raise ApiError(400, f"{where}.function.parameters.x-guidance must be an object", "tools")
         checked = arguments_schema(params)

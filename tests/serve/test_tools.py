@@ -61,6 +61,7 @@ def test_a_non_strict_tool_may_use_keywords_llguidance_cannot_enforce():
         "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}])
     assert t[0].name == "f" and not t[0].strict
     assert parse_tools([{"type": "function", "function": {"name": "g"}}])[0].parameters["type"] == "object"
+    assert parse_tools([{"type": "function", "function": {"name": "h", "parameters": {"x-guidance": None}}}])
 
 
 def test_tool_choice():
