@@ -529,6 +529,9 @@ class ToolParser:
                 names = "|".join(_lark_re(json.dumps(t.name)) for t in named)
                 head = f'"([^"\\\\]|\\\\.)*"\\s*,\\s*"{self.args_key}"'
                 text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"\\s*:\\s*({names}|{head})(.|\\n)*/"
+                # ... nor starts with "{{": Qwen2.5-Coder sometimes doubles a bare call's braces ({{"name": ...}}),
+                # which would pass as text; masked, it writes the call
+                text += f" & ~/\\s*({loose})\\s*\\{{\\s*\\{{(.|\\n)*/"
             lines = ["start: TEXT" + (" | TEXT_OPEN rest more TRAIL?" if tagged else "")
                      + (" | bare TRAIL?" if bare else ""),
                      f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines

@@ -294,6 +294,9 @@ W = '{"name": "weather", "arguments": {"city": "Paris"}}'
     ("auto", True, '```json\n{"name": "Bob"}\n```', True),
     ("auto", True, '{"name": "wether", "arguments": {"city": "P"}}', False),   # a call of no tool
     ("auto", True, '{"name": "weather", "age": 3}', False),            # a tool's name starts a call
+    ("auto", True, '{{"name": "weather", "arguments": {"city": "P"}}}', False),   # Qwen2.5-Coder's doubled braces
+    ("auto", True, '```json\n{{"name": "weather", "arguments": {"city": "P"}}}\n```', False),
+    ("auto", True, "Write {{ name }} in the template.", True),
     ("auto", True, BARE + "\n", True),                                 # the model's token "}}\n", then its end
     ("auto", True, BARE + "\n" + BARE + "\n", True),
     ("auto", True, "<tool_call>\n" + W + "\n</tool_call>\n", True),
