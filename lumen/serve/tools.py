@@ -463,11 +463,13 @@ class ToolParser:
 
     # --- the grammar ----------------------------------------------------------------------------------------
     def grammar(self, tools: list[Tool], choice: str, parallel: bool = True,
-                marker_id: int | None = None, answer: dict | None = None) -> Constraint | None:
+                marker_id: int | None = None, answer: dict | None = None,
+                open_id: int | None = None) -> Constraint | None:
         """The Lark constraint for `choice` over `tools` (None for "none"): see the module docstring. marker_id:
         the vocabulary's id of `marker` when it is a special token (`marker_token`), which may then start the
         bare calls (the text cannot spell it). answer: with "auto", the JSON schema of a text answer (the
-        request's response_format): the output is then calls, or JSON text that follows it."""
+        request's response_format): the output is then calls, or JSON text that follows it; open_id, the
+        vocabulary's one token for the open marker (`open_token`), is then the only way to start a tagged call."""
         if choice == "none" or not tools:
             return None
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
@@ -491,7 +493,7 @@ class ToolParser:
             "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else params[i]},
             "required": ["name", self.args_key], "additionalProperties": False} for i, t in enumerate(named)]
         if answer is not None:
-            return self._answer_grammar(objects, defs, xg, answer, parallel, marker_id)
+            return self._answer_grammar(objects, defs, xg, answer, parallel, marker_id, open_id)
         if tagged:
             schema: dict = {"x-guidance": xg, "anyOf": objects}
             if len(named) == 1:
@@ -540,11 +542,13 @@ class ToolParser:
         return _lark(lines)
 
     def _answer_grammar(self, objects: list[dict], defs: dict, xg: dict, answer: dict, parallel: bool,
-                        marker_id: int | None) -> Constraint:
+                        marker_id: int | None, open_id: int | None) -> Constraint:
         """"auto" with a response_format: calls, or a JSON answer. A bare call with no lead and the answer are
         both JSON objects, so they are one %json (anyOf the answer and the calls; then one call only): llguidance's
         lexer is greedy, and a bare call's own lexeme beside the answer's would cut the answer off at its first
-        key. Tagged calls, and bare calls after a lead (Mistral's `[`), stay beside the answer."""
+        key. Tagged calls, and bare calls after a lead (Mistral's `[`), stay beside the answer. The open marker is
+        its one token when the vocabulary has it: spelled, its first character "<" would force a call on a model
+        that meant to write other text there (Qwen2.5-Coder echoing "<tool_response>" after a tool's result)."""
         ws = JSON_WHITESPACE
         own = {k: v for k, v in answer.items() if k != "x-guidance"}
         body = {"x-guidance": xg, "anyOf": objects, **({"$defs": defs} if defs else {})}
@@ -564,10 +568,11 @@ class ToolParser:
                           f"call: %json {json.dumps(body, ensure_ascii=False)}"]
         if self.open is not None:
             sep = json.dumps(self.separator)
-            alts.append(f"{json.dumps(self.open)} rest more TRAIL?")
+            mark = f"<[{int(open_id)}]>" if open_id is not None else json.dumps(self.open)
+            alts.append(f"{mark} rest more TRAIL?")
             lines += [f"body: %json {json.dumps(body, ensure_ascii=False)}",
                       f"rest: {sep} body {sep} {json.dumps(self.close)}",
-                      f"more: ({sep} {json.dumps(self.open)} rest)*" if parallel else "more: \"\""]
+                      f"more: ({sep} {mark} rest)*" if parallel else "more: \"\""]
         return _lark(["start: " + " | ".join(alts), *lines])
 
 
@@ -688,6 +693,15 @@ def marker_token(tokenizer, parser: type[ToolParser]) -> int | None:
         return None
     ids = tokenizer.encode(parser.marker, add_bos=False, special=True)
     return ids[0] if len(ids) == 1 and tokenizer.token_bytes(ids[0]) == b"" else None
+
+
+def open_token(tokenizer, parser: type[ToolParser]) -> int | None:
+    """The id of the parser's open marker when the vocabulary has it as one token (Qwen2.5's <tool_call>), else
+    None."""
+    if parser.open is None:
+        return None
+    ids = tokenizer.encode(parser.open, add_bos=False, special=True)
+    return ids[0] if len(ids) == 1 else None
 
 
 def parser_for_template(template: str | None, flag: str | None = None) -> str | None:

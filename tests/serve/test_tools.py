@@ -25,7 +25,8 @@ from lumen.serve.openai import chat
 from lumen.serve.openai.serving import Settings
 from lumen.serve.prompts import Prompter
 from lumen.serve.tools import (PARSERS, HermesParser, Llama3Parser, MistralParser, assemble, check_messages,
-                               fallback_messages, marker_token, parse_tool_choice, parse_tools, parser_for_template)
+                               fallback_messages, marker_token, open_token, parse_tool_choice, parse_tools,
+                               parser_for_template)
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -484,6 +485,28 @@ def test_a_non_strict_tool_ignores_a_pattern_llguidance_cannot_enforce(compiler)
     assert _accepts(compiler, HermesParser().grammar(login, "required"), call)
     with pytest.raises(P.ApiError, match="look-around"):
         parse_tools([{"type": "function", "function": {"name": "login", "parameters": params, "strict": True}}])
+
+
+def test_beside_an_answer_a_tagged_call_starts_only_with_its_token(qwen05_file):
+    """Qwen2.5's <tool_call> is one token: beside a JSON answer it is the only way into a tagged call, so a model
+    that starts to write "<" (echoing <tool_response> after a result) is not forced into a call."""
+    tok = Tokenizer.from_metadata(GGUFFile(str(qwen05_file)).metadata)
+    oid = open_token(tok, HermesParser)
+    assert oid is not None and tok.token_bytes(oid) == b"<tool_call>"
+    lt = tok.encode("<", add_bos=False, special=False)
+    assert len(lt) == 1
+    with GrammarCompiler(tok) as c:
+        def allowed_first(grammar) -> set[int]:
+            m = c.compile(grammar).matcher()
+            row = np.zeros(m.vocab.mask_words, np.int32)
+            m.fill_mask(row)
+            return {t for t in (oid, lt[0]) if (row[t // 32] >> (t % 32)) & 1}
+
+        assert allowed_first(HermesParser().grammar(TOOLS, "auto", True, None, ANSWER, oid)) == {oid}
+        assert allowed_first(HermesParser().grammar(TOOLS, "auto", True, None, ANSWER)) == {oid, lt[0]}
+        grammar = HermesParser().grammar(TOOLS, "auto", True, None, ANSWER, oid)
+        assert _accepts((tok, c), grammar, "\n" + W + "\n</tool_call>", (oid,))
+        assert _accepts((tok, c), grammar, '{"city": "Paris", "temp": 21}')
 
 
 def test_no_grammar_for_none():

@@ -17,7 +17,7 @@ import json
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
-from ..tools import PARSERS, marker_token, parse_tool_choice, parse_tools, parser_for_template
+from ..tools import PARSERS, marker_token, open_token, parse_tool_choice, parse_tools, parser_for_template
 from .serving import Generation
 
 router = APIRouter()
@@ -45,8 +45,9 @@ class ServingChat(Generation):
                                           "schema or object, or with tool_choice \"none\"", P.constraint_field(req))
                 answer = json.loads(constraint.value) if constraint.kind == "json_schema" else {"type": "object"}
             cls = PARSERS[name]             # (required, a named function: a call, whatever response_format says)
+            tok = self.engine.tokenizer
             constraint = await asyncio.to_thread(cls().grammar, tools, choice, req.parallel_tool_calls is not False,
-                                                 marker_token(self.engine.tokenizer, cls), answer)
+                                                 marker_token(tok, cls), answer, open_token(tok, cls))
             parser = functools.partial(cls, names=[t.name for t in tools])
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
