@@ -36,6 +36,7 @@ TOPK_ROWS = 64      # small top-k: logits viewed as (TOPK_ROWS, V / TOPK_ROWS), 
 SAMPLE_SIZE = 4096  # larger top-k reads its threshold guess off about this many strided logits
 TOP_P_TRIES = (1024, 32768)  # top-p without top-k or min-p: prefix sizes tried before sorting the vocab
 BLOCK = 1024        # cumulative sums over more weights than this go block-wise
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class SamplerError(LumenError, ValueError):
@@ -202,9 +203,10 @@ class Sampler:
 
     def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None):
         self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
-        self.greedy = temperature == 0.0
+        # greedy also when 1 / temperature overflows float32: (max - max) * inf would be NaN
+        self.greedy = temperature == 0.0 or 1.0 / temperature > FLOAT32_MAX
         self._rng = np.random.default_rng(seed)
-        self._inv_temp = np.float32(1.0 / temperature) if temperature else np.float32(0.0)
+        self._inv_temp = np.float32(0.0) if self.greedy else np.float32(1.0 / temperature)
         self._min_p_log = math.log(min_p) if min_p > 0.0 else -math.inf
 
     def __call__(self, logits: np.ndarray) -> int:
@@ -250,7 +252,7 @@ def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     """Build a sampler `logits (n_vocab,) float32 -> token id`.
 
     temperature 0 is greedy (argmax, ties: lowest id; the other settings do not change the argmax and are
-    ignored). Otherwise top-k -> top-p -> min-p -> temperature -> draw (module docstring). top_k 0, top_p 1 and
+    ignored), and so is a temperature so small that 1 / temperature overflows float32. Otherwise top-k -> top-p -> min-p -> temperature -> draw (module docstring). top_k 0, top_p 1 and
     min_p 0 are off. Called, it uses a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
     exactly one uniform per token, so the same seed and logits give the same tokens. Logits are not modified.
     """
