@@ -103,7 +103,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = 16                # OpenAI's and vLLM's default; null: the rest of the context (vLLM)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

@@ -1,0 +1,29 @@
+"""Request parameters as an OpenAI client sends them, through a live server (test_serve.live_server): the
+defaults it leaves out, and the edges of their ranges."""
+import httpx
+import pytest
+
+import lumen
+from test_serve import MAX_MODEL_LEN, live_server
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    return lumen.load(smollm2_path, ctx=2048, threads=2)
+
+
+@pytest.fixture(scope="module")
+def http(model):
+    with live_server(model) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        yield c
+
+
+def test_completions_max_tokens_defaults_to_16_and_null_is_the_rest(http):
+    """OpenAI's legacy completions (and vLLM) default max_tokens to 16; an explicit null is the rest of the
+    context (vLLM)."""
+    body = {"prompt": "Count: 1, 2, 3,", "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    long = {"prompt": [28] * (MAX_MODEL_LEN - 24), "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=long | {"max_tokens": None}).json()
+    assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
