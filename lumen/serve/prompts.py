@@ -4,8 +4,11 @@ chat template (the GGUF's, or --chat-template's), tokenized as llama-server and 
 - text is tokenized with the model's BOS default, and special-token text in it ("<|im_start|>") is parsed as
   those tokens (both servers do; lumen.generate does it only for --chat or --special);
 - a rendered conversation that already starts with the BOS text gets no second BOS.
-A text too long to fit max_model_len however it tokenizes is refused before tokenizing (the app tokenizes in a
-worker thread, so a long prompt does not hold up the event loop).
+A text too long to fit max_model_len however it tokenizes is refused before tokenizing. The app tokenizes in a
+worker thread, but the tokenizer holds the GIL while it encodes (the event loop stalls meanwhile), so a prompt of
+more than PROBE_CHARS characters per context token is first tokenized by growing prefixes and refused at the first
+that already holds more than max_model_len tokens: what a prompt far past the context costs is bounded by the
+context, not by the request body.
 
 Tools (lumen.serve.tools) go to a template that renders them itself (Qwen2.5's: it mentions `tools` and
 `tool_call`) with the conversation's tool calls and tool messages as they are; any other template gets the
@@ -20,6 +23,8 @@ from .protocol import ApiError, ChatMessage
 from .tools import Tool, check_messages, fallback_messages, template_takes_tools
 
 RENDER_TAKES_TOOLS = "tools" in inspect.signature(render_chat).parameters
+PROBE_CHARS = 8         # characters per context token past which a prompt is counted by its prefixes first
+PROBE_SLACK = 64        # tokens a cut prefix may have beyond the whole text's (a split word or special token)
 
 
 class Prompter:
@@ -38,12 +43,24 @@ class Prompter:
         self.eos_text = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         self._pieces: dict[int, tuple[str, bytes]] = {}
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, param: str = "prompt") -> list[int]:
         if len(text) > self.max_chars:
             raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
-                                "(max_model_len) can be", "prompt")
+                                "(max_model_len) can be", param)
         add_bos = add_special and self.tok.add_bos_default and not (self.bos_text and text.startswith(self.bos_text))
         return self.tok.encode(text, add_bos=add_bos, special=True)
+
+    def prompt(self, text: str, param: str = "prompt") -> list[int]:
+        """A generation prompt's token ids; ApiError(400) for a text that cannot fit max_model_len, found by
+        tokenizing prefixes of 8, 32, 128 ... times max_model_len characters when it is that long."""
+        size = PROBE_CHARS * self.max_model_len
+        while size < len(text):
+            n = len(self.tok.encode(text[:size], add_bos=False, special=True))
+            if n > self.max_model_len + PROBE_SLACK:
+                raise ApiError(400, f"the prompt has more than {n - PROBE_SLACK} tokens in its first {size} characters; "
+                                    f"max_model_len is {self.max_model_len}", param)
+            size *= 4
+        return self.encode(text, param=param)
 
     def completion(self, prompt) -> list[list[int]]:
         """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.
@@ -60,7 +77,7 @@ class Prompter:
             raise ApiError(400, "prompt is empty", "prompt")
         out = []
         for p in prompts:
-            ids = self.encode(p) if isinstance(p, str) else list(p)
+            ids = self.prompt(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise ApiError(400, "prompt is empty (no tokens)", "prompt")
             out.append(ids)
@@ -90,7 +107,7 @@ class Prompter:
 
     def chat(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
              tools: list[Tool] | None = None) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt, tools))
+        return self.prompt(self.render(messages, add_generation_prompt, tools), "messages")
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """A token's text and bytes as logprobs show it (control tokens as their text)."""

@@ -1,0 +1,54 @@
+"""lumen.serve.prompts.Prompter on its own: how much of a prompt far past the context is tokenized before the 400.
+The tokenizer holds the GIL while it encodes, so whatever it encodes stalls the server's event loop."""
+import pytest
+
+import lumen
+from lumen.serve.prompts import Prompter
+from lumen.serve.protocol import ApiError, ChatMessage
+
+MAX_MODEL_LEN = 256
+
+
+class Recording:
+    """The model's tokenizer, recording the length of every text it encodes."""
+
+    def __init__(self, tok):
+        self.tok, self.encoded = tok, []
+
+    def encode(self, text, **kw):
+        self.encoded.append(len(text))
+        return self.tok.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return lumen.load(smollm2_path, ctx=512, threads=1).tokenizer
+
+
+def test_far_too_long_prompt_refused_after_a_prefix(tokenizer):
+    rec = Recording(tokenizer)
+    p = Prompter(rec, None, MAX_MODEL_LEN)
+    text = "hello world, " * 1500                    # 19500 characters, 4500 tokens: under max_chars
+    assert len(text) < p.max_chars
+    with pytest.raises(ApiError) as e:
+        p.completion(text)
+    assert e.value.status == 400 and e.value.param == "prompt" and str(MAX_MODEL_LEN) in e.value.message
+    assert max(rec.encoded) <= 16 * MAX_MODEL_LEN, rec.encoded
+
+
+@pytest.mark.parametrize("text", ["=" * 4000, "a b " * 50, "<|im_start|>user\nhi<|im_end|>" * 5])
+def test_prompts_within_the_context_tokenize_whole(tokenizer, text):
+    """A long text of few tokens (runs of punctuation) passes: the prefix check only refuses what cannot fit."""
+    ids = Prompter(tokenizer, None, MAX_MODEL_LEN).completion(text)[0]
+    assert ids == tokenizer.encode(text, add_bos=tokenizer.add_bos_default, special=True)
+    assert len(ids) < MAX_MODEL_LEN
+
+
+def test_far_too_long_conversation_blames_messages(tokenizer):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ApiError) as e:
+        Prompter(tokenizer, template, MAX_MODEL_LEN).chat([ChatMessage(role="user", content="hello world, " * 1500)])
+    assert e.value.status == 400 and e.value.param == "messages"
