@@ -64,7 +64,8 @@ class Prompter:
 
     def completion(self, prompt) -> list[list[int]]:
         """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.
-        Token ids are checked by the engine (range, length)."""
+        Token ids are checked by the engine (range, length), in Python loops on the event loop: a list too long
+        for the context is refused here first, by its length alone."""
         if prompt is None:
             raise ApiError(400, "prompt is required", "prompt")
         if isinstance(prompt, str):
@@ -77,6 +78,9 @@ class Prompter:
             raise ApiError(400, "prompt is empty", "prompt")
         out = []
         for p in prompts:
+            if not isinstance(p, str) and len(p) >= self.max_model_len:
+                raise ApiError(400, f"the prompt has {len(p)} tokens; max_model_len is {self.max_model_len}, which "
+                                    "must also leave room for at least one generated token", "prompt")
             ids = self.prompt(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise ApiError(400, "prompt is empty (no tokens)", "prompt")

@@ -52,3 +52,14 @@ def test_far_too_long_conversation_blames_messages(tokenizer):
     with pytest.raises(ApiError) as e:
         Prompter(tokenizer, template, MAX_MODEL_LEN).chat([ChatMessage(role="user", content="hello world, " * 1500)])
     assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_token_ids_past_the_context_refused_by_their_count(tokenizer):
+    """The engine's checks of a token-id prompt are Python loops on the event loop: a list that cannot fit is
+    refused by its length first, with the engine's words."""
+    p = Prompter(tokenizer, None, MAX_MODEL_LEN)
+    with pytest.raises(ApiError) as e:
+        p.completion([[10 ** 9] * (MAX_MODEL_LEN + 5)])     # not even checked as ids: its length is enough
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert e.value.message.startswith(f"the prompt has {MAX_MODEL_LEN + 5} tokens; max_model_len is {MAX_MODEL_LEN}")
+    assert p.completion([[1] * (MAX_MODEL_LEN - 1)]) == [[1] * (MAX_MODEL_LEN - 1)]
