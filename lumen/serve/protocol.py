@@ -185,11 +185,13 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
     return f"{'.'.join(loc)}: {first['msg']}", loc[0] if loc else None
 
 
-def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's SamplingParams (one choice); ApiError(400) naming the field when a value is out of range.
-    OpenAI's defaults: temperature 1, top_p 1. top_k -1 (vLLM's "off") is 0 here."""
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """The request's SamplingParams (one choice); ApiError(400) naming the field when a value is out of range
+    (max_tokens_field: the one max_tokens came from). OpenAI's defaults: temperature 1, top_p 1. top_k -1 (vLLM's
+    "off") is 0 here."""
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        raise ApiError(400, f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field)
     if req.seed is not None and not 0 <= req.seed < SEED_RANGE:
         raise ApiError(400, f"seed must be in [0, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -266,9 +268,10 @@ def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
     check_n(req.n, n_limit)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return per_choice(sampling_params(req, max_tokens=max_tokens, logprobs=logprobs), req.n)
+    return per_choice(sampling_params(req, max_tokens=getattr(req, field), logprobs=logprobs,
+                                      max_tokens_field=field), req.n)
 
 
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED, "guided_whitespace_pattern", "json_schema",

@@ -27,3 +27,12 @@ def test_completions_max_tokens_defaults_to_16_and_null_is_the_rest(http):
     long = {"prompt": [28] * (MAX_MODEL_LEN - 24), "temperature": 0, "ignore_eos": True}
     r = http.post("/v1/completions", json=long | {"max_tokens": None}).json()
     assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("fields, param", [({"max_completion_tokens": 0}, "max_completion_tokens"),
+                                           ({"max_completion_tokens": -5, "max_tokens": 3}, "max_completion_tokens"),
+                                           ({"max_tokens": 0}, "max_tokens")])
+def test_chat_max_tokens_error_names_the_field_sent(http, fields, param):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param), r.text
