@@ -192,8 +192,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
     "off") is 0 here."""
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field)
-    if req.seed is not None and not 0 <= req.seed < SEED_RANGE:
-        raise ApiError(400, f"seed must be in [0, 2^63), got {req.seed}", "seed")
+    if req.seed is not None and not -SEED_RANGE <= req.seed < SEED_RANGE:
+        raise ApiError(400, f"seed must be a 64-bit integer, in [-2^63, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -204,7 +204,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
     kw = dict(max_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
               top_k=0 if req.top_k == -1 else _or(req.top_k, 0), min_p=_or(req.min_p, 0.0),
               presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
-              repeat_penalty=_or(repeat, 1.0), repeat_last_n=_or(req.repeat_last_n, 64), seed=req.seed,
+              repeat_penalty=_or(repeat, 1.0), repeat_last_n=_or(req.repeat_last_n, 64),
+              seed=None if req.seed is None else req.seed % SEED_RANGE,     # OpenAI's seeds may be negative
               stop=() if req.stop is None else req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
               min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
               logit_bias=dict(req.logit_bias or {}))

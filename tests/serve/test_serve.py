@@ -410,7 +410,7 @@ BAD_REQUESTS = [
     ("n 0", "/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("n too large", "/v1/completions", {"prompt": "x", "n": 1000}, "n"),
     ("logprobs 21", "/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("negative seed", "/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+    ("seed past int64", "/v1/completions", {"prompt": "x", "seed": 2 ** 63}, "seed"),
     ("stream not bool", "/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, "prompt"),
     ("null prompt", "/v1/completions", {"prompt": None}, "prompt"),

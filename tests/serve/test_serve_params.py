@@ -36,3 +36,18 @@ def test_chat_max_tokens_error_names_the_field_sent(http, fields, param):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"].startswith(param), r.text
+
+
+@pytest.mark.parametrize("seed", [-1, -(2 ** 63), 2 ** 63 - 1])
+def test_any_int64_seed_is_reproducible(http, seed):
+    """OpenAI's seed is any 64-bit integer (vLLM's too): a negative one is a seed like another, not a 400."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": seed}
+    a, b = (http.post("/v1/completions", json=body) for _ in range(2))
+    assert a.status_code == 200, a.text
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, -(2 ** 63) - 1])
+def test_seed_past_int64_is_400(http, seed):
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "seed": seed})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
