@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from lumen.engine.sampling.processors import make_logits_processors
 from lumen.engine.sampling.sampler import make_sampler
 
 
@@ -22,3 +23,26 @@ def test_small_temperature_still_samples():
     s = make_sampler(temperature=1e-30, seed=0)
     ids, p = s.distribution(x)
     assert np.isfinite(p).all() and p[1] == 1.0
+
+
+@pytest.mark.parametrize("repeat_penalty", [1e-300, 1e-40, 1e300])
+def test_extreme_repeat_penalty_keeps_logits_sampleable(repeat_penalty):
+    """logit / 1e-300 overflows float32 to +inf, which no sampler can draw from: the penalized logits stay
+    finite (a huge penalty still bans, a tiny one still forces the history's tokens), and a masked (-inf) logit
+    stays masked."""
+    logits = np.array([2.0, -1.0, 0.5, 3.0, -np.inf], np.float32)
+    out = make_logits_processors(repeat_penalty=repeat_penalty)(logits.copy(), [0, 1, 4])
+    assert np.isfinite(out[:4]).all() and out[4] == -np.inf
+    token = make_sampler(temperature=0.0)(out)
+    ids, p = make_sampler(temperature=1.0, seed=0).distribution(out)
+    assert np.isfinite(p).all()
+    assert token == (0 if repeat_penalty < 1 else 3)
+
+
+def test_tied_forced_tokens_have_real_log_probabilities():
+    """Two history tokens a tiny repeat_penalty pushes to the clip share the mass: log(1/2) each, not 0."""
+    logits = np.array([2.0, 1.0, 0.5, 3.0], np.float32)
+    out = make_logits_processors(repeat_penalty=1e-300)(logits.copy(), [0, 1])
+    x = out.astype(np.float64)
+    lse = x.max() + np.log(np.exp(x - x.max()).sum())
+    assert np.allclose(x[:2] - lse, np.log(0.5)) and np.exp(x - lse).sum() <= 1 + 1e-12

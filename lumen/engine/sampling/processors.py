@@ -12,6 +12,8 @@ import numpy as np
 from .sampler import SamplerError, _integer, _number
 
 LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
+LOGIT_LIMIT = 1e9       # penalized logits are clipped to +-this: past any real logit, and small enough that
+                        # log-probabilities (logit - logsumexp, in float64) stay exact
 
 
 def check_penalties(repeat_penalty, presence_penalty, frequency_penalty, last_n) -> tuple[float, float, float, int]:
@@ -38,8 +40,8 @@ def make_logits_processors(*, repeat_penalty: float = 1.0, presence_penalty: flo
     with `count` its occurrences there:
         logit = logit * repeat_penalty if logit <= 0 else logit / repeat_penalty
         logit -= count * frequency_penalty + presence_penalty
-    last_n 0 disables the penalties, -1 uses the whole history. With neutral settings the callable returns the
-    logits untouched at once.
+    clipped to +-LOGIT_LIMIT (a logit that was -inf, masked, stays -inf). last_n 0 disables the
+    penalties, -1 uses the whole history. With neutral settings the callable returns the logits untouched at once.
     """
     return penalizer(*check_penalties(repeat_penalty, presence_penalty, frequency_penalty, last_n))
 
@@ -61,10 +63,12 @@ def penalizer(repeat_penalty: float, presence_penalty: float, frequency_penalty:
         if ids[0] < 0 or ids[-1] >= logits.shape[-1]:
             raise SamplerError(f"history token ids must be in [0, {logits.shape[-1]}), "
                                f"got {int(ids[0]) if ids[0] < 0 else int(ids[-1])}")
-        v = logits[ids]
-        v = np.where(v <= 0, v * repeat_penalty, v / repeat_penalty)
-        v -= counts * frequency_penalty + presence_penalty
-        logits[ids] = v
+        v0 = logits[ids]
+        with np.errstate(all="ignore"):              # an extreme repeat_penalty overflows float32 (or is 0 in it)
+            v = np.where(v0 <= 0, v0 * repeat_penalty, v0 / repeat_penalty)
+            v -= counts * frequency_penalty + presence_penalty
+        # +inf cannot be sampled: a finite logit stays finite, a masked (-inf) one stays masked
+        logits[ids] = np.where(np.isfinite(v0), np.clip(v, -LOGIT_LIMIT, LOGIT_LIMIT), v0)
         return logits
 
     return penalize
