@@ -4,7 +4,8 @@ and the API's error (OpenAI's shape: {"error": {"message", "type", "param", "cod
 Bodies are validated strictly (no "0.5" for a number, no true for an integer), as the OpenAI API does. Fields
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
-return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n).
+return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n). A request holds at most
+MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread at every token.
 
 Structured output (lumen.serve.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*,
 llama-server's json_schema and grammar, on both endpoints; `constraint_of` turns them into the request's one
@@ -28,6 +29,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 EXPECTED = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
             "stop": "a string or a list of strings", "content": "a string, null or a list of text parts"}
 SEED_RANGE = 2 ** 63
+MAX_STOP = 128          # stop strings per request: the engine checks each at every token, on its one thread
 
 
 class ApiError(Exception):
@@ -196,6 +198,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
         raise ApiError(400, f"seed must be a 64-bit integer, in [-2^63, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        raise ApiError(400, f"stop holds {len(req.stop)} strings; at most {MAX_STOP}", "stop")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None and not -2.0 <= v <= 2.0:

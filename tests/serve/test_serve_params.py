@@ -4,6 +4,7 @@ import httpx
 import pytest
 
 import lumen
+from lumen.serve.protocol import MAX_STOP
 from test_serve import MAX_MODEL_LEN, live_server
 
 
@@ -51,3 +52,15 @@ def test_any_int64_seed_is_reproducible(http, seed):
 def test_seed_past_int64_is_400(http, seed):
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "seed": seed})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+def test_stop_list_is_bounded(http):
+    """The engine checks every stop string at every token, on the thread that steps every request: thousands of
+    them would slow every stream (25 ms a token for 10,000). At most MAX_STOP, like a list OpenAI's four fit in."""
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
+    assert http.post("/v1/completions", json=body | {"stop": [f"s{i}" for i in range(MAX_STOP)]}).status_code == 200
+    r = http.post("/v1/completions", json=body | {"stop": [f"s{i}" for i in range(MAX_STOP + 1)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "stop": ["a"] * 10_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
