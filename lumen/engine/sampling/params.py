@@ -36,6 +36,15 @@ from .sampler import SamplerError, check_sampler_params
 MAX_LOGPROBS = 20           # as OpenAI's top_logprobs
 
 
+class _CheckedBias(dict):
+    """A logit_bias SamplingParams has normalized ({token id: bias clamped to +-100}): a copy made by replace() keeps
+    it without walking it again (the server makes one per choice of a request)."""
+
+
+class _CheckedIds(tuple):
+    """stop_token_ids SamplingParams has checked, kept as they are by replace()."""
+
+
 def _fail(name: str, msg: str, value) -> None:
     raise SamplerError(f"{name} {msg}, got {value!r}", param=name)
 
@@ -88,9 +97,10 @@ class SamplingParams:
             _fail("stop", "must be a string or a list of non-empty strings", self.stop)
         set_("stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            _fail("stop_token_ids", "must be a list of token ids", self.stop_token_ids)
-        set_("stop_token_ids", tuple(int(t) for t in ids))
+        if not isinstance(ids, _CheckedIds):
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+                _fail("stop_token_ids", "must be a list of token ids", self.stop_token_ids)
+            set_("stop_token_ids", _CheckedIds(int(t) for t in ids))
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", "must be true or false", self.ignore_eos)
         if not isinstance(self.special, bool):
@@ -103,16 +113,17 @@ class SamplingParams:
             _fail("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         if not isinstance(self.logit_bias, dict):
             _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
-        bias = {}
-        for k, v in self.logit_bias.items():
-            try:
-                tok = int(k)                     # JSON gives string keys
-            except (TypeError, ValueError):
-                _fail("logit_bias", "keys must be token ids", k)
-            if tok < 0 or not _is_num(v) or not math.isfinite(float(v)):
-                _fail("logit_bias", "must map token ids >= 0 to finite numbers", {k: v})
-            bias[tok] = min(100.0, max(-100.0, float(v)))
-        set_("logit_bias", bias)
+        if not isinstance(self.logit_bias, _CheckedBias):
+            bias = _CheckedBias()
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)                     # JSON gives string keys
+                except (TypeError, ValueError):
+                    _fail("logit_bias", "keys must be token ids", k)
+                if tok < 0 or not _is_num(v) or not math.isfinite(float(v)):
+                    _fail("logit_bias", "must map token ids >= 0 to finite numbers", {k: v})
+                bias[tok] = min(100.0, max(-100.0, float(v)))
+            set_("logit_bias", bias)
         if self.speculative not in (None, "ngram", "draft"):
             _fail("speculative", "must be None, 'ngram' or 'draft'", self.speculative)
         k = self.num_speculative_tokens
@@ -126,11 +137,15 @@ class SamplingParams:
 
     def check_vocab(self, n_vocab: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", tuple(self.logit_bias))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            if not ids or max(ids) < n_vocab:        # (once per choice: max() is the fast test)
+                continue
             bad = [t for t in ids if t >= n_vocab]
             if bad:
                 _fail(name, f"holds token ids outside the vocabulary (0..{n_vocab - 1})", bad[:5])
 
     def replace(self, **kw) -> "SamplingParams":
+        """A copy with these fields changed and checked; logit_bias and stop_token_ids, checked already, are not
+        walked again unless given."""
         return replace(self, **kw)
 
