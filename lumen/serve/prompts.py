@@ -57,8 +57,8 @@ class Prompter:
         while size < len(text):
             n = len(self.tok.encode(text[:size], add_bos=False, special=True))
             if n > self.max_model_len + PROBE_SLACK:
-                raise ApiError(400, f"the prompt has more than {n - PROBE_SLACK} tokens in its first {size} characters; "
-                                    f"max_model_len is {self.max_model_len}", param)
+                raise ApiError(400, f"the prompt has more than {n - PROBE_SLACK} tokens in its first {size} "
+                                    f"characters; max_model_len is {self.max_model_len}", param)
             size *= 4
         return self.encode(text, param=param)
 

@@ -252,9 +252,10 @@ def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     """Build a sampler `logits (n_vocab,) float32 -> token id`.
 
     temperature 0 is greedy (argmax, ties: lowest id; the other settings do not change the argmax and are
-    ignored), and so is a temperature so small that 1 / temperature overflows float32. Otherwise top-k -> top-p -> min-p -> temperature -> draw (module docstring). top_k 0, top_p 1 and
-    min_p 0 are off. Called, it uses a numpy Generator seeded with `seed` (None: fresh OS entropy) and draws
-    exactly one uniform per token, so the same seed and logits give the same tokens. Logits are not modified.
+    ignored), and so is a temperature so small that 1 / temperature overflows float32. Otherwise top-k -> top-p
+    -> min-p -> temperature -> draw (module docstring). top_k 0, top_p 1 and min_p 0 are off. Called, it uses a
+    numpy Generator seeded with `seed` (None: fresh OS entropy) and draws exactly one uniform per token, so the
+    same seed and logits give the same tokens. Logits are not modified.
     """
     return Sampler(*check_sampler_params(temperature, top_k, top_p, min_p, seed))
 
