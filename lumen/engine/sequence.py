@@ -157,7 +157,8 @@ class Sequence:
 
     def append(self, token: int, now: float) -> str:
         """Add a sampled token; returns the text it releases. Sets finish_reason when a stop condition holds (a
-        structured-output request's grammar complete is one). StructuredOutputError, the sequence unchanged,
+        structured-output request's grammar complete is one); stop strings and stop tokens count only after
+        min_tokens tokens, as in vLLM. StructuredOutputError, the sequence unchanged,
         for a token its grammar does not allow."""
         complete = False
         if self.grammar is not None:
@@ -178,7 +179,10 @@ class Sequence:
         piece = "" if ends else self.detok.push(token)
         if last:
             piece += self.detok.flush()
-        text, hit = self.stopper.feed(piece)
+        if n > self.params.min_tokens:
+            text, hit = self.stopper.feed(piece)
+        else:                              # the first min_tokens tokens' text is never searched for a stop string
+            text, hit = piece, False
         if hit or ends or complete:
             self.finish_reason = "stop"
             self.grammar_complete = complete and not (hit or ends)

@@ -299,6 +299,9 @@ def test_stop_conditions(model):
     o = eng.generate([ids], SamplingParams(max_tokens=12, temperature=0, stop=[word]))[0]
     assert o.finish_reason == "stop" and o.stop_reason == word and word not in o.text
     assert free.text.startswith(o.text)
+    n_before = len(o.token_ids)                   # min_tokens holds against a stop string too (as in vLLM)
+    o = eng.generate([ids], SamplingParams(max_tokens=12, temperature=0, stop=[word], min_tokens=n_before + 2))[0]
+    assert len(o.token_ids) >= n_before + 2 and free.text.startswith(o.text) and len(o.text) > len(free.text) // 2
     bias = eng.generate([ids], SamplingParams(max_tokens=3, temperature=0, logit_bias={7: 100}))[0]
     assert bias.token_ids == [7, 7, 7]
     lp = eng.generate([ids], SamplingParams(max_tokens=3, temperature=0, logprobs=3))[0]

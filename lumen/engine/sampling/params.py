@@ -72,7 +72,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()             # stop strings: the text ends before the first one
     stop_token_ids: tuple[int, ...] = ()   # tokens that end the request (besides the model's end tokens)
     ignore_eos: bool = False               # keep going past the model's end tokens
-    min_tokens: int = 0                    # end tokens and stop_token_ids are masked until this many were made
+    min_tokens: int = 0                    # end tokens and stop_token_ids are masked until this many were made,
+                                           # and stop strings are not looked for in their text
     logprobs: int | None = None            # top-k log-probabilities per sampled token (0: the sampled one only)
     logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit (clamped to +-100)
     special: bool = False                  # parse special-token text in a text prompt
