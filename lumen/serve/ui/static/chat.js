@@ -43,6 +43,7 @@ function addMessage(role, text) {
   who.textContent = role;
   const body = document.createElement("div");
   body.className = "body";
+  body.dir = "auto";                           // Arabic or Hebrew reads right to left, by its first strong letter
   body.textContent = text || "";
   const stats = document.createElement("div");
   stats.className = "stats";
