@@ -34,3 +34,38 @@ def test_right_to_left_text_reads_right_to_left(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def focused(page) -> str:
+    return page.evaluate("document.activeElement.id || document.activeElement.tagName")
+
+
+def test_keyboard_alone_send_stop_regenerate_keep_the_focus(page):
+    """With the keyboard only: Tab to Send and press Enter, Tab to Stop and press Enter, then Regenerate. Each
+    button is disabled by its own press; the focus goes back to the message box, not to the page's body (where the
+    next Tab would start again from the top)."""
+    stub = StubApp("A reply long enough to stop: " + "and on " * 40, delay=0.05)
+    try:
+        open_chat(page, stub)
+        page.focus("#input")
+        page.keyboard.type("hello")
+        page.keyboard.press("Tab")
+        assert focused(page) == "send"
+        page.keyboard.press("Enter")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 0")
+        assert focused(page) == "input"
+        page.keyboard.press("Tab")                   # Send is disabled while the reply streams: Stop is next
+        assert focused(page) == "stop"
+        page.keyboard.press("Enter")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('stopped')")
+        assert focused(page) == "input"
+        page.keyboard.press("Tab")                   # Send, then (Stop disabled) Regenerate
+        page.keyboard.press("Tab")
+        assert focused(page) == "regenerate"
+        page.keyboard.press("Enter")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 0")
+        assert focused(page) == "input"
+        page.click("#stop")
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()

@@ -244,10 +244,12 @@ def server(smollm2_path, tmp_path_factory):
 
 class StubApp:
     """The real UI router and Gate over stub endpoints, in a thread of this process (uvicorn): the chat
-    endpoint streams `reply` as OpenAI chunks of a few characters."""
+    endpoint streams `reply` as OpenAI chunks of a few characters, `delay` seconds apart."""
 
     def __init__(self, reply: str, *, api_key: str | None = None, model_id: str = "stub",
-                 structured_output: bool = False):
+                 structured_output: bool = False, delay: float = 0.0):
+        import asyncio
+
         import uvicorn
         from fastapi import FastAPI
         from fastapi.responses import StreamingResponse
@@ -266,6 +268,8 @@ class StubApp:
 
             async def events():
                 for i in range(0, len(reply), 7):
+                    if delay:
+                        await asyncio.sleep(delay)
                     chunk = {"object": "chat.completion.chunk", "choices": [
                         {"index": 0, "delta": {"content": reply[i:i + 7]}, "finish_reason": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -276,7 +280,7 @@ class StubApp:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         t0 = time.monotonic()

@@ -54,10 +54,14 @@ function addMessage(role, text) {
   return {div, body, stats};
 }
 
+/* The buttons for a reply streaming (busy) or not. A button that its own press disables hands the focus to the
+   message box, so that keyboard use goes on from there rather than from the top of the page. */
 function setBusy(busy) {
+  const had = document.activeElement;
   $("send").disabled = busy;
   $("stop").disabled = !busy;
   $("regenerate").disabled = busy || !history.some((m) => m.role === "assistant");
+  if (had && had.disabled) $("input").focus();
 }
 
 function params() {
