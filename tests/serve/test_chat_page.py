@@ -69,3 +69,33 @@ def test_keyboard_alone_send_stop_regenerate_keep_the_focus(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_controls_have_names_and_the_conversation_scrolls_from_the_keyboard(page):
+    """Every control has an accessible name of its own (the sliders too, not only their shown values; the message
+    box not only a placeholder), and the conversation is a named log that Tab reaches and the keys scroll."""
+    stub = StubApp("A long reply.\n" * 200)
+    try:
+        open_chat(page, stub)
+        for role, name in (("slider", "Temperature"), ("slider", "Top-p"), ("spinbutton", "Max tokens"),
+                           ("spinbutton", "Seed"), ("textbox", "System prompt"), ("textbox", "Message"),
+                           ("button", "Send"), ("button", "Stop")):
+            assert page.get_by_role(role, name=name, exact=True).count() == 1, (role, name)
+        send(page, "a long one, please")
+        page.wait_for_function(DONE.format(0))
+        log = page.get_by_role("log", name="Conversation", exact=True)
+        assert log.count() == 1
+        page.focus("#seed")
+        page.keyboard.press("Tab")
+        assert focused(page) == "messages"
+        top = "document.getElementById('messages').scrollTop"
+        assert page.evaluate(top) > 0                # at the end of the reply
+        page.keyboard.press("Home")
+        page.wait_for_function(f"() => {top} === 0")
+        page.keyboard.press("PageDown")
+        page.wait_for_function(f"() => {top} > 0")
+        page.keyboard.press("Tab")
+        assert focused(page) == "input"
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()
