@@ -99,3 +99,31 @@ def test_controls_have_names_and_the_conversation_scrolls_from_the_keyboard(page
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_every_button_on_screen_narrow_or_short(browser):
+    """At 320 px wide (a small phone) the page does not scroll sideways and every button of the box is on screen;
+    at 800 x 600 (a short laptop window, the JSON schema field shown) the page does not scroll at all: the
+    conversation and the settings scroll inside it, and the box and its buttons stay in view."""
+    stub = StubApp("ok", structured_output=True)
+    try:
+        for width, height in ((320, 568), (360, 640), (800, 600), (1024, 640)):
+            ctx = browser.new_context(viewport={"width": width, "height": height})
+            try:
+                pg = ctx.new_page()
+                errors = []
+                pg.on("pageerror", lambda e: errors.append(str(e)))
+                pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+                open_chat(pg, stub)
+                assert pg.evaluate("document.documentElement.scrollWidth") <= width, width
+                if width > 700:
+                    assert pg.evaluate("document.documentElement.scrollHeight") <= height, (width, height)
+                for sel in ("#input", "#send", "#stop", "#regenerate", "#clear"):
+                    box = pg.locator(sel).bounding_box()
+                    assert 0 <= box["x"] and box["x"] + box["width"] <= width, (width, sel, box)
+                    assert 0 <= box["y"] and box["y"] + box["height"] <= height, (width, height, sel, box)
+                assert not errors, errors
+            finally:
+                ctx.close()
+    finally:
+        stub.stop()
