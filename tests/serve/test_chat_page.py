@@ -127,3 +127,24 @@ def test_every_button_on_screen_narrow_or_short(browser):
                 ctx.close()
     finally:
         stub.stop()
+
+
+def test_a_seed_the_page_cannot_send_exactly_is_refused(page):
+    """A seed past 2^53 - 1 would go out as another number (JavaScript's doubles: 9007199254740993 is sent as
+    ...992) or as 1e+30, which the server refuses as not an integer: the page says so and sends nothing. The largest
+    exact seed goes out as typed."""
+    stub = StubApp("ok")
+    try:
+        open_chat(page, stub)
+        for seed in ("9007199254740993", "1e30"):
+            page.fill("#seed", seed)
+            send(page, "hello")
+            page.wait_for_selector("#notice >> text=Seed")
+            assert stub.bodies == [] and page.input_value("#input") == "hello", seed
+        page.fill("#seed", "9007199254740991")
+        page.click("#send")
+        page.wait_for_function(DONE.format(0))
+        assert stub.bodies[-1]["seed"] == 9007199254740991
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()
