@@ -4,6 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const KEEP_S = 120;                       // seconds of history the time charts keep
+const POLL_TIMEOUT_MS = 5000;             // a poll without an answer by then is given up
 const series = {t: [], tps: [], running: [], waiting: []};
 const charts = {};
 
@@ -132,16 +133,24 @@ function render(d) {
   document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
 }
 
+/* One poll, given up after POLL_TIMEOUT_MS: a server that takes the connection but never answers (its process
+   frozen, the network gone) is said to be silent, not shown "live" over its last figures. */
 async function poll() {
+  const ctl = new AbortController();
+  const timer = setTimeout(() => ctl.abort(), POLL_TIMEOUT_MS);
   try {
-    const r = await keyedFetch("/dashboard/data", {cache: "no-store"});
+    const r = await keyedFetch("/dashboard/data", {cache: "no-store", signal: ctl.signal});
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     render(await r.json());
     $("status").textContent = "live";
   } catch (e) {
-    const why = e instanceof TypeError ? `server unreachable (${e.message})` : String(e.message || e);
+    let why = e instanceof TypeError ? `server unreachable (${e.message})` : String(e.message || e);
+    if (e.name === "AbortError")
+      why = asking ? "waiting for the API key" : `no answer within ${POLL_TIMEOUT_MS / 1000} s`;
     $("status").textContent = `no data: ${why}; trying again every second`;
     addPoint(Date.now() / 1e3, null, null, null);      // the lines break over the time without data
+  } finally {
+    clearTimeout(timer);
   }
   setTimeout(poll, 1000);
 }

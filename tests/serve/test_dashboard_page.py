@@ -1,0 +1,50 @@
+"""The dashboard used as a person uses it, in headless Chromium (the browser and the stub server of test_ui): a
+server that stops answering, a clock that is not the server's. Every test listens to the page's console and errors,
+and stops the server it starts."""
+import test_ui
+from test_ui import StubApp
+
+browser = test_ui.browser                    # the module's browser and a fresh page per test (console listened to)
+page = test_ui.page
+
+
+def polls(page) -> int:
+    return int(page.evaluate("Number(document.body.dataset.polls || 0)"))
+
+
+def test_a_server_that_stops_answering_is_not_shown_live(page):
+    """The server takes the poll's connection but never answers (stopped, or its process frozen): within a few
+    seconds the status says there is no answer, not "live" over the last figures; once it answers again, live."""
+    stub = StubApp("ok")
+    held = []
+    try:
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        assert page.inner_text("#status") == "live"
+        page.route("**/dashboard/data", lambda route: held.append(route))      # taken, never answered
+        page.wait_for_selector("#status >> text=no answer", timeout=15_000)
+        assert "trying again" in page.inner_text("#status")
+        n = polls(page)
+        page.unroute("**/dashboard/data")
+        page.wait_for_function(f"() => Number(document.body.dataset.polls) > {n}", timeout=15_000)
+        page.wait_for_selector("#status >> text=live")
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()
+
+
+def test_a_key_entered_after_the_poll_timeout_still_lets_it_in(page):
+    """With --api-key the poll waits for the key longer than a poll may take: the status says it waits for the key
+    (not that the server is silent), and the key, entered then, makes the dashboard live."""
+    stub = StubApp("ok", api_key="s3cret")
+    try:
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_selector("#keyform:not([hidden])")
+        page.wait_for_selector("#status >> text=waiting for the API key", timeout=15_000)
+        page.fill("#keyform input", "s3cret")
+        page.click("#keyform button")
+        page.wait_for_selector("#status >> text=live", timeout=15_000)
+        assert polls(page) >= 1
+        assert all("401" in e for e in page.errors), page.errors
+    finally:
+        stub.stop()
