@@ -1,6 +1,7 @@
 """The dashboard used as a person uses it, in headless Chromium (the browser and the stub server of test_ui): a
 server that stops answering, a clock that is not the server's. Every test listens to the page's console and errors,
 and stops the server it starts."""
+import pytest
 import test_ui
 from test_ui import StubApp
 
@@ -47,4 +48,34 @@ def test_a_key_entered_after_the_poll_timeout_still_lets_it_in(page):
         assert polls(page) >= 1
         assert all("401" in e for e in page.errors), page.errors
     finally:
+        stub.stop()
+
+
+@pytest.mark.parametrize("skew_s", [600, -600])
+def test_the_outage_gap_is_drawn_on_the_servers_clock(browser, skew_s):
+    """The browser's clock is ten minutes off the server's (another machine): an outage still breaks the time
+    charts' lines, and the points after it are drawn at once (not dropped until the browser's clock is passed)."""
+    stub = StubApp("ok")
+    ctx = browser.new_context()
+    held = []
+    try:
+        ctx.add_init_script(f"{{ const now = Date.now; Date.now = () => now() + {skew_s * 1000}; }}")
+        page = ctx.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 2")
+        page.route("**/dashboard/data", lambda route: held.append(route))
+        page.wait_for_selector("#status >> text=no answer", timeout=15_000)
+        page.unroute("**/dashboard/data")
+        page.wait_for_selector("#status >> text=live", timeout=15_000)
+        n = polls(page)
+        page.wait_for_function(f"() => Number(document.body.dataset.polls) >= {n + 2}", timeout=15_000)
+        running = page.evaluate("charts.reqs.data[1]")       # 0 at every answer (the stub runs nothing)
+        assert None in running, running               # the gap
+        assert running[-2:] == [0, 0], running        # the points since
+        assert not errors, errors
+    finally:
+        ctx.close()
         stub.stop()

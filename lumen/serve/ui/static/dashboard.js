@@ -7,6 +7,7 @@ const KEEP_S = 120;                       // seconds of history the time charts 
 const POLL_TIMEOUT_MS = 5000;             // a poll without an answer by then is given up
 const series = {t: [], tps: [], running: [], waiting: []};
 const charts = {};
+let skew = null;                          // the server's clock less this browser's, in s (null: no answer yet)
 
 function fmt(x, digits) { return x == null ? "–" : Number(x).toFixed(digits); }
 function pct(x) { return x == null ? "–" : (100 * x).toFixed(1) + " %"; }
@@ -121,6 +122,7 @@ function render(d) {
   $("window").textContent = `latency percentiles, prefix hits and acceptance over the last ${d.window_s} s ` +
     `(${d.ttft_ms.count} first tokens, ${d.itl_ms.count} inter-token gaps of finished requests)`;
   ensureCharts();
+  skew = d.time - Date.now() / 1e3;
   addPoint(d.time, d.output_tps, d.running, d.waiting);
   if (charts.tps) {
     const r = d.steps.recent;
@@ -148,7 +150,8 @@ async function poll() {
     if (e.name === "AbortError")
       why = asking ? "waiting for the API key" : `no answer within ${POLL_TIMEOUT_MS / 1000} s`;
     $("status").textContent = `no data: ${why}; trying again every second`;
-    addPoint(Date.now() / 1e3, null, null, null);      // the lines break over the time without data
+    if (skew != null)                 // the lines break over the time without data, on the server's clock
+      addPoint(Date.now() / 1e3 + skew, null, null, null);
   } finally {
     clearTimeout(timer);
   }
