@@ -148,3 +148,26 @@ def test_a_seed_the_page_cannot_send_exactly_is_refused(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_stop_before_the_reply_begins_takes_the_message_back(page):
+    """Stop before any of the reply came: no empty reply is kept in the conversation (the next request would carry
+    an assistant turn the model never wrote); the message goes back in the box, and the page says why. Sending it
+    again asks with it alone."""
+    stub = StubApp("late but here", delay=1.0)
+    try:
+        open_chat(page, stub)
+        send(page, "hello")
+        page.wait_for_selector(".msg.assistant")
+        page.click("#stop")
+        page.wait_for_selector("#notice >> text=Stopped before the reply began")
+        assert page.locator(".msg").count() == 0
+        assert page.input_value("#input") == "hello" and page.is_enabled("#send")
+        page.click("#send")
+        page.wait_for_function(DONE.format(0), timeout=30_000)
+        assert stub.bodies[-1]["messages"] == [{"role": "user", "content": "hello"}]
+        assert page.locator(".msg .body").all_inner_texts() == ["hello", "late but here"]
+        assert page.inner_text("#notice") == ""
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()

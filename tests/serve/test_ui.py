@@ -636,14 +636,14 @@ def test_api_key_asked_once_for_all_waiting_requests(browser):
         page.evaluate("sessionStorage.setItem('lumen-api-key', 'wrong')")
         send(page, "again")                           # a refused key; Stop while the form asks for another
         page.wait_for_selector("#keyform:not([hidden])")
-        page.click("#stop")
-        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent"
-                               ".includes('(stopped)')", timeout=5_000)
+        page.click("#stop")                           # nothing of the reply came: the message is back in the box
+        page.wait_for_selector("#notice >> text=Stopped before the reply began", timeout=5_000)
         assert page.is_enabled("#send") and not page.is_enabled("#stop")
+        assert page.input_value("#input") == "again" and page.locator(".msg.assistant").count() == 1
         page.fill("#keyform input", "s3cret")
         page.click("#keyform button")
         send(page, "and again")
-        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[2]?.textContent"
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent"
                                ".includes('(stop)')")
     finally:
         ctx.close()

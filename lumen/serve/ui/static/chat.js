@@ -9,6 +9,7 @@ let conversation = 0;        // counts the Clears: a reply cut by one does not g
 let structured = false;      // the server honours response_format json_schema (GET /ui/info)
 const SAVED = "lumen-chat";  // this tab's conversation and settings in sessionStorage: a reload keeps them
 const FIELDS = ["system", "temperature", "top_p", "max_tokens", "seed", "schema"];
+const STOPPED = {};          // reply()'s answer when Stop came before any of the reply
 
 function save() {
   const settings = {};
@@ -112,8 +113,9 @@ function statsLine(s) {
 }
 
 /* Ask for the reply to the conversation in `history` (it ends with the user's turn). Resolves to null, or to the
-   error when the request failed before any of the reply came (refused, or the server unreachable): its bubble is
-   gone, and the caller takes the user's turn back out, so that one bad message does not fail every later one. */
+   error when the request failed before any of the reply came (refused, or the server unreachable), or to STOPPED
+   when Stop came first: its bubble is gone, and the caller takes the user's turn back out, so that one bad message
+   does not fail every later one and no empty reply the model never wrote goes into the conversation. */
 async function reply(fmt) {
   const messages = [];
   const system = $("system").value.trim();
@@ -177,6 +179,7 @@ async function reply(fmt) {
   } catch (e) {
     if (e.name === "AbortError") {
       s.finish = "stopped";
+      if (!content) failure = STOPPED;
     } else {
       failure = String(e.message || e);
       if (e instanceof TypeError)                  // fetch's network failures: no answer, or the stream cut
@@ -213,8 +216,8 @@ function unsend(failure) {
   const users = $("messages").querySelectorAll(".msg.user");
   users[users.length - 1].remove();
   if (!$("input").value) $("input").value = turn.content;
-  const stop = /[.?!]$/.test(failure) ? "" : ".";
-  $("notice").textContent = `Not sent: ${failure}${stop} The message is back in the box.`;
+  $("notice").textContent = failure === STOPPED ? "Stopped before the reply began. The message is back in the box." :
+    `Not sent: ${failure}${/[.?!]$/.test(failure) ? "" : "."} The message is back in the box.`;
   setBusy(false);
 }
 
