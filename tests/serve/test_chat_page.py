@@ -171,3 +171,28 @@ def test_stop_before_the_reply_begins_takes_the_message_back(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_enter_while_a_reply_streams_says_why_nothing_was_sent(page):
+    """Enter while a reply streams sends nothing (one reply at a time) and says so; the message stays in the box
+    and goes with the next Enter once the reply is done, the notice gone."""
+    stub = StubApp("a reply that takes a moment " * 4, delay=0.1)
+    try:
+        open_chat(page, stub)
+        send(page, "first")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 0")
+        page.focus("#input")
+        page.keyboard.type("second")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#notice >> text=still coming", timeout=2_000)
+        assert page.input_value("#input") == "second" and len(stub.bodies) == 1
+        page.wait_for_function(DONE.format(0))
+        assert page.inner_text("#notice") == ""       # the reply is done: the notice is gone
+        page.focus("#input")
+        page.keyboard.press("Enter")
+        page.wait_for_function(DONE.format(1))
+        assert stub.bodies[-1]["messages"][-1] == {"role": "user", "content": "second"}
+        assert page.inner_text("#notice") == ""
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()

@@ -10,6 +10,7 @@ let structured = false;      // the server honours response_format json_schema (
 const SAVED = "lumen-chat";  // this tab's conversation and settings in sessionStorage: a reload keeps them
 const FIELDS = ["system", "temperature", "top_p", "max_tokens", "seed", "schema"];
 const STOPPED = {};          // reply()'s answer when Stop came before any of the reply
+const BUSY = "A reply is still coming: wait for it, or press Stop. The message stays in the box.";
 
 function save() {
   const settings = {};
@@ -190,6 +191,7 @@ async function reply(fmt) {
   } finally {
     controller = null;
     view.stats.textContent = statsLine(s);
+    if ($("notice").textContent === BUSY) $("notice").textContent = "";        // the reply is done now
   }
   if (mine !== conversation || (failure && !content)) {
     setBusy(false);
@@ -224,7 +226,11 @@ function unsend(failure) {
 function send(ev) {
   ev.preventDefault();
   const text = $("input").value;
-  if (!text.trim() || controller) return;
+  if (!text.trim()) return;
+  if (controller) {                                            // one reply at a time; the message stays in the box
+    $("notice").textContent = BUSY;
+    return;
+  }
   $("notice").textContent = badSetting();
   if ($("notice").textContent) return;                         // the message stays in the box
   let fmt;
