@@ -196,3 +196,21 @@ def test_enter_while_a_reply_streams_says_why_nothing_was_sent(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_a_reply_on_its_way_says_so_until_its_first_token(page):
+    """While the server has not answered yet (a queue behind other clients, a long prompt), the reply's bubble
+    says it waits for the first token, and is marked busy for screen readers until the reply is done."""
+    stub = StubApp("here at last", delay=1.5)
+    try:
+        open_chat(page, stub)
+        send(page, "hello")
+        page.wait_for_selector(".msg.assistant")
+        assert "waiting for the first token" in page.inner_text(".msg.assistant .stats")
+        assert page.get_attribute(".msg.assistant", "aria-busy") == "true"
+        page.wait_for_function(DONE.format(0), timeout=30_000)
+        assert "waiting" not in page.inner_text(".msg.assistant .stats")
+        assert page.get_attribute(".msg.assistant", "aria-busy") is None
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()

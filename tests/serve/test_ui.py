@@ -337,7 +337,7 @@ def test_chat_streams_the_servers_greedy_reply_with_stats(server, page, artifact
     page.fill("#system", "You are a concise assistant.")
     page.evaluate(WATCH)
     send(page, "Name three colours of the rainbow.")
-    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.length > 0",
+    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('generated (')",
                            timeout=120_000)
     stats = page.inner_text(".msg.assistant .stats")
     print("reply:", repr(page.inner_text(".msg.assistant .body")), "\nstats:", stats)
@@ -393,7 +393,7 @@ def test_chat_refused_message_leaves_the_conversation(server, page):
     set_value(page, "#temperature", 0)
     set_value(page, "#max_tokens", 4)
     send(page, "Say hi.")
-    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.length > 0",
+    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('generated (')",
                            timeout=120_000)
     long = "word " * 1500
     send(page, long)
@@ -405,7 +405,8 @@ def test_chat_refused_message_leaves_the_conversation(server, page):
     assert page.locator(".msg").count() == 2 and page.inner_text("#notice") == ""
     first = page.eval_on_selector(".msg.assistant .body", "e => e.textContent")
     send(page, "Say bye.")
-    page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent.length > 0",
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent"
+                           ".includes('generated (')",
                            timeout=120_000)
     stats = page.locator(".msg.assistant .stats").nth(1).inner_text()
     want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
@@ -423,7 +424,7 @@ def test_chat_clear_mid_reply_starts_afresh(server, page):
     page.click("#clear")
     set_value(page, "#max_tokens", 4)
     send(page, "Say hi.")
-    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.length > 0",
+    page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('generated (')",
                            timeout=120_000)
     assert page.locator(".msg").count() == 2
     want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
@@ -498,7 +499,8 @@ def test_chat_reload_keeps_the_conversation_and_settings(page):
         assert page.locator(".msg .body").all_inner_texts() == ["hello", "ok"]
         assert page.input_value("#system") == "Be brief." and page.input_value("#max_tokens") == "7"
         send(page, "again")
-        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent.length > 0")
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent"
+                               ".includes('generated (')")
         assert stub.bodies[-1]["messages"] == [
             {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}, ]

@@ -127,6 +127,8 @@ async function reply(fmt) {
   const view = addMessage("assistant", "");
   const text = document.createTextNode("");
   view.body.append(text);
+  view.stats.textContent = "waiting for the first token…";   // a queue or a long prompt can take seconds
+  view.div.setAttribute("aria-busy", "true");                  // screen readers: read the reply once it is done
   const mine = conversation;
   const s = {t0: performance.now(), tFirst: null, tLast: null, completion: 0, prompt: null, finish: null};
   controller = new AbortController();
@@ -165,7 +167,7 @@ async function reply(fmt) {
             const delta = (c.delta && c.delta.content) || "";
             if (delta) {
               const now = performance.now();
-              if (s.tFirst == null) s.tFirst = now;
+              if (s.tFirst == null) { s.tFirst = now; view.stats.textContent = ""; }
               s.tLast = now;
               content += delta;
               text.appendData(delta);              // text, never HTML
@@ -190,6 +192,7 @@ async function reply(fmt) {
     }
   } finally {
     controller = null;
+    view.div.removeAttribute("aria-busy");
     view.stats.textContent = statsLine(s);
     if ($("notice").textContent === BUSY) $("notice").textContent = "";        // the reply is done now
   }
