@@ -79,3 +79,24 @@ def test_the_outage_gap_is_drawn_on_the_servers_clock(browser, skew_s):
     finally:
         ctx.close()
         stub.stop()
+
+
+def test_the_last_figures_are_greyed_while_there_is_no_data(page):
+    """While polls fail, the tiles still hold the last figures (the last known state): they are greyed out, so
+    that a glance does not read them as now; the next answer brings them back."""
+    stub = StubApp("ok")
+    try:
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        opacity = "() => Number(getComputedStyle(document.querySelector('.tiles')).opacity)"
+        assert page.evaluate(opacity) == 1
+        page.route("**/dashboard/data", lambda route: route.abort())          # refused: the server is down
+        page.wait_for_selector("#status >> text=no data")
+        assert page.evaluate(opacity) < 0.6
+        assert page.inner_text("#running") == "0"     # kept, greyed
+        page.unroute("**/dashboard/data")
+        page.wait_for_selector("#status >> text=live")
+        assert page.evaluate(opacity) == 1
+        assert all("ERR_FAILED" in e for e in page.errors), page.errors
+    finally:
+        stub.stop()

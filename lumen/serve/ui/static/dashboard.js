@@ -145,11 +145,13 @@ async function poll() {
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     render(await r.json());
     $("status").textContent = "live";
+    document.body.classList.remove("stale");
   } catch (e) {
     let why = e instanceof TypeError ? `server unreachable (${e.message})` : String(e.message || e);
     if (e.name === "AbortError")
       why = asking ? "waiting for the API key" : `no answer within ${POLL_TIMEOUT_MS / 1000} s`;
     $("status").textContent = `no data: ${why}; trying again every second`;
+    document.body.classList.add("stale");                // the figures shown are the last known, greyed
     if (skew != null)                 // the lines break over the time without data, on the server's clock
       addPoint(Date.now() / 1e3 + skew, null, null, null);
   } finally {
