@@ -214,3 +214,35 @@ def test_a_reply_on_its_way_says_so_until_its_first_token(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_the_message_box_has_the_focus_on_load_and_after_the_key(browser, page):
+    """On a computer the page opens with the focus in the message box (type, Enter); on a phone it does not (its
+    keyboard would cover the conversation). A key asked for takes the focus, and gives it back to the box."""
+    stub = StubApp("ok")
+    phone = browser.new_context(viewport={"width": 375, "height": 667}, is_mobile=True, has_touch=True)
+    try:
+        open_chat(page, stub)
+        assert focused(page) == "input"
+        page.keyboard.type("hello")
+        page.keyboard.press("Enter")
+        page.wait_for_function(DONE.format(0))
+        on_phone = phone.new_page()
+        open_chat(on_phone, stub)
+        assert focused(on_phone) == "BODY"
+    finally:
+        phone.close()
+        stub.stop()
+    stub = StubApp("ok", api_key="s3cret")
+    try:
+        page.evaluate("sessionStorage.clear()")
+        page.goto(stub.url + "/")
+        page.wait_for_selector("#keyform:not([hidden])")
+        assert page.evaluate("document.activeElement === document.querySelector('#keyform input')")
+        page.keyboard.type("s3cret")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("body[data-ready='1']")
+        assert focused(page) == "input"
+        assert all("401" in e for e in page.errors), page.errors
+    finally:
+        stub.stop()

@@ -283,6 +283,8 @@ async function init() {
     setBusy(false);
   });
   setBusy(false);
+  if (matchMedia("(pointer: fine)").matches) $("input").focus();   // a computer: type at once (a phone's keyboard
+                                                                    // would cover the conversation)
   const r = await keyedFetch("/ui/info");
   if (r.ok) {
     const info = await r.json();

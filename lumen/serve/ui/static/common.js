@@ -19,7 +19,8 @@ function authHeaders(extra) {
 }
 
 /* Show the key form (an element #keyform with an input and a button); resolves once a key is entered. Every
-   request refused meanwhile waits for that same key (one form, one promise). */
+   request refused meanwhile waits for that same key (one form, one promise). The form takes the focus and gives it
+   back to where it was (the chat's message box) once the key is in. */
 let asking = null;
 
 function askKey(message) {
@@ -27,6 +28,7 @@ function askKey(message) {
   const input = form.querySelector("input");
   form.querySelector(".why").textContent = message || "This server needs an API key.";
   if (asking) return asking;
+  const back = document.activeElement;
   form.hidden = false;
   input.value = "";
   input.focus();
@@ -35,6 +37,7 @@ function askKey(message) {
       ev.preventDefault();
       setApiKey(input.value.trim());
       form.hidden = true;
+      if (back && back !== document.body && back.isConnected) back.focus();
       asking = null;
       resolve();
     };
