@@ -246,3 +246,28 @@ def test_the_message_box_has_the_focus_on_load_and_after_the_key(browser, page):
         assert all("401" in e for e in page.errors), page.errors
     finally:
         stub.stop()
+
+
+def test_a_page_whose_info_fails_says_so_and_catches_up(page):
+    """The page came but its /ui/info did not (the server went down meanwhile, or answered 500): no uncaught error,
+    the header says the server is not answering, and once it answers the model's name and limits come in."""
+    stub = StubApp("ok")
+    failed = []
+
+    def fail_twice(route):
+        failed.append(route.request.url)
+        if len(failed) == 1:
+            route.abort()                             # no answer
+        elif len(failed) == 2:
+            route.fulfill(status=500, body="down")
+        else:
+            route.continue_()
+    try:
+        page.route("**/ui/info", fail_twice)
+        page.goto(stub.url + "/")
+        page.wait_for_selector("#model >> text=not answering")
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        assert page.inner_text("#model") == "stub" and len(failed) == 3
+        assert not [e for e in page.errors if "ERR_FAILED" not in e and "500" not in e], page.errors
+    finally:
+        stub.stop()

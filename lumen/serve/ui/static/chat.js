@@ -285,15 +285,28 @@ async function init() {
   setBusy(false);
   if (matchMedia("(pointer: fine)").matches) $("input").focus();   // a computer: type at once (a phone's keyboard
                                                                     // would cover the conversation)
-  const r = await keyedFetch("/ui/info");
-  if (r.ok) {
-    const info = await r.json();
-    $("model").textContent = info.model;
-    structured = !!info.structured_output;
-    $("structured").hidden = !structured;
-    if (info.max_model_len) $("max_tokens").max = info.max_model_len;
-  }
+  await loadInfo();
   document.body.dataset.ready = "1";
+}
+
+/* The model's name and limits (GET /ui/info), asked again every 2 s until the server answers: the page may have
+   come while the server went down. */
+async function loadInfo() {
+  for (;;) {
+    try {
+      const r = await keyedFetch("/ui/info");
+      if (!r.ok) throw new Error(`HTTP ${r.status}`);
+      const info = await r.json();
+      $("model").textContent = info.model;
+      structured = !!info.structured_output;
+      $("structured").hidden = !structured;
+      if (info.max_model_len) $("max_tokens").max = info.max_model_len;
+      return;
+    } catch (e) {
+      $("model").textContent = "(the server is not answering; trying again)";
+      await new Promise((ok) => setTimeout(ok, 2000));
+    }
+  }
 }
 
 init();
