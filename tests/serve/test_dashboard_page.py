@@ -100,3 +100,35 @@ def test_the_last_figures_are_greyed_while_there_is_no_data(page):
         assert all("ERR_FAILED" in e for e in page.errors), page.errors
     finally:
         stub.stop()
+
+
+HIDE = """(hidden) => {
+  Object.defineProperty(document, 'hidden', {configurable: true, get: () => hidden});
+  Object.defineProperty(document, 'visibilityState', {configurable: true, get: () => hidden ? 'hidden' : 'visible'});
+  document.dispatchEvent(new Event('visibilitychange'));
+}"""
+
+
+def test_a_hidden_dashboard_stops_polling(page):
+    """A dashboard tab in the background (another tab in front, the window minimised) asks for nothing, so the
+    server's step recording, which each poll turns on, goes off; shown again, it polls at once."""
+    stub = StubApp("ok")
+    asked = []
+    try:
+        page.on("request", lambda r: "/dashboard/data" in r.url and asked.append(r.url))
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        page.evaluate(HIDE, True)
+        page.wait_for_timeout(1500)                   # a poll already on its way may still go
+        n = len(asked)
+        page.wait_for_timeout(3000)
+        assert len(asked) == n, "a hidden dashboard went on polling"
+        shown = polls(page)
+        page.evaluate(HIDE, False)
+        page.wait_for_function(f"() => Number(document.body.dataset.polls) > {shown}", timeout=1_000)
+        page.wait_for_function(f"() => Number(document.body.dataset.polls) > {shown + 1}", timeout=5_000)
+        running = page.evaluate("charts.reqs.data[1]")
+        assert None in running and running[-1] == 0, running        # no line drawn across the hidden time
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()

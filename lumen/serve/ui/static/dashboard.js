@@ -136,10 +136,16 @@ function render(d) {
 }
 
 /* One poll, given up after POLL_TIMEOUT_MS: a server that takes the connection but never answers (its process
-   frozen, the network gone) is said to be silent, not shown "live" over its last figures. */
+   frozen, the network gone) is said to be silent, not shown "live" over its last figures. None while the tab is
+   hidden: each poll keeps the server's step recording on, and nobody looks. */
+let timer = null, inFlight = false;
+
 async function poll() {
+  timer = null;
+  if (document.hidden) return;                        // polled again when shown
+  inFlight = true;
   const ctl = new AbortController();
-  const timer = setTimeout(() => ctl.abort(), POLL_TIMEOUT_MS);
+  const giveUp = setTimeout(() => ctl.abort(), POLL_TIMEOUT_MS);
   try {
     const r = await keyedFetch("/dashboard/data", {cache: "no-store", signal: ctl.signal});
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
@@ -155,10 +161,18 @@ async function poll() {
     if (skew != null)                 // the lines break over the time without data, on the server's clock
       addPoint(Date.now() / 1e3 + skew, null, null, null);
   } finally {
-    clearTimeout(timer);
+    clearTimeout(giveUp);
+    inFlight = false;
   }
-  setTimeout(poll, 1000);
+  timer = setTimeout(poll, 1000);
 }
+
+document.addEventListener("visibilitychange", () => {
+  if (document.hidden || inFlight) return;
+  if (skew != null) addPoint(Date.now() / 1e3 + skew, null, null, null);   // no line across the hidden time
+  clearTimeout(timer);
+  poll();
+});
 
 window.addEventListener("resize", () => {
   for (const [name, chart] of Object.entries(charts)) {
