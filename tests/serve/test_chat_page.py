@@ -271,3 +271,29 @@ def test_a_page_whose_info_fails_says_so_and_catches_up(page):
         assert not [e for e in page.errors if "ERR_FAILED" not in e and "500" not in e], page.errors
     finally:
         stub.stop()
+
+
+def test_on_a_phone_enter_is_a_new_line_and_send_sends(browser):
+    """A phone's keyboard has no Shift+Enter: there Enter makes a new line (a message of several lines can be
+    typed) and the Send button sends; the box's hint says so. On a computer Enter sends (the other tests)."""
+    stub = StubApp("ok")
+    ctx = browser.new_context(viewport={"width": 375, "height": 667}, is_mobile=True, has_touch=True)
+    try:
+        pg = ctx.new_page()
+        errors = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        open_chat(pg, stub)
+        assert "Shift+Enter" not in (pg.get_attribute("#input", "placeholder") or "")
+        pg.tap("#input")
+        pg.keyboard.type("first line")
+        pg.keyboard.press("Enter")
+        pg.keyboard.type("second line")
+        assert pg.input_value("#input") == "first line\nsecond line" and stub.bodies == []
+        pg.tap("#send")
+        pg.wait_for_function(DONE.format(0))
+        assert stub.bodies[-1]["messages"] == [{"role": "user", "content": "first line\nsecond line"}]
+        assert not errors, errors
+    finally:
+        ctx.close()
+        stub.stop()

@@ -11,6 +11,7 @@ const SAVED = "lumen-chat";  // this tab's conversation and settings in sessionS
 const FIELDS = ["system", "temperature", "top_p", "max_tokens", "seed", "schema"];
 const STOPPED = {};          // reply()'s answer when Stop came before any of the reply
 const BUSY = "A reply is still coming: wait for it, or press Stop. The message stays in the box.";
+const PHONE = matchMedia("(pointer: coarse)").matches;   // a touch screen: its keyboard has no Shift+Enter
 
 function save() {
   const settings = {};
@@ -268,8 +269,12 @@ async function init() {
     show();
   }
   $("composer").addEventListener("submit", send);
+  if (PHONE) $("input").placeholder = "Message (Enter: new line)";              // and the Send button sends
   $("input").addEventListener("keydown", (ev) => {
-    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); $("composer").requestSubmit(); }
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && !PHONE) {
+      ev.preventDefault();
+      $("composer").requestSubmit();
+    }
   });
   $("stop").addEventListener("click", () => controller && controller.abort());
   $("regenerate").addEventListener("click", regenerate);
@@ -283,8 +288,7 @@ async function init() {
     setBusy(false);
   });
   setBusy(false);
-  if (matchMedia("(pointer: fine)").matches) $("input").focus();   // a computer: type at once (a phone's keyboard
-                                                                    // would cover the conversation)
+  if (!PHONE) $("input").focus();          // a computer: type at once (a phone's keyboard would cover the chat)
   await loadInfo();
   document.body.dataset.ready = "1";
 }
