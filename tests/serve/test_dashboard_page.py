@@ -132,3 +132,42 @@ def test_a_hidden_dashboard_stops_polling(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_hundreds_of_updates_grow_neither_the_page_nor_its_heap(page):
+    """600 updates (ten minutes of polls, run at once through the page's own render(), with 120 recent steps
+    each): the time charts keep their window, and the page's elements, listeners and JS heap stay as they were."""
+    stub = StubApp("ok")
+    try:
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        page.evaluate(HIDE, True)                     # the polls stop: the updates below are all there is
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("Performance.enable")
+
+        def metrics() -> dict:
+            cdp.send("HeapProfiler.collectGarbage")
+            m = {x["name"]: x["value"] for x in cdp.send("Performance.getMetrics")["metrics"]}
+            return {k: m[k] for k in ("Nodes", "JSEventListeners", "JSHeapUsedSize")}
+        updates = """(n) => fetch('/dashboard/data').then((r) => r.json()).then((d) => {
+          for (let i = 0; i < n; i++) {
+            d.time += 1;
+            d.running = i % 4; d.output_tps = 100 + i % 50;
+            d.steps.recent = Array.from({length: 120}, (_, k) => ({t: d.time - 5 + k * 0.04, tokens: 1 + k % 7,
+              seqs: 1 + k % 3, kv_tokens: 100, wall_ms: 6 + k % 5, phase: k % 9 ? 'decode' : 'prefill'}));
+            render(d);
+          }
+          return series.t.length;
+        })"""
+        page.evaluate(updates, 300)                   # warm: the charts made, the window full
+        before = metrics()
+        kept = page.evaluate(updates, 300)
+        after = metrics()
+        print("before", before, "after", after)
+        assert kept <= 122                            # the 120 s window (and its edges)
+        assert after["Nodes"] <= before["Nodes"] + 20, (before, after)
+        assert after["JSEventListeners"] <= before["JSEventListeners"], (before, after)
+        assert after["JSHeapUsedSize"] < before["JSHeapUsedSize"] + 1_000_000, (before, after)
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()
