@@ -171,3 +171,27 @@ def test_hundreds_of_updates_grow_neither_the_page_nor_its_heap(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_the_status_is_announced_only_when_it_changes(page):
+    """The header's status is a live region (role=status), so a screen reader says when the data stops and comes
+    back; polls that change nothing leave its text alone (nothing is announced again every second)."""
+    stub = StubApp("ok")
+    try:
+        page.goto(stub.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        assert page.get_by_role("status").inner_text() == "live"
+        page.evaluate("""() => { window.__said = 0;
+          new MutationObserver(() => window.__said++).observe(document.getElementById('status'),
+                                                              {subtree: true, childList: true, characterData: true});
+        }""")
+        n = polls(page)
+        page.wait_for_function(f"() => Number(document.body.dataset.polls) >= {n + 3}", timeout=10_000)
+        assert page.evaluate("window.__said") == 0
+        page.route("**/dashboard/data", lambda route: route.abort())
+        page.wait_for_selector("#status >> text=no data")
+        page.wait_for_timeout(2500)                   # more failed polls, the same words
+        assert page.evaluate("window.__said") == 1
+        assert all("ERR_FAILED" in e for e in page.errors), page.errors
+    finally:
+        stub.stop()

@@ -135,6 +135,9 @@ function render(d) {
   document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
 }
 
+/* the status (a live region): set only when its words change, so a screen reader says nothing every second */
+function say(text) { if ($("status").textContent !== text) $("status").textContent = text; }
+
 /* One poll, given up after POLL_TIMEOUT_MS: a server that takes the connection but never answers (its process
    frozen, the network gone) is said to be silent, not shown "live" over its last figures. None while the tab is
    hidden: each poll keeps the server's step recording on, and nobody looks. */
@@ -150,13 +153,13 @@ async function poll() {
     const r = await keyedFetch("/dashboard/data", {cache: "no-store", signal: ctl.signal});
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     render(await r.json());
-    $("status").textContent = "live";
+    say("live");
     document.body.classList.remove("stale");
   } catch (e) {
     let why = e instanceof TypeError ? `server unreachable (${e.message})` : String(e.message || e);
     if (e.name === "AbortError")
       why = asking ? "waiting for the API key" : `no answer within ${POLL_TIMEOUT_MS / 1000} s`;
-    $("status").textContent = `no data: ${why}; trying again every second`;
+    say(`no data: ${why}; trying again every second`);
     document.body.classList.add("stale");                // the figures shown are the last known, greyed
     if (skew != null)                 // the lines break over the time without data, on the server's clock
       addPoint(Date.now() / 1e3 + skew, null, null, null);
