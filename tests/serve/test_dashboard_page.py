@@ -195,3 +195,27 @@ def test_the_status_is_announced_only_when_it_changes(page):
         assert all("ERR_FAILED" in e for e in page.errors), page.errors
     finally:
         stub.stop()
+
+
+def test_a_ray_applications_replicas_fit_a_phone(browser):
+    """A Ray application's dashboard has a table of its replicas, ten columns: on a phone it scrolls inside its
+    own box, and the page does not scroll sideways."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+    reg = CollectorRegistry()
+    labels = ["model_name", "replica"]
+    tokens = Counter("lumen:generation_tokens", "", labels, registry=reg)
+    blocks = Gauge("lumen:kv_cache_total_blocks", "", labels, registry=reg)
+    for r in ("replica-0123456789abcdef", "replica-fedcba9876543210"):
+        tokens.labels("m", r).inc(1000)
+        blocks.labels("m", r).set(512)
+    stub = StubApp("ok", registry=reg)
+    ctx = browser.new_context(viewport={"width": 375, "height": 667})
+    try:
+        pg = ctx.new_page()
+        pg.goto(stub.url + "/dashboard")
+        pg.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        assert pg.locator("#replicas tbody tr").count() == 2
+        assert pg.evaluate("document.documentElement.scrollWidth") <= 375
+    finally:
+        ctx.close()
+        stub.stop()

@@ -244,10 +244,11 @@ def server(smollm2_path, tmp_path_factory):
 
 class StubApp:
     """The real UI router and Gate over stub endpoints, in a thread of this process (uvicorn): the chat
-    endpoint streams `reply` as OpenAI chunks of a few characters, `delay` seconds apart."""
+    endpoint streams `reply` as OpenAI chunks of a few characters, `delay` seconds apart. registry: the Prometheus
+    registry the dashboard reads (default: an empty one)."""
 
     def __init__(self, reply: str, *, api_key: str | None = None, model_id: str = "stub",
-                 structured_output: bool = False, delay: float = 0.0):
+                 structured_output: bool = False, delay: float = 0.0, registry=None):
         import asyncio
 
         import uvicorn
@@ -258,7 +259,7 @@ class StubApp:
         from lumen.serve.gate import Gate
         from lumen.serve.ui import ui_router
         app = FastAPI()
-        app.include_router(ui_router(CollectorRegistry(), None, model_id=model_id,
+        app.include_router(ui_router(registry or CollectorRegistry(), None, model_id=model_id,
                                      structured_output=structured_output))
         self.bodies = []
 
