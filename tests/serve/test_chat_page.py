@@ -1,6 +1,7 @@
 """The chat page used as a person uses it, in headless Chromium (the browser and the stub server of test_ui):
 right-to-left text, the keyboard alone, a phone's narrow screen, the settings a user can get wrong. Every test
 listens to the page's console and errors, and stops the server it starts."""
+import pytest
 import test_ui
 from test_ui import StubApp, send
 
@@ -94,6 +95,8 @@ def test_controls_have_names_and_the_conversation_scrolls_from_the_keyboard(page
         page.wait_for_function(f"() => {top} === 0")
         page.keyboard.press("PageDown")
         page.wait_for_function(f"() => {top} > 0")
+        page.keyboard.press("Tab")                   # the reply's Copy button, then the box
+        assert page.evaluate("document.activeElement.textContent") == "Copy"
         page.keyboard.press("Tab")
         assert focused(page) == "input"
         assert not page.errors, page.errors
@@ -293,6 +296,42 @@ def test_on_a_phone_enter_is_a_new_line_and_send_sends(browser):
         pg.tap("#send")
         pg.wait_for_function(DONE.format(0))
         assert stub.bodies[-1]["messages"] == [{"role": "user", "content": "first line\nsecond line"}]
+        assert not errors, errors
+    finally:
+        ctx.close()
+        stub.stop()
+
+
+REPLY_WITH_CODE = "Here:\n```python\ndef f(x):\n    return x * 2  # <b>not bold</b>\n```\n"
+
+
+@pytest.mark.parametrize("clipboard_api", [True, False])
+def test_copy_puts_the_reply_exactly_on_the_clipboard(browser, clipboard_api):
+    """Each reply has a Copy button (reached by Tab, like any button) that puts the reply's text on the clipboard
+    exactly as the model wrote it: code's indentation and newlines kept, no "assistant" label, no stats line. Where
+    the page has no clipboard API (served over plain http to another machine) it copies through a selection."""
+    stub = StubApp(REPLY_WITH_CODE)
+    ctx = browser.new_context()
+    try:
+        ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=stub.url)
+        if not clipboard_api:
+            ctx.add_init_script("Object.defineProperty(navigator, 'clipboard', {value: undefined});")
+        pg = ctx.new_page()
+        errors = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        open_chat(pg, stub)
+        send(pg, "some code")
+        pg.wait_for_function(DONE.format(0))
+        copy = pg.get_by_role("button", name="Copy", exact=True)
+        assert copy.count() == 1                      # on the reply, not on the user's message
+        copy.focus()
+        pg.keyboard.press("Enter")
+        pg.wait_for_selector(".msg.assistant >> text=Copied")
+        pg.fill("#input", "")
+        pg.focus("#input")
+        pg.keyboard.press("Control+V")
+        assert pg.input_value("#input") == REPLY_WITH_CODE
         assert not errors, errors
     finally:
         ctx.close()

@@ -51,10 +51,39 @@ function addMessage(role, text) {
   const stats = document.createElement("div");
   stats.className = "stats";
   stats.title = "measured in this page: TTFT from sending the request to the first token's arrival";
+  if (role === "assistant") {
+    const copy = document.createElement("button");
+    copy.type = "button";
+    copy.className = "copy";
+    copy.textContent = "Copy";
+    copy.addEventListener("click", () => copyText(body, copy));
+    who.append(" ", copy);
+  }
   div.append(who, body, stats);
   $("messages").append(div);
   $("messages").scrollTop = $("messages").scrollHeight;
   return {div, body, stats};
+}
+
+/* Put a reply's text on the clipboard, exactly: the clipboard API where the page has it (https, or this machine),
+   else the copy command on a hidden box holding the text (plain http from another machine). */
+async function copyText(body, button) {
+  let ok = false;
+  try {
+    if (navigator.clipboard) { await navigator.clipboard.writeText(body.textContent); ok = true; }
+  } catch (e) { /* refused: the copy command below */ }
+  if (!ok) {
+    const area = document.createElement("textarea");
+    area.className = "offscreen";
+    area.value = body.textContent;
+    document.body.append(area);
+    area.select();
+    ok = document.execCommand("copy");
+    area.remove();
+    button.focus();
+  }
+  button.textContent = ok ? "Copied" : "Copy failed";
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
 }
 
 /* The buttons for a reply streaming (busy) or not. A button that its own press disables hands the focus to the
