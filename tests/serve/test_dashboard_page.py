@@ -1,6 +1,10 @@
 """The dashboard used as a person uses it, in headless Chromium (the browser and the stub server of test_ui): a
-server that stops answering, a clock that is not the server's. Every test listens to the page's console and errors,
-and stops the server it starts."""
+server that stops answering, a clock that is not the server's, a hidden tab, a phone, hundreds of updates, and its
+figures against a real server's /metrics. Every test listens to the page's console and errors, and stops the server
+it starts."""
+import re
+
+import httpx
 import pytest
 import test_ui
 from test_ui import StubApp
@@ -219,3 +223,38 @@ def test_a_ray_applications_replicas_fit_a_phone(browser):
     finally:
         ctx.close()
         stub.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(r"^" + re.escape(name) + r"(\{[^}]*\})? ([-\d.e+]+)$", text, re.M)
+    assert m, name
+    return float(m.group(2))
+
+
+def test_the_tiles_match_the_servers_metrics(smollm2_path, tmp_path, page):
+    """After a few requests, once the server is idle, every tile that shows a count reads what GET /metrics says:
+    tokens generated, running, waiting, KV blocks (and none held), threads."""
+    s = test_ui.serve(smollm2_path, tmp_path / "server.log")
+    try:
+        page.goto(s.url + "/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
+        for i in range(3):
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": f"Count to {i + 5}."}], "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200
+        m = httpx.get(s.url + "/metrics").text
+        tokens = int(_metric(m, "lumen:generation_tokens_total"))
+        page.wait_for_function(f"() => document.getElementById('generation_tokens').textContent === '{tokens}'",
+                               timeout=10_000)
+        m = httpx.get(s.url + "/metrics").text                  # idle: nothing moves between the two
+        assert page.inner_text("#generation_tokens") == str(int(_metric(m, "lumen:generation_tokens_total")))
+        assert page.inner_text("#running") == str(int(_metric(m, "lumen:num_requests_running"))) == "0"
+        assert page.inner_text("#waiting") == str(int(_metric(m, "lumen:num_requests_waiting"))) == "0"
+        blocks = int(_metric(m, "lumen:kv_cache_total_blocks"))
+        assert page.inner_text("#kv_usage") == f"0.0 % of {blocks} blocks"
+        assert _metric(m, "lumen:kv_cache_usage_perc") == 0
+        assert page.inner_text("#threads") == \
+            f"{int(_metric(m, 'lumen:compute_threads'))} of {int(_metric(m, 'lumen:compute_threads_max'))}"
+        assert not page.errors, page.errors
+    finally:
+        s.stop()
