@@ -336,3 +336,30 @@ def test_copy_puts_the_reply_exactly_on_the_clipboard(browser, clipboard_api):
     finally:
         ctx.close()
         stub.stop()
+
+
+CONTRAST = """(sel) => [...document.querySelectorAll(sel)].map((e) => {
+  const rgb = (c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const lum = (c) => { const [r, g, b] = rgb(c).map((x) => { x /= 255;
+    return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; }); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  let bg = e, back = 'rgba(0, 0, 0, 0)';
+  while (bg && (back = getComputedStyle(bg).backgroundColor) === 'rgba(0, 0, 0, 0)') bg = bg.parentElement;
+  if (!bg) back = 'rgb(255, 255, 255)';
+  const [a, b] = [lum(getComputedStyle(e).color), lum(back)].sort((x, y) => y - x);
+  return [e.className || e.id || e.tagName, (a + 0.05) / (b + 0.05)];
+})"""
+
+
+def test_small_grey_text_is_readable(page):
+    """The small grey text (who wrote a message, the stats line, the model's name, the key form's note) has at
+    least WCAG AA's 4.5:1 contrast with what it sits on, the user's blue bubble included."""
+    stub = StubApp("ok")
+    try:
+        open_chat(page, stub)
+        send(page, "hello")
+        page.wait_for_function(DONE.format(0))
+        low = [(name, round(r, 2)) for sel in (".msg .who", ".msg .stats", ".dim", "#notice")
+               for name, r in page.evaluate(CONTRAST, sel) if r < 4.5]
+        assert not low, low
+    finally:
+        stub.stop()
