@@ -363,3 +363,46 @@ def test_small_grey_text_is_readable(page):
         assert not low, low
     finally:
         stub.stop()
+
+
+def _stream_layout_s(browser, lines: int) -> tuple[float, dict]:
+    """Stream a reply of `lines` lines (and a blank line after every third), 7 characters a piece 2 ms apart, into a
+    fresh page: the seconds Chromium spent in layout meanwhile, and the reply's text and look against one block
+    holding the same text."""
+    text = "".join(f"line {i:5d} of a long reply, some words\n" + "\n" * (i % 3 == 0) for i in range(lines))
+    stub = StubApp(text, delay=0.002)
+    ctx = browser.new_context()
+    try:
+        pg = ctx.new_page()
+        cdp = ctx.new_cdp_session(pg)
+        cdp.send("Performance.enable")
+        open_chat(pg, stub)
+        before = {x["name"]: x["value"] for x in cdp.send("Performance.getMetrics")["metrics"]}["LayoutDuration"]
+        send(pg, "long")
+        pg.wait_for_function(DONE.format(0), timeout=120_000)
+        after = {x["name"]: x["value"] for x in cdp.send("Performance.getMetrics")["metrics"]}["LayoutDuration"]
+        look = pg.eval_on_selector(".msg.assistant .body", """(b) => {
+          const one = document.createElement('div');
+          one.className = 'body';
+          one.textContent = b.textContent;
+          b.after(one);
+          const r = {text: b.textContent, height: b.offsetHeight, one: one.offsetHeight};
+          one.remove();
+          return r;
+        }""")
+        assert look["text"] == text
+        return after - before, look
+    finally:
+        ctx.close()
+        stub.stop()
+
+
+def test_a_long_reply_is_not_laid_out_again_at_every_piece(browser):
+    """Each piece of a streamed reply costs layout for the end of the reply only, not for all of it: eight times
+    the text costs about eight times the layout (it was the square: 37 times here), and the reply looks as one block
+    of the same text would."""
+    short, _ = _stream_layout_s(browser, 100)
+    long, look = _stream_layout_s(browser, 800)
+    print(f"layout: {short:.3f} s for 100 lines, {long:.3f} s for 800 lines ({long / short:.1f} x)")
+    assert look["height"] == look["one"], look
+    assert long < 24 * short, (short, long)

@@ -471,7 +471,8 @@ def test_model_output_is_text_never_html(page, artifacts):
         page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('(stop)')")
         assert page.eval_on_selector(".msg.assistant .body", "e => e.textContent") == HOSTILE
         assert page.eval_on_selector("#model", "e => e.textContent") == '<img src=x onerror="window.__pwned = 4">'
-        made = page.evaluate("document.querySelectorAll('.msg .body *, #model *, img, iframe').length")
+        made = page.evaluate("document.querySelectorAll('.msg .body > :not(.part), .msg .body .part *, #model *, "
+                             "img, iframe').length")           # the page's own blocks of text (.part) only
         assert made == 0, "model output became elements"
         page.wait_for_timeout(300)
         assert page.evaluate("window.__pwned") is None

@@ -11,6 +11,7 @@ const SAVED = "lumen-chat";  // this tab's conversation and settings in sessionS
 const FIELDS = ["system", "temperature", "top_p", "max_tokens", "seed", "schema"];
 const STOPPED = {};          // reply()'s answer when Stop came before any of the reply
 const BUSY = "A reply is still coming: wait for it, or press Stop. The message stays in the box.";
+const BLOCK_CHARS = 1000;    // a reply's text is laid out in blocks of about this many characters (grower)
 const PHONE = matchMedia("(pointer: coarse)").matches;   // a touch screen: its keyboard has no Shift+Enter
 
 function save() {
@@ -143,6 +144,31 @@ function statsLine(s) {
   return parts.join(" | ");
 }
 
+/* A function that adds text at the end of a reply's body, in blocks of about BLOCK_CHARS that each end after a
+   line break: the browser then lays out only the last block as text comes, not the whole reply at every piece (a
+   long reply's layout time grew with the square of its length). A line break that ends a block shows as it would
+   inside one, so the reply looks the same, and its textContent is the reply exactly. */
+function grower(body) {
+  let text = null;
+  const open = (data) => {
+    const block = document.createElement("div");
+    block.className = "part";
+    text = document.createTextNode(data);
+    block.append(text);
+    body.append(block);
+  };
+  open("");
+  return (delta) => {
+    text.appendData(delta);
+    if (text.length < BLOCK_CHARS) return;
+    const cut = text.data.lastIndexOf("\n") + 1;
+    if (cut === 0) return;                                     // one long line so far: the block goes on
+    const rest = text.data.slice(cut);
+    text.deleteData(cut, text.length - cut);
+    open(rest);
+  };
+}
+
 /* Ask for the reply to the conversation in `history` (it ends with the user's turn). Resolves to null, or to the
    error when the request failed before any of the reply came (refused, or the server unreachable), or to STOPPED
    when Stop came first: its bubble is gone, and the caller takes the user's turn back out, so that one bad message
@@ -155,8 +181,7 @@ async function reply(fmt) {
   const body = Object.assign({messages, stream: true, stream_options: {include_usage: true}}, params());
   if (fmt) body.response_format = fmt;
   const view = addMessage("assistant", "");
-  const text = document.createTextNode("");
-  view.body.append(text);
+  const grow = grower(view.body);
   view.stats.textContent = "waiting for the first token…";   // a queue or a long prompt can take seconds
   view.div.setAttribute("aria-busy", "true");                  // screen readers: read the reply once it is done
   const mine = conversation;
@@ -200,7 +225,7 @@ async function reply(fmt) {
               if (s.tFirst == null) { s.tFirst = now; view.stats.textContent = ""; }
               s.tLast = now;
               content += delta;
-              text.appendData(delta);              // text, never HTML
+              grow(delta);                          // text, never HTML
               if (!s.prompt) s.completion += 1;     // until the usage chunk gives the count
             }
             if (c.finish_reason) s.finish = c.finish_reason;
