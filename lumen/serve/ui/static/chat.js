@@ -106,7 +106,7 @@ function params() {
 }
 
 /* What is wrong with a setting the browser can check (a max tokens of 0 or 2.5, a negative seed, a seed over
-   2^53 - 1, the largest integer a number in JavaScript holds exactly, so that the seed sent is the seed typed), or "" */
+   2^53 - 1: the largest integer a JavaScript number holds exactly, so the seed sent is the seed typed), or "" */
 function badSetting() {
   for (const [id, label] of [["max_tokens", "Max tokens"], ["seed", "Seed"]]) {
     const el = $(id);
