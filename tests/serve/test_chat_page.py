@@ -406,3 +406,31 @@ def test_a_long_reply_is_not_laid_out_again_at_every_piece(browser):
     print(f"layout: {short:.3f} s for 100 lines, {long:.3f} s for 800 lines ({long / short:.1f} x)")
     assert look["height"] == look["one"], look
     assert long < 24 * short, (short, long)
+
+
+def test_a_bad_json_schema_is_said_where_the_message_is(browser):
+    """A JSON schema that does not parse is refused: on a phone its field is out of sight, under the conversation,
+    so the notice over the message box says so too (not a Send that seems to do nothing)."""
+    stub = StubApp('{"a": 1}', structured_output=True)
+    ctx = browser.new_context(viewport={"width": 375, "height": 667})
+    try:
+        pg = ctx.new_page()
+        errors = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        open_chat(pg, stub)
+        pg.fill("#schema", "{not json")
+        send(pg, "a json please")
+        pg.wait_for_selector("#notice >> text=JSON schema")
+        box = pg.locator("#notice").bounding_box()
+        assert 0 <= box["y"] and box["y"] + box["height"] <= 667, box
+        assert "Nothing was sent" in pg.inner_text("#notice") and stub.bodies == []
+        assert pg.input_value("#input") == "a json please"
+        pg.fill("#schema", '{"type": "object"}')
+        pg.click("#send")
+        pg.wait_for_function(DONE.format(0))
+        assert pg.inner_text("#notice") == "" and pg.inner_text("#schema-error") == ""
+        assert not errors, errors
+    finally:
+        ctx.close()
+        stub.stop()

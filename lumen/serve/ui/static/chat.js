@@ -126,6 +126,11 @@ function responseFormat() {
   return {type: "json_schema", json_schema: {name: "schema", schema: schema}};
 }
 
+/* A schema that does not parse, said over the message box too: on a phone its field is out of sight. */
+function refuseSchema(e) {
+  $("notice").textContent = `JSON schema: not JSON (${e.message}). Nothing was sent.`;
+}
+
 /* lumen.generate's stats line, measured here: TTFT from sending to the first token's chunk. */
 function statsLine(s) {
   const gen = s.completion, dec = s.tLast - s.tFirst;
@@ -292,7 +297,7 @@ function send(ev) {
   $("notice").textContent = badSetting();
   if ($("notice").textContent) return;                         // the message stays in the box
   let fmt;
-  try { fmt = responseFormat(); } catch (e) { return; }      // the message stays in the box
+  try { fmt = responseFormat(); } catch (e) { return refuseSchema(e); }    // the message stays in the box
   $("input").value = "";
   history.push({role: "user", content: text});
   save();
@@ -307,7 +312,7 @@ function regenerate() {
   $("notice").textContent = badSetting();
   if ($("notice").textContent) return;
   let fmt;
-  try { fmt = responseFormat(); } catch (e) { return; }
+  try { fmt = responseFormat(); } catch (e) { return refuseSchema(e); }
   history.pop();
   const msgs = $("messages").querySelectorAll(".msg.assistant");
   msgs[msgs.length - 1].remove();
