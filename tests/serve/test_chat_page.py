@@ -434,3 +434,20 @@ def test_a_bad_json_schema_is_said_where_the_message_is(browser):
     finally:
         ctx.close()
         stub.stop()
+
+
+def test_a_reload_mid_reply_says_the_message_is_back_in_the_box(page):
+    """Reloaded while a reply streams: the conversation before it comes back, the unanswered message is back in
+    the box, and the notice says why it is there (not an unexplained draft)."""
+    stub = StubApp("a slow reply " * 30, delay=0.1)
+    try:
+        open_chat(page, stub)
+        send(page, "hello")
+        page.wait_for_function("() => document.querySelector('.msg.assistant .body').textContent.length > 0")
+        page.reload()
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.locator(".msg").count() == 0 and page.input_value("#input") == "hello"
+        assert "did not finish" in page.inner_text("#notice")
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()

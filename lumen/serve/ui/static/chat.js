@@ -32,7 +32,11 @@ function restore() {
   }
   const turns = (Array.isArray(saved.history) ? saved.history : []).filter((t) => t &&
     (t.role === "user" || t.role === "assistant") && typeof t.content === "string");
-  if (turns.length && turns[turns.length - 1].role === "user") $("input").value = turns.pop().content;
+  if (turns.length && turns[turns.length - 1].role === "user") {
+    $("input").value = turns.pop().content;
+    $("notice").textContent = "The reply to this message did not finish before the page was reloaded. " +
+      "The message is back in the box.";
+  }
   for (const t of turns) {
     history.push(t);
     addMessage(t.role, t.content);
