@@ -451,3 +451,18 @@ def test_a_reload_mid_reply_says_the_message_is_back_in_the_box(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_each_page_marks_itself_in_the_header(page):
+    """The header's links say which page this is (aria-current=page), for a screen reader and in bold."""
+    stub = StubApp("ok")
+    try:
+        for path, here, other in (("/", "chat", "dashboard"), ("/dashboard", "dashboard", "chat")):
+            page.goto(stub.url + path)
+            assert page.get_by_role("link", name=here, exact=True).get_attribute("aria-current") == "page"
+            assert page.get_by_role("link", name=other, exact=True).get_attribute("aria-current") is None
+            weight = page.eval_on_selector("[aria-current=page]", "e => getComputedStyle(e).fontWeight")
+            assert int(weight) >= 600, weight
+        assert not page.errors, page.errors
+    finally:
+        stub.stop()
