@@ -113,10 +113,7 @@ def test_every_button_on_screen_narrow_or_short(browser):
         for width, height in ((320, 568), (360, 640), (800, 600), (1024, 640)):
             ctx = browser.new_context(viewport={"width": width, "height": height})
             try:
-                pg = ctx.new_page()
-                errors = []
-                pg.on("pageerror", lambda e: errors.append(str(e)))
-                pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+                pg = test_ui.listen(ctx.new_page())
                 open_chat(pg, stub)
                 assert pg.evaluate("document.documentElement.scrollWidth") <= width, width
                 if width > 700:
@@ -125,7 +122,7 @@ def test_every_button_on_screen_narrow_or_short(browser):
                     box = pg.locator(sel).bounding_box()
                     assert 0 <= box["x"] and box["x"] + box["width"] <= width, (width, sel, box)
                     assert 0 <= box["y"] and box["y"] + box["height"] <= height, (width, height, sel, box)
-                assert not errors, errors
+                assert not pg.errors, pg.errors
             finally:
                 ctx.close()
     finally:
@@ -230,9 +227,10 @@ def test_the_message_box_has_the_focus_on_load_and_after_the_key(browser, page):
         page.keyboard.type("hello")
         page.keyboard.press("Enter")
         page.wait_for_function(DONE.format(0))
-        on_phone = phone.new_page()
+        on_phone = test_ui.listen(phone.new_page())
         open_chat(on_phone, stub)
         assert focused(on_phone) == "BODY"
+        assert not page.errors and not on_phone.errors, (page.errors, on_phone.errors)
     finally:
         phone.close()
         stub.stop()
@@ -282,10 +280,7 @@ def test_on_a_phone_enter_is_a_new_line_and_send_sends(browser):
     stub = StubApp("ok")
     ctx = browser.new_context(viewport={"width": 375, "height": 667}, is_mobile=True, has_touch=True)
     try:
-        pg = ctx.new_page()
-        errors = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        pg = test_ui.listen(ctx.new_page())
         open_chat(pg, stub)
         assert "Shift+Enter" not in (pg.get_attribute("#input", "placeholder") or "")
         pg.tap("#input")
@@ -296,7 +291,7 @@ def test_on_a_phone_enter_is_a_new_line_and_send_sends(browser):
         pg.tap("#send")
         pg.wait_for_function(DONE.format(0))
         assert stub.bodies[-1]["messages"] == [{"role": "user", "content": "first line\nsecond line"}]
-        assert not errors, errors
+        assert not pg.errors, pg.errors
     finally:
         ctx.close()
         stub.stop()
@@ -316,10 +311,7 @@ def test_copy_puts_the_reply_exactly_on_the_clipboard(browser, clipboard_api):
         ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=stub.url)
         if not clipboard_api:
             ctx.add_init_script("Object.defineProperty(navigator, 'clipboard', {value: undefined});")
-        pg = ctx.new_page()
-        errors = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        pg = test_ui.listen(ctx.new_page())
         open_chat(pg, stub)
         send(pg, "some code")
         pg.wait_for_function(DONE.format(0))
@@ -332,7 +324,7 @@ def test_copy_puts_the_reply_exactly_on_the_clipboard(browser, clipboard_api):
         pg.focus("#input")
         pg.keyboard.press("Control+V")
         assert pg.input_value("#input") == REPLY_WITH_CODE
-        assert not errors, errors
+        assert not pg.errors, pg.errors
     finally:
         ctx.close()
         stub.stop()
@@ -373,7 +365,7 @@ def _stream_layout_s(browser, lines: int) -> tuple[float, dict]:
     stub = StubApp(text, delay=0.002)
     ctx = browser.new_context()
     try:
-        pg = ctx.new_page()
+        pg = test_ui.listen(ctx.new_page())
         cdp = ctx.new_cdp_session(pg)
         cdp.send("Performance.enable")
         open_chat(pg, stub)
@@ -390,7 +382,7 @@ def _stream_layout_s(browser, lines: int) -> tuple[float, dict]:
           one.remove();
           return r;
         }""")
-        assert look["text"] == text
+        assert look["text"] == text and not pg.errors, pg.errors
         return after - before, look
     finally:
         ctx.close()
@@ -414,10 +406,7 @@ def test_a_bad_json_schema_is_said_where_the_message_is(browser):
     stub = StubApp('{"a": 1}', structured_output=True)
     ctx = browser.new_context(viewport={"width": 375, "height": 667})
     try:
-        pg = ctx.new_page()
-        errors = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        pg = test_ui.listen(ctx.new_page())
         open_chat(pg, stub)
         pg.fill("#schema", "{not json")
         send(pg, "a json please")
@@ -430,7 +419,7 @@ def test_a_bad_json_schema_is_said_where_the_message_is(browser):
         pg.click("#send")
         pg.wait_for_function(DONE.format(0))
         assert pg.inner_text("#notice") == "" and pg.inner_text("#schema-error") == ""
-        assert not errors, errors
+        assert not pg.errors, pg.errors
     finally:
         ctx.close()
         stub.stop()

@@ -64,10 +64,7 @@ def test_the_outage_gap_is_drawn_on_the_servers_clock(browser, skew_s):
     held = []
     try:
         ctx.add_init_script(f"{{ const now = Date.now; Date.now = () => now() + {skew_s * 1000}; }}")
-        page = ctx.new_page()
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        page = test_ui.listen(ctx.new_page())
         page.goto(stub.url + "/dashboard")
         page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 2")
         page.route("**/dashboard/data", lambda route: held.append(route))
@@ -79,7 +76,7 @@ def test_the_outage_gap_is_drawn_on_the_servers_clock(browser, skew_s):
         running = page.evaluate("charts.reqs.data[1]")       # 0 at every answer (the stub runs nothing)
         assert None in running, running               # the gap
         assert running[-2:] == [0, 0], running        # the points since
-        assert not errors, errors
+        assert not page.errors, page.errors
     finally:
         ctx.close()
         stub.stop()
@@ -215,11 +212,12 @@ def test_a_ray_applications_replicas_fit_a_phone(browser):
     stub = StubApp("ok", registry=reg)
     ctx = browser.new_context(viewport={"width": 375, "height": 667})
     try:
-        pg = ctx.new_page()
+        pg = test_ui.listen(ctx.new_page())
         pg.goto(stub.url + "/dashboard")
         pg.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
         assert pg.locator("#replicas tbody tr").count() == 2
         assert pg.evaluate("document.documentElement.scrollWidth") <= 375
+        assert not pg.errors, pg.errors
     finally:
         ctx.close()
         stub.stop()

@@ -201,15 +201,20 @@ def browser():
         pw.stop()
 
 
+def listen(pg):
+    """Collect the page's uncaught errors and console errors (but the browser's own line for an expected 401) in
+    pg.errors; returns pg."""
+    pg.errors = []
+    pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+    pg.on("console", lambda m: m.type == "error" and "401" not in m.text and pg.errors.append(m.text))
+    return pg
+
+
 @pytest.fixture
 def page(browser):
     ctx = browser.new_context(viewport={"width": 1280, "height": 900})
-    pg = ctx.new_page()
+    pg = listen(ctx.new_page())
     pg.set_default_timeout(30_000)
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: m.type == "error" and "401" not in m.text and errors.append(m.text))
-    pg.errors = errors
     yield pg
     ctx.close()
 
@@ -432,13 +437,14 @@ def test_chat_clear_mid_reply_starts_afresh(server, page):
         "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0, "max_tokens": 4}).json()
     m = STATS.match(page.inner_text(".msg.assistant .stats"))
     assert m and int(m.group(1)) == want["usage"]["prompt_tokens"], page.inner_text(".msg.assistant .stats")
+    assert not page.errors, page.errors
 
 
 def test_chat_scrolled_up_stays_while_a_reply_streams(server, browser):
     """Following the reply keeps the view at its end; scrolled up to read, the view stays put as text comes."""
     ctx = browser.new_context(viewport={"width": 900, "height": 360})
     try:
-        page = ctx.new_page()
+        page = listen(ctx.new_page())
         page.goto(server.url + "/")
         page.wait_for_selector("body[data-ready='1']")
         set_value(page, "#max_tokens", 400)
@@ -454,6 +460,7 @@ def test_chat_scrolled_up_stays_while_a_reply_streams(server, browser):
                                timeout=120_000)
         assert page.evaluate("document.getElementById('messages').scrollTop") == 0
         page.click("#stop")
+        assert not page.errors, page.errors
     finally:
         ctx.close()
 
@@ -481,6 +488,7 @@ def test_model_output_is_text_never_html(page, artifacts):
         shot(page, artifacts, "chat-escaping")
         assert stub.bodies[0]["stream"] is True and "response_format" not in stub.bodies[0]
         assert not page.is_visible("#schema")         # the server did not say it supports structured output
+        assert not page.errors, page.errors
     finally:
         stub.stop()
 
@@ -511,6 +519,7 @@ def test_chat_reload_keeps_the_conversation_and_settings(page):
         page.reload()
         page.wait_for_selector("body[data-ready='1']")
         assert page.locator(".msg").count() == 0
+        assert not page.errors, page.errors
     finally:
         stub.stop()
 
@@ -531,6 +540,7 @@ def test_json_schema_field_only_when_the_server_supports_it(page):
         page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('(stop)')")
         assert stub.bodies[-1]["response_format"] == {"type": "json_schema", "json_schema": {
             "name": "schema", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+        assert not page.errors, page.errors
     finally:
         stub.stop()
 
@@ -541,7 +551,7 @@ def test_server_gone_says_so_on_both_pages(browser):
     stub = StubApp("hello")
     ctx = browser.new_context()
     try:
-        chat, dash = ctx.new_page(), ctx.new_page()
+        chat, dash = listen(ctx.new_page()), listen(ctx.new_page())
         chat.goto(stub.url + "/")
         chat.wait_for_selector("body[data-ready='1']")
         dash.goto(stub.url + "/dashboard")
@@ -555,6 +565,8 @@ def test_server_gone_says_so_on_both_pages(browser):
         assert "trying again" in dash.inner_text("#status")
         # the time charts break their lines over the outage, not draw the last figures across it
         assert dash.evaluate("charts.tps.data[1].includes(null) && charts.reqs.data[1].includes(null)")
+        for pg in (chat, dash):                       # only the browser's own lines for the refused connections
+            assert all("ERR_CONNECTION_REFUSED" in e for e in pg.errors), pg.errors
     finally:
         ctx.close()
         if stub.thread.is_alive():
@@ -584,6 +596,7 @@ def test_invalid_settings_are_refused_in_the_page(page):
         page.wait_for_function("() => document.querySelector('.msg.assistant .stats').textContent.includes('(stop)')")
         assert stub.bodies[-1]["max_tokens"] == 5 and "seed" not in stub.bodies[-1]
         assert page.inner_text("#notice") == ""
+        assert not page.errors, page.errors
     finally:
         stub.stop()
 
@@ -598,7 +611,7 @@ def test_api_key_pages_open_data_keyed_key_kept_in_the_tab(browser, artifacts):
             assert httpx.get(stub.url + path).status_code == 401, path
             assert httpx.get(stub.url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.post(stub.url + "/v1/chat/completions", json={}).status_code == 401
-        page = ctx.new_page()
+        page = listen(ctx.new_page())
         page.goto(stub.url + "/")
         page.wait_for_selector("#keyform:not([hidden])")
         page.fill("#keyform input", "wrong")
@@ -612,6 +625,7 @@ def test_api_key_pages_open_data_keyed_key_kept_in_the_tab(browser, artifacts):
         assert page.inner_text(".msg.assistant .body") == "keyed hello"
         assert page.evaluate("sessionStorage.getItem('lumen-api-key')") == "s3cret"
         assert page.evaluate("localStorage.length") == 0 and page.context.cookies() == []
+        assert not page.errors, page.errors
         dash = ctx.new_page()                          # another tab: asks again
         dash.goto(stub.url + "/dashboard")
         dash.wait_for_selector("#keyform:not([hidden])")
@@ -627,7 +641,7 @@ def test_api_key_asked_once_for_all_waiting_requests(browser):
     stub = StubApp("keyed hello", api_key="s3cret")
     ctx = browser.new_context()
     try:
-        page = ctx.new_page()
+        page = listen(ctx.new_page())
         page.goto(stub.url + "/")
         page.wait_for_selector("#keyform:not([hidden])")
         send(page, "hi")
@@ -649,6 +663,7 @@ def test_api_key_asked_once_for_all_waiting_requests(browser):
         send(page, "and again")
         page.wait_for_function("() => document.querySelectorAll('.msg.assistant .stats')[1]?.textContent"
                                ".includes('(stop)')")
+        assert not page.errors, page.errors
     finally:
         ctx.close()
         stub.stop()
@@ -716,7 +731,7 @@ def test_pages_fit_a_phone(server, browser, artifacts):
     """At 375 x 667 (a phone) neither page scrolls sideways, and the chat's box and Send are on screen."""
     ctx = browser.new_context(viewport={"width": 375, "height": 667})
     try:
-        page = ctx.new_page()
+        page = listen(ctx.new_page())
         page.goto(server.url + "/")
         page.wait_for_selector("body[data-ready='1']")
         assert page.evaluate("document.documentElement.scrollWidth") <= 375
@@ -728,6 +743,7 @@ def test_pages_fit_a_phone(server, browser, artifacts):
         page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 1")
         assert page.evaluate("document.documentElement.scrollWidth") <= 375
         shot(page, artifacts, "dashboard-phone")
+        assert not page.errors, page.errors
     finally:
         ctx.close()
 
@@ -744,6 +760,7 @@ def test_first_paint(server, page):
             .observe({type: 'paint', buffered: true}))""")
     print("first contentful paint (ms):", fcp)
     assert all(v <= 1500 for v in fcp.values()), fcp
+    assert not page.errors, page.errors
 
 
 def test_no_ui_is_404(smollm2_path, tmp_path):
