@@ -231,7 +231,8 @@ def _metric(text: str, name: str) -> float:
 
 def test_the_tiles_match_the_servers_metrics(smollm2_path, tmp_path, page):
     """After a few requests, once the server is idle, every tile that shows a count reads what GET /metrics says:
-    tokens generated, running, waiting, KV blocks (and none held), threads."""
+    tokens generated, running, waiting, KV blocks (and none held), threads. The recent steps' charts show the
+    requests' steps, then, some seconds later, say that there has been no step lately (not an empty chart)."""
     s = test_ui.serve(smollm2_path, tmp_path / "server.log")
     try:
         page.goto(s.url + "/dashboard")
@@ -253,6 +254,9 @@ def test_the_tiles_match_the_servers_metrics(smollm2_path, tmp_path, page):
         assert _metric(m, "lumen:kv_cache_usage_perc") == 0
         assert page.inner_text("#threads") == \
             f"{int(_metric(m, 'lumen:compute_threads'))} of {int(_metric(m, 'lumen:compute_threads_max'))}"
+        idle = "() => [...document.querySelectorAll('.steps-idle')].map((e) => e.textContent)"
+        assert page.evaluate(idle) == ["", ""] and page.evaluate("charts.steps.data[0].length") > 0
+        page.wait_for_function(f"() => ({idle})().every((t) => t.includes('no step lately'))", timeout=30_000)
         assert not page.errors, page.errors
     finally:
         s.stop()

@@ -130,6 +130,8 @@ function render(d) {
     charts.steps.setData([t, byPhase(r, true, "tokens"), byPhase(r, false, "tokens"), r.map((s) => s.seqs)]);
     charts.wall.setData([t, byPhase(r, true, "wall_ms"), byPhase(r, false, "wall_ms")]);
   }
+  const idle = d.steps.available && !d.steps.recent.length;        // the charts are empty: say why
+  for (const e of document.querySelectorAll(".steps-idle")) e.textContent = idle ? " (no step lately: idle)" : "";
   renderSplit(d.steps);
   renderReplicas(d.replicas);
   document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
