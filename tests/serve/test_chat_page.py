@@ -455,3 +455,29 @@ def test_each_page_marks_itself_in_the_header(page):
         assert not page.errors, page.errors
     finally:
         stub.stop()
+
+
+def test_a_regenerate_that_fails_keeps_the_reply_it_was_to_replace(page):
+    """Regenerate with the server gone (or Stop before the new reply's first token): the reply it was to replace
+    stays, in the page and in the conversation, the user's message stays where it was (not moved back into the
+    box), and the notice says why nothing changed."""
+    stub = StubApp("the first reply", delay=0.3)
+    try:
+        open_chat(page, stub)
+        send(page, "hello")
+        page.wait_for_function(DONE.format(0))
+        page.click("#regenerate")                     # Stop before the first token (0.3 s away)
+        page.click("#stop")
+        page.wait_for_selector("#notice >> text=previous reply is kept")
+        assert page.locator(".msg .body").all_inner_texts() == ["hello", "the first reply"]
+        assert page.input_value("#input") == ""
+    finally:
+        stub.stop()
+    page.click("#regenerate")                         # the server is gone
+    page.wait_for_selector("#notice >> text=could not be reached")
+    assert "previous reply is kept" in page.inner_text("#notice")
+    assert page.locator(".msg .body").all_inner_texts() == ["hello", "the first reply"]
+    assert page.input_value("#input") == "" and page.is_enabled("#regenerate")
+    assert page.evaluate("JSON.parse(sessionStorage.getItem('lumen-chat')).history") == [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "the first reply"}]
+    assert all("ERR_CONNECTION_REFUSED" in e for e in page.errors), page.errors

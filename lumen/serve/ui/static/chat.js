@@ -180,8 +180,9 @@ function grower(body) {
 
 /* Ask for the reply to the conversation in `history` (it ends with the user's turn). Resolves to null, or to the
    error when the request failed before any of the reply came (refused, or the server unreachable), or to STOPPED
-   when Stop came first: its bubble is gone, and the caller takes the user's turn back out, so that one bad message
-   does not fail every later one and no empty reply the model never wrote goes into the conversation. */
+   when Stop came first: its bubble is gone, and the caller takes the user's turn back out (send: so that one bad
+   message does not fail every later one, and no empty reply the model never wrote goes into the conversation) or
+   puts back the reply it was to replace (regenerate). */
 async function reply(fmt) {
   const messages = [];
   const system = $("system").value.trim();
@@ -317,10 +318,22 @@ function regenerate() {
   if ($("notice").textContent) return;
   let fmt;
   try { fmt = responseFormat(); } catch (e) { return refuseSchema(e); }
-  history.pop();
+  const turn = history.pop();
   const msgs = $("messages").querySelectorAll(".msg.assistant");
-  msgs[msgs.length - 1].remove();
-  reply(fmt).then((failure) => failure && unsend(failure));
+  const div = msgs[msgs.length - 1];
+  div.remove();
+  reply(fmt).then((failure) => failure && keep(failure, turn, div));
+}
+
+/* A new reply did not come (refused, the server unreachable, or Stop before its first token): the reply it was to
+   replace goes back, in the conversation and the page, and the notice says why nothing changed. */
+function keep(failure, turn, div) {
+  history.push(turn);
+  save();
+  $("messages").append(div);
+  $("notice").textContent = failure === STOPPED ? "Stopped before the new reply began: the previous reply is kept." :
+    `Not regenerated: ${failure}${/[.?!]$/.test(failure) ? "" : "."} The previous reply is kept.`;
+  setBusy(false);
 }
 
 async function init() {
