@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from .commands import prog
+from .commands import prog, run
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError
@@ -240,4 +240,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .commands import COMMANDS
+from .commands import COMMANDS, run
 
 
 def usage() -> str:
@@ -16,6 +16,11 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script's entry point: the command's own main, ended as a shell tool ends (commands.run)."""
+    return run(dispatch, argv)
+
+
+def dispatch(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

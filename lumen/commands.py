@@ -12,6 +12,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from .errors import ContextWarning, LumenError
 
@@ -40,6 +41,28 @@ def prog(cmd: str) -> str:
         return f"lumen {cmd}"
     head, _, rest = cmd.partition(" ")
     return f"python -m lumen.{head}" + (f" {rest}" if rest else "")
+
+
+def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int | str | None:
+    """A tool's main(argv) as the process's exit status, the way a shell tool ends:
+    - its reader gone (`... | head`): quiet, status 141 (128 + SIGPIPE, as a shell reports `yes | head`);
+    - Ctrl-C that the tool did not handle itself: one line, status 130 (128 + SIGINT), no traceback.
+    argparse's exits (--help, a usage error) pass through, their output flushed here too."""
+    try:
+        try:
+            code = main(argv)
+        except SystemExit as e:                          # argparse: --help, usage errors
+            code = e.code
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            print("\ninterrupted", file=sys.stderr)
+            code = 130
+        sys.stdout.flush()                               # a pipe's last block: a reader gone raises here
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())           # the interpreter's own last flush must not fail again
+        return 141
 
 
 def check_writable(path: str, what: str) -> str | None:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from .errors import LumenError
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
-from .commands import prog, trained_context_only
+from .commands import prog, run, trained_context_only
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
@@ -433,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # plain: one line, no markup parsing of paths
         return 1
+    except BrokenPipeError:                              # stdout's reader is gone (`| head`): commands.run ends it
+        raise
     except OSError as e:  # the store and the pack cache say what to do; anything else at least names the file
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -448,4 +450,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

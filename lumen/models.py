@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .commands import prog
+from .commands import prog, run
 from .errors import FetchError
 from .model import store
 from .model.store import DEFAULT_MODEL, MODELS, fetch, home_blocker, lumen_home, model_path, state, unwritable, verify
@@ -44,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

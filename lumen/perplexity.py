@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import LumenError
 from .model.store import DEFAULT_MODEL
-from .commands import prog
+from .commands import prog, run
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 
@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             cat = np.concatenate(nll_all)
             print(f"[{i + 1}]{math.exp(cat.mean()):.4f}", end=" ", flush=True)
         print()
+    except BrokenPipeError:                              # stdout's reader is gone (`| head`): commands.run ends it
+        raise
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -107,4 +109,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -1,5 +1,6 @@
 import sys
 
 from lumen.bench.cli import main
+from lumen.commands import run
 
-sys.exit(main())
+sys.exit(run(main))

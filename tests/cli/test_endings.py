@@ -1,0 +1,78 @@
+"""How a command line ends when its user ends it early: its output piped to a reader that goes away (`| head`)
+and Ctrl-C. Either way: no traceback, the shell's exit status (141 for SIGPIPE, 130 for SIGINT)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lumen.commands import run
+
+
+def run_to_closed_pipe(*args: str, unbuffered: bool) -> subprocess.CompletedProcess:
+    """`python -m args` with stdout a pipe whose reader has already gone (as `| head` once it has its lines)."""
+    r, w = os.pipe()
+    os.close(r)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    try:
+        return subprocess.run([sys.executable, "-m", *args], stdout=w, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=300)
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("args", [("lumen", "--help"), ("lumen", "generate", "--help"), ("lumen.generate", "--help"),
+                                  ("lumen.bench", "batch", "--help"), ("lumen.models",)],
+                         ids=["lumen", "lumen generate", "lumen.generate", "lumen.bench", "lumen.models"])
+def test_help_into_a_closed_pipe_ends_quietly(args, unbuffered):
+    """Quiet; the status is 141, or argparse's 0 (it drops a help it cannot write) or rich's 1 (it ends at once)."""
+    p = run_to_closed_pipe(*args, unbuffered=unbuffered)
+    assert p.returncode in (0, 1, 141), p.stderr
+    assert p.stderr == "", p.stderr
+
+
+def test_generation_into_a_closed_pipe_ends_quietly(smollm2_path):
+    p = run_to_closed_pipe("lumen.generate", "-m", str(smollm2_path), "-p", "Once upon a time", "-n", "8",
+                           "--ignore-eos", unbuffered=False)
+    assert p.returncode == 141, p.stderr
+    assert "Traceback" not in p.stderr and "error" not in p.stderr and "Broken pipe" not in p.stderr, p.stderr
+
+
+def test_ctrl_c_in_perplexity_is_one_line(smollm2_path, tmp_path):
+    """Ctrl-C while perplexity scores its chunks: "interrupted" and status 130, as generate ends."""
+    text = tmp_path / "long.txt"
+    text.write_text("\n".join(map(str, range(20000))))
+    p = subprocess.Popen([sys.executable, "-m", "lumen.perplexity", "-m", str(smollm2_path), "-f", str(text)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in p.stderr:                            # the chunk count comes just before the first chunk runs
+            seen.append(line)
+            if "chunks of" in line:
+                break
+        assert "chunks of" in "".join(seen), "".join(seen)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and err.strip().endswith("interrupted"), err
+
+
+def test_run_turns_endings_into_statuses():
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    def usage_error(argv):
+        raise SystemExit(2)
+
+    assert run(interrupted) == 130
+    assert run(usage_error) == 2
+    assert run(lambda argv: 0) == 0
+    assert run(lambda argv: None) is None             # sys.exit(None): status 0
