@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .commands import prog, run
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:    # a pipe: one line per model, nothing cut
+        console = Console(width=1 << 12)
     try:
         if home_blocker() is not None:  # nothing can ever be fetched there: say so now
             raise unwritable(NotADirectoryError())
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     table = Table(title=f"Lumen models (LUMEN_HOME={lumen_home()})")
     for col in ("name", "about", "size", "state", "path"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "name", overflow="fold" if col == "path" else "ellipsis")  # never cut
     for name, spec in MODELS.items():
         st = state(name)
         colour = {"verified": "green", "unverified": "yellow", "missing": "dim"}[st]
