@@ -118,6 +118,15 @@ class Model:
         """Forget the sequence: the next prefill starts at position 0."""
         self.n_past = 0
 
+    @staticmethod
+    def _as_ids(ids) -> np.ndarray:
+        """Token ids as an int64 array; TypeError for text or non-integers (numpy would cast 1.5 to 1)."""
+        arr = np.asarray(ids) if not isinstance(ids, str) else None
+        if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+            raise TypeError(f"expected token ids (integers), got {type(ids).__name__}"
+                            + (f" of {arr.dtype}" if arr is not None else "") + "; model.tokenize(text) makes them")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
     def _check_ids(self, ids: np.ndarray) -> None:
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError("expected a non-empty 1-D sequence of token ids")
@@ -141,7 +150,7 @@ class Model:
     def prefill(self, ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
         """Run prompt tokens through the model in chunks of n_batch, appending to the cache. Returns the last
         position's logits (V,), or every position's (len(ids), V) when all_logits."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        ids = self._as_ids(ids)
         with self._forward_lock:
             self._check_ids(ids)
             out = np.empty((ids.size, self.config.n_vocab), np.float32) if all_logits else None
@@ -156,6 +165,8 @@ class Model:
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token at the next position; returns its logits (V,) (a view, valid until the next call)."""
+        if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
+            raise TypeError(f"decode takes one token id (an int), got {type(token).__name__}")
         ids = np.array([token], dtype=np.int64)
         with self._forward_lock:
             self._check_ids(ids)

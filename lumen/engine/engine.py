@@ -329,10 +329,20 @@ class Engine:
         if isinstance(prompts, (str, np.ndarray)) or (isinstance(prompts, (list, tuple)) and prompts
                                                       and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
+        if isinstance(prompts, (dict, bytes)) or not hasattr(prompts, "__iter__"):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        elif isinstance(params, dict) or not hasattr(params, "__iter__"):     # (a dict: a list of its keys)
+            raise TypeError(f"params must be a lumen.SamplingParams or a list of them, one per prompt, got "
+                            f"{type(params).__name__}")
         params = list(params)
+        for sp in params:
+            if sp is not None and not isinstance(sp, SamplingParams):
+                raise TypeError(f"params must be a lumen.SamplingParams or a list of them, one per prompt, got a "
+                                f"list holding a {type(sp).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         results: list[RequestOutput | None] = [None] * len(prompts)
