@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (and sample "
                     "as llama.cpp and ollama do, below; --greedy for greedy)")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")
-    ap.add_argument("--max-tokens", "-n", type=int, default=128)
+    ap.add_argument("--max-tokens", "-n", type=int, default=128, help="the most tokens to generate (default 128)")
     add_sampling_args(ap)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable; escapes processed)")
     ap.add_argument("--ignore-eos", action="store_true",

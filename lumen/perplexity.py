@@ -58,7 +58,8 @@ def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.n
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog("perplexity"), description=__doc__.splitlines()[0])
-    ap.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                    help=f"registry name or path to a .gguf file (default {DEFAULT_MODEL})")
     ap.add_argument("--file", "-f", required=True, help="a UTF-8 text file")
     ap.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
     ap.add_argument("--force-ctx", action="store_true",

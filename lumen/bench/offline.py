@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads", "max_num_seqs", "max_num_batched_tokens",
                                         "kv_cache_mb"))
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-by-one run")
-    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     args = ap.parse_args(argv)
     if args.requests < 1:
         ap.error(f"--requests must be at least 1, got {args.requests}")

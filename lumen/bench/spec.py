@@ -110,19 +110,22 @@ def median(xs):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog("bench spec"), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", "-m", default="smollm2-135m")
+    ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path (default smollm2-135m)")
     ap.add_argument("--draft-model", metavar="MODEL", help="also run --speculative draft with this draft model")
     ap.add_argument("-n", "--n-gen", type=int, default=160, help="generated tokens per run (default 160)")
-    ap.add_argument("-r", "--repetitions", type=int, default=5)
-    ap.add_argument("--prompts-per-kind", type=int, default=3)
+    ap.add_argument("-r", "--repetitions", type=int, default=5, help="runs of every prompt and method (default 5)")
+    ap.add_argument("--prompts-per-kind", type=int, default=3, help="the first N prompts of each kind (default 3)")
     ap.add_argument("--kinds", default=",".join(SPEC_KINDS), help=f"comma-separated, of {', '.join(KINDS)} "
                     f"(default {','.join(SPEC_KINDS)})")
-    EngineConfig.add_cli_args(ap, only=("threads", "num_speculative_tokens"),
-                              defaults={"threads": os.cpu_count() or 1})
+    EngineConfig.add_cli_args(ap, only=("threads", "num_speculative_tokens"))
     ap.add_argument("--llama-lookup", metavar="PATH", help="also run llama.cpp's llama-lookup, interleaved")
     ap.add_argument("--llama-args", default="", help='extra llama-lookup flags, e.g. "-nr"')
-    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--json", metavar="FILE", help="write every run and the summary to FILE")
     args = ap.parse_args(argv)
+    cores = os.cpu_count() or 1
+    args.threads = cores if args.threads is None else args.threads   # (the help's "all cores", named in the runs)
+    if not 1 <= args.threads <= cores:
+        ap.error(f"--threads must be between 1 and {cores}, got {args.threads}")
     if args.n_gen < 1 or args.repetitions < 1 or args.prompts_per_kind < 1 or args.num_speculative_tokens < 1:
         ap.error("-n, -r, --prompts-per-kind and --num-speculative-tokens must be at least 1")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]

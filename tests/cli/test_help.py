@@ -259,3 +259,29 @@ def test_profile_serving_of_no_requests_says_so(tmp_path, capsys):
     assert main(["--serving", str(f)]) == 1
     out = capsys.readouterr().out
     assert "no request finished" in out and len(out.strip().splitlines()) == 1
+
+
+# The tools whose options are checked below: module, the arguments before --help.
+OPTION_TOOLS = {"generate": ("lumen.generate", []), "chat": ("lumen.chat", []), "perplexity": ("lumen.perplexity", []),
+                "models": ("lumen.models", []), **{f"bench {b}": (f"lumen.bench.{b}", []) for b in BENCH}}
+
+
+@pytest.mark.parametrize("tool", sorted(OPTION_TOOLS))
+def test_every_option_says_what_it_does(tool, monkeypatch):
+    """Each option of a tool's --help has a line of help, and states its default once: `-n` had none, and bench
+    spec's --threads said both "default: all cores" and "default 2"."""
+    import argparse
+    import importlib
+    parsers = []
+
+    def grab(self, file=None):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", grab)
+    module, before = OPTION_TOOLS[tool]
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main([*before, "--help"])
+    bad = [(a.option_strings, a.help) for a in parsers[-1]._actions if not isinstance(a, argparse._HelpAction)
+           and (not (a.help or "").strip() or len(re.findall(r"\bdefault\b", a.help)) > 1)]
+    assert not bad, bad
