@@ -275,7 +275,7 @@ def print_summary(console, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-COMPILING = "compiling the kernels for this CPU (first run only, about a minute; cached afterwards)"
+COMPILING = "compiling the kernels for this CPU (first run only, up to a minute; cached afterwards)"
 
 
 @contextmanager
