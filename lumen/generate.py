@@ -332,9 +332,12 @@ def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .engine.config import check_int                 # (no Numba): refused before the model loads
+    from .engine.config import check_int                 # (no Numba): refused before the model loads (or is
+    from .engine.sampling.params import SamplingParams   # fetched: a 1 GB download to learn --top-p 2 is wrong)
     try:
         check_int("max_tokens", args.max_tokens)         # 0 would generate nothing and print a line of zeros
+        SamplingParams(**sampling_from_args(args, args.chat or args.tools is not None), stop=args.stop,
+                       num_speculative_tokens=args.num_speculative_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

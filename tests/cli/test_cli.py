@@ -701,3 +701,17 @@ def test_gguf_prints_tensor_table(synth_model):
     for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output_norm.weight"):
         assert name in r.stdout
     assert re.search(r"blk\.0\.attn_q\.weight\s+│ Q8_0\s+│ \[64, 64\]\s+│\s+4,352", r.stdout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-p", "2"], "error: top_p must be in (0, 1]"),
+    (["--temperature", "-1", "--chat"], "error: temperature must be >= 0"),
+    (["--stop", ""], "error: stop must be a string or a list of non-empty strings"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "error: num_speculative_tokens must be"),
+])
+def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path, args, message):
+    """A wrong sampling value is said before the model is opened (or fetched: a registry model is a download of up
+    to 1 GB), so a missing file is not what the user hears about first."""
+    r = run("lumen.generate", "--model", tmp_path / "missing.gguf", "--prompt", FRANCE, *args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert one_line(r.stderr).startswith(message), r.stderr
