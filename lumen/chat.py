@@ -14,6 +14,7 @@ Python has readline) and through a pipe (no prompt is printed there).
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 import time
@@ -118,8 +119,8 @@ class Input:
         self.stream = stream or sys.stdin
         self.tty = self.stream.isatty()
         if self.tty:
-            try:
-                import readline  # noqa: F401 (input() edits lines and keeps a history when it is there)
+            try:                                     # input() edits lines and keeps a history when it is there
+                importlib.import_module("readline")
             except ImportError:
                 pass
 
