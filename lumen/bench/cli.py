@@ -21,8 +21,28 @@ the default command, single:
 """
 
 
+# Flags whose value is another tool's command line, often one flag: `--llama-args "-nr"`.
+PASS_THROUGH = ("--llama-args", "--serve-args")
+
+
+def glue_pass_through(argv: list[str]) -> list[str]:
+    """`--llama-args -nr` as `--llama-args=-nr`: argparse takes a value that starts with a dash (and has no
+    space) for an option of its own and says "expected one argument"."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] in PASS_THROUGH and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = glue_pass_through(list(sys.argv[1:] if argv is None else argv))
     named = bool(argv) and argv[0] in COMMANDS
     if argv and not named and not argv[0].startswith("-"):     # a typo, not single's first option
         print(f"{prog('bench')}: unknown benchmark {argv[0]!r}; benchmarks: {', '.join(COMMANDS)}", file=sys.stderr)

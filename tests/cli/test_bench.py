@@ -197,3 +197,16 @@ def test_batch_llama_path_implies_compare(smollm2_path, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "llama-batched-bench not found" in r.stderr and "Traceback" not in r.stderr
     assert "Lumen" in r.stdout
+
+
+@pytest.mark.parametrize("sub, flag", [("batch", "--llama-args"), ("single", "--llama-args"), ("spec", "--llama-args"),
+                                       ("serve", "--llama-args"), ("serve", "--serve-args")])
+def test_pass_through_flags_take_a_value_that_starts_with_a_dash(sub, flag, capsys):
+    """`--llama-args "-nr"`, as the help's example writes it: argparse took "-nr" for an option of its own and
+    said "expected one argument". The value is passed on; the usage error met next is another flag's."""
+    from lumen.bench.cli import main
+    bad = {"batch": ["-npl", "0"], "single": ["-r", "0"], "spec": ["-r", "0"], "serve": ["--num-prompts", "0"]}[sub]
+    with pytest.raises(SystemExit) as e:
+        main([sub, flag, "-nr", *bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "expected one argument" not in err, err
