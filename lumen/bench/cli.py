@@ -6,9 +6,9 @@ import sys
 from ..commands import prog
 
 COMMANDS = ("single", "batch", "offline", "serve", "spec")
-USAGE = """usage: python -m lumen.bench [single|batch|offline|serve|spec] ...
+USAGE = """usage: {prog} [single|batch|offline|serve|spec] ...
 
-benchmarks (`python -m lumen.bench COMMAND --help` for each one's options):
+benchmarks (`{prog} COMMAND --help` for each one's options):
   single   llama-bench style: pp / tg of one sequence (the default when no command is given)
   batch    llama-batched-bench style: npl sequences of npp prompt tokens, ntg generated tokens each
   offline  a committed workload of mixed requests through the engine, against the same requests one by one
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cmd = argv.pop(0) if named else "single"
     if not named and argv in (["-h"], ["--help"]):
-        print(USAGE)                              # no command given: the commands, then single's options
+        print(USAGE.format(prog=prog("bench")))   # no command given: the commands, then single's options
     if cmd == "batch":
         from .batch import main as run
     elif cmd == "offline":

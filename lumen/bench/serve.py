@@ -19,7 +19,7 @@ given); with --probe-health, the latency of GET /health sampled every --probe-in
 Soak: --duration S keeps sending for S seconds (--request-rate R for a steady Poisson rate, or
 --max-concurrency C clients back to back) and reports each --window of seconds: requests finished, output
 tok/s, TTFT and ITL p99, and the server's RSS (process_resident_memory_bytes from its /metrics, which
-lumen.serve exports); then the drift from the first window to the last. The issue's soak is
+lumen.serve exports); then the drift from the first window to the last. A ten-minute soak:
 `--duration 600 --request-rate R --window 60`.
 
 A benchmark anyone can rerun: --mix chat|long (seeded prompt and output lengths cut from committed text:

@@ -36,6 +36,7 @@ repetition, median), so the share of bandwidth and the engines see the same mach
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -229,7 +230,7 @@ def session_bandwidth(threads: int) -> dict:
 def load_llama_cpp(path, threads: int, ctx: int, err=None):
     """A LlamaCppEngine, or None (with a message on err) when llama_cpp cannot be imported."""
     try:
-        import llama_cpp  # noqa: F401
+        importlib.import_module("llama_cpp")
     except ImportError as e:
         print(f"llama_cpp is not importable ({e}): {COMPARE_HINT}. Running Lumen only.", file=err or sys.stderr)
         return None
@@ -367,7 +368,7 @@ def render(rows: list[dict], engines: list, info: dict, console) -> None:
 # ---------------------------------------------------------------- CLI
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("bench [pp/tg options]"), description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("bench [single]"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (default 128)")

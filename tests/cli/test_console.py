@@ -73,3 +73,14 @@ def test_gguf_takes_a_registry_name(smollm2_path):
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("lumen ")
+
+
+def test_bench_help_names_the_script_as_invoked():
+    """`lumen bench --help` told the user to type `python -m lumen.bench COMMAND --help`, and single's usage read
+    "lumen bench [pp/tg options] [-h] ..."."""
+    r = run("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: lumen bench [single|batch|offline|serve|spec]"), r.stdout[:200]
+    assert "`lumen bench COMMAND --help`" in r.stdout and "usage: lumen bench [single] [-h]" in r.stdout
+    m = subprocess.run([sys.executable, "-m", "lumen.bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert m.stdout.startswith("usage: python -m lumen.bench [single|"), m.stdout[:200]
