@@ -13,7 +13,7 @@ from .model.store import DEFAULT_MODEL, MODELS, fetch, home_blocker, lumen_home,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog("models"), description=store.__doc__.splitlines()[0])
-    ap.add_argument("--fetch", metavar="NAME", choices=sorted(MODELS), help="fetch (and verify) one model")
+    ap.add_argument("--fetch", metavar="NAME", choices=sorted(MODELS), help="fetch (and verify) one model, unless it is already")
     ap.add_argument("--verify", metavar="NAME", choices=sorted(MODELS), help="re-check a fetched model's sha256")
     args = ap.parse_args(argv)
     from rich.console import Console
@@ -24,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if home_blocker() is not None:  # nothing can ever be fetched there: say so now
             raise unwritable(NotADirectoryError())
-        if args.fetch:
-            fetch(args.fetch, force=True)
+        if args.fetch and state(args.fetch) == "verified":          # (--verify checks the file again)
+            print(f"{args.fetch} is already fetched and verified: {model_path(args.fetch)}", file=sys.stderr)
+        elif args.fetch:
+            fetch(args.fetch)                            # a changed file is checked first, fetched again if bad
         if args.verify:
             verify(args.verify)
     except FetchError as e:

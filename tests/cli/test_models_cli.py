@@ -21,3 +21,18 @@ def test_a_pipe_gets_whole_names_and_paths(tmp_path):
         assert len(rows) == 1, r.stdout
         assert str(home / "models" / name / spec.filename) in rows[0], r.stdout
     assert "…" not in r.stdout, r.stdout
+
+
+def test_fetch_of_a_verified_model_does_not_download_it_again(smollm2_path, monkeypatch, capsys):
+    """`lumen models --fetch NAME` on a model already fetched and verified says so; it downloaded it again
+    (1.1 GB for qwen2.5-coder-1.5b). --verify is the way to check the file again."""
+    from lumen import models
+    from lumen.model import store
+
+    def download(name, console):
+        raise AssertionError(f"{name} downloaded again")
+
+    monkeypatch.setattr(store, "_fetch", download)
+    assert store.state("smollm2-135m") == "verified"
+    assert models.main(["--fetch", "smollm2-135m"]) == 0
+    assert "smollm2-135m is already fetched and verified" in capsys.readouterr().err
