@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=None,
                     help="context length, the whole conversation included (default 2048, or the model's trained "
                          "context if smaller)")
+    ap.add_argument("--force-ctx", action="store_true",
+                    help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
     ap.add_argument("--no-escape", action="store_true", help="take --system literally")
     return ap
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
         with status_while_compiling(err):
             t0 = time.perf_counter()
-            model = load_model(args.model, args.ctx, args.threads, False, adaptive_threads=args.adaptive_threads)
+            model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
+                               adaptive_threads=args.adaptive_threads)
             if args.max_tokens is not None and args.max_tokens >= model.n_ctx:       # no message would ever fit
                 raise LumenError(f"--max-tokens {args.max_tokens} leaves no room for a message in the context of "
                                  f"{model.n_ctx} tokens (--ctx)")

@@ -87,6 +87,16 @@ def test_max_tokens_past_the_context_is_refused_at_start(smollm2_path):
                                                  "context of 1024 tokens (--ctx)")
 
 
+def test_a_context_past_training_is_refused_and_forced_as_generate_does(smollm2_path):
+    """The refusal said "pass --force-ctx", which chat did not take ("unrecognized arguments")."""
+    r = subprocess.run(chat(smollm2_path, "--ctx", "9000"), input="", capture_output=True, text=True, timeout=TIMEOUT,
+                       cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].endswith("pass --force-ctx to use it anyway")
+    r = subprocess.run(chat(smollm2_path, "--ctx", "9000", "--force-ctx"), input="", capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
+
+
 class Session:
     """lumen.chat in a subprocess with both pipes read by threads, so the test can wait for what it printed."""
 
