@@ -244,6 +244,27 @@ class Model:
                                f"context of {self.n_ctx} tokens; use a larger ctx or fewer tokens")
         return self._tokens(self.engine.stream(ids, params, metrics=stats), self.engine.end_ids)
 
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,
+             stats: RequestMetrics | None = None, **sampling) -> Iterator[Token]:
+        """Yield the assistant's reply to a conversation, as generate() yields tokens.
+
+        messages: [{"role": "system" | "user" | "assistant", "content": str}, ...], written by the model's chat
+        template (tokenizer.chat_template) with the assistant's turn opened, as `lumen chat` and the server's
+        /v1/chat/completions write them; the reply ends with the turn (or at max_tokens). params and sampling
+        keywords as for generate() (greedy unless a temperature is given). LumenError (lumen.format.chat's
+        ChatTemplateError) for a model without a chat template or messages it cannot render.
+        """
+        from .format.chat import render_chat, require_chat_template
+        tok = self.tokenizer
+        text = render_chat(require_chat_template(self.metadata), messages,
+                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+        if params is None:
+            sampling = {**sampling, "special": True}   # the template's turn markers are special tokens
+        elif isinstance(params, SamplingParams):
+            params = params.replace(special=True)
+        return self.generate(text, params, stats=stats, **sampling)
+
     @staticmethod
     def _tokens(outputs: Iterator, end_ids: frozenset) -> Iterator[Token]:
         """The engine's outputs of one request as Tokens (an end token only when it releases text)."""

@@ -46,3 +46,25 @@ def test_engine_generate_refuses_prompts_that_are_not_prompts(engine, prompts):
 def test_engine_generate_still_takes_one_params_per_prompt(engine):
     outs = engine.generate(["Hello", [1, 2, 3]], [lumen.SamplingParams(max_tokens=2, temperature=0), None])
     assert [o.error for o in outs] == [None, None] and outs[0].finish_reason == "length"
+
+
+def test_chat_is_generate_on_the_rendered_conversation(model):
+    """Model.chat: the reply `lumen chat` gives (the same template rendering, special tokens parsed), greedy."""
+    from lumen.format.chat import chat_template_from_metadata
+    from lumen.generate import render_messages
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    text = render_messages(model, chat_template_from_metadata(model.metadata), messages)
+    want = [t.id for t in model.generate(text, max_tokens=12, special=True)]
+    assert [t.id for t in model.chat(messages, max_tokens=12)] == want
+    assert [t.id for t in model.chat(messages, lumen.SamplingParams(max_tokens=12, temperature=0))] == want
+
+
+def test_chat_errors(model, tmp_path):
+    with pytest.raises(lumen.LumenError, match="list of"):
+        model.chat("Hello")
+    with pytest.raises(TypeError, match="not both"):
+        model.chat([{"role": "user", "content": "Hi"}], lumen.SamplingParams(), max_tokens=4)
+    from synth import write_model
+    write_model(tmp_path / "tiny.gguf", "llama")
+    with pytest.raises(lumen.LumenError, match="chat template"):
+        lumen.load(tmp_path / "tiny.gguf").chat([{"role": "user", "content": "Hi"}])
