@@ -705,6 +705,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("-r repeats the runs of a sweep: give --concurrency or --serve-model")
     if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
         ap.error(why)
+    if args.url is not None:
+        from urllib.parse import urlsplit
+        parts = urlsplit(args.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            ap.error(f"--url {args.url}: give the server's base URL, e.g. http://127.0.0.1:8000")
+    if args.serve_model is not None:                     # a name or path that is not a model: before anything starts
+        from ..errors import LumenError
+        from ..model.store import resolve
+        try:
+            resolve(args.serve_model)
+        except (LumenError, OSError, TypeError) as e:
+            ap.error(str(e))
     binary = None
     if compare:
         from .launch import find_llama_server

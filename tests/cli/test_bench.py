@@ -210,3 +210,18 @@ def test_pass_through_flags_take_a_value_that_starts_with_a_dash(sub, flag, caps
         main([sub, flag, "-nr", *bad])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "expected one argument" not in err, err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--url", "notaurl"], "--url notaurl: give the server's base URL, e.g. http://127.0.0.1:8000"),
+    (["--url", "127.0.0.1:8000"], "give the server's base URL"),
+    (["--serve-model", "nosuchmodel"], "unknown model 'nosuchmodel'"),
+])
+def test_serve_names_a_bad_url_or_model_before_it_starts(argv, msg, capsys):
+    """They were "error: UnsupportedProtocol: Request URL is missing an 'http://' ..." and "error: FetchError: ..."
+    after the run had begun."""
+    from lumen.bench.serve import main
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--num-prompts", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "Traceback" not in err, err
