@@ -64,6 +64,9 @@ class Engine:
         config: an EngineConfig, or its fields (and SpeculativeConfig's) as keywords (lumen.engine.config)."""
         if config is not None and options:
             raise TypeError("give an EngineConfig or its fields as keywords, not both")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a lumen.EngineConfig (or give its fields as keywords: "
+                            f"Engine(model, **options)), got {type(config).__name__}")
         c = self.engine_config = config if config is not None else EngineConfig.from_kwargs(**options)
         parts = self.parts = parts_of(model, pack_cache=c.pack_cache)
         self.config, self.tokenizer = parts.config, parts.tokenizer

@@ -68,3 +68,10 @@ def test_chat_errors(model, tmp_path):
     write_model(tmp_path / "tiny.gguf", "llama")
     with pytest.raises(lumen.LumenError, match="chat template"):
         lumen.load(tmp_path / "tiny.gguf").chat([{"role": "user", "content": "Hi"}])
+
+
+def test_engine_config_must_be_an_engine_config(model):
+    """A dict of options given as the config ended in "AttributeError: 'dict' object has no attribute
+    'pack_cache'"."""
+    with pytest.raises(TypeError, match=r"lumen.EngineConfig .*\*\*options"):
+        lumen.Engine(model, {"max_num_seqs": 2})
