@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .engine.sampling.params import SamplingParams
         from .format.chat import chat_template_from_metadata
+        from .engine.config import check_int
+        if args.max_tokens is not None:
+            check_int("max_tokens", args.max_tokens)     # as generate says it (SamplingParams adds "or None")
         system = args.system if args.no_escape or args.system is None else process_escapes(args.system)
         params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
         with status_while_compiling(err):

@@ -97,6 +97,13 @@ def test_a_context_past_training_is_refused_and_forced_as_generate_does(smollm2_
     assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
 
 
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_max_tokens_below_one_is_said_as_generate_says_it(smollm2_path, n):
+    r = subprocess.run([sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "-n", n], input="",
+                       capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert (r.returncode, r.stderr) == (1, f"error: max_tokens must be a positive integer, got {n}\n")
+
+
 class Session:
     """lumen.chat in a subprocess with both pipes read by threads, so the test can wait for what it printed."""
 
