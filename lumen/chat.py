@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import signal
 import sys
 import time
@@ -118,7 +119,7 @@ class Input:
     in a backslash continues on the next. None at EOF."""
 
     def __init__(self, stream=None):
-        self.stream = stream or sys.stdin
+        self.stream = stream or sys.stdin or io.StringIO()   # (None: started with stdin closed, read as EOF)
         self.tty = self.stream.isatty()
         if self.tty:
             try:                                     # input() edits lines and keeps a history when it is there

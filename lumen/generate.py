@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     stdin_prompt = args.prompt is None
     if stdin_prompt:
-        if sys.stdin.isatty():
+        if sys.stdin is None or sys.stdin.isatty():      # (None: started with stdin closed)
             print("error: give --prompt TEXT or pipe the prompt on stdin", file=sys.stderr)
             return 2
         try:

@@ -76,3 +76,17 @@ def test_run_turns_endings_into_statuses():
     assert run(usage_error) == 2
     assert run(lambda argv: 0) == 0
     assert run(lambda argv: None) is None             # sys.exit(None): status 0
+
+
+def test_a_closed_stdin_is_no_prompt(smollm2_path):
+    """Started with stdin closed (`<&-`, some service managers), Python's sys.stdin is None: generate asks for a
+    prompt and chat ends as at EOF, where both raised AttributeError."""
+    def closed_stdin():
+        os.close(0)
+
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-n", "4"],
+                       preexec_fn=closed_stdin, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stderr) == (2, "error: give --prompt TEXT or pipe the prompt on stdin\n")
+    r = subprocess.run([sys.executable, "-m", "lumen.chat", "-m", str(smollm2_path), "-n", "4"],
+                       preexec_fn=closed_stdin, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
