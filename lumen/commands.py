@@ -47,7 +47,10 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
     """A tool's main(argv) as the process's exit status, the way a shell tool ends:
     - its reader gone (`... | head`): quiet, status 141 (128 + SIGPIPE, as a shell reports `yes | head`);
     - Ctrl-C that the tool did not handle itself: one line, status 130 (128 + SIGINT), no traceback.
-    argparse's exits (--help, a usage error) pass through, their output flushed here too."""
+    argparse's exits (--help, a usage error) pass through, their output flushed here too. Started with stdout
+    closed (`>&-`, where Python's sys.stdout is None), the output goes nowhere, as to /dev/null."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
     try:
         try:
             code = main(argv)

@@ -90,3 +90,12 @@ def test_a_closed_stdin_is_no_prompt(smollm2_path):
     r = subprocess.run([sys.executable, "-m", "lumen.chat", "-m", str(smollm2_path), "-n", "4"],
                        preexec_fn=closed_stdin, capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
+
+
+def test_a_closed_stdout_is_written_nowhere(smollm2_path):
+    """Started with stdout closed (`>&-`) generate raised "'NoneType' object has no attribute 'write'"; the text
+    now goes nowhere, as to /dev/null, and the summary line still comes on stderr."""
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-p", "Hi", "-n", "2"],
+                       preexec_fn=lambda: os.close(1), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "generated" in r.stderr, r.stderr
