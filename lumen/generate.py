@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             if rendered is None:
                 print(f"note: {why}", file=sys.stderr)     # and plain completion's sampling
             else:
-                prompt, special, chat = rendered, True, True
+                prompt, chat = model.tokenize(rendered, special=True), True      # (one BOS: Model.tokenize)
         from .engine.sequence import RequestMetrics
         stats = RequestMetrics()
         gen = model.generate(prompt, max_tokens=args.max_tokens, **sampling_from_args(args, chat),

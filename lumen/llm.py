@@ -105,10 +105,15 @@ class Model:
         return self.gguf.metadata
 
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        """Text -> token ids. add_bos=None uses the model's default (tokenizer.ggml.add_bos_token)."""
+        """Text -> token ids. add_bos=None uses the model's default (tokenizer.ggml.add_bos_token), but for a text
+        that starts with the BOS token's text, parsed as special: a chat template that writes bos_token (Gemma's,
+        Llama 3's) has put it there, and a second one is not what the model was trained on (the server's rule)."""
+        tok = self.tokenizer
         if add_bos is None:
-            add_bos = self.tokenizer.add_bos_default
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+            add_bos = tok.add_bos_default and not (special and bos_text and isinstance(text, str)
+                                                   and text.startswith(bos_text))
+        return tok.encode(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids)
@@ -259,11 +264,7 @@ class Model:
         text = render_chat(require_chat_template(self.metadata), messages,
                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
-        if params is None:
-            sampling = {**sampling, "special": True}   # the template's turn markers are special tokens
-        elif isinstance(params, SamplingParams):
-            params = params.replace(special=True)
-        return self.generate(text, params, stats=stats, **sampling)
+        return self.generate(self.tokenize(text, special=True), params, stats=stats, **sampling)  # (its markers)
 
     @staticmethod
     def _tokens(outputs: Iterator, end_ids: frozenset) -> Iterator[Token]:

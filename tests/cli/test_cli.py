@@ -715,3 +715,18 @@ def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path, arg
     r = run("lumen.generate", "--model", tmp_path / "missing.gguf", "--prompt", FRANCE, *args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert one_line(r.stderr).startswith(message), r.stderr
+
+
+def test_chat_prompt_gets_one_bos_when_the_template_writes_it(tmp_path):
+    """generate --chat and chat on a model that adds a BOS and whose template writes bos_token (Gemma's, Llama
+    3's): the prompt starts with one BOS, as the server's does, not two."""
+    from synth import write_model
+    path = tmp_path / "bos-template.gguf"
+    write_model(path, "llama", meta={"tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template":
+                                     "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    m = lumen.load(path, max_model_len=64)
+    want = 1 + len(m.tokenize("Hello", add_bos=False))
+    r = generate(path, "--chat", "-p", "Hello", "-n", "1", "--ignore-eos")
+    assert int(summary(r)[1]) == want, r.stderr
+    r = run("lumen.chat", "--model", path, "-n", "1", stdin="Hello\n")
+    assert r.returncode == 0 and f"prompt {want} tok |" in r.stderr, r.stderr

@@ -75,3 +75,28 @@ def test_engine_config_must_be_an_engine_config(model):
     'pack_cache'"."""
     with pytest.raises(TypeError, match=r"lumen.EngineConfig .*\*\*options"):
         lumen.Engine(model, {"max_num_seqs": 2})
+
+
+@pytest.fixture(scope="module")
+def bos_template_model(tmp_path_factory):
+    """A tiny model that adds a BOS by default and whose chat template writes bos_token too (as Gemma's and
+    Llama 3's do)."""
+    from synth import write_model
+    path = tmp_path_factory.mktemp("bos") / "bos-template.gguf"
+    write_model(path, "llama", meta={"tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template":
+                                     "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    return path
+
+
+def test_a_template_that_writes_the_bos_gets_one_bos(bos_template_model):
+    """The rendered conversation starts with the BOS text; the model's add-BOS default added a second BOS (the
+    server already left it out)."""
+    m = lumen.load(bos_template_model, max_model_len=64)
+    bos = m.tokenizer.bos_id
+    text = m.tokenizer.token_text(bos) + "hi"
+    assert m.tokenize(text, special=True)[:2] == [bos, m.tokenize("hi", add_bos=False)[0]]
+    assert m.tokenize("hi")[0] == bos                            # a plain text still gets the model's BOS
+    from lumen.engine.sequence import RequestMetrics
+    stats = RequestMetrics()
+    list(m.chat([{"role": "user", "content": "hi"}], max_tokens=1, stats=stats))
+    assert stats.prompt_tokens == len(m.tokenize(text, add_bos=False, special=True))
