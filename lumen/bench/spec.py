@@ -152,35 +152,42 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     mismatches = []
     t_start = time.time()
-    for rep in range(args.repetitions):
-        for it in items:
-            turn = (rep + len(runs)) % len(methods)
-            res = {}
-            for method in methods[turn:] + methods[:turn]:
-                res[method] = run_lumen(args.model, it["prompt"], args.n_gen, args.threads, method,
-                                        args.num_speculative_tokens, args.draft_model, it["chat"])
-            same = all(res[m]["text"] == res["plain"]["text"] for m in methods)
-            if not same:
-                mismatches.append(it["id"])
-            row = {"id": it["id"], "kind": it["kind"], "rep": rep, "plain_tps": res["plain"]["tps"],
-                   "tokens": res["plain"]["tokens"], "same_text": same}
-            for m in methods[1:]:
-                row.update({f"{m}_tps": res[m]["tps"], f"{m}_speedup": res[m]["tps"] / res["plain"]["tps"],
-                            f"{m}_accepted_pct": res[m]["accepted_pct"], f"{m}_tok_per_step": res[m]["tok_per_step"]})
-            if args.llama_lookup:
-                ll = {}
-                for draft in ((None, 0) if rep % 2 == 0 else (0, None)):
-                    ll[draft] = run_llama(args.llama_lookup, gguf, it["prompt"], args.n_gen, args.threads, draft,
-                                          extra)
-                row.update(llama_plain_tps=ll[0]["tps"], llama_lookup_tps=ll[None]["tps"],
-                           llama_speedup=ll[None]["tps"] / ll[0]["tps"], llama_accepted_pct=ll[None]["accepted_pct"])
-            runs.append(row)
-            print(f"  rep {rep + 1}/{args.repetitions} {it['id']:<16} plain {row['plain_tps']:6.1f}"
-                  + "".join(f" | {m} {row[m + '_tps']:6.1f} t/s ({row[m + '_speedup']:.2f}x, "
-                            f"{row[m + '_accepted_pct']:.0f}% accepted)" for m in methods[1:])
-                  + (f" | llama.cpp {row['llama_plain_tps']:.1f} / lookup {row['llama_lookup_tps']:.1f} "
-                     f"({row['llama_speedup']:.2f}x, {row['llama_accepted_pct']:.0f}%)" if args.llama_lookup else ""),
-                  file=sys.stderr, flush=True)
+    try:
+        for rep in range(args.repetitions):
+            for it in items:
+                turn = (rep + len(runs)) % len(methods)
+                res = {}
+                for method in methods[turn:] + methods[:turn]:
+                    res[method] = run_lumen(args.model, it["prompt"], args.n_gen, args.threads, method,
+                                            args.num_speculative_tokens, args.draft_model, it["chat"])
+                same = all(res[m]["text"] == res["plain"]["text"] for m in methods)
+                if not same:
+                    mismatches.append(it["id"])
+                row = {"id": it["id"], "kind": it["kind"], "rep": rep, "plain_tps": res["plain"]["tps"],
+                       "tokens": res["plain"]["tokens"], "same_text": same}
+                for m in methods[1:]:
+                    row.update({f"{m}_tps": res[m]["tps"], f"{m}_speedup": res[m]["tps"] / res["plain"]["tps"],
+                                f"{m}_accepted_pct": res[m]["accepted_pct"],
+                                f"{m}_tok_per_step": res[m]["tok_per_step"]})
+                if args.llama_lookup:
+                    ll = {}
+                    for draft in ((None, 0) if rep % 2 == 0 else (0, None)):
+                        ll[draft] = run_llama(args.llama_lookup, gguf, it["prompt"], args.n_gen, args.threads, draft,
+                                              extra)
+                    row.update(llama_plain_tps=ll[0]["tps"], llama_lookup_tps=ll[None]["tps"],
+                               llama_speedup=ll[None]["tps"] / ll[0]["tps"],
+                               llama_accepted_pct=ll[None]["accepted_pct"])
+                runs.append(row)
+                print(f"  rep {rep + 1}/{args.repetitions} {it['id']:<16} plain {row['plain_tps']:6.1f}"
+                      + "".join(f" | {m} {row[m + '_tps']:6.1f} t/s ({row[m + '_speedup']:.2f}x, "
+                                f"{row[m + '_accepted_pct']:.0f}% accepted)" for m in methods[1:])
+                      + (f" | llama.cpp {row['llama_plain_tps']:.1f} / lookup {row['llama_lookup_tps']:.1f} "
+                         f"({row['llama_speedup']:.2f}x, {row['llama_accepted_pct']:.0f}%)"
+                         if args.llama_lookup else ""),
+                      file=sys.stderr, flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:   # a run that failed: its own error line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     summary = []
     for kind in kinds:
         rs = [r for r in runs if r["kind"] == kind]

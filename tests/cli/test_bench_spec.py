@@ -74,3 +74,13 @@ def test_llama_lookup_report_parsed(tmp_path):
     fake.chmod(0o755)
     row = spec.run_llama(str(fake), "m.gguf", "p", 25, 2, None, [])
     assert row == {"tps": 125.0, "tokens": 25, "drafted": 20, "accepted_pct": 75.0}
+
+
+def test_a_run_that_fails_is_one_error_line(tmp_path, capsys):
+    """A file that is not a GGUF (or any lumen.generate that fails) ended the benchmark in a RuntimeError
+    traceback; it is lumen.generate's own error, in a line."""
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"root:x:0:0" * 10)
+    assert spec.main(["-m", str(bad), "-r", "1", "--prompts-per-kind", "1", "--kinds", "edit", "-n", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: lumen.generate failed (1): error: ") and "not a GGUF file" in err, err
