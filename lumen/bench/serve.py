@@ -749,7 +749,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, httpx.ConnectError) and args.serve_model is None:    # say where, and what to do
             print(f"error: cannot connect to {load.url} ({e}): start a server there (python -m lumen.serve), "
                   "or give --url URL, or --serve-model MODEL to start one here", file=sys.stderr)
-        else:
+        elif isinstance(e, (RuntimeError, OSError, ValueError)):    # ours, or a file's: the message says it all
+            print(f"error: {e}", file=sys.stderr)
+        else:                                                       # an HTTP client's: its name says what failed
             print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if not sweeping:

@@ -225,3 +225,13 @@ def test_serve_names_a_bad_url_or_model_before_it_starts(argv, msg, capsys):
         main([*argv, "--num-prompts", "2"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_serve_says_why_the_server_it_started_ended(tmp_path, capsys):
+    """A server started here that exits before it comes up: its own error, without Python's "RuntimeError: "."""
+    from lumen.bench.serve import main
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"root:x:0:0" * 10)
+    assert main(["--serve-model", str(bad), "--num-prompts", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Lumen exited (1) before it came up: ") and "not a GGUF file" in err, err
