@@ -84,3 +84,9 @@ def test_bench_help_names_the_script_as_invoked():
     assert "`lumen bench COMMAND --help`" in r.stdout and "usage: lumen bench [single] [-h]" in r.stdout
     m = subprocess.run([sys.executable, "-m", "lumen.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert m.stdout.startswith("usage: python -m lumen.bench [single|"), m.stdout[:200]
+
+
+def test_help_command_shows_that_commands_help():
+    """`lumen help generate` printed the list of commands again; it is `lumen generate --help`, as git and pip."""
+    r = run("help", "generate")
+    assert r.returncode == 0 and r.stdout.startswith("usage: lumen generate "), r.stdout[:200]
