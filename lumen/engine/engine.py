@@ -328,7 +328,9 @@ class Engine:
     # ---- conveniences: both are clients of add_request / step / abort
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; results in input order. params: one for all,
-        or one per prompt. A prompt that cannot be served gets finish_reason "error" and its message."""
+        or one per prompt; None is SamplingParams(): temperature 1 and no max_tokens, so each request runs to an
+        end token or the end of its context. A prompt that cannot be served gets finish_reason "error" and its
+        message; params that are not SamplingParams are a TypeError."""
         if isinstance(prompts, (str, np.ndarray)) or (isinstance(prompts, (list, tuple)) and prompts
                                                       and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
