@@ -242,6 +242,10 @@ class Model:
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a lumen.SamplingParams (or give its fields as keywords), got "
                             f"{type(params).__name__}")
+        # (said here: the engine's own message names `lumen serve --draft-model` and Engine(draft_model=...))
+        if params.speculative == "draft" and self._spec.get("draft_model") is None:
+            raise ValueError('speculative="draft" needs a draft model: call model.speculation(draft_model=M) '
+                             "first (a lumen.Model, registry name or .gguf path sharing this vocabulary)")
         ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)   # RequestError if bad
         n_new = params.max_tokens or 0
         if len(ids) + n_new > self.n_ctx:

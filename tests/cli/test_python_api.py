@@ -100,3 +100,10 @@ def test_a_template_that_writes_the_bos_gets_one_bos(bos_template_model):
     stats = RequestMetrics()
     list(m.chat([{"role": "user", "content": "hi"}], max_tokens=1, stats=stats))
     assert stats.prompt_tokens == len(m.tokenize(text, add_bos=False, special=True))
+
+
+def test_draft_speculation_without_a_draft_model_says_how_to_give_one(model):
+    """The engine's message named `lumen serve --draft-model` and Engine(draft_model=...), neither of which a
+    Model user calls."""
+    with pytest.raises(ValueError, match=r"model.speculation\(draft_model=M\)"):
+        model.generate("Hi", max_tokens=2, speculative="draft")
