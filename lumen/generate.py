@@ -63,6 +63,8 @@ def process_escapes(text: str) -> str:
                          "use --no-escape to take the text literally") from e
 
 
+DEFAULT_MAX_TOKENS = 128
+
 # Sampling defaults: plain completion is greedy; a chat gets what llama.cpp's and ollama's users get (llama.cpp's
 # temperature, top-k, top-p and min-p; ollama's repeat penalty over the last 64 tokens), since greedy decoding
 # of a small chat model loops on one phrase until the token limit.
@@ -124,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (and sample "
                     "as llama.cpp and ollama do, below; --greedy for greedy)")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")
-    ap.add_argument("--max-tokens", "-n", type=int, default=128, help="the most tokens to generate (default 128)")
+    ap.add_argument("--max-tokens", "-n", type=int, default=None,
+                    help=f"the most tokens to generate (default {DEFAULT_MAX_TOKENS}, or fewer where the context ends)")
     add_sampling_args(ap)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable; escapes processed)")
     ap.add_argument("--ignore-eos", action="store_true",
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     from .engine.config import check_int                 # (no Numba): refused before the model loads (or is
     from .engine.sampling.params import SamplingParams   # fetched: a 1 GB download to learn --top-p 2 is wrong)
     try:
-        check_int("max_tokens", args.max_tokens)         # 0 would generate nothing and print a line of zeros
+        if args.max_tokens is not None:
+            check_int("max_tokens", args.max_tokens)     # 0 would generate nothing and print a line of zeros
         SamplingParams(**sampling_from_args(args, args.chat or args.tools is not None), stop=args.stop,
                        num_speculative_tokens=args.num_speculative_tokens)
     except ValueError as e:
@@ -403,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
                 prompt, chat = model.tokenize(rendered, special=True), True      # (one BOS: Model.tokenize)
         from .engine.sequence import RequestMetrics
         stats = RequestMetrics()
-        gen = model.generate(prompt, max_tokens=args.max_tokens, **sampling_from_args(args, chat),
+        max_tokens = args.max_tokens
+        if max_tokens is None:                           # the default stops where the context ends (--ctx 64 works)
+            from .engine.admission import prompt_ids
+            room = model.n_ctx - len(prompt_ids(prompt, model.tokenizer, model.config.n_vocab, special))
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))   # (no room at all: the context error says so)
+        gen = model.generate(prompt, max_tokens=max_tokens, **sampling_from_args(args, chat),
                              stop=args.stop, special=special,
                              stats=stats, speculative=args.speculative,
                              num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,

@@ -730,3 +730,12 @@ def test_chat_prompt_gets_one_bos_when_the_template_writes_it(tmp_path):
     assert int(summary(r)[1]) == want, r.stderr
     r = run("lumen.chat", "--model", path, "-n", "1", stdin="Hello\n")
     assert r.returncode == 0 and f"prompt {want} tok |" in r.stderr, r.stderr
+
+
+def test_the_default_max_tokens_stops_where_a_small_context_ends(smollm2_path):
+    """`--ctx 32` without -n: the default 128 tokens did not fit and the run was refused ("the prompt plus
+    max_tokens (128) exceeds the context"); the default now ends with the context. An -n given is still checked."""
+    m = summary(generate(smollm2_path, "--ctx", 32, "--ignore-eos", "--prompt", FRANCE))
+    assert int(m[1]) + int(m[2]) == 32 and m[3] == "length"
+    r = generate(smollm2_path, "--ctx", 32, "-n", 128, "--prompt", FRANCE)
+    assert r.returncode == 1 and "plus max_tokens (128) exceeds the context of 32 tokens" in r.stderr, r.stderr
