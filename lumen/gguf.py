@@ -52,4 +52,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lumen.commands import run
+    sys.exit(run(main))

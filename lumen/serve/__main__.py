@@ -1,5 +1,6 @@
 import sys
 
+from lumen.commands import run
 from lumen.serve.cli import main
 
-sys.exit(main())
+sys.exit(run(main))

@@ -28,8 +28,10 @@ def run_to_closed_pipe(*args: str, unbuffered: bool) -> subprocess.CompletedProc
 
 @pytest.mark.parametrize("unbuffered", [False, True])
 @pytest.mark.parametrize("args", [("lumen", "--help"), ("lumen", "generate", "--help"), ("lumen.generate", "--help"),
-                                  ("lumen.bench", "batch", "--help"), ("lumen.models",)],
-                         ids=["lumen", "lumen generate", "lumen.generate", "lumen.bench", "lumen.models"])
+                                  ("lumen.bench", "batch", "--help"), ("lumen.models",), ("lumen.gguf", "--help"),
+                                  ("lumen.warmup", "--help"), ("lumen.serve", "--help"), ("lumen.profile", "--help")],
+                         ids=["lumen", "lumen generate", "lumen.generate", "lumen.bench", "lumen.models", "lumen.gguf",
+                              "lumen.warmup", "lumen.serve", "lumen.profile"])
 def test_help_into_a_closed_pipe_ends_quietly(args, unbuffered):
     """Quiet; the status is 141, or argparse's 0 (it drops a help it cannot write) or rich's 1 (it ends at once)."""
     p = run_to_closed_pipe(*args, unbuffered=unbuffered)
