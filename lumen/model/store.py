@@ -408,7 +408,7 @@ def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
         if state(model) == "verified":
             return model_path(model)
         return fetch(model, quiet=quiet)
-    path = Path(model)
+    path = Path(model).expanduser()                      # ("~/x.gguf" from Python, where no shell expanded it)
     if path.is_file():
         return path
     by_file = {spec.filename: name for name, spec in MODELS.items()}

@@ -494,6 +494,12 @@ def test_resolve_existing_path(home, tmp_path):
     assert not home.exists(), "resolving a path must not touch the cache"
 
 
+def test_resolve_a_path_under_the_users_home(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))            # "~/x.gguf" from Python: no shell expanded it
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    assert store.resolve("~/x.gguf") == tmp_path / "x.gguf"
+
+
 @pytest.mark.parametrize("missing", ["nope.gguf", "/no/such/dir/model.gguf", "some/dir/model.bin"])
 def test_resolve_missing_path(home, missing):
     with pytest.raises(FetchError, match="no such model file"):
