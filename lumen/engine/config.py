@@ -106,6 +106,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self):
+        if self.threads is not None:
+            check_int("threads", self.threads)
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
@@ -113,7 +115,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks)
         mb = self.kv_cache_mb
-        if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0):
+        if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 0 < mb < 1e9):
             raise ValueError(f"kv_cache_mb must be a positive number, got {mb!r}")
         slo = self.slo_ttft_s is not None or self.slo_tpot_s is not None
         if self.scheduler is None:

@@ -177,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_queue", "max_n"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_body_mb <= 0 or args.shutdown_timeout < 0:
-        ap.error("--max-body-mb must be positive and --shutdown-timeout not negative")
+    if not 0 < args.max_body_mb < 1e6:
+        ap.error(f"--max-body-mb must be a positive number of megabytes, got {args.max_body_mb}")
+    if not 0 <= args.shutdown_timeout < 1e6:                 # (nan too)
+        ap.error(f"--shutdown-timeout must be a number of seconds, 0 or more, got {args.shutdown_timeout}")
     if not 1 <= args.port <= 65535:                    # (getaddrinfo wraps 70000 to 4464 without a word)
         ap.error(f"--port must be between 1 and 65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -188,10 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.scheduler in ("paced", "fcfs") and (args.slo_ttft_s is not None or args.slo_tpot_s is not None):
         ap.error(f"--slo-ttft-ms and --slo-tpot-ms are targets of the measured scheduler, not of --scheduler "
                  f"{args.scheduler} (leave --scheduler out, or give --scheduler measured)")
+    slo = args.slo_ttft_s is not None or args.slo_tpot_s is not None
+    scheduler = args.scheduler or ("measured" if slo else "paced")
+    if scheduler != "paced" and args.pace != EngineConfig.pace:
+        ap.error(f"--pace sets the paced scheduler, not the {scheduler} one (leave --pace out, or the "
+                 f"{'SLO targets' if args.scheduler is None else '--scheduler'})")
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:
         ap.error(str(e))
+    if config.threads is not None:                     # now, not after loading the model
+        import numba
+        if config.threads > numba.config.NUMBA_NUM_THREADS:
+            ap.error(f"--threads must be between 1 and {numba.config.NUMBA_NUM_THREADS}, got {config.threads}")
     pd_error = _pd_flags_error(args)
     if pd_error:
         ap.error(pd_error)

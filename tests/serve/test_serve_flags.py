@@ -1,0 +1,25 @@
+"""`python -m lumen.serve` refuses a bad or contradictory flag with one line and exit code 2, before the model
+loads (so each case here takes well under a second)."""
+import pytest
+
+from lumen.serve.cli import main
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be"),
+    (["--max-body-mb", "nan"], "--max-body-mb must be"),
+    (["--kv-cache-mb", "inf"], "--kv-cache-mb must be a positive number"),
+    (["--threads", "0"], "--threads must be a positive integer"),
+    (["--threads", "-2"], "--threads must be a positive integer"),
+    (["--threads", "100000"], "--threads must be between 1 and"),
+    (["--scheduler", "fcfs", "--pace", "3"], "--pace sets the paced scheduler"),
+    (["--scheduler", "measured", "--pace", "3"], "--pace sets the paced scheduler"),
+    (["--slo-ttft-ms", "500", "--pace", "3"], "--pace sets the paced scheduler"),
+    (["--scheduler", "fcfs", "--slo-tpot-ms", "20"], "targets of the measured scheduler"),
+])
+def test_bad_flags_are_one_line_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", "--port", "1", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
