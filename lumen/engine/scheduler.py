@@ -14,6 +14,7 @@ computed. The KV blocks are reached only through the block manager's API (admit,
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ class Scheduler:
             seq.num_computed = start
             if seq.metrics.first_scheduled is None:
                 seq.metrics.cached_tokens = hit.n_tokens      # (KV received from a prefill engine is not)
+                seq.metrics.first_scheduled = time.perf_counter()    # the queue time ends here
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.append(Scheduled(seq, start, n, bm.row(seq.request_id)))

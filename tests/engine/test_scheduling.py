@@ -373,3 +373,22 @@ def test_served_engine_forgets_its_warm_up_step(smollm2_path):
     assert eng.steps == 1 and not eng.costs.ema and eng.costs.predict(1) is None
     eng.generate([[5, 6, 7]], lumen.SamplingParams(max_tokens=3, temperature=0))
     assert eng.costs.known(1) and eng.costs.known(3)
+
+
+def test_queue_time_ends_when_the_scheduler_admits_a_request(model):
+    """request_queue_time is arrival -> admitted, so it is shorter than the time to first token by the first
+    step at least (it used to end after that step, and equalled TTFT for a one-chunk prompt)."""
+    eng = Engine(model, max_model_len=64, max_num_seqs=1, kv_cache_mb=8)
+    for i in range(2):
+        eng.add_request([10 + i, 11, 12, 13], SamplingParams(max_tokens=3, temperature=0))
+    done = {}
+    for _ in range(50):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.metrics
+        if not eng.has_unfinished():
+            break
+    first, second = sorted(done.values(), key=lambda m: m.first_token)
+    for m in (first, second):
+        assert m.queue_s < m.ttft_s
+    assert second.queue_s >= first.e2e_s * 0.5     # it waited while the first ran (max_num_seqs=1)
