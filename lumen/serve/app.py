@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.config import EngineConfig
+from ..engine.config import EngineConfig, cli_words
 from ..errors import LumenError
 from . import protocol as P
 from .gate import Gate
@@ -110,6 +110,10 @@ def load_engine(model: str, config: EngineConfig):
     from ..paths import compiling
     with compiling():
         engine = Engine(model, replace(config, fit_model_len=True))
+        try:
+            config.check_unchunked(engine.max_model_len)        # (the served length is known from here)
+        except ValueError as e:
+            raise LumenError(cli_words(str(e))) from None
         if engine.max_model_len > engine.config.ctx_train:
             raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens "
                              "this model was trained on")

@@ -23,3 +23,20 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
         main(["--model", "smollm2-135m", "--port", "1", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(capsys, smollm2_path):
+    """--no-chunked-prefill with a step budget below the served length: a longer prompt would wait forever, so the
+    server refuses to start (before loading when --max-model-len is given, else once the length is known)."""
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", "--no-chunked-prefill", "--max-num-batched-tokens", "64",
+              "--max-model-len", "128"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--max-num-batched-tokens >= --max-model-len (64 < 128)" in err[-1]
+    from lumen.engine.config import EngineConfig
+    from lumen.errors import LumenError
+    from lumen.serve.app import load_engine
+    with pytest.raises(LumenError, match=r"chunked prefill off.*\(64 < \d+\)"):
+        load_engine(smollm2_path, EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=64,
+                                               kv_cache_mb=8, threads=1))
+    EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128)    # fits: fine
