@@ -392,3 +392,13 @@ def test_queue_time_ends_when_the_scheduler_admits_a_request(model):
     for m in (first, second):
         assert m.queue_s < m.ttft_s
     assert second.queue_s >= first.e2e_s * 0.5     # it waited while the first ran (max_num_seqs=1)
+
+
+@pytest.mark.parametrize("tiny", [True, False])
+def test_calibration_grid_fits_the_engine_s_step(tiny):
+    """Every shape calibration measures fits the runner's step (tokens and sequences); the tiny grid once had a
+    18-token shape that crashed an engine with max_num_batched_tokens=16."""
+    from lumen.engine.costs.steps import grid
+    for max_tokens, max_seqs in [(16, 3), (8, 1), (512, 16), (33, 2)]:
+        shapes = grid(max_tokens, max_seqs, 256, tiny)
+        assert shapes and all(s.tokens <= max_tokens and s.seqs <= max_seqs for s in shapes), (max_tokens, max_seqs)

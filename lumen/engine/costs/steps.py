@@ -202,7 +202,8 @@ def grid(max_tokens: int, max_seqs: int, max_ctx: int, tiny: bool = False) -> li
     """The step shapes calibration measures: decodes of 1 .. max_seqs sequences at a short and a long context,
     prefill chunks up to max_tokens, and decodes with a prefill chunk riding along."""
     if tiny:
-        return [Shape(1, 16), Shape(2, 16), Shape(0, 0, 16), Shape(0, 0, min(64, max_tokens)), Shape(2, 16, 16)]
+        shapes = [Shape(1, 16), Shape(2, 16), Shape(0, 0, 16), Shape(0, 0, min(64, max_tokens)), Shape(2, 16, 16)]
+        return [s for s in shapes if s.tokens <= max_tokens and s.seqs <= max_seqs]     # what the runner holds
     seqs = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max_seqs]
     chunks = [c for c in (8, 32, 64, 128, 256, 512, 1024, 2048) if c <= max_tokens]
     ctxs = sorted({min(64, max_ctx - 1), min(1024, max_ctx - 1)})
