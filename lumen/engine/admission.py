@@ -20,12 +20,9 @@ def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt, add_bos=tokenizer.add_bos_default, special=special)
     elif isinstance(prompt, (list, tuple, np.ndarray)):
-        if any(isinstance(t, (bool, np.bool_, float, np.floating)) for t in prompt):
-            raise RequestError("a token-id prompt must hold integers")
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise RequestError("a token-id prompt must hold integers") from None
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("a token-id prompt must hold integers")     # ("1" or 1.0 is not a token id)
+        ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < n_vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
