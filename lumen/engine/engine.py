@@ -135,6 +135,8 @@ class Engine:
         when it ends, for a decode engine; a prefill engine's kv_transfer_params with the runs received from it
         (kv_data) start the request from that KV."""
         params = SamplingParams() if params is None else params
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise TypeError(f"request_id must be a non-empty string or None, got {request_id!r}")
         ids, max_tokens = admit(prompt, params, self.tokenizer, self.config.n_vocab, self.max_model_len,
                                 self.blocks.n_blocks)
         if kv_transfer_params is not None or kv_data is not None:
@@ -156,6 +158,8 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown or finished ids are a no-op."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string (add_request's answer), got {type(request_id).__name__}")
         with self._lock:
             seq = self._seqs.pop(request_id, None)
             if seq is None or seq.finished:

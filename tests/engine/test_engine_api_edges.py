@@ -23,3 +23,17 @@ def test_a_token_id_prompt_of_strings_is_refused(engine, prompt):
     with pytest.raises(RequestError, match="must hold integers"):
         engine.add_request(prompt)
     assert serves(engine)
+
+
+@pytest.mark.parametrize("rid", [5, ("a",), [1], b"x", ""])
+def test_a_request_id_that_is_not_a_nonempty_string_is_refused(engine, rid):
+    with pytest.raises((TypeError, ValueError), match="request_id must be a non-empty string"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id=rid)
+    assert serves(engine)
+
+
+@pytest.mark.parametrize("rid", [[1], {"a": 1}, 5])
+def test_abort_of_a_non_string_id_is_a_type_error(engine, rid):
+    with pytest.raises(TypeError, match="request_id must be a string"):
+        engine.abort(rid)
+    assert serves(engine)
