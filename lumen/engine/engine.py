@@ -363,12 +363,16 @@ class Engine:
                 now = time.perf_counter()
                 results[i] = RequestOutput(f"invalid-{i}", [], [], "", True, "error",
                                            RequestMetrics(arrival=now, finished=now), error=str(e))
-        while order:
-            for out in self.step():
-                i = order.get(out.request_id)
-                if i is not None and out.finished:
-                    results[i] = out
-                    del order[out.request_id]
+        try:
+            while order:
+                for out in self.step():
+                    i = order.get(out.request_id)
+                    if i is not None and out.finished:
+                        results[i] = out
+                        del order[out.request_id]
+        finally:                                    # interrupted: its requests must not run on unseen
+            for rid in order:
+                self.abort(rid)
         return results
 
     def stream(self, prompt, params: SamplingParams | None = None, *,

@@ -37,3 +37,22 @@ def test_abort_of_a_non_string_id_is_a_type_error(engine, rid):
     with pytest.raises(TypeError, match="request_id must be a string"):
         engine.abort(rid)
     assert serves(engine)
+
+
+def test_generate_interrupted_leaves_no_request_behind(engine, monkeypatch):
+    """An exception out of a step (KeyboardInterrupt, an engine bug) ends generate; its requests must not stay
+    queued, holding blocks and costing every later step."""
+    calls, run = [0], engine.runner.run_plan
+
+    def fail_second(*a):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return run(*a)
+    monkeypatch.setattr(engine.runner, "run_plan", fail_second)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
+    monkeypatch.undo()
+    assert engine.num_running == engine.num_waiting == 0
+    engine.step()                                       # the aborts' outputs
+    assert serves(engine)
