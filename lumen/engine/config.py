@@ -143,6 +143,11 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         spec = {k: kw.pop(k) for k in list(kw) if k in spec_names}
+        if "speculative" in kw:                     # a whole SpeculativeConfig (its type checked in __post_init__)
+            if spec:
+                raise TypeError(f"give speculative=SpeculativeConfig(...) or its fields ({', '.join(sorted(spec))}) "
+                                f"as keywords, not both")
+            return cls(**kw)
         return cls(**kw, speculative=SpeculativeConfig(**spec))
 
     def check_unchunked(self, max_model_len: int) -> None:

@@ -4,6 +4,7 @@ import pytest
 
 import lumen
 from lumen import SamplingParams
+from lumen.engine.config import SpeculativeConfig
 from lumen.engine.engine import Engine, RequestError
 
 
@@ -56,3 +57,18 @@ def test_generate_interrupted_leaves_no_request_behind(engine, monkeypatch):
     assert engine.num_running == engine.num_waiting == 0
     engine.step()                                       # the aborts' outputs
     assert serves(engine)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(speculative=None), "speculative must be a SpeculativeConfig"),
+    (dict(speculative="ngram"), "speculative must be a SpeculativeConfig"),
+    (dict(speculative=SpeculativeConfig(), num_speculative_tokens=3), "not both"),
+])
+def test_engine_speculative_option_errors_name_it(smollm2_path, kw, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Engine(smollm2_path, max_num_seqs=1, kv_cache_mb=4, **kw)
+
+
+def test_engine_takes_a_speculative_config(engine):
+    e = Engine(engine.parts, max_num_seqs=1, kv_cache_mb=4, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    assert e.engine_config.speculative.num_speculative_tokens == 3
