@@ -8,7 +8,8 @@ One token budget per step (max_num_batched_tokens) and at most max_num_seqs sequ
    queue, nothing it generated lost: it is recomputed when readmitted), until it fits or is itself preempted.
 2. Then waiting sequences, first come first served, while budget and sequence slots last: a prefix-cache hit
    turns its prefill into an extend; a long prompt is cut into chunks across steps (chunked prefill). A waiting
-   sequence that does not fit is not skipped over (FCFS).
+   sequence that does not fit is not skipped over (FCFS). Without chunked prefill a prompt runs whole, unless
+   it is longer than max_num_batched_tokens.
 A step's plan is a list of `Scheduled`; after the forward pass `computed` advances each sequence by what was
 computed. The KV blocks are reached only through the block manager's API (admit, grow, computed, free).
 """
@@ -74,7 +75,7 @@ class Scheduler:
             seq = self.running[i]
             left = seq.num_tokens - seq.num_computed
             n = min(left, budget)
-            if n < left and not self.chunked_prefill:
+            if n < left and not self._chunks(left):
                 i += 1
                 continue
             k = max(0, min(k_for(seq, budget - 1, planned), budget - 1)) if k_for is not None and left == 1 else 0
@@ -95,7 +96,7 @@ class Scheduler:
             hit = bm.cached_prefix(seq.tokens, seq.num_tokens - 1)   # the last token is always computed
             start = hit.n_tokens if seq.kv_data is None else self.connector.num_external_tokens(seq, hit)
             n = min(seq.num_tokens - start, budget)
-            if n < seq.num_tokens - start and not self.chunked_prefill:
+            if n < seq.num_tokens - start and not self._chunks(seq.num_tokens - start):
                 break
             if not bm.admit(seq.request_id, hit, start + n, n_query=seq.num_tokens):
                 break
@@ -111,6 +112,11 @@ class Scheduler:
             plan.append(Scheduled(seq, start, n, bm.row(seq.request_id)))
             budget -= n
         return plan
+
+    def _chunks(self, left: int) -> bool:
+        """Whether `left` tokens may run in chunks: always with chunked prefill; without it, only when they are
+        more than max_num_batched_tokens (they could never run whole, and would block the queue forever)."""
+        return self.chunked_prefill or left > self.budget
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and put it back at the front of the queue; it is recomputed later."""

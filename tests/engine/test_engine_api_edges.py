@@ -72,3 +72,20 @@ def test_engine_speculative_option_errors_name_it(smollm2_path, kw, match):
 def test_engine_takes_a_speculative_config(engine):
     e = Engine(engine.parts, max_num_seqs=1, kv_cache_mb=4, speculative=SpeculativeConfig(num_speculative_tokens=3))
     assert e.engine_config.speculative.num_speculative_tokens == 3
+
+
+def test_without_chunked_prefill_a_prompt_over_the_budget_still_runs(engine):
+    """With chunked prefill off a prompt runs whole, but one longer than max_num_batched_tokens never could:
+    it is chunked even so, instead of waiting forever (and everything queued behind it)."""
+    e = Engine(engine.parts, max_num_seqs=2, max_num_batched_tokens=32, enable_chunked_prefill=False,
+               kv_cache_mb=4, max_model_len=256)
+    p = SamplingParams(max_tokens=3, temperature=0)
+    rids = [e.add_request(list(range(100, 140)), p), e.add_request([1, 2, 3], p)]
+    done = {}
+    for _ in range(50):
+        done.update((o.request_id, o) for o in e.step() if o.finished)
+        if not e.has_unfinished():
+            break
+    assert [done[r].finish_reason for r in rids if r in done] == ["length", "length"]
+    ref = Engine(engine.parts, max_num_seqs=1, kv_cache_mb=4, max_model_len=256).generate([list(range(100, 140))], p)
+    assert done[rids[0]].token_ids == ref[0].token_ids
