@@ -84,10 +84,15 @@ class Engine:
             log.warning("max_model_len lowered from %d to %d: the KV cache (kv_cache_mb) holds no more",
                         self.max_model_len, n_blocks * BLOCK)
             self.max_model_len = n_blocks * BLOCK
-        self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=n_blocks,
-                             max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,
-                             max_blocks=-(-self.max_model_len // BLOCK), n_threads=self.threads,
-                             adaptive_threads=c.adaptive_threads)
+        try:
+            self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=n_blocks,
+                                 max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,
+                                 max_blocks=-(-self.max_model_len // BLOCK), n_threads=self.threads,
+                                 adaptive_threads=c.adaptive_threads)
+        except MemoryError as e:                    # its tables grow with max_model_len (RoPE) and the batch sizes
+            raise LumenError(f"the engine's buffers for max_model_len {self.max_model_len}, max_num_seqs "
+                             f"{c.max_num_seqs} and max_num_batched_tokens {c.max_num_batched_tokens} do not fit "
+                             f"in memory ({e}): lower them") from None
         self.blocks = BlockManager(self.runner.n_blocks, self.runner.table, prefix_caching=c.enable_prefix_caching)
         self._lock = threading.RLock()
         self.kv = KVConnector(self.runner.kv, self.blocks, self._lock, hold_timeout_s=c.kv_hold_timeout_s)

@@ -6,6 +6,7 @@ import lumen
 from lumen import SamplingParams
 from lumen.engine.config import SpeculativeConfig
 from lumen.engine.engine import Engine, RequestError
+from lumen.errors import LumenError
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +90,15 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_still_runs(engine):
     assert [done[r].finish_reason for r in rids if r in done] == ["length", "length"]
     ref = Engine(engine.parts, max_num_seqs=1, kv_cache_mb=4, max_model_len=256).generate([list(range(100, 140))], p)
     assert done[rids[0]].token_ids == ref[0].token_ids
+
+
+def test_a_max_model_len_too_big_for_memory_is_a_lumen_error(engine, monkeypatch):
+    """Engine(max_model_len=10**9) died with numpy's 'Unable to allocate 119. GiB' for the RoPE tables. (Made to
+    fail here whatever the machine's memory.)"""
+    import lumen.engine.runner as runner
+
+    def no_memory(*a):
+        raise MemoryError("Unable to allocate 119. GiB")
+    monkeypatch.setattr(runner, "make_arch", no_memory)
+    with pytest.raises(LumenError, match="max_model_len 1000000000,.* do not fit in memory"):
+        Engine(engine.parts, max_model_len=10 ** 9, max_num_seqs=1, kv_cache_mb=4)
