@@ -142,6 +142,8 @@ class Engine:
         params = SamplingParams() if params is None else params
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise TypeError(f"request_id must be a non-empty string or None, got {request_id!r}")
+        if metrics is not None and not isinstance(metrics, RequestMetrics):
+            raise TypeError(f"metrics must be a RequestMetrics or None, got {type(metrics).__name__}")
         ids, max_tokens = admit(prompt, params, self.tokenizer, self.config.n_vocab, self.max_model_len,
                                 self.blocks.n_blocks)
         if kv_transfer_params is not None or kv_data is not None:

@@ -102,3 +102,12 @@ def test_a_max_model_len_too_big_for_memory_is_a_lumen_error(engine, monkeypatch
     monkeypatch.setattr(runner, "make_arch", no_memory)
     with pytest.raises(LumenError, match="max_model_len 1000000000,.* do not fit in memory"):
         Engine(engine.parts, max_model_len=10 ** 9, max_num_seqs=1, kv_cache_mb=4)
+
+
+@pytest.mark.parametrize("metrics", ["x", {}, 0])
+def test_metrics_not_request_metrics_is_a_type_error(engine, metrics):
+    """A wrong metrics object was taken, then failed inside the scheduler after its blocks were allocated: the
+    step raised AttributeError and a block leaked for good."""
+    with pytest.raises(TypeError, match="metrics must be a RequestMetrics"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), metrics=metrics)
+    assert serves(engine)
