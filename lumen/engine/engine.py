@@ -299,6 +299,8 @@ class Engine:
                 outs.append(seq.output(emitted, pieces))
                 continue
             a = min(accepted, len(emitted))
+            if seq.logprobs is not None and len(emitted) < len(toks):   # it ended among its verified tokens
+                del seq.logprobs[len(seq.output_ids):]
             if s.k:
                 self.speculator.accepted(seq, s.k, a)
             self.scheduler.computed(s, n_accepted=a)

@@ -111,3 +111,20 @@ def test_metrics_not_request_metrics_is_a_type_error(engine, metrics):
     with pytest.raises(TypeError, match="metrics must be a RequestMetrics"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), metrics=metrics)
     assert serves(engine)
+
+
+@pytest.mark.parametrize("stop", ["token", "string", "max_tokens"])
+def test_speculative_logprobs_end_with_the_tokens(engine, stop):
+    """A verification step accepts several tokens at once; when a stop token, a stop string or max_tokens ends
+    the request among them, the logprobs of the tokens after the end were kept: 3 logprobs for 1 token."""
+    ids = "The quick brown fox jumps over the lazy dog. " * 12
+    plain = SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+    want = engine.generate([ids], plain)[0]
+    end = 5                                                   # the request ends with its 6th token
+    kw = {"token": dict(stop_token_ids=[want.token_ids[end]]),
+          "string": dict(stop=[engine.tokenizer.decode(want.token_ids[end:end + 1]).strip() or "x"]),
+          "max_tokens": dict(max_tokens=end + 1)}[stop]
+    for sp in (plain.replace(**kw), plain.replace(speculative="ngram", **kw)):
+        out = engine.generate([ids], sp)[0]
+        assert len(out.logprobs) == len(out.token_ids)
+        assert out.logprobs == want.logprobs[:len(out.token_ids)]
