@@ -144,15 +144,16 @@ class MemoryReference:
 _LOOPS: dict = {}
 
 
-def _loop(d):
-    """A compiled loop calling dispatcher d k times with one argument tuple (compiled once per dispatcher)."""
-    if d not in _LOOPS:
-        @njit
-        def loop(k, args):
-            for _ in range(k):
-                d(*args)
-        _LOOPS[d] = loop
-    return _LOOPS[d]
+def _loop(d, n: int):
+    """A compiled loop calling dispatcher d k times with one tuple of n arguments (compiled once per dispatcher
+    and n). The arguments are spelled out, args[0], ..., args[n-1]: Numba refuses `d(*args)` when d is inlined
+    (`njit(inline="always")`, as matmul's act_rows is)."""
+    if (d, n) not in _LOOPS:
+        ns = {"d": d}
+        exec(f"def loop(k, args):\n    for _ in range(k):\n        d({', '.join(f'args[{i}]' for i in range(n))})\n",
+             ns)
+        _LOOPS[d, n] = njit(ns["loop"])
+    return _LOOPS[d, n]
 
 
 def _replica(args: tuple, memo: dict) -> tuple:
@@ -200,7 +201,7 @@ class Replay:
         if any(kw for _, _, kw in calls):  # keyword arguments do not go through the compiled loop: time fn itself
             calls = []
         self.names = [d.__name__ for d, _, _ in calls] or [fn.__name__]
-        self.replicas = [[(_loop(d), a) for d, a, _ in calls]]
+        self.replicas = [[(_loop(d, len(a)), a) for d, a, _ in calls]]
         self.copies = copies
         self.new_copies()
 

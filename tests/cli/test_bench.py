@@ -190,15 +190,18 @@ def test_gates_skip_a_cpu_without_baseline():
 def test_gates_print_their_summary_in_one_process():
     """A gated case's figures reach the summary table: the gates run in the pytest process itself, not in an
     xdist worker (addopts' -n 2), whose results the summary never saw. One small case, gated against the
-    committed entry whatever this CPU is (pass or fail does not matter here)."""
+    committed entry whatever this CPU is (pass or fail does not matter here). And a matmul case through matvec,
+    whose recorded calls include an inlined dispatcher (act_rows), which the replay loop once failed to compile."""
     key = next(iter(json.loads((ROOT / "tests" / "benchmarks" / "baseline.json").read_text())["cpus"]))
     env = dict(os.environ, LUMEN_BENCH_SMOKE="1", LUMEN_BENCH_CPU=key)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/benchmarks",
-                        "-k", "attention and decode and ctx1024"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "-k", "(attention and decode and ctx1024) or (ffn_up and N1)"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert "bringing up nodes" not in r.stdout, r.stdout[-3000:]
     assert f"gated against the baseline of LUMEN_BENCH_CPU: '{key}'" in r.stdout, r.stdout[-3000:]
-    assert "attention-gemma3-270m-H4x1-D256-decode-ctx1024 " in r.stdout, r.stdout[-3000:]
+    assert "Error" not in r.stdout, r.stdout[-3000:]
+    for case in ("attention-gemma3-270m-H4x1-D256-decode-ctx1024 ", "matmul-smollm2-135m-Q4_1-ffn_up-1536x576-N1 "):
+        assert case in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.slow
