@@ -98,13 +98,14 @@ def call_rate(url: str) -> dict:
 
 
 def tpot(url: str, tools: list | None, choice: str | None, tokens: int = 64) -> float:
-    """Seconds per output token after the first, one streamed request."""
+    """Seconds per output token after the first, one streamed request; nan when the text did not stream (under
+    "auto" the server holds back an answer that starts like a tool call, and then sends it in one piece)."""
     body = {"messages": STORY, "temperature": 0, "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     if tools:
         body |= {"tools": tools, "tool_choice": choice}
     first = last = None
-    n = 0
+    n = chunks = 0
     with httpx.Client(base_url=url, timeout=600) as http, http.stream("POST", "/v1/chat/completions",
                                                                      json=body) as r:
         r.raise_for_status()
@@ -117,9 +118,20 @@ def tpot(url: str, tools: list | None, choice: str | None, tokens: int = 64) -> 
             if any(c["delta"].get("content") or c["delta"].get("tool_calls") for c in chunk.get("choices", [])):
                 first = first or time.perf_counter()
                 last = time.perf_counter()
+                chunks += 1
     if n < 2 or first is None:
         raise RuntimeError(f"only {n} tokens streamed")
-    return (last - first) / (n - 1)
+    return (last - first) / (n - 1) if chunks >= 2 else float("nan")
+
+
+def median(v: list[float]) -> float:
+    """The median of the measured values (not nan); nan when there is none."""
+    v = [x for x in v if x == x]
+    return statistics.median(v) if v else float("nan")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if a == a and b == b else "not measured (an answer came in one piece: held back as a call)"
 
 
 def tpot_at(url: str, tools: list | None, choice: str | None, concurrency: int) -> list[float]:
@@ -175,9 +187,9 @@ def main(argv=None) -> None:
             runs: dict = {k: [] for k in conds}
             for r in range(args.reps):
                 for name in list(conds)[::1 if r % 2 == 0 else -1]:
-                    runs[name].append(statistics.median(tpot_at(url, *conds[name], conc)))
+                    runs[name].append(median(tpot_at(url, *conds[name], conc)))
             for k, v in runs.items():
-                tp[k, conc] = statistics.median(v)
+                tp[k, conc] = median(v)
                 print(f"TPOT concurrency {conc:2d}, {k:12s}: {tp[k, conc] * 1e3:.1f} ms (runs' medians "
                       f"{', '.join(f'{x * 1e3:.1f}' for x in v)})", flush=True)
     finally:
@@ -202,8 +214,8 @@ def main(argv=None) -> None:
                  "needed tool)")
     for conc in concs:
         auto, plain, none = (tp[k, conc] for k in ("tools, auto", "no tools", "tools, none"))
-        line += (f"; TPOT at concurrency {conc} with tools / without {auto / plain:.2f}x (the grammar alone: "
-                 f"auto / none {auto / none:.2f}x)")
+        line += (f"; TPOT at concurrency {conc} with tools / without {ratio(auto, plain)} (the grammar alone: "
+                 f"auto / none {ratio(auto, none)})")
     line += f"; mask {mask * 1e6:.0f} us a token"
     verdict(line)
 

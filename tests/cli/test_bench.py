@@ -253,3 +253,27 @@ def test_serve_says_why_the_server_it_started_ended(tmp_path, capsys):
     assert main(["--serve-model", str(bad), "--num-prompts", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: Lumen exited (1) before it came up: ") and "not a GGUF file" in err, err
+
+
+@pytest.mark.parametrize("pieces, measured", [(1, False), (63, True)])
+def test_tool_calling_tpot_is_not_measured_from_one_piece(pieces, measured, monkeypatch):
+    """profiling/tool_calling.py: under "auto" the server holds back an answer that starts like a tool call and
+    sends its 64 tokens in one piece; the TPOT of that is not 0 ms (it was, and the verdict read "0.00x")."""
+    import math
+
+    import httpx
+    monkeypatch.syspath_prepend(str(ROOT / "profiling"))
+    import tool_calling
+
+    def handler(request):
+        head = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}
+        text = [{"choices": [{"index": 0, "delta": {"content": "x"}}]} for _ in range(pieces)]
+        usage = {"choices": [], "usage": {"completion_tokens": 64}}
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in [head, *text, usage]) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    t = tool_calling.tpot("http://test", tool_calling.TOOLS, "auto")
+    assert math.isnan(t) != measured and (not measured or t >= 0)
+    assert tool_calling.ratio(t, 0.02).startswith("not measured") != measured
