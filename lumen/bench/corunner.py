@@ -9,8 +9,8 @@
   a load generator).
 - `none`: nothing (the idle figure that the others are divided by).
 
-Each co-runner is its own process, bounded in time (it exits by itself after `seconds`, and is killed when the
-block ends), so no benchmark leaves one behind. The block begins once the co-runner says it is in its loop (an
+Each co-runner is its own process, bounded in time (it exits by itself after `seconds`, when the benchmark's
+process is gone, killed or not, and is killed when the block ends), so no benchmark leaves one behind. The block begins once the co-runner says it is in its loop (an
 interpreter starting is a busy process for tens of ms, whatever the kind), and after the co-runner is killed it
 waits SETTLE_S, longer than the thread governor's RESET_S (lumen.engine.threads): what is measured next (the next
 repetition's idle figure) starts from a pause after which the governor sees nobody and takes every thread,
@@ -18,6 +18,7 @@ instead of the count the co-runner left behind (which would read the next idle f
 """
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
@@ -28,11 +29,11 @@ KINDS = ("none", "sleep", "busy")
 SETTLE_S = 1.2          # seconds after a co-runner ends before the block does (> lumen.engine.threads.RESET_S)
 
 _READY = "import sys\nsys.stdout.write('ready\\n')\nsys.stdout.flush()\n"     # in its loop from here on
+_LIVE = "import os, time\nend, parent = time.monotonic() + float(sys.argv[1]), int(sys.argv[2])\n"  # argv: s, ppid
+_UP = "(time.monotonic() < end and os.getppid() == parent)"     # its time is not over, its benchmark still runs
 _CODE = {
-    "sleep": _READY + "import time\nend = time.monotonic() + float(sys.argv[1])\n"
-                      "while time.monotonic() < end:\n    time.sleep(0.001)\n",
-    "busy": _READY + "import time\nend = time.monotonic() + float(sys.argv[1])\nn = 0\n"
-                     "while True:\n    n += 1\n    if n & 0xFFFF == 0 and time.monotonic() > end:\n        break\n",
+    "sleep": _READY + _LIVE + f"while {_UP}:\n    time.sleep(0.001)\n",
+    "busy": _READY + _LIVE + f"n = 0\nwhile True:\n    n += 1\n    if n & 0xFFFF == 0 and not {_UP}:\n        break\n",
 }
 START_TIMEOUT_S = 30.0  # a co-runner that has not said ready by then is a fault
 
@@ -45,7 +46,8 @@ def corunner(kind: str, seconds: float = 600.0):
     if kind == "none":
         yield None
         return
-    p = subprocess.Popen([sys.executable, "-c", _CODE[kind], str(float(seconds))], stdin=subprocess.DEVNULL,
+    p = subprocess.Popen([sys.executable, "-c", _CODE[kind], str(float(seconds)), str(os.getpid())],
+                         stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE)
     try:
         # its own start (an interpreter starting: a busy process for tens of ms, whatever the kind) is over before

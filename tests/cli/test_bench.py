@@ -277,3 +277,22 @@ def test_tool_calling_tpot_is_not_measured_from_one_piece(pieces, measured, monk
     t = tool_calling.tpot("http://test", tool_calling.TOOLS, "auto")
     assert math.isnan(t) != measured and (not measured or t >= 0)
     assert tool_calling.ratio(t, 0.02).startswith("not measured") != measured
+
+
+@pytest.mark.parametrize("kind", ["sleep", "busy"])
+def test_corunner_ends_with_a_benchmark_that_was_killed(kind):
+    """A benchmark killed inside a --corunner block (SIGKILL, SIGTERM: no finally runs) left its co-runner
+    spinning for up to an hour (run_beside's bound); the co-runner now ends once its benchmark's process is gone."""
+    import time
+    code = ("import os, sys\nfrom lumen.bench.corunner import corunner\n"
+            f"with corunner({kind!r}, seconds=3600) as p:\n    print(p.pid, flush=True)\n    os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                       timeout=60, cwd=ROOT)     # the co-runner holds the inherited stderr open while it lives
+    pid = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.1)
+    alive = Path(f"/proc/{pid}").exists()
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, f"the {kind} co-runner outlived its benchmark"
