@@ -84,7 +84,7 @@ class Server:
 
     def tail(self, n: int = 3) -> str:
         lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        return " | ".join(lines[-n:]) + f" (log: {self.log})"
+        return (" | ".join(lines[-n:]) or "it printed nothing") + f" (log: {self.log})"
 
     def stop(self, timeout: float = 30.0) -> None:
         p = self.p

@@ -296,3 +296,14 @@ def test_corunner_ends_with_a_benchmark_that_was_killed(kind):
     if alive:
         os.kill(pid, 9)
     assert not alive, f"the {kind} co-runner outlived its benchmark"
+
+
+def test_a_server_that_printed_nothing_is_said_so():
+    """A server that exits at once and silently (here /bin/false as llama-server): the error said "before it came
+    up:  (log: ...)", an empty reason."""
+    from lumen.bench.launch import Server
+    s = Server("llama.cpp", ["/bin/false"])
+    with pytest.raises(RuntimeError) as e:
+        s.start(timeout=30)
+    s.log.unlink()
+    assert str(e.value).startswith("llama.cpp exited (1) before it came up: it printed nothing (log: "), str(e.value)
