@@ -90,7 +90,7 @@ def run_llama(binary: str, model: str, npp: int, ntg: int, levels: list[int], th
            "-npl", ",".join(map(str, levels)), "-t", str(threads), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
-        raise RuntimeError(f"llama-batched-bench failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+        raise RuntimeError(f"llama-batched-bench failed ({r.returncode}): {r.stderr.strip()[-500:] or 'it printed nothing'}")
     out = {}
     for line in r.stdout.splitlines() + r.stderr.splitlines():
         m = _ROW.match(line.strip())

@@ -190,7 +190,7 @@ class LlamaBenchEngine:
             return float(rows[0]["avg_ns"]) / 1e9
         except (ValueError, IndexError, KeyError, TypeError):
             tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"llama-bench failed (exit {r.returncode}): {' | '.join(tail)}") from None
+            raise RuntimeError(f"llama-bench failed (exit {r.returncode}): {' | '.join(tail) or 'it printed nothing'}") from None
 
     def warmup(self, ids: np.ndarray) -> float:
         t = time.perf_counter()

@@ -96,7 +96,7 @@ def run_llama(binary: str, model: str, prompt: str, n: int, threads: int, draft:
     out = r.stdout + r.stderr
     m = _LL_SPEED.search(out)
     if r.returncode != 0 or not m:
-        raise RuntimeError(f"llama-lookup failed ({r.returncode}): {out.strip()[-500:]}")
+        raise RuntimeError(f"llama-lookup failed ({r.returncode}): {out.strip()[-500:] or 'it printed nothing'}")
     counts = dict((k, int(v)) for k, v in _LL_N.findall(out))
     drafted, accepted = counts.get("n_drafted", 0), counts.get("n_accept", 0)
     return {"tps": float(m.group(3)), "tokens": int(m.group(1)), "drafted": drafted,

@@ -307,3 +307,16 @@ def test_a_server_that_printed_nothing_is_said_so():
         s.start(timeout=30)
     s.log.unlink()
     assert str(e.value).startswith("llama.cpp exited (1) before it came up: it printed nothing (log: "), str(e.value)
+
+
+def test_a_llama_tool_that_printed_nothing_is_said_so(smollm2_path):
+    """--llama-bench / --llama-batched-bench / --llama-lookup /bin/false said "failed (exit 1): " and no reason."""
+    from lumen.bench import batch, spec
+    from lumen.bench.single import LlamaBenchEngine
+    runs = [lambda: LlamaBenchEngine("/bin/false", smollm2_path, 1, [], 10).tg(1, 2),
+            lambda: batch.run_llama("/bin/false", str(smollm2_path), 4, 2, [1], 1, []),
+            lambda: spec.run_llama("/bin/false", str(smollm2_path), "hi", 2, 1, None, [])]
+    for run in runs:
+        with pytest.raises(RuntimeError) as e:
+            run()
+        assert str(e.value).endswith("1): it printed nothing"), str(e.value)
