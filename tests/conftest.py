@@ -296,8 +296,10 @@ def pytest_sessionfinish(session):
         os.unlink(os.environ.pop(variable))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """The benchmark gates (tests/benchmarks, LUMEN_BENCH=1 or LUMEN_BENCH_SMOKE=1) time kernels: they run in this
-    one process, with no xdist worker beside them."""
+    one process, with no xdist worker beside them, and their summary reads this process's results. Before xdist's
+    own hook, which turns addopts' `-n 2` into workers (set after it, the workers were already on)."""
     if "1" in (os.environ.get("LUMEN_BENCH"), os.environ.get("LUMEN_BENCH_SMOKE")):
         config.option.numprocesses = 0

@@ -446,15 +446,6 @@ def gate() -> Gate:
 # ---------------------------------------------------------------- pytest hooks
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config):
-    """The gates run in this one process, with no xdist worker beside them or in between: the results live in
-    this process's _GATE, which the summary reads. Before xdist's own hook, which turns addopts' `-n 2` into
-    the workers' list (setting numprocesses to 0 after it left the workers on)."""
-    if ENABLED:
-        config.option.numprocesses = 0
-
-
 def pytest_configure(config):
     if ENABLED:
         numba.set_num_threads(THREADS)
