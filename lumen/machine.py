@@ -222,7 +222,7 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
 
     out["bw_1t_gbps"] = a.nbytes / _best(lambda: sum_kernel(a), reps) / 1e9
     out["bw_gbps"] = a.nbytes / _best(lambda: _on_threads([lambda p=p: sum_kernel(p) for p in parts]), reps) / 1e9
-    del a, parts
+    a = parts = None                          # (the bandwidth arrays: freed before the FMA runs)
     flops = 2 * FMA_W * fma_rounds
     out["fma_1t_gflops"] = flops / _best(lambda: fma_kernel(fma_rounds, m, c), reps) / 1e9
     out["fma_gflops"] = flops * threads / _best(
@@ -261,8 +261,8 @@ def limits(measure_if_missing: bool = True, remeasure: bool = False) -> dict:
             d = json.loads(path.read_text())
             if _valid(d):
                 return d
-            why = ("was measured by an older version of these kernels"
-                   if isinstance(d, dict) and d.get("version") != VERSION
+            why = ("is unreadable" if not isinstance(d, dict)
+                   else "was measured by an older version of these kernels" if d.get("version") != VERSION
                    else "was measured on another CPU or thread count")
         except FileNotFoundError:
             why = "is missing"
@@ -275,7 +275,9 @@ def limits(measure_if_missing: bool = True, remeasure: bool = False) -> dict:
     d = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(d, indent=1))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")    # whole or not at all: a reader at the same
+        tmp.write_text(json.dumps(d, indent=1))                     # time, or a kill mid-write, never sees half
+        os.replace(tmp, path)
     except OSError as e:
         print(f"warning: could not cache the machine limits in {path}: {e.strerror}", file=sys.stderr)
     return d

@@ -75,6 +75,10 @@ def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys)
     (tmp_path / "machine.json").write_text(json.dumps(dict(d, cpu="another CPU", bw_gbps=-1)))
     assert machine.limits()["bw_gbps"] > 0
     assert "another CPU" in capsys.readouterr().err
+    (tmp_path / "machine.json").write_text("[1, 2]")                # JSON, but not the limits: unreadable
+    assert machine.limits()["bw_gbps"] > 0
+    assert "is unreadable" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]   # written whole: no temporary left
 
 
 NO_VNNI = """
