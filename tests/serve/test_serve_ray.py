@@ -354,6 +354,30 @@ def test_sigterm_leaves_no_process_of_its_ray_instance(smollm2_path, tmp_path):
     assert outcome and outcome[0] in ("done", "error", "broken"), outcome
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, tmp_path, sig):
+    """A signal to the server's whole process group (kill -TERM -- -PGID, as a shell's job control or a service
+    manager stops it; Ctrl-C in a terminal is SIGINT to the foreground group) reaches Ray's processes as well: its
+    GCS closed at once, and the graceful stop used to wait ~60 s for it in Ray's calls, then died without its log
+    line. Now: exit 0 within seconds, no process of the instance left."""
+    proc = ray_server(smollm2_path, tmp_path / "server.log", "--shutdown-timeout", "2")
+    try:
+        wait_log(proc, "serving on")
+        t0 = time.monotonic()
+        os.killpg(proc.p.pid, sig)                    # the server leads its session's process group
+        try:
+            code = proc.p.wait(25)
+        except Exception:
+            raise AssertionError(f"the server did not stop within 25 s:\n{proc.tail()}") from None
+        took = time.monotonic() - t0
+    finally:
+        left = wait_gone(proc, timeout=5)
+    assert not left, f"left after a {sig.name} to the process group: {left}"
+    assert code == 0 and took < 15, (code, took, proc.tail())
+    assert "stopped" in proc.tail(5) and "Traceback" not in proc.log.read_text(errors="replace"), proc.tail()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the same API as one process
 

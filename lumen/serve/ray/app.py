@@ -174,7 +174,9 @@ def _wait_deleted(timeout: float = 300.0, poll: float = 0.2) -> None:
 def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int) -> int:
     """Run the application until SIGTERM or SIGINT (the command line's Ray path). The first signal stops it as
     stop() does (requests in flight get the shutdown timeout); a second one, or one while it starts, ends the
-    local instance's processes at once (on a joined cluster: deletes the application without waiting)."""
+    local instance's processes at once (on a joined cluster: deletes the application without waiting). Should the
+    local instance's core go (the signal reached its processes too, as a SIGTERM to the process group does), the
+    process ends at once with every process of the instance (_Watchdog)."""
     done, state = threading.Event(), {"serving": False, "signals": 0}
 
     def on_signal(sig, frame):
@@ -192,11 +194,13 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     if not address and replicas * threads > cpus:
         log.warning("%d replicas x %d threads ask for more CPUs than this machine's %d: Ray will wait",
                     replicas, threads, cpus)
-    local = None
+    local = watchdog = None
     try:
         try:
             local = connect(address)
             catch_signals()
+            if local is not None:
+                watchdog = _Watchdog(local, lambda: state["signals"] > 0)
             took = start(app, host=host, port=port)
         except KeyboardInterrupt:
             log.info("stopped while starting")
@@ -219,10 +223,50 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             log.info("stopping now")
             _stop_now(local, address)
     finally:
+        if watchdog is not None:
+            watchdog.close()
         for sig, h in previous.items():
             signal.signal(sig, h)
     log.info("stopped")
     return 0
+
+
+class _Watchdog:
+    """Watches our local instance's core (LocalRay.broken, every `period` seconds) from a thread of its own. Once it
+    has gone (a SIGTERM to the whole process group reaches Ray's processes as it reaches this one; systemd's stop
+    signals every process of the unit), every Ray call waits ~60 s for the GCS, and the main thread may be inside
+    one (a blocking GCS call, which no signal interrupts). So this thread ends the process itself: every process
+    of the instance killed, then exit 0 after a signal, 1 (with a one-line error) without one."""
+
+    def __init__(self, local: LocalRay, signalled, period: float = 0.1):
+        self.local, self.signalled, self.period = local, signalled, period
+        self.end = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="lumen-ray-watchdog", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.end.wait(self.period):
+            gone = self.local.broken()
+            if gone and not self.end.wait(0.2):       # (the signal that ended it is counted by then)
+                self._exit(gone)
+
+    def _exit(self, gone: str) -> None:
+        signalled = self.signalled()
+        if signalled:
+            log.info("stopping now: the signal reached the local Ray instance too (its %s is gone)", gone)
+        else:
+            print(f"error: the local Ray instance's {gone} ended; stopping", file=sys.stderr)
+        self.local.kill(disconnect=False)             # (ray.shutdown would wait for the GCS too)
+        log.info("stopped")
+        for h in logging.getLogger().handlers + log.handlers:
+            h.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if signalled else 1)
+
+    def close(self) -> None:
+        self.end.set()
+        self.thread.join()
 
 
 def _stop_now(local: LocalRay | None, address: str | None) -> None:

@@ -6,6 +6,8 @@ process of it behind.
     ray.stop(grace=2.0)             serve.shutdown() and ray.shutdown(), then every process of the instance that is
                                     still there gets SIGTERM and, after `grace` seconds, SIGKILL; the temp dir goes
     ray.kill()                      every process of it at once, without waiting for Serve (a second Ctrl-C)
+    ray.broken()                    which of its core processes (gcs_server, raylet) ended, if any: then every Ray
+                                    call of this process waits ~60 s for the GCS, so the caller kills instead
 
 ray.shutdown() alone leaves processes: its raylet's agents (ray::DashboardAgent, ray::RuntimeEnvAgent) outlive the
 raylet and ignore SIGTERM. The instance's processes are found three ways, so that none escapes: this process's
@@ -19,6 +21,7 @@ import ctypes
 import logging
 import os
 import shutil
+import socket
 import tempfile
 
 import psutil
@@ -26,6 +29,10 @@ import ray
 
 log = logging.getLogger("lumen.serve")
 PR_SET_CHILD_SUBREAPER = 36
+CORE = ("gcs_server", "raylet")         # without either, the instance cannot serve nor stop itself
+# ray.shutdown() waits this long to flush task events to a GCS (5 s by default, all of it when the GCS is gone);
+# they feed Ray's dashboard, which the local instance does not run
+SYSTEM_CONFIG = {"task_events_shutdown_flush_timeout_ms": 500}
 
 
 def _subreaper() -> None:
@@ -42,15 +49,37 @@ class LocalRay:
     def __init__(self, num_cpus: int | None = None, log_to_driver: bool = True):
         me = psutil.Process()
         self.before = {p.pid for p in me.children(recursive=True)}      # not Ray's
+        self.core, self.ending = {}, False                                # ending: stopped on purpose
         # a short path: Ray's unix sockets live under it (at most 107 bytes)
         self.temp_dir = tempfile.mkdtemp(prefix="lumen-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         _subreaper()
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                     _temp_dir=self.temp_dir)
+                     _temp_dir=self.temp_dir, _system_config=SYSTEM_CONFIG)
         except BaseException:
             self.kill()
             raise
+        self.core = {p: _name(p) for p in self.processes() if _name(p) in CORE}
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        self.gcs = (host, int(port))
+
+    def broken(self) -> str | None:
+        """What of the instance's core has gone ("gcs_server", "raylet"), or None while it is whole or being stopped
+        on purpose (stop, kill). A SIGTERM to the whole process group (a shell's kill -- -PGID, systemd's stop of
+        the unit) reaches them as it reaches this process: the GCS closes its port at once (its process lingers),
+        the raylet ends seconds later."""
+        if self.ending:
+            return None
+        for p, name in self.core.items():
+            if not _live([p]):
+                return name
+        try:
+            socket.create_connection(self.gcs, timeout=1.0).close()
+        except socket.timeout:
+            pass                                      # slow (a loaded host) is not gone
+        except OSError:
+            return "gcs_server"
+        return None
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of this instance."""
@@ -74,18 +103,22 @@ class LocalRay:
         try:
             serve.shutdown()
         finally:
+            self.ending = True
             try:
                 ray.shutdown()
             finally:
                 self._end(procs, grace)
 
-    def kill(self) -> None:
+    def kill(self, disconnect: bool = True) -> None:
         """Every process of the instance, now (the GCS last: this process leaves it first, which takes seconds
-        once it is gone)."""
+        once it is gone). disconnect=False: this process does not leave Ray (it is about to exit; with the GCS gone,
+        leaving waits for it)."""
+        self.ending = True
         procs = self.processes()
         gcs = [p for p in procs if _name(p) == "gcs_server"]
         psutil.wait_procs(_signal([p for p in procs if p not in gcs], "kill"), timeout=5.0)
-        ray.shutdown()
+        if disconnect:
+            ray.shutdown()
         self._end(gcs, 0.0)
 
     def _end(self, procs: list[psutil.Process], grace: float) -> None:
