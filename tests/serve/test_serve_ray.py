@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 
 from test_serve import BAD_REQUESTS, MAX_BODY, MAX_MODEL_LEN, MESSAGES, MODEL_ID, PROMPT  # noqa: E402
 from test_serve import assert_error, chat_ids, post_bad, reference, strip_end  # noqa: E402
-from servers import ServerProcess, sse_events  # noqa: E402
+from servers import ServerProcess, free_port, sse_events  # noqa: E402
 from test_structured_server import BAD as STRUCTURED_BAD  # noqa: E402
 
 
@@ -273,6 +273,39 @@ def test_port_in_use_fails_before_ray_starts(smollm2_path):
                             "--threads", "1", "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert f"error: cannot listen on 127.0.0.1:{port}:" in r.stderr and "Ray" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pools", [["--replicas", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1"]],
+                         ids=["replicas", "pd"])
+def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
+    """Replicas asking Ray for more CPUs than the local instance has (2 x all the cores): one line naming what
+    fits, exit 1, in seconds, no process of the instance left; Serve used to keep the replicas pending for ever."""
+    import subprocess
+    mark = uuid.uuid4().hex
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), *pools,
+                            "--threads", str(os.cpu_count()), "--port", str(free_port())], capture_output=True, text=True,
+                           timeout=90, start_new_session=True, env={**os.environ, MARK: mark})
+    except subprocess.TimeoutExpired:
+        raise AssertionError("still waiting for the replicas after 90 s") from None
+    finally:
+        left = kill_session(mark, None)
+    took = time.monotonic() - t0
+    assert r.returncode == 1 and took < 60, (r.returncode, took, r.stderr[-2000:])
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and f"ask Ray for {2 * os.cpu_count()} CPUs" in err[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not left, (r.stderr[-2000:], left)
+
+
+def test_cpus_short_names_what_fits(monkeypatch):
+    import ray
+    from lumen.serve.ray.app import cpus_short
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 5.0})
+    assert cpus_short(2, 2, joined=False) is None and cpus_short(5, 1, joined=True) is None
+    assert cpus_short(3, 2, joined=True) == "3 replica(s) x 2 thread(s) ask Ray for 6 CPUs, and the Ray cluster " \
+                                            "has 5: use fewer replicas or --threads (2 replica(s) of 2 thread(s) fit)"
+    assert "this machine has 5" in cpus_short(1, 8, joined=False)
 
 
 def _bare_router():

@@ -137,6 +137,18 @@ def check_answers(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise ConnectionError(f"nothing answers at --ray-address {address}: {e}") from None
 
 
+def cpus_short(replicas: int, threads: int, *, joined: bool) -> str | None:
+    """Why the connected cluster cannot place every replica (each asks Ray for `threads` CPUs), or None when it
+    can: Ray would keep the missing ones pending, and the start would wait for them for ever."""
+    import ray
+    need, have = replicas * threads, int(ray.cluster_resources().get("CPU", 0))
+    if need <= have:
+        return None
+    where = "the Ray cluster has" if joined else "this machine has"
+    return (f"{replicas} replica(s) x {threads} thread(s) ask Ray for {need} CPUs, and {where} {have}: use fewer "
+            f"replicas or --threads ({have // threads} replica(s) of {threads} thread(s) fit)")
+
+
 def start(app, *, host: str, port: int) -> float:
     """Start Serve on the connected cluster and run the application on host:port; returns the seconds it took
     until the application answered."""
@@ -190,10 +202,6 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     previous = catch_signals()
-    cpus = os.cpu_count() or 1
-    if not address and replicas * threads > cpus:
-        log.warning("%d replicas x %d threads ask for more CPUs than this machine's %d: Ray will wait",
-                    replicas, threads, cpus)
     local = watchdog = None
     try:
         try:
@@ -201,6 +209,13 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             catch_signals()
             if local is not None:
                 watchdog = _Watchdog(local, lambda: state["signals"] > 0)
+            short = cpus_short(replicas, threads, joined=address is not None)
+            if short and local is not None:
+                print(f"error: {short}", file=sys.stderr)
+                _stop_now(local, address)
+                return 1
+            if short:
+                log.warning("%s; Ray waits until the cluster has them", short)
             took = start(app, host=host, port=port)
         except KeyboardInterrupt:
             log.info("stopped while starting")
