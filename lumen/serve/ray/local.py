@@ -110,16 +110,20 @@ class LocalRay:
                 self._end(procs, grace)
 
     def kill(self, disconnect: bool = True) -> None:
-        """Every process of the instance, now (the GCS last: this process leaves it first, which takes seconds
-        once it is gone). disconnect=False: this process does not leave Ray (it is about to exit; with the GCS gone,
-        leaving waits for it)."""
+        """Every process of the instance, now. The GCS goes last: this process leaves it first (ray.shutdown),
+        which takes seconds once it is gone. disconnect=False, for a process about to exit (os._exit): it does not
+        leave Ray (with the GCS gone, leaving waits for it), and the raylet goes last too, with the GCS and without
+        a wait, since Ray's core exits this process (code 1) at its first call to a raylet it finds dead."""
         self.ending = True
         procs = self.processes()
-        gcs = [p for p in procs if _name(p) == "gcs_server"]
-        psutil.wait_procs(_signal([p for p in procs if p not in gcs], "kill"), timeout=5.0)
+        last = [p for p in procs if _name(p) in (("gcs_server",) if disconnect else CORE)]
+        psutil.wait_procs(_signal([p for p in procs if p not in last], "kill"), timeout=5.0)
         if disconnect:
             ray.shutdown()
-        self._end(gcs, 0.0)
+            self._end(last, 0.0)
+        else:
+            _signal(last, "kill")
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _end(self, procs: list[psutil.Process], grace: float) -> None:
         """SIGTERM to procs and to the instance's processes still there, SIGKILL after `grace` seconds (0: at
