@@ -411,6 +411,37 @@ def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, t
     assert "stopped" in proc.tail(5) and "Traceback" not in proc.log.read_text(errors="replace"), proc.tail()
 
 
+@pytest.mark.slow
+def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
+    """A SIGTERM to the process group while ray.init runs (its GCS up, the Serve application not yet): Ray's own
+    handler used to take over (a drain of up to 30 s, then exit 15); now the server's handler stops it as at any
+    other time of the start: exit 0 within seconds, 'stopped while starting', no process left."""
+    import subprocess
+    mark, log = uuid.uuid4().hex, tmp_path / "server.log"
+    p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                          "--threads", "1", "--port", str(free_port())], stdout=log.open("w"),
+                         stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, MARK: mark})
+    try:
+        t0 = time.monotonic()
+        while not any("gcs_server" in n for n in session_processes(mark, p.pid).values()):
+            assert p.poll() is None and time.monotonic() - t0 < 120, log.read_text()[-2000:]
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGTERM)
+        t1 = time.monotonic()
+        try:
+            code = p.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 30 s after SIGTERM:\n{log.read_text()[-2000:]}") from None
+        took = time.monotonic() - t1
+    finally:
+        if p.poll() is None:
+            p.kill()
+        left = kill_session(mark, p.pid)
+    text = log.read_text(errors="replace")
+    assert not left, f"left: {left}"
+    assert code == 0 and took < 15 and "stopped while starting" in text, (code, took, text[-2000:])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the same API as one process
 

@@ -24,7 +24,7 @@ from ray.serve.config import RequestRouterConfig
 
 from ...engine.config import EngineConfig
 from ..app import Settings, build_app
-from .local import LocalRay
+from .local import LocalRay, sigterm_kept
 from .metrics import ReplicaMetrics
 from .remote import ModelInfo, RemoteWorker
 from .replica import EngineReplica
@@ -120,7 +120,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     import ray
     if address:
         check_answers(address)
-        ray.init(address=address, log_to_driver=log_to_driver)
+        with sigterm_kept():
+            ray.init(address=address, log_to_driver=log_to_driver)
         return None
     return LocalRay(num_cpus=num_cpus, log_to_driver=log_to_driver)
 
@@ -198,7 +199,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         else:
             raise KeyboardInterrupt
 
-    def catch_signals() -> dict:                   # again once Ray is up: its core worker takes SIGTERM over
+    def catch_signals() -> dict:                   # again once Ray is up, should Ray have taken SIGTERM over
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     previous = catch_signals()

@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import tempfile
+from contextlib import contextmanager
 
 import psutil
 import ray
@@ -43,6 +44,24 @@ def _subreaper() -> None:
         pass
 
 
+@contextmanager
+def sigterm_kept():
+    """Keep the caller's SIGTERM handler while Ray starts: ray.init and its node put their own in place (sys.exit,
+    and a drain of up to 30 s, then sys.exit(1)), so a SIGTERM during the start ended the process after ~24 s with
+    code 15, where the caller stops at once (a KeyboardInterrupt from its handler). Ray's private hook; without it,
+    nothing changes."""
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    setter = getattr(utils, "set_sigterm_handler", None)
+    if setter is None:
+        yield
+        return
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = setter
+
+
 class LocalRay:
     """A Ray instance of this process's own (see the module docstring)."""
 
@@ -54,8 +73,9 @@ class LocalRay:
         self.temp_dir = tempfile.mkdtemp(prefix="lumen-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         _subreaper()
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                     _temp_dir=self.temp_dir, _system_config=SYSTEM_CONFIG)
+            with sigterm_kept():
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                         _temp_dir=self.temp_dir, _system_config=SYSTEM_CONFIG)
         except BaseException:
             self.kill()
             raise
