@@ -440,6 +440,7 @@ def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
     text = log.read_text(errors="replace")
     assert not left, f"left: {left}"
     assert code == 0 and took < 15 and "stopped while starting" in text, (code, took, text[-2000:])
+    assert "starting 2 replica(s) x 1 thread(s) on Ray" in text.splitlines()[0], text[:2000]   # before Ray's lines
 
 
 # ---------------------------------------------------------------------------------------------------------

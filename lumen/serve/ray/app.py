@@ -204,6 +204,9 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
 
     previous = catch_signals()
     local = watchdog = None
+    t0 = time.perf_counter()
+    log.info("starting %d replica(s) x %d thread(s) on Ray (%s); Ctrl-C stops", replicas, threads,
+             address or "a local instance of our own")
     try:
         try:
             local = connect(address)
@@ -217,7 +220,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
                 return 1
             if short:
                 log.warning("%s; Ray waits until the cluster has them", short)
-            took = start(app, host=host, port=port)
+            start(app, host=host, port=port)
         except KeyboardInterrupt:
             log.info("stopped while starting")
             _stop_now(local, address)
@@ -228,7 +231,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             _stop_now(local, address)
             return 1
         log.info("serving on http://%s:%d: %d replica(s) x %d thread(s) on Ray (%s), ready in %.1f s", host, port,
-                 replicas, threads, address or "a local instance", took)
+                 replicas, threads, address or "a local instance", time.perf_counter() - t0)
         state["serving"] = True
         try:
             while not done.wait(0.5):
