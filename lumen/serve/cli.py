@@ -313,7 +313,9 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     except ImportError as e:
         print(f"error: --replicas needs Ray Serve (pip install -e '.[ray]'): {e}", file=sys.stderr)
         return 1
-    pools = args.prefill_replicas + args.decode_replicas if args.prefill_replicas else args.replicas
+    scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                          router=args.router)
+    pools = args.prefill_replicas + args.decode_replicas if args.prefill_replicas else scale.initial
     threads = args.threads or max(1, (os.cpu_count() or 1) // pools)
     config = replace(config, threads=threads)
     try:
@@ -331,8 +333,6 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     settings = Settings(model_id=model_id(args.model, args.served_model_name), api_key=args.api_key,
                         max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative,
                         ui=not args.no_ui, tool_call_parser=args.tool_call_parser)
-    scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                          router=args.router)
     if args.prefill_replicas:
         from .ray import pd
         pd_settings = pd.PDSettings(args.pd_threshold, args.kv_failure, prefill_timeout_s=args.pd_prefill_timeout)

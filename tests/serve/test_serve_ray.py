@@ -275,11 +275,12 @@ def test_port_in_use_fails_before_ray_starts(smollm2_path):
     assert f"error: cannot listen on 127.0.0.1:{port}:" in r.stderr and "Ray" not in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("pools", [["--replicas", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1"]],
-                         ids=["replicas", "pd"])
+@pytest.mark.parametrize("pools", [["--replicas", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1"],
+                                   ["--min-replicas", "2", "--max-replicas", "3"]], ids=["replicas", "pd", "autoscaling"])
 def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
-    """Replicas asking Ray for more CPUs than the local instance has (2 x all the cores): one line naming what
-    fits, exit 1, in seconds, no process of the instance left; Serve used to keep the replicas pending for ever."""
+    """Replicas asking Ray for more CPUs than the local instance has (2 x all the cores; with autoscaling, the
+    initial replicas): one line naming what fits, exit 1, in seconds, no process of the instance left; Serve used
+    to keep the replicas pending for ever."""
     import subprocess
     mark = uuid.uuid4().hex
     t0 = time.monotonic()
@@ -296,6 +297,14 @@ def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and f"ask Ray for {2 * os.cpu_count()} CPUs" in err[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not left, (r.stderr[-2000:], left)
+
+
+def test_scale_initial_replicas():
+    from lumen.serve.ray.app import Scale
+    assert Scale(3).bounds is None and Scale(3).initial == 3
+    assert Scale(1, min_replicas=3).bounds == (3, 3) and Scale(1, min_replicas=3).initial == 3
+    assert Scale(2, max_replicas=4).bounds == (1, 4) and Scale(2, max_replicas=4).initial == 2
+    assert Scale(5, min_replicas=1, max_replicas=4).initial == 4
 
 
 def test_cpus_short_names_what_fits(monkeypatch):

@@ -86,6 +86,19 @@ class Scale:
     router: str = "prefix"
     imbalance: int | None = None
 
+    @property
+    def bounds(self) -> tuple[int, int] | None:
+        """(min, max) of Ray Serve's autoscaling, or None for a fixed count."""
+        if self.min_replicas is None and self.max_replicas is None:
+            return None
+        lo = self.min_replicas if self.min_replicas is not None else 1
+        return lo, self.max_replicas if self.max_replicas is not None else max(lo, self.replicas)
+
+    @property
+    def initial(self) -> int:
+        """The replicas started first (the CPUs the start needs: see cpus_short)."""
+        return self.replicas if self.bounds is None else min(max(self.replicas, self.bounds[0]), self.bounds[1])
+
 
 def build(model: str, config: EngineConfig, settings: Settings, *, scale: Scale = Scale(), max_queue: int = 256,
           chat_template: str | None = None, shutdown_timeout: float = 30.0, health_check_period_s: float = 2.0):
@@ -93,11 +106,9 @@ def build(model: str, config: EngineConfig, settings: Settings, *, scale: Scale 
     (config.threads threads, asking Ray for as many CPUs) behind the same app and settings as one process."""
     max_num_seqs, threads = config.max_num_seqs, config.threads or 1
     scaling: dict = {"num_replicas": scale.replicas}
-    if scale.min_replicas is not None or scale.max_replicas is not None:
-        lo = scale.min_replicas if scale.min_replicas is not None else 1
-        hi = scale.max_replicas if scale.max_replicas is not None else max(lo, scale.replicas)
-        scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
-                                          "initial_replicas": min(max(scale.replicas, lo), hi),
+    if scale.bounds is not None:
+        lo, hi = scale.bounds
+        scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi, "initial_replicas": scale.initial,
                                           "target_ongoing_requests": max_num_seqs}}
     engine = serve.deployment(
         EngineReplica, name=ENGINE, ray_actor_options={"num_cpus": threads},
