@@ -299,6 +299,24 @@ def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
     assert "Traceback" not in r.stderr and not left, (r.stderr[-2000:], left)
 
 
+def test_deadline_after_a_signal_while_starting_kills_what_it_started(tmp_path):
+    """The fallback for a start that outlives its signal (a KeyboardInterrupt lost in an at-fork hook, a GCS gone):
+    past the deadline every process the server started is killed and it exits 0, whatever the main thread does."""
+    import subprocess
+    code = ("import logging, subprocess, sys, time\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "from lumen.serve.ray.app import _deadline\n"
+            "child = subprocess.Popen(['sleep', '60'])\n"
+            "print(child.pid, flush=True)\n"
+            "_deadline(0.5)\n"
+            "time.sleep(60)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    child = int(r.stdout.split()[0])
+    assert r.returncode == 0 and time.monotonic() - t0 < 20, (r.returncode, r.stderr[-2000:])
+    assert "stopped while starting" in r.stderr and not os.path.exists(f"/proc/{child}"), r.stderr[-2000:]
+
+
 def test_scale_initial_replicas():
     from lumen.serve.ray.app import Scale
     assert Scale(3).bounds is None and Scale(3).initial == 3

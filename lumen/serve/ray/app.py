@@ -19,12 +19,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+import psutil
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from ...engine.config import EngineConfig
 from ..app import Settings, build_app
-from .local import LocalRay, sigterm_kept
+from .local import LocalRay, _signal, sigterm_kept
 from .metrics import ReplicaMetrics
 from .remote import ModelInfo, RemoteWorker
 from .replica import EngineReplica
@@ -35,6 +36,7 @@ APP, INGRESS, ENGINE = "lumen", "LumenIngress", "LumenEngine"
 CONNECT_TIMEOUT_S = 5.0                 # --ray-address host:port must accept a connection within this
 ROUTING_STATS_PERIOD_S = 1.0            # how often each replica reports its cached blocks, load and metrics
 MAX_CONSTRUCTOR_RETRIES = 2             # a replica that cannot load its engine: the start fails, not retried 20x
+STOP_DEADLINE_S = 10.0                  # a signal while starting: every process we started is killed past this
 
 
 @serve.ingress()
@@ -207,8 +209,10 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         state["signals"] += 1
         if state["serving"] and state["signals"] == 1:
             done.set()
-        else:
-            raise KeyboardInterrupt
+            return
+        if not state["serving"] and state["signals"] == 1:
+            _deadline()
+        raise KeyboardInterrupt
 
     def catch_signals() -> dict:                   # again once Ray is up, should Ray have taken SIGTERM over
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -222,6 +226,8 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         try:
             local = connect(address)
             catch_signals()
+            if state["signals"]:                      # its KeyboardInterrupt was swallowed (in an at-fork hook)
+                raise KeyboardInterrupt
             if local is not None:
                 watchdog = _Watchdog(local, lambda: state["signals"] > 0)
             short = cpus_short(replicas, threads, joined=address is not None)
@@ -232,6 +238,8 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             if short:
                 log.warning("%s; Ray waits until the cluster has them", short)
             start(app, host=host, port=port)
+            if state["signals"]:
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             log.info("stopped while starting")
             _stop_now(local, address)
@@ -261,6 +269,30 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     return 0
 
 
+def _deadline(seconds: float = STOP_DEADLINE_S) -> None:
+    """After a signal while starting: should this process still run `seconds` later, kill every process it started
+    (Ray's, whose orphans come back to it: LocalRay makes it their subreaper) and exit 0. The KeyboardInterrupt that
+    stops a start can be lost (Python ignores exceptions in at-fork hooks, and ray.init forks), and a start whose
+    GCS got the signal too can wait a minute."""
+    def end():
+        log.warning("still starting %g s after the signal: killing every process this one started", seconds)
+        procs = _signal(psutil.Process().children(recursive=True), "kill")
+        psutil.wait_procs(procs, timeout=3.0)
+        log.info("stopped while starting")
+        _flush_and_exit(0)
+    t = threading.Timer(seconds, end)
+    t.daemon = True
+    t.start()
+
+
+def _flush_and_exit(code: int) -> None:
+    for h in logging.getLogger().handlers + log.handlers:
+        h.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class _Watchdog:
     """Watches our local instance's core (LocalRay.broken, every `period` seconds) from a thread of its own. Once it
     has gone (a SIGTERM to the whole process group reaches Ray's processes as it reaches this one; systemd's stop
@@ -288,11 +320,7 @@ class _Watchdog:
             print(f"error: the local Ray instance's {gone} ended; stopping", file=sys.stderr)
         self.local.kill(disconnect=False)             # (ray.shutdown would wait for the GCS too)
         log.info("stopped")
-        for h in logging.getLogger().handlers + log.handlers:
-            h.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0 if signalled else 1)
+        _flush_and_exit(0 if signalled else 1)
 
     def close(self) -> None:
         self.end.set()

@@ -6,8 +6,8 @@ process of it behind.
     ray.stop(grace=2.0)             serve.shutdown() and ray.shutdown(), then every process of the instance that is
                                     still there gets SIGTERM and, after `grace` seconds, SIGKILL; the temp dir goes
     ray.kill()                      every process of it at once, without waiting for Serve (a second Ctrl-C)
-    ray.broken()                    which of its core processes (gcs_server, raylet) ended, if any: then every Ray
-                                    call of this process waits ~60 s for the GCS, so the caller kills instead
+    ray.broken()                    what of its core has gone (the GCS's port, gcs_server, raylet), if any: every
+                                    Ray call of this process then waits ~60 s for the GCS, so the caller kills
 
 ray.shutdown() alone leaves processes: its raylet's agents (ray::DashboardAgent, ray::RuntimeEnvAgent) outlive the
 raylet and ignore SIGTERM. The instance's processes are found three ways, so that none escapes: this process's
@@ -46,10 +46,9 @@ def _subreaper() -> None:
 
 @contextmanager
 def sigterm_kept():
-    """Keep the caller's SIGTERM handler while Ray starts: ray.init and its node put their own in place (sys.exit,
-    and a drain of up to 30 s, then sys.exit(1)), so a SIGTERM during the start ended the process after ~24 s with
-    code 15, where the caller stops at once (a KeyboardInterrupt from its handler). Ray's private hook; without it,
-    nothing changes."""
+    """Keep the caller's SIGTERM handler while Ray starts: ray.init and its node put their own in place (sys.exit;
+    a drain of up to 30 s, then sys.exit(1)), where the caller stops at once. Through Ray's private hook; where Ray
+    has none, nothing changes."""
     utils = getattr(getattr(ray, "_private", None), "utils", None)
     setter = getattr(utils, "set_sigterm_handler", None)
     if setter is None:
