@@ -203,14 +203,15 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     local instance's processes at once (on a joined cluster: deletes the application without waiting). Should the
     local instance's core go (the signal reached its processes too, as a SIGTERM to the process group does), the
     process ends at once with every process of the instance (_Watchdog)."""
-    done, state = threading.Event(), {"serving": False, "signals": 0}
+    done, state = threading.Event(), {"serving": False, "signals": 0, "deadline": False}
 
     def on_signal(sig, frame):
         state["signals"] += 1
         if state["serving"] and state["signals"] == 1:
             done.set()
             return
-        if not state["serving"] and state["signals"] == 1:
+        if not state["serving"] and not state["deadline"]:
+            state["deadline"] = True
             _deadline()
         raise KeyboardInterrupt
 
@@ -255,6 +256,11 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         try:
             while not done.wait(0.5):
                 pass
+            if watchdog is not None:                  # did the signal reach Ray's processes too? Ask before Ray:
+                time.sleep(0.1)                       # (the GCS closes its port within ~30 ms of a SIGTERM)
+                gone = local.broken()
+                if gone:
+                    watchdog.end_now(gone)
             log.info("stopping; press Ctrl-C again to stop now")
             stop(local)
         except KeyboardInterrupt:
@@ -300,27 +306,29 @@ class _Watchdog:
     one (a blocking GCS call, which no signal interrupts). So this thread ends the process itself: every process
     of the instance killed, then exit 0 after a signal, 1 (with a one-line error) without one."""
 
-    def __init__(self, local: LocalRay, signalled, period: float = 0.1):
+    def __init__(self, local: LocalRay, signalled, period: float = 0.05):
         self.local, self.signalled, self.period = local, signalled, period
-        self.end = threading.Event()
+        self.end, self.lock = threading.Event(), threading.Lock()
         self.thread = threading.Thread(target=self._run, name="lumen-ray-watchdog", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.end.wait(self.period):
             gone = self.local.broken()
-            if gone and not self.end.wait(0.2):       # (the signal that ended it is counted by then)
-                self._exit(gone)
+            if gone:
+                self.end_now(gone)
 
-    def _exit(self, gone: str) -> None:
-        signalled = self.signalled()
-        if signalled:
-            log.info("stopping now: the signal reached the local Ray instance too (its %s is gone)", gone)
-        else:
-            print(f"error: the local Ray instance's {gone} ended; stopping", file=sys.stderr)
-        self.local.kill(disconnect=False)             # (ray.shutdown would wait for the GCS too)
-        log.info("stopped")
-        _flush_and_exit(0 if signalled else 1)
+    def end_now(self, gone: str) -> None:
+        """Kill every process of the instance and exit. Quickly: once its raylet has gone, Ray's core exits this
+        process (code 1) at its next call there."""
+        with self.lock:                               # once, from whichever thread comes first
+            self.local.kill(disconnect=False)         # (ray.shutdown would wait for the GCS too)
+            signalled = self.signalled()
+            if signalled:
+                log.info("stopped at once: the signal reached the local Ray instance too (its %s had gone)", gone)
+            else:
+                print(f"error: the local Ray instance's {gone} ended; stopped", file=sys.stderr)
+            _flush_and_exit(0 if signalled else 1)
 
     def close(self) -> None:
         self.end.set()
