@@ -296,6 +296,7 @@ def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
     assert r.returncode == 1 and took < 60, (r.returncode, took, r.stderr[-2000:])
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and f"ask Ray for {2 * os.cpu_count()} CPUs" in err[0], r.stderr[-2000:]
+    assert "Started a local Ray instance" not in r.stderr, "said before Ray starts: " + r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not left, (r.stderr[-2000:], left)
 
 

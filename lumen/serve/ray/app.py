@@ -151,11 +151,12 @@ def check_answers(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise ConnectionError(f"nothing answers at --ray-address {address}: {e}") from None
 
 
-def cpus_short(replicas: int, threads: int, *, joined: bool) -> str | None:
-    """Why the connected cluster cannot place every replica (each asks Ray for `threads` CPUs), or None when it
-    can: Ray would keep the missing ones pending, and the start would wait for them for ever."""
+def cpus_short(replicas: int, threads: int, *, joined: bool, have: int | None = None) -> str | None:
+    """Why the connected cluster (or `have` CPUs) cannot place every replica (each asks Ray for `threads` CPUs),
+    or None when it can: Ray would keep the missing ones pending, and the start would wait for them for ever."""
     import ray
-    need, have = replicas * threads, int(ray.cluster_resources().get("CPU", 0))
+    need = replicas * threads
+    have = int(ray.cluster_resources().get("CPU", 0)) if have is None else have
     if need <= have:
         return None
     where = "the Ray cluster has" if joined else "this machine has"
@@ -218,6 +219,10 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     def catch_signals() -> dict:                   # again once Ray is up, should Ray have taken SIGTERM over
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
+    short = None if address else cpus_short(replicas, threads, joined=False, have=os.cpu_count() or 1)
+    if short:                      # surely short, said before Ray's seconds of start-up (Ray may count fewer CPUs
+        print(f"error: {short}", file=sys.stderr)          # than the machine's, so it is checked again once up)
+        return 1
     previous = catch_signals()
     local = watchdog = None
     t0 = time.perf_counter()
