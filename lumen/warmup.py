@@ -7,8 +7,9 @@ runs a prefill and a decode step (the forward pass), a generation through the en
 step (the structured-output kernels), and reports the seconds, the functions compiled (cache misses) and the
 ones loaded from the cache (on an empty cache the forward pass compiles in a child process meanwhile,
 lumen.model.precompile, and is counted as loaded). A second warm-up of the same models compiles nothing.
-Warm-ups that start at once take turns (lumen.paths.compiling): the second loads what the first compiled. The
-forward pass is one compiled function for every model, so a model whose weight types a machine has seen compiles
+Warm-ups that start at once take turns (lumen.paths.compiling): the second loads what the first compiled.
+`lumen.serve --replicas` runs one in the background (`in_background`) while Ray starts, so its replicas load
+what it compiled and packed instead of waiting for Ray before they start compiling. The forward pass is one compiled function for every model, so a model whose weight types a machine has seen compiles
 nothing either.
 """
 from __future__ import annotations
@@ -126,6 +127,44 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) > 1:
         print(f"compiled {total} function{'s' * (total != 1)} in all")
     return 0
+
+
+def in_background(models: list[str], threads: int | None = None):
+    """Warm `models` up in a child process while this one does something else (the Ray path: Ray's start takes
+    seconds of mostly waiting). Replicas that load meanwhile take turns with it (lumen.paths.compiling) and load
+    what it compiled and packed instead of compiling it themselves. The child dies with this process; `stop` ends
+    it. Returns the child, or None when it could not start (the replicas then compile as before)."""
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [a for m in models for a in ("--model", str(m))] + (["--threads", str(threads)] if threads else [])
+    code = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r)\n"     # this lumen, wherever it was
+            f"from lumen.warmup import _child; _child({os.getpid()}, {args!r})")        # imported from
+    try:
+        return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def stop(child) -> None:
+    """End a child of in_background that is still running (SIGTERM, then SIGKILL after 5 s)."""
+    import subprocess
+    if child is None or child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def _child(parent: int, argv: list[str]) -> None:
+    """In the child of in_background: die with the parent, warm up quietly."""
+    from .model.precompile import _die_with_parent
+    _die_with_parent(parent)
+    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

@@ -343,5 +343,11 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     else:
         app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue,
                             chat_template=template, shutdown_timeout=args.shutdown_timeout)
-    return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
-                                replicas=pools, threads=threads)
+    from .. import warmup                   # compile and pack while Ray starts (not for a cluster's other hosts)
+    models = [args.model] + ([args.draft_model] if args.draft_model else [])
+    warming = None if args.ray_address else warmup.in_background(models, threads)
+    try:
+        return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
+                                    replicas=pools, threads=threads)
+    finally:
+        warmup.stop(warming)

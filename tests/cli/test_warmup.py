@@ -97,3 +97,30 @@ def test_ctrl_c_stops_the_warmup_in_one_line(monkeypatch, capsys):
     assert warmup_mod.main(["-m", "smollm2-135m"]) == 130
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == "interrupted", err
+
+
+def test_a_background_warmup_dies_with_its_parent(smollm2_path, tmp_path):
+    """lumen.warmup.in_background (the Ray path's warm-up while Ray starts): its child warms the model up, is
+    ended by stop(), and dies with its parent when the parent is killed outright (no process outlives it)."""
+    import psutil
+    code = ("import sys, time; from lumen import warmup\n"
+            f"c = warmup.in_background([{str(smollm2_path)!r}], 1)\n"
+            "print(c.pid, flush=True); time.sleep(600)")
+    env = {**os.environ, "LUMEN_HOME": str(tmp_path / "home"), "NUMBA_CACHE_DIR": str(tmp_path / "nc")}
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert child.is_running() and child.ppid() == parent.pid
+    finally:
+        parent.kill()
+        parent.wait()
+    gone, alive = psutil.wait_procs([child], timeout=10)     # (a warm-up of an empty cache takes longer)
+    assert not alive, "the warm-up outlived its parent"
+
+
+def test_stop_ends_a_background_warmup():
+    from lumen import warmup
+    warmup.stop(None)                                          # nothing started: nothing to do
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    warmup.stop(child)
+    assert child.poll() is not None
