@@ -254,38 +254,36 @@ def _wants_object_arguments(template: str) -> bool:
     return not shows(json.dumps(args)) and shows(args)
 
 
-def _with_arguments(message: Mapping) -> Mapping:
-    """The message with each tool call's missing or empty arguments as "{}" (a call of a function that takes
-    none; the template would otherwise write an undefined value or fail on it)."""
+def _map_calls(message: Mapping, fix) -> Mapping:
+    """The message with each tool call's function mapping replaced by fix(function)."""
     calls = message.get("tool_calls")
     if not calls or not isinstance(calls, (list, tuple)):
         return message
     out = []
     for call in calls:
         fn = call.get("function") if isinstance(call, Mapping) else None
-        if isinstance(fn, Mapping) and fn.get("arguments") in (None, ""):
-            call = {**call, "function": {**fn, "arguments": "{}"}}
-        out.append(call)
+        out.append({**call, "function": fix(fn)} if isinstance(fn, Mapping) else call)
     return {**message, "tool_calls": out}
+
+
+def _with_arguments(message: Mapping) -> Mapping:
+    """The message with each tool call's missing or empty arguments as "{}" (a call of a function that takes
+    none; the template would otherwise write an undefined value or fail on it)."""
+    return _map_calls(message, lambda fn: {**fn, "arguments": "{}"} if fn.get("arguments") in (None, "") else fn)
 
 
 def _with_object_arguments(message: Mapping) -> Mapping:
     """The message with its tool calls' JSON-string arguments parsed; a string that is not JSON is refused, as
     llama.cpp refuses it (the template could only show it escaped)."""
-    calls = message.get("tool_calls")
-    if not calls or not isinstance(calls, (list, tuple)):
-        return message
-    out = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, Mapping) else None
-        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
-            try:
-                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-            except ValueError as e:
-                raise ChatTemplateError(f"the arguments of the tool call {fn.get('name')!r} are not JSON "
-                                        f"({e}): {fn['arguments'][:200]!r}") from None
-        out.append(call)
-    return {**message, "tool_calls": out}
+    def parse(fn: Mapping) -> Mapping:
+        if not isinstance(fn.get("arguments"), str):
+            return fn
+        try:
+            return {**fn, "arguments": json.loads(fn["arguments"])}
+        except ValueError as e:
+            raise ChatTemplateError(f"the arguments of the tool call {fn.get('name')!r} are not JSON "
+                                    f"({e}): {fn['arguments'][:200]!r}") from None
+    return _map_calls(message, parse)
 
 
 # ---------------------------------------------------------------------------------------------------------
