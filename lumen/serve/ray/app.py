@@ -311,7 +311,8 @@ class _Watchdog:
     one (a blocking GCS call, which no signal interrupts). So this thread ends the process itself: every process
     of the instance killed, then exit 0 after a signal, 1 (with a one-line error) without one."""
 
-    def __init__(self, local: LocalRay, signalled, period: float = 0.05):
+    def __init__(self, local: LocalRay, signalled, period: float = 0.25):   # (a TCP connect to the GCS per look,
+                                                                              # for the server's whole life)
         self.local, self.signalled, self.period = local, signalled, period
         self.end, self.lock = threading.Event(), threading.Lock()
         self.thread = threading.Thread(target=self._run, name="lumen-ray-watchdog", daemon=True)
