@@ -68,8 +68,10 @@ def session_processes(mark: str, sid: int | None) -> dict[int, str]:
             fields = stat[stat.rindex(b")") + 2:].split()        # after "pid (comm) ": state, ppid, pgrp, session
             if fields[0] == b"Z":
                 continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                name = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:      # the program's name whole: a venv's long path
+                argv = f.read().split(b"\0")                     # put "gcs_server" past a cut at 80 characters
+            name = " ".join([os.path.basename(argv[0].decode(errors="replace"))]
+                            + [a.decode(errors="replace") for a in argv[1:]]).strip()[:120]
             if int(fields[3]) == sid:
                 out[pid] = name
                 continue
