@@ -179,7 +179,8 @@ def test_eviction_keeps_the_file_used_last(home, model_file, monkeypatch):
     """Eviction drops the file read longest ago, not the one written longest ago: a version of Lumen used every
     day keeps its packs when others are tried (a read does not change a file's time, so a hit sets it)."""
     def load_with(layout: str) -> str:
-        monkeypatch.setattr(packcache, "code_hash", lambda: layout)
+        time.sleep(0.05)                 # file times come from the kernel's coarse clock (ticks of up to 10 ms):
+        monkeypatch.setattr(packcache, "code_hash", lambda: layout)    # two uses in one tick would tie
         return packs_of(model_file, True).packs_from
 
     assert load_with("daily") == "packed, cached"
