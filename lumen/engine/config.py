@@ -114,8 +114,6 @@ class EngineConfig:
             check_int("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks)
-        if self.max_model_len is not None:
-            self.check_unchunked(self.max_model_len)
         mb = self.kv_cache_mb
         if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 0 < mb < 1e9):
             raise ValueError(f"kv_cache_mb must be a positive number, got {mb!r}")
@@ -151,8 +149,9 @@ class EngineConfig:
         return cls(**kw, speculative=SpeculativeConfig(**spec))
 
     def check_unchunked(self, max_model_len: int) -> None:
-        """Without chunked prefill a prompt runs in one step, so a step's budget must hold the longest one (else
-        such a request would wait forever)."""
+        """The server's rule (as vLLM's): without chunked prefill a prompt runs in one step, so a step's budget must
+        hold the longest one. (The engine itself still chunks a prompt over the budget rather than let it wait for
+        ever: an Engine made without max_model_len, or a preempted request whose prompt and output outgrew it.)"""
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(f"with chunked prefill off, a prompt runs in one step: it needs max_num_batched_tokens "
                              f">= max_model_len ({self.max_num_batched_tokens} < {max_model_len}): raise "

@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:
         ap.error(str(e))
+    try:
+        if config.max_model_len is not None:
+            config.check_unchunked(config.max_model_len)
+    except ValueError as e:
+        ap.error(cli_words(str(e)))
     if config.threads is not None:                     # now, not after loading the model
         import numba
         if config.threads > numba.config.NUMBA_NUM_THREADS:

@@ -39,4 +39,4 @@ def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(capsys, smollm2
     with pytest.raises(LumenError, match=r"chunked prefill off.*\(64 < \d+\)"):
         load_engine(smollm2_path, EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=64,
                                                kv_cache_mb=8, threads=1))
-    EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128)    # fits: fine
+    EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128).check_unchunked(128)
