@@ -198,6 +198,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
         raise ApiError(400, f"seed must be a 64-bit integer, in [-2^63, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    if req.stream_options is not None and not req.stream:        # as OpenAI and vLLM answer it
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
         raise ApiError(400, f"stop holds {len(req.stop)} strings; at most {MAX_STOP}", "stop")
     for name in ("presence_penalty", "frequency_penalty"):

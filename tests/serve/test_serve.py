@@ -425,6 +425,8 @@ BAD_REQUESTS = [
     ("logprobs 21", "/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("seed past int64", "/v1/completions", {"prompt": "x", "seed": 2 ** 63}, "seed"),
     ("stream not bool", "/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options"),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, "prompt"),
     ("null prompt", "/v1/completions", {"prompt": None}, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
