@@ -377,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
             raise LumenError("--speculative draft needs --draft-model")
         if args.draft_model and args.speculative != "draft":
             raise LumenError("--draft-model is used with --speculative draft")
+        unused = [flag for flag, v, default in (("--num-speculative-tokens", args.num_speculative_tokens, None),
+                                                ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4),
+                                                ("--draft-vocab", args.draft_vocab, 32768)) if v != default]
+        if unused and not args.speculative:
+            raise LumenError(f"{unused[0]} is used with --speculative (ngram or draft)")
         with status_while_compiling(err):    # a first load may compile too (packing); a first warm-up does
             t0 = time.perf_counter()
             model = load_model(args.model, args.ctx, args.threads, args.force_ctx,

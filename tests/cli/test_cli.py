@@ -708,6 +708,7 @@ def test_gguf_prints_tensor_table(synth_model):
     (["--temperature", "-1", "--chat"], "error: temperature must be >= 0"),
     (["--stop", ""], "error: stop must be a string or a list of non-empty strings"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "error: num_speculative_tokens must be"),
+    (["--ngram-max", "6"], "error: --ngram-max is used with --speculative"),
 ])
 def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path, args, message):
     """A wrong sampling value is said before the model is opened (or fetched: a registry model is a download of up
