@@ -268,8 +268,6 @@ class Engine:
             row += 1 + s.k if s.samples else 0
             if seq.finished:                        # aborted while the step ran
                 continue
-            if seq.metrics.first_scheduled is None:
-                seq.metrics.first_scheduled = now
             if not s.samples:
                 self.scheduler.computed(s)
                 continue
