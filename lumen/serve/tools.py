@@ -357,7 +357,7 @@ class ToolParser:
                         calls.append(whole)
                         self._end_call(j)
                         continue
-                    name = json.loads('"' + m.group(1) + '"')
+                    name = _json_string(m.group(1))
                     if self.is_bare and not self._declared(name):     # JSON text that names no tool
                         text, self.buf = self.lead + self.buf, ""
                         self.in_call = self.is_bare = self.bare_ok = self.group = False
@@ -397,7 +397,7 @@ class ToolParser:
                 name = self._name.match(self.buf)
                 if name:
                     calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}",
-                                               json.loads('"' + name.group(1) + '"')))
+                                               _json_string(name.group(1))))
                     self.n_calls += 1
                 self.cut = True
             else:
@@ -419,7 +419,7 @@ class ToolParser:
             return True
         m = self._name.match(self.buf)
         if m is not None:
-            name = json.loads('"' + m.group(1) + '"')
+            name = _json_string(m.group(1))
             if not self._declared(name):
                 return False
             if self.names is not None:
@@ -735,3 +735,8 @@ def assemble(deltas: list[ToolCallDelta]) -> list[dict]:
                                                                                     "arguments": ""}})
         c["function"]["arguments"] += d.arguments
     return [calls[i] for i in sorted(calls)]
+
+
+def _json_string(body: str) -> str:
+    """The text of a JSON string literal's body as a call head's pattern matched it (escapes decoded)."""
+    return json.loads('"' + body + '"')
