@@ -105,15 +105,11 @@ class Model:
         return self.gguf.metadata
 
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        """Text -> token ids. add_bos=None uses the model's default (tokenizer.ggml.add_bos_token), but for a text
-        that starts with the BOS token's text, parsed as special: a chat template that writes bos_token (Gemma's,
-        Llama 3's) has put it there, and a second one is not what the model was trained on (the server's rule)."""
+        """Text -> token ids. add_bos=None uses the model's default (tokenizer.ggml.add_bos_token), but not twice
+        (lumen.format.tokenizer.Tokenizer.default_bos)."""
         tok = self.tokenizer
-        if add_bos is None:
-            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-            add_bos = tok.add_bos_default and not (special and bos_text and isinstance(text, str)
-                                                   and text.startswith(bos_text))
-        return tok.encode(text, add_bos=add_bos, special=special)
+        return tok.encode(text, add_bos=tok.default_bos(text, special) if add_bos is None else add_bos,
+                          special=special)
 
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids)

@@ -18,7 +18,7 @@ class RequestError(LumenError, ValueError):
 def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
     """A prompt (text, or token ids) as checked token ids; RequestError when it is not one."""
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_bos=tokenizer.add_bos_default, special=special)
+        ids = tokenizer.encode(prompt, add_bos=tokenizer.default_bos(prompt, special), special=special)
     elif isinstance(prompt, (list, tuple, np.ndarray)):
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             raise RequestError("a token-id prompt must hold integers")     # ("1" or 1.0 is not a token id)

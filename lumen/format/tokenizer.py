@@ -317,6 +317,15 @@ class Tokenizer:
         return fragments
 
     # --- encode -------------------------------------------------------------------------------------------
+    def default_bos(self, text: str, special: bool) -> bool:
+        """Whether `text` gets a BOS by default: the model's add_bos_token, except for a text parsed as special that
+        starts with the BOS token's text (a chat template that writes bos_token, as Gemma's and Llama 3's do, has
+        put it there; a second one is not what the model was trained on; llama-server's rule too)."""
+        if not self.add_bos_default:
+            return False
+        return not (special and self.bos_id is not None and isinstance(text, str)
+                    and text.startswith(self.token_text(self.bos_id)))
+
     def encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
         """Token ids of `text`. add_bos: prepend bos_id. special: parse control-token texts (e.g.
         "<|im_start|>", "<start_of_turn>", "<bos>") as those tokens; user-defined tokens are always parsed."""

@@ -47,8 +47,7 @@ class Prompter:
         if len(text) > self.max_chars:
             raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
                                 "(max_model_len) can be", param)
-        add_bos = add_special and self.tok.add_bos_default and not (self.bos_text and text.startswith(self.bos_text))
-        return self.tok.encode(text, add_bos=add_bos, special=True)
+        return self.tok.encode(text, add_bos=add_special and self.tok.default_bos(text, True), special=True)
 
     def prompt(self, text: str, param: str = "prompt") -> list[int]:
         """A generation prompt's token ids; ApiError(400) for a text that cannot fit max_model_len, found by

@@ -729,6 +729,12 @@ def test_chat_prompt_gets_one_bos_when_the_template_writes_it(tmp_path):
     want = 1 + len(m.tokenize("Hello", add_bos=False))
     r = generate(path, "--chat", "-p", "Hello", "-n", "1", "--ignore-eos")
     assert int(summary(r)[1]) == want, r.stderr
+    # a plain prompt parsed as special that starts with the BOS text: one BOS too, through the engine as through
+    # Model.tokenize and the server (the rule is the tokenizer's)
+    from lumen.engine.admission import prompt_ids
+    bos = m.tokenizer.token_text(m.tokenizer.bos_id)
+    ids = prompt_ids(bos + "Hello", m.tokenizer, m.config.n_vocab, special=True)
+    assert ids == m.tokenize(bos + "Hello", special=True) and ids.count(m.tokenizer.bos_id) == 1, ids
     r = run("lumen.chat", "--model", path, "-n", "1", stdin="Hello\n")
     assert r.returncode == 0 and f"prompt {want} tok |" in r.stderr, r.stderr
 
