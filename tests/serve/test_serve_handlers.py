@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from lumen.engine.sampling.sampler import SamplerError
 from lumen.engine.sequence import RequestMetrics, RequestOutput
+from lumen.format.tokenizer import Tokenizer
 from lumen.serve import protocol as P
 from lumen.serve.app import add_error_handlers
 from lumen.serve.openai import completions, health, models, tokenize
@@ -26,6 +27,7 @@ BOS, EOS = 256, 257
 class ByteTokenizer:
     """Token i < 256 is byte i; 256 and 257 are BOS and EOS."""
     n_vocab, bos_id, eos_id, add_bos_default = 258, BOS, EOS, True
+    default_bos = Tokenizer.default_bos          # the real rule (it reads the three fields above)
 
     def token_bytes(self, i: int, special: bool = False) -> bytes:
         return bytes([i]) if i < 256 else (b"<s>", b"</s>")[i - 256]
