@@ -148,6 +148,9 @@ class Engine:
                                 self.blocks.n_blocks)
         if kv_transfer_params is not None or kv_data is not None:
             self.kv.check(kv_transfer_params, kv_data, len(ids))
+            if kv_data is not None and params.prompt_logprobs is not None:
+                raise RequestError("prompt_logprobs needs the prompt computed by this engine, not KV received "
+                                   "from a prefill engine")
         with self._lock:
             rid = request_id if request_id is not None else self._prefix + str(next(self._ids))
             if rid in self._seqs:
@@ -262,20 +265,29 @@ class Engine:
         """Choose the tokens of the sequences whose logits came back (verifying their drafts), advance every
         planned sequence by what was computed, then detokenize, check their stops and free the finished."""
         now = time.perf_counter()
-        chosen, row = [], 0
+        chosen, row, scored = [], 0, None
         for s in plan:
             seq, first = s.seq, row
             row += 1 + s.k if s.samples else 0
+            if seq.prompt_logprobs is not None:     # its prompt rows come after every sampled row
+                scored = [] if scored is None else scored
+                scored.append(s)
             if seq.finished:                        # aborted while the step ran
                 continue
             if not s.samples:
                 self.scheduler.computed(s)
+                continue
+            if seq.max_tokens == 0:                 # the prompt only: it ends without a token
+                seq.finish_reason = "length"
+                chosen.append((s, [], 0))
                 continue
             try:
                 chosen.append((s, *self._choose(seq, s, logits, first)))
             except SamplerError as e:               # NaN logits and the like: this request only
                 seq.error = str(e)
                 chosen.append((s, [], 0))
+        if scored is not None:
+            self._prompt_logprobs(scored, logits, row)
         prof.lap("sample")
         outs = []
         for s, toks, accepted in chosen:
@@ -307,6 +319,16 @@ class Engine:
             outs.append(seq.output(emitted, pieces))
         prof.lap("detokenize")
         return outs
+
+    @staticmethod
+    def _prompt_logprobs(scored: list[Scheduled], logits: np.ndarray, row: int) -> None:
+        """Take the prompt logprobs of the planned sequences that want them from their rows, which start at
+        logits[row] (after the sampled rows), in plan order (lumen.engine.runner.Runner.run_plan)."""
+        for s in scored:
+            first, count = s.seq.prompt_rows(s.start, s.n)
+            if count and not s.seq.finished:
+                s.seq.add_prompt_logprobs(logits[row:row + count], first)
+            row += count
 
     def _choose(self, seq: Sequence, s: Scheduled, logits: np.ndarray, row: int) -> tuple[list, int]:
         """(tokens, drafts accepted) for a sequence whose logits start at logits[row]. Every row goes through

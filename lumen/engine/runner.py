@@ -166,11 +166,18 @@ class Runner:
     def run_plan(self, plan: list, drafts: dict, prof) -> tuple[np.ndarray, int, int]:
         """Run a step's plan (lumen.engine.scheduler.Scheduled entries; drafts: {seq: drafted tokens} of those
         with room reserved for them, run after their pending token): the logits of the sampled rows (a request
-        with a draft: its last 1 + len(draft) rows), the step's tokens and the keys attention reads."""
-        i, out_rows, kv_tokens, n_keys, n_decode = 0, [], 0, 0, 0
+        with a draft: its last 1 + len(draft) rows), the step's tokens and the keys attention reads. After the
+        sampled rows, in plan order, come the rows of the prompt positions whose logprobs a request still wants
+        (Sequence.prompt_rows), in a logits array of their own: the engine's buffer does not grow for them."""
+        i, out_rows, kv_tokens, n_keys, n_decode, prompt_rows = 0, [], 0, 0, 0, None
         for s in plan:
             toks = s.seq.tokens[s.start:s.start + s.n]
             draft = drafts.get(s.seq, ()) if s.k else ()
+            if s.seq.prompt_logprobs is not None:
+                first, count = s.seq.prompt_rows(s.start, s.n)
+                if count:
+                    prompt_rows = [] if prompt_rows is None else prompt_rows
+                    prompt_rows.extend(range(i + first - s.start, i + first - s.start + count))
             i = self.set_tokens(i, toks + draft if draft else toks, s.start, s.row)
             n = s.n + len(draft)
             kv_tokens += s.start + n
@@ -179,9 +186,13 @@ class Runner:
             if s.samples:
                 out_rows.extend(range(i - 1 - len(draft), i))
         phase = "decode" if n_decode == len(plan) else "prefill" if n_decode == 0 else "mixed"
+        logits = None
+        if prompt_rows is not None:
+            out_rows += prompt_rows
+            logits = np.empty((len(out_rows), self.cfg.n_vocab), f32)
         n_out = self.set_out_rows(out_rows)
         if prof.enabled:
             prof.describe(phase, i, len(plan), kv_tokens, tuple(s.seq.request_id for s in plan))
             prof.lap("prepare")
-        return self.forward(i, n_out), i, n_keys
+        return self.forward(i, n_out, logits), i, n_keys
 

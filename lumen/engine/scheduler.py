@@ -7,9 +7,10 @@ One token budget per step (max_num_batched_tokens) and at most max_num_seqs sequ
    no block for it, the newest running sequence is preempted (its blocks freed, back to the front of the
    queue, nothing it generated lost: it is recomputed when readmitted), until it fits or is itself preempted.
 2. Then waiting sequences, first come first served, while budget and sequence slots last: a prefix-cache hit
-   turns its prefill into an extend; a long prompt is cut into chunks across steps (chunked prefill). A waiting
-   sequence that does not fit is not skipped over (FCFS). Without chunked prefill a prompt runs whole, unless
-   it is longer than max_num_batched_tokens.
+   turns its prefill into an extend (never over prompt tokens whose logprobs it wants: Sequence.cacheable); a
+   long prompt is cut into chunks across steps (chunked prefill). A waiting sequence that does not fit is not
+   skipped over (FCFS). Without chunked prefill a prompt runs whole, unless it is longer than
+   max_num_batched_tokens.
 A step's plan is a list of `Scheduled`; after the forward pass `computed` advances each sequence by what was
 computed. The KV blocks are reached only through the block manager's API (admit, grow, computed, free).
 """
@@ -93,7 +94,7 @@ class Scheduler:
         cap = self.max_num_seqs if max_running is None else min(max_running, self.max_num_seqs)
         while self.waiting and budget > 0 and len(self.running) < cap:
             seq = self.waiting[0]
-            hit = bm.cached_prefix(seq.tokens, seq.num_tokens - 1)   # the last token is always computed
+            hit = bm.cached_prefix(seq.tokens, seq.cacheable)   # the last token is always computed
             start = hit.n_tokens if seq.kv_data is None else self.connector.num_external_tokens(seq, hit)
             n = min(seq.num_tokens - start, budget)
             if n < seq.num_tokens - start and not self._chunks(seq.num_tokens - start):

@@ -13,6 +13,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
+from .sampling.logprobs import logprobs_of
 from .sampling.processors import penalizer
 from .sampling.sampler import PICK, Sampler, request_key, uniform
 from .sampling.params import SamplingParams
@@ -114,6 +115,8 @@ class RequestOutput:
     stop_reason: object = None          # what stopped it: the stop string or stop token id; None for EOS
     delta_pieces: list = field(default_factory=list)   # the text each delta token released (joined: delta_text)
     kv_transfer_params: dict | None = None   # a prefill for a remote decode: where its held KV is (kv_transfer)
+    prompt_logprobs: list | None = None  # per prompt token: None for the first, then as logprobs (complete from
+                                         # the first output with a token on)
 
 
 class Sequence:
@@ -133,6 +136,7 @@ class Sequence:
         self.detok = tokenizer.stream()
         self.text = ""
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None                # the stop string or stop_token_id that ended it (None: EOS)
         self.error: str | None = None
@@ -154,6 +158,31 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def cacheable(self) -> int:
+        """How many leading tokens a prefix-cache hit may cover: all but the last, or, while prompt logprobs are
+        wanted and missing, only those before the first one missing (a cached block's logits were never computed:
+        the request computes them itself, and its blocks are named for others all the same)."""
+        lps = self.prompt_logprobs
+        if lps is None or len(lps) == len(self.prompt_ids):
+            return len(self.tokens) - 1
+        return len(lps) - 1
+
+    def prompt_rows(self, start: int, n: int) -> tuple[int, int]:
+        """(first position, count): the positions among start .. start+n-1 whose logits give a prompt token's
+        logprob not yet taken (position p's give token p+1's). (0, 0) for a request that wants none."""
+        lps = self.prompt_logprobs
+        if lps is None:
+            return 0, 0
+        first = max(start, len(lps) - 1)
+        return first, max(0, min(start + n, len(self.prompt_ids) - 1) - first)
+
+    def add_prompt_logprobs(self, logits: np.ndarray, first: int) -> None:
+        """Take the logprobs of prompt tokens first+1 .. from logits (count, V), the rows of positions first ..."""
+        assert first == len(self.prompt_logprobs) - 1, "prompt logprobs out of order"
+        ids = self.prompt_ids[first + 1:first + 1 + len(logits)]
+        self.prompt_logprobs += logprobs_of(logits, ids, self.params.prompt_logprobs)
 
     def append(self, token: int, now: float) -> str:
         """Add a sampled token; returns the text it releases. Sets finish_reason when a stop condition holds (a
@@ -209,7 +238,8 @@ class Sequence:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
                              self.finished, self.finish_reason, self.metrics, delta_ids, "".join(pieces),
                              None if self.logprobs is None else list(self.logprobs), self.error,
-                             self.stop_reason, pieces, self.kv_transfer_params if self.kv_hold else None)
+                             self.stop_reason, pieces, self.kv_transfer_params if self.kv_hold else None,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 class TokenChooser:

@@ -2,7 +2,9 @@
 
 Everything `Model.generate` accepts, plus what serving needs (in the manner of vLLM's SamplingParams): a seed
 per request (its own RNG, so its tokens do not depend on what runs beside it), ignore_eos, stop_token_ids,
-min_tokens, logprobs (the top-k log-probabilities of each sampled token) and logit_bias.
+min_tokens, logprobs (the top-k log-probabilities of each sampled token), prompt_logprobs (those of each prompt
+token given the tokens before it) and logit_bias. max_tokens=0 computes the prompt only (to score it with
+prompt_logprobs, or to fill the prefix cache) and ends with "length" without a token.
 
 Each field is checked once, here; the sampler's and the penalties' fields by the same functions that
 make_sampler and make_logits_processors call (lumen.engine.sampling.sampler.check_sampler_params,
@@ -11,7 +13,8 @@ lumen.engine.sampling.processors.check_penalties).
 Order per token (lumen.engine.sequence.TokenChooser): logit_bias, min_tokens (end tokens masked), penalties,
 then the sampler chain (top-k -> top-p -> min-p -> temperature, lumen.engine.sampling.sampler), drawn with a uniform
 keyed by the request's seed and the token's position (lumen.engine.sampling.sampler.uniform). logprobs are the
-log-softmax of the logits after bias and penalties, before temperature and truncation.
+log-softmax of the logits after bias and penalties, before temperature and truncation; prompt_logprobs are the
+log-softmax of the model's logits as they are (nothing samples a prompt token), as in vLLM.
 
 Structured output: `constraint` (a lumen.engine.structured.Constraint, checked when it was made) restricts every
 token to those its grammar allows; the engine masks the logits before all of the above (disallowed tokens get
@@ -59,7 +62,7 @@ def _is_num(v) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int | None = None          # None: the rest of the context
+    max_tokens: int | None = None          # None: the rest of the context; 0: the prompt only
     temperature: float = 1.0               # 0 = greedy
     top_k: int = 0                         # 0 = off
     top_p: float = 1.0                     # 1 = off
@@ -75,6 +78,7 @@ class SamplingParams:
     min_tokens: int = 0                    # end tokens and stop_token_ids are masked until this many were made,
                                            # and stop strings are not looked for in their text
     logprobs: int | None = None            # top-k log-probabilities per sampled token (0: the sampled one only)
+    prompt_logprobs: int | None = None     # ... per prompt token after the first (lumen.engine.sequence)
     logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit (clamped to +-100)
     special: bool = False                  # parse special-token text in a text prompt
     speculative: str | None = None         # None, "ngram" or "draft" (lumen.engine.speculative)
@@ -83,8 +87,8 @@ class SamplingParams:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            _fail("max_tokens", "must be a positive integer or None", self.max_tokens)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            _fail("max_tokens", "must be an integer >= 0 or None", self.max_tokens)
         t, top_k, top_p, min_p, seed = check_sampler_params(self.temperature, self.top_k, self.top_p, self.min_p,
                                                             self.seed)
         rp, pp, fp, last_n = check_penalties(self.repeat_penalty, self.presence_penalty, self.frequency_penalty,
@@ -112,6 +116,9 @@ class SamplingParams:
             _fail("min_tokens", f"must not exceed max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _fail("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            _fail("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]", k)
         if not isinstance(self.logit_bias, dict):
             _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
         if not isinstance(self.logit_bias, _CheckedBias):
