@@ -188,12 +188,13 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
-                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+                    max_tokens_field: str = "max_tokens", least: int = 1) -> SamplingParams:
     """The request's SamplingParams (one choice); ApiError(400) naming the field when a value is out of range
-    (max_tokens_field: the one max_tokens came from). OpenAI's defaults: temperature 1, top_p 1. top_k -1 (vLLM's
-    "off") is 0 here."""
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field)
+    (max_tokens_field: the one max_tokens came from; least: its smallest value). OpenAI's defaults: temperature 1,
+    top_p 1. top_k -1 (vLLM's "off") is 0 here."""
+    if max_tokens is not None and max_tokens < least:
+        raise ApiError(400, f"{max_tokens_field} must be at least {least}, got {max_tokens}" +
+                       (" (0 only with echo)" if max_tokens == 0 else ""), max_tokens_field)
     if req.seed is not None and not -SEED_RANGE <= req.seed < SEED_RANGE:
         raise ApiError(400, f"seed must be a 64-bit integer, in [-2^63, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -257,15 +258,18 @@ def _or(v, default):
 
 
 def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingParams]:
-    """One SamplingParams per choice of a completion request; ApiError(400) for what is not supported."""
+    """One SamplingParams per choice of a completion request; ApiError(400) for what is not supported. With echo,
+    logprobs cover the prompt's tokens too (the engine's prompt_logprobs, as OpenAI's legacy completions and
+    vLLM give them), and max_tokens may be 0: the prompt echoed and scored, nothing generated."""
     if req.suffix:
         raise ApiError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
     check_n(req.n, n_limit)
-    return per_choice(sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs), req.n)
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, least=0 if req.echo else 1)
+    if req.echo and req.logprobs is not None:
+        params = params.replace(prompt_logprobs=req.logprobs)
+    return per_choice(params, req.n)
 
 
 def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams]:

@@ -2,7 +2,8 @@
 
     text_completion / chat.completion            a whole response (choices, usage)
     text_completion / chat.completion.chunk      one SSE event per engine output that adds something
-    logprobs   completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
+    logprobs   completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}; with echo the
+               prompt's tokens first (the first one's logprob and top_logprobs null), from text_offset 0
                chat:        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
     usage      {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}
 
@@ -54,6 +55,8 @@ class Reply:
         self.logprobs = logprobs                 # None: not asked; k: top-k alternatives per token
         self.return_token_ids = return_token_ids
         self.echo = echo                         # completions: the prompt text per prompt, put before the text
+        self.echo_logprobs = echo is not None and logprobs is not None   # ... with its tokens' logprobs: a stream
+                                                 # sends it with each choice's first chunk, not before
         self.sent_logprobs: dict[int, int] = {}  # choice index -> logprob entries already streamed
         self.offsets: dict[int, int] = {}        # choice index -> text_offset of its next token (completions)
         self.started: set[int] = set()           # choices that sent a token chunk
@@ -92,7 +95,7 @@ class Reply:
                 c["message"]["tool_calls"] = calls
                 finish = "tool_calls" if finish == "stop" and not parser.cut else finish
         self.offsets.pop(index, None)
-        c["logprobs"] = self._logprobs(index, out.token_ids, out.logprobs or [])
+        c["logprobs"] = self._logprobs(index, out.token_ids, out.logprobs or [], out.prompt_logprobs)
         c["finish_reason"] = finish
         c["stop_reason"] = out.stop_reason
         if self.return_token_ids:
@@ -125,7 +128,7 @@ class Reply:
                 content = None if self.tool_parser is not None else ""
                 delta = {"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                          "finish_reason": None}
-            elif self.echo is not None:
+            elif self.echo is not None and not self.echo_logprobs:
                 delta = {"index": index, "text": self.echo[index // self.n], "logprobs": None,
                          "finish_reason": None}
             if delta is not None:
@@ -142,8 +145,9 @@ class Reply:
         if not (out.delta_text or out.finished or (want_tokens and out.delta_token_ids)):
             return None
         c: dict = {"index": index}
+        echo_now = self.echo_logprobs and index not in self.started     # the echo and its logprobs, first
         if self.kind == "completion":
-            c["text"] = out.delta_text
+            c["text"] = self.echo[index // self.n] + out.delta_text if echo_now else out.delta_text
         elif self.tool_parser is not None:
             c["delta"] = self._tool_delta(index, out)
             if not c["delta"] and not out.finished and not want_tokens:
@@ -152,7 +156,8 @@ class Reply:
             c["delta"] = {"content": out.delta_text} if out.delta_text or not out.finished else {}
         entries = out.logprobs or []
         start = self.sent_logprobs.get(index, 0)
-        c["logprobs"] = self._logprobs(index, out.token_ids[start:len(entries)], entries[start:])
+        c["logprobs"] = self._logprobs(index, out.token_ids[start:len(entries)], entries[start:],
+                                       out.prompt_logprobs if echo_now else None)
         self.sent_logprobs[index] = len(entries)
         c["finish_reason"] = out.finish_reason if out.finished else None
         parser = self.parsers.get(index)
@@ -162,7 +167,7 @@ class Reply:
             c["stop_reason"] = out.stop_reason
         if self.return_token_ids:
             c["token_ids"] = out.delta_token_ids
-            if index not in self.started and self.kind == "completion" and self.echo is None:
+            if index not in self.started and self.kind == "completion" and (self.echo is None or echo_now):
                 c["prompt_token_ids"] = out.prompt_token_ids
         self.started.add(index)
         return self._chunk([c], None, with_usage)
@@ -191,7 +196,9 @@ class Reply:
         return self._chunk([], self.usage(), True)
 
     # ---- logprobs
-    def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
+    def _logprobs(self, index: int, token_ids: list[int], entries: list, prompt: list | None = None) -> dict | None:
+        """The logprobs of these generated tokens of choice `index` (entries: the engine's (log p, top)), after
+        those of its prompt's tokens when `prompt` (the engine's prompt_logprobs) is given."""
         if self.logprobs is None:
             return None
         piece = self.prompter.piece
@@ -204,15 +211,27 @@ class Reply:
                                                  for t, x in top]})
             return {"content": content}
         tokens, lps, tops, offsets = [], [], [], []
-        offset = self.offsets.get(index, len(self.echo[index // self.n]) if self.echo is not None else 0)
-        for tok, (lp, top) in zip(token_ids, entries):
+
+        def add(tok: int, entry, offset: int) -> int:
             text = piece(tok)[0]
             tokens.append(text)
-            lps.append(_lp(lp))
-            d = {piece(t)[0]: _lp(x) for t, x in top}
-            d.setdefault(text, _lp(lp))          # the sampled token is always there (OpenAI's legacy format)
-            tops.append(d)
             offsets.append(offset)
-            offset += len(text)
+            if entry is None:                    # the prompt's first token: nothing before it to predict it
+                lps.append(None)
+                tops.append(None)
+            else:
+                lp, top = entry
+                lps.append(_lp(lp))
+                d = {piece(t)[0]: _lp(x) for t, x in top}
+                d.setdefault(text, _lp(lp))      # the token itself is always there (OpenAI's legacy format)
+                tops.append(d)
+            return offset + len(text)
+        if prompt is not None:
+            offset = 0
+            for tok, entry in zip(self.prompts[index // self.n], prompt):
+                offset = add(tok, entry, offset)
+        offset = self.offsets.get(index, len(self.echo[index // self.n]) if self.echo is not None else 0)
+        for tok, entry in zip(token_ids, entries):
+            offset = add(tok, entry, offset)
         self.offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 
 import lumen
@@ -249,6 +250,44 @@ def test_logprobs_completions_shape_and_stream(http, model):
     assert streamed == lp
 
 
+def test_echo_logprobs_give_the_prompt_tokens_then_the_generated(http, model):
+    """echo with logprobs: the prompt's tokens first (the first one's logprob null; the others those of the
+    one-sequence forward's logits), then the generated tokens' as without echo; max_tokens 0 scores the prompt
+    alone; a stream sends the echo and the prompt's logprobs with the first chunk."""
+    prompt = "The sun rises in the east and sets in the"
+    ids = model.tokenize(prompt)
+    x = model.logits(ids).astype(np.float64)
+    want = [x[p, ids[p + 1]] - x[p].max() - np.log(np.exp(x[p] - x[p].max()).sum()) for p in range(len(ids) - 1)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    whole = http.post("/v1/completions", json=body | {"echo": True}).json()["choices"][0]
+    lp, P = whole["logprobs"], len(ids)
+    assert whole["text"] == prompt + plain["text"]
+    assert lp["tokens"][:P] == [model.tokenizer.decode([t]) for t in ids] and "".join(lp["tokens"][:P]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert np.allclose(lp["token_logprobs"][1:P], want, rtol=0, atol=1e-9)
+    for tok, v, top in zip(lp["tokens"][1:P], lp["token_logprobs"][1:P], lp["top_logprobs"][1:P]):
+        assert top[tok] == v and 2 <= len(top) <= 3 and max(top.values()) >= v
+    assert {k: v[P:] for k, v in lp.items() if k != "text_offset"} == \
+        {k: v for k, v in plain["logprobs"].items() if k != "text_offset"}
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(P + 4)]
+    r = http.post("/v1/completions", json=body | {"echo": True, "max_tokens": 0}).json()
+    scored = r["choices"][0]
+    assert scored["text"] == prompt and scored["finish_reason"] == "length"
+    assert scored["logprobs"] == {k: v[:P] for k, v in lp.items()}
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == P
+    echo_only = http.post("/v1/completions", json={"prompt": prompt, "echo": True, "max_tokens": 0}).json()
+    assert echo_only["choices"][0]["text"] == prompt and echo_only["choices"][0]["logprobs"] is None
+    for n_tokens, full in ((4, whole), (0, scored)):
+        with http.stream("POST", "/v1/completions", json=body | {"echo": True, "max_tokens": n_tokens,
+                                                                 "stream": True}) as r:
+            choices = [c for e in sse_events(r) for c in e["choices"]]
+        assert choices[0]["text"].startswith(prompt) and len(choices[0]["logprobs"]["tokens"]) >= P
+        assert "".join(c["text"] for c in choices) == full["text"]
+        parts = [c["logprobs"] for c in choices if c["logprobs"]]
+        assert {k: [v for p in parts for v in p[k]] for k in lp} == full["logprobs"]
+
+
 def test_logprobs_chat_shape(http):
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     c = http.post("/v1/chat/completions", json=body).json()["choices"][0]
@@ -446,7 +485,7 @@ BAD_REQUESTS = [
     ("more choices than the queue holds", "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "n": 64}, None),
     ("min_tokens > max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("max_tokens -1 with echo", "/v1/completions", {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     ("no messages", "/v1/chat/completions", {"max_tokens": 3}, "messages"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, "messages"),
     ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
