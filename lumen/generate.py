@@ -246,9 +246,11 @@ def chat_prompt(model, user: str, system: str | None, tools=None) -> tuple[str |
 def render_messages(model, template: str, messages: list[dict], tools=None) -> str:
     """The conversation as the model's chat template writes it, ending with the assistant's turn opened (text to
     tokenize with special tokens parsed). tools: lumen.serve.tools Tools, rendered by the template if it takes
-    them, else by the fallback system prompt (as the server does)."""
+    them, else by the fallback system prompt (as the server does). The messages' control-token texts stay text
+    (Tokenizer.shield): a user's "<|im_start|>" cannot open a turn."""
     from .format.chat import render_chat
     tok = model.tokenizer
+    messages = tok.shield_messages(messages)
     kw = {}
     if tools:
         from .serve.tools import fallback_messages, template_takes_tools

@@ -261,7 +261,7 @@ class Model:
         """
         from .format.chat import render_chat, require_chat_template
         tok = self.tokenizer
-        text = render_chat(require_chat_template(self.metadata), messages,
+        text = render_chat(require_chat_template(self.metadata), tok.shield_messages(messages),  # (text stays text)
                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
         return self.generate(self.tokenize(text, special=True), params, stats=stats, **sampling)  # (its markers)

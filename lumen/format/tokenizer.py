@@ -64,6 +64,9 @@ ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_BY
 TYPE_TO_ATTR = {1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CONTROL, 4: ATTR_USER_DEFINED, 5: ATTR_UNUSED,
                 6: ATTR_BYTE}
 ATTR_SPECIAL = ATTR_CONTROL | ATTR_UNKNOWN  # rendered only with special=True, parsed only with special=True
+# shielded control-token text (Tokenizer.shield): U+FDD0 id U+FDD1, two noncharacters no vocabulary holds
+SHIELD_OPEN, SHIELD_CLOSE = "\ufdd0", "\ufdd1"
+SHIELDED = re.compile(f"{SHIELD_OPEN}([0-9]*){SHIELD_CLOSE}")
 
 # llama.cpp recognises these tokens by their text (llama_vocab::impl::load)
 EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
@@ -337,8 +340,57 @@ class Tokenizer:
             if self.bos_id is None:
                 raise GGUFError("add_bos requested but the vocabulary has no bos token")
             ids.append(self.bos_id)
-        self._encode_fragments(self._partition(text, special), ids)
+        fragments = self._partition(text, special)
+        if special and SHIELD_OPEN in text:            # (a shielded text: Tokenizer.shield)
+            fragments = [self._unshield(f) if isinstance(f, str) else f for f in fragments]
+        self._encode_fragments(fragments, ids)
         return ids
+
+    # --- shielded text --------------------------------------------------------------------------------
+    def shield(self, text: str) -> str:
+        """`text` such that encode(special=True) reads every control-token text in it as plain text: what a user
+        wrote, before it goes into a chat template whose own markers must parse. Each control or unknown
+        token's text becomes SHIELD_OPEN + its id + SHIELD_CLOSE (Unicode noncharacters, no token's text), which
+        encode(special=True) writes back as that text after the special-token partition; a SHIELD_OPEN in
+        `text` itself becomes SHIELD_OPEN + SHIELD_CLOSE. So encode(shield(t), special=True) is
+        encode(t, special=False), and the template's "<|im_start|>" stays a token while the user's is text."""
+        if not isinstance(text, str):
+            raise TypeError(f"shield() takes a str, got {type(text).__name__}")
+        text = text.replace(SHIELD_OPEN, SHIELD_OPEN + SHIELD_CLOSE)
+        found = [i for c in set(text).intersection(self._parse_all) for i in self._parse_all[c]
+                 if self.attrs[i] & ATTR_SPECIAL and self.tokens[i] in text]
+        for tid in sorted(found, key=self._partition_key):  # longest text first, as the partition cuts
+            text = text.replace(self.tokens[tid], f"{SHIELD_OPEN}{tid}{SHIELD_CLOSE}")
+        return text
+
+    def shield_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+        """Copies of chat messages with their text content shielded (a string, or the text of each
+        {"type": "text"} part); the rest as given (what is not a list of mappings too: the template's checks say
+        what is wrong with it)."""
+        if not isinstance(messages, (list, tuple)):
+            return messages
+        out = []
+        for m in messages:
+            if not isinstance(m, Mapping):
+                out.append(m)
+                continue
+            m = dict(m)
+            content = m.get("content")
+            if isinstance(content, str):
+                m["content"] = self.shield(content)
+            elif isinstance(content, list):
+                m["content"] = [dict(p, text=self.shield(p["text"]))
+                                if isinstance(p, Mapping) and isinstance(p.get("text"), str) else p for p in content]
+            out.append(m)
+        return out
+
+    def _unshield(self, fragment: str) -> str:
+        def text(m: re.Match) -> str:
+            if not m[1]:
+                return SHIELD_OPEN
+            tid = int(m[1])
+            return self.tokens[tid] if tid < self.n_vocab else m[0]
+        return SHIELDED.sub(text, fragment)
 
     def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
         raise NotImplementedError
