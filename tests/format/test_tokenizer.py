@@ -215,6 +215,19 @@ def test_shielded_text_encodes_as_plain_text(toks, name):
                                                                        "tool_calls": [1]}
 
 
+def test_qwen_coder_ends_and_fills_in_the_middle_as_llama_cpp(qwen05_file):
+    """Qwen2.5-Coder's end-of-generation ids are the six llama-server lists at load ("EOG token = ..."), so chat
+    (<|im_end|>) and fill-in-the-middle (<|endoftext|>, <|file_sep|>) both stop; its FIM markers parse as
+    tokens only with special=True and do not end generation."""
+    tok = Tokenizer.from_metadata(read_metadata(qwen05_file))
+    assert tok.eot_ids == {128247, 151643, 151645, 151662, 151663, 151664}
+    assert [tok.tokens[i] for i in (151643, 151645, 151664)] == ["<|endoftext|>", "<|im_end|>", "<|file_sep|>"]
+    fim = [tok.token_to_id[t] for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
+    text = "<|fim_prefix|>def f(x):\n    <|fim_suffix|>\n    return y\n<|fim_middle|>"
+    assert [i for i in tok.encode(text, add_bos=False, special=True) if i in fim] == fim
+    assert not set(fim) & (tok.eot_ids | set(tok.encode(text, add_bos=False, special=False)))
+
+
 def test_decode_special(smol, gemma):
     ids = gemma.encode("<start_of_turn>user\nhi<end_of_turn>", add_bos=True, special=True)
     assert gemma.decode(ids) == "user\nhi"
