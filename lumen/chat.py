@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", "-n", type=int, default=None,
                     help="the most tokens of one reply (default: until the model ends its turn, or the context's end)")
     add_sampling_args(ap, chat_only=True)
-    ap.add_argument("--ctx", type=int, default=None,
+    ap.add_argument("--ctx", "--ctx-size", "-c", type=int, default=None,
                     help="context length, the whole conversation included (default 2048, or the model's trained "
-                         "context if smaller)")
+                         "context if smaller; --ctx-size and -c as llama.cpp)")
     ap.add_argument("--force-ctx", action="store_true",
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)

@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep generating past end-of-generation tokens (for fixed-length benchmarks)")
     ap.add_argument("--no-escape", action="store_true",
                     help="take --prompt, --system and --stop literally (no escape processing)")
-    ap.add_argument("--ctx", type=int, default=None,
-                    help="context length to allocate (default 2048, or the model's trained context if smaller)")
+    ap.add_argument("--ctx", "--ctx-size", "-c", type=int, default=None,
+                    help="context length to allocate (default 2048, or the model's trained context if smaller; "
+                         "--ctx-size and -c as llama.cpp)")
     ap.add_argument("--force-ctx", action="store_true",
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)

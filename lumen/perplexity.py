@@ -56,17 +56,22 @@ def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.n
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog("perplexity"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name or path to a .gguf file (default {DEFAULT_MODEL})")
     ap.add_argument("--file", "-f", required=True, help="a UTF-8 text file")
-    ap.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
+    ap.add_argument("--ctx", "--ctx-size", "-c", type=int, default=512, help="tokens per chunk (default 512)")
     ap.add_argument("--force-ctx", action="store_true",
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     ap.add_argument("--score", choices=("half", "all"), default="half",
                     help="score the second half of each chunk (llama-perplexity) or every position")
     EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.ctx < (4 if args.score == "half" else 2):
         ap.error("--ctx must be at least 4 (2 with --score all)")

@@ -285,3 +285,12 @@ def test_every_option_says_what_it_does(tool, monkeypatch):
     bad = [(a.option_strings, a.help) for a in parsers[-1]._actions if not isinstance(a, argparse._HelpAction)
            and (not (a.help or "").strip() or len(re.findall(r"\bdefault\b", a.help)) > 1)]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("module", ["generate", "chat", "perplexity"])
+def test_ctx_takes_llama_cpp_names(module):
+    """llama.cpp's -c / --ctx-size work wherever --ctx does."""
+    import importlib
+    ap = importlib.import_module(f"lumen.{module}").build_parser()
+    need = ["--file", "f.txt"] if module == "perplexity" else []
+    assert {ap.parse_args([*need, flag, "1024"]).ctx for flag in ("--ctx", "--ctx-size", "-c")} == {1024}
