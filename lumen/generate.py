@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--force-ctx", action="store_true",
                     help="allow --ctx beyond the model's trained context (output past it is unreliable)")
     EngineConfig.add_cli_args(ap, only=THREAD_FLAGS)
-    ap.add_argument("--special", action="store_true", help="parse special-token text in a plain prompt")
+    ap.add_argument("--special", action="store_true",
+                    help="parse special-token text in the prompt (fill-in-the-middle markers, say); with --chat in "
+                         "the messages too, where it is otherwise text")
     sp = ap.add_argument_group("speculative decoding (greedy output is identical; sampled output has the same "
                                "distribution)")
     sp.add_argument("--speculative", choices=["ngram", "draft"],
@@ -234,24 +236,26 @@ def _read(path: str, flag: str) -> str:
         raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
 
 
-def chat_prompt(model, user: str, system: str | None, tools=None) -> tuple[str | None, str]:
-    """The rendered chat prompt, or None with the reason when the model has no chat template."""
+def chat_prompt(model, user: str, system: str | None, tools=None, special: bool = False) -> tuple[str | None, str]:
+    """The rendered chat prompt, or None with the reason when the model has no chat template. special: the
+    messages' special-token text parses as tokens too."""
     from .format.chat import chat_template_from_metadata
     template = chat_template_from_metadata(model.metadata)
     if template is None:
         return None, "this model has no chat template (tokenizer.chat_template); running plain completion"
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return render_messages(model, template, messages, tools), ""
+    return render_messages(model, template, messages, tools, special=special), ""
 
 
-def render_messages(model, template: str, messages: list[dict], tools=None) -> str:
+def render_messages(model, template: str, messages: list[dict], tools=None, special: bool = False) -> str:
     """The conversation as the model's chat template writes it, ending with the assistant's turn opened (text to
     tokenize with special tokens parsed). tools: lumen.serve.tools Tools, rendered by the template if it takes
     them, else by the fallback system prompt (as the server does). The messages' control-token texts stay text
-    (Tokenizer.shield): a user's "<|im_start|>" cannot open a turn."""
+    (Tokenizer.shield), so a user's "<|im_start|>" cannot open a turn, unless special."""
     from .format.chat import render_chat
     tok = model.tokenizer
-    messages = tok.shield_messages(messages)
+    if not special:
+        messages = tok.shield_messages(messages)
     kw = {}
     if tools:
         from .serve.tools import fallback_messages, template_takes_tools
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser = kind()
                 constraint = parser.grammar(*tooling, True, marker_token(model.tokenizer, kind))
         if args.chat or tooling is not None:
-            rendered, why = chat_prompt(model, args.prompt, args.system, tooling and tooling[0])
+            rendered, why = chat_prompt(model, args.prompt, args.system, tooling and tooling[0], args.special)
             if rendered is None and tooling is not None:
                 raise LumenError("--tools needs a model with a chat template")
             if rendered is None:

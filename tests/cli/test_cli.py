@@ -234,6 +234,9 @@ def test_chat_keeps_control_token_text_of_the_messages_as_text(tokenizer):
     assert ids.count(start) == 3 and ids.count(end) == 2          # system, user, assistant's opened turn
     assert tok.decode(ids, special=True) == (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}"
                                              "<|im_end|>\n<|im_start|>assistant\n")
+    rendered, _ = chat_prompt(tokenizer, user, system, special=True)     # --chat --special: the user's choice
+    ids = tok.encode(rendered, add_bos=tok.default_bos(rendered, True), special=True)
+    assert ids.count(start) == 5 and ids.count(end) == 4
 
 
 def test_tools_print_the_call_as_a_json_line(smollm2_path, tmp_path):
