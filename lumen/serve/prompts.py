@@ -96,6 +96,7 @@ class Prompter:
             raise ApiError(400, "messages must be a non-empty list", "messages")
         plain = [_plain(m) for m in messages]
         check_messages(plain)
+        plain = self.tok.shield_messages(plain)         # a message's "<|im_start|>" is text: it opens no turn
         kw = {}
         if RENDER_TAKES_TOOLS and template_takes_tools(self.template):
             if tools:

@@ -41,6 +41,9 @@ class ByteTokenizer:
     def decode(self, ids, special: bool = False) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
+    def shield_messages(self, messages):
+        return messages                          # no special-token text parses here: nothing to shield
+
 
 class ScriptedWorker:
     """Answers every engine request with REPLY, one output per token; or refuses with `refuse`."""
