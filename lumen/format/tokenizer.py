@@ -37,6 +37,10 @@ All follow llama.cpp (src/llama-vocab.cpp) step by step:
    metadata or recognised by their text, plus a fixed list of texts (`<|im_end|>`, `<end_of_turn>`,
    `<|endoftext|>`, `</s>`, ...). Tokens so recognised become control tokens, which changes how they parse.
 
+A chat prompt is rendered text encoded with special=True, so the template's markers parse; the messages' own
+control-token texts must not (a user's "<|im_start|>" would open a turn): `shield_messages` marks them before the
+template renders, and encode(special=True) reads a marked text back as plain text.
+
 Decoding renders each token as llama.cpp's `token_to_piece`: normal tokens as their text (byte-level
 characters mapped back to bytes, U+2581 back to a space), byte tokens as their byte, user-defined tokens as
 their text, and control/unknown tokens as their text only when `special=True`. The default is
