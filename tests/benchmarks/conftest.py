@@ -11,8 +11,8 @@ either time. Each round of a kernel case runs on its own copy of the case's arra
 moves the figure by several %). The gate fails a case whose normalised figure exceeds its committed baseline x
 THRESHOLD on a majority of up to ATTEMPTS measurements (a first one clearly under the limit passes at once).
 
-One baseline per CPU: baseline.json maps a CPU key (cpu_key(): the model name from lumen.machine.cpu_model(), the
-CPU count and the vector ISA flags that decide kernel speed) to that CPU's cases. A run gates against the entry of
+One baseline per CPU: baseline.json maps a CPU key (cpu_key(): the model name, the family and model numbers of
+/proc/cpuinfo, the CPU count and the vector ISA flags that decide kernel speed) to that CPU's cases. A run gates against the entry of
 its own CPU and says which one; on a CPU with no entry every case is skipped with a message saying how to record
 one. Figures are never compared against another CPU's baseline (on an AMD EPYC the smoke cases read 0.46-0.77 of
 the Intel Xeon's, so a 25% regression would pass there unseen).
@@ -270,25 +270,57 @@ def per_call(run) -> float:
 ISA = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")  # flags that decide speed
 
 
-def cpu_info() -> dict:
-    """The CPU the figures are measured on: model name (lumen.machine.cpu_model()), the vector ISA flags that decide
-    kernel speed, CPU count."""
+def read_cpuinfo(text: str | None = None) -> dict:
+    """The first processor's fields of /proc/cpuinfo (or of `text`), {name: value}; {} where there is none."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break               # the end of the first processor's block
+            continue
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_info(cpuinfo: dict | None = None) -> dict:
+    """The CPU the figures are measured on: model name (lumen.machine.cpu_model()), its identity numbers, the vector
+    ISA flags that decide kernel speed, CPU count. The identity is x86's "family F model M" (what tells a Zen 4
+    guest, family 25, from a Zen 5 one, family 26, when both show "AMD EPYC"), or ARM's "implementer I part P";
+    "" where /proc/cpuinfo gives neither."""
     from lumen.machine import cpu_model
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return {"model": cpu_model(), "isa": sorted(f for f in flags if f in ISA), "cpus": os.cpu_count()}
+    info = read_cpuinfo() if cpuinfo is None else cpuinfo
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    if "cpu family" in info and "model" in info:
+        ident = f"family {info['cpu family']} model {info['model']}"
+    elif "CPU implementer" in info and "CPU part" in info:
+        ident = f"implementer {info['CPU implementer']} part {info['CPU part']}"
+    else:
+        ident = ""
+    return {"model": info.get("model name") or cpu_model(), "id": ident,
+            "isa": sorted(f for f in flags if f in ISA), "cpus": os.cpu_count()}
 
 
 def cpu_key(cpu: dict) -> str:
-    """The key of a CPU's baseline. A hypervisor may show a generic model name ("Intel(R) Xeon(R) Processor"), so
-    the ISA flags are part of the key: they tell e.g. an AMX Xeon from an older one."""
-    return f"{cpu['model']} | {cpu['cpus']} CPUs | {' '.join(cpu['isa']) or 'no AVX2'}"
+    """The key of a CPU's baseline: "model name | identity | N CPUs | ISA flags". A hypervisor may show a generic
+    model name ("AMD EPYC" for both a Zen 4 and a Zen 5 guest), so the family and model numbers are part of the
+    key, and so are the ISA flags (a guest may not be granted all of its CPU's)."""
+    isa = " ".join(cpu["isa"]) or "no AVX2"
+    return f"{cpu['model']} | {cpu.get('id') or 'identity unknown'} | {cpu['cpus']} CPUs | {isa}"
+
+
+def legacy_key(key: str) -> str | None:
+    """For a key of the first per-CPU format ("model | N CPUs | flags", no identity numbers), the same key; for a
+    current one, the first-format key of that CPU (the identity dropped). Entries under a first-format key are
+    read and listed, and gated against only on purpose (LUMEN_BENCH_CPU): their key cannot tell two CPUs of the
+    same model name apart."""
+    parts = key.split(" | ")
+    return key if len(parts) == 3 else " | ".join(parts[:1] + parts[2:]) if len(parts) == 4 else None
 
 
 def load_baselines(path: Path = BASELINE) -> dict:
@@ -303,14 +335,14 @@ class Gate:
     """Measures cases and gates them against baseline.json; collects everything for the session report."""
     COPY_MAX_BYTES = COPY_MAX_BYTES
 
-    def __init__(self):
+    def __init__(self, cpu: dict | None = None, baselines: dict | None = None):
         self.refs = {}  # bytes a case reads from memory (0: none) -> its reference
-        self.baselines = load_baselines()
+        self.baselines = load_baselines() if baselines is None else baselines
         self.results = {}
-        self.cpu = cpu_info()
+        self.cpu = cpu_info() if cpu is None else cpu
         self.key = os.environ.get("LUMEN_BENCH_CPU") or cpu_key(self.cpu)
         self.key_from = "LUMEN_BENCH_CPU" if os.environ.get("LUMEN_BENCH_CPU") else "this CPU"
-        self.baseline = self.baselines["cpus"].get(self.key)   # this CPU's entry, or None
+        self.baseline = self.baselines["cpus"].get(self.key)   # this CPU's entry (the exact key), or None
 
     @property
     def cases(self) -> dict:
@@ -327,8 +359,13 @@ class Gate:
     def missing_reason(self) -> str:
         """Why the cases are skipped on a CPU with no baseline, and how to record one."""
         known = "; ".join(sorted(self.baselines["cpus"])) or "none"
+        same_name = [k for k in sorted(self.baselines["cpus"]) if k != self.key and legacy_key(k) == k
+                     and k == legacy_key(self.key)]
+        old = (f" An entry recorded before keys named the CPU family and model has this CPU's name and flags, but "
+               f"may come from another CPU of that name: {'; '.join(same_name)}; gate against it on purpose with "
+               f"LUMEN_BENCH_CPU='<that key>', or record this CPU's." if same_name else "")
         return (f"benchmark gates: no baseline in {BASELINE.name} for {self.key_from} ({self.key}); the baselines "
-                f"of other CPUs are not comparable (known: {known}). Record one on this machine, at rest: "
+                f"of other CPUs are not comparable (known: {known}).{old} Record one on this machine, at rest: "
                 f"LUMEN_BENCH=1 LUMEN_BENCH_WRITE=1 python -m pytest -q tests/benchmarks (README.md)")
 
     def reference(self, memory_bytes: int = 0):

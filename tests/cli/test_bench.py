@@ -170,7 +170,8 @@ def test_gate_baselines_are_per_cpu():
     assert set(data) == {"cpus"} and data["cpus"]
     for key, entry in data["cpus"].items():
         cpu = entry["meta"]["cpu"]
-        assert key == f"{cpu['model']} | {cpu['cpus']} CPUs | {' '.join(cpu['isa']) or 'no AVX2'}"
+        assert key == f"{cpu['model']} | {cpu['id']} | {cpu['cpus']} CPUs | {' '.join(cpu['isa']) or 'no AVX2'}"
+        assert cpu["id"].startswith(("family ", "implementer ")), key     # not the name alone (Zen 4 / Zen 5)
         assert entry["cases"] and all("k_ref" in c and c["norm"] > 0 for c in entry["cases"].values())
 
 
