@@ -16,7 +16,8 @@ prints each engine's gen t/s beside each, with its ratio to the same engine's id
 
 --compare llama.cpp runs llama.cpp's own `llama-batched-bench` on the same GGUF, shapes and thread count
 (-b 2048 -ub 512 and its defaults otherwise), interleaved with Lumen repetition by repetition. The binary comes
-from --llama-batched-bench PATH, $LLAMA_BATCHED_BENCH, or PATH. To get it, build llama.cpp's tools from the
+from --llama-batched-bench PATH, $LLAMA_BATCHED_BENCH, or PATH (a given path that is not an executable file, or
+no binary at all, is a usage error). To get it, build llama.cpp's tools from the
 source inside the llama-cpp-python 0.3.36 sdist: `pip download --no-deps --no-binary :all:
 llama-cpp-python==0.3.36`, unpack it, then `cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build
 -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build build -j --target llama-batched-bench`
@@ -30,7 +31,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +40,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
+from .tools import ToolNotFound, find_tool, refuse
 from ..commands import check_writable, prog
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
@@ -72,10 +73,9 @@ def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
 
 
 def find_llama_batched_bench(path: str | None) -> str | None:
-    for cand in (path, os.environ.get("LLAMA_BATCHED_BENCH"), shutil.which("llama-batched-bench")):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
+    """llama-batched-bench: path, else $LLAMA_BATCHED_BENCH, else on $PATH (None); a wrong given path raises
+    ToolNotFound."""
+    return find_tool("llama-batched-bench", "--llama-batched-bench", path, "LLAMA_BATCHED_BENCH")
 
 
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|"
@@ -151,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(why)
     binary = None
     if args.compare or args.llama_batched_bench:
-        binary = find_llama_batched_bench(args.llama_batched_bench)
+        try:
+            binary = find_llama_batched_bench(args.llama_batched_bench)
+        except ToolNotFound as e:
+            refuse(ap, str(e))
         if binary is None:
-            print("llama-batched-bench not found: give --llama-batched-bench PATH (how to build it: "
-                  "python -m lumen.bench batch --help); running Lumen only", file=sys.stderr)
+            refuse(ap, "llama-batched-bench not found: give --llama-batched-bench PATH or set $LLAMA_BATCHED_BENCH "
+                     f"(how to build it: {prog('bench batch')} --help)")
     from rich.console import Console
     from rich.table import Table
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .tools import ToolNotFound, find_tool
 
 
 def free_port() -> int:
@@ -27,18 +28,14 @@ def free_port() -> int:
 
 
 def find_llama_server(path: str | None) -> str:
-    """The llama-server binary: PATH if given (an error if it is not an executable file), else $LLAMA_SERVER,
-    else `llama-server` on $PATH."""
-    if path:
-        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-            raise FileNotFoundError(f"llama-server not found at {path} (how to build it: "
-                                    f"python -m lumen.bench serve --help)")
-        return path
-    for cand in (os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    raise FileNotFoundError("llama-server not found: give --llama-server PATH or set $LLAMA_SERVER (how to build "
-                            "it: python -m lumen.bench serve --help)")
+    """The llama-server binary: path if given, else $LLAMA_SERVER, else `llama-server` on $PATH. Raises
+    ToolNotFound when a given path is not an executable file (never falls back to another copy) or there is
+    none."""
+    found = find_tool("llama-server", "--llama-server", path, "LLAMA_SERVER")
+    if found is None:
+        raise ToolNotFound("llama-server not found: give --llama-server PATH or set $LLAMA_SERVER (how to build "
+                           "it: python -m lumen.bench serve --help)")
+    return found
 
 
 def _die_with_parent() -> None:

@@ -720,10 +720,11 @@ def main(argv: list[str] | None = None) -> int:
     binary = None
     if compare:
         from .launch import find_llama_server
+        from .tools import ToolNotFound, refuse
         try:
             binary = find_llama_server(args.llama_server)
-        except FileNotFoundError as e:
-            ap.error(str(e))
+        except ToolNotFound as e:
+            refuse(ap, str(e))
     skip = {"json", "concurrency", "repetitions", "serve_model", "threads", "serve_args", "compare", "llama_server",
             "llama_args"}
     load = Load(**{k: v for k, v in vars(args).items() if k not in skip})

@@ -41,7 +41,6 @@ import json
 import os
 import resource
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
+from .tools import ToolNotFound, find_tool, refuse
 from ..commands import check_writable, prog, trained_context_only
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
@@ -205,12 +205,9 @@ class LlamaBenchEngine:
 
 
 def find_llama_bench(path: str | None) -> str | None:
-    """The llama-bench binary: path, else $LLAMA_BENCH (`llama-bench` looked up on PATH when either is a bare
-    name); None if there is none."""
-    cand = path or os.environ.get("LLAMA_BENCH")
-    if cand and os.sep not in cand:
-        cand = shutil.which(cand)
-    return cand if cand and os.path.isfile(cand) and os.access(cand, os.X_OK) else None
+    """The llama-bench binary: path, else $LLAMA_BENCH (either looked up on PATH when a bare name), else
+    `llama-bench` on PATH; None if there is none. A wrong given path raises ToolNotFound."""
+    return find_tool("llama-bench", "--llama-bench", path, "LLAMA_BENCH")
 
 
 def gguf_tensor_bytes(path) -> int:
@@ -414,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     validate(ap, args)
     binary = None
     if args.llama_bench or (args.compare and os.environ.get("LLAMA_BENCH")):
-        binary = find_llama_bench(args.llama_bench)
-        if binary is None:
-            ap.error(f"llama-bench not found or not executable: {args.llama_bench or os.environ.get('LLAMA_BENCH')}")
+        try:
+            binary = find_llama_bench(args.llama_bench)
+        except ToolNotFound as e:
+            refuse(ap, str(e))
     from rich.console import Console
 
     from ..errors import LumenError

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .tools import ToolNotFound, find_tool, refuse
 from ..commands import check_writable, prog
 from ..engine.config import EngineConfig
 
@@ -134,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in kinds:
         if k not in KINDS:
             ap.error(f"unknown kind {k!r} (kinds: {', '.join(KINDS)})")
-    if args.llama_lookup and not (os.path.isfile(args.llama_lookup) and os.access(args.llama_lookup, os.X_OK)):
-        ap.error(f"--llama-lookup {args.llama_lookup}: not an executable file")
+    if args.llama_lookup:
+        try:
+            args.llama_lookup = find_tool("llama-lookup", "--llama-lookup", args.llama_lookup)
+        except ToolNotFound as e:
+            refuse(ap, str(e))
     if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
         ap.error(why)
     from ..errors import LumenError

@@ -205,17 +205,67 @@ def test_gates_print_their_summary_in_one_process():
         assert case in r.stdout, r.stdout[-3000:]
 
 
-@pytest.mark.slow
-def test_batch_llama_path_implies_compare(smollm2_path, tmp_path):
-    """--llama-batched-bench PATH alone asks for the comparison (as single's --llama-bench does): a path that is
-    not there is said in one line, and Lumen still runs."""
-    r = subprocess.run([sys.executable, "-m", "lumen.bench", "batch", "--model", str(smollm2_path), "-npp", "4",
-                        "-ntg", "2", "-npl", "1", "-r", "1", "-t", "1",
-                        "--llama-batched-bench", str(tmp_path / "no-such-binary")],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="160"))
-    assert r.returncode == 0, r.stderr
-    assert "llama-batched-bench not found" in r.stderr and "Traceback" not in r.stderr
-    assert "Lumen" in r.stdout
+SMALL = {"single": ["-p", "2", "-n", "2", "-r", "1", "--small", "0"], "batch": ["-npp", "2", "-ntg", "2", "-npl", "1",
+         "-r", "1"], "spec": ["-n", "2", "-r", "1", "--prompts-per-kind", "1", "--kinds", "chat"],
+         "serve": ["--serve-model", "smollm2-135m", "--num-prompts", "1"]}
+TOOLS = {"single": ("--llama-bench", "LLAMA_BENCH"), "batch": ("--llama-batched-bench", "LLAMA_BATCHED_BENCH"),
+         "spec": ("--llama-lookup", None), "serve": ("--llama-server", "LLAMA_SERVER")}
+
+
+def _tool_error(argv, monkeypatch, capsys, env=None) -> str:
+    """The one error line (and nothing else) of `lumen.bench ARGV` (SMALL shapes, so a run that went on would be short), exit 2."""
+    from lumen.bench.cli import main
+    for var in ("LLAMA_BENCH", "LLAMA_BATCHED_BENCH", "LLAMA_SERVER"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in (env or {}).items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as e:
+        main([*argv, *SMALL[argv[0]], "-t", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("python -m lumen.bench "), err
+    return err
+
+
+@pytest.mark.parametrize("sub", list(TOOLS))
+@pytest.mark.parametrize("what", ["missing", "not executable", "a directory", "not on PATH"])
+def test_a_wrong_llama_tool_path_is_a_usage_error_before_any_work(sub, what, tmp_path, monkeypatch, capsys):
+    """`batch --llama-batched-bench /wrong/path` went on with Lumen alone; every bench's tool flag now refuses a
+    path that is not an executable file, at once, naming it."""
+    path = {"missing": str(tmp_path / "no-such-binary"), "not executable": str(tmp_path / "plain"),
+            "a directory": str(tmp_path), "not on PATH": "no-such-llama-tool"}[what]
+    (tmp_path / "plain").write_text("#!/bin/sh\n")
+    flag = TOOLS[sub][0]
+    line = _tool_error([sub, flag, path], monkeypatch, capsys)
+    assert f"{flag} {path}: " in line, line
+    assert ("does not exist" if what == "missing" else "is not on $PATH" if what == "not on PATH" else
+            "is not an executable file") in line, line
+
+
+@pytest.mark.parametrize("sub", ["single", "batch", "serve"])
+def test_a_wrong_llama_tool_in_the_environment_is_a_usage_error(sub, tmp_path, monkeypatch, capsys):
+    """$LLAMA_SERVER naming nothing fell back to llama-server on $PATH; $LLAMA_BATCHED_BENCH to Lumen alone."""
+    flag, var = TOOLS[sub]
+    line = _tool_error([sub, "--compare", "llama.cpp"], monkeypatch, capsys, {var: str(tmp_path / "nothing")})
+    assert f"${var} {tmp_path / 'nothing'}: does not exist" in line, line
+
+
+def test_batch_compare_without_the_tool_anywhere_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    line = _tool_error(["batch", "--compare", "llama.cpp"], monkeypatch, capsys)
+    assert "llama-batched-bench not found: give --llama-batched-bench PATH" in line, line
+
+
+def test_a_tool_given_by_name_is_found_on_path(tmp_path, monkeypatch):
+    from lumen.bench.tools import find_tool
+    tool = tmp_path / "llama-bench"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    assert find_tool("llama-bench", "--llama-bench", "llama-bench", "LLAMA_BENCH") == str(tool)
+    assert find_tool("llama-bench", "--llama-bench", None, "LLAMA_BENCH") == str(tool)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert find_tool("llama-bench", "--llama-bench", None, "LLAMA_BENCH") is None
 
 
 @pytest.mark.parametrize("sub, flag", [("batch", "--llama-args"), ("single", "--llama-args"), ("spec", "--llama-args"),

@@ -89,7 +89,7 @@ def test_corpus_from_a_server_with_a_short_context():
     (["--serve-model", "smollm2-135m", "--url", "http://127.0.0.1:1"], "not both"),
     (["--serve-args", "--pace 2"], "goes with --serve-model"),
     (["--serve-model", "smollm2-135m", "--llama-server", "/no/such/llama-server"],
-     "llama-server not found at /no/such/llama-server"),
+     "--llama-server /no/such/llama-server: does not exist"),
     (["--mix", "code"], "invalid choice"),
     (["-r", "0"], "--repetitions must be at least 1"),
     (["-r", "2"], "-r repeats the runs of a sweep"),

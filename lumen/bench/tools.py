@@ -1,0 +1,37 @@
+"""llama.cpp's tools the benchmarks run beside Lumen (llama-bench, llama-batched-bench, llama-server,
+llama-lookup): where each one is found.
+
+A path the user gives, with the tool's flag or its environment variable, must name an executable file (a bare name
+is looked up on $PATH): a wrong one is a usage error before any work, never a silent fallback to Lumen alone or to
+another copy of the tool. With neither given, the tool is looked up on $PATH by its name.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+
+class ToolNotFound(ValueError):
+    """A tool path the user gave names no executable file, or a tool that was asked for is nowhere."""
+
+
+def find_tool(name: str, flag: str, path: str | None, env: str | None = None) -> str | None:
+    """The executable of tool `name`: `path` (given with `flag`), else $env, else `name` on $PATH; None when
+    neither is given and $PATH has none. Raises ToolNotFound, naming where the path came from, when a given
+    one is not an executable file."""
+    for given, source in ((path, flag), (os.environ.get(env) if env else None, f"${env}")):
+        if not given:
+            continue
+        found = given if os.sep in given else shutil.which(given)
+        if found and os.path.isfile(found) and os.access(found, os.X_OK):
+            return found
+        what = ("is not an executable file" if found and os.path.exists(found) else
+                "does not exist" if os.sep in given else "is not on $PATH")
+        raise ToolNotFound(f"{source} {given}: {what} (give the path of llama.cpp's {name})")
+    return shutil.which(name)
+
+
+def refuse(ap: argparse.ArgumentParser, message: str):
+    """Exit 2 with argparse's error line alone: the usage block would bury a wrong path in seven lines."""
+    ap.exit(2, f"{ap.prog}: error: {message}\n")
