@@ -17,15 +17,21 @@ Observed as requests advance and finish:
     lumen:time_to_first_token_seconds, lumen:inter_token_latency_seconds, lumen:e2e_request_latency_seconds,
     lumen:request_queue_time_seconds   histograms
     lumen:request_success_total{finished_reason=stop|length|abort|error}
-And prometheus_client's process_* metrics (process_resident_memory_bytes: the soak benchmark's RSS).
+And prometheus_client's process_* metrics (process_resident_memory_bytes: the soak benchmark's RSS); not its
+`*_created` series (disable_created_metrics, below).
 """
 from __future__ import annotations
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
-                               generate_latest)
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.sequence import RequestOutput
+
+# No `*_created` series (the Unix time each counter and histogram was made, one more series for each): noise to a
+# user, and what a scraper uses them for (spotting a reset) it does from the counters dropping. vLLM turns them off
+# the same way; it is process-wide, and this module is imported by the server processes only.
+disable_created_metrics()
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
