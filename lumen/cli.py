@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .commands import COMMANDS, run
+from .commands import COMMANDS, EXIT_STATUS, run
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
     return ("usage: lumen COMMAND [ARGS]   (lumen COMMAND --help for a command's options)\n\n"
-            "A measurement-first LLM inference engine: GGUF models on the CPU.\n\ncommands:\n" + "\n".join(lines))
+            "A measurement-first LLM inference engine: GGUF models on the CPU.\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n" + EXIT_STATUS)
 
 
 def main(argv: list[str] | None = None) -> int:

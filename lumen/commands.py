@@ -3,7 +3,9 @@
     lumen COMMAND [ARGS]     the console script (lumen/cli.py)
     python -m lumen.COMMAND  the same tool, run as a module
 
-`prog(cmd)` names a tool the way the user invoked it, so `--help` and errors show what to type again.
+`prog(cmd)` names a tool the way the user invoked it, so `--help` and errors show what to type again. Every tool
+ends with the exit status EXIT_STATUS states (`lumen --help` prints it): 2 for a wrong command line, said before any
+model loads; 1 for a run that failed; 130 and 141 from run().
 """
 from __future__ import annotations
 
@@ -28,6 +30,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gguf": ("lumen.gguf", "a GGUF file's metadata and tensor table"),
     "warmup": ("lumen.warmup", "compile the kernels for the given models ahead of time (image builds, servers)"),
 }
+
+
+EXIT_STATUS = """exit status (every command):
+  0    done
+  1    the run failed: a model that cannot be found, fetched, verified or loaded; a prompt that cannot be used
+       (empty, not UTF-8, longer than the context); an engine, server or llama.cpp tool that failed
+  2    the command line is wrong, said before any model loads: what argparse rejects, a flag's value out of its
+       range or with a flag it does not go with, a file a flag names that cannot be read (--grammar, --tools) or
+       written (--json), a llama.cpp tool path that is not an executable, no prompt at all
+  130  interrupted (Ctrl-C)
+  141  the reader of the output went away (`lumen generate ... | head`)"""
+
+
+def threads_error(threads: int | None) -> str | None:
+    """Why --threads cannot be used (a usage error, status 2), or None: 1 to the cores Numba can use."""
+    if threads is None:
+        return None
+    import numba
+    hi = numba.config.NUMBA_NUM_THREADS
+    return None if 1 <= threads <= hi else f"--threads must be between 1 and {hi}, got {threads}"
 
 
 def invoked_as_script() -> bool:

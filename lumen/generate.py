@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from .errors import LumenError
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
-from .commands import prog, run, trained_context_only
+from .commands import prog, run, threads_error, trained_context_only
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
@@ -342,16 +342,21 @@ def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .engine.config import check_int                 # (no Numba): refused before the model loads (or is
+    from .engine.config import check_int                 # refused before the model loads (or is
     from .engine.sampling.params import SamplingParams   # fetched: a 1 GB download to learn --top-p 2 is wrong)
     try:
         if args.max_tokens is not None:
             check_int("max_tokens", args.max_tokens)     # 0 would generate nothing and print a line of zeros
         SamplingParams(**sampling_from_args(args, args.chat or args.tools is not None), stop=args.stop,
                        num_speculative_tokens=args.num_speculative_tokens)
-    except ValueError as e:
+        if why := threads_error(args.threads):
+            raise ValueError(why)
+        if args.ctx is not None:
+            from .llm import MAX_CTX
+            check_int("ctx", args.ctx, hi=MAX_CTX)
+    except ValueError as e:                              # a flag's value: a usage error
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
     stdin_prompt = args.prompt is None
@@ -371,6 +376,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--tools cannot be combined with a structured-output flag (unless --tool-choice none)")
         if args.system is not None and not (args.chat or tooling is not None):   # (it would be dropped unsaid)
             raise UsageError("--system is the system message of a chat: give --chat too")
+        if args.speculative == "draft" and not args.draft_model:
+            raise UsageError("--speculative draft needs --draft-model")
+        if args.draft_model and args.speculative != "draft":
+            raise UsageError("--draft-model is used with --speculative draft")
+        unused = [flag for flag, v, default in (("--num-speculative-tokens", args.num_speculative_tokens, None),
+                                                ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4),
+                                                ("--draft-vocab", args.draft_vocab, 32768)) if v != default]
+        if unused and not args.speculative:
+            raise UsageError(f"{unused[0]} is used with --speculative (ngram or draft)")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -380,15 +394,6 @@ def main(argv: list[str] | None = None) -> int:
             args.system = args.system and process_escapes(args.system)
             if not stdin_prompt:
                 args.prompt = process_escapes(args.prompt)
-        if args.speculative == "draft" and not args.draft_model:
-            raise LumenError("--speculative draft needs --draft-model")
-        if args.draft_model and args.speculative != "draft":
-            raise LumenError("--draft-model is used with --speculative draft")
-        unused = [flag for flag, v, default in (("--num-speculative-tokens", args.num_speculative_tokens, None),
-                                                ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4),
-                                                ("--draft-vocab", args.draft_vocab, 32768)) if v != default]
-        if unused and not args.speculative:
-            raise LumenError(f"{unused[0]} is used with --speculative (ngram or draft)")
         with status_while_compiling(err):    # a first load may compile too (packing); a first warm-up does
             t0 = time.perf_counter()
             model = load_model(args.model, args.ctx, args.threads, args.force_ctx,

@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    from .commands import threads_error
+    if why := threads_error(args.threads):
+        ap.error(why)
     from .errors import LumenError
     from .model.store import DEFAULT_MODEL
     from .model.store import MODELS, resolve

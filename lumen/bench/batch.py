@@ -41,7 +41,7 @@ import numpy as np
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
 from .tools import ToolNotFound, find_tool, refuse
-from ..commands import check_writable, prog
+from ..commands import check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
+        ap.error(why)
+    if why := threads_error(args.threads):
         ap.error(why)
     binary = None
     if args.compare or args.llama_batched_bench:

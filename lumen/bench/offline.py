@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from ..commands import check_writable, prog
+from ..commands import check_writable, prog, threads_error
 from ..engine.config import EngineConfig
 
 PROMPTS = Path(__file__).with_name("data") / "prompts.json"
@@ -84,11 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--requests must be at least 1, got {args.requests}")
     if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
         ap.error(why)
+    try:                                                 # the engine's flags: usage errors, before the model loads
+        config = EngineConfig.from_cli_args(args, max_model_len=2048)
+    except ValueError as e:
+        ap.error(str(e))
+    if why := threads_error(args.threads):
+        ap.error(why)
     from .. import Engine, SamplingParams, load
     from ..errors import LumenError
     try:
         model = load(args.model, ctx=2048, threads=args.threads, adaptive_threads=args.adaptive_threads)
-        engine = Engine(model, EngineConfig.from_cli_args(args, max_model_len=2048))
+        engine = Engine(model, config)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

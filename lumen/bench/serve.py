@@ -710,13 +710,6 @@ def main(argv: list[str] | None = None) -> int:
         parts = urlsplit(args.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             ap.error(f"--url {args.url}: give the server's base URL, e.g. http://127.0.0.1:8000")
-    if args.serve_model is not None:                     # a name or path that is not a model: before anything starts
-        from ..errors import LumenError
-        from ..model.store import resolve
-        try:
-            resolve(args.serve_model)
-        except (LumenError, OSError, TypeError) as e:
-            ap.error(str(e))
     binary = None
     if compare:
         from .launch import find_llama_server
@@ -725,6 +718,14 @@ def main(argv: list[str] | None = None) -> int:
             binary = find_llama_server(args.llama_server)
         except ToolNotFound as e:
             refuse(ap, str(e))
+    if args.serve_model is not None:                     # a name or path that is not a model: before anything starts
+        from ..errors import LumenError
+        from ..model.store import resolve
+        try:
+            resolve(args.serve_model)
+        except (LumenError, OSError, TypeError) as e:   # the run failed (status 1), as every tool's model lookup
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     skip = {"json", "concurrency", "repetitions", "serve_model", "threads", "serve_args", "compare", "llama_server",
             "llama_args"}
     load = Load(**{k: v for k, v in vars(args).items() if k not in skip})

@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         gguf = str(resolve(args.model))
         if args.draft_model:
             resolve(args.draft_model)
-    except (LumenError, OSError, ValueError) as e:
-        ap.error(str(e))
+    except (LumenError, OSError, ValueError) as e:      # the run failed (status 1), as every tool's model lookup
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     extra = shlex.split(args.llama_args)
     items = prompts(kinds, args.prompts_per_kind)
     methods = ["plain", "ngram"] + (["draft"] if args.draft_model else [])

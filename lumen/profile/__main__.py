@@ -39,7 +39,7 @@ from pathlib import Path
 from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import GLUE, PHASES, ops_png, plot, print_machine, print_report, summarize
-from ..commands import check_writable, prog, trained_context_only
+from ..commands import check_writable, prog, threads_error, trained_context_only
 from ..engine.config import EngineConfig
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -260,6 +260,8 @@ def check_outputs(args, mode: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap, args, mode = parse(argv)
+    if why := threads_error(getattr(args, "threads", None)):
+        ap.error(why)
     why = check_outputs(args, mode)
     if why:
         print(f"error: {why}", file=sys.stderr)

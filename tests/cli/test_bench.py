@@ -284,7 +284,6 @@ def test_pass_through_flags_take_a_value_that_starts_with_a_dash(sub, flag, caps
 @pytest.mark.parametrize("argv, msg", [
     (["--url", "notaurl"], "--url notaurl: give the server's base URL, e.g. http://127.0.0.1:8000"),
     (["--url", "127.0.0.1:8000"], "give the server's base URL"),
-    (["--serve-model", "nosuchmodel"], "unknown model 'nosuchmodel'"),
 ])
 def test_serve_names_a_bad_url_or_model_before_it_starts(argv, msg, capsys):
     """They were "error: UnsupportedProtocol: Request URL is missing an 'http://' ..." and "error: FetchError: ..."

@@ -36,8 +36,7 @@ def test_one_run_per_kind(smollm2_path, tmp_path):
 
 @pytest.mark.parametrize("argv, msg", [(["--kinds", "poetry"], "unknown kind"), (["-r", "0"], "at least 1"),
                                        (["--kinds", ","], "names no workload"),
-                                       (["--llama-lookup", "/nonexistent"], "not an executable"),
-                                       (["--draft-model", "/nonexistent/draft.gguf"], "draft.gguf"),
+                                       (["--llama-lookup", "/nonexistent"], "--llama-lookup /nonexistent: does not exist"),
                                        (["-t", "0"], "--threads must be between 1")])
 def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

@@ -577,7 +577,7 @@ def corrupt_empty(tmp_path, smollm2_path):
     (["--top-p", "2"], "error: top_p must be in (0, 1]"),
     (["--ctx", "0"], "error: ctx must be an integer in [1, 16777216], got 0"),
     (["--ctx", str(10 ** 22), "--force-ctx"], f"error: ctx must be an integer in [1, 16777216], got {10 ** 22}"),
-    (["--threads", "0"], "error: threads must be between 1 and"),
+    (["--threads", "0"], "error: --threads must be between 1 and"),
     (["--model", "nosuchmodel"], f"error: unknown model 'nosuchmodel': not a known name ({', '.join(MODELS)})"),
     (["--model", "{tmp}/x.gguf"], "error: no such model file: {tmp}/x.gguf"),
     (["--model", corrupt_random], "error: {model}: not a GGUF file"),
@@ -593,7 +593,7 @@ def test_bad_arguments(smollm2_path, tmp_path, args, message):
         args = args[:-1] + [model]
     args = [a.format(tmp=tmp_path) for a in args]
     r = generate(smollm2_path, "--prompt", FRANCE, "-n", 4, *args)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == (1 if args[0] == "--model" else 2), r.stderr     # a failed run; a usage error
     assert "Traceback" not in r.stderr
     assert r.stdout == ""
     err = one_line(r.stderr)
@@ -725,12 +725,17 @@ def test_gguf_prints_tensor_table(synth_model):
     (["--stop", ""], "error: stop must be a string or a list of non-empty strings"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "error: num_speculative_tokens must be"),
     (["--ngram-max", "6"], "error: --ngram-max is used with --speculative"),
+    (["--speculative", "draft"], "error: --speculative draft needs --draft-model"),
+    (["--max-tokens", "0"], "error: max_tokens must be a positive integer, got 0"),
+    (["--threads", "0"], "error: --threads must be between 1 and"),
+    (["--ctx", "0"], "error: ctx must be an integer in [1, 16777216], got 0"),
 ])
 def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path, args, message):
-    """A wrong sampling value is said before the model is opened (or fetched: a registry model is a download of up
-    to 1 GB), so a missing file is not what the user hears about first."""
+    """A wrong flag value is said before the model is opened (or fetched: a registry model is a download of up
+    to 1 GB), so a missing file is not what the user hears about first; a usage error, status 2 (commands.py's
+    EXIT_STATUS: they were 1, as a failed run is)."""
     r = run("lumen.generate", "--model", tmp_path / "missing.gguf", "--prompt", FRANCE, *args)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert one_line(r.stderr).startswith(message), r.stderr
 
 
