@@ -182,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     ids = token_ids(model.config.n_vocab, top * args.npp)
-    run_lumen(engine, min(args.npp, 8), 2, 1, ids)                    # warm-up: compile / load the kernels
+    try:                          # warm-up: compile / load the kernels, at a shape within max_model_len (-ntg 1)
+        run_lumen(engine, min(args.npp, 8), min(args.ntg, 2), 1, ids)
+    except (LumenError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     engines = ["Lumen", "llama.cpp"] if binary else ["Lumen"]
     beside = {k: {e: {b: [] for b in levels} for e in engines} for k in ["none", *kinds]}
     reps = beside["none"]
@@ -191,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ["none", *kinds]:                      # idle, then beside each co-runner, every repetition
             with corunner(kind, seconds=3600):
                 for b in levels:
-                    beside[kind]["Lumen"][b].append(figures(run_lumen(engine, args.npp, args.ntg, b, ids), args.npp,
-                                                            args.ntg, b))
+                    try:
+                        got = run_lumen(engine, args.npp, args.ntg, b, ids)
+                    except (LumenError, RuntimeError) as e:
+                        print(f"error: {e}", file=sys.stderr)
+                        return 1
+                    beside[kind]["Lumen"][b].append(figures(got, args.npp, args.ntg, b))
                 if binary:
                     time.sleep(SETTLE_ENGINES_S)
                     try:

@@ -109,6 +109,16 @@ def test_context_beyond_the_trained_one_is_refused(smollm2_path, argv, says, cap
     assert capsys.readouterr().err.strip().splitlines()[-1] == says
 
 
+def test_batch_runs_one_generated_token(smollm2_path, capsys):
+    """-ntg 1: the warm-up asked for 2 generated tokens, beyond the engine's max_model_len (npp + ntg + 1), and
+    died with a ContextError traceback before the first repetition."""
+    from lumen.bench.cli import main
+    assert main(["batch", "--model", str(smollm2_path), "-npp", "4", "-ntg", "1", "-npl", "1,2", "-r", "1",
+                 "-t", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "npp 4, ntg 1" in out, err
+
+
 def test_unknown_benchmark_is_named(capsys):
     from lumen.bench.cli import main
     assert main(["sngle", "-r", "1"]) == 2
