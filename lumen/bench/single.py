@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     tests = make_tests(args.n_prompt, args.n_gen, args.small)
     max_pp = max(t.size for t in tests if t.kind == "pp")
-    ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1)
+    ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1, 3)    # (3: the warm-up's 1 + 2 decodes)
     try:
         path = resolve(args.model)
         with trained_context_only("use a smaller -p or -n"):
@@ -432,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ids = token_ids(lumen.n_vocab, max_pp)
     engines = [lumen]
-    warm = {lumen.name: lumen.warmup(ids)}
+    try:
+        warm = {lumen.name: lumen.warmup(ids)}
+    except (LumenError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     rss_lumen = peak_rss_mb()
     try:
         if binary:
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             figs = run(engines, tests, args.repetitions, ids, on_rep=progress if sys.stderr.isatty() else None,
                        each_rep=each_rep)
-    except RuntimeError as e:
+    except (LumenError, RuntimeError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     if sys.stderr.isatty():

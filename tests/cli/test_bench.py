@@ -119,6 +119,14 @@ def test_batch_runs_one_generated_token(smollm2_path, capsys):
     assert "Traceback" not in err and "npp 4, ntg 1" in out, err
 
 
+def test_single_runs_one_token_tests(smollm2_path, capsys):
+    """-p 1 -n 1 made a 2-token context, and the warm-up's 1-token prompt + 2 decodes died with a ContextError
+    traceback."""
+    assert bench.main(["--model", str(smollm2_path), "-p", "1", "-n", "1", "--small", "0", "-r", "1", "-t", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "pp1" in out and "tg1" in out, err
+
+
 def test_unknown_benchmark_is_named(capsys):
     from lumen.bench.cli import main
     assert main(["sngle", "-r", "1"]) == 2
