@@ -122,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions (default 3; medians)")
     ap.add_argument("--json", metavar="FILE", help="write every figure, per repetition, to FILE")
     ap.add_argument("--compare", choices=["llama.cpp"], help="also run llama-batched-bench, interleaved")
-    ap.add_argument("--llama-batched-bench", metavar="PATH", help="the llama-batched-bench binary (implies --compare)")
+    ap.add_argument("--llama-batched-bench", metavar="PATH",
+                    help="the llama-batched-bench binary (implies --compare; default $LLAMA_BATCHED_BENCH, else on "
+                         "$PATH)")
     ap.add_argument("--llama-args", default="", help="extra arguments for llama-batched-bench (e.g. \"-nr\")")
     ap.add_argument("--corunner", metavar="KINDS", default=None,
                     help="also measure beside co-runners (sleep, busy; comma-separated), every repetition "

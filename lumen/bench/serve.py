@@ -672,8 +672,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if not args.request_rate > 0:
         ap.error(f"--request-rate must be positive, got {args.request_rate}")
-    if args.duration is not None and (args.duration <= 0 or args.window <= 0):
-        ap.error("--duration and --window must be positive")
+    for flag, v in (("--duration", args.duration), ("--window", args.window)):
+        if v is not None and not v > 0:                  # (not v > 0: a NaN too)
+            ap.error(f"{flag} must be positive, got {v}")
     if args.duration and args.request_rate == float("inf") and not args.max_concurrency:
         ap.error("--duration needs --request-rate or --max-concurrency (else it would send without bound)")
     for name in ("max_concurrency", "input_len", "output_len", "repetitions", "threads"):

@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = cores if args.threads is None else args.threads   # (the help's "all cores", named in the runs)
     if not 1 <= args.threads <= cores:
         ap.error(f"--threads must be between 1 and {cores}, got {args.threads}")
-    if args.n_gen < 1 or args.repetitions < 1 or args.prompts_per_kind < 1 or args.num_speculative_tokens < 1:
-        ap.error("-n, -r, --prompts-per-kind and --num-speculative-tokens must be at least 1")
+    for flag, v in (("-n", args.n_gen), ("-r", args.repetitions), ("--prompts-per-kind", args.prompts_per_kind),
+                    ("--num-speculative-tokens", args.num_speculative_tokens)):
+        if v < 1:
+            ap.error(f"{flag} must be at least 1, got {v}")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds:
         ap.error("--kinds names no workload")

@@ -34,7 +34,8 @@ def test_one_run_per_kind(smollm2_path, tmp_path):
     assert data["runs"][0]["ngram_accepted_pct"] > 0 and data["runs"][0]["draft_accepted_pct"] > 0
 
 
-@pytest.mark.parametrize("argv, msg", [(["--kinds", "poetry"], "unknown kind"), (["-r", "0"], "at least 1"),
+@pytest.mark.parametrize("argv, msg", [(["--kinds", "poetry"], "unknown kind"), (["-r", "0"], "-r must be at least 1, got 0"),
+                                       (["--prompts-per-kind", "0"], "--prompts-per-kind must be at least 1, got 0"),
                                        (["--kinds", ","], "names no workload"),
                                        (["--llama-lookup", "/nonexistent"], "--llama-lookup /nonexistent: does not exist"),
                                        (["-t", "0"], "--threads must be between 1")])

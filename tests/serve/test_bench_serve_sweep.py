@@ -94,6 +94,8 @@ def test_corpus_from_a_server_with_a_short_context():
     (["-r", "0"], "--repetitions must be at least 1"),
     (["-r", "2"], "-r repeats the runs of a sweep"),
     (["--serve-model", "smollm2-135m", "--threads", "0"], "--threads must be at least 1"),
+    (["--duration", "nan"], "--duration must be positive, got nan"),
+    (["--duration", "10", "--window", "0"], "--window must be positive, got 0.0"),
 ])
 def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
