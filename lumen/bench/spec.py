@@ -63,6 +63,13 @@ def prompts(kinds: list[str], per_kind: int) -> list[dict]:
     return out
 
 
+def failure(stderr: str) -> str:
+    """What a failed lumen.generate said: its `error: ` line (not the compile notes before it), else its last
+    500 characters."""
+    errors = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
+    return errors[-1] if errors else stderr.strip()[-500:] or "it printed nothing"
+
+
 def run_lumen(model: str, prompt: str, n: int, threads: int, method: str, k: int, draft_model: str | None = None,
               chat: bool = False) -> dict:
     """One `lumen.generate` run; method "plain", "ngram" or "draft" (with draft_model)."""
@@ -76,7 +83,7 @@ def run_lumen(model: str, prompt: str, n: int, threads: int, method: str, k: int
         cmd += ["--draft-model", draft_model]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
-        raise RuntimeError(f"lumen.generate failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+        raise RuntimeError(f"lumen.generate failed ({r.returncode}): {failure(r.stderr)}")
     m = _STATS.search(r.stderr)
     if not m:
         raise RuntimeError(f"no stats line in lumen.generate's output: {r.stderr.strip()[-300:]}")

@@ -83,4 +83,14 @@ def test_a_run_that_fails_is_one_error_line(tmp_path, capsys):
     bad.write_bytes(b"root:x:0:0" * 10)
     assert spec.main(["-m", str(bad), "-r", "1", "--prompts-per-kind", "1", "--kinds", "edit", "-n", "4"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: lumen.generate failed (1): error: ") and "not a GGUF file" in err, err
+    assert err.startswith(f"error: lumen.generate failed (1): {bad}: not a GGUF file") and err.count("\n") == 1, err
+
+
+def test_a_failed_generate_run_is_said_by_its_error_line():
+    """The error was the last 500 characters of lumen.generate's stderr: its compile notes came first, the error
+    on a third line ("lumen.generate failed (1): compiling the kernels ... compiled in 34 s / error: ...")."""
+    err = ("compiling the kernels for this CPU (first run only, up to a minute; cached afterwards)...\n"
+           "compiled in 34 s\nerror: the draft model's vocabulary has 262144 tokens, the target's 49152\n")
+    assert spec.failure(err) == "the draft model's vocabulary has 262144 tokens, the target's 49152"
+    assert spec.failure("Segmentation fault\n") == "Segmentation fault"
+    assert spec.failure("") == "it printed nothing"
