@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from .commands import prog, run
+from .commands import prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError
@@ -171,14 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
-    try:
-        from .engine.sampling.params import SamplingParams
-        from .format.chat import chat_template_from_metadata
+    from .engine.sampling.params import SamplingParams
+    try:                                                 # the flags' values: usage errors, before the model loads
         from .engine.config import check_int
         if args.max_tokens is not None:
             check_int("max_tokens", args.max_tokens)     # as generate says it (SamplingParams adds "or None")
-        system = args.system if args.no_escape or args.system is None else process_escapes(args.system)
         params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
+        if why := threads_error(args.threads):
+            raise ValueError(why)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        from .format.chat import chat_template_from_metadata
+        system = args.system if args.no_escape or args.system is None else process_escapes(args.system)
         with status_while_compiling(err):
             t0 = time.perf_counter()
             model = load_model(args.model, args.ctx, args.threads, args.force_ctx,

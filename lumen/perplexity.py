@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import LumenError
 from .model.store import DEFAULT_MODEL
-from .commands import prog, run
+from .commands import prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ctx < (4 if args.score == "half" else 2):
         ap.error("--ctx must be at least 4 (2 with --score all)")
+    if why := threads_error(args.threads):
+        ap.error(why)
     try:
         with open(args.file, encoding="utf-8") as f:
             text = f.read()

@@ -101,7 +101,7 @@ def test_a_context_past_training_is_refused_and_forced_as_generate_does(smollm2_
 def test_max_tokens_below_one_is_said_as_generate_says_it(smollm2_path, n):
     r = subprocess.run([sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "-n", n], input="",
                        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
-    assert (r.returncode, r.stderr) == (1, f"error: max_tokens must be a positive integer, got {n}\n")
+    assert (r.returncode, r.stderr) == (2, f"error: max_tokens must be a positive integer, got {n}\n")   # usage
 
 
 class Session:

@@ -26,6 +26,9 @@ def status(module: str, argv: list[str]) -> int:
     ("lumen.profile.__main__", ["--phase", "nosuch"], 2),
     ("lumen.warmup", ["--threads", "0"], 2),
     ("lumen.models", ["--fetch", "nosuch"], 2),
+    ("lumen.chat", ["--temperature", "-1"], 2),
+    ("lumen.chat", ["--threads", "0"], 2),
+    ("lumen.perplexity", ["--file", "/etc/hostname", "--threads", "0"], 2),
     # failed runs: the model cannot be found
     ("lumen.generate", ["--prompt", "hi", "--model", "/nonexistent/m.gguf"], 1),
     ("lumen.bench.cli", ["single", "--model", "/nonexistent/m.gguf", "-r", "1"], 1),
@@ -34,6 +37,7 @@ def status(module: str, argv: list[str]) -> int:
     ("lumen.bench.cli", ["spec", "--model", "/nonexistent/m.gguf", "-r", "1"], 1),
     ("lumen.bench.cli", ["spec", "--draft-model", "/nonexistent/draft.gguf", "-r", "1"], 1),
     ("lumen.warmup", ["--model", "/nonexistent/m.gguf"], 1),
+    ("lumen.perplexity", ["--file", "/nonexistent/text.txt"], 1),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_usage_errors_are_2_failed_runs_are_1(module, argv, code, capsys):
     assert status(module, argv) == code
