@@ -41,6 +41,7 @@ from .protocol import ApiError
 
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
 CHOICES = ("none", "auto", "required")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")     # OpenAI's chat roles
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,15 @@ def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
 
 
 def check_messages(messages: list[dict]) -> None:
-    """Assistant `tool_calls` well formed, and every `tool` message answers a call made before it (its
-    tool_call_id); ApiError(400, param "messages") naming the message."""
+    """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
+    answer as if it had not been sent), assistant `tool_calls` well formed, and every `tool` message answers a
+    call made before it (its tool_call_id); ApiError(400, param "messages") naming the message."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role {role!r} is not a chat role; OpenAI's are "
+                                f"{', '.join(ROLES)}", "messages")
         if role == "assistant" and m.get("tool_calls") is not None:
             tcs = m["tool_calls"]
             if not isinstance(tcs, list):
