@@ -138,6 +138,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None             # checked by lumen.serve.tools (parse_tools, parse_tool_choice)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    functions: Any = None                      # OpenAI's deprecated function calling: refused (chat_params)
+    function_call: Any = None
     add_generation_prompt: bool = True
 
     @field_validator("logprobs", "add_generation_prompt", mode="before")
@@ -273,7 +275,15 @@ def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingPara
 
 
 def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams]:
-    """One SamplingParams per choice of a chat request; ApiError(400) for what is not supported."""
+    """One SamplingParams per choice of a chat request; ApiError(400) for what is not supported, such as
+    OpenAI's deprecated functions and function_call (tools and tool_choice say the same)."""
+    if req.functions is not None:
+        raise ApiError(400, "functions (OpenAI's deprecated function calling) is not supported: send tools, "
+                            "[{\"type\": \"function\", \"function\": <each function>}]", "functions")
+    if req.function_call is not None:
+        raise ApiError(400, "function_call (OpenAI's deprecated function calling) is not supported: send "
+                            "tool_choice, \"none\", \"auto\" or {\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}}", "function_call")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:

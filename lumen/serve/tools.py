@@ -144,14 +144,24 @@ def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
 
 def check_messages(messages: list[dict]) -> None:
     """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
-    answer as if it had not been sent), assistant `tool_calls` well formed, and every `tool` message answers a
-    call made before it (its tool_call_id); ApiError(400, param "messages") naming the message."""
+    answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
+    calls say the same), assistant `tool_calls` well formed, and every `tool` message answers a call made before
+    it (its tool_call_id); ApiError(400, param "messages") naming the message."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role {role!r} is not a chat role; OpenAI's are "
                                 f"{', '.join(ROLES)}", "messages")
+        if role == "function":
+            raise ApiError(400, f"messages[{i}] has role \"function\" (OpenAI's deprecated function calling), "
+                                "which is not supported: send a function's result as {\"role\": \"tool\", "
+                                "\"tool_call_id\": ..., \"content\": ...} answering an assistant's tool_calls",
+                           "messages")
+        if m.get("function_call") is not None:
+            raise ApiError(400, f"messages[{i}].function_call (OpenAI's deprecated function calling) is not "
+                                "supported: send the call as tool_calls, [{\"id\", \"type\": \"function\", "
+                                "\"function\": {\"name\", \"arguments\"}}]", "messages")
         if role == "assistant" and m.get("tool_calls") is not None:
             tcs = m["tool_calls"]
             if not isinstance(tcs, list):

@@ -1,6 +1,7 @@
 """The chat endpoint alone (a byte tokenizer, a scripted worker and Qwen2.5's chat template, which drops a message
 of a role it does not know): what a conversation may hold. OpenAI's roles pass; any other role is a 400 naming it,
-before anything runs."""
+before anything runs. OpenAI's deprecated function calling (the functions and function_call fields, an assistant's
+function_call, a message of role "function") is a 400 that says what to send instead, not ignored."""
 from __future__ import annotations
 
 import json
@@ -66,3 +67,35 @@ def test_an_unknown_role_is_a_400_naming_it(client, role):
     assert f"messages[1].role {role!r}" in err["message"] and "system, developer, user, assistant" in err["message"]
     assert not worker.submitted
     assert http.post("/v1/chat/completions", json={"messages": [USER]}).status_code == 200    # the next one is fine
+
+
+ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"functions": [ADD]}, "functions", "tools"),
+    ({"functions": []}, "functions", "tools"),
+    ({"function_call": "auto"}, "function_call", "tool_choice"),
+    ({"functions": [ADD], "function_call": {"name": "add"}}, "functions", "tools"),
+    ({"messages": [USER, {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": "{}"}},
+                   USER]}, "messages", "messages[1].function_call"),
+    ({"messages": [USER, {"role": "function", "name": "add", "content": "3"}]}, "messages", "messages[1]"),
+])
+def test_legacy_function_calling_is_a_400_saying_what_to_send(client, extra, param, words):
+    """vLLM drops these fields and a template drops a "function" message: the model would answer in free text a
+    conversation missing its function's result."""
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [USER], **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and "deprecated" in err["message"]
+    assert "tool" in err["message"]
+    assert not worker.submitted
+
+
+def test_null_legacy_fields_are_absent_ones(client):
+    """A client that sends back an assistant message as it came (function_call: null) is not refused."""
+    http, worker = client
+    msgs = [USER, {"role": "assistant", "content": "3", "function_call": None, "tool_calls": None}, USER]
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "functions": None, "function_call": None})
+    assert r.status_code == 200, r.text
