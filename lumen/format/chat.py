@@ -280,7 +280,7 @@ def _with_object_arguments(message: Mapping) -> Mapping:
             return fn
         try:
             return {**fn, "arguments": json.loads(fn["arguments"])}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:           # (RecursionError: nested past the parser's depth)
             raise ChatTemplateError(f"the arguments of the tool call {fn.get('name')!r} are not JSON "
                                     f"({e}): {fn['arguments'][:200]!r}") from None
     return _map_calls(message, parse)

@@ -175,7 +175,7 @@ def check_messages(messages: list[dict]) -> None:
                 if isinstance(args, str):
                     try:
                         json.loads(args or "{}")
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):            # (nested past the parser's depth)
                         raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
                                        "messages") from None
                 elif not isinstance(args, dict):

@@ -313,3 +313,13 @@ def test_a_call_without_arguments_renders_as_empty_arguments(qwen05_file, smol_t
                           bos_token="", eos_token="", add_generation_prompt=False)
         if template is qwen:
             assert '{"name": "now", "arguments": {}}' in out
+
+
+def test_arguments_nested_past_the_parser_are_refused():
+    """Arguments nested deeper than Python's JSON parser goes are a ChatTemplateError, not a RecursionError."""
+    as_json = "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}" \
+              "{% endfor %}"
+    deep = "[" * 100_000 + "]" * 100_000
+    calls = [{"type": "function", "function": {"name": "g", "arguments": deep}}]
+    with pytest.raises(ChatTemplateError, match="arguments of the tool call 'g' are not JSON"):
+        render(as_json, [{"role": "assistant", "content": None, "tool_calls": calls}])

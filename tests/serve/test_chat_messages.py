@@ -99,3 +99,14 @@ def test_null_legacy_fields_are_absent_ones(client):
     msgs = [USER, {"role": "assistant", "content": "3", "function_call": None, "tool_calls": None}, USER]
     r = http.post("/v1/chat/completions", json={"messages": msgs, "functions": None, "function_call": None})
     assert r.status_code == 200, r.text
+
+
+def test_arguments_nested_past_the_parser_are_a_400(client):
+    """Deep nesting takes the JSON parser past Python's recursion limit: a 400, not an internal error."""
+    http, worker = client
+    deep = {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {"name": "add",
+                                                                             "arguments": "[" * 5000 + "]" * 5000}}]}
+    r = http.post("/v1/chat/completions", json={"messages": [USER, deep]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "messages[1].tool_calls[0]" in r.json()["error"]["message"]
+    assert not worker.submitted
