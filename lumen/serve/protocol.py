@@ -124,9 +124,10 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")     # name, tool_calls, ...: handed to the template
+    model_config = ConfigDict(strict=True, extra="allow")     # tool_calls, tool_call_id, ...: handed to the template
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None                                    # a participant's name (OpenAI: a string)
 
 
 class ChatCompletionRequest(_Sampling):

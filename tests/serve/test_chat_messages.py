@@ -110,3 +110,23 @@ def test_arguments_nested_past_the_parser_are_a_400(client):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages" and "messages[1].tool_calls[0]" in r.json()["error"]["message"]
     assert not worker.submitted
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "user", "content": "hi", "name": 3}, "messages.1.name"),
+    ({"role": "user", "content": "hi", "name": {"first": "Bob"}}, "messages.1.name"),
+    ({"role": "tool", "tool_call_id": "call_1", "content": "3", "name": ["add"]}, "messages.1.name"),
+])
+def test_a_name_that_is_not_a_string_is_a_400(client, message, words):
+    """OpenAI's name is a participant's name, a string; a template would print whatever it is."""
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [USER, message]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and words in r.json()["error"]["message"]
+    assert not worker.submitted
+
+
+def test_a_string_name_is_taken(client):
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [{**USER, "name": "bob"}]})
+    assert r.status_code == 200, r.text
