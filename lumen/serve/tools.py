@@ -146,7 +146,8 @@ def check_messages(messages: list[dict]) -> None:
     """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
     answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
     calls say the same), assistant `tool_calls` well formed, and every `tool` message answers a call made before
-    it (its tool_call_id); ApiError(400, param "messages") naming the message."""
+    it (its tool_call_id); ApiError(400, param "messages") naming the message. A call's arguments are an object
+    or an object's JSON text ("" for none): a template would write any other value as the arguments."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
@@ -174,10 +175,13 @@ def check_messages(messages: list[dict]) -> None:
                 args = f.get("arguments", "{}")
                 if isinstance(args, str):
                     try:
-                        json.loads(args or "{}")
+                        args = json.loads(args or "{}")
                     except (ValueError, RecursionError):            # (nested past the parser's depth)
                         raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
                                        "messages") from None
+                    if not isinstance(args, dict):
+                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON "
+                                            f"object's text, got JSON {type(args).__name__}", "messages")
                 elif not isinstance(args, dict):
                     raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string "
                                         "or an object", "messages")

@@ -130,3 +130,25 @@ def test_a_string_name_is_taken(client):
     http, worker = client
     r = http.post("/v1/chat/completions", json={"messages": [{**USER, "name": "bob"}]})
     assert r.status_code == 200, r.text
+
+
+def _call_with(arguments):
+    return {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {"name": "add", "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize("arguments", ['"x"', "null", "[1, 2]", "3"])
+def test_call_arguments_that_are_json_but_no_object_are_a_400(client, arguments):
+    """A call's arguments are a JSON object's text (Qwen2.5's template would write `"arguments": "x"`)."""
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [USER, _call_with(arguments)]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "messages[1].tool_calls[0].function.arguments" in err["message"]
+    assert "object" in err["message"] and not worker.submitted
+
+
+@pytest.mark.parametrize("arguments", ['{"a": 1, "b": 2}', "", {"a": 1}])
+def test_call_arguments_that_are_an_object_pass(client, arguments):
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [USER, _call_with(arguments)]})
+    assert r.status_code == 200, r.text
