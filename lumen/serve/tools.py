@@ -145,9 +145,9 @@ def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
 def check_messages(messages: list[dict]) -> None:
     """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
     answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
-    calls say the same), assistant `tool_calls` well formed, and every `tool` message answers a call made before
-    it (its tool_call_id); ApiError(400, param "messages") naming the message. A call's arguments are an object
-    or an object's JSON text ("" for none): a template would write any other value as the arguments."""
+    calls say the same), `tool_calls` only on assistant messages and well formed, and every `tool` message
+    answers a call made before it (its tool_call_id); ApiError(400, param "messages") naming the message. A call's
+    arguments are an object or an object's JSON text ("" for none): a template would write any other value."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
@@ -163,6 +163,9 @@ def check_messages(messages: list[dict]) -> None:
             raise ApiError(400, f"messages[{i}].function_call (OpenAI's deprecated function calling) is not "
                                 "supported: send the call as tool_calls, [{\"id\", \"type\": \"function\", "
                                 "\"function\": {\"name\", \"arguments\"}}]", "messages")
+        if role != "assistant" and m.get("tool_calls"):
+            raise ApiError(400, f"messages[{i}].tool_calls: only an assistant message calls tools, not a {role} "
+                                "message", "messages")
         if role == "assistant" and m.get("tool_calls") is not None:
             tcs = m["tool_calls"]
             if not isinstance(tcs, list):

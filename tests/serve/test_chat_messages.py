@@ -152,3 +152,16 @@ def test_call_arguments_that_are_an_object_pass(client, arguments):
     http, worker = client
     r = http.post("/v1/chat/completions", json={"messages": [USER, _call_with(arguments)]})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+def test_tool_calls_on_a_message_not_the_assistants_are_a_400(client, role):
+    """Only the assistant calls tools; a template would drop the calls of another role's message."""
+    http, worker = client
+    message = {"role": role, "content": "hi", "tool_call_id": "call_1", "tool_calls": CALLED["tool_calls"]}
+    r = http.post("/v1/chat/completions", json={"messages": [USER, CALLED, message]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "messages[2].tool_calls" in err["message"] and not worker.submitted
+    empty = {"role": role, "content": "hi", "tool_call_id": "call_1", "tool_calls": None}
+    assert http.post("/v1/chat/completions", json={"messages": [USER, CALLED, empty]}).status_code == 200
