@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from ..engine.sampling.sampler import SamplerError
@@ -122,6 +122,12 @@ class ContentPart(BaseModel):
     type: str
     text: str | None = None
 
+    @model_validator(mode="after")
+    def _text_has_text(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs its text, a string")
+        return self
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")     # tool_calls, tool_call_id, ...: handed to the template
@@ -178,6 +184,10 @@ def parse(body: bytes, model: type[BaseModel]) -> Any:
 
 
 def _describe(errors: list[dict]) -> tuple[str, str | None]:
+    own = [e for e in errors if e["type"] == "value_error"]       # a validator's own words (under a union too)
+    if own:
+        loc = [str(p) for p in own[0]["loc"] if "[" not in str(p)]     # (without the union member's tag)
+        return f"{'.'.join(loc)}: {own[0]['ctx']['error']}", loc[0] if loc else None
     first = errors[0]
     if first["type"] == "json_invalid":
         return f"malformed JSON: {first['ctx']['error']}", None

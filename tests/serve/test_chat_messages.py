@@ -165,3 +165,14 @@ def test_tool_calls_on_a_message_not_the_assistants_are_a_400(client, role):
     assert err["param"] == "messages" and "messages[2].tool_calls" in err["message"] and not worker.submitted
     empty = {"role": role, "content": "hi", "tool_call_id": "call_1", "tool_calls": None}
     assert http.post("/v1/chat/completions", json={"messages": [USER, CALLED, empty]}).status_code == 200
+
+
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": None}])
+def test_a_text_part_without_text_is_a_400_that_says_so(client, part):
+    """Not "only text content parts are supported, got type 'text'"."""
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "messages.0.content.0: a text part needs its text" in err["message"], err
+    assert "got type 'text'" not in err["message"] and not worker.submitted
