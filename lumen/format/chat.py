@@ -232,6 +232,24 @@ def _render(compiled: jinja2.Template, messages: list, **context) -> str:
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
+def continue_final(rendered: str, final: str) -> str:
+    """A conversation rendered without the generation prompt, cut right after the text of its final message
+    (`final`), so that the model goes on with that message instead of closing it: vLLM's continue_final_message,
+    as transformers cuts it. The text is found from the end, without its surrounding whitespace (a template may
+    trim it); whitespace after it stays when the template kept it. ChatTemplateError when `final` has no text or
+    the rendered conversation does not hold it (the template changed it)."""
+    core = final.strip()
+    if not core:
+        raise ChatTemplateError("the final message has no text to continue")
+    at = rendered.rfind(core)
+    if at < 0:
+        raise ChatTemplateError("the final message's text does not appear in the conversation the chat template "
+                                "renders, so it cannot be continued")
+    kept = final.lstrip()
+    end = at + (len(kept) if rendered.startswith(kept, at) else len(core))
+    return rendered[:end]
+
+
 _NEEDLES = ('"argument_needle":', "'argument_needle':", "<parameter=argument_needle>")
 
 

@@ -4,7 +4,7 @@ and the API's error (OpenAI's shape: {"error": {"message", "type", "param", "cod
 Bodies are validated strictly (no "0.5" for a number, no true for an integer), as the OpenAI API does. Fields
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
-return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n). A request holds at most
+continue_final_message, return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n). A request holds at most
 MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread at every token.
 
 Structured output (lumen.serve.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*,
@@ -148,8 +148,9 @@ class ChatCompletionRequest(_Sampling):
     functions: Any = None                      # OpenAI's deprecated function calling: refused (chat_params)
     function_call: Any = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False       # vLLM: the answer goes on with the final message (a prefill)
 
-    @field_validator("logprobs", "add_generation_prompt", mode="before")
+    @field_validator("logprobs", "add_generation_prompt", "continue_final_message", mode="before")
     @classmethod
     def _null_flags(cls, v, info: ValidationInfo):
         return cls.model_fields[info.field_name].default if v is None else v
@@ -295,6 +296,9 @@ def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams
         raise ApiError(400, "function_call (OpenAI's deprecated function calling) is not supported: send "
                             "tool_choice, \"none\", \"auto\" or {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}", "function_call")
+    if req.continue_final_message and req.add_generation_prompt:       # (as vLLM answers it)
+        raise ApiError(400, "continue_final_message goes on with the final message, so no new turn may follow it: "
+                            "send add_generation_prompt: false with it", "continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:

@@ -323,3 +323,18 @@ def test_arguments_nested_past_the_parser_are_refused():
     calls = [{"type": "function", "function": {"name": "g", "arguments": deep}}]
     with pytest.raises(ChatTemplateError, match="arguments of the tool call 'g' are not JSON"):
         render(as_json, [{"role": "assistant", "content": None, "tool_calls": calls}])
+
+
+def test_continue_final_cuts_after_the_final_message():
+    """transformers' and vLLM's continue_final_message: the rendered chat ends where the final message's text
+    does, trailing whitespace included when the template kept it."""
+    from lumen.format.chat import continue_final
+    rendered = "<u>hi</u><a>The sum is </a><gen>"
+    assert continue_final(rendered, "The sum is ") == "<u>hi</u><a>The sum is "
+    assert continue_final("<u>hi</u><a>The sum is</a>", "The sum is \n") == "<u>hi</u><a>The sum is"
+    assert continue_final("<a>is</a><a>is</a>", "is") == "<a>is</a><a>is", "the last occurrence"
+    for text in ("", " \n"):
+        with pytest.raises(ChatTemplateError, match="no text"):
+            continue_final(rendered, text)
+    with pytest.raises(ChatTemplateError, match="does not appear"):
+        continue_final(rendered, "The product is")

@@ -176,3 +176,37 @@ def test_a_text_part_without_text_is_a_400_that_says_so(client, part):
     err = r.json()["error"]
     assert err["param"] == "messages" and "messages.0.content.0: a text part needs its text" in err["message"], err
     assert "got type 'text'" not in err["message"] and not worker.submitted
+
+
+@pytest.mark.parametrize("content, end", [
+    ("The sum is", "The sum is"),
+    ([{"type": "text", "text": "The sum"}, {"type": "text", "text": " is"}], "The sum is"),
+    ("The sum is \n", "The sum is \n"),                  # (the template keeps the whitespace: so does the cut)
+])
+def test_continue_final_message_continues_it(client, content, end):
+    """vLLM's continue_final_message: the prompt ends inside the final message (no end of turn, no new turn), so
+    the model writes its next words."""
+    http, worker = client
+    body = {"messages": [USER, {"role": "assistant", "content": content}], "continue_final_message": True,
+            "add_generation_prompt": False}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert _prompt(worker).endswith("<|im_end|>\n<|im_start|>assistant\n" + end), _prompt(worker)[-60:]
+
+
+def test_continue_final_message_needs_the_generation_prompt_off(client):
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [USER, {"role": "assistant", "content": "The"}],
+                                                "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert "add_generation_prompt" in r.json()["error"]["message"] and not worker.submitted
+
+
+@pytest.mark.parametrize("content", ["", "  \n", None])
+def test_continue_final_message_without_text_is_a_400(client, content):
+    http, worker = client
+    final = {**CALLED, "content": content}
+    r = http.post("/v1/chat/completions", json={"messages": [USER, final], "continue_final_message": True,
+                                                "add_generation_prompt": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert not worker.submitted

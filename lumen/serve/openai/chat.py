@@ -7,6 +7,9 @@ prompt leaves the tools out (else a model shown them writes a call as text; vLLM
 --exclude-tools-when-tool-choice-none). A JSON
 response_format with tools (as OpenAI's Agents SDK sends its output type on every turn) constrains the text answer
 only: "auto" gives calls or JSON that follows it, "required" and a named function a call, "none" the JSON.
+
+continue_final_message (vLLM's; with add_generation_prompt false): the prompt ends inside the final message, so
+the answer goes on with it (an assistant prefill).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 
 from fastapi import APIRouter, Request
 
+from ...format.chat import ChatTemplateError, continue_final
 from .. import protocol as P
 from ..tools import PARSERS, marker_token, open_token, parse_tool_choice, parse_tools, parser_for_template
 from .serving import Generation
@@ -52,8 +56,23 @@ class ServingChat(Generation):
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
         shown = tools if choice != "none" else None        # "none": the model is not shown tools it may not call
-        prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, shown)]
+        if req.continue_final_message:
+            text = await asyncio.to_thread(self.prompter.render, req.messages, False, shown)
+            try:
+                text = continue_final(text, _text(req.messages[-1]))
+            except ChatTemplateError as e:
+                raise P.ApiError(400, str(e), "continue_final_message") from None
+            prompts = [await asyncio.to_thread(self.prompter.prompt, text, "messages")]
+        else:
+            prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, shown)]
         return await self.respond(request, req, prompts, params, tool_parser=parser)
+
+
+def _text(message: P.ChatMessage) -> str:
+    """A message's text as the template gets it (text parts joined)."""
+    if isinstance(message.content, list):
+        return "".join(part.text or "" for part in message.content)
+    return message.content or ""
 
 
 @router.post("/v1/chat/completions")
