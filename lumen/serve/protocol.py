@@ -55,6 +55,11 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
 
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_default(cls, v):
+        return False if v is None else v
+
 
 class _Sampling(_Body):
     """The sampling fields both endpoints share."""

@@ -210,3 +210,14 @@ def test_continue_final_message_without_text_is_a_400(client, content):
                                                 "add_generation_prompt": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
     assert not worker.submitted
+
+
+def test_null_stream_options_fields_are_defaults(client):
+    """As for the request's own fields (OpenAI's spec lets a client send null for what it leaves alone)."""
+    http, worker = client
+    body = {"messages": [USER], "stream": True, "stream_options": {"include_usage": None},
+            "continue_final_message": None, "functions": None}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events and not any(e.get("usage") for e in events)
