@@ -185,6 +185,11 @@ def check_messages(messages: list[dict]) -> None:
                     if not isinstance(args, dict):
                         raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON "
                                             f"object's text, got JSON {type(args).__name__}", "messages")
+                    try:                    # an escape such as "\ud800" decodes to a lone surrogate: not text
+                        json.dumps(args, ensure_ascii=False).encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments escape a lone "
+                                            "surrogate (\\ud800-\\udfff), which is not text", "messages") from None
                 elif not isinstance(args, dict):
                     raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string "
                                         "or an object", "messages")

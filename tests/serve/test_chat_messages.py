@@ -221,3 +221,15 @@ def test_null_stream_options_fields_are_defaults(client):
         assert r.status_code == 200, r.read()
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events and not any(e.get("usage") for e in events)
+
+
+@pytest.mark.parametrize("arguments", ['{"a": "\\ud800"}', '{"\\udfff": 1}'])
+def test_call_arguments_escaping_a_lone_surrogate_are_a_400(client, arguments):
+    """The body's parser refuses a lone surrogate, but arguments are JSON inside a string, which json.loads
+    decodes to one: text no tokenizer can encode (it was a 500)."""
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [USER, _call_with(arguments)]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "messages[1].tool_calls[0].function.arguments" in err["message"]
+    assert "surrogate" in err["message"] and not worker.submitted
