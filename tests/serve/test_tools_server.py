@@ -2,8 +2,9 @@
 `openai` client: `required` and named calls name a declared tool and their arguments validate (jsonschema); a
 streamed answer's tool_calls deltas joined by the client equal the whole answer; bad tools, tool_choice,
 dangling tool messages, unknown roles, deprecated function calling and call arguments nested past the JSON
-parser are 400s naming the field while concurrent good requests finish; and an agent loop (the model calls a
-real Python function, gets its result as a tool message, and answers with it) works end to end; and
+parser or escaping a lone surrogate are 400s naming the field while concurrent good requests finish; and an
+agent loop (the model calls a real Python function, gets its result as a tool message, and answers with it) works
+end to end; and
 --tool-call-parser llama3 / mistral hold the same model to those formats and read them back; and a tool from
 openai.pydantic_function_tool ($defs and $ref) parses back through the client's parse() and stream(); and a
 JSON response_format beside tools gives calls or JSON that follows it.
@@ -140,6 +141,9 @@ BAD = [
     ({"tools": [ADD], "messages": ASK_ADD + [{"role": "function", "name": "add", "content": "5555"}]}, "messages"),
     ({"tools": [ADD], "stream": True, "messages": ASK_ADD + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "messages"),
+    ({"tools": [ADD], "messages": ASK_ADD + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": "\\ud800"}'}}]}]},
      "messages"),
 ]
 
