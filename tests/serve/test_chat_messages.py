@@ -233,3 +233,20 @@ def test_call_arguments_escaping_a_lone_surrogate_are_a_400(client, arguments):
     err = r.json()["error"]
     assert err["param"] == "messages" and "messages[1].tool_calls[0].function.arguments" in err["message"]
     assert "surrogate" in err["message"] and not worker.submitted
+
+
+def test_a_refused_conversation_builds_no_tool_grammar(client, monkeypatch):
+    """The conversation is rendered and measured before the tools' grammar is built (hundreds of tools take
+    tenths of a second to compile): a request refused for its messages costs none of it."""
+    from lumen.serve.tools import HermesParser
+    built = []
+    grammar = HermesParser.grammar
+    monkeypatch.setattr(HermesParser, "grammar", lambda self, *a, **kw: built.append(1) or grammar(self, *a, **kw))
+    http, worker = client
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    for messages in ([{"role": "robot", "content": "hi"}], [{"role": "user", "content": "x" * 100_000}]):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "tools": tools})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert not built
+    assert http.post("/v1/chat/completions", json={"messages": [USER], "tools": tools}).status_code == 200
+    assert built

@@ -36,6 +36,8 @@ class ServingChat(Generation):
         constraint = await asyncio.to_thread(P.constraint_of, req)      # 400 if invalid
         tools = await asyncio.to_thread(parse_tools, req.tools)
         choice = parse_tool_choice(req.tool_choice, tools)
+        shown = tools if choice != "none" else None        # "none": the model is not shown tools it may not call
+        prompts = [await self.prompt_ids(req, shown)]       # (a 400 for the conversation costs no grammar)
         parser = None
         if choice != "none":
             name = parser_for_template(self.prompter.template, self.settings.tool_call_parser)
@@ -55,17 +57,18 @@ class ServingChat(Generation):
             parser = functools.partial(cls, names=[t.name for t in tools])
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
-        shown = tools if choice != "none" else None        # "none": the model is not shown tools it may not call
-        if req.continue_final_message:
-            text = await asyncio.to_thread(self.prompter.render, req.messages, False, shown)
-            try:
-                text = continue_final(text, _text(req.messages[-1]))
-            except ChatTemplateError as e:
-                raise P.ApiError(400, str(e), "continue_final_message") from None
-            prompts = [await asyncio.to_thread(self.prompter.prompt, text, "messages")]
-        else:
-            prompts = [await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, shown)]
         return await self.respond(request, req, prompts, params, tool_parser=parser)
+
+    async def prompt_ids(self, req: P.ChatCompletionRequest, tools) -> list[int]:
+        """The conversation's prompt ids (with continue_final_message: ending inside the final message)."""
+        if not req.continue_final_message:
+            return await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)
+        text = await asyncio.to_thread(self.prompter.render, req.messages, False, tools)
+        try:
+            text = continue_final(text, _text(req.messages[-1]))
+        except ChatTemplateError as e:
+            raise P.ApiError(400, str(e), "continue_final_message") from None
+        return await asyncio.to_thread(self.prompter.prompt, text, "messages")
 
 
 def _text(message: P.ChatMessage) -> str:
