@@ -4,8 +4,9 @@ and the API's error (OpenAI's shape: {"error": {"message", "type", "param", "cod
 Bodies are validated strictly (no "0.5" for a number, no true for an integer), as the OpenAI API does. Fields
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
-continue_final_message, return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n). A request holds at most
-MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread at every token.
+continue_final_message, return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n). A
+request holds at most MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread
+at every token.
 
 Structured output (lumen.serve.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*,
 llama-server's json_schema and grammar, on both endpoints; `constraint_of` turns them into the request's one
