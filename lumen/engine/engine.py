@@ -356,6 +356,7 @@ class Engine:
         if seq.kv_hold and reason is None:          # stop or length: its KV is held for a decode engine
             self.kv.request_finished(seq, now)
         self.scheduler.finish(seq, reason, now)
+        self.speculator.finish(seq)
         self._seqs.pop(seq.request_id, None)
 
     # ---- conveniences: both are clients of add_request / step / abort

@@ -494,3 +494,40 @@ def test_a_greedy_draft_stops_after_a_guess(tiny):
         dm.confidence, lengths[:] = confidence, []
         assert eng.generate([[1, 2, 3]], p.replace(speculative="draft"))[0].token_ids == plain
         assert max(lengths) == most
+
+
+# ---------------------------------------------------------------- the draft model's rows and blocks
+
+def _draft_holds_nothing(eng) -> None:
+    dm, sp = eng.speculator.draft, eng.speculator
+    assert dm.done == {} and dm.blocks.num_free == dm.blocks.n_blocks
+    assert len(dm.blocks._free_rows) == dm.runner.table.shape[0]
+    assert sp._drafts == {} and sp._source == {}
+    dm.blocks.check()
+
+
+def test_the_draft_frees_a_request_when_it_ends(tiny):
+    """A finished or aborted request gives back its draft-model row and blocks (and the speculator its drafts) by
+    the time its final output is out, even when no speculating request comes after it; queued, prefilling and
+    decoding requests alike."""
+    target, draft = tiny
+    eng = Engine(target, max_model_len=128, max_num_seqs=4, kv_cache_mb=4, draft_model=draft, adaptive_k=False,
+                 num_speculative_tokens=3)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, speculative="draft")
+    outs = eng.generate([[1, 2, 3, 4] * 3, [5, 6, 7] * 4, [2, 3] * 7, [9] * 20, [1]],
+                        [p, p.replace(temperature=0.8, seed=3), p.replace(max_tokens=1), p, p])
+    assert [o.finish_reason for o in outs] == ["length"] * 5
+    assert sum(o.metrics.spec_proposed for o in outs) > 0
+    _draft_holds_nothing(eng)
+    for steps_before_abort in (0, 1, 3):              # queued; its prompt in the draft; decoding, drafts made
+        rids = [eng.add_request([1, 2, 3] * 12, p.replace(max_tokens=60)) for _ in range(2)]
+        for _ in range(steps_before_abort):
+            eng.step()
+        if steps_before_abort:
+            assert eng.speculator.draft.done
+        for rid in rids:
+            eng.abort(rid)
+        finals = [o for _ in range(3) for o in eng.step()]
+        assert sorted(o.finish_reason for o in finals if o.finished) == ["abort", "abort"]
+        assert not eng.has_unfinished()
+        _draft_holds_nothing(eng)

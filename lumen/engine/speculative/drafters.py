@@ -181,6 +181,8 @@ class DraftModel:
         self.cost_ratio = draft_bytes / target_bytes if target_bytes else 0.5
 
     def forget(self, seq) -> None:
+        """seq ended: its row and blocks go back to the pool (the speculator calls this, from the stepping
+        thread)."""
         if self.done.pop(seq, None) is not None:
             self.blocks.free(seq)
 
@@ -210,8 +212,6 @@ class DraftModel:
         """Catch the draft's cache up on the prompts of requests the target is prefilling, one forward of at most
         max_tokens tokens a step (so the draft's prompt is processed beside the target's, not in the first
         decode step), up to the FOLD tokens the first draft forward takes."""
-        for seq in [q for q in self.done if q.finished]:
-            self.forget(seq)
         items, room = [], self.max_tokens
         for seq in seqs:
             if room <= 0 or not self._admit(seq):
@@ -231,8 +231,6 @@ class DraftModel:
         draft's cache is first filled in prefill chunks; the last FOLD tokens of a gap and the pending token run in
         the first draft forward; then each drafted position is one batched forward of every request still
         drafting."""
-        for seq in [q for q in self.done if q.finished]:
-            self.forget(seq)
         active = []
         for seq, k in requests:
             if not self._admit(seq):

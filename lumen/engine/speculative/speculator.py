@@ -58,6 +58,15 @@ class Speculator:
                                "--draft-model M, or Engine(..., draft_model=M))", param="speculative")
         seq.spec = SpecState() if seq.params.speculative is not None else None
 
+    def finish(self, seq: Sequence) -> None:
+        """seq ended (stop, length, error, abort): drop its drafts and give back its draft-model row and blocks.
+        The stepping thread only (the draft model may be mid-forward for it otherwise): an abort from another
+        thread is swept by the next propose, which the abort's own output brings about."""
+        self._drafts.pop(seq, None)
+        self._source.pop(seq, None)
+        if self.draft is not None:
+            self.draft.forget(seq)
+
     # ---- before scheduling
     def propose(self, running: list, waiting) -> dict:
         """Draft for the speculating requests that may sample next step; returns {seq: k}, the most drafted tokens
@@ -65,6 +74,9 @@ class Speculator:
         ahead of it. A preempted request recomputing its tokens gets the one token a sampled request decides by
         the acceptance rule."""
         self.draft_s = 0.0
+        for seq in [q for q in {*self._drafts, *self._source, *(self.draft.done if self.draft else ())}
+                    if q.finished]:                         # aborted from another thread since the last step
+            self.finish(seq)
         if not any(seq.spec is not None for seq in [*running, *waiting]):
             self._step = {}
             return {}
@@ -109,8 +121,6 @@ class Speculator:
 
     def _propose(self, requests: list) -> dict:
         """{seq: Draft} for [(seq, k)], from the drafts already made for the same tokens where they suffice."""
-        for seq in [q for q in self._drafts if q.finished]:
-            del self._drafts[seq]
         out, todo = {}, {"ngram": [], "draft": []}
         for seq, k in requests:
             made = self._drafts.get(seq)
