@@ -179,6 +179,11 @@ class Engine:
                 seq.finish("abort", time.perf_counter())
             else:
                 self.scheduler.finish(seq, "abort", time.perf_counter())
+            if self._step_lock.acquire(blocking=False):    # no step runs: its draft-model row can go now
+                try:                                        # (else the next step's propose sweeps it)
+                    self.speculator.finish(seq)
+                finally:
+                    self._step_lock.release()
             self._pending.append(seq.output([], []))
 
     def has_unfinished(self) -> bool:

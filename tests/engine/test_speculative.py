@@ -531,3 +531,17 @@ def test_the_draft_frees_a_request_when_it_ends(tiny):
         assert sorted(o.finish_reason for o in finals if o.finished) == ["abort", "abort"]
         assert not eng.has_unfinished()
         _draft_holds_nothing(eng)
+
+
+def test_an_abort_between_steps_frees_the_draft_at_once(tiny):
+    """Aborted while no step runs (a Model.generate loop left early, a client gone between steps), a request
+    gives back its draft-model row at once, not at some later step."""
+    target, draft = tiny
+    eng = Engine(target, max_model_len=128, max_num_seqs=2, kv_cache_mb=4, draft_model=draft, adaptive_k=False)
+    rid = eng.add_request([1, 2, 3] * 12, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True,
+                                                        speculative="draft"))
+    for _ in range(3):
+        eng.step()
+    assert eng.speculator.draft.done
+    eng.abort(rid)
+    _draft_holds_nothing(eng)
