@@ -3,9 +3,10 @@
 One token budget per step (max_num_batched_tokens) and at most max_num_seqs sequences holding blocks:
 1. Running sequences first, oldest first: each takes what it still needs (one decode token, the next chunk of
    its prompt, or 1 + k when the speculator drafted tokens for it: k_for(seq, room, planned) says how many of
-   them pay in the room the budget leaves, at its place in this step), capped by what is left of the budget. When the pool has
-   no block for it, the newest running sequence is preempted (its blocks freed, back to the front of the
-   queue, nothing it generated lost: it is recomputed when readmitted), until it fits or is itself preempted.
+   them pay in the room the budget leaves, at its place in this step), capped by what is left of the budget and by
+   the pool's free blocks (drafted tokens never preempt anyone). When the pool has no block for it, the newest
+   running sequence is preempted (its blocks freed, back to the front of the queue, nothing it generated lost:
+   it is recomputed when readmitted), until it fits or is itself preempted.
 2. Then waiting sequences, first come first served, while budget and sequence slots last: a prefix-cache hit
    turns its prefill into an extend (never over prompt tokens whose logprobs it wants: Sequence.cacheable); a
    long prompt is cut into chunks across steps (chunked prefill). A waiting sequence that does not fit is not
@@ -80,6 +81,8 @@ class Scheduler:
                 i += 1
                 continue
             k = max(0, min(k_for(seq, budget - 1, planned), budget - 1)) if k_for is not None and left == 1 else 0
+            while k and not bm.can_grow(seq.request_id, seq.num_computed + n + k):
+                k -= 1                               # drafted tokens never cost another request its blocks
             while not bm.grow(seq.request_id, seq.num_computed + n + k):
                 victim = self.running[-1]
                 self.preempt(victim)

@@ -402,3 +402,29 @@ def test_calibration_grid_fits_the_engine_s_step(tiny):
     for max_tokens, max_seqs in [(16, 3), (8, 1), (512, 16), (33, 2)]:
         shapes = grid(max_tokens, max_seqs, 256, tiny)
         assert shapes and all(s.tokens <= max_tokens and s.seqs <= max_seqs for s in shapes), (max_tokens, max_seqs)
+
+
+def test_drafted_tokens_never_preempt_another_request():
+    """When the pool has no block for a decode's drafted tokens, it runs fewer of them (none, here) rather than
+    preempt another request: a preemption recomputes a whole prompt, a draft saves a few steps at best."""
+    from lumen.engine.block_manager import BlockManager
+    from lumen.engine.scheduler import Scheduler
+    from lumen.engine.sequence import Sequence
+    from lumen.kernels.attention import BLOCK
+
+    class Tok:
+        def stream(self):
+            return None
+    bm = BlockManager(2, np.zeros((2, 2), np.int64), prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    seqs = [Sequence(f"r{i}", [i + 1] * (BLOCK - 1), SamplingParams(max_tokens=16), 16, Tok(), frozenset())
+            for i in range(2)]
+    for seq in seqs:
+        sch.add(seq)
+    for s in sch.schedule():                          # one block each, the pool now full
+        sch.computed(s)
+    for seq in seqs:
+        seq.tokens.append(7)                          # each sampled one token: its block is exactly full
+    plan = sch.schedule(k_for=lambda seq, room, planned: 4)
+    assert [(s.seq.request_id, s.n, s.k) for s in plan] == [("r0", 1, 0), ("r1", 1, 0)]
+    assert sch.num_preemptions == 0
