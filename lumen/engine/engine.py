@@ -105,7 +105,8 @@ class Engine:
         draft = None if sc.draft_model is None else DraftModel(
             parts_of(sc.draft_model), n_vocab=cfg.n_vocab, max_model_len=self.max_model_len,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, threads=self.threads,
-            governor=self.runner.governor, vocab=sc.draft_vocab, target_bytes=step_bytes(parts.bundle))
+            governor=self.runner.governor, vocab=sc.draft_vocab, target_bytes=step_bytes(parts.bundle),
+            tokens=parts.tokenizer.tokens)
         self.speculator = Speculator(sc, self.costs, draft)
         self.cost_model = self.budgeter = None
         self._keys_per_token = 0.0                  # attention keys a token of the last step read (the fallback's K)

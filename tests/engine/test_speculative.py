@@ -21,12 +21,14 @@ from lumen.engine.speculative import (PRIOR, NgramDrafter, SpecState, Speculator
 from lumen.engine.speculative.verify import draw, prob
 
 
-def write_tiny(path, seed: int, n_vocab: int = 16, sharp: float = 8.0):
+def write_tiny(path, seed: int, n_vocab: int = 16, sharp: float = 8.0, reverse: bool = False):
     """A 2-layer llama with a 16-token vocabulary (14 letters, "ab", an end token) and F16 weights; `sharp`
-    scales the embedding so the next-token distributions are neither flat nor certain."""
+    scales the embedding so the next-token distributions are neither flat nor certain; `reverse`: the letters in
+    the other order (another vocabulary of the same size)."""
     d = dict(n_embd=64, n_ff=96, n_head=4, n_head_kv=2, n_layer=2, head_dim=16)
     rng = np.random.default_rng(seed)
-    toks = [chr(ord("a") + i) for i in range(n_vocab - 2)] + ["ab", "<eos>"]
+    letters = [chr(ord("a") + i) for i in range(n_vocab - 2)]
+    toks = letters[::-1 if reverse else 1] + ["ab", "<eos>"]
     tensors = synth.model_tensors("llama", n_vocab, rng, d)
     tensors["token_embd.weight"] *= sharp
     w = GGUFWriter(str(path), "llama")
@@ -545,3 +547,10 @@ def test_an_abort_between_steps_frees_the_draft_at_once(tiny):
     assert eng.speculator.draft.done
     eng.abort(rid)
     _draft_holds_nothing(eng)
+
+
+def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused(tiny, tmp_path):
+    target, _ = tiny
+    other = lumen.load(write_tiny(tmp_path / "other.gguf", 2, reverse=True), ctx=128, threads=2)
+    with pytest.raises(ValueError, match="token 0 is 'n' in the draft, 'a' in the target"):
+        Engine(target, max_model_len=128, max_num_seqs=2, kv_cache_mb=4, draft_model=other)

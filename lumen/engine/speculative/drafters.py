@@ -152,14 +152,20 @@ class DraftModel:
 
     def __init__(self, parts: ModelParts, *, n_vocab: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, threads: int, governor=None, vocab: int | None = None,
-                 target_bytes: int | None = None):
-        """parts: the draft model's; n_vocab: the target's vocabulary (they must agree); the sizes are the
+                 target_bytes: int | None = None, tokens: list | None = None):
+        """parts: the draft model's; n_vocab: the target's vocabulary size and tokens its token texts (they must
+        agree: a draft speaking another vocabulary of the same size would only ever be rejected); the sizes are the
         engine's; governor: the engine runner's (one thread count for the engine's steps); vocab: the token ids
         the draft's head computes (None: all); target_bytes: what a target step reads (the prior of the draft's
         cost until its steps are measured)."""
         if parts.config.n_vocab != n_vocab:
             raise ValueError(f"the draft model's vocabulary has {parts.config.n_vocab} tokens, the target's "
                              f"{n_vocab}: they must share one")
+        if tokens is not None and parts.tokenizer.tokens != tokens:
+            i = next(i for i, (a, b) in enumerate(zip(parts.tokenizer.tokens, tokens)) if a != b)
+            raise ValueError(f"the draft model's vocabulary differs from the target's: token {i} is "
+                             f"{parts.tokenizer.tokens[i]!r} in the draft, {tokens[i]!r} in the target; they must "
+                             f"share one")
         self.parts = parts
         w = parts.bundle
         self.vocab = n_vocab if vocab is None or vocab >= n_vocab else -(-vocab // R) * R
