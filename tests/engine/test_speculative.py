@@ -554,3 +554,22 @@ def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused(tiny, tmp_p
     other = lumen.load(write_tiny(tmp_path / "other.gguf", 2, reverse=True), ctx=128, threads=2)
     with pytest.raises(ValueError, match="token 0 is 'n' in the draft, 'a' in the target"):
         Engine(target, max_model_len=128, max_num_seqs=2, kv_cache_mb=4, draft_model=other)
+
+
+def test_seeded_ngram_sampling_does_not_depend_on_k_or_the_batch(tiny):
+    """A seeded sampled request drafting by n-gram lookup gets the same tokens whatever k the engine runs and
+    whatever runs beside it: every position is decided by the acceptance rule on a draft token that depends on
+    the tokens before it alone (or drawn plainly where the lookup has none)."""
+    target, _ = tiny
+    prompt = [1, 2, 3, 4, 5] * 6
+    p = SamplingParams(max_tokens=24, temperature=0.7, seed=5, ignore_eos=True, speculative="ngram")
+    got = []
+    for k in (1, 3, 8):
+        eng = Engine(target, max_model_len=128, max_num_seqs=4, kv_cache_mb=4, num_speculative_tokens=k,
+                     adaptive_k=False)
+        outs = eng.generate([prompt, [6, 7] * 9, prompt], [p, p.replace(seed=9), p.replace(num_speculative_tokens=2)])
+        assert outs[0].token_ids == outs[2].token_ids
+        m = outs[0].metrics
+        assert 0 < m.spec_accepted < m.spec_proposed              # drafts accepted and rejected
+        got.append(outs[0].token_ids)
+    assert got[0] == got[1] == got[2]
