@@ -573,3 +573,14 @@ def test_seeded_ngram_sampling_does_not_depend_on_k_or_the_batch(tiny):
         assert 0 < m.spec_accepted < m.spec_proposed              # drafts accepted and rejected
         got.append(outs[0].token_ids)
     assert got[0] == got[1] == got[2]
+
+
+def test_a_request_with_no_draft_is_proposed_again_without_one():
+    """A request proposed twice at the same tokens (it waited: preempted, or out of budget) whose drafter had
+    nothing for it gets no draft the second time either, not a None in place of one (verification reads it)."""
+    sp = _speculator(FLAT)
+    seq = _Seq("ngram")                                # no n-gram match
+    seq.num_tokens = len(seq.tokens)
+    assert sp._propose([(seq, 1)]) == {}
+    assert sp._propose([(seq, 1)]) == {}
+

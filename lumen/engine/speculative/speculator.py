@@ -126,7 +126,8 @@ class Speculator:
             made = self._drafts.get(seq)
             source = self.source(seq)
             if made is not None and made[0] == seq.num_tokens and made[1] >= k and made[3] == source:
-                out[seq] = made[2]
+                if made[2] is not None:                     # (None: the drafter had nothing for these tokens)
+                    out[seq] = made[2]
             else:
                 todo[source].append((seq, k))
         got = self.ngram.propose(todo["ngram"]) if todo["ngram"] else {}
