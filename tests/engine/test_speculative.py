@@ -584,3 +584,37 @@ def test_a_request_with_no_draft_is_proposed_again_without_one():
     assert sp._propose([(seq, 1)]) == {}
     assert sp._propose([(seq, 1)]) == {}
 
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_the_first_token_is_drawn_plainly_whatever_the_chunks(tiny, spec):
+    """A sampled request's first token is a plain draw even when its prompt's last chunk is its last token alone
+    (the step that computes it could draft after it): the same token as when the prompt runs whole."""
+    target, draft = tiny
+    prompt = [1, 2, 3, 4] * 8 + [1]                   # 33 tokens: chunks of 32 and 1 at a budget of 32
+    p = SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True, speculative=spec)
+    kw = dict(max_model_len=64, max_num_seqs=2, kv_cache_mb=4, draft_model=draft, adaptive_k=False,
+              enable_prefix_caching=False)              # (a cache hit would run the last token alone, undrafted)
+    chunked, whole = Engine(target, max_num_batched_tokens=32, **kw), Engine(target, max_num_batched_tokens=64, **kw)
+    for seed in range(8):
+        assert (chunked.generate([prompt], p.replace(seed=seed))[0].token_ids
+                == whole.generate([prompt], p.replace(seed=seed))[0].token_ids), seed
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_speculation_under_preemption_matches_each_request_alone(tiny, spec):
+    """Eight greedy and seeded sampled requests that speculate, in a pool of 8 blocks that keeps preempting them:
+    each gets the tokens it gets alone, and the pool and the draft end empty."""
+    target, draft = tiny
+    kvb = target.runner.kv_bytes_per_block
+    alone = Engine(target, max_model_len=64, max_num_seqs=1, kv_cache_mb=4, draft_model=draft)
+    eng = Engine(target, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_mb=8 * kvb / 2 ** 20,
+                 draft_model=draft, adaptive_k=False, num_speculative_tokens=6)
+    prompts = [[(i + j) % 14 for j in range(20 + 3 * i)] for i in range(8)]
+    ps = [SamplingParams(max_tokens=64 - len(p), temperature=0.8 * (i % 2), seed=i, ignore_eos=True, speculative=spec)
+          for i, p in enumerate(prompts)]
+    outs = eng.generate(prompts, ps)
+    assert [o.token_ids for o in outs] == [alone.generate([p], sp)[0].token_ids for p, sp in zip(prompts, ps)]
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.blocks.num_free == eng.blocks.n_blocks
+    _draft_holds_nothing(eng)

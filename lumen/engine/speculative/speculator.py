@@ -72,7 +72,8 @@ class Speculator:
         """Draft for the speculating requests that may sample next step; returns {seq: k}, the most drafted tokens
         each could run (the scheduler decides how many do: k_for). A decode is priced in a step of the decodes
         ahead of it. A preempted request recomputing its tokens gets the one token a sampled request decides by
-        the acceptance rule."""
+        the acceptance rule. A request's first token is always a plain draw, as when its prompt runs whole: none
+        is drafted after a prompt whose last chunk is its last token alone."""
         self.draft_s = 0.0
         for seq in [q for q in {*self._drafts, *self._source, *(self.draft.done if self.draft else ())}
                     if q.finished]:                         # aborted from another thread since the last step
@@ -88,7 +89,7 @@ class Speculator:
         for seq in running:
             left = seq.num_tokens - seq.num_computed
             k = 0
-            if seq.spec is not None and left == 1:
+            if seq.spec is not None and left == 1 and seq.output_ids:      # (the first token: a plain draw)
                 room = seq.max_tokens - len(seq.output_ids) - 1
                 k = self._choose_k(seq, room, ahead) if room > 0 else 0
             if left == 1:
