@@ -618,3 +618,19 @@ def test_speculation_under_preemption_matches_each_request_alone(tiny, spec):
     assert eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free == eng.blocks.n_blocks
     _draft_holds_nothing(eng)
+
+
+def test_a_request_that_can_never_draft_costs_the_draft_nothing(tiny):
+    """max_tokens 1 (a prefill for another engine, a classifier's one token), or 2 greedy: no position is ever
+    drafted, so the draft model does not prefill the prompt either."""
+    target, draft = tiny
+    eng = Engine(target, max_model_len=128, max_num_seqs=4, kv_cache_mb=4, draft_model=draft, adaptive_k=False)
+    forwards = []
+    run = eng.speculator.draft._forward
+    eng.speculator.draft._forward = lambda items, sample: forwards.append(len(items)) or run(items, sample)
+    p = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, speculative="draft")
+    prompt = list(range(14)) * 3
+    outs = eng.generate([prompt] * 3, [p, p.replace(temperature=0.8, seed=1), p.replace(max_tokens=2)])
+    assert [len(o.token_ids) for o in outs] == [1, 1, 2] and forwards == []
+    eng.generate([prompt], p.replace(max_tokens=3))                  # one that can draft still does
+    assert forwards

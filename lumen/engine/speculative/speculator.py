@@ -52,11 +52,14 @@ class Speculator:
         self.draft_s = 0.0                    # seconds the draft model spent this step (not the target's step)
 
     def admit(self, seq: Sequence) -> None:
-        """A new request: its speculation state (None when it does not speculate)."""
+        """A new request: its speculation state (None when it does not speculate, or never could: the first token
+        is a plain draw and drafts never run past max_tokens, so max_tokens 1, or 2 for a greedy request (a sampled
+        one gets the draft's token for its second), leaves nothing to draft, and the draft model no prompt)."""
         if seq.params.speculative == "draft" and self.draft is None:
             raise SamplerError("speculative \"draft\" needs a draft model, and none was loaded (lumen serve "
                                "--draft-model M, or Engine(..., draft_model=M))", param="speculative")
-        seq.spec = SpecState() if seq.params.speculative is not None else None
+        can = seq.max_tokens > 2 or (seq.max_tokens == 2 and not seq.chooser.sampler.greedy)
+        seq.spec = SpecState() if seq.params.speculative is not None and can else None
 
     def finish(self, seq: Sequence) -> None:
         """seq ended (stop, length, error, abort): drop its drafts and give back its draft-model row and blocks.
