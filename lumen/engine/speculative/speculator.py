@@ -6,6 +6,7 @@
     tokens = speculator.draft_tokens(seq, k)             what the runner runs after the request's pending token
     toks, accepted = speculator.verify(seq, k, rows)     after the forward pass: the tokens it keeps
     speculator.accepted(seq, k, accepted)                the acceptance bookkeeping
+    speculator.finish(seq)                               it ended: its drafts and draft-model row go
 
 Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an estimate of its per-token
 acceptance rate alpha (accepted drafts over the drafts judged: the accepted ones and the first rejected one, each
