@@ -237,8 +237,8 @@ def overhead(model, model_arg: str, prompt_tokens: int, gen_tokens: int, threads
 
 def check_outputs(args, mode: str) -> str | None:
     """Why the --json/--plot files cannot be written, checked before any measuring (an --engine calibration takes
-    minutes): a missing or unwritable directory, a plot format matplotlib cannot write, or a flag the mode has no
-    output for (--machine and --overhead draw nothing)."""
+    minutes): a missing or unwritable directory, no matplotlib, a plot format matplotlib cannot write, or a flag the
+    mode has no output for (--machine and --overhead draw nothing)."""
     if args.plot and mode in ("machine", "overhead"):
         return f"--plot does not go with --{mode} (it draws nothing; --json writes its numbers)"
     outs = [(args.json, "the JSON"), (args.plot, "the plot")]
@@ -249,7 +249,10 @@ def check_outputs(args, mode: str) -> str | None:
         if why:
             return why
     if args.plot:
-        from matplotlib.figure import Figure
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            return "--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
         formats = Figure().canvas.get_supported_filetypes()
         ext = Path(args.plot).suffix.lower().lstrip(".")
         if ext not in formats:

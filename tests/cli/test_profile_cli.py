@@ -262,6 +262,17 @@ def test_outputs_that_cannot_be_written_fail_before_any_work(home, tmp_path, arg
     assert msg.format(tmp=tmp_path) in lines[0]
 
 
+@pytest.mark.parametrize("args", [[], ["--engine"], ["--serving", "s.json"]])
+def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, args):
+    """matplotlib is not a dependency (the `plot` extra): --plot without it says what to install, before any work."""
+    import lumen.profile.__main__ as cli
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)         # a blocked import raises ImportError
+    (tmp_path / "s.json").write_text("{}")
+    argv = [str(tmp_path / a) if a.endswith(".json") else a for a in args] + ["--plot", str(tmp_path / "p.png")]
+    assert cli.check_outputs(*cli.parse(argv)[1:]) == (
+        "--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+
+
 @pytest.mark.parametrize("what", ["missing", "a directory"])
 def test_serving_file_that_cannot_be_read(home, tmp_path, what):
     path = tmp_path / "s.json" if what == "missing" else tmp_path
