@@ -44,10 +44,11 @@ Output fields (logits rounded to 5 decimals; top-10 sorted by logit descending, 
                            (it ends mid-sentence), 32 greedy tokens, top10 before each step. Fresh context.
     provenance             model file, sha256, llama-cpp-python version, settings, system info
 
-Command (from the repository root; 2.5-3 minutes on this 2-core machine while it was shared; output is
+Command (from the repository root; 2.5-3 minutes on a shared 2-core machine; output is
 byte-identical between runs):
-    . /work/venv/bin/activate
-    python tests/data/make_gemma3_longctx.py /root/.cache/lumen/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf
+    . .venv/bin/activate && pip install -e '.[llamacpp]'     # llama-cpp-python 0.3.36 beside Lumen
+    gguf=$(python -c "from lumen.model.store import resolve; print(resolve('gemma3-270m'))")
+    python tests/data/make_gemma3_longctx.py $gguf
 
 `--check-window` also runs the same model with the window disabled through a metadata override
 (gemma3.attention.sliding_window = 4096 > n_ctx) and prints how its logits differ from the windowed run, per

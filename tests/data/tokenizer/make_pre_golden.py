@@ -22,7 +22,7 @@ Output:  {"provenance", "pre": {pre: {type, add_bos, bos, pick}}, "texts": [{tex
          character), one text per line.
 
 Command (from the repository root; about 30 s):
-    . /work/venv/bin/activate
+    . .venv/bin/activate && pip install -e '.[llamacpp]'     # llama-cpp-python 0.3.36 beside Lumen
     python tests/data/tokenizer/make_pre_golden.py
 """
 import hashlib

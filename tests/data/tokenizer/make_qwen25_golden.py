@@ -18,7 +18,7 @@ Output:  {"provenance", "patch", "tokenizer_sha256", "cases": [{"text", "ids", "
          JSON, one case per line.
 
 Command (from the repository root; a minute):
-    . /work/venv/bin/activate
+    . .venv/bin/activate && pip install -e '.[llamacpp]'     # llama-cpp-python 0.3.36 beside Lumen
     python tests/data/tokenizer/make_qwen25_golden.py LLAMA_SERVER|lib MODEL_0.5B.gguf MODEL_1.5B.gguf
 """
 import json

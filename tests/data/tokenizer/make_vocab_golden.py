@@ -11,7 +11,7 @@ Output:  {"provenance", "texts": [...], "vocabs": {name: {"ids": [...], "ids_spe
          "add_special": ids of ADD_SPECIAL_TEXT with add_special=True}}}, ASCII-escaped JSON.
 
 Command (from the repository root, after the tokenizer tests have downloaded the sdist; under a minute):
-    . /work/venv/bin/activate
+    . .venv/bin/activate && pip install -e '.[llamacpp]'     # llama-cpp-python 0.3.36 beside Lumen
     python tests/data/tokenizer/make_vocab_golden.py
 """
 import json
