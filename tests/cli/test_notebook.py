@@ -72,3 +72,19 @@ def test_profiling_script_quick(script, smollm2_path):
     assert r.returncode == 0, r.stderr[-2000:]
     verdicts = [line for line in r.stdout.splitlines() if line.startswith("VERDICT:")]
     assert len(verdicts) == 1, r.stdout[-2000:]
+
+
+def test_budget_sweep_verdict_gives_no_ratio_to_a_zero_goodput(monkeypatch):
+    """Where no fixed budget met the SLOs (a loaded machine), the verdict says the measured scheduler's goodput
+    instead of dividing by zero (it printed 148345785.22x)."""
+    monkeypatch.syspath_prepend(str(ROOT / "profiling"))
+    from budget_sweep import summary
+    zero = {4.0: {64: (0.0, 0.0), 512: (0.0, 0.0), "measured": (0.15, 0.2)}}
+    line = summary(zero, [4.0], [64, 512])
+    assert "goodput is 0.15 req/s where no fixed budget met both SLOs" in line, line
+    assert line.endswith("; no fixed budget had any goodput"), line
+    both = {2.0: {64: (1.0, 0.95), 512: (0.5, 0.5), "measured": (1.0, 0.95)},
+            4.0: {64: (0.5, 0.5), 512: (0.0, 0.0), "measured": (1.0, 0.6)}}
+    line = summary(both, [2.0, 4.0], [64, 512])
+    assert line.startswith("at 4.0 req/s") and "2.00x the best fixed budget's (64)" in line, line
+    assert line.endswith("at worst 1.00x over the 2 rates where a fixed budget had any goodput"), line
