@@ -32,9 +32,12 @@ from typing import NamedTuple
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.core.errors import TypingError
+from numba.extending import overload
 
 from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
+from .kinds import ATTN, call, same_abi
 from .policy import split_attention
 from .scratch import per_thread
 
@@ -207,6 +210,37 @@ def attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split):
             for c in range(nc):
                 _merge(ro, rm, zero, h, po, c, h, pm[c, h, 0], pm[c, h, 1])
         _finish(out, zero, zero, H, ro, rm, zero)
+
+
+def attention_args() -> tuple:
+    """Arguments of the types the forward pass gives attention_kernel (of no use but their types): its entry in
+    the table (lumen.kernels.entries) is compiled for them."""
+    def z(dtype, ndim):
+        return np.zeros((1,) * ndim, dtype)
+    scr = AttnScratch(*(z(np.float32, 3) for _ in range(6)))
+    return (z(np.float32, 3), z(np.float32, 3), Paged(z(np.uint16, 4), z(np.uint16, 4), z(np.int64, 2)),
+            z(np.int64, 1), z(np.int64, 1), np.int64(0), np.float32(0), scr, False)
+
+
+def attention_signature() -> tuple:
+    return tuple(attention_kernel.typeof_pyval(a) for a in attention_args())
+
+
+def run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split):
+    """attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split) called through the entry table
+    (lumen.kernels.entries), so a caller does not link it. Compiled code only."""
+    raise NotImplementedError("run_attention runs in compiled code only")
+
+
+@overload(run_attention, inline="always")
+def _run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split):
+    got = (out, q, kv, positions, seqs, window, scale, scr, split)
+    if not same_abi(got, attention_signature()):
+        raise TypingError(f"the attention entry is compiled for {attention_signature()}, not for {got}")
+
+    def impl(table, out, q, kv, positions, seqs, window, scale, scr, split):
+        call(table[ATTN], (out, q, kv, positions, seqs, window, scale, scr, split))
+    return impl
 
 
 @njit(cache=True)  # serial: a copy of N * n_kv * (head_dim + head_dim_v) values

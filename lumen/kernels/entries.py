@@ -1,7 +1,11 @@
 """The entry table of a model's kinds: the addresses of its type-specific kernels, each compiled (or loaded from
 Numba's cache) for one type on its own, which the forward pass calls through lumen.kernels.kinds.call (the
-kinds module's docstring says why). Apart from lumen.kernels.kinds because it compiles the kernels of
-lumen.kernels.matmul and lumen.kernels.dequant, which import that module.
+kinds module's docstring says why), and of the attention kernel. Apart from lumen.kernels.kinds because it
+compiles the kernels of lumen.kernels.matmul and lumen.kernels.dequant, which import that module.
+
+The attention kernel is called through the table too, not for its types (they are the same for every model) but
+for the compile: Numba optimizes and generates a callee's code again inside every caller that links it, so the
+forward pass linked the attention kernel's whole tree (the largest of its kernels) and compiled it a second time.
 """
 from __future__ import annotations
 
@@ -12,17 +16,18 @@ from numba import typeof
 
 from ..paths import compile_turn
 from .activation import act_signature, gated_entry
+from .attention import attention_kernel, attention_signature
 from .dequant import dequant_row_entry, row_signature
-from .kinds import ACT, N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
+from .kinds import ACT, ATTN, N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
 from .matmul import tiles, tiles_signature
 
 
-def address(dispatcher, sig: tuple) -> int:
+def address(dispatcher, sig: tuple, turn: str = "entries") -> int:
     """The address of the C wrapper of dispatcher compiled for sig (compiled now, or loaded from Numba's cache):
     what lumen.kernels.kinds.call calls. The dispatcher keeps the code alive for the life of the process. Processes
     that start at once take turns (lumen.paths.compile_turn): the later ones load what the first compiled."""
     if tuple(sig) not in dispatcher.overloads:
-        with compile_turn("entries"):
+        with compile_turn(turn):
             dispatcher.compile(sig)
     cres = dispatcher.overloads[tuple(sig)]
     return cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
@@ -32,6 +37,8 @@ def address(dispatcher, sig: tuple) -> int:
 def _entry(slot: int, t: int) -> int:
     if slot == TILES:
         return address(tiles, tiles_signature(typeof(kinds(mats=(t,), embd=(), acts=()))))
+    if slot == ATTN:
+        return address(attention_kernel, attention_signature(), "attention")
     if slot == ROWS:
         return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
     return address(gated_entry, act_signature(typeof(kinds(mats=(), embd=(), acts=(t,)))))
@@ -41,7 +48,7 @@ def entries(k: np.ndarray) -> np.ndarray:
     """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t the `tiles` of
     each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a its gated
     activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
-    none). A table is returned as it is."""
+    none); at ATTN the attention kernel. A table is returned as it is."""
     if k.dtype == np.int64:
         return k
     mats, embd, acts = sets(typeof(k))
@@ -53,4 +60,5 @@ def entries(k: np.ndarray) -> np.ndarray:
             table[slot + t] = _entry(slot, t)
     for a in acts:
         table[ACT + a] = _entry(ACT, a)
+    table[ATTN] = _entry(ATTN, 0)
     return table

@@ -89,7 +89,9 @@ N_TYPES = 32                      # GGML type ids below this (lumen.format.quant
 TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles for type t; table[ROWS + t]: the
                                   # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
 ACT = 2 * N_TYPES                 # table[ACT + a]: the gated activation a (lumen.kernels.activation.gated_entry)
-N_ENTRIES = ACT + len(ACTS)
+ATTN = ACT + len(ACTS)            # table[ATTN]: lumen.kernels.attention.attention_kernel at the forward pass's types
+MM3 = ATTN + 1                    # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
+N_ENTRIES = MM3 + 1
 
 
 def is_table(kinds_type) -> bool:

@@ -25,12 +25,15 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import njit
+from numba.core.errors import TypingError
+from numba.extending import overload
 
 from ..kernels.activation import add_kernel, add_kernel_par, gated
-from ..kernels.attention import AttnScratch, Paged, attention_kernel, kv_store_kernel
+from ..kernels.attention import AttnScratch, Paged, kv_store_kernel, run_attention
 from ..kernels.dequant import dequant_row
-from ..kernels.entries import entries
-from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, q_len, s_len
+from ..kernels.entries import address, entries
+from ..kernels.kinds import MM3, N_ENTRIES, call, same_abi
+from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, Packs, q_len, s_len
 from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x
 from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_heads_kernel_par, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
@@ -117,7 +120,10 @@ class Weights(_WeightFields):
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls, *args, **kwargs)
-        return self._replace(kinds=entries(self.kinds))
+        table = entries(self.kinds)
+        if table.shape[0] == N_ENTRIES and table[MM3] == 0:
+            table[MM3] = address(mm3, mm3_signature(), "mm3")
+        return self._replace(kinds=table)
 
 
 class KV(NamedTuple):
@@ -182,14 +188,15 @@ def _mat(i, packs):
 
 
 @njit(cache=True)
-def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
-    """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of the
-    Weights w: the activations rounded once (prepare_x), then one parallel region over the tiles of all n (one
+def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
+    """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of
+    packs: the activations rounded once (prepare_x), then one parallel region over the tiles of all n (one
     activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
-    whose activation formats differ, or of the F32 family, run one region each."""
-    m0, f0 = _mat(i0, w.packs)
-    m1, f1 = _mat(i1, w.packs)
-    m2, f2 = _mat(i2, w.packs)
+    whose activation formats differ, or of the F32 family, run one region each. The forward pass calls it through
+    the entry table (`run_mm3`), so it does not link (and compile again) the matmul kernels' tree."""
+    m0, f0 = _mat(i0, packs)
+    m1, f1 = _mat(i1, packs)
+    m2, f2 = _mat(i2, packs)
     outs, ms, fmts = (o0, o1, o2), (m0, m1, m2), (f0, f1, f2)
     fused = n == 1 or (m0.qf.shape[0] == 0 and m1.qf.shape[0] == 0 and f1 == f0
                        and (n == 2 or (m2.qf.shape[0] == 0 and f2 == f0)))
@@ -207,13 +214,53 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, w, scr):
         else:
             o, ws, k = (outs[r], outs[r], outs[r]), (ms[r], ms[r], ms[r]), np.int64(1)
         prepare_x(acts, x, fmts[r])
-        matmul_kernel(o, ws, k, acts, scr.facc, scr.wbuf, scr.work, w.kinds)
+        matmul_kernel(o, ws, k, acts, scr.facc, scr.wbuf, scr.work, kinds)
+
+
+def _z(dtype, ndim: int) -> np.ndarray:
+    return np.zeros((1,) * ndim, dtype)
+
+
+def packs_args() -> Packs:
+    """A Packs of the types every model's has (of no use but its types)."""
+    return Packs(_z(np.int64, 2), _z(np.uint8, 1), _z(np.float32, 1), _z(np.uint8, 1))
+
+
+def mm_scratch_args() -> MMScratch:
+    """An MMScratch of the types the runner makes (of no use but its types)."""
+    f32 = np.float32
+    return MMScratch(_z(np.int8, 1), _z(f32, 1), _z(f32, 1), _z(f32, 1), _z(f32, 2), _z(np.uint8, 2),
+                     _z(np.int64, 1))
+
+
+def mm3_signature() -> tuple:
+    """The types the forward pass gives mm3, for which its entry in the table is compiled."""
+    i64 = np.int64
+    args = (*(_z(np.float32, 2) for _ in range(4)), i64(0), i64(0), i64(0), i64(0), packs_args(), _z(i64, 1),
+            mm_scratch_args())
+    return tuple(mm3.typeof_pyval(a) for a in args)
+
+
+def run_mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
+    """mm3(...) called through the entry table kinds. Compiled code only."""
+    raise NotImplementedError("run_mm3 runs in compiled code only")
+
+
+@overload(run_mm3, inline="always")
+def _run_mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
+    got = (o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr)
+    if not same_abi(got, mm3_signature()):
+        raise TypingError(f"the mm3 entry is compiled for {mm3_signature()}, not for {got}")
+
+    def impl(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
+        call(kinds[MM3], (o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr))
+    return impl
 
 
 @njit(cache=True, inline="always")
 def mm(out, x, i, w, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i (mm3 of one matrix)."""
-    mm3(out, out, out, x, i, i, i, np.int64(1), w, scr)   # (n not a literal: one compiled mm3)
+    run_mm3(out, out, out, x, i, i, i, np.int64(1), w.packs, w.kinds, scr)   # (n not a literal: one signature)
 
 
 @njit(cache=True)
@@ -301,7 +348,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # attention block
         _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
         _mark(times, prof, lb + Op.attn_norm)
-        mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w, scr.mm)  # one region
+        run_mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w.packs, w.kinds, scr.mm)
         if arch.qkv_bias:
             _add_bias(q, _vec(w, w.attn_q_bias, il))
             _add_bias(k, _vec(w, w.attn_k_bias, il))
@@ -325,7 +372,8 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
         _mark(times, prof, lb + Op.kv_store)
         cache = Paged(kv.k[il], kv.v[il], batch.block_tables)
-        attention_kernel(a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale, scr.attn, split)
+        run_attention(w.kinds, a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale,
+                      scr.attn, split)
         _mark(times, prof, lb + Op.attention)
         mm(xn, att, w.attn_output[il], w, scr.mm)
         _mark(times, prof, lb + Op.o)
@@ -337,7 +385,8 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         # feed-forward block
         _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
         _mark(times, prof, lb + Op.ffn_norm)
-        mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w, scr.mm)   # one region
+        run_mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w.packs, w.kinds,
+                scr.mm)
         _mark(times, prof, lb + Op.gate_up)
         gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
         _mark(times, prof, lb + Op.act)

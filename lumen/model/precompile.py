@@ -5,13 +5,15 @@ on a 2-vCPU EPYC, all of it on one core (Numba compiles serially) while the othe
 for every model (the model's numbers and its weight types' kernels are runtime values: lumen.kernels.entries), so
 it can be compiled before the model is even read, from arguments of no size with the same types (`forward_args`).
 `start()` (lumen.model.parts, before the weights load) then, when the cache lacks it:
-- starts a child process (`main` here), which compiles the forward pass into the cache on the other core;
-- compiles the attention kernel here meanwhile, the largest of the forward pass's kernels (about 5 s), so the
-  child loads it from the cache when its own compile reaches it, and the two halves take about the same time;
-then this process loads and packs the weights and compiles their type's kernels as before. The runner's first
-forward pass calls `wait()`: the child is done by then or soon after, and the forward pass loads from the cache.
-Processes that start at once take turns (lumen.paths.compile_turn) for the attention kernel and in their children:
-the second child finds the forward pass cached and stops. If the child fails, the forward pass compiles here as
+- starts a child process (`main` here), which compiles mm3 (the matmul kernels' tree) and then the forward pass
+  into the cache on the other core;
+- compiles the attention kernel here meanwhile (about 5 s), the entry table's largest (the forward pass calls it
+  and mm3 through the table: lumen.kernels.entries), so the two halves take about the same time;
+then this process loads and packs the weights and compiles their type's kernels as before, and makes the entry
+table, which loads mm3 once the child has compiled it. The runner's first forward pass calls `wait()`: the child
+is done by then or soon after, and the forward pass loads from the cache. Processes that start at once take turns
+(lumen.paths.compile_turn) for each of these: the later ones load what the first compiled. If the child fails,
+the forward pass compiles here as
 it did before; the bits are the same either way (compiled code does not depend on which process compiled it).
 LUMEN_PRECOMPILE=0 turns it off.
 """
@@ -25,17 +27,12 @@ import time
 
 import numpy as np
 
-from ..kernels.attention import AttnScratch, Paged, attention_kernel
-from ..kernels.layout import Packs
+from ..kernels.attention import attention_args, attention_kernel
 from ..paths import compile_turn
-from .forward import KV, Arch, Batch, MMScratch, Scratch, Weights, forward
+from .forward import KV, Arch, Batch, Scratch, Weights, _z, forward, mm3, mm3_signature, mm_scratch_args, packs_args
 
 _child: subprocess.Popen | None = None
 _started = False                 # whether this process started a child (tests read it)
-
-
-def _z(dtype, ndim: int) -> np.ndarray:
-    return np.zeros((1,) * ndim, dtype)
 
 
 def forward_args() -> tuple:
@@ -46,26 +43,13 @@ def forward_args() -> tuple:
     embd.setflags(write=False)                         # the GGUF's mapped bytes
     arch = Arch(1, 1, 1, 1, 1, False, False, False, False, False, f32(0), f32(0), f32(0), f32(0), _z(i64, 1),
                 _z(i64, 1), _z(f32, 3), _z(f32, 3))
-    w = Weights(embd, 0, _z(f32, 1), Packs(_z(i64, 2), _z(np.uint8, 1), _z(f32, 1), _z(np.uint8, 1)),
+    w = Weights(embd, 0, _z(f32, 1), packs_args(),
                 *(_z(i64, 1) for _ in range(7)), 0, _z(i64, 1), _z(f32, 1), *(_z(i64, 2) for _ in range(9)),
                 _z(i64, 1))
     kv = KV(_z(np.uint16, 5), _z(np.uint16, 5))
     batch = Batch(_z(i64, 1), _z(i64, 1), _z(i64, 1), _z(i64, 1), _z(i64, 2), _z(i64, 1))
-    mm = MMScratch(_z(np.int8, 1), _z(f32, 1), _z(f32, 1), _z(f32, 1), _z(f32, 2), _z(np.uint8, 2), _z(i64, 1))
-    scr = Scratch(*(_z(f32, 2) for _ in range(8)), mm, attention_scratch_args(), _z(i64, 1))
+    scr = Scratch(*(_z(f32, 2) for _ in range(8)), mm_scratch_args(), attention_args()[7], _z(i64, 1))
     return arch, w, kv, batch, scr, _z(f32, 2), False
-
-
-def attention_scratch_args() -> AttnScratch:
-    """An AttnScratch of the types the runner makes (lumen.kernels.attention.attention_scratch)."""
-    return AttnScratch(*(_z(np.float32, 3) for _ in range(6)))
-
-
-def attention_args() -> tuple:
-    """Arguments of the types `forward` passes lumen.kernels.attention.attention_kernel."""
-    i64 = np.int64
-    return (_z(np.float32, 3), _z(np.float32, 3), Paged(_z(np.uint16, 4), _z(np.uint16, 4), _z(i64, 2)), _z(i64, 1),
-            _z(i64, 1), i64(0), np.float32(0), attention_scratch_args(), False)
 
 
 def signature(dispatcher, args: tuple) -> tuple:
@@ -154,6 +138,9 @@ def main(argv: list[str]) -> None:
     just did."""
     if argv and argv[0].isdigit():
         _die_with_parent(int(argv[0]))
+    if not cached(mm3, mm3_signature()):          # the entry the parent's table takes next (lumen.model.forward)
+        with compile_turn("mm3"):
+            mm3.compile(mm3_signature())
     with compile_turn("precompile"):
         sig = signature(forward, forward_args())
         if not cached(forward, sig):

@@ -1,6 +1,7 @@
 """A first run compiles the forward pass in a child process while it loads the model (lumen.model.precompile): the
 child compiles for the types every model passes, what it compiles is what the parent then runs (no second
-compile, the same bits), and the child never outlives its parent."""
+compile, the same bits), and the child never outlives its parent. The forward pass calls the attention kernel and
+mm3 through the entry table, at the types their entries are compiled for."""
 from __future__ import annotations
 
 import json
@@ -11,12 +12,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from numba import njit
+from numba.core.errors import TypingError
 
 import lumen
+from lumen.kernels.attention import attention_args, attention_kernel, attention_signature, run_attention
+from lumen.kernels.entries import address
+from lumen.kernels.kinds import ATTN, MM3, N_ENTRIES
 from lumen.model import precompile
-from lumen.model.forward import forward
+from lumen.model.forward import forward, mm3, mm3_signature
 from synth import write_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,9 +69,9 @@ with event.install_listener("numba:compile", Listen()):
     started = precompile._started
     ids = [t.id for t in m.generate(sys.argv[2], max_tokens=6, temperature=0, ignore_eos=True)]
 from lumen.kernels.attention import attention_kernel
-from lumen.model.forward import forward
+from lumen.model.forward import forward, mm3
 index = lambda d: len(d._cache._cache_file._load_index())
-print(json.dumps({"compiled": compiled, "started": started, "ids": ids,
+print(json.dumps({"compiled": compiled, "started": started, "ids": ids, "mm3_sigs": index(mm3),
                   "attention_sigs": index(attention_kernel), "forward_sigs": index(forward)}))
 """
 
@@ -78,9 +85,10 @@ def test_a_first_run_runs_what_the_child_compiled(smollm2_path, tmp_path):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["started"]
     assert "forward" not in got["compiled"]                  # loaded from the cache the child filled
+    assert "mm3" not in got["compiled"]                      # the child's too, loaded for the entry table
     assert "attention_kernel" in got["compiled"]             # compiled here, meanwhile
     assert got["forward_sigs"] == 1
-    assert got["attention_sigs"] == 1                        # the child's forward pass used the parent's
+    assert got["attention_sigs"] == 1 and got["mm3_sigs"] == 1   # each compiled once, for the entry table
     m = lumen.load(smollm2_path, ctx=64, threads=2)          # this session's cache: the same tokens
     assert got["ids"] == [t.id for t in m.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True)]
 
@@ -132,3 +140,25 @@ def test_nothing_starts_when_the_cache_has_it(smollm2_path):
     assert precompile.cached(forward, _sig(precompile.forward_args()))
     assert precompile.start() is False
     assert precompile._child is None and precompile.wait() == 0.0
+
+
+def test_the_forward_pass_calls_attention_and_mm3_through_the_entry_table(smollm2_path):
+    # Not linked into the forward pass (which would optimize and generate their code again), so the table must
+    # hold the very code compiled for them at the forward pass's types
+    table = lumen.load(smollm2_path, ctx=64, threads=1).runner.w.kinds
+    assert table.shape == (N_ENTRIES,)
+    assert table[ATTN] == address(attention_kernel, attention_signature(), "attention") != 0
+    assert table[MM3] == address(mm3, mm3_signature(), "mm3") != 0
+
+
+def test_an_entry_called_at_other_types_is_a_compile_error():
+    # The call is through a bare address: arguments of other types must fail to compile, never reach the code
+    args = list(attention_args())
+    args[1] = np.zeros((1, 1, 1))                            # float64 q
+
+    @njit
+    def go(table, a0, a1, a2, a3, a4, a5, a6, a7, a8):
+        run_attention(table, a0, a1, a2, a3, a4, a5, a6, a7, a8)
+
+    with pytest.raises(TypingError, match="attention entry is compiled for"):
+        go(np.zeros(N_ENTRIES, np.int64), *args)
