@@ -289,11 +289,12 @@ COMPILING = "compiling the kernels for this CPU (first run only, up to a minute;
 
 
 @contextmanager
-def status_while_compiling(console, text: str = COMPILING):
+def status_while_compiling(console, text: str = COMPILING, done: str = "compiled and loaded in"):
     """Say `text` from the first Numba compile inside the block to its end, and nothing if nothing compiles:
     kernels loaded from Numba's cache fire no "numba:compile" event. (A timer cannot tell the two apart: loading
     the cached forward pass took 0.7-1.0 s on 2 busy cores.) On a terminal it is a spinner (console.status); off
-    one (a pipe, a log, a service) it is a plain line at once and "compiled in N s" at the end, so a minute of
+    one (a pipe, a log, a service) it is a plain line at once and "<done> N s" at the end (the whole block's time, so
+    a block that also loads says so in `done`), so a minute of
     compiling never looks like a hang. On an empty compile cache (a first run) it says so on entering the block,
     without waiting for the imports and the load that come before the first compile. The one helper every command
     that waits on a first compile uses."""
@@ -330,7 +331,7 @@ def status_while_compiling(console, text: str = COMPILING):
             if status is not None:
                 status.stop()
             else:
-                print(f"compiled in {time.perf_counter() - started[0]:.0f} s", file=out, flush=True)
+                print(f"{done} {time.perf_counter() - started[0]:.0f} s", file=out, flush=True)
 
 
 def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool, **kw):
@@ -394,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             args.system = args.system and process_escapes(args.system)
             if not stdin_prompt:
                 args.prompt = process_escapes(args.prompt)
-        with status_while_compiling(err):    # a first load may compile too (packing); a first warm-up does
+        with status_while_compiling(err):    # a first load compiles its weight types' kernels and packs; a first
+                                             # warm-up waits for the forward pass
             t0 = time.perf_counter()
             model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
                                adaptive_threads=args.adaptive_threads)
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     line = (summary_line(stats) + f" | load {t_load:.2f} s"
-            + (f" | compile {t_compile:.1f} s" if t_compile > 1.0 else "")
+            + (f" | warm-up {t_compile:.1f} s" if t_compile > 1.0 else "")
             + (f" | {args.speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "
                f"{stats.mean_accepted_length:.2f} tok/step" if stats.spec_steps else ""))
     print_summary(err, line)

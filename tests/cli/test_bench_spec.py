@@ -88,9 +88,10 @@ def test_a_run_that_fails_is_one_error_line(tmp_path, capsys):
 
 def test_a_failed_generate_run_is_said_by_its_error_line():
     """The error was the last 500 characters of lumen.generate's stderr: its compile notes came first, the error
-    on a third line ("lumen.generate failed (1): compiling the kernels ... compiled in 34 s / error: ...")."""
+    on a third line ("lumen.generate failed (1): compiling the kernels ... compiled and loaded in 34 s / error:
+    ...")."""
     err = ("compiling the kernels for this CPU (first run only, up to a minute; cached afterwards)...\n"
-           "compiled in 34 s\nerror: the draft model's vocabulary has 262144 tokens, the target's 49152\n")
+           "compiled and loaded in 34 s\nerror: the draft model's vocabulary has 262144 tokens, the target's 49152\n")
     assert spec.failure(err) == "the draft model's vocabulary has 262144 tokens, the target's 49152"
     assert spec.failure("Segmentation fault\n") == "Segmentation fault"
     assert spec.failure("") == "it printed nothing"

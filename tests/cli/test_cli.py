@@ -31,7 +31,7 @@ TIMEOUT = 300  # the first compile of the forward pass takes ~40 s; later runs l
 FRANCE = "The capital of France is"
 N_GREEDY = 12
 SUMMARY = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| "
-                     r"TPOT [\d.]+ ms \| (\d+) generated \((\w+)\) \| load [\d.]+ s( \| compile [\d.]+ s)?$")
+                     r"TPOT [\d.]+ ms \| (\d+) generated \((\w+)\) \| load [\d.]+ s( \| warm-up [\d.]+ s)?$")
 # What the Python API yields, run in a subprocess like the CLI (both then load the kernels from Numba's cache):
 # argv = model, prompt, max_tokens; prints the token ids, their texts and the stop reason as JSON.
 API_GREEDY = r"""
@@ -76,7 +76,7 @@ def stderr_lines(r: subprocess.CompletedProcess) -> list[str]:
     """stderr's lines but those of a first compile or a first load (the synthetic models' kernels may not be in
     the compile cache yet, nor their weights in the pack cache: the loader says it packs them)."""
     return [line for line in r.stderr.strip().splitlines()
-            if line != COMPILING + "..." and not re.fullmatch(r"compiled in \d+ s", line)
+            if line != COMPILING + "..." and not re.fullmatch(r"compiled and loaded in \d+ s", line)
             and not line.startswith("lumen: packing the weights of ")]
 
 
@@ -478,7 +478,7 @@ def test_off_a_terminal_a_line_says_it_compiles_at_once(tmp_path):
             assert add(2) == 3
     lines = log.read_text().splitlines()
     assert lines[0] == "compiling the kernels for this CPU (first run only, up to a minute; cached afterwards)..."
-    assert len(lines) == 2 and re.fullmatch(r"compiled in \d+ s", lines[1]), lines
+    assert len(lines) == 2 and re.fullmatch(r"compiled and loaded in \d+ s", lines[1]), lines
 
 
 def test_on_an_empty_compile_cache_the_line_comes_at_once(tmp_path, monkeypatch):
@@ -518,7 +518,7 @@ def test_the_compile_line_comes_before_the_first_token_in_a_pipe(smollm2_path):
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base_env(), timeout=TIMEOUT)
     assert r.returncode == 0, r.stdout
     lines = r.stdout.splitlines()
-    assert lines[0] == COMPILING + "..." and re.fullmatch(r"compiled in \d+ s", lines[1]), lines
+    assert lines[0] == COMPILING + "..." and re.fullmatch(r"compiled and loaded in \d+ s", lines[1]), lines
     assert SUMMARY.match(lines[-1]) and "".join(lines[2:-1]).strip(), lines
 
 
