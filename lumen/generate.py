@@ -475,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     line = (summary_line(stats) + f" | load {t_load:.2f} s"
             + (f" | warm-up {t_compile:.1f} s" if t_compile > 1.0 else "")
             + (f" | {args.speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "
-               f"{stats.mean_accepted_length:.2f} tok/step" if stats.spec_steps else ""))
+               f"{stats.mean_accepted_length:.2f} tok/verify step over {stats.spec_steps} steps"
+               if stats.spec_steps else ""))
     print_summary(err, line)
     return 0
 

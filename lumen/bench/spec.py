@@ -41,7 +41,7 @@ SPEC_KINDS = ("completion", "edit", "chat")         # spec_prompts.json
 SERVE_KINDS = ("code", "extract", "summarize")      # prompts.json
 KINDS = SPEC_KINDS + SERVE_KINDS
 _STATS = re.compile(r"decode ([\d.]+) tok/s .*?\| (\d+) generated")
-_SPEC = re.compile(r"(?:ngram|draft): (\d+)% of (\d+) drafted accepted, ([\d.]+) tok/step")
+_SPEC = re.compile(r"(?:ngram|draft): (\d+)% of (\d+) drafted accepted, ([\d.]+) tok/verify step")
 _LL_SPEED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 _LL_N = re.compile(r"\b(n_drafted|n_accept|n_predict)\s*=\s*(\d+)")
 DATA = Path(__file__).parent / "data"

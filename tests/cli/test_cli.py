@@ -767,3 +767,17 @@ def test_the_default_max_tokens_stops_where_a_small_context_ends(smollm2_path):
     assert int(m[1]) + int(m[2]) == 32 and m[3] == "length"
     r = generate(smollm2_path, "--ctx", 32, "-n", 128, "--prompt", FRANCE)
     assert r.returncode == 1 and "plus max_tokens (128) exceeds the context of 32 tokens" in r.stderr, r.stderr
+
+
+def test_the_speculation_stats_say_what_bench_spec_reads(smollm2_path):
+    """With --speculative the stats line adds the acceptance and the tokens per verifying step (counted over the
+    steps that verified drafts, not over every step), in the words lumen.bench spec parses."""
+    from lumen.bench.spec import _SPEC
+    r = generate(smollm2_path, "--prompt", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", "-n", "24", "--temperature", "0",
+                 "--speculative", "ngram", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    line = stderr_lines(r)[-1]
+    m = _SPEC.search(line)
+    assert m, line
+    steps = int(re.search(r"tok/verify step over (\d+) steps$", line).group(1))
+    assert 1 <= steps <= 24 and float(m.group(3)) >= 1.0, line
