@@ -36,6 +36,8 @@ All follow llama.cpp (src/llama-vocab.cpp) step by step:
 3. End-of-generation ids are found the way llama.cpp finds them: eos, plus eot/eom/fim ids from the
    metadata or recognised by their text, plus a fixed list of texts (`<|im_end|>`, `<end_of_turn>`,
    `<|endoftext|>`, `</s>`, ...). Tokens so recognised become control tokens, which changes how they parse.
+   The fill-in-the-middle prefix, suffix and middle tokens are found alike (metadata, else text; they do not end
+   generation): `fim_pre_id`, `fim_suf_id`, `fim_mid_id`, None for a vocabulary without them.
 
 A chat prompt is rendered text encoded with special=True, so the template's markers parse; the messages' own
 control-token texts must not (a user's "<|im_start|>" would open a turn): `shield_messages` marks them before the
@@ -251,8 +253,10 @@ class Tokenizer:
 
         eot = detect("tokenizer.ggml.eot_token_id", EOT_TEXTS)
         eom = detect("tokenizer.ggml.eom_token_id", EOM_TEXTS)
-        for key, texts in (("pre", FIM_PRE_TEXTS), ("suf", FIM_SUF_TEXTS), ("mid", FIM_MID_TEXTS)):
-            detect(f"tokenizer.ggml.fim_{key}_token_id", texts)  # control tokens, but they do not end generation
+        # fill-in-the-middle: control tokens, but they do not end generation (None: the vocabulary has none)
+        self.fim_pre_id = detect("tokenizer.ggml.fim_pre_token_id", FIM_PRE_TEXTS)
+        self.fim_suf_id = detect("tokenizer.ggml.fim_suf_token_id", FIM_SUF_TEXTS)
+        self.fim_mid_id = detect("tokenizer.ggml.fim_mid_token_id", FIM_MID_TEXTS)
         fim = [detect("tokenizer.ggml.fim_pad_token_id", FIM_PAD_TEXTS),
                detect("tokenizer.ggml.fim_rep_token_id", FIM_REP_TEXTS),
                detect("tokenizer.ggml.fim_sep_token_id", FIM_SEP_TEXTS)]

@@ -114,7 +114,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16                # OpenAI's and vLLM's default; null: the rest of the context (vLLM)
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None                  # fill-in-the-middle (lumen.serve.openai.completions)
     best_of: int | None = None
 
     @field_validator("echo", mode="before")
@@ -281,8 +281,6 @@ def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingPara
     """One SamplingParams per choice of a completion request; ApiError(400) for what is not supported. With echo,
     logprobs cover the prompt's tokens too (the engine's prompt_logprobs, as OpenAI's legacy completions and
     vLLM give them), and max_tokens may be 0: the prompt echoed and scored, nothing generated."""
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
     check_n(req.n, n_limit)
