@@ -48,7 +48,8 @@ class Reply:
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, prompter, *, n: int,
                  prompts: list[list[int]], logprobs: int | None, return_token_ids: bool = False,
-                 echo: list[str] | None = None, tool_parser: type[ToolParser] | None = None):
+                 echo: list[str] | None = None, tool_parser: type[ToolParser] | None = None,
+                 named_tool: bool = False):
         self.kind, self.id, self.model, self.created = kind, response_id, model, created
         self.prompter = prompter
         self.n, self.prompts = n, prompts
@@ -62,6 +63,7 @@ class Reply:
         self.started: set[int] = set()           # choices that sent a token chunk
         self.finals: dict[int, RequestOutput] = {}
         self.tool_parser = tool_parser           # chat with tools: the parser class of the model's call format
+        self.named_tool = named_tool             # tool_choice named the function: its call finishes with "stop"
         self.parsers: dict[int, ToolParser] = {}  # choice index -> its stream's parser
         self.said: set[int] = set()              # choices whose stream sent content or a call (with tools)
 
@@ -93,7 +95,8 @@ class Reply:
             c["message"] = {"role": "assistant", "content": (content + rest) or (None if calls else "")}
             if calls:
                 c["message"]["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" and not parser.cut else finish
+                if finish == "stop" and not parser.cut and not self.named_tool:
+                    finish = "tool_calls"
         self.offsets.pop(index, None)
         c["logprobs"] = self._logprobs(index, out.token_ids, out.logprobs or [], out.prompt_logprobs)
         c["finish_reason"] = finish
@@ -161,7 +164,8 @@ class Reply:
         self.sent_logprobs[index] = len(entries)
         c["finish_reason"] = out.finish_reason if out.finished else None
         parser = self.parsers.get(index)
-        if out.finished and out.finish_reason == "stop" and parser is not None and parser.made_calls and not parser.cut:
+        if (out.finished and out.finish_reason == "stop" and parser is not None and parser.made_calls
+                and not parser.cut and not self.named_tool):
             c["finish_reason"] = "tool_calls"
         if out.finished:
             c["stop_reason"] = out.stop_reason

@@ -57,7 +57,8 @@ class ServingChat(Generation):
             parser = functools.partial(cls, names=[t.name for t in tools])
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
-        return await self.respond(request, req, prompts, params, tool_parser=parser)
+        return await self.respond(request, req, prompts, params, tool_parser=parser,
+                                  named_tool=choice not in ("none", "auto", "required"))
 
     async def prompt_ids(self, req: P.ChatCompletionRequest, tools) -> list[int]:
         """The conversation's prompt ids (with continue_final_message: ending inside the final message)."""

@@ -71,12 +71,13 @@ class Generation(Serving):
     prompt_param = ""                         # the parameter a refused prompt is blamed on
 
     async def respond(self, request: Request, req, prompts: list[list[int]], params: list,
-                      echo: list[str] | None = None, tool_parser=None):
+                      echo: list[str] | None = None, tool_parser=None, named_tool: bool = False):
         """Answer `req` (its prompts' token ids, one SamplingParams per choice): every prompt x choice is one
         engine request; streamed (req.stream) or whole."""
         reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
                       int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
-                      return_token_ids=req.return_token_ids, echo=echo, tool_parser=tool_parser)
+                      return_token_ids=req.return_token_ids, echo=echo, tool_parser=tool_parser,
+                      named_tool=named_tool)
         field = P.constraint_field(req) or ("tools" if tool_parser is not None else None)
         await self.compile_grammar(params[0].constraint, field)
         sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field)
