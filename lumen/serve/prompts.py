@@ -123,15 +123,30 @@ class Prompter:
 
 
 def _plain(m: ChatMessage) -> dict:
-    """A message as the template sees it: content parts joined into one string (text parts only)."""
+    """A message as the template sees it: content parts joined into one string (content_text)."""
     d = m.model_dump(exclude_none=True)
-    if isinstance(m.content, list):
-        texts = []
-        for part in m.content:
-            if part.type != "text" or part.text is None:
-                raise ApiError(400, f"only text content parts are supported, got type {part.type!r}", "messages")
-            texts.append(part.text)
-        d["content"] = "".join(texts)
-    elif m.content is None:
-        d["content"] = ""
+    d["content"] = content_text(m)
     return d
+
+
+def content_text(m: ChatMessage) -> str:
+    """A message's content as one string: its text parts joined, and an assistant's refusal parts as its text
+    (OpenAI's assistant content holds text and refusal parts; vLLM renders a refusal as text); any other part is
+    ApiError(400)."""
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for part in m.content:
+        if part.type == "refusal" and m.role == "assistant":
+            refusal = getattr(part, "refusal", None)
+            if not isinstance(refusal, str):
+                raise ApiError(400, "a refusal part needs its refusal, a string", "messages")
+            texts.append(refusal)
+        elif part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        else:
+            raise ApiError(400, f"only text content parts (and an assistant's refusal parts) are supported, got "
+                                f"type {part.type!r}", "messages")
+    return "".join(texts)

@@ -250,3 +250,29 @@ def test_a_refused_conversation_builds_no_tool_grammar(client, monkeypatch):
     assert not built
     assert http.post("/v1/chat/completions", json={"messages": [USER], "tools": tools}).status_code == 200
     assert built
+
+
+def test_an_assistant_refusal_part_is_rendered_as_its_text(client):
+    """OpenAI's assistant content may hold refusal parts ({"type": "refusal", "refusal": ...}); vLLM renders them
+    as text, and so does Lumen. Another role's refusal part, or one without its string, is a 400."""
+    http, worker = client
+    said = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."},
+                                             {"type": "text", "text": " Ask me another."}]}
+    r = http.post("/v1/chat/completions", json={"messages": [USER, said, USER]})
+    assert r.status_code == 200, r.text
+    assert "<|im_start|>assistant\nI can't help with that. Ask me another.<|im_end|>" in _prompt(worker)
+    for bad in ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "assistant", "content": [{"type": "refusal"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": 3}]}):
+        r = http.post("/v1/chat/completions", json={"messages": [USER, bad, USER]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (bad, r.text)
+    assert len(worker.submitted) == 1
+
+
+def test_continue_final_message_continues_a_refusal(client):
+    http, worker = client
+    body = {"messages": [USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert _prompt(worker).endswith("<|im_start|>assistant\nI can't"), _prompt(worker)[-60:]

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 
 from ...format.chat import ChatTemplateError, continue_final
 from .. import protocol as P
+from ..prompts import content_text
 from ..tools import PARSERS, marker_token, open_token, parse_tool_choice, parse_tools, parser_for_template
 from .serving import Generation
 
@@ -66,17 +67,10 @@ class ServingChat(Generation):
             return await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)
         text = await asyncio.to_thread(self.prompter.render, req.messages, False, tools)
         try:
-            text = continue_final(text, _text(req.messages[-1]))
+            text = continue_final(text, content_text(req.messages[-1]))
         except ChatTemplateError as e:
             raise P.ApiError(400, str(e), "continue_final_message") from None
         return await asyncio.to_thread(self.prompter.prompt, text, "messages")
-
-
-def _text(message: P.ChatMessage) -> str:
-    """A message's text as the template gets it (text parts joined)."""
-    if isinstance(message.content, list):
-        return "".join(part.text or "" for part in message.content)
-    return message.content or ""
 
 
 @router.post("/v1/chat/completions")
