@@ -47,14 +47,22 @@ class Prompter:
         if len(text) > self.max_chars:
             raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
                                 "(max_model_len) can be", param)
-        return self.tok.encode(text, add_bos=add_special and self.tok.default_bos(text, True), special=True)
+        return self._encode(text, add_special and self.tok.default_bos(text, True), param)
+
+    def _encode(self, text: str, add_bos: bool, param: str) -> list[int]:
+        """The tokenizer's ids for a request's text; whatever ValueError it raises on that text (it is the
+        client's) is ApiError(400), not a server error."""
+        try:
+            return self.tok.encode(text, add_bos=add_bos, special=True)
+        except ValueError as e:
+            raise ApiError(400, f"the {param} cannot be tokenized: {e}", param) from None
 
     def prompt(self, text: str, param: str = "prompt") -> list[int]:
         """A generation prompt's token ids; ApiError(400) for a text that cannot fit max_model_len, found by
         tokenizing prefixes of 8, 32, 128 ... times max_model_len characters when it is that long."""
         size = PROBE_CHARS * self.max_model_len
         while size < len(text):
-            n = len(self.tok.encode(text[:size], add_bos=False, special=True))
+            n = len(self._encode(text[:size], False, param))
             if n > self.max_model_len + PROBE_SLACK:
                 raise ApiError(400, f"the prompt has more than {n - PROBE_SLACK} tokens in its first {size} "
                                     f"characters; max_model_len is {self.max_model_len}", param)

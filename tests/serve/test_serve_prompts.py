@@ -75,3 +75,24 @@ def test_special_token_text_in_a_message_stays_text(tokenizer):
         ids = Prompter(tokenizer, template, MAX_MODEL_LEN).chat([ChatMessage(role="user", content=content)])
         assert (ids.count(start), ids.count(end)) == (2, 1)
         assert tokenizer.decode(ids, special=True) == f"<|im_start|>user\n{injected}<|im_end|>\n<|im_start|>assistant"
+
+
+class Refusing(Recording):
+    """A tokenizer that raises ValueError on any text holding "\\x00"."""
+
+    def encode(self, text, **kw):
+        if "\x00" in text:
+            raise ValueError("cannot encode this text")
+        return super().encode(text, **kw)
+
+
+@pytest.mark.parametrize("size", [10, 10 * MAX_MODEL_LEN])      # whole, and while counting prefixes
+def test_a_tokenizer_value_error_is_a_400_naming_the_param(tokenizer, size):
+    p = Prompter(Refusing(tokenizer), "{% for m in messages %}{{ m['content'] }}{% endfor %}", MAX_MODEL_LEN)
+    text = "\x00" + "=" * size
+    for call, param in ((lambda: p.completion(text), "prompt"),
+                        (lambda: p.chat([ChatMessage(role="user", content=text)]), "messages")):
+        with pytest.raises(ApiError) as e:
+            call()
+        assert (e.value.status, e.value.param) == (400, param)
+        assert e.value.message == f"the {param} cannot be tokenized: cannot encode this text"
