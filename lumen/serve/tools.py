@@ -145,9 +145,9 @@ def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
 def check_messages(messages: list[dict]) -> None:
     """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
     answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
-    calls say the same), `tool_calls` only on assistant messages and well formed, and every `tool` message
-    answers a call made before it (its tool_call_id); ApiError(400, param "messages") naming the message. A call's
-    arguments are an object or an object's JSON text ("" for none): a template would write any other value."""
+    calls say the same), `tool_calls` only on assistant messages and well formed (type "function", ids distinct
+    within the message, as OpenAI requires), and every `tool` message answers a call made before it (its
+    tool_call_id); ApiError(400, param "messages") naming the message. A call's arguments are an object or an object's JSON text ("" for none): a template would write any other value."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
@@ -170,7 +170,16 @@ def check_messages(messages: list[dict]) -> None:
             tcs = m["tool_calls"]
             if not isinstance(tcs, list):
                 raise ApiError(400, f"messages[{i}].tool_calls must be a list", "messages")
+            ids: set[str] = set()
             for j, tc in enumerate(tcs):
+                if isinstance(tc, dict) and tc.get("type", "function") != "function":
+                    raise ApiError(400, f"messages[{i}].tool_calls[{j}].type must be \"function\" (the only kind of "
+                                        f"call this server renders), got {tc['type']!r}", "messages")
+                if isinstance(tc, dict) and isinstance(tc.get("id"), str):
+                    if tc["id"] in ids:         # (OpenAI refuses it too: a tool message could not say which)
+                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].id {tc['id']!r} is the id of an earlier "
+                                            "call in this message; each call needs its own", "messages")
+                    ids.add(tc["id"])
                 f = tc.get("function") if isinstance(tc, dict) else None
                 if not isinstance(f, dict) or not isinstance(f.get("name"), str):
                     raise ApiError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "

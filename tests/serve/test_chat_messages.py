@@ -276,3 +276,25 @@ def test_continue_final_message_continues_a_refusal(client):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert _prompt(worker).endswith("<|im_start|>assistant\nI can't"), _prompt(worker)[-60:]
+
+
+@pytest.mark.parametrize("calls, words", [
+    ([CALLED["tool_calls"][0], {**CALLED["tool_calls"][0], "function": {"name": "add", "arguments": "{}"}}],
+     "messages[1].tool_calls[1].id 'call_1' is the id of an earlier call"),
+    ([{**CALLED["tool_calls"][0], "type": "custom"}], "messages[1].tool_calls[0].type must be \"function\""),
+])
+def test_duplicate_call_ids_and_a_call_not_a_function_are_a_400(client, calls, words):
+    """OpenAI refuses two calls of one message with the same id (a tool message could not say which it answers),
+    and a call's type is "function" (OpenAI's custom tools are not served)."""
+    http, worker = client
+    called = {**CALLED, "tool_calls": calls}
+    r = http.post("/v1/chat/completions", json={"messages": [USER, called, {"role": "tool", "tool_call_id": "call_1",
+                                                                             "content": "3"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and words in err["message"], err
+    assert not worker.submitted
+    two = [CALLED["tool_calls"][0], {**CALLED["tool_calls"][0], "id": "call_2"}]     # distinct ids, no type: pass
+    del two[1]["type"]
+    r = http.post("/v1/chat/completions", json={"messages": [USER, {**CALLED, "tool_calls": two}]})
+    assert r.status_code == 200, r.text
