@@ -29,3 +29,13 @@ def test_replace_still_checks_what_it_is_given():
         p.replace(stop_token_ids=[-1])
     assert p.replace(logit_bias={"9": -300}).logit_bias == {9: -100.0}
     assert p == SamplingParams(logit_bias={5: 100.0}, stop_token_ids=(7,))
+
+
+def test_none_means_none_for_the_optional_collections():
+    """vLLM's SamplingParams takes None for stop, stop_token_ids and logit_bias (none at all): so does Lumen's."""
+    p = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert (p.stop, p.stop_token_ids, p.logit_bias) == ((), (), {})
+    assert p.replace(seed=1).stop == () and p.replace(stop="x").stop == ("x",)
+    for bad in ({"stop": [None]}, {"stop": 3}, {"stop_token_ids": [None]}, {"logit_bias": [1]}):
+        with pytest.raises(SamplerError):
+            SamplingParams(**bad)

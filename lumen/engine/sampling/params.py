@@ -72,14 +72,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64                # 0 = penalties off, -1 = the whole history
     seed: int | None = None                # None: fresh entropy
-    stop: tuple[str, ...] = ()             # stop strings: the text ends before the first one
-    stop_token_ids: tuple[int, ...] = ()   # tokens that end the request (besides the model's end tokens)
+    stop: tuple[str, ...] = ()             # stop strings: the text ends before the first one (None: none, as ())
+    stop_token_ids: tuple[int, ...] = ()   # tokens that end the request (besides the model's end tokens; None: ())
     ignore_eos: bool = False               # keep going past the model's end tokens
     min_tokens: int = 0                    # end tokens and stop_token_ids are masked until this many were made,
                                            # and stop strings are not looked for in their text
     logprobs: int | None = None            # top-k log-probabilities per sampled token (0: the sampled one only)
     prompt_logprobs: int | None = None     # ... per prompt token after the first (lumen.engine.sequence)
-    logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit (clamped to +-100)
+    logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit (clamped to +-100; None: {})
     special: bool = False                  # parse special-token text in a text prompt
     speculative: str | None = None         # None, "ngram" or "draft" (lumen.engine.speculative)
     num_speculative_tokens: int | None = None
@@ -97,11 +97,11 @@ class SamplingParams:
                         ("repeat_penalty", rp), ("presence_penalty", pp), ("frequency_penalty", fp),
                         ("repeat_last_n", last_n)):
             set_(name, v)
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             _fail("stop", "must be a string or a list of non-empty strings", self.stop)
         set_("stop", tuple(stop))
-        ids = self.stop_token_ids
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, _CheckedIds):
             if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
                 _fail("stop_token_ids", "must be a list of token ids", self.stop_token_ids)
@@ -119,6 +119,8 @@ class SamplingParams:
         k = self.prompt_logprobs
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
             _fail("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]", k)
+        if self.logit_bias is None:
+            set_("logit_bias", _CheckedBias())
         if not isinstance(self.logit_bias, dict):
             _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
         if not isinstance(self.logit_bias, _CheckedBias):
