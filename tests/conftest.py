@@ -183,8 +183,9 @@ def model_path(model_name, test_home) -> Path:
 # listed counts as quick; a stale figure only makes the two workers finish less evenly.
 FILE_SECONDS = {"test_determinism.py": 147, "test_notebook.py": 110, "test_matmul.py": 73, "test_cli.py": 65,
                 "test_speculative.py": 57, "test_pack_cache.py": 57, "test_bench.py": 56, "test_gguf_fuzz.py": 48,
-                "test_forward.py": 45, "test_engine.py": 35, "test_serve_ray.py": 34, "test_serve_pd.py": 31, "test_fidelity.py": 34,
-                "test_serve_load.py": 28, "test_gguf.py": 19, "test_ui.py": 19}
+                "test_prompt_logprobs.py": 80, "test_forward.py": 45, "test_engine.py": 35, "test_serve_ray.py": 34,
+                "test_serve_pd.py": 31, "test_fidelity.py": 34, "test_serve_load.py": 28, "test_gguf.py": 19,
+                "test_ui.py": 19}
 # Tests that do not run the models' forward pass (parsing, tokenizers, grammars, small kernels; a whole file, or
 # file::test): they do not wait for the warm-up. The fresh-compile test compiles into a cache of its own.
 COMPILE_FREE = {"test_gguf_fuzz.py", "test_gguf.py", "test_tokenizer.py", "test_structured.py", "test_sampler.py",
