@@ -215,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, kv_hold_timeout_s=args.kv_hold_timeout)
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None \
             or args.prefill_replicas is not None:
-        return _main_ray(ap, args, config)
+        try:
+            return _main_ray(ap, args, config)
+        except KeyboardInterrupt:            # a signal before Ray's start took the signals over, as one process
+            print("stopped before serving", file=sys.stderr)
+            return 0
     why = bind_error(args.host, args.port)             # now, not after loading the model
     if why:
         print(f"error: {why}", file=sys.stderr)

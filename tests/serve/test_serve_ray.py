@@ -418,17 +418,26 @@ def test_sigterm_leaves_no_process_of_its_ray_instance(smollm2_path, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, tmp_path, sig):
-    """A signal to the server's whole process group (kill -TERM -- -PGID, as a shell's job control or a service
-    manager stops it; Ctrl-C in a terminal is SIGINT to the foreground group) reaches Ray's processes as well: its
-    GCS closed at once, and the graceful stop used to wait ~60 s for it in Ray's calls, then died without its log
-    line. Now: exit 0 within seconds, no process of the instance left."""
+@pytest.mark.parametrize("sig, every", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-every-process"])
+def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, tmp_path, sig, every):
+    """A signal to the server's whole process group (kill -TERM -- -PGID, as a shell's job control stops it; Ctrl-C
+    in a terminal is SIGINT to the foreground group) reaches the server alone (Ray's processes have sessions of their
+    own); one to every process of the run (systemd's stop of the unit) reaches Ray's as well: its GCS closed at once,
+    and the graceful stop used to wait ~60 s for it in Ray's calls, then died without its log line. Either way: exit
+    0 within seconds, no process of the instance left."""
     proc = ray_server(smollm2_path, tmp_path / "server.log", "--shutdown-timeout", "2")
     try:
         wait_log(proc, "serving on")
         t0 = time.monotonic()
-        os.killpg(proc.p.pid, sig)                    # the server leads its session's process group
+        if every:
+            for pid in session_processes(proc.mark, None):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        else:
+            os.killpg(proc.p.pid, sig)                # the server leads its session's process group
         try:
             code = proc.p.wait(25)
         except Exception:
@@ -444,8 +453,8 @@ def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, t
 @pytest.mark.slow
 def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
     """A SIGTERM while ray.init runs (its GCS up): Ray's own handlers used to take over (exit 15); now the server's
-    stops it: exit 0 within seconds, 'stopped while starting', no process left. (To the whole process group at that
-    moment, Ray's raylet can end and its core exit this process first, leaving some of Ray's: not covered.)"""
+    stops it: exit 0 within seconds, 'stopped while starting', no process left. (To the whole process group:
+    test_group_sigterm_while_starting_leaves_no_process.)"""
     import subprocess
     mark, log = uuid.uuid4().hex, tmp_path / "server.log"
     p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
@@ -472,6 +481,50 @@ def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
     assert code == 0 and took < 15 and ("stopped while starting" in text or "stopped at once" in text), \
         (code, took, text[-2000:])
     assert "starting 2 replica(s) x 1 thread(s) on Ray" in text.splitlines()[0], text[:2000]   # before Ray's lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", [(None, 0.5), (None, 4.0), ("on Ray", 0.5), ("on Ray", 2.0), ("gcs_server", 0)],
+                         ids=["0.5s", "4s", "ray+0.5s", "ray+2s", "gcs_up"])
+def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, moment):
+    """A SIGTERM to the server's whole process group at any moment of its start (0.5 and 4 s after it was started:
+    importing, checking the model; 0.5 and 2 s after it said it starts Ray: Ray's first seconds; as soon as Ray's
+    GCS runs): the server ends within seconds and no process of the run is left (found by its marked environment,
+    wherever its session). It used to leave Ray's (the signal reached them too, and Ray's core could end the server
+    before it stopped them), to exit 130, or to print a traceback from an at-fork hook. (After it serves:
+    test_signal_to_the_process_group_stops_everything_in_seconds.)"""
+    import subprocess
+    mark, log = uuid.uuid4().hex, tmp_path / "server.log"
+    p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                          "--threads", "1", "--port", str(free_port())], stdout=log.open("w"),
+                         stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, MARK: mark})
+    try:
+        t0 = time.monotonic()
+        after, delay = moment
+        while after == "gcs_server" and not any("gcs_server" in n for n in session_processes(mark, None).values()) \
+                or after == "on Ray" and "on Ray" not in log.read_text(errors="replace"):
+            assert p.poll() is None and time.monotonic() - t0 < 120, log.read_text()[-2000:]
+            time.sleep(0.05)
+        time.sleep(delay)
+        assert p.poll() is None, log.read_text()[-2000:]
+        os.killpg(p.pid, signal.SIGTERM)
+        t1 = time.monotonic()
+        try:
+            code = p.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 30 s after the SIGTERM:\n{log.read_text()[-2000:]}") from None
+        took = time.monotonic() - t1
+        while session_processes(mark, None) and time.monotonic() - t1 < 45:
+            time.sleep(0.25)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        left = kill_session(mark, None)
+    text = log.read_text(errors="replace")
+    assert not left, f"left after a SIGTERM to the process group at {moment}: {left}\n{text[-2000:]}"
+    assert code in (0, -signal.SIGTERM, 130) and took < 20, (code, took, text[-2000:])   # -15: before any handler,
+    assert "interrupted" not in text or after is None, text[-2000:]          # 130: while lumen.serve parses its flags
+    assert "Traceback" not in text, text[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------

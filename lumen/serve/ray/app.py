@@ -202,11 +202,15 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     """Run the application until SIGTERM or SIGINT (the command line's Ray path). The first signal stops it as
     stop() does (requests in flight get the shutdown timeout); a second one, or one while it starts, ends the
     local instance's processes at once (on a joined cluster: deletes the application without waiting). Should the
-    local instance's core go (the signal reached its processes too, as a SIGTERM to the process group does), the
-    process ends at once with every process of the instance (_Watchdog)."""
+    local instance's core go (the signal reached its processes too, as systemd's stop of a unit signals every
+    process of it; a signal to the process group does not: lumen.serve.ray.local.own_sessions), the process ends at
+    once with every process of the instance (_Watchdog)."""
     done, state = threading.Event(), {"serving": False, "signals": 0, "deadline": False}
+    me = os.getpid()
 
     def on_signal(sig, frame):
+        if os.getpid() != me:        # a child of ray.init's between fork and exec runs the handler of a signal
+            return                   # this process had: not its to stop (it printed a traceback from an at-fork hook)
         state["signals"] += 1
         if state["serving"] and state["signals"] == 1:
             done.set()
@@ -306,10 +310,10 @@ def _flush_and_exit(code: int) -> None:
 
 class _Watchdog:
     """Watches our local instance's core (LocalRay.broken, every `period` seconds) from a thread of its own. Once it
-    has gone (a SIGTERM to the whole process group reaches Ray's processes as it reaches this one; systemd's stop
-    signals every process of the unit), every Ray call waits ~60 s for the GCS, and the main thread may be inside
-    one (a blocking GCS call, which no signal interrupts). So this thread ends the process itself: every process
-    of the instance killed, then exit 0 after a signal, 1 (with a one-line error) without one."""
+    has gone (systemd's stop signals every process of the unit, Ray's as well as this one), every Ray call waits
+    ~60 s for the GCS, and the main thread may be inside one (a blocking GCS call, which no signal interrupts). So
+    this thread ends the process itself: every process of the instance killed, then exit 0 after a signal, 1
+    (with a one-line error) without one."""
 
     def __init__(self, local: LocalRay, signalled, period: float = 0.25):   # (a TCP connect to the GCS per look,
                                                                               # for the server's whole life)

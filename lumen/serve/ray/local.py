@@ -61,6 +61,35 @@ def sigterm_kept():
         utils.set_sigterm_handler = setter
 
 
+@contextmanager
+def own_sessions():
+    """Start the processes of ray.init (its GCS, raylet, log monitor; the raylet's workers and agents inherit the
+    raylet's) each in a session of its own, apart from this process's group: a signal to the group (Ctrl-C in a
+    terminal, `kill -- -PGID`, a supervisor's stop of the group) then reaches this process alone, whose handler
+    stops them, at any moment of the start, where Ray's core used to end this process once its raylet had the
+    signal too, before anything stopped the rest. Through Ray's private Popen class; where Ray has none, nothing
+    changes."""
+    try:
+        from ray._private import services
+    except ImportError:
+        services = None
+    popen = getattr(services, "ConsolePopen", None)
+    if popen is None:
+        yield
+        return
+
+    class Popen(popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = Popen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
+
+
 class LocalRay:
     """A Ray instance of this process's own (see the module docstring)."""
 
@@ -72,7 +101,7 @@ class LocalRay:
         self.temp_dir = tempfile.mkdtemp(prefix="lumen-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         _subreaper()
         try:
-            with sigterm_kept():
+            with sigterm_kept(), own_sessions():
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
                          _temp_dir=self.temp_dir, _system_config=SYSTEM_CONFIG)
         except BaseException:
@@ -84,9 +113,9 @@ class LocalRay:
 
     def broken(self) -> str | None:
         """What of the instance's core has gone ("gcs_server", "raylet"), or None while it is whole or being stopped
-        on purpose (stop, kill). A SIGTERM to the whole process group (a shell's kill -- -PGID, systemd's stop of
-        the unit) reaches them as it reaches this process: the GCS closes its port at once (its process lingers),
-        the raylet ends seconds later."""
+        on purpose (stop, kill). A SIGTERM to every process of the instance (systemd's stop of the unit; not one to
+        this process's group: own_sessions) reaches them as it reaches this process: the GCS closes its port at once
+        (its process lingers), the raylet ends seconds later."""
         if self.ending:
             return None
         for p, name in self.core.items():
