@@ -357,6 +357,7 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     warming = None if args.ray_address else warmup.in_background(models, threads)
     try:
         return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
-                                    replicas=pools, threads=threads)
+                                    replicas=pools, threads=threads,
+                                    max_replicas=scale.bounds[1] if scale.bounds else None)
     finally:
         warmup.stop(warming)

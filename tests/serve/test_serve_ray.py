@@ -278,11 +278,13 @@ def test_port_in_use_fails_before_ray_starts(smollm2_path):
 
 
 @pytest.mark.parametrize("pools", [["--replicas", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1"],
-                                   ["--min-replicas", "2", "--max-replicas", "3"]], ids=["replicas", "pd", "autoscaling"])
+                                   ["--min-replicas", "2", "--max-replicas", "3"], ["--max-replicas", "2"]],
+                         ids=["replicas", "pd", "autoscaling", "max-replicas"])
 def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
     """Replicas asking Ray for more CPUs than the local instance has (2 x all the cores; with autoscaling, the
-    initial replicas): one line naming what fits, exit 1, in seconds, no process of the instance left; Serve used
-    to keep the replicas pending for ever."""
+    initial replicas, or --max-replicas: one replica starts, and a scale-up would wait for ever): one line naming
+    what fits, exit 1, in seconds, before Ray starts, no process of the instance left; Serve used to keep the
+    replicas pending for ever."""
     import subprocess
     mark = uuid.uuid4().hex
     t0 = time.monotonic()
@@ -336,6 +338,11 @@ def test_cpus_short_names_what_fits(monkeypatch):
     assert cpus_short(3, 2, joined=True) == "3 replica(s) x 2 thread(s) ask Ray for 6 CPUs, and the Ray cluster " \
                                             "has 5: use fewer replicas or --threads (2 replica(s) of 2 thread(s) fit)"
     assert "this machine has 5" in cpus_short(1, 8, joined=False)
+    assert cpus_short(2, 2, joined=False, most=2) is None
+    assert cpus_short(2, 2, joined=False, most=3) == "--max-replicas 3 x 2 thread(s) ask Ray for 6 CPUs, and this " \
+                                                     "machine has 5: use --max-replicas 2 or fewer --threads"
+    assert cpus_short(3, 2, joined=False, most=4).startswith("3 replica(s)")          # the start's shortage first
+    assert cpus_short(1, 1, joined=True, most=6).endswith("the Ray cluster has 5: use --max-replicas 5")
 
 
 def _bare_router():

@@ -151,17 +151,21 @@ def check_answers(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise ConnectionError(f"nothing answers at --ray-address {address}: {e}") from None
 
 
-def cpus_short(replicas: int, threads: int, *, joined: bool, have: int | None = None) -> str | None:
-    """Why the connected cluster (or `have` CPUs) cannot place every replica (each asks Ray for `threads` CPUs),
-    or None when it can: Ray would keep the missing ones pending, and the start would wait for them for ever."""
+def cpus_short(replicas: int, threads: int, *, joined: bool, have: int | None = None,
+               most: int | None = None) -> str | None:
+    """Why the connected cluster (or `have` CPUs) cannot place every replica (each asks Ray for `threads` CPUs) nor,
+    autoscaling, `most` of them (--max-replicas), or None when it can: Ray would keep the missing ones pending, and
+    the start (or the scale-up) would wait for them for ever."""
     import ray
-    need = replicas * threads
     have = int(ray.cluster_resources().get("CPU", 0)) if have is None else have
-    if need <= have:
-        return None
     where = "the Ray cluster has" if joined else "this machine has"
-    return (f"{replicas} replica(s) x {threads} thread(s) ask Ray for {need} CPUs, and {where} {have}: use fewer "
-            f"replicas or --threads ({have // threads} replica(s) of {threads} thread(s) fit)")
+    if replicas * threads > have:
+        return (f"{replicas} replica(s) x {threads} thread(s) ask Ray for {replicas * threads} CPUs, and {where} "
+                f"{have}: use fewer replicas or --threads ({have // threads} replica(s) of {threads} thread(s) fit)")
+    if most is not None and most * threads > have:
+        return (f"--max-replicas {most} x {threads} thread(s) ask Ray for {most * threads} CPUs, and {where} "
+                f"{have}: use --max-replicas {have // threads}" + (" or fewer --threads" if threads > 1 else ""))
+    return None
 
 
 def start(app, *, host: str, port: int) -> float:
@@ -198,7 +202,8 @@ def _wait_deleted(timeout: float = 300.0, poll: float = 0.2) -> None:
         time.sleep(poll)
 
 
-def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int) -> int:
+def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int,
+                 max_replicas: int | None = None) -> int:
     """Run the application until SIGTERM or SIGINT (the command line's Ray path). The first signal stops it as
     stop() does (requests in flight get the shutdown timeout); a second one, or one while it starts, ends the
     local instance's processes at once (on a joined cluster: deletes the application without waiting). Should the
@@ -223,7 +228,8 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     def catch_signals() -> dict:                   # again once Ray is up, should Ray have taken SIGTERM over
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    short = None if address else cpus_short(replicas, threads, joined=False, have=os.cpu_count() or 1)
+    short = None if address else cpus_short(replicas, threads, joined=False, have=os.cpu_count() or 1,
+                                             most=max_replicas)
     if short:                      # surely short, said before Ray's seconds of start-up (Ray may count fewer CPUs
         print(f"error: {short}", file=sys.stderr)          # than the machine's, so it is checked again once up)
         return 1
@@ -240,7 +246,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
                 raise KeyboardInterrupt
             if local is not None:
                 watchdog = _Watchdog(local, lambda: state["signals"] > 0)
-            short = cpus_short(replicas, threads, joined=address is not None)
+            short = cpus_short(replicas, threads, joined=address is not None, most=max_replicas)
             if short and local is not None:
                 print(f"error: {short}", file=sys.stderr)
                 _stop_now(local, address)
