@@ -62,14 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", metavar="FILE", help="record a serving profile, written to FILE at shutdown "
                                                       "(report: python -m lumen.profile --serving FILE)")
     ry = ap.add_argument_group("scale out on Ray Serve (pip install -e '.[ray]'; lumen.serve.ray)")
-    ry.add_argument("--replicas", type=int, default=1, help="engine replicas behind this endpoint; more than one "
+    ry.add_argument("--replicas", type=int, default=1, metavar="N", help="engine replicas behind this endpoint; more than one "
                                                            "(or --ray-address) runs on Ray Serve (default 1: this "
                                                            "process alone); --threads is then per replica")
-    ry.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` began here) instead of "
+    ry.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster ('auto': the one `ray start` began here) instead of "
                                           "starting a local instance")
-    ry.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas (Ray Serve's autoscaling_config)")
-    ry.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
-    ry.add_argument("--router", choices=["prefix", "pow2"], default="prefix",
+    ry.add_argument("--min-replicas", type=int, metavar="N",
+                    help="autoscaling: fewest replicas (Ray Serve's autoscaling_config; --replicas: the first count)")
+    ry.add_argument("--max-replicas", type=int, metavar="N", help="autoscaling: most replicas")
+    ry.add_argument("--router", choices=["prefix", "pow2"],
                     help="prefix: to the replica caching the longest prefix unless it is overloaded; pow2: Ray "
                          "Serve's power of two choices (default prefix)")
     pd = ap.add_argument_group("disaggregated serving on Ray Serve: prompts prefilled on one pool of replicas, "
@@ -215,11 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, kv_hold_timeout_s=args.kv_hold_timeout)
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None \
             or args.prefill_replicas is not None:
+        args.router = args.router or "prefix"
         try:
             return _main_ray(ap, args, config)
         except KeyboardInterrupt:            # a signal before Ray's start took the signals over, as one process
             print("stopped before serving", file=sys.stderr)
             return 0
+    if args.router:
+        ap.error("--router chooses among replicas: give --replicas N (more than 1), --ray-address, or "
+                 "--prefill-replicas and --decode-replicas")
     why = bind_error(args.host, args.port)             # now, not after loading the model
     if why:
         print(f"error: {why}", file=sys.stderr)
@@ -314,6 +319,12 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         ap.error("--replicas, --min-replicas and --max-replicas must be at least 1")
     if args.min_replicas is not None and args.max_replicas is not None and args.min_replicas > args.max_replicas:
         ap.error("--min-replicas must not exceed --max-replicas")
+    if args.replicas != 1 and args.min_replicas is not None and args.replicas < args.min_replicas:
+        ap.error(f"--replicas {args.replicas} (the replicas started first) must not be below --min-replicas "
+                 f"{args.min_replicas}")
+    if args.max_replicas is not None and args.replicas > args.max_replicas:
+        ap.error(f"--replicas {args.replicas} (the replicas started first) must not exceed --max-replicas "
+                 f"{args.max_replicas}")
     if args.profile:
         ap.error("--profile records one process; it does not work with --replicas")
     from .app import Settings

@@ -322,6 +322,25 @@ def test_deadline_after_a_signal_while_starting_kills_what_it_started(tmp_path):
     assert "stopped while starting" in r.stderr and not os.path.exists(f"/proc/{child}"), r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--router", "pow2"], "--router chooses among replicas"),
+    (["--router", "prefix"], "--router chooses among replicas"),
+    (["--replicas", "3", "--max-replicas", "2"], "--replicas 3 (the replicas started first) must not exceed "
+                                                 "--max-replicas 2"),
+    (["--replicas", "2", "--min-replicas", "3"], "must not be below --min-replicas 3"),
+    (["--replicas", "0"], "at least 1"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "must not exceed"),
+])
+def test_bad_replica_flags_are_one_line_errors(flags, message, capsys):
+    """Wrong combinations of the Ray flags end before anything starts, in one line (exit 2): --router without
+    replicas used to start one process without a word; --replicas beyond --max-replicas started fewer."""
+    from lumen.serve.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err), err
+
+
 def test_scale_initial_replicas():
     from lumen.serve.ray.app import Scale
     assert Scale(3).bounds is None and Scale(3).initial == 3
