@@ -341,6 +341,24 @@ def test_bad_replica_flags_are_one_line_errors(flags, message, capsys):
     assert e.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err), err
 
 
+def test_health_names_the_running_replicas_and_503_without_any(monkeypatch):
+    """/health on Ray: the replicas Ray routes to now, and 503 while there is none (every replica died), so a load
+    balancer stops sending; it used to say {"status": "ok"} whatever the replicas."""
+    from types import SimpleNamespace
+    from lumen.serve.ray import metrics
+    from lumen.serve.ray.app import ENGINE, ReplicaHealth
+    router = SimpleNamespace(curr_replicas={"a": None, "b": None})
+    monkeypatch.setitem(metrics.ROUTERS, ENGINE, router)
+    worker = SimpleNamespace(draining=False)
+    health = ReplicaHealth(worker, metrics.ReplicaMetrics(ENGINE))
+    assert health.health() == {"status": "ok", "replicas": {ENGINE: 2}}
+    router.curr_replicas = {}
+    r = health.health()
+    assert r.status_code == 503 and json.loads(r.body) == {"status": "no replica running", "replicas": {ENGINE: 0}}
+    worker.draining = True
+    assert health.health().status_code == 503 and b"shutting down" in health.health().body
+
+
 def test_scale_initial_replicas():
     from lumen.serve.ray.app import Scale
     assert Scale(3).bounds is None and Scale(3).initial == 3
@@ -602,7 +620,7 @@ def test_request_id_models_health(http):
     assert r.status_code == 200 and r.json()["id"] == "cmpl-ray-42"
     assert r.headers.get_list("x-request-id") == ["ray-42"]
     assert len(http.get("/health").headers.get_list("x-request-id")) == 1
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json() == {"status": "ok", "replicas": {"LumenEngine": 2}}
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL_ID]
     assert http.get("/v1/models/" + MODEL_ID).json()["max_model_len"] == MAX_MODEL_LEN
 
@@ -799,6 +817,8 @@ def test_killed_replica_fails_its_requests_others_continue(server, model):
         time.sleep(0.2)
     victim = sorted(r for r in running if running[r] > 0)[0]
     os.kill(int(pids[victim]), signal.SIGKILL)
+    h = httpx.get(server.url + "/health", timeout=10)              # the other replica serves: healthy
+    assert h.status_code == 200 and h.json()["replicas"]["LumenEngine"] >= 1, h.text
     for t in threads:
         t.join(120)
     want = ["done"] * (2 - int(running[victim])) + ["error"] * int(running[victim])

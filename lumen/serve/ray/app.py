@@ -20,11 +20,13 @@ import time
 from dataclasses import dataclass
 
 import psutil
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from ...engine.config import EngineConfig
 from ..app import Settings, build_app
+from ..openai.health import ServingHealth
 from .local import LocalRay, _signal, sigterm_kept
 from .metrics import ReplicaMetrics
 from .remote import ModelInfo, RemoteWorker
@@ -57,8 +59,24 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         app = build_app(self.worker, self.prompter, self.metrics, self.settings)
+        app.state.health = ReplicaHealth(self.worker, self.metrics)
         app.add_middleware(ProxyRequestId)
         return app
+
+
+class ReplicaHealth(ServingHealth):
+    """/health of the application: the single process's answer with the replicas Ray routes to now, per
+    deployment ({"status": "ok", "replicas": {"LumenEngine": 2}}), and 503 while the engine deployment has none
+    (every replica died, and none has been restarted yet): a load balancer then sends elsewhere."""
+
+    def health(self):
+        answer = super().health()
+        if not isinstance(answer, dict):                  # shutting down
+            return answer
+        running = self.metrics.running()
+        if running.get(ENGINE, 1) == 0:
+            return JSONResponse({"status": "no replica running", "replicas": running}, status_code=503)
+        return {**answer, "replicas": running}
 
 
 class ProxyRequestId:

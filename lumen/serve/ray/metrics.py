@@ -28,6 +28,16 @@ class ReplicaMetrics:
     def router(self):
         return ROUTERS.get(self.deployment)
 
+    def running(self) -> dict[str, int]:
+        """deployment -> its replicas that Ray routes to now (one that died leaves at once, a new one comes when
+        it is up), for the engine deployment and those in ALSO whose router exists."""
+        out = {}
+        for name in (self.deployment, *ALSO.get(self.deployment, ())):
+            router = ROUTERS.get(name)
+            if router is not None:
+                out[name] = len(router.curr_replicas)
+        return out
+
     def collect(self):
         router = self.router()
         if router is None:                          # no request routed yet
