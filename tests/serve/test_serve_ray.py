@@ -55,8 +55,16 @@ def ray_server(smollm2_path, log, *extra) -> ServerProcess:
 
 
 def session_processes(mark: str, sid: int | None) -> dict[int, str]:
-    """pid -> name of every live process in session `sid` (the server's pid: Ray's processes stay in its session)
-    or with `mark` in its environment (zombies are not counted: they hold nothing but their pid)."""
+    """pid -> name of every live process in session `sid` (the server's pid), with `mark` in its environment, or in
+    the session of one that has it (Ray's processes have sessions of their own, and an agent's title can overwrite
+    its environment); zombies are not counted: they hold nothing but their pid."""
+    found = _marked_processes(mark, sid)
+    sessions = {s for _, s, marked in found.values() if marked} - {os.getsid(0)}
+    return {pid: name for pid, (name, s, marked) in found.items() if marked or s in sessions}
+
+
+def _marked_processes(mark: str, sid: int | None) -> dict[int, tuple[str, int, bool]]:
+    """pid -> (name, session, in session `sid` or marked) of every live process but this one."""
     out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
@@ -72,12 +80,12 @@ def session_processes(mark: str, sid: int | None) -> dict[int, str]:
                 argv = f.read().split(b"\0")                     # put "gcs_server" past a cut at 80 characters
             name = " ".join([os.path.basename(argv[0].decode(errors="replace"))]
                             + [a.decode(errors="replace") for a in argv[1:]]).strip()[:120]
-            if int(fields[3]) == sid:
-                out[pid] = name
+            session = int(fields[3])
+            if session == sid:
+                out[pid] = (name, session, True)
                 continue
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"{MARK}={mark}".encode() in f.read():
-                    out[pid] = name
+                out[pid] = (name, session, f"{MARK}={mark}".encode() in f.read())
         except (OSError, ValueError, IndexError):
             pass
     return out
