@@ -185,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.port <= 65535:                    # (getaddrinfo wraps 70000 to 4464 without a word)
         ap.error(f"--port must be between 1 and 65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading
     if args.speculative == "draft" and not args.draft_model:
         ap.error("--speculative draft needs --draft-model")
     if args.scheduler in ("paced", "fcfs") and (args.slo_ttft_s is not None or args.slo_tpot_s is not None):
@@ -229,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 1
-    from rich.console import Console
+    signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading (not
+    from rich.console import Console                   # earlier: within an import it became an ImportError)
     from ..generate import status_while_compiling
     try:
         template = read_template(args.chat_template)
@@ -363,7 +363,9 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     else:
         app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue,
                             chat_template=template, shutdown_timeout=args.shutdown_timeout)
-    from .. import warmup                   # compile and pack while Ray starts (not for a cluster's other hosts)
+    signal.signal(signal.SIGTERM, _interrupt)     # until serve_on_ray takes the signals over; not earlier: within
+    from .. import warmup                         # an import (Ray's, Numba's) it became an ImportError and a traceback
+    # the warm-up compiles and packs while Ray starts (not for a cluster's other hosts)
     models = [args.model] + ([args.draft_model] if args.draft_model else [])
     warming = None if args.ray_address else warmup.in_background(models, threads)
     try:

@@ -536,14 +536,16 @@ def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", [(None, 0.5), (None, 4.0), ("on Ray", 0.5), ("on Ray", 2.0), ("gcs_server", 0)],
-                         ids=["0.5s", "4s", "ray+0.5s", "ray+2s", "gcs_up"])
+@pytest.mark.parametrize("moment", [(None, 0.5), (None, 4.0), ("on Ray", 0.5), ("on Ray", 2.0), ("gcs_server", 0),
+                                    ("Started a local Ray instance", 1.0), ("on Ray", 1.0, signal.SIGINT)],
+                         ids=["0.5s", "4s", "ray+0.5s", "ray+2s", "gcs_up", "replicas_starting", "ray+1s-SIGINT"])
 def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, moment):
     """A SIGTERM to the server's whole process group at any moment of its start (0.5 and 4 s after it was started:
     importing, checking the model; 0.5 and 2 s after it said it starts Ray: Ray's first seconds; as soon as Ray's
-    GCS runs): the server ends within seconds and no process of the run is left (found by its marked environment,
+    GCS runs; while the replicas start), and Ctrl-C in a terminal (SIGINT to the group): the server ends within seconds and no process of the run is left (found by its marked environment,
     wherever its session). It used to leave Ray's (the signal reached them too, and Ray's core could end the server
-    before it stopped them), to exit 130, or to print a traceback from an at-fork hook. (After it serves:
+    before it stopped them), to exit 130 or 1 (a traceback: the signal became an ImportError within Numba's import),
+    to print a traceback from an at-fork hook, or to crash at exit (SIGSEGV) once stopped within ray.init. (After it serves:
     test_signal_to_the_process_group_stops_everything_in_seconds.)"""
     import subprocess
     mark, log = uuid.uuid4().hex, tmp_path / "server.log"
@@ -552,14 +554,14 @@ def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, 
                          stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, MARK: mark})
     try:
         t0 = time.monotonic()
-        after, delay = moment
+        after, delay, sig = (*moment, signal.SIGTERM)[:3]
         while after == "gcs_server" and not any("gcs_server" in n for n in session_processes(mark, None).values()) \
-                or after == "on Ray" and "on Ray" not in log.read_text(errors="replace"):
+                or after not in (None, "gcs_server") and after not in log.read_text(errors="replace"):
             assert p.poll() is None and time.monotonic() - t0 < 120, log.read_text()[-2000:]
             time.sleep(0.05)
         time.sleep(delay)
         assert p.poll() is None, log.read_text()[-2000:]
-        os.killpg(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, sig)
         t1 = time.monotonic()
         try:
             code = p.wait(30)
@@ -574,8 +576,7 @@ def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, 
         left = kill_session(mark, None)
     text = log.read_text(errors="replace")
     assert not left, f"left after a SIGTERM to the process group at {moment}: {left}\n{text[-2000:]}"
-    assert code in (0, -signal.SIGTERM, 130) and took < 20, (code, took, text[-2000:])   # -15: before any handler,
-    assert "interrupted" not in text or after is None, text[-2000:]          # 130: while lumen.serve parses its flags
+    assert code in (0, -signal.SIGTERM) and took < 20, (code, took, text[-2000:])   # -15: before Ray's path is set
     assert "Traceback" not in text, text[-3000:]
 
 

@@ -252,6 +252,13 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         print(f"error: {short}", file=sys.stderr)          # than the machine's, so it is checked again once up)
         return 1
     previous = catch_signals()
+    unraisable = sys.unraisablehook
+
+    def lost_interrupts(u):          # raised in an at-fork hook of ray.init's (Python ignores those, with a traceback):
+        if not issubclass(u.exc_type, KeyboardInterrupt):      # said here by "stopped while starting" once it returns
+            unraisable(u)
+
+    sys.unraisablehook = lost_interrupts
     local = watchdog = None
     t0 = time.perf_counter()
     log.info("starting %d replica(s) x %d thread(s) on Ray (%s); Ctrl-C stops", replicas, threads,
@@ -277,6 +284,9 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         except KeyboardInterrupt:
             log.info("stopped while starting")
             _stop_now(local, address)
+            if address is None:       # interrupted within ray.init, Ray's core is half made, and the interpreter's
+                _end_children()       # exit crashed in it (SIGSEGV): out now, nothing of the instance left, nor
+                _flush_and_exit(0)    # the warm-up child
             return 0
         except Exception as e:                        # noqa: BLE001 - Ray's and the replicas' failures: one line
             print(f"error: the application did not start: {type(e).__name__}: {str(e).splitlines()[0]}",
@@ -304,6 +314,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             watchdog.close()
         for sig, h in previous.items():
             signal.signal(sig, h)
+        sys.unraisablehook = unraisable
     log.info("stopped")
     return 0
 
@@ -322,6 +333,13 @@ def _deadline(seconds: float = STOP_DEADLINE_S) -> None:
     t = threading.Timer(seconds, end)
     t.daemon = True
     t.start()
+
+
+def _end_children(grace: float = 3.0) -> None:
+    """SIGTERM to every process this one started and is still there (after _stop_now: the warm-up child), SIGKILL
+    after `grace` seconds."""
+    _, alive = psutil.wait_procs(_signal(psutil.Process().children(recursive=True), "terminate"), timeout=grace)
+    psutil.wait_procs(_signal(alive, "kill"), timeout=3.0)
 
 
 def _flush_and_exit(code: int) -> None:
