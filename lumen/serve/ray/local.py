@@ -2,7 +2,8 @@
 process of it behind.
 
     ray = LocalRay(num_cpus=None)   ray.init(address="local", ...) in a temp dir of its own: a new instance even
-                                    when another runs on this machine (never joined: it would be stopped with ours)
+                                    when another runs on this machine (never joined: it would be stopped with ours);
+                                    its processes in sessions of their own (own_sessions)
     ray.stop(grace=2.0)             serve.shutdown() and ray.shutdown(), then every process of the instance that is
                                     still there gets SIGTERM and, after `grace` seconds, SIGKILL; the temp dir goes
     ray.kill()                      every process of it at once, without waiting for Serve (a second Ctrl-C)
