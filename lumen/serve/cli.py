@@ -336,7 +336,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     scale = ray_app.Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                           router=args.router)
     pools = args.prefill_replicas + args.decode_replicas if args.prefill_replicas else scale.initial
-    threads = args.threads or max(1, (os.cpu_count() or 1) // pools)
+    most = scale.bounds[1] if scale.bounds else pools     # the CPUs shared by the most replicas there will be
+    threads = args.threads or max(1, (os.cpu_count() or 1) // most)
     config = replace(config, threads=threads)
     try:
         from ..model.parts import open_gguf

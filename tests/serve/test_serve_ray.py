@@ -312,6 +312,19 @@ def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
     assert "Traceback" not in r.stderr and not left, (r.stderr[-2000:], left)
 
 
+def test_default_threads_share_the_cpus_among_max_replicas(smollm2_path):
+    """Without --threads, each replica gets the cores / --max-replicas (it used to get the cores / the initial
+    replicas, so that `--max-replicas 2` alone asked for twice the cores at its most): past the cores, the one line
+    names one thread each."""
+    import subprocess
+    n = os.cpu_count()
+    r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--max-replicas", str(n + 1),
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == f"error: --max-replicas {n + 1} x 1 thread(s) ask Ray for {n + 1} " \
+                                                f"CPUs, and this machine has {n}: use --max-replicas {n}", r.stderr
+
+
 def test_deadline_after_a_signal_while_starting_kills_what_it_started(tmp_path):
     """The fallback for a start that outlives its signal (a KeyboardInterrupt lost in an at-fork hook, a GCS gone):
     past the deadline every process the server started is killed and it exits 0, whatever the main thread does."""
