@@ -21,14 +21,15 @@
   per call fit in a cache can read faster than bw_gbps, which streams from memory.
 
 These are what Numba code reaches here, not the vendor's peak. The result is cached as JSON in
-`$LUMEN_HOME/machine.json` and is reused only on the same CPU model string and core count, and only when
-written by this VERSION of the kernels.
+`$LUMEN_HOME/machine.json` and is reused only on the same CPU (machine_key(): the CPU key of lumen.cpu, which
+holds the family and model numbers, the CPU count and the ISA flags, and the vendor and stepping; a model name
+such as "AMD EPYC" is shown for a Zen 4 and a Zen 5 guest alike), and only when written by this VERSION of the
+kernels. A cache without that key (written before it existed) is measured again.
 """
 from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu import cpu_info, cpu_key, cpu_model, read_cpuinfo
 from .errors import LumenError
 from .kernels import ir as kir
 from .kernels import simd
@@ -146,14 +148,14 @@ def int8_isa(bits: int) -> str:
 
 
 # ---- measuring ----
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def machine_key(cpuinfo: dict | None = None) -> str:
+    """The CPU the limits hold for: lumen.cpu's key (model name, family and model, CPU count, ISA flags), then the
+    vendor and stepping where /proc/cpuinfo (or `cpuinfo`, its fields) gives them. Elsewhere the key has what the
+    platform module gives (on Windows its processor string names family, model and stepping)."""
+    info = read_cpuinfo() if cpuinfo is None else cpuinfo
+    extra = " ".join(f"{name} {info[field]}" for field, name in (("vendor_id", "vendor"), ("stepping", "stepping"))
+                     if info.get(field))
+    return cpu_key(cpu_info(info)) + (f" | {extra}" if extra else "")
 
 
 def _best(fn, reps: int) -> float:
@@ -207,7 +209,8 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
             threads: int | None = None) -> dict:
     """Measure the limits now: about 10 s at the default sizes (a quiet machine); smaller sizes for tests."""
     threads = threads or os.cpu_count() or 1
-    out = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "version": VERSION, **cache_sizes()}
+    out = {"cpu": cpu_model(), "cpu_key": machine_key(), "cores": os.cpu_count(), "threads": threads,
+           "version": VERSION, **cache_sizes()}
     a = np.ones(max(bw_bytes // 4, 1024 * threads), np.float32)  # (n,) f32; allocating faults the pages in
     step = (a.size + threads - 1) // threads
     parts = [a[i * step:(i + 1) * step] for i in range(threads)]
@@ -246,11 +249,29 @@ def cache_path() -> Path:
     return lumen_home() / "machine.json"
 
 
-def _valid(d: dict) -> bool:
-    keys = ("bw_1t_gbps", "bw_gbps", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops", "int8_dot_isa",
-            "int8_dot_widths", "threads", "cpu")
-    return (isinstance(d, dict) and all(k in d for k in keys) and d.get("cpu") == cpu_model()
-            and d.get("cores") == os.cpu_count() and d.get("version") == VERSION)
+KEYS = ("bw_1t_gbps", "bw_gbps", "fma_1t_gflops", "fma_gflops", "int8_dot_1t_gops", "int8_dot_gops", "int8_dot_isa",
+        "int8_dot_widths", "threads", "cpu", "cores", "measured_at")  # what the readers of the limits use
+
+
+def _rate(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+
+def _stale(d) -> str | None:
+    """Why a cache read back cannot be used here (None: it can)."""
+    if isinstance(d, dict) and d.get("version") != VERSION:
+        return "was measured by an older version of these kernels"
+    if (not isinstance(d, dict) or not all(k in d for k in KEYS)
+            or not all(_rate(d[k]) for k in KEYS if k.endswith(("_gbps", "_gops", "_gflops", "threads", "cores")))
+            or not isinstance(d["int8_dot_widths"], dict)
+            or not all(isinstance(r, dict) and _rate(r.get("1t_gops")) and _rate(r.get("gops"))
+                       for r in d["int8_dot_widths"].values())):
+        return "is unreadable"
+    if "cpu_key" not in d:
+        return "does not name the CPU's family and model (written by an older Lumen)"
+    if d["cpu_key"] != machine_key() or d.get("cores") != os.cpu_count():
+        return f"was measured on another CPU ({d['cpu_key']}; this one is {machine_key()})"
+    return None
 
 
 def limits(measure_if_missing: bool = True, remeasure: bool = False) -> dict:
@@ -259,14 +280,12 @@ def limits(measure_if_missing: bool = True, remeasure: bool = False) -> dict:
     if not remeasure:
         try:
             d = json.loads(path.read_text())
-            if _valid(d):
+            why = _stale(d)
+            if why is None:
                 return d
-            why = ("is unreadable" if not isinstance(d, dict)
-                   else "was measured by an older version of these kernels" if d.get("version") != VERSION
-                   else "was measured on another CPU or thread count")
         except FileNotFoundError:
             why = "is missing"
-        except (OSError, ValueError):
+        except (OSError, ValueError):               # (UnicodeDecodeError is a ValueError)
             why = "is unreadable"
         if not measure_if_missing:
             raise LumenError(f"the machine limits cache {path} {why}; run `python -m lumen.profile --machine`")

@@ -22,7 +22,8 @@ LUMEN = Path(__file__).resolve().parent.parent / "lumen"
 # __init__.py: the public facade, `lumen.load` and the lazy `lumen.Engine` / `lumen.profile`).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("lumen.errors", "lumen.timer", "lumen.paths",      # exceptions, the tick clock + profiler hook,
-              "lumen.commands")),                                # paths, the table of command-line tools
+              "lumen.commands", "lumen.cpu")),                   # paths, the table of command-line tools, the
+                                                                 # CPU's identity
     ("format", ("lumen.format",)),                               # GGUF file, quant types, tokenizer, chat template
     ("kernels", ("lumen.kernels",)),                             # Numba kernels: arrays in, arrays out
     ("model", ("lumen.model", "lumen.machine")),                 # Config, packed weights, pack cache, model store,

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from lumen.cpu import read_cpuinfo
+
 GATES = Path(__file__).parents[1] / "benchmarks" / "conftest.py"
 
 
@@ -26,23 +28,23 @@ def cpuinfo(family: int, model: int, name: str = "AMD EPYC", flags: str = FLAGS)
 
 
 def test_zen4_and_zen5_guests_of_one_name_get_different_keys(gates):
-    zen4 = gates.cpu_info(gates.read_cpuinfo(cpuinfo(25, 17)))
-    zen5 = gates.cpu_info(gates.read_cpuinfo(cpuinfo(26, 2)))
+    zen4 = gates.cpu_info(read_cpuinfo(cpuinfo(25, 17)))
+    zen5 = gates.cpu_info(read_cpuinfo(cpuinfo(26, 2)))
     assert zen4["model"] == zen5["model"] == "AMD EPYC" and zen4["isa"] == zen5["isa"]
     assert gates.cpu_key(zen4) != gates.cpu_key(zen5)
     assert "family 25 model 17" in gates.cpu_key(zen4) and "family 26 model 2" in gates.cpu_key(zen5)
 
 
 def test_arm_and_unknown_cpus_have_keys(gates):
-    arm = gates.read_cpuinfo("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n")
+    arm = read_cpuinfo("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n")
     assert "implementer 0x41 part 0xd0c" in gates.cpu_key(gates.cpu_info(arm))
     assert "identity unknown" in gates.cpu_key(gates.cpu_info({}))
 
 
 def test_a_zen5_run_never_gates_against_the_zen4_entry(gates, monkeypatch):
     monkeypatch.delenv("LUMEN_BENCH_CPU", raising=False)
-    zen4 = gates.cpu_info(gates.read_cpuinfo(cpuinfo(25, 17)))
-    zen5 = gates.cpu_info(gates.read_cpuinfo(cpuinfo(26, 2)))
+    zen4 = gates.cpu_info(read_cpuinfo(cpuinfo(25, 17)))
+    zen5 = gates.cpu_info(read_cpuinfo(cpuinfo(26, 2)))
     entry = {"cases": {"c": {"norm": 1.0}}, "meta": {"written": "2026-12-03"}}
     baselines = {"cpus": {gates.cpu_key(zen4): entry}}
     assert gates.Gate(zen4, baselines).baseline is entry
@@ -54,7 +56,7 @@ def test_a_zen5_run_never_gates_against_the_zen4_entry(gates, monkeypatch):
 
 def test_an_entry_keyed_without_the_family_is_read_but_not_gated_against(gates, monkeypatch):
     monkeypatch.delenv("LUMEN_BENCH_CPU", raising=False)
-    zen5 = gates.cpu_info(gates.read_cpuinfo(cpuinfo(26, 2)))
+    zen5 = gates.cpu_info(read_cpuinfo(cpuinfo(26, 2)))
     old_key = gates.legacy_key(gates.cpu_key(zen5))        # "AMD EPYC | 2 CPUs | flags", as keys were
     assert old_key.count(" | ") == 2 and gates.legacy_key(old_key) == old_key
     entry = {"cases": {"c": {"norm": 1.0}}, "meta": {}}

@@ -1,5 +1,6 @@
-"""lumen.machine: the int8 dot kernel against numpy, the measured limits, their cache, and the fallback without
-AVX512-VNNI (LUMEN_NO_VNNI=1 in a subprocess with its own Numba cache)."""
+"""lumen.machine: the int8 dot kernel against numpy, the measured limits, their cache (kept per CPU identity,
+re-measured when damaged), and the fallback without AVX512-VNNI (LUMEN_NO_VNNI=1 in a subprocess with its own
+Numba cache)."""
 import json
 import math
 import os
@@ -72,13 +73,91 @@ def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys)
     (tmp_path / "machine.json").write_text(json.dumps(dict(old, version=1, int_dot_gops=21.0)))
     assert machine.limits()["int8_dot_gops"] > 0
     assert "older version of these kernels" in capsys.readouterr().err
-    (tmp_path / "machine.json").write_text(json.dumps(dict(d, cpu="another CPU", bw_gbps=-1)))
-    assert machine.limits()["bw_gbps"] > 0
+    (tmp_path / "machine.json").write_text(json.dumps(dict(d, cpu_key="another CPU", bw_gbps=1e-3)))
+    assert machine.limits()["bw_gbps"] > 1e-3
     assert "another CPU" in capsys.readouterr().err
     (tmp_path / "machine.json").write_text("[1, 2]")                # JSON, but not the limits: unreadable
     assert machine.limits()["bw_gbps"] > 0
     assert "is unreadable" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]   # written whole: no temporary left
+
+
+def cpuinfo(family: int, model: int, stepping: int = 1) -> str:
+    """/proc/cpuinfo of a 2-CPU "AMD EPYC" KVM guest (Zen 4: family 25; Zen 5: family 26), one block per CPU."""
+    block = (f"processor\t: {{}}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+             f"model name\t: AMD EPYC\nstepping\t: {stepping}\nflags\t\t: fpu avx2 fma avx512f avx512bw "
+             f"avx512_vnni\n")
+    return "\n".join(block.format(i) for i in range(2))
+
+
+def test_machine_key_tells_cpus_of_one_name_apart():
+    from lumen.cpu import read_cpuinfo
+    from lumen.machine import machine_key
+    zen4, zen5 = machine_key(read_cpuinfo(cpuinfo(25, 17))), machine_key(read_cpuinfo(cpuinfo(26, 2)))
+    assert zen4 != zen5 and zen4.startswith("AMD EPYC | family 25 model 17 |") and "family 26 model 2" in zen5
+    assert zen4.endswith("| vendor AuthenticAMD stepping 1") and "avx512_vnni" in zen4
+    assert machine_key(read_cpuinfo(cpuinfo(25, 17, 2))) != zen4            # another stepping
+    assert machine_key(read_cpuinfo(cpuinfo(25, 17))) == zen4               # the same CPU: the same key
+    arm = machine_key(read_cpuinfo("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n"
+                                   "CPU part\t: 0xd0c\n"))
+    assert "implementer 0x41 part 0xd0c" in arm
+    assert "identity unknown" in machine_key({})                           # no /proc/cpuinfo: still a key
+
+
+def test_cache_is_kept_per_cpu_identity(tmp_path, monkeypatch, capsys):
+    """Two "AMD EPYC" guests with 2 CPUs that differ only in family and model do not share a cache: each is
+    measured on the other's; the same identity reads it back; a cache from before the key (no cpu_key) is
+    measured again."""
+    import lumen.machine as machine
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    real, runs = machine.measure, []
+    monkeypatch.setattr(machine, "measure", lambda: runs.append(1) or real(**SMALL))
+    cpu = {}
+    monkeypatch.setattr(machine, "read_cpuinfo", lambda: cpu["info"])
+    from lumen.cpu import read_cpuinfo
+    zen4, zen5 = read_cpuinfo(cpuinfo(25, 17)), read_cpuinfo(cpuinfo(26, 2))
+    cpu["info"] = zen4
+    d4 = machine.limits()
+    assert len(runs) == 1 and "family 25 model 17" in d4["cpu_key"] and d4["cpu"] == machine.cpu_model()
+    assert machine.limits() == d4 and len(runs) == 1                        # the same CPU: read back
+    cpu["info"] = zen5
+    d5 = machine.limits()
+    assert len(runs) == 2 and "family 26 model 2" in d5["cpu_key"]         # the other: measured, not shared
+    assert "was measured on another CPU (AMD EPYC | family 25 model 17" in capsys.readouterr().err
+    assert machine.limits() == d5 and len(runs) == 2
+    old = {k: v for k, v in d5.items() if k != "cpu_key"}                   # as written before the key
+    (tmp_path / "machine.json").write_text(json.dumps(old))
+    with pytest.raises(machine.LumenError, match="does not name the CPU's family and model"):
+        machine.limits(measure_if_missing=False)
+    assert machine.limits()["cpu_key"] == d5["cpu_key"] and len(runs) == 3
+
+
+@pytest.mark.parametrize("text", [
+    '{"bw_gbps": 4',                                              # cut short
+    "\x00\xff\xfe garbage",                                        # not text
+    "null",
+    "FIELD:bw_gbps=fast", "FIELD:threads=0", "FIELD:int8_dot_widths=[1]", "FIELD:int8_dot_widths={\"256\": 1}",
+    "FIELD:fma_gflops=NaN", "DROP:measured_at",
+])
+def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, capsys, text):
+    """A damaged machine.json (cut short, not text, a field of the wrong type or missing) is measured again and
+    rewritten, never trusted and never a crash."""
+    import lumen.machine as machine
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    real, runs = machine.measure, []
+    monkeypatch.setattr(machine, "measure", lambda: runs.append(1) or real(**SMALL))
+    good = machine.limits()
+    path = tmp_path / "machine.json"
+    if text.startswith("FIELD:"):
+        name, value = text[6:].split("=", 1)
+        text = json.dumps(dict(good, **{name: json.loads(value) if value[0] in "[{0N" else value}))
+    elif text.startswith("DROP:"):
+        text = json.dumps({k: v for k, v in good.items() if k != text[5:]})
+    path.write_bytes(text.encode("latin-1"))
+    capsys.readouterr()
+    d = machine.limits()
+    assert len(runs) == 2 and "is unreadable; measuring" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == d and d["bw_gbps"] > 0
 
 
 NO_VNNI = """

@@ -1,0 +1,69 @@
+"""This CPU's identity, for the caches and records that are only valid on the CPU that measured them (the machine
+limits of lumen.machine, the benchmark gates' baselines).
+
+    cpu_key(cpu_info())   # 'AMD EPYC | family 26 model 2 | 2 CPUs | avx2 avx512bw avx512_vnni avx512f avx_vnni fma'
+
+A hypervisor may show a generic model name ("AMD EPYC" for both a Zen 4 guest, family 25, and a Zen 5 one, family
+26), so the name alone does not tell two CPUs apart: the key holds the identity numbers of /proc/cpuinfo too.
+Bottom floor: imports nothing of Lumen (no Numba), so any layer and the test machinery can use it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+ISA = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")  # flags that decide speed
+
+
+def read_cpuinfo(text: str | None = None) -> dict:
+    """The first processor's fields of /proc/cpuinfo (or of `text`), {name: value}; {} where there is none."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break               # the end of the first processor's block
+            continue
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's, else what the platform module gives."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_info(cpuinfo: dict | None = None) -> dict:
+    """The CPU: model name (cpu_model()), its identity numbers, the vector ISA flags that decide kernel speed, CPU
+    count. The identity is x86's "family F model M" (what tells a Zen 4 guest, family 25, from a Zen 5 one, family
+    26, when both show "AMD EPYC"), or ARM's "implementer I part P"; "" where /proc/cpuinfo gives neither."""
+    info = read_cpuinfo() if cpuinfo is None else cpuinfo
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    if "cpu family" in info and "model" in info:
+        ident = f"family {info['cpu family']} model {info['model']}"
+    elif "CPU implementer" in info and "CPU part" in info:
+        ident = f"implementer {info['CPU implementer']} part {info['CPU part']}"
+    else:
+        ident = ""
+    return {"model": info.get("model name") or cpu_model(), "id": ident,
+            "isa": sorted(f for f in flags if f in ISA), "cpus": os.cpu_count()}
+
+
+def cpu_key(cpu: dict) -> str:
+    """The key of a CPU: "model name | identity | N CPUs | ISA flags". A hypervisor may show a generic model name
+    ("AMD EPYC" for both a Zen 4 and a Zen 5 guest), so the family and model numbers are part of the key, and so
+    are the ISA flags (a guest may not be granted all of its CPU's)."""
+    isa = " ".join(cpu["isa"]) or "no AVX2"
+    return f"{cpu['model']} | {cpu.get('id') or 'identity unknown'} | {cpu['cpus']} CPUs | {isa}"
