@@ -20,9 +20,9 @@ FAKE = {"cpu": None, "cores": os.cpu_count(), "threads": os.cpu_count(), "versio
 @pytest.fixture(scope="module")
 def home(tmp_path_factory, new_home):
     """A LUMEN_HOME with the real models and their packs linked in, and a fake machine.json."""
-    from lumen.machine import VERSION, cpu_model
+    from lumen.machine import VERSION, cpu_model, machine_key
     d = new_home(tmp_path_factory.mktemp("lumen_home"))
-    (d / "machine.json").write_text(json.dumps(dict(FAKE, cpu=cpu_model(), version=VERSION)))
+    (d / "machine.json").write_text(json.dumps(dict(FAKE, cpu=cpu_model(), cpu_key=machine_key(), version=VERSION)))
     return d
 
 
