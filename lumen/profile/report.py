@@ -248,6 +248,8 @@ def print_machine(lim: dict, console) -> None:
     caches = ", ".join(f"{n} {_cache_size(lim[k])}" for k, n in
                        (("l1d_bytes", "L1d"), ("l2_bytes", "L2"), ("l3_bytes", "L3")) if lim.get(k))
     console.print(f"caches per core: {caches or 'unknown'}")
+    if lim.get("cpu_key"):
+        console.print(f"measured on (and reused only on) {lim['cpu_key']}", markup=False)
     console.print(f"measured {lim.get('measured_at', '?')}; ridge points: f32 FMA "
                   f"{lim['fma_gflops'] / lim['bw_gbps']:.1f}, int8 dot {lim['int8_dot_gops'] / lim['bw_gbps']:.1f} "
                   f"FLOP/byte")

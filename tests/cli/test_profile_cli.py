@@ -234,6 +234,8 @@ def test_machine_prints_cached_limits(home):
     assert re.search(r"256-bit vectors +│ +75 │ +150", r.stdout)
     assert re.search(r"512-bit vectors +│ +150 │ +300", r.stdout)
     assert "caches per core: L1d 48 KiB, L2 2 MiB, L3 32 MiB" in r.stdout
+    from lumen.machine import machine_key
+    assert f"measured on (and reused only on) {machine_key()}" in " ".join(r.stdout.split())
 
 
 def test_machine_json_writes_the_limits(home, tmp_path):
