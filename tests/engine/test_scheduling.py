@@ -217,6 +217,24 @@ def test_calibration_is_cached_per_model_machine_and_code(model, tmp_path, monke
     assert cache_path(other.cost_key) != cache_path(eng.cost_key)    # another engine shape: another table
 
 
+def test_calibration_is_not_shared_by_cpus_of_one_name(tmp_path, monkeypatch):
+    """Two "AMD EPYC" guests with 2 CPUs that differ only in family and model (Zen 4: 25, Zen 5: 26) get two cost
+    tables; the same CPU gets the same one."""
+    import lumen.machine as machine
+    from lumen.cpu import read_cpuinfo
+    from lumen.engine.costs.steps import CostKey
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    key = CostKey(gguf, threads=2, max_tokens=64, max_seqs=4, max_model_len=256)
+    paths = []
+    for family, model in ((25, 17), (26, 2), (25, 17)):
+        info = read_cpuinfo(f"vendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                            f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: avx2 fma avx512f\n")
+        monkeypatch.setattr(machine, "read_cpuinfo", lambda info=info: info)
+        paths.append(cache_path(key))
+    assert paths[0] != paths[1] and paths[0] == paths[2]
+
+
 @pytest.mark.slow
 def test_measured_scheduler_gives_the_same_outputs(model, caplog):
     """Budgets change how steps are cut, never what a request produces; every decision is logged with explain."""

@@ -253,10 +253,10 @@ class CostKey:
 def cache_key(key: CostKey) -> str:
     """Model file, machine, compiled code, threads, engine shape: a change to any measures again."""
     from ...paths import compile_cache_dir as _compile_cache_dir
-    from ...machine import cpu_model
+    from ...machine import machine_key       # the CPU's family and model too: a name can be shared (AMD EPYC)
     p = Path(key.model_path)
     st = p.stat()
-    h = hashlib.sha256(f"{p.resolve()} {st.st_size} {st.st_mtime_ns} | {cpu_model()} {os.cpu_count()} | "
+    h = hashlib.sha256(f"{p.resolve()} {st.st_size} {st.st_mtime_ns} | {machine_key()} | "
                        f"{Path(_compile_cache_dir()).name} | threads {key.threads} | "
                        f"{key.max_tokens} {key.max_seqs} {key.max_model_len}".encode())
     return h.hexdigest()[:20]
