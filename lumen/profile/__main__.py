@@ -1,6 +1,6 @@
 """Profile Lumen on this machine: `python -m lumen.profile [MODE] ...`, one parser for every mode (MODES below).
 
-    python -m lumen.profile --machine [--remeasure] [--json F]   # this machine's limits (measured once, cached)
+    python -m lumen.profile --machine [--remeasure] [--json F|-]  # this machine's limits (measured once, cached)
     python -m lumen.profile --model smollm2-135m --prompt-tokens 512 --gen-tokens 128 \\
         [--threads T] [--json F.json] [--plot F.png] [--phase prefill|decode] [--op NAME] [--layer N]
     python -m lumen.profile --model M --overhead [--repeats 5] [--json F]   # decode tok/s: timers off / out / on
@@ -51,6 +51,7 @@ MODES = """modes (one at a time; without one, a profiled generate run):
   (default)          profile a generate run op by op: --model, --prompt-tokens, --gen-tokens, --threads,
                      --phase/--op/--layer, --json, --plot
   --machine          this machine's measured limits (measured once, cached; --remeasure measures again); --json
+                     (--json -: the limits as JSON on stdout, instead of the table)
   --overhead         decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on: --repeats, --json
   --engine           the engine's measured step costs and their fit (lumen/profile/serving_cli.py):
                      --max-num-batched-tokens, --max-num-seqs, --max-model-len, --tiny, --remeasure,
@@ -241,11 +242,16 @@ def check_outputs(args, mode: str) -> str | None:
     mode has no output for (--machine and --overhead draw nothing)."""
     if args.plot and mode in ("machine", "overhead"):
         return f"--plot does not go with --{mode} (it draws nothing; --json writes its numbers)"
+    for flag, value in (("--json", args.json), ("--plot", args.plot)):
+        if value is not None and not value.strip():
+            return f"{flag} needs a file name, got {value!r}"
+    if args.json == "-" and mode != "machine":
+        return "--json - (JSON on stdout) goes with --machine only; give a file name"
     outs = [(args.json, "the JSON"), (args.plot, "the plot")]
     if args.plot and mode == "run":
         outs.append((ops_png(args.plot), "the op plot"))
     for path, what in outs:
-        why = path and check_writable(path, what)
+        why = path and path != "-" and check_writable(path, what)
         if why:
             return why
     if args.plot:
@@ -303,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from lumen.machine import limits
         lim = limits(remeasure=args.remeasure)
+        if args.machine and args.json == "-":                   # for a script: the JSON alone on stdout
+            print(json.dumps(lim, indent=1))
+            return 0
         if args.machine:
             print_machine(lim, console)
             if args.json:

@@ -244,6 +244,15 @@ def test_machine_json_writes_the_limits(home, tmp_path):
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads((home / "machine.json").read_text())
 
 
+def test_machine_json_to_stdout(home, tmp_path):
+    """--json -: the limits as JSON alone on stdout (for a script), no table, no file named "-"."""
+    r = subprocess.run([sys.executable, "-m", "lumen.profile", "--machine", "--json", "-"], cwd=tmp_path,
+                       env=dict(os.environ, LUMEN_HOME=str(home)), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert json.loads(r.stdout) == json.loads((home / "machine.json").read_text())
+    assert not (tmp_path / "-").exists()
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--machine", "--plot", "{tmp}/m.png"], "--plot does not go with --machine"),
     (["--overhead", "--plot", "{tmp}/o.png"], "--plot does not go with --overhead"),
@@ -252,6 +261,9 @@ def test_machine_json_writes_the_limits(home, tmp_path):
     (["--engine", "--json", "/no/such/dir/c.json"], "the directory /no/such/dir does not exist"),
     (["--engine", "--plot", "{tmp}"], "is a directory"),
     (["--serving", "{tmp}/s.json", "--plot", "/no/such/dir/s.png"], "the directory /no/such/dir does not exist"),
+    (["--machine", "--json", ""], "--json needs a file name, got ''"),
+    (["--engine", "--plot", " "], "--plot needs a file name, got ' '"),
+    (["--serving", "{tmp}/s.json", "--json", "-"], "--json - (JSON on stdout) goes with --machine only"),
 ])
 def test_outputs_that_cannot_be_written_fail_before_any_work(home, tmp_path, args, msg):
     """Every mode checks its --json and --plot before measuring (an --engine calibration takes minutes), and a flag
