@@ -46,6 +46,7 @@ from .errors import LumenError
 from .kernels import ir as kir
 from .kernels import simd
 from .model.store import lumen_home
+from .paths import _flock
 
 VERSION = 4  # bump when a kernel below changes what it measures (2: int8 dot; 3: aligned; 4: 256 and 512 bits)
 FMA_W = 128  # accumulators per thread (f32)
@@ -274,29 +275,43 @@ def _stale(d) -> str | None:
     return None
 
 
+def _read(path: Path) -> tuple[dict | None, str]:
+    """(the cached limits, "") if the cache at path holds for this machine, else (None, why not)."""
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, "is missing"
+    except (OSError, ValueError):                   # (UnicodeDecodeError is a ValueError)
+        return None, "is unreadable"
+    why = _stale(d)
+    return (d, "") if why is None else (None, why)
+
+
 def limits(measure_if_missing: bool = True, remeasure: bool = False) -> dict:
-    """The cached limits of this machine; measured (and cached) when the cache is missing, stale or corrupt."""
+    """The cached limits of this machine; measured (and cached) when the cache is missing, stale or corrupt.
+    Processes measure one at a time (an flock in $LUMEN_HOME): two at once on the same cores would each record
+    a share of the machine, and one that waited reads what the other measured instead of measuring again."""
     path = cache_path()
     if not remeasure:
-        try:
-            d = json.loads(path.read_text())
-            why = _stale(d)
-            if why is None:
-                return d
-        except FileNotFoundError:
-            why = "is missing"
-        except (OSError, ValueError):               # (UnicodeDecodeError is a ValueError)
-            why = "is unreadable"
+        d, why = _read(path)
+        if d is not None:
+            return d
         if not measure_if_missing:
             raise LumenError(f"the machine limits cache {path} {why}; run `python -m lumen.profile --machine`")
         print(f"note: the machine limits cache {path} {why}; measuring this machine (about 10 s)...",
               file=sys.stderr, flush=True)
-    d = measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with _flock(str(path.parent), shared=False, name="machine.lock"):
+        if not remeasure:
+            d, _ = _read(path)
+            if d is not None:                       # measured by another process while this one waited
+                return d
+        d = measure()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")    # whole or not at all: a reader at the same
-        tmp.write_text(json.dumps(d, indent=1))                     # time, or a kill mid-write, never sees half
-        os.replace(tmp, path)
-    except OSError as e:
-        print(f"warning: could not cache the machine limits in {path}: {e.strerror}", file=sys.stderr)
+        try:                                                        # time, or a kill mid-write, never sees half
+            tmp.write_text(json.dumps(d, indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            print(f"warning: could not cache the machine limits in {path}: {e.strerror}", file=sys.stderr)
+        finally:
+            tmp.unlink(missing_ok=True)
     return d

@@ -7,6 +7,7 @@ so every layer can ask for a cache path without importing the package's public f
         numba/<key>/                  Numba's compile cache (compile_cache_dir below)
         costs/<stem>-<key>.json       the engine's measured step costs
         machine.json                  this machine's measured limits (lumen.machine)
+        machine.lock                  held while they are measured: one process at a time
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys)
     (tmp_path / "machine.json").write_text("[1, 2]")                # JSON, but not the limits: unreadable
     assert machine.limits()["bw_gbps"] > 0
     assert "is unreadable" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]   # written whole: no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json", "machine.lock"]   # no temporary left
 
 
 def cpuinfo(family: int, model: int, stepping: int = 1) -> str:
@@ -158,6 +158,37 @@ def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, capsys, text):
     d = machine.limits()
     assert len(runs) == 2 and "is unreadable; measuring" in capsys.readouterr().err
     assert json.loads(path.read_text()) == d and d["bw_gbps"] > 0
+
+
+def test_processes_measure_one_at_a_time(tmp_path, monkeypatch, capsys):
+    """Two callers that find no cache at once: one measures, the other waits for it and reads its result (an
+    flock per open file, so two threads contend as two processes would); nothing is left beside the cache."""
+    import threading
+    import time
+    import lumen.machine as machine
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    real, runs, busy = machine.measure, [], []
+
+    def slow():
+        busy.append(1)
+        assert len(busy) == 1, "two measurements at once"
+        runs.append(1)
+        time.sleep(0.3)
+        d = real(**SMALL)
+        busy.pop()
+        return d
+
+    monkeypatch.setattr(machine, "measure", slow)
+    got = []
+    ts = [threading.Thread(target=lambda: got.append(machine.limits())) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(runs) == 1 and len(got) == 2 and got[0] == got[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json", "machine.lock"]
+    machine.limits(remeasure=True)                                      # --remeasure: measured whatever the cache
+    assert len(runs) == 2
 
 
 NO_VNNI = """
