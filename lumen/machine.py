@@ -17,6 +17,8 @@
   LUMEN_NO_VNNI=1) the same block compiles to the portable vector IR the tiles then run, and that is measured.
   The tiles also spend instructions on unpacking, zero points and the float epilogue, so a matmul reaches a part
   of this, never more.
+- load_avg: the 1-minute load average when the measurement began (None where unknown): other work on the cores
+  lowers every figure, and `python -m lumen.profile --machine` says so when it was busy.
 - l1d_bytes / l2_bytes / l3_bytes: the data cache sizes of one core (sysfs; 0 when unknown). An op whose bytes
   per call fit in a cache can read faster than bw_gbps, which streams from memory.
 
@@ -210,6 +212,7 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
             threads: int | None = None) -> dict:
     """Measure the limits now: about 10 s at the default sizes (a quiet machine); smaller sizes for tests."""
     threads = threads or os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # 1-minute average, before measuring
     out = {"cpu": cpu_model(), "cpu_key": machine_key(), "cores": os.cpu_count(), "threads": threads,
            "version": VERSION, **cache_sizes()}
     a = np.ones(max(bw_bytes // 4, 1024 * threads), np.float32)  # (n,) f32; allocating faults the pages in
@@ -243,6 +246,7 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
     out["int8_dot_isa"] = int8_isa(int(best))
     out["int8_dot_widths"] = widths
     out["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    out["load_avg"] = load                   # other work on the cores, which the figures then share
     return out
 
 

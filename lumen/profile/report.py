@@ -18,6 +18,7 @@ from lumen.kernels.policy import PAR_ROWS
 
 GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize")
 PHASES = ("prefill", "decode")
+BUSY = 0.5  # load average per CPU from which a measurement of the limits is flagged as taken on a busy machine
 INT8, FMA, MEMORY = "int8 dot", "f32 FMA", "memory"
 
 
@@ -250,6 +251,11 @@ def print_machine(lim: dict, console) -> None:
     console.print(f"caches per core: {caches or 'unknown'}")
     if lim.get("cpu_key"):
         console.print(f"measured on (and reused only on) {lim['cpu_key']}", markup=False)
+    load = lim.get("load_avg")
+    if isinstance(load, (int, float)) and load >= BUSY * lim["cores"]:
+        console.print(f"warning: measured under a load average of {load:.2f} on {lim['cores']} CPUs: other work "
+                      f"shared the cores, so these limits may be low; measure again on a quiet machine "
+                      f"(--machine --remeasure)", markup=False)
     console.print(f"measured {lim.get('measured_at', '?')}; ridge points: f32 FMA "
                   f"{lim['fma_gflops'] / lim['bw_gbps']:.1f}, int8 dot {lim['int8_dot_gops'] / lim['bw_gbps']:.1f} "
                   f"FLOP/byte")

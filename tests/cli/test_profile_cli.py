@@ -238,6 +238,18 @@ def test_machine_prints_cached_limits(home):
     assert f"measured on (and reused only on) {machine_key()}" in " ".join(r.stdout.split())
 
 
+@pytest.mark.parametrize("load, busy", [(None, False), (0.1, False), (2.0 * (os.cpu_count() or 1), True)])
+def test_machine_says_when_it_was_measured_on_a_busy_machine(load, busy):
+    import io
+    from rich.console import Console
+    from lumen.profile.report import print_machine
+    out = io.StringIO()
+    print_machine(dict(FAKE, cpu="fake CPU", version=1, load_avg=load), Console(file=out, width=200))
+    said = "warning: measured under a load average of" in out.getvalue()
+    assert said == busy, out.getvalue()
+    assert not busy or "may be low; measure again on a quiet machine (--machine --remeasure)" in out.getvalue()
+
+
 def test_machine_json_writes_the_limits(home, tmp_path):
     r = run(home, "--machine", "--json", tmp_path / "m.json")
     assert r.returncode == 0, r.stderr
