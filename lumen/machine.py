@@ -272,6 +272,9 @@ def _stale(d) -> str | None:
             or not all(isinstance(r, dict) and _rate(r.get("1t_gops")) and _rate(r.get("gops"))
                        for r in d["int8_dot_widths"].values())):
         return "is unreadable"
+    if str(d["int8_dot_isa"]).startswith("portable" if simd.VNNI else "vpdpbusd"):   # int8_isa() of the other
+        return (f"was measured for {'the portable' if simd.VNNI else 'the AVX512-VNNI'} int8 dot, not the one this "
+                f"build's tiles run (LUMEN_NO_VNNI)")
     if "cpu_key" not in d:
         return "does not name the CPU's family and model (written by an older Lumen)"
     if d["cpu_key"] != machine_key() or d.get("cores") != os.cpu_count():

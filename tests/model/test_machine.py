@@ -76,6 +76,10 @@ def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys)
     (tmp_path / "machine.json").write_text(json.dumps(dict(d, cpu_key="another CPU", bw_gbps=1e-3)))
     assert machine.limits()["bw_gbps"] > 1e-3
     assert "another CPU" in capsys.readouterr().err
+    other = "portable vector IR, 256-bit" if machine.simd.VNNI else "vpdpbusd, 512-bit (AVX512-VNNI)"
+    (tmp_path / "machine.json").write_text(json.dumps(dict(d, int8_dot_isa=other, bw_gbps=1e-3)))
+    assert machine.limits()["bw_gbps"] > 1e-3                      # the other int8 dot (LUMEN_NO_VNNI): measured
+    assert "LUMEN_NO_VNNI" in capsys.readouterr().err
     (tmp_path / "machine.json").write_text("[1, 2]")                # JSON, but not the limits: unreadable
     assert machine.limits()["bw_gbps"] > 0
     assert "is unreadable" in capsys.readouterr().err
