@@ -14,6 +14,7 @@ Every wait is bounded."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -298,8 +299,8 @@ def test_more_cpus_than_the_host_has_fail_in_one_line(smollm2_path, pools):
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), *pools,
-                            "--threads", str(os.cpu_count()), "--port", str(free_port())], capture_output=True, text=True,
-                           timeout=90, start_new_session=True, env={**os.environ, MARK: mark})
+                            "--threads", str(os.cpu_count()), "--port", str(free_port())], capture_output=True,
+                           text=True, timeout=90, start_new_session=True, env={**os.environ, MARK: mark})
     except subprocess.TimeoutExpired:
         raise AssertionError("still waiting for the replicas after 90 s") from None
     finally:
@@ -515,16 +516,22 @@ def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, t
     assert "stopped" in proc.tail(5) and "Traceback" not in proc.log.read_text(errors="replace"), proc.tail()
 
 
+def start_marked(model, tmp_path):
+    """`lumen.serve --replicas 2 --threads 1` in a session of its own, its environment marked (session_processes
+    finds every process of the run by the mark): (Popen, mark, log path)."""
+    mark, log = uuid.uuid4().hex, tmp_path / "server.log"
+    p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(model), "--replicas", "2",
+                          "--threads", "1", "--port", str(free_port())], stdout=log.open("w"),
+                         stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, MARK: mark})
+    return p, mark, log
+
+
 @pytest.mark.slow
 def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
     """A SIGTERM while ray.init runs (its GCS up): Ray's own handlers used to take over (exit 15); now the server's
     stops it: exit 0 within seconds, 'stopped while starting', no process left. (To the whole process group:
     test_group_sigterm_while_starting_leaves_no_process.)"""
-    import subprocess
-    mark, log = uuid.uuid4().hex, tmp_path / "server.log"
-    p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
-                          "--threads", "1", "--port", str(free_port())], stdout=log.open("w"),
-                         stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, MARK: mark})
+    p, mark, log = start_marked(smollm2_path, tmp_path)
     try:
         t0 = time.monotonic()
         while not any("gcs_server" in n for n in session_processes(mark, p.pid).values()):
@@ -555,16 +562,13 @@ def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
 def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, moment):
     """A SIGTERM to the server's whole process group at any moment of its start (0.5 and 4 s after it was started:
     importing, checking the model; 0.5 and 2 s after it said it starts Ray: Ray's first seconds; as soon as Ray's
-    GCS runs; while the replicas start), and Ctrl-C in a terminal (SIGINT to the group): the server ends within seconds and no process of the run is left (found by its marked environment,
-    wherever its session). It used to leave Ray's (the signal reached them too, and Ray's core could end the server
-    before it stopped them), to exit 130 or 1 (a traceback: the signal became an ImportError within Numba's import),
-    to print a traceback from an at-fork hook, or to crash at exit (SIGSEGV) once stopped within ray.init. (After it serves:
+    GCS runs; while the replicas start), and Ctrl-C in a terminal (SIGINT to the group): the server ends within
+    seconds and no process of the run is left (found by its marked environment, wherever its session). It used to
+    leave Ray's (the signal reached them too, and Ray's core could end the server before it stopped them), to exit
+    130 or 1 (a traceback: the signal became an ImportError within Numba's import), to print a traceback from an
+    at-fork hook, or to crash at exit (SIGSEGV) once stopped within ray.init. (After it serves:
     test_signal_to_the_process_group_stops_everything_in_seconds.)"""
-    import subprocess
-    mark, log = uuid.uuid4().hex, tmp_path / "server.log"
-    p = subprocess.Popen([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
-                          "--threads", "1", "--port", str(free_port())], stdout=log.open("w"),
-                         stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, MARK: mark})
+    p, mark, log = start_marked(smollm2_path, tmp_path)
     try:
         t0 = time.monotonic()
         after, delay, sig = (*moment, signal.SIGTERM)[:3]
