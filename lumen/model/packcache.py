@@ -3,11 +3,13 @@ start reads them instead of repacking. Measured with profiling/startup.py (media
 SmolLM2-135M reads its 111 MB in 41 ms instead of 0.64 s of repacking, Gemma-3-270M its 294 MB in 108 ms instead
 of 2.5-2.7 s, at half the peak RSS (710 MB vs 1.42 GB).
 
-Where: `$LUMEN_HOME/packs/<gguf stem>-<key>.lpack` (default ~/.cache/lumen/packs), for registry models and
-.gguf paths alike. Off with LUMEN_PACK_CACHE=0 or `lumen.load(..., pack_cache=False)`; clear it by deleting
-the directory (running processes keep their mapping of a deleted file; a file must never be changed in place,
-which is why every write goes to a new file). At most KEEP files per GGUF stem are kept (the ones used longest
-ago are deleted when a new one is written; a hit sets its file's time).
+Where: `$LUMEN_HOME/packs/<gguf stem>-<source>-<key>.lpack` (default ~/.cache/lumen/packs), for registry models
+and .gguf paths alike; <source> is a hash of the GGUF file's real path. Off with LUMEN_PACK_CACHE=0 or
+`lumen.load(..., pack_cache=False)`; clear it by deleting the directory (running processes keep their mapping of a
+deleted file; a file must never be changed in place, which is why every write goes to a new file). At most KEEP
+files per GGUF file (per real path: files of one name in other folders are other models) are kept: when a new one
+is written, the ones used longest ago are deleted (a hit sets its file's time), and so are the files of GGUF files
+that no longer exist (the header names its GGUF file).
 
 Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's
 identity (size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing
@@ -17,7 +19,8 @@ version. A change to any of them is another key, so a stale file is never read (
 repack). If one of those sources was modified after this process imported Lumen, the code running may not be the
 code on disk: the cache is then not used at all (neither read nor written) in this process.
 
-File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, arrays: {name: [dtype, shape, offset]}},
+File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, source (the GGUF file's real path), arrays:
+{name: [dtype, shape, offset]}},
 the arrays at 64-byte aligned offsets (file_layout settles the offsets with the header's own length, whatever
 it is), the trailer b"LUMENEND". A miss is packed straight into a temporary file in the same directory, a chunk
 of a matrix at a time (lumen.model.weights.pack_into), fsync'ed, then os.replace'd: a reader sees a whole file or
@@ -57,7 +60,7 @@ from .store import file_lock
 MAGIC, TRAILER = b"LUMENPK1", b"LUMENEND"
 VERSION = 1
 ALIGN = 64
-KEEP = 2                  # cache files kept per GGUF stem
+KEEP = 2                  # cache files kept per GGUF file (real path)
 EDGE = 1 << 20            # bytes hashed at each end of the GGUF file
 SAMPLE_EVERY = 4 << 20    # and one 4 KiB page per this many bytes in between
 SOURCES = ("kernels/*.py", "model/weights.py", "format/quants.py", "model/packcache.py")  # the packing code
@@ -116,8 +119,14 @@ def cache_key(g: GGUFFile) -> str | None:
     return h.hexdigest()
 
 
+def source_path(g: GGUFFile) -> str:
+    """The GGUF file's real path (symbolic links resolved): what a cache file's versions are counted by."""
+    return os.path.realpath(g.path)
+
+
 def cache_path(g: GGUFFile, key: str) -> Path:
-    return cache_dir() / f"{g.path.stem}-{key[:32]}.lpack"
+    source = hashlib.sha256(source_path(g).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return cache_dir() / f"{Path(g.path).stem}-{source}-{key[:32]}.lpack"
 
 
 # ---------------------------------------------------------------- read
@@ -212,7 +221,7 @@ def open_packs(path: Path, key: str, expected: np.ndarray) -> Packs:
 
 # ---------------------------------------------------------------- write
 
-def file_layout(key: str, table: np.ndarray, sizes: dict) -> tuple[bytes, dict, int]:
+def file_layout(key: str, table: np.ndarray, sizes: dict, source: str = "") -> tuple[bytes, dict, int]:
     """(header, {array name: byte offset}, file size) of a file holding `table` and buffers of `sizes`.
     The header's length moves the data offsets and the offsets are in the header: iterate until the offsets the
     header states are those its own length gives (its length only grows with the offsets, so this settles in a
@@ -224,7 +233,7 @@ def file_layout(key: str, table: np.ndarray, sizes: dict) -> tuple[bytes, dict, 
         for name, dt in DTYPES.items():
             layout[name] = [np.dtype(dt).str, shapes[name], off]
             off = -(-(off + math.prod(shapes[name]) * np.dtype(dt).itemsize) // ALIGN) * ALIGN
-        head = json.dumps({"key": key, "size": off + len(TRAILER), "arrays": layout}).encode()
+        head = json.dumps({"key": key, "size": off + len(TRAILER), "source": source, "arrays": layout}).encode()
         first = -(-(16 + len(head)) // ALIGN) * ALIGN
         if first == start:
             return head, {name: v[2] for name, v in layout.items()}, off + len(TRAILER)
@@ -239,11 +248,12 @@ def _pwrite(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill) -> str | None:
-    """Store the packs atomically at path, packed straight into the file: fill(put) packs every matrix through
-    put(buffer name, offset in values, flat array), which writes the piece at its place in the file, so neither
-    the file nor the packs are ever in memory whole. Returns None, or why it could not (then no file is left)."""
-    head, offsets, size = file_layout(key, table, sizes)
+def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill, source: str = "") -> str | None:
+    """Store the packs of the GGUF file `source` atomically at path, packed straight into the file: fill(put)
+    packs every matrix through put(buffer name, offset in values, flat array), which writes the piece at its place
+    in the file, so neither the file nor the packs are ever in memory whole. Returns None, or why it could not
+    (then no file is left)."""
+    head, offsets, size = file_layout(key, table, sizes, source)
     assert 16 + len(head) <= min(offsets.values())
     tmp = None
     try:
@@ -276,16 +286,36 @@ def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill) -> str | N
     return None
 
 
-def _evict(keep: Path) -> None:
-    """Delete all but the KEEP most recently used cache files of keep's stem (keep itself stays), and temporary
-    files of interrupted writes older than an hour."""
-    stem = keep.name[:keep.name.rindex("-")]
+def _source_of(path: Path) -> str | None:
+    """The GGUF path a cache file's header names, or None (unreadable, or written before headers named it)."""
     try:
-        mine = [p for p in keep.parent.glob(f"{glob.escape(stem)}-*.lpack")
-                if p.name[:p.name.rindex("-")] == stem and p != keep]
+        with open(path, "rb") as f:
+            pre = f.read(16)
+            if len(pre) != 16 or pre[:8] != MAGIC:
+                return None
+            (hlen,) = struct.unpack("<Q", pre[8:])
+            head = json.loads(f.read(min(hlen, 1 << 20)))
+        source = head.get("source") if isinstance(head, dict) else None
+        return source if isinstance(source, str) and source else None
+    except (OSError, ValueError):
+        return None
+
+
+def _evict(keep: Path) -> None:
+    """Delete all but the KEEP most recently used cache files of keep's GGUF file (the same stem and source hash;
+    keep itself stays), the cache files of GGUF files that no longer exist, and temporary files of interrupted
+    writes older than an hour."""
+    group = keep.name[:keep.name.rindex("-")]
+    try:
+        mine = [p for p in keep.parent.glob(f"{glob.escape(group)}-*.lpack")
+                if p.name[:p.name.rindex("-")] == group and p != keep]
         mine.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
         for p in mine[KEEP - 1:]:
             p.unlink(missing_ok=True)
+        for p in keep.parent.glob("*.lpack"):
+            source = _source_of(p)
+            if p != keep and source is not None and not os.path.exists(source):
+                p.unlink(missing_ok=True)
         old = time.time() - 3600
         for p in keep.parent.glob(".*.lpack.*.tmp"):
             if p.stat().st_mtime < old:
@@ -341,7 +371,7 @@ def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expect
         packs, _ = attempt()  # written by the process we waited for
         if packs is not None:
             return packs, "cache"
-        why = write(path, key, table, sizes, fill)
+        why = write(path, key, table, sizes, fill, source_path(g))
         if why is None:
             packs, err = attempt()
             if packs is not None:

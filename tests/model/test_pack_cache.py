@@ -202,6 +202,34 @@ def test_eviction_of_a_file_name_with_glob_characters(home, tmp_path, monkeypatc
     assert len(cache_files(home)) == packcache.KEEP
 
 
+def test_files_of_one_name_in_other_folders_keep_their_own_packs(home, tmp_path):
+    """model.gguf in three folders (three models): each reads its own packs, never another's, and none evicts
+    another's (eviction counts the versions of one file, not of one file name)."""
+    paths = []
+    for i, folder in enumerate("abc"):
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / "model.gguf")
+        write_model(paths[-1], "llama", tensor_types=MIXED, seed=i)
+    for p in paths:
+        assert packs_of(p, True).packs_from == "packed, cached"
+    assert len(cache_files(home)) == 3
+    for p in paths:
+        w = packs_of(p, True)
+        assert w.packs_from == "cache", p
+        assert_same_packs(w.packs, packs_of(p, False).packs)
+
+
+def test_packs_of_a_deleted_gguf_are_evicted(home, tmp_path, model_file):
+    """A GGUF file that is gone (a temporary copy, a deleted download) leaves no pack file behind for ever: the
+    next pack written deletes it."""
+    gone = tmp_path / "gone.gguf"
+    write_model(gone, "llama", tensor_types=MIXED, seed=3)
+    assert packs_of(gone, True).packs_from == "packed, cached"
+    gone.unlink()
+    assert packs_of(model_file, True).packs_from == "packed, cached"
+    assert [p.name.split("-")[0] for p in cache_files(home)] == ["tiny"]
+
+
 def test_changed_gguf_rebuilds(home, model_file):
     """Another file of the same size and name (another seed): another key, and its own weights."""
     size = model_file.stat().st_size
