@@ -1069,3 +1069,38 @@ def test_rwkv():
         assert tok.decode(ids, special=True) == text
     assert tok.token_bytes(0) == b"" and tok.token_bytes(0, special=True) == b"<s>"
     assert [tok.token_bytes(i) for i in (11, 93, 128)] == [b"\n", b"\\", b"\x7f"]
+
+
+def whole_spm(tok, text: str, special: bool = True) -> list[int]:
+    """SPM ids with every text fragment merged whole (the merge as llama.cpp runs it, no cuts)."""
+    out: list[int] = []
+    prev_special = True
+    for frag in tok._partition(text, special):
+        if isinstance(frag, int):
+            out.append(frag)
+            prev_special = True
+            continue
+        tok._merge(((" " if prev_special and tok.add_space_prefix else "") + frag).replace(" ", "\u2581"), out)
+        prev_special = False
+    return out
+
+
+def test_long_spm_text_is_merged_in_pieces_with_the_same_ids(gemma, monkeypatch):
+    """A long text is cut where no merge can cross, so the merge's heap stays small (Gemma's 1 MB of prose took
+    17 s merged whole, 10x the time of 0.1 MB) and its ids are those of the whole text merged at once."""
+    rng = random.Random(5)
+    prose = (corpus()["ppl_text"] + "\n") * 5                                           # 19k characters
+    texts = [" ".join(rng.choice(STRINGS) for _ in range(400)), prose,
+             "a" * 3000 + " b" * 700 + "漢字" * 600, "".join(rng.choice("ab \n▁<>") for _ in range(5000))]
+    sizes = []
+    real_merge = type(gemma)._merge
+    monkeypatch.setattr(type(gemma), "_merge", lambda self, t, out: (sizes.append(len(t)), real_merge(self, t, out)))
+    for text in texts:
+        sizes.clear()
+        got = gemma.encode(text, add_bos=False, special=True)
+        cut = list(sizes)
+        assert got == whole_spm(gemma, text), text[:60]
+        assert len(cut) > 1
+    sizes.clear()
+    gemma.encode(prose, add_bos=False, special=True)
+    assert max(sizes) < 100 and len(sizes) > 100
