@@ -57,9 +57,10 @@ class Prompter:
         except ValueError as e:
             raise ApiError(400, f"the {param} cannot be tokenized: {e}", param) from None
 
-    def prompt(self, text: str, param: str = "prompt") -> list[int]:
+    def prompt(self, text: str, param: str = "prompt", *, add_special: bool = True) -> list[int]:
         """A generation prompt's token ids; ApiError(400) for a text that cannot fit max_model_len, found by
-        tokenizing prefixes of 8, 32, 128 ... times max_model_len characters when it is that long."""
+        tokenizing prefixes of 8, 32, 128 ... times max_model_len characters when it is that long. add_special:
+        the BOS by the model's default (False: none)."""
         size = PROBE_CHARS * self.max_model_len
         while size < len(text):
             n = len(self._encode(text[:size], False, param))
@@ -67,7 +68,7 @@ class Prompter:
                 raise ApiError(400, f"the prompt has more than {n - PROBE_SLACK} tokens in its first {size} "
                                     f"characters; max_model_len is {self.max_model_len}", param)
             size *= 4
-        return self.encode(text, param=param)
+        return self.encode(text, add_special=add_special, param=param)
 
     def completion(self, prompt) -> list[list[int]]:
         """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.

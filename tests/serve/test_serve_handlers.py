@@ -139,6 +139,30 @@ def test_tokenize_handler_alone():
     assert (e.value.status, e.value.param) == (400, "prompt")
 
 
+def test_tokenize_refuses_more_than_max_model_len_tokens():
+    """/tokenize and /detokenize take what a prompt may hold (400 beyond): a text far past it is refused after a
+    prefix, not tokenized whole on the server's time."""
+    worker = ScriptedWorker()
+    tok = worker.engine.tokenizer
+    encoded = []
+    tok.encode = lambda text, add_bos=False, special=True: encoded.append(len(text)) or ByteTokenizer.encode(
+        tok, text, add_bos, special)
+    t = tokenize.ServingTokenize(worker, prompter(worker), SETTINGS)
+    assert asyncio.run(t.tokenize(P.TokenizeRequest(content="x" * 64)))["count"] == 64
+    for req, param in [(P.TokenizeRequest(content="x" * 65), "content"),
+                       (P.TokenizeRequest(prompt="x" * 64), "prompt"),                  # + BOS
+                       (P.TokenizeRequest(prompt="é" * 128), "prompt"), (P.TokenizeRequest(prompt="é" * 10**6), "prompt")]:
+        encoded.clear()
+        with pytest.raises(P.ApiError) as e:
+            asyncio.run(t.tokenize(req))
+        assert (e.value.status, e.value.param) == (400, param) and "max_model_len is 64" in e.value.message
+        assert max(encoded, default=0) <= 8 * 64                 # (prompts.PROBE_CHARS per context token)
+    assert t.detokenize(P.DetokenizeRequest(tokens=[104] * 64))["content"] == "h" * 64
+    with pytest.raises(P.ApiError) as e:
+        t.detokenize(P.DetokenizeRequest(tokens=[104] * 65))
+    assert (e.value.status, e.value.param) == (400, "tokens") and "max_model_len is 64" in e.value.message
+
+
 def test_models_and_health_handlers_alone():
     worker = ScriptedWorker()
     m = models.ServingModels(worker, prompter(worker), SETTINGS)

@@ -1,5 +1,7 @@
 """POST /tokenize and /detokenize, in vLLM's shapes (`prompt` or `messages`; `prompt` back) and llama-server's
-(`content`, `with_pieces`; `content` back)."""
+(`content`, `with_pieces`; `content` back). Both take at most max_model_len tokens, as a prompt does (400 beyond):
+a text far past it is refused after tokenizing a prefix (lumen.serve.prompts), so neither stalls the server on a
+text no request could use."""
 from __future__ import annotations
 
 import asyncio
@@ -18,14 +20,17 @@ class ServingTokenize(Serving):
         self.check_model(req.model)
         add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
         if req.messages is not None:
-            text = self.prompter.render(req.messages, req.add_generation_prompt)
+            text, param = self.prompter.render(req.messages, req.add_generation_prompt), "messages"
         elif req.prompt is not None:                                    # vLLM: special tokens added by default
-            text, add = req.prompt, add is not False
+            text, add, param = req.prompt, add is not False, "prompt"
         elif req.content is not None:                                   # llama-server: not by default
-            text, add = req.content, bool(add)
+            text, add, param = req.content, bool(add), "content"
         else:
             raise P.ApiError(400, "give prompt, content or messages", "prompt")
-        ids = await asyncio.to_thread(self.prompter.encode, text, add_special=add is not False)
+        ids = await asyncio.to_thread(self.prompter.prompt, text, param, add_special=add is not False)
+        if len(ids) > self.engine.max_model_len:
+            raise P.ApiError(400, f"the text has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}",
+                             param)
         tokens = ids
         if req.with_pieces:
             tokens = []
@@ -40,6 +45,8 @@ class ServingTokenize(Serving):
 
     def detokenize(self, req: P.DetokenizeRequest) -> dict:
         self.check_model(req.model)
+        if len(req.tokens) > self.engine.max_model_len:
+            raise P.ApiError(400, f"{len(req.tokens)} tokens; max_model_len is {self.engine.max_model_len}", "tokens")
         V = self.engine.config.n_vocab
         bad = [t for t in req.tokens if not 0 <= t < V]
         if bad:
