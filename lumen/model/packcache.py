@@ -19,8 +19,8 @@ version. A change to any of them is another key, so a stale file is never read (
 repack). If one of those sources was modified after this process imported Lumen, the code running may not be the
 code on disk: the cache is then not used at all (neither read nor written) in this process.
 
-File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, source (the GGUF file's real path), crc32 (of
-every byte from the first array to the trailer, 8 hex digits), arrays: {name: [dtype, shape, offset]}},
+File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, source (the GGUF file's real path), arrays:
+{name: [dtype, shape, offset]}},
 the arrays at 64-byte aligned offsets (file_layout settles the offsets with the header's own length, whatever
 it is), the trailer b"LUMENEND". A miss is packed straight into a temporary file in the same directory, a chunk
 of a matrix at a time (lumen.model.weights.pack_into), fsync'ed, then os.replace'd: a reader sees a whole file or
@@ -34,10 +34,6 @@ The buffers are mapped from the file, copy-on-write (MAP_PRIVATE), also right af
 page cache's, so the processes and replicas serving a model on one host share one copy. Writable, so their Numba
 type is that of freshly allocated arrays (a read-only mapping would compile the forward pass again); nothing
 writes them. Any OSError (unwritable directory, full disk) only means the packs stay in memory; nothing is raised.
-Damage inside the arrays (flipped bits, not a short file) passes those checks: a hit starts a background thread, at
-the lowest CPU priority, that checks the crc32 of the mapped arrays (0.45 s of one core for the 1 GB of
-Qwen2.5-Coder-1.5B, so not before the first token); on a mismatch it deletes the file and says so once: this
-process may compute garbage, the next load packs again.
 """
 from __future__ import annotations
 
@@ -50,9 +46,7 @@ import os
 import struct
 import sys
 import tempfile
-import threading
 import time
-import zlib
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -71,9 +65,6 @@ EDGE = 1 << 20            # bytes hashed at each end of the GGUF file
 SAMPLE_EVERY = 4 << 20    # and one 4 KiB page per this many bytes in between
 SOURCES = ("kernels/*.py", "model/weights.py", "format/quants.py", "model/packcache.py")  # the packing code
 MTIME_SLACK_NS = 2_000_000_000  # file mtimes come from a coarser clock than time.time_ns()
-CRC_CHUNK = 8 << 20       # bytes per zlib.crc32 call (it releases the GIL for each)
-NO_CRC = "0" * 8          # the header's crc32 while the file is written (the same length as the real one)
-checks: list[threading.Thread] = []   # the background checks started by hits (tests wait for them)
 
 
 def enabled() -> bool:
@@ -164,14 +155,12 @@ def read(path: Path, key: str, expected: np.ndarray) -> Packs | None:
         return None
 
 
-def open_packs(path: Path, key: str, expected: np.ndarray, on_damage=None) -> Packs:
+def open_packs(path: Path, key: str, expected: np.ndarray) -> Packs:
     """The packs stored at path, its buffers mapped copy-on-write (MAP_PRIVATE) from the file: the pages are the
     page cache's, shared by every process that maps the file, and nothing is copied. The mapping is writable, so
     the arrays have the Numba type of freshly allocated ones (a read-only array would compile the forward pass
     again); nothing writes to them (a write would only make a private copy of the page). The table is copied (it
-    is checked, and small). FileNotFoundError if there is no file; Unreadable(why) if it cannot be used.
-    on_damage(why), if given, is called from a background thread if the arrays' crc32 is not the header's
-    (check_later), after the file was deleted."""
+    is checked, and small). FileNotFoundError if there is no file; Unreadable(why) if it cannot be used."""
     try:
         f = open(path, "rb", buffering=0)
     except (FileNotFoundError, NotADirectoryError):
@@ -202,10 +191,6 @@ def open_packs(path: Path, key: str, expected: np.ndarray, on_damage=None) -> Pa
                 raise Unreadable("another key in its header")
             if head.get("size") != size:
                 raise Unreadable(f"{size} bytes, its header says {head.get('size')}")
-            crc = head.get("crc32")
-            if not isinstance(crc, str) or len(crc) != 8 or crc == NO_CRC:
-                raise Unreadable(f"no checksum in its header ({crc!r})")
-            crc = int(crc, 16)
             if set(head.get("arrays", ())) != set(DTYPES):
                 raise Unreadable(f"arrays {sorted(head.get('arrays', ()))}, expected {sorted(DTYPES)}")
             layout = {}
@@ -225,10 +210,6 @@ def open_packs(path: Path, key: str, expected: np.ndarray, on_damage=None) -> Pa
             if why is not None:
                 raise Unreadable(why)
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            inode = os.fstat(f.fileno()).st_ino
-        if on_damage is not None:
-            start = min(off for _, off in layout.values())
-            check_later(mm, start, size - len(TRAILER), crc, path, inode, on_damage)
         arrays = {"table": table}
         for name, (shape, off) in layout.items():
             if name != "table":
@@ -238,47 +219,9 @@ def open_packs(path: Path, key: str, expected: np.ndarray, on_damage=None) -> Pa
         raise Unreadable(f"{type(e).__name__}: {e}") from None  # json.JSONDecodeError is a ValueError
 
 
-def check_later(mm, start: int, end: int, crc: int, path: Path, inode: int, on_damage) -> threading.Thread:
-    """Check the crc32 of mm[start:end] in a daemon thread at the lowest priority (nice 19: it takes the CPU the
-    forward pass leaves); on a mismatch delete path, if it is still the file mapped (inode), and call
-    on_damage(why)."""
-    def run():
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)   # (Linux: this thread only)
-        except (AttributeError, OSError):
-            pass
-        got = 0
-        with memoryview(mm) as view:
-            for a in range(start, end, CRC_CHUNK):
-                got = zlib.crc32(view[a:min(end, a + CRC_CHUNK)], got)
-        if got == crc:
-            return
-        try:
-            if os.stat(path).st_ino == inode:
-                path.unlink()
-        except OSError:
-            pass
-        on_damage(f"crc32 {got:08x} of its arrays, its header says {crc:08x}")
-
-    t = threading.Thread(target=run, name=f"lumen-check-{path.name}", daemon=True)
-    checks[:] = [c for c in checks if c.is_alive()] + [t]
-    t.start()
-    return t
-
-
-def _crc_of(fd: int, start: int, end: int) -> int:
-    """crc32 of the file's bytes start:end, read through a mapping (no copy: packing stays a chunk at a time)."""
-    crc = 0
-    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-        for a in range(start, end, CRC_CHUNK):
-            crc = zlib.crc32(view[a:min(end, a + CRC_CHUNK)], crc)
-    return crc
-
-
 # ---------------------------------------------------------------- write
 
-def file_layout(key: str, table: np.ndarray, sizes: dict, source: str = "",
-                crc: str = NO_CRC) -> tuple[bytes, dict, int]:
+def file_layout(key: str, table: np.ndarray, sizes: dict, source: str = "") -> tuple[bytes, dict, int]:
     """(header, {array name: byte offset}, file size) of a file holding `table` and buffers of `sizes`.
     The header's length moves the data offsets and the offsets are in the header: iterate until the offsets the
     header states are those its own length gives (its length only grows with the offsets, so this settles in a
@@ -290,8 +233,7 @@ def file_layout(key: str, table: np.ndarray, sizes: dict, source: str = "",
         for name, dt in DTYPES.items():
             layout[name] = [np.dtype(dt).str, shapes[name], off]
             off = -(-(off + math.prod(shapes[name]) * np.dtype(dt).itemsize) // ALIGN) * ALIGN
-        head = json.dumps({"key": key, "size": off + len(TRAILER), "source": source, "crc32": crc,
-                           "arrays": layout}).encode()
+        head = json.dumps({"key": key, "size": off + len(TRAILER), "source": source, "arrays": layout}).encode()
         first = -(-(16 + len(head)) // ALIGN) * ALIGN
         if first == start:
             return head, {name: v[2] for name, v in layout.items()}, off + len(TRAILER)
@@ -327,10 +269,6 @@ def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill, source: st
                 assert a.dtype == dtypes[name] and 0 <= off and off + a.size <= sizes[name]
                 _pwrite(fd, np.ascontiguousarray(a), offsets[name] + off * a.itemsize)
             fill(put)
-            crc = _crc_of(fd, min(offsets.values()), size - len(TRAILER))  # (read back: pieces come in any order)
-            done, _, _ = file_layout(key, table, sizes, source, f"{crc:08x}")
-            assert len(done) == len(head)
-            _pwrite(fd, MAGIC + struct.pack("<Q", len(done)) + done, 0)
             _pwrite(fd, TRAILER, size - len(TRAILER))
             os.fsync(fd)
         os.chmod(tmp, 0o644)
@@ -406,14 +344,9 @@ def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expect
     path = cache_path(g, key)
     told = []
 
-    def damaged(why: str) -> None:
-        if say is not None:
-            say(f"the packed-weight cache file {path.name} is damaged ({why}): deleted; this process may compute "
-                "wrong output, the next load packs the weights again")
-
-    def attempt(check: bool = False) -> tuple[Packs | None, Unreadable | None]:
+    def attempt() -> tuple[Packs | None, Unreadable | None]:
         try:
-            return open_packs(path, key, expected, damaged if check else None), None
+            return open_packs(path, key, expected), None
         except FileNotFoundError:
             return None, None
         except Unreadable as e:
@@ -422,7 +355,7 @@ def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expect
                 told.append(e)
             return None, e
 
-    packs, _ = attempt(check=True)
+    packs, _ = attempt()
     if packs is not None:
         try:
             os.utime(path)  # its time is its last use: what eviction keeps
@@ -435,7 +368,7 @@ def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expect
             held.enter_context(file_lock(path.parent / ".lock"))
         except OSError:
             pass
-        packs, _ = attempt(check=True)  # written by the process we waited for
+        packs, _ = attempt()  # written by the process we waited for
         if packs is not None:
             return packs, "cache"
         why = write(path, key, table, sizes, fill, source_path(g))
