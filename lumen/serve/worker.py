@@ -8,7 +8,9 @@ The compiled forward pass releases the GIL, so the event loop keeps answering (/
 writes) while a step runs. Numba's thread count is per thread: the engine thread sets its own.
 
 One HTTP request is one `Submission`: its engine requests (n choices x prompts) and the queue their outputs
-arrive on. The waiting queue is bounded (max_queue engine requests): past it, submit raises QueueFull. On a
+arrive on. A request's outputs that its client has not taken yet are merged into one (as vLLM's output collector
+does): a client that reads slowly, or not at all, costs one pending output per request, not one per step (each
+holds all the token ids so far: quadratic in the tokens made). The waiting queue is bounded (max_queue engine requests): past it, submit raises QueueFull. On a
 graceful shutdown, `drain` refuses new work and, after the timeout, aborts what is still running
 (Submission.failure says why, for the HTTP layer to tell the client).
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
+from dataclasses import replace
 from typing import AsyncIterator, Protocol
 
 from ..engine.sampling.params import SamplingParams
@@ -47,13 +51,58 @@ class TooManyRequests(ValueError):
     """One submission asks for more engine requests (prompts x n) than the waiting queue could ever hold."""
 
 
+class OutputQueue:
+    """A submission's outputs waiting for the HTTP layer, each request's in step order; asyncio.Queue's put_nowait,
+    get, get_nowait, empty and qsize, and merge: put an output, merged into its request's output still waiting if
+    there is one."""
+
+    def __init__(self):
+        self._items: deque[list] = deque()           # [output] boxes, oldest first
+        self._last: dict[str, list] = {}             # request id -> its box still waiting (the newest)
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, out: RequestOutput) -> None:
+        box = [out]
+        self._items.append(box)
+        self._last[out.request_id] = box
+        self._ready.set()
+
+    def merge(self, out: RequestOutput) -> None:
+        box = self._last.get(out.request_id)
+        if box is None:
+            return self.put_nowait(out)
+        old = box[0]                                 # out's totals hold old's; its deltas follow old's
+        box[0] = replace(out, delta_token_ids=old.delta_token_ids + out.delta_token_ids,
+                         delta_text=old.delta_text + out.delta_text, delta_pieces=old.delta_pieces + out.delta_pieces)
+
+    def get_nowait(self) -> RequestOutput:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        box = self._items.popleft()
+        if self._last.get(box[0].request_id) is box:
+            del self._last[box[0].request_id]
+        return box[0]
+
+    async def get(self) -> RequestOutput:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.get_nowait()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
 class Submission:
     """The engine requests of one HTTP request and the queue their outputs arrive on, in step order."""
 
     def __init__(self, request_ids: list[str]):
         self.request_ids = request_ids
         self.open = set(request_ids)                 # not finished yet
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue = OutputQueue()
         self.failure: tuple[int, str] | None = None  # (status, message) when the server ended it
 
 
@@ -243,4 +292,4 @@ class EngineWorker:
                 continue
             if out.finished:
                 del self._subs[out.request_id]
-            sub.queue.put_nowait(out)
+            sub.queue.merge(out)

@@ -26,6 +26,7 @@ import pytest
 import lumen
 from lumen import SamplingParams
 from lumen.bench.offline import load_prompts
+from lumen.serve.worker import Submission
 from servers import ROOT, ServerProcess, aiter_sse_events, free_port, lumen_serve
 
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", "/tmp/lcpp/build/bin/llama-server"))
@@ -344,3 +345,43 @@ def test_cli_port_in_use_or_out_of_range_fails_before_loading(smollm2_path):
             err = r.stderr.strip().splitlines()
             assert r.returncode == code and says in err[-1], r.stderr
             assert "Traceback" not in r.stderr and "serving" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a client that does not read
+
+def test_outputs_a_client_has_not_taken_are_merged():
+    """A stream whose client never reads held one output per step, each with all the token ids so far: memory
+    quadratic in max_tokens (4 MB for 1,000 tokens, GBs near a 32k context). Now the outputs it has not taken are
+    merged into one per request, which says the same (deltas joined, totals the newest)."""
+    from lumen.engine.sequence import RequestMetrics, RequestOutput
+    from lumen.serve.worker import EngineWorker
+
+    async def go():
+        worker = EngineWorker(engine=None)
+        sub = Submission(["a", "b"])
+        worker._subs = {"a": sub, "b": sub}
+        ids, outs = [], []
+        for t in range(500):
+            ids.append(t)
+            done = t == 499
+            for rid in ("a", "b"):
+                outs.append(RequestOutput(rid, [1], list(ids), "x" * len(ids), done, "length" if done else None,
+                                          RequestMetrics(), delta_token_ids=[t], delta_text="x", delta_pieces=["x"]))
+            if t in (199, 299):
+                worker._deliver(outs)
+                outs = []
+                if t == 199:                     # the client reads once, then never again
+                    got = [await sub.queue.get(), await sub.queue.get()]
+                    assert [len(o.delta_token_ids) for o in got] == [200, 200]
+        worker._deliver(outs)
+        assert sub.queue.qsize() == 2, sub.queue.qsize()
+        rest = [sub.queue.get_nowait(), sub.queue.get_nowait()]
+        assert sorted(o.request_id for o in rest) == ["a", "b"]
+        for o in rest:
+            assert o.delta_token_ids == list(range(200, 500)) and o.delta_text == "x" * 300
+            assert o.delta_pieces == ["x"] * 300 and o.finished and o.finish_reason == "length"
+            assert o.token_ids == list(range(500))
+        assert sub.queue.empty() and worker._subs == {}
+
+    asyncio.run(go())
