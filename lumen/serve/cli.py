@@ -2,7 +2,8 @@
 OpenAI-compatible server (lumen.serve.app) on uvicorn.
 
 Startup loads the model and runs one token through it (Numba's kernels compiled or loaded from its cache) before
-the port opens, so the first request pays no compile. The first SIGTERM or SIGINT starts a graceful shutdown:
+the port opens, so the first request pays no compile. The first SIGTERM, SIGINT or SIGHUP (the terminal closed; not
+under nohup, which ignores it) starts a graceful shutdown:
 the port closes, new requests on open connections get 503, requests in flight have --shutdown-timeout seconds
 to finish and are then aborted (each client is told, none is left hanging), and the process exits 0; a line
 says how many are draining and that a second Ctrl-C stops now. A second signal aborts everything at once (the
@@ -150,7 +151,7 @@ def _server_class():
 
         @contextmanager
         def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in stop_signals()}
             try:
                 yield
             finally:
@@ -170,6 +171,13 @@ def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_lev
 
 def _interrupt(sig, frame):
     raise KeyboardInterrupt
+
+
+def stop_signals() -> tuple:
+    """The signals that stop the server gracefully: SIGINT, SIGTERM and SIGHUP (its default action would kill the
+    process with its requests in flight), unless SIGHUP is ignored (nohup): then it stays ignored."""
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hup)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, _interrupt)          # until uvicorn takes the signals over: stop loading (not
+    for sig in stop_signals()[1:]:                     # until uvicorn takes the signals over: stop loading (not
+        signal.signal(sig, _interrupt)
     from rich.console import Console                   # earlier: within an import it became an ImportError)
     from ..generate import status_while_compiling
     try:

@@ -58,3 +58,44 @@ def test_second_ctrl_c_stops_a_draining_server_now(smollm2_path, tmp_path):
     assert done and error is not None and error["code"] == 503, (chunks, error, done)
     assert chunks < LONG["max_tokens"], "the stream ran to its end: the second Ctrl-C did not stop it"
     assert "Traceback" not in log
+
+
+def test_sighup_drains_like_sigterm(smollm2_path, tmp_path):
+    """SIGHUP (the terminal that started the server closed) killed the process at once, by its default action, with
+    the streams in flight cut and no exit code; now it drains as SIGTERM does: the stream finishes, exit 0."""
+    proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "512", "--kv-cache-mb", "16", "--no-ui"),
+                         tmp_path / "server.log")
+    try:
+        async def go():
+            chunks, done = 0, False
+            async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
+                async with client.stream("POST", "/v1/completions", json=dict(LONG, max_tokens=40)) as r:
+                    assert r.status_code == 200
+                    async for ev in aiter_sse_events(r):
+                        if ev is None:
+                            done = True
+                            break
+                        assert "error" not in ev, ev
+                        chunks += 1
+                        if chunks == 2:
+                            proc.p.send_signal(signal.SIGHUP)
+            return chunks, done
+
+        chunks, done = asyncio.run(asyncio.wait_for(go(), 120))
+        assert proc.p.wait(60) == 0, proc.tail()
+    finally:
+        proc.stop(signal.SIGKILL, timeout=10)
+    assert done and chunks >= 20, (chunks, done)
+    assert "shutting down: draining 1 in-flight request" in proc.log.read_text(errors="replace")
+
+
+def test_sighup_ignored_under_nohup_stays_ignored():
+    from lumen.serve.cli import stop_signals
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert signal.SIGHUP in stop_signals()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)          # nohup
+        assert stop_signals() == (signal.SIGINT, signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGHUP, before)
