@@ -12,7 +12,7 @@ arrive on. A request's outputs that its client has not taken yet are merged into
 does): a client that reads slowly, or not at all, costs one pending output per request, not one per step (each
 holds all the token ids so far: quadratic in the tokens made). The waiting queue is bounded (max_queue engine requests): past it, submit raises QueueFull. On a
 graceful shutdown, `drain` refuses new work and, after the timeout, aborts what is still running
-(Submission.failure says why, for the HTTP layer to tell the client).
+(Submission.failure says why, for the HTTP layer to tell the client at once).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Protocol
 
 from ..engine.sampling.params import SamplingParams
-from ..engine.sequence import RequestOutput
+from ..engine.sequence import RequestMetrics, RequestOutput
 
 log = logging.getLogger("lumen.serve")
 SHUTDOWN = "the server is shutting down"
@@ -181,12 +181,18 @@ class EngineWorker:
             self._loop.call_later(timeout, self.abort_all, 503, SHUTDOWN)
 
     def abort_all(self, status: int, message: str) -> None:
+        """Fail every submission now: abort its requests in the engine and end its outputs at once, without waiting
+        for the engine's final outputs, which come after the step that runs (a long prefill's; never, if the steps
+        keep failing). Those still reach the metrics when they come."""
         subs = self.submissions()
         if subs:
             log.warning("aborting %d request(s): %s", len(subs), message)
         for sub in subs:
             sub.failure = (status, message)
             self.abort(sub)
+            for rid in sub.open:
+                if self._subs.pop(rid, None) is sub:
+                    sub.queue.put_nowait(RequestOutput(rid, [], [], "", True, "abort", RequestMetrics()))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything and end the engine thread once the aborts are out."""

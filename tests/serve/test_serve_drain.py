@@ -99,3 +99,31 @@ def test_sighup_ignored_under_nohup_stays_ignored():
         assert stop_signals() == (signal.SIGINT, signal.SIGTERM)
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_abort_all_ends_the_streams_without_waiting_for_the_step():
+    """When the drain's timeout (or a second Ctrl-C, or a failing step) aborts everything, the streams waited for
+    the engine's final outputs, which come only after the step that runs: a long prefill's (seconds under load), or
+    never when the steps keep failing; past uvicorn's grace the clients were cut without their error event. Now
+    every submission ends at once with its failure; the engine's final outputs still reach the metrics."""
+    from types import SimpleNamespace
+
+    from lumen.engine.sequence import RequestMetrics, RequestOutput
+    from lumen.serve.worker import EngineWorker
+
+    aborted, observed = [], []
+    engine = SimpleNamespace(num_waiting=0, add_request=lambda prompt, sp: f"r{len(prompt)}",
+                             abort=aborted.append)          # a step runs: the final outputs come after it
+    worker = EngineWorker(engine, metrics=SimpleNamespace(observe=observed.append))
+
+    async def go():
+        sub = worker.submit_now([[1], [1, 2]], [None, None])
+        worker.abort_all(503, "the server is shutting down")
+        outs = [out async for out in worker.outputs(sub)]
+        assert sorted(o.request_id for o in outs) == ["r1", "r2"] and all(o.finish_reason == "abort" for o in outs)
+        assert sub.failure == (503, "the server is shutting down") and sorted(aborted) == ["r1", "r2"]
+        assert worker.submissions() == []
+        worker._deliver([RequestOutput("r1", [1], [], "", True, "abort", RequestMetrics())])   # the step ends
+        assert [o.request_id for o in observed] == ["r1"] and sub.queue.empty()
+
+    asyncio.run(asyncio.wait_for(go(), 5))
