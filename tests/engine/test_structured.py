@@ -177,6 +177,29 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     assert accepts(sloppy, '{"b": 1}')
 
 
+@pytest.mark.parametrize("schema, bad, good", [
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, ["0"], ["0.1", "0.5"]),
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.75}, ["0"], ["0.74"]),
+    ({"type": "number", "exclusiveMinimum": 100, "maximum": 100.5}, ["100"], ["100.2"]),
+    ({"type": "number", "exclusiveMaximum": -1, "minimum": -1.5}, ["-1"], ["-1.2", "-1.5"]),
+    ({"type": "number", "exclusiveMaximum": 0, "minimum": -0.5}, ["-0", "0"], ["-0.2"]),
+    ({"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 0.5}, ["0"], ["0.1", "null"]),
+    ({"exclusiveMinimum": 1, "maximum": 1.5, "minimum": 0}, ["1"], ["1.25"]),
+    ({"type": "integer", "exclusiveMinimum": 0, "maximum": 3}, ["0"], ["1", "3"]),
+])
+def test_exclusive_integer_bounds_exclude_the_bound(toks, compilers, schema, bad, good):
+    """An exclusive bound k (an integer) with the other bound less than 1 away: llguidance 1.9's number regex
+    takes k itself ({"exclusiveMinimum": 0, "maximum": 0.5} wrote 0), so it becomes an inclusive bound just past
+    k; the outputs validate."""
+    tok, c = toks["smollm2-135m"], compilers["smollm2-135m"]
+    m = c.compile(Constraint.json_schema(schema)).matcher()
+    for text in bad + good:
+        ids = tok.encode(text, add_bos=False, special=False) + [tok.eos_id]
+        valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        assert valid == (text in good), text
+        assert (m.validate_draft(ids) == len(ids)) == valid, (schema, text)
+
+
 def test_a_lenient_schema_drops_patterns_llguidance_cannot_enforce():
     """Look-around and backreferences (ECMA-262 patterns, not Rust regexes): refused in an exact schema, dropped
     from a lenient one, whose other patterns stay."""

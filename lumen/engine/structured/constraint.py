@@ -23,7 +23,9 @@ whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": 
 Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propertyNames) are an error rather than
 silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
 them and ignores them. A string `format` llguidance does not know ("password", "uri-reference") is dropped: JSON
-Schema makes an unknown format an annotation, which validators ignore too. An object schema that lists its
+Schema makes an unknown format an annotation, which validators ignore too. An exclusive whole-number bound
+with the other bound less than 1 away becomes an inclusive one just past it (`exclusive_bounds`: llguidance's
+number regex takes the bound itself there). An object schema that lists its
 properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
 patterns llguidance cannot enforce (look-around, backreferences).
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +128,7 @@ class Constraint:
             _fail("json_schema", "the schema false matches nothing")
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
-        schema = closed_objects(known_formats(schema))
+        schema = closed_objects(known_formats(exclusive_bounds(schema)))
         own = schema.get("x-guidance")
         if isinstance(own, dict) and own.get("lenient") is True:
             schema = enforceable_patterns(schema)
@@ -199,6 +202,41 @@ def known_formats(schema: Any) -> Any:
         f = d.get("format")
         return {k: v for k, v in d.items() if k != "format"} if isinstance(f, str) and f not in FORMATS else d
     return map_subschemas(schema, drop)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def exclusive_bounds(schema: Any) -> Any:
+    """`schema` with each exclusive bound k that is a whole number, and whose other bound is less than 1 away,
+    made an inclusive bound just past k (k + 1e-12 max(1, |k|), away from the range's other end): for these
+    llguidance 1.9 writes a number regex that takes k itself (`{"exclusiveMinimum": 0, "maximum": 0.5}` let a
+    model write 0, `{"exclusiveMaximum": 0, "minimum": -0.5}` -0). Only numbers within 1e-12 of k are lost. An
+    integer-only schema keeps its bounds (llguidance's integer ranges are exact)."""
+    def fix(d: dict) -> dict:
+        t = d.get("type")
+        if t == "integer" or (isinstance(t, list) and "number" not in t):
+            return d
+        lo, hi = d.get("exclusiveMinimum"), d.get("exclusiveMaximum")
+        mn, mx = (d.get("minimum"), d.get("maximum"))
+        uppers = [v for v in (mx, hi) if _number(v)]
+        lowers = [v for v in (mn, lo) if _number(v)]
+        out = d
+        if _number(lo) and lo == int(lo) and uppers and min(uppers) < lo + 1:
+            out = {k: v for k, v in out.items() if k != "exclusiveMinimum"}
+            out["minimum"] = max(mn, _past(lo, +1)) if _number(mn) else _past(lo, +1)
+        if _number(hi) and hi == int(hi) and lowers and max(lowers) > hi - 1:
+            out = {k: v for k, v in out.items() if k != "exclusiveMaximum"}
+            out["maximum"] = min(mx, _past(hi, -1)) if _number(mx) else _past(hi, -1)
+        return out
+    return map_subschemas(schema, fix)
+
+
+def _past(k: float, sign: int) -> float:
+    """A number just past k in the direction of `sign`: k +- 1e-12 max(1, |k|), strictly beyond it as a float."""
+    x = k + sign * 1e-12 * max(1.0, abs(k))
+    return x if x != k else math.nextafter(k, sign * math.inf)
 
 
 def enforceable_patterns(schema: Any) -> Any:
