@@ -13,10 +13,12 @@ whose grammar is not ready yet is simply not scheduled, and the others run. The 
 schema share one compilation (the second gets the first one's future). A failed compilation is cached too (the
 same text fails the same way). The cache keeps the `max_entries` most recently used grammars.
 
-A CompiledGrammar holds a matcher in its initial state; each request gets a deep copy of it. Measured (load
-average 7.5): a new schema, validated + compiled + first mask, 1.4-6 ms on either vocabulary for the schemas of
-profiling/structured_costs.py (a person record, a 3-way anyOf tool call, a nested invoice); from the cache,
-copy + first mask 0.03-0.06 ms; a cache hit (submit + result) ~1 us.
+A grammar with no first token (llguidance compiles `{"$ref": "#"}` to one that fails at its first mask) is refused
+like one that does not compile: a 400 before the request runs. A CompiledGrammar holds a matcher in its initial
+state; each request gets a deep copy of it. Measured (load average 7.5): a new schema, validated + compiled + first
+mask, 1.4-6 ms on either vocabulary for the schemas of profiling/structured_costs.py (a person record, a 3-way
+anyOf tool call, a nested invoice); from the cache, copy + first mask 0.03-0.06 ms; a cache hit (submit + result)
+~1 us.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ class CompiledGrammar:
         if self._template.is_error():
             raise StructuredOutputError(f"invalid {constraint.kind} constraint: "
                                         f"{one_line(self._template.get_error())}")
+        probe = self._template.deep_copy()
+        probe.compute_bitmask()                   # llguidance finds out whether any text can follow only here
+        if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
+            # no first token: $refs that loop back before any value ({"$ref": "#"}: "NoExtensionBias"); a request
+            # would end at once, with an error or with "stop" and no text
+            why = probe.get_error().strip().split("\n", 1)[0]
+            raise StructuredOutputError(f"invalid {constraint.kind} constraint: it matches no text"
+                                        f"{f' (llguidance: {why})' if why else ''}; a $ref that leads back to "
+                                        f"itself before any value?")
         self.compile_s = time.perf_counter() - t0
 
     def matcher(self) -> GrammarMatcher:
