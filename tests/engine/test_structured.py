@@ -177,6 +177,17 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     assert accepts(sloppy, '{"b": 1}')
 
 
+def test_a_deeply_nested_schema_is_an_error_not_a_crash():
+    """Nesting past Python's recursion limit (the schema rewrites walk it) or llguidance's (~128 levels) is a
+    StructuredOutputError, the 400 of a bad schema, not a RecursionError."""
+    for depth in (70, 400):
+        schema = {"type": "integer"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        with pytest.raises(StructuredOutputError, match="recursion limit|nested too deeply"):
+            Constraint.json_schema(schema)
+
+
 @pytest.mark.parametrize("schema, bad, good", [
     ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, ["0"], ["0.1", "0.5"]),
     ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.75}, ["0"], ["0.74"]),

@@ -128,10 +128,13 @@ class Constraint:
             _fail("json_schema", "the schema false matches nothing")
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
-        schema = closed_objects(known_formats(exclusive_bounds(schema)))
-        own = schema.get("x-guidance")
-        if isinstance(own, dict) and own.get("lenient") is True:
-            schema = enforceable_patterns(schema)
+        try:
+            schema = closed_objects(known_formats(exclusive_bounds(schema)))
+            own = schema.get("x-guidance")
+            if isinstance(own, dict) and own.get("lenient") is True:
+                schema = enforceable_patterns(schema)
+        except RecursionError:          # llguidance's own limit (nesting ~128) would refuse it anyway
+            _fail("json_schema", "the schema is nested too deeply")
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
