@@ -175,6 +175,14 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     assert accepts(tree, '{"v": 1, "c": [{"v": 2}]}') and not accepts(tree, '{"v": 1, "c": [{"v": 2, "w": 3}]}')
     sloppy = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}   # b not listed
     assert accepts(sloppy, '{"b": 1}')
+    base = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    named = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    composed = {"$defs": {"base": base, "named": named, "other": base},      # OpenAPI's allOf of $refs
+                "allOf": [{"$ref": "#/$defs/base"}, {"$ref": "#/$defs/named"}, {"properties": {"x": {"type": "null"}}}],
+                "properties": {"o": {"$ref": "#/$defs/other"}}}
+    assert accepts(composed, '{"id": 1, "name": "a", "x": null}')
+    assert accepts(composed, '{"id": 1, "name": "a", "o": {"id": 2}}')
+    assert not accepts(composed, '{"id": 1, "name": "a", "o": {"id": 2, "more": 3}}')    # not a part: closed
 
 
 def test_a_deeply_nested_schema_is_an_error_not_a_crash():

@@ -269,8 +269,9 @@ def closed_objects(schema: Any) -> Any:
     nothing of others, as llama.cpp's json-schema-to-grammar and xgrammar (vLLM's default) read a schema: left
     free, a model adds keys of its own ("price", "minItems") that a function called with the arguments does not
     take. A schema whose properties may come from elsewhere stays open: one with its own allOf / anyOf / oneOf /
-    $ref, an allOf entry, an anyOf / oneOf entry of a schema that has properties, and one that requires a key it
-    does not list. `"additionalProperties": true` keeps an object open."""
+    $ref, an allOf entry, an anyOf / oneOf entry of a schema that has properties, the target of a local $ref such
+    an entry makes (`"allOf": [{"$ref": "#/$defs/base"}, {...}]`: OpenAPI's composition), and one that requires a
+    key it does not list. `"additionalProperties": true` keeps an object open."""
     def close(d: dict, partial: bool) -> dict:
         if partial or not ("properties" in d or "patternProperties" in d) or any(
                 k in d for k in ("additionalProperties", "unevaluatedProperties", "$ref", *_COMBINERS)):
@@ -281,24 +282,53 @@ def closed_objects(schema: Any) -> Any:
             return d                        # it requires a key it does not list: only an open object has it
         return {**d, "additionalProperties": False}
 
-    def walk(x: Any, partial: bool = False) -> Any:
+    def parts(d: dict):
+        """d's combiner lists, each with whether its entries are parts of one object (their properties add up)."""
+        for k in _COMBINERS:
+            if isinstance(d.get(k), list):
+                yield k, d[k], k == "allOf" or "properties" in d or "patternProperties" in d
+
+    def partial_refs(x: Any, out: set) -> set:
+        """The local $refs ("#/$defs/base") that such parts name: their targets stay open too."""
         if isinstance(x, list):
-            return [walk(v) for v in x]
+            for v in x:
+                partial_refs(v, out)
+        elif isinstance(x, dict):
+            for _, entries, part in parts(x):
+                out.update(e["$ref"] for e in entries
+                           if part and isinstance(e, dict) and isinstance(e.get("$ref"), str))
+            for k, v in x.items():
+                if k not in _DATA_KEYS:
+                    partial_refs(v, out)
+        return out
+
+    opened = partial_refs(schema, set())
+
+    def walk(x: Any, partial: bool = False, at: str = "#") -> Any:
+        if isinstance(x, list):
+            return [walk(v, False, f"{at}/{i}") for i, v in enumerate(x)]
         if not isinstance(x, dict):
             return x
+        partial = partial or at in opened
+        part_of = {k: part for k, _, part in parts(x)}
         out = {}
         for k, v in x.items():
+            here = f"{at}/{_escape(k)}"
             if k in _DATA_KEYS:
                 out[k] = v
             elif k in _NAMED and isinstance(v, dict):
-                out[k] = {name: walk(s, k == "dependentSchemas") for name, s in v.items()}
-            elif k in _COMBINERS and isinstance(v, list):
-                part = k == "allOf" or "properties" in x or "patternProperties" in x
-                out[k] = [walk(s, part) for s in v]
+                out[k] = {name: walk(s, k == "dependentSchemas", f"{here}/{_escape(name)}") for name, s in v.items()}
+            elif k in part_of:
+                out[k] = [walk(s, part_of[k], f"{here}/{i}") for i, s in enumerate(v)]
             else:
-                out[k] = walk(v)
+                out[k] = walk(v, False, here)
         return close(out, partial)
     return walk(schema)
+
+
+def _escape(name: str) -> str:
+    """A JSON pointer's escaping of one name (RFC 6901): ~ -> ~0, / -> ~1."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def is_lark(text: str) -> bool:
