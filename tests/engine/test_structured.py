@@ -185,6 +185,18 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     assert not accepts(composed, '{"id": 1, "name": "a", "o": {"id": 2, "more": 3}}')    # not a part: closed
 
 
+def test_integer_bounds_llguidance_would_clamp_are_refused():
+    """llguidance clamps an integer bound to 64 bits ({"minimum": 1e20, "maximum": 1e20 + 100} let only
+    9223372036854775807 through) and reads it as a double: such a bound is an error, not a wrong range."""
+    for bound in (10 ** 20, -(10 ** 20), 1e20, 2 ** 63, 2 ** 53 + 1):
+        schema = {"type": "object", "properties": {"n": {"type": ["integer", "null"], "minimum": bound,
+                                                         "maximum": bound + 100}}}
+        with pytest.raises(StructuredOutputError, match="beyond what llguidance enforces"):
+            Constraint.json_schema(schema)
+    Constraint.json_schema({"type": "integer", "minimum": -(2 ** 53), "maximum": 2 ** 62})
+    Constraint.json_schema({"type": "number", "minimum": 0.5, "maximum": 1e15})
+
+
 def test_a_deeply_nested_schema_is_an_error_not_a_crash():
     """Nesting past Python's recursion limit (the schema rewrites walk it) or llguidance's (~128 levels) is a
     StructuredOutputError, the 400 of a bad schema, not a RecursionError."""

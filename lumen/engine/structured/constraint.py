@@ -129,7 +129,7 @@ class Constraint:
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
         try:
-            schema = closed_objects(known_formats(exclusive_bounds(schema)))
+            schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(schema))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
@@ -234,6 +234,23 @@ def exclusive_bounds(schema: Any) -> Any:
             out["maximum"] = min(mx, _past(hi, -1)) if _number(mx) else _past(hi, -1)
         return out
     return map_subschemas(schema, fix)
+
+
+def integer_bounds(schema: Any) -> Any:
+    """`schema`, checked: an integer schema's bounds must be integers llguidance holds exactly, of magnitude below
+    2^53 (a double's integers) or at least exact as a double and below 2^63. llguidance 1.9 reads a bound as a
+    double and clamps it to 64 bits: `{"minimum": 1e20, "maximum": 1e20 + 100}` made every output
+    9223372036854775807. StructuredOutputError otherwise."""
+    def check(d: dict) -> dict:
+        t = d.get("type")
+        if t == "integer" or (isinstance(t, list) and "integer" in t):
+            for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                v = d.get(k)
+                if _number(v) and not (abs(v) < 2 ** 63 and float(v) == v):
+                    _fail("json_schema", f"the integer bound {k}: {v} is beyond what llguidance enforces "
+                                         f"(integers below 2^63 that a double holds exactly)")
+        return d
+    return map_subschemas(schema, check)
 
 
 def _past(k: float, sign: int) -> float:
