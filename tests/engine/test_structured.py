@@ -304,12 +304,24 @@ def test_compiler_reports_vocabulary_errors(compilers):
 
 
 @pytest.mark.parametrize("schema", [
-    {"$ref": "#"}, {"anyOf": [{"$ref": "#"}]},
+    {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]},
+    {"$defs": {"d": {"allOf": [{"$ref": "#/$defs/d"}]}}, "type": "array", "items": {"$ref": "#/$defs/d"}},
     {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}])
+def test_a_ref_that_loops_before_any_value_is_refused(schema):
+    """A $ref leading back to itself through $refs and allOf alone, even deep in the schema (llguidance fails only
+    where generation reaches it, after part of a stream went out): refused when the constraint is made."""
+    with pytest.raises(StructuredOutputError, match="leads back to itself before any value"):
+        Constraint.json_schema(schema)
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                             "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    Constraint.json_schema(tree)                                       # recursion behind a value: fine
+
+
+@pytest.mark.parametrize("schema", [{"anyOf": [{"$ref": "#"}]}, {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}])
 def test_a_schema_that_matches_no_text_is_refused(compilers, schema):
-    """$refs that loop back before any value: llguidance compiles a grammar that is complete before its first
-    token and matches nothing, which would end a request at once with "stop" and no text (or fail on its end
-    token). The compiler refuses it instead; a grammar that matches the empty text alone is still taken."""
+    """$refs that loop back before any value through anyOf (which no_ref_loops leaves to llguidance): llguidance
+    compiles a grammar that fails at its first mask, which would end a request at once with an error (or "stop"
+    and no text). The compiler refuses it instead; a grammar that matches the empty text alone is still taken."""
     with pytest.raises(StructuredOutputError, match="matches no text"):
         compilers["smollm2-135m"].compile(Constraint.json_schema(schema), timeout=30)
     compiled = compilers["smollm2-135m"].compile(Constraint.regex(""), timeout=30)

@@ -129,7 +129,7 @@ class Constraint:
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
         try:
-            schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(schema))))
+            schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(no_ref_loops(schema)))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
@@ -234,6 +234,53 @@ def exclusive_bounds(schema: Any) -> Any:
             out["maximum"] = min(mx, _past(hi, -1)) if _number(mx) else _past(hi, -1)
         return out
     return map_subschemas(schema, fix)
+
+
+def no_ref_loops(schema: Any) -> Any:
+    """`schema`, checked: no local $ref may lead back to itself through $refs and allOf entries alone, before any
+    value (`{"$ref": "#"}`, `"d": {"$ref": "#/$defs/d"}`). No JSON matches such a schema; llguidance compiles it
+    and fails where it is reached ("NoExtensionBias"), perhaps after part of a streamed response was sent.
+    StructuredOutputError otherwise. A $ref behind a property, an item or an anyOf branch is ordinary recursion."""
+    refs: list[str] = []
+
+    def collect(d: dict) -> dict:
+        if isinstance(d.get("$ref"), str) and d["$ref"].startswith("#"):
+            refs.append(d["$ref"])
+        return d
+    map_subschemas(schema, collect)
+
+    def resolve(ref: str) -> Any:
+        node = schema
+        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def loops(node: Any, seen: frozenset) -> str | None:
+        if not isinstance(node, dict):
+            return None
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref in seen:
+                return ref
+            found = loops(resolve(ref), seen | {ref})
+            if found:
+                return found
+        for part in node.get("allOf") if isinstance(node.get("allOf"), list) else []:
+            found = loops(part, seen)
+            if found:
+                return found
+        return None
+
+    for ref in dict.fromkeys(refs):
+        if loops(resolve(ref), frozenset({ref})):
+            _fail("json_schema", f"the $ref {ref!r} leads back to itself before any value: no JSON matches it")
+    return schema
 
 
 def integer_bounds(schema: Any) -> Any:
