@@ -4,6 +4,7 @@ end-to-end run of `python -m lumen.serve --prefill-replicas 1 --decode-replicas 
 output equal to one process for prompts through the prefill pool (one with min_tokens) and past it, the transfer metrics, and a SIGINT
 that leaves no process the server started."""
 import asyncio
+import inspect
 import os
 import signal
 import sys
@@ -56,14 +57,34 @@ class Response:
         self.task.cancel()
 
 
+class Stream:
+    """As Ray Serve's DeploymentResponseGenerator (a streaming method's call): its items as they come; cancel()
+    stops the method on its replica."""
+
+    def __init__(self, gen):
+        self.gen, self.cancelled = gen, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.gen.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+        asyncio.ensure_future(self.gen.aclose())
+
+
 class Call:
-    """handle.method.remote(*args) as Ray's DeploymentHandle: a Response (the calls made are kept in `made`)."""
+    """handle.method.remote(*args) as Ray's DeploymentHandle: a Response, or a Stream for a streaming method (the
+    calls made are kept in `made`)."""
 
     def __init__(self, fn, made: list | None = None):
         self.fn, self.made = fn, made
 
     def remote(self, *args):
-        r = Response(self.fn(*args))
+        result = self.fn(*args)
+        r = Stream(result) if inspect.isasyncgen(result) else Response(result)
         if self.made is not None:
             self.made.append((args, r))
         return r
@@ -77,6 +98,9 @@ class StandIn:
         self.prefill, self.export_kv = Call(self._prefill), Call(self._export)
         self.release_kv = Call(lambda replica, rid: self.released.append(rid) or self.engine.kv.release(rid))
 
+    def options(self, stream: bool = False):
+        return self
+
     async def _prefill(self, prompts, params):
         if self.fail == "prefill":
             raise ConnectionError("the prefill replica died")
@@ -85,7 +109,8 @@ class StandIn:
         while True:
             for o in self.engine.step():
                 if o.request_id == rid and o.finished:
-                    return {"replica": "p0", "kv_transfer_params": o.kv_transfer_params, "prefill_s": 0.0}
+                    yield {"replica": "p0", "kv_transfer_params": o.kv_transfer_params, "prefill_s": 0.0}
+                    return
 
     async def _export(self, replica, rid, first, end):
         if self.fail == "export":
@@ -189,6 +214,9 @@ class Pool:
         self.export_kv = Call(lambda replica, *args: by_name[replica].export_kv(replica, *args), self.made)
         self.release_kv = Call(lambda replica, rid: by_name[replica].release_kv(replica, rid), self.made)
 
+    def options(self, stream: bool = False):
+        return self
+
 
 def stall(engine) -> tuple[threading.Event, list[int]]:
     """From now on the engine's thread hangs after each step (a stuck replica) until the event is set; the list
@@ -272,6 +300,46 @@ def test_hand_off_gives_up_on_a_prefill_replica_that_hangs(model, failure):
     for e in (hung, ok, dec):
         e.blocks.check()
         assert e.blocks.num_free == free[e] and e.blocks.num_pinned == 0 and e.kv.num_holds == 0
+
+
+def test_hand_off_waits_for_a_busy_prefill_replica(model, monkeypatch):
+    """A prefill replica that takes longer than --pd-prefill-timeout but keeps stepping (a queue of long prompts
+    ahead, a slow machine) is not given up on: its heartbeats keep the call alive and the KV is pulled, instead of
+    the work being cancelled there and redone on the decode replica."""
+    from lumen.serve.ray import pd
+    monkeypatch.setattr(pd, "HEARTBEAT_S", 0.1)
+    mk = lambda: Engine(model, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_mb=16)  # noqa: E731
+    ids = model.tokenize(PROMPT_LONG)                              # > 128 tokens: 5 chunks of 32
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    want = mk().generate([ids], sp)[0].token_ids
+    slow, dec = mk(), mk()
+    step = slow.step
+    slow.step = lambda: time.sleep(0.3) or step()                  # >= 1.5 s in all, 0.3 s a step
+    reg = CollectorRegistry()
+
+    async def serve():
+        r = prefill_replica(slow, "slow")
+        pool = Pool([r], lambda ids: r)
+        h = HandOff(dec, pool, PDSettings(threshold=64, prefill_timeout_s=0.8), reg, "m")
+        try:
+            t0 = time.perf_counter()
+            return await h.extras([ids], [sp]), time.perf_counter() - t0, pool.made
+        finally:
+            r.worker.stop()
+
+    extras, took, made = asyncio.run(asyncio.wait_for(serve(), 30))
+    assert took > 0.8                                              # longer than the timeout, and yet:
+    assert "kv_data" in extras[0] and not any(r.cancelled for _, r in made)
+    m = metric(reg, "lumen:kv_transfers_total")
+    assert m == {'lumen:kv_transfers_total{model_name="m",result="pulled"}': 1.0}
+    rid = dec.add_request(ids, sp, **extras[0])
+    outs = {}
+    while dec.has_unfinished():
+        outs.update({o.request_id: o for o in dec.step()})
+    assert outs[rid].token_ids == want
+    for e in (slow, dec):
+        e.blocks.check()
+        assert e.blocks.num_pinned == 0 and e.kv.num_holds == 0
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -12,7 +12,7 @@
                                                     this replica lacks, numpy arrays through Ray's object store;
                                                     the hold is released as they are copied out
               engine.add_request(ids, params, kv_transfer_params=..., kv_data=...)   decoded here
-    a failure (the prefill replica died, it did not answer within --pd-prefill-timeout, the pull timed out, the KV
+    a failure (the prefill replica died, it sent nothing for --pd-prefill-timeout, the pull timed out, the KV
     expired): --kv-failure recompute runs the prompt here instead; error answers 503. A refusal (the prefill pool's
     queue is full) always runs it here. A call given up on is cancelled (Ray Serve cancels its task on the
     replica, which aborts the request and so frees or releases its blocks); awaiting a handle call with a timeout
@@ -50,14 +50,16 @@ from .replica import EngineReplica
 
 log = logging.getLogger("lumen.serve")
 PREFILL = "LumenPrefill"
+HEARTBEAT_S = 1.0                      # a prefill replica's "alive" items, while its engine steps
 PREFILL_FAILED = "the prefill replica serving this request failed; try again"
 
 
 @dataclass(frozen=True)
 class PDSettings:
     """threshold: uncached prompt tokens from which a request goes through the prefill pool; failure: "recompute"
-    or "error" when the hand-off fails; prefill_timeout_s: the longest wait for the prefill pool's answer (its
-    queue and the prefill; a replica that hangs must not hang the request); pull_timeout_s: the longest wait for the
+    or "error" when the hand-off fails; prefill_timeout_s: the longest wait for the prefill replica's next
+    heartbeat, sent while its engine steps (a replica that hangs must not hang the request; one that is merely busy
+    with a queue of long prompts is not given up on, its work redone here); pull_timeout_s: the longest wait for the
     KV once prefilled. The threshold's default: the hand-off adds ~31 ms to a request's TTFT, as long as a local
     prefill of ~59 tokens takes on SmolLM2-135M at one thread, fewer on larger models (profiling/pd_serving.py
     threshold)."""
@@ -79,25 +81,38 @@ class PDSettings:
 class PrefillReplica(EngineReplica):
     """A replica of the prefill pool: runs prompts to their first token and holds their KV for a decode replica."""
 
-    async def prefill(self, prompts: list[list[int]], params) -> dict:
+    async def prefill(self, prompts: list[list[int]], params):
         """One prompt (prompts: [its ids], as generate's first argument, which the router reads) to its first
-        token, its KV held: {"replica", "kv_transfer_params", "prefill_s"}, or {"refused": kind, "message"}."""
+        token, its KV held. A streaming method: {"alive": engine steps} at most every HEARTBEAT_S while this
+        replica's engine steps (the prompt progresses, or those queued before it do), then the result:
+        {"replica", "kv_transfer_params", "prefill_s"}, or {"refused": kind, "message"}."""
         t0 = time.perf_counter()
         try:
             sub = self.worker.submit_now(prompts[:1], [PREFILL_PARAMS],    # (its token is the decode's to make)
                                          [{"kv_transfer_params": {DO_REMOTE_DECODE: True}}])
         except (QueueFull, ShuttingDown, ValueError) as e:
-            return {"refused": type(e).__name__, "message": str(e)}
-        final = None
+            yield {"refused": type(e).__name__, "message": str(e)}
+            return
+        final, steps = None, self.engine.steps
         try:
-            async for out in self.worker.outputs(sub):
-                final = out if out.finished else final
+            while sub.open:
+                try:
+                    out = await asyncio.wait_for(sub.queue.get(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    if self.engine.steps != steps:    # a stuck engine sends none: the decode side gives up
+                        steps = self.engine.steps
+                        yield {"alive": steps}
+                    continue
+                if out.finished:
+                    sub.open.discard(out.request_id)
+                    final = out
         finally:
             self.worker.abort(sub)                    # cancelled: the request stops (no-op once finished)
         if final is None or final.kv_transfer_params is None:
-            return {"refused": "value", "message": (final and final.error) or "the prefill did not finish"}
-        return {"replica": self.replica, "kv_transfer_params": final.kv_transfer_params,
-                "prefill_s": time.perf_counter() - t0}
+            yield {"refused": "value", "message": (final and final.error) or "the prefill did not finish"}
+            return
+        yield {"replica": self.replica, "kv_transfer_params": final.kv_transfer_params,
+               "prefill_s": time.perf_counter() - t0}
 
     async def export_kv(self, replica: str, request_id: str, first: int, end: int):
         """The held blocks first .. end-1 of request_id (lumen.engine.kv_transfer.export), then released."""
@@ -156,8 +171,8 @@ class HandOff:
         got = call = None
         try:
             t0 = time.perf_counter()
-            call = self.prefill.prefill.remote([ids], params)
-            got = await bounded(call, self.settings.prefill_timeout_s, "the prefill pool")
+            call = self.prefill.options(stream=True).prefill.remote([ids], params)
+            got = await last(call, self.settings.prefill_timeout_s, "the prefill pool")
             self.prefill_s.observe(time.perf_counter() - t0)
             if "refused" in got:                      # not queued there (full, say): run it here
                 log.info("prefill pool refused a request (%s): running it here", got["message"])
@@ -198,6 +213,21 @@ async def bounded(call, timeout_s: float, what: str):
     except asyncio.TimeoutError:
         call.cancel()
         raise TimeoutError(f"{what} did not answer within {timeout_s:g} s") from None
+
+
+async def last(call, timeout_s: float, what: str):
+    """The last item of a streaming handle call (a Ray Serve DeploymentResponseGenerator) whose items each come
+    within timeout_s of the one before (the prefill replica's heartbeats: a long queue of prompts there is progress,
+    a replica that hangs sends nothing); past that, the call is cancelled and TimeoutError raised."""
+    got, items = None, call.__aiter__()
+    while True:
+        try:
+            got = await asyncio.wait_for(items.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            return got
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise TimeoutError(f"{what} made no progress for {timeout_s:g} s") from None
 
 
 class _ImportState:
