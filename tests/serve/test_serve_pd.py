@@ -194,6 +194,24 @@ def test_hand_off_pulls_long_prompts_and_handles_failures(model):
         assert e.blocks.num_free == free and e.blocks.num_pinned == 0
 
 
+def test_hand_off_skips_requests_the_decode_engine_refuses(model):
+    """A request the decode engine refuses anyway (prompt + max_tokens past max_model_len) is not prefilled on the
+    prefill pool nor its KV pulled first: submit answers its 400 at once, as one process does."""
+    mk = lambda: Engine(model, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_mb=16)  # noqa: E731
+    ids = model.tokenize(PROMPT_LONG)
+    pre, dec = mk(), mk()
+    stand_in = StandIn(pre)
+    stand_in.prefill.made = []
+    reg = CollectorRegistry()
+    h = HandOff(dec, stand_in, PDSettings(threshold=64), reg, "m")
+    sp = SamplingParams(max_tokens=dec.max_model_len, temperature=0)
+    assert asyncio.run(h.extras([ids], [sp])) == [{}]
+    assert stand_in.prefill.made == [] and pre.kv.stats.held == 0
+    assert metric(reg, "lumen:kv_transfers_total") == {}
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        dec.add_request(ids, sp)
+
+
 def prefill_replica(engine, name: str) -> PrefillReplica:
     """A PrefillReplica over `engine` without Ray: its worker's engine thread started on the running loop."""
     r = PrefillReplica.__new__(PrefillReplica)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from ...engine.admission import admit
 from ...engine.kv_transfer import DO_REMOTE_DECODE, PREFILL_PARAMS, KVData, needed_blocks
 from ...kernels.attention import BLOCK
 from ..metrics import TTFT_BUCKETS
@@ -155,6 +156,12 @@ class HandOff:
         """Each request's add_request keywords: the pulled KV for prompts with many uncached tokens (one pull per
         distinct prompt: n choices share it), {} for the rest. ShuttingDown (503) on a failure with "error"."""
         out: list[dict] = [{} for _ in prompts]
+        e = self.engine
+        try:                                          # one this engine refuses (prompt + max_tokens past
+            for ids, sp in zip(prompts, params):      # max_model_len, ...) is refused by submit as it is:
+                admit(ids, sp, e.tokenizer, e.config.n_vocab, e.max_model_len, e.blocks.n_blocks)   # no prefill
+        except ValueError:
+            return out
         seen: dict[tuple, dict] = {}
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             key = tuple(ids)
