@@ -212,6 +212,26 @@ def test_hand_off_skips_requests_the_decode_engine_refuses(model):
         dec.add_request(ids, sp)
 
 
+def test_hand_off_leaves_prompt_logprobs_to_the_decode_engine(model):
+    """prompt_logprobs (a completion's echo with logprobs) need the prompt computed by the engine that answers:
+    such a request is prefilled on the decode replica, not pulled and then refused (400) as it was."""
+    mk = lambda: Engine(model, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_mb=16)  # noqa: E731
+    ids = model.tokenize(PROMPT_LONG)
+    sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    want = mk().generate([ids], sp)[0]
+    pre, dec = mk(), mk()
+    reg = CollectorRegistry()
+    h = HandOff(dec, StandIn(pre), PDSettings(threshold=64), reg, "m")
+    extras = asyncio.run(h.extras([ids], [sp]))
+    assert extras == [{}] and pre.kv.stats.held == 0
+    assert metric(reg, "lumen:kv_transfers_total") == {'lumen:kv_transfers_total{model_name="m",result="local"}': 1.0}
+    rid = dec.add_request(ids, sp, **extras[0])
+    outs = {}
+    while dec.has_unfinished():
+        outs.update({o.request_id: o for o in dec.step()})
+    assert outs[rid].token_ids == want.token_ids and len(outs[rid].prompt_logprobs) == len(want.prompt_logprobs)
+
+
 def prefill_replica(engine, name: str) -> PrefillReplica:
     """A PrefillReplica over `engine` without Ray: its worker's engine thread started on the running loop."""
     r = PrefillReplica.__new__(PrefillReplica)

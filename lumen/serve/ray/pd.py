@@ -171,6 +171,9 @@ class HandOff:
         return out
 
     async def pull(self, ids: list[int], params) -> dict:
+        if params.prompt_logprobs is not None:        # they need the prompt computed here (Engine.add_request)
+            self.count("local")
+            return {}
         first = self.engine.kv.first_missing(ids)
         if len(ids) - 1 - first * BLOCK < self.settings.threshold:
             self.count("local")
