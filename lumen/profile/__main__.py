@@ -48,16 +48,19 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 
 MODES = """modes (one at a time; without one, a profiled generate run):
-  (default)          profile a generate run op by op: --model, --prompt-tokens, --gen-tokens, --threads,
-                     --phase/--op/--layer, --json, --plot
-  --machine          this machine's measured limits (measured once, cached; --remeasure measures again); --json
-                     (--json -: the limits as JSON on stdout, instead of the table)
-  --overhead         decode tok/s with the timers off, compiled out (LUMEN_TIMERS=0) and on: --repeats, --json
-  --engine           the engine's measured step costs and their fit (lumen/profile/serving_cli.py):
-                     --max-num-batched-tokens, --max-num-seqs, --max-model-len, --tiny, --remeasure,
-                     --json, --plot (the cost surface)
-  --serving FILE     the report of a serving profile written by `lumen.serve --profile FILE`: TTFT and ITL
-                     p50/p99 and what they are made of; --json, --plot
+  (default)       profile a generate run op by op: --model, --prompt-tokens,
+                  --gen-tokens, --threads, --phase/--op/--layer, --json, --plot
+  --machine       this machine's measured limits (measured once, cached;
+                  --remeasure measures again); --json (--json -: the limits as
+                  JSON on stdout, instead of the table)
+  --overhead      decode tok/s with the timers off, compiled out
+                  (LUMEN_TIMERS=0) and on: --repeats, --json
+  --engine        the engine's measured step costs and their fit:
+                  --max-num-batched-tokens, --max-num-seqs, --max-model-len,
+                  --tiny, --remeasure, --json, --plot (the cost surface)
+  --serving FILE  the report of a serving profile written by
+                  `lumen.serve --profile FILE`: TTFT and ITL p50/p99 and what
+                  they are made of; --json, --plot
 """
 # Options of one mode only (dest -> its default); giving one with another mode is an error.
 RUN_ONLY = {"prompt_tokens": 512, "gen_tokens": 128, "phase": None, "op": None, "layer": None}
@@ -67,6 +70,7 @@ OVERHEAD_ONLY = {"repeats": 5}
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog("profile"), formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 usage="%(prog)s [MODE] [OPTIONS]   (modes: see below)",
                                  description="Profile Lumen on this machine: a generate run op by op against the\n"
                                              "roofline, the machine's limits, the timers' overhead, the engine's\n"
                                              "step costs, or a server's serving profile.",

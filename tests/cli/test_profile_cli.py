@@ -319,3 +319,13 @@ def test_ctrl_c_during_an_engine_calibration_is_one_line(monkeypatch, capsys):
     assert cli.main(["--engine"]) == 130
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == "interrupted", err
+
+
+def test_help_fits_80_columns(monkeypatch):
+    """`--help` in an 80-column terminal or a pipe: no line wider than 80 (the modes' epilog included)."""
+    from lumen.profile.__main__ import build_parser
+    monkeypatch.setenv("COLUMNS", "80")
+    text = build_parser().format_help()
+    wide = [line for line in text.splitlines() if len(line) > 80]
+    assert not wide, wide
+    assert all(m in text for m in ("--machine", "--overhead", "--engine", "--serving FILE"))
