@@ -15,7 +15,8 @@ A request's interval [a, b] is split into parts:
     other steps  steps it did not run in after admission (its prefill chunk did not fit the budget, preemption)
     between steps  time covered by no step (the engine loop, waiting for work)
     send         from the step that made the token to the bytes leaving the server (SSE, JSON)
-TTFT is [arrival, first token sent]; an ITL is [token k sent, token k+1 sent]. `report` gives p50 and p99 of
+TTFT is [arrival, first token sent]; an ITL is [token k sent, token k+1 sent]. A request not streamed (all its
+tokens sent at once) has no ITL: its gaps of 0 are not gaps a client saw. `report` gives p50 and p99 of
 each and the mean split of the requests at those percentiles, and checks coverage (the parts add up to the wall
 time) and that no catch-all ("between steps", the steps' unattributed time) holds much.
 """
@@ -116,13 +117,15 @@ def breakdown(prof, traces: list[Trace]) -> list[dict]:
         sent = tr.sent_times
         ttft = split(steps, starts, tr.request_id, tr.arrival, tr.made[0], first)
         ttft["send"] += max(0.0, sent[0] - tr.made[0])
+        streamed = len(sent) < 2 or sent[-1] > sent[0]
         itls = []
-        for k in range(1, len(tr.made)):
+        for k in range(1, len(tr.made) if streamed else 0):
             p = split(steps, starts, tr.request_id, sent[k - 1], tr.made[k], first) if tr.made[k] > sent[k - 1] \
                 else dict.fromkeys(PARTS, 0.0)
             p["send"] += max(0.0, sent[k] - max(tr.made[k], sent[k - 1]))
             itls.append((sent[k] - sent[k - 1], p))
-        out.append({"request_id": tr.request_id, "ttft": sent[0] - tr.arrival, "ttft_parts": ttft, "itls": itls})
+        out.append({"request_id": tr.request_id, "ttft": sent[0] - tr.arrival, "ttft_parts": ttft, "itls": itls,
+                    "streamed": streamed})
     return out
 
 
@@ -154,7 +157,8 @@ def report(prof, traces: list[Trace]) -> dict:
         got = sum(r["ttft_parts"].values()) + sum(sum(p.values()) for _, p in r["itls"])
         catch = sum(r["ttft_parts"][k] for k in CATCH_ALL) + sum(p[k] for _, p in r["itls"] for k in CATCH_ALL)
         cover.append((got / wall if wall else 1.0, catch / wall if wall else 0.0))
-    out = {"requests": len(rows), "coverage_min": min((c for c, _ in cover), default=1.0),
+    out = {"requests": len(rows), "unstreamed": sum(not r["streamed"] for r in rows),
+           "coverage_min": min((c for c, _ in cover), default=1.0),
            "catch_all_max": max((c for _, c in cover), default=0.0)}
     for name, items in (("ttft", ttft), ("itl", itl)):
         if not items:
@@ -179,6 +183,9 @@ def print_report(rep: dict, console=None) -> None:
     for part in PARTS:
         t.add_row(part, *[f"{100 * rep[k + '_parts'][part]:.1f}%" for k in cols])
     console.print(t)
+    if rep.get("unstreamed"):
+        console.print(f"{rep['unstreamed']} of {rep['requests']} requests were not streamed (all their tokens sent "
+                      f"in one response): their TTFT is the whole response, and they have no ITL", markup=False)
 
 
 def save(path, prof, traces: list[Trace]) -> None:
@@ -212,6 +219,7 @@ def summary_line(rep: dict) -> str:
     top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
     return (f"TTFT p50 {rep.get('ttft_p50_s', 0) * 1e3:.0f} ms p99 {rep.get('ttft_p99_s', 0) * 1e3:.0f} ms "
             f"(p99: {', '.join(f'{k} {100 * v:.0f}%' for k, v in top)}); "
-            f"ITL p50 {rep.get('itl_p50_s', 0) * 1e3:.1f} ms "
-            f"p99 {rep.get('itl_p99_s', 0) * 1e3:.1f} ms; coverage min {100 * rep['coverage_min']:.1f}%")
+            + (f"ITL p50 {rep['itl_p50_s'] * 1e3:.1f} ms p99 {rep['itl_p99_s'] * 1e3:.1f} ms; "
+               if "itl_p50_s" in rep else "no ITL (no request streamed); ")
+            + f"coverage min {100 * rep['coverage_min']:.1f}%")
 

@@ -49,3 +49,17 @@ def test_the_command_line_writes_what_it_says(tmp_path, capsys):
     rep = json.loads(out_json.read_text())
     assert rep["requests"] == 2 and sum(rep["itl_p50_parts"].values()) == pytest.approx(1.0)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_request_not_streamed_has_no_inter_token_gaps():
+    """A request answered in one response (all its tokens sent at once) saw no gaps between tokens: its 0 s
+    'gaps' must not pull the ITL percentiles to 0; it is counted and said instead."""
+    from lumen.profile.serving import summary_line
+    prof, traces = made_up_run()
+    whole = Trace("b", 0.015, traces[1].made, sent=[0.042] * len(traces[1].made))
+    rep = report(prof, [traces[0], whole])
+    assert rep["unstreamed"] == 1
+    assert rep["itl_p50_s"] == pytest.approx(0.010)           # a's gaps only
+    rep = report(prof, [whole])
+    assert "itl_p50_s" not in rep and rep["ttft_p50_s"] == pytest.approx(0.042 - 0.015)
+    assert "no ITL" in summary_line(rep) and "ITL p50 0.0" not in summary_line(rep)
