@@ -115,7 +115,8 @@ def decode_bytes(prof, sizes: dict) -> dict:
 def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, layer: int | None,
               sizes: dict | None = None) -> dict:
     """The report's numbers: per-op rows per phase (with each op's roof and a note when above it), ms per layer,
-    decode overhead, coverage, and (given the model's sizes) the bytes a decode step reads."""
+    decode overhead (whole steps: left out when op or layer picks some records), coverage, and (given the model's
+    sizes) the bytes a decode step reads."""
     from lumen.profile import Agg
     L = roofs(lim, threads)
     matmuls = matmul_ops()
@@ -164,7 +165,7 @@ def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, 
                              "coverage_min": shares[0] if shares else 1.0,
                              "coverage_median": statistics.median(shares) if shares else 1.0,
                              "unattributed_ms": prof.unattributed_s(ph) * 1e3}
-    if "decode" in phases:
+    if "decode" in phases and op is None and layer is None:     # the glue of whole steps: not under --op/--layer
         n = max(1, out["phases"]["decode"]["steps"])
         wall = out["phases"]["decode"]["wall_ms"] / 1e3
         glue = prof.by_op("decode")
@@ -175,8 +176,8 @@ def summarize(prof, lim: dict, threads: int, phase: str | None, op: str | None, 
         rows.append({"op": "total", "us_per_step": sum(r["us_per_step"] for r in rows),
                      "share": sum(r["share"] for r in rows)})
         out["overhead"] = rows
-        if sizes:
-            out["decode_bytes"] = decode_bytes(prof, sizes)
+    if "decode" in phases and sizes:
+        out["decode_bytes"] = decode_bytes(prof, sizes)
     return out
 
 

@@ -329,3 +329,22 @@ def test_help_fits_80_columns(monkeypatch):
     wide = [line for line in text.splitlines() if len(line) > 80]
     assert not wide, wide
     assert all(m in text for m in ("--machine", "--overhead", "--engine", "--serving FILE"))
+
+
+def test_op_and_layer_filters_leave_out_the_whole_step_overhead():
+    """--op/--layer restrict the tables to those records: the per-step Python/dispatch table (whole steps' glue)
+    is not one of them, so it is left out under a filter and kept without one."""
+    from lumen.profile import Profiler, Record, Step
+    from lumen.profile.report import summarize
+    prof = Profiler()
+    for i in range(3):
+        prof.steps.append(Step(i, "decode", 1, 1, 4 + i, wall_s=0.010, t0=0.01 * i, t1=0.01 * i + 0.010,
+                               requests=("a",)))
+        prof.records += [Record(i, "decode", -1, "schedule", 0.001, 0, 0),
+                         Record(i, "decode", 0, "attention", 0.002, 1000, 2000),
+                         Record(i, "decode", 0, "down", 0.006, 10000, 20000),
+                         Record(i, "decode", -1, "sample", 0.001, 0, 0)]
+    assert "overhead" in summarize(prof, FAKE, 2, None, None, None)
+    s = summarize(prof, FAKE, 2, "decode", "attention", None)
+    assert [r["op"] for r in s["ops"]["decode"]] == ["attention"] and "overhead" not in s
+    assert "overhead" not in summarize(prof, FAKE, 2, None, None, 0)
