@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\ninterrupted", file=sys.stderr)
             return 130
     from rich.console import Console
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    console = Console(highlight=False)        # in a pipe: $COLUMNS, else 80 columns
     if mode == "worker":
         return worker(args.model, args.prompt_tokens, args.gen_tokens, args.threads)
     if args.prompt_tokens < 1:

@@ -188,7 +188,13 @@ def limits_line(L: dict, cpu: str) -> str:
             f"(roof of the matmuls: {L['int8_dot_isa']})")
 
 
+def _num(x: float) -> str:
+    """At least 3 significant digits in at most 6 characters below 100000 (the op table fits 80 columns)."""
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 1000 else f"{x:.0f}"
+
+
 def print_report(s: dict, lim: dict, title: str, console) -> None:
+    from rich import box
     from rich.table import Table
     L = s["limits"]
     console.print(f"[bold]{title}[/]")
@@ -197,14 +203,15 @@ def print_report(s: dict, lim: dict, title: str, console) -> None:
         p = s["phases"][ph]
         t = Table(title=f"{ph}: {p['tokens']} tokens in {p['steps']} step{'s' * (p['steps'] != 1)}, "
                         f"{p['wall_ms']:.1f} ms, "
-                        f"{p['tok_per_s']:.1f} tok/s", title_justify="left")
+                        f"{p['tok_per_s']:.1f} tok/s", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, padding=0)  # fits 80 columns
         for col in ("op", "calls", "ms", "share", "us/call", "GB/s", "GFLOP/s", "FLOP/B", "bound by",
-                    "of roofline"):
+                    "of roof"):
             t.add_column(col, justify="left" if col in ("op", "bound by") else "right", no_wrap=True)
         for r in rows:
             roof = r["roofline_share"]
-            t.add_row(r["op"], str(r["calls"]), f"{r['ms']:.2f}", f"{100 * r['share']:.1f}%",
-                      f"{r['us_per_call']:.1f}", f"{r['gbps']:.2f}", f"{r['gflops']:.2f}", f"{r['intensity']:.2f}",
+            t.add_row(r["op"], str(r["calls"]), _num(r["ms"]), f"{100 * r['share']:.1f}%",
+                      _num(r["us_per_call"]), _num(r["gbps"]), _num(r["gflops"]), _num(r["intensity"]),
                       r["bound_by"] or "-", "-" if roof is None else f"{100 * roof:.0f}%" + ("*" if roof > 1 else ""))
         console.print(t)
         for op, note in s["notes"].get(ph, {}).items():

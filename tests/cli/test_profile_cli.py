@@ -26,8 +26,8 @@ def home(tmp_path_factory, new_home):
     return d
 
 
-def run(home, *args, timeout=300):
-    env = dict(os.environ, LUMEN_HOME=str(home), COLUMNS="200")
+def run(home, *args, timeout=300, columns=200):
+    env = dict(os.environ, LUMEN_HOME=str(home), COLUMNS=str(columns))
     return subprocess.run([sys.executable, "-m", "lumen.profile", *map(str, args)], env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -52,6 +52,20 @@ def _rows(out: str, title: str) -> list[list[str]]:
     return rows
 
 
+def _op_rows(out: str, title: str) -> list[list[str]]:
+    """The rows of the op table whose title starts with `title` (no vertical rules: cells split at spaces, the
+    'bound by' cell rejoined)."""
+    lines = out.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith(title))
+    rows = []
+    for ln in lines[i + 3:]:
+        if not re.match(r"^\S+\s+\d+\s", ln):
+            break
+        cells = ln.split()
+        rows.append(cells[:8] + [" ".join(cells[8:-1]), cells[-1]])
+    return rows
+
+
 def test_report_tables(full):
     from lumen.profile.report import matmul_ops
     r, _ = full
@@ -65,7 +79,7 @@ def test_report_tables(full):
     flat = " ".join(out.split())                    # the machine line wraps where the CPU's name ends it
     assert "int8 dot 300 GOP/s (roof of the matmuls: fake isa)" in flat and "memory read 20.0 GB/s" in flat
     for phase in ("prefill", "decode"):
-        rows = _rows(out, phase + ":")
+        rows = _op_rows(out, phase + ":")
         ops = {row[0] for row in rows}
         assert {*matmul_ops(), "attention", "embed"} <= ops
         assert not ops & {"qk_norm", "post_attn_norm", "post_ffn_norm"}, "a llama has none of these: no row"
@@ -79,6 +93,18 @@ def test_report_tables(full):
     assert [int(row[0]) for row in layers] == list(range(30))
     over = {row[0]: float(row[1]) for row in _rows(out, "Python/dispatch overhead")}
     assert {"schedule", "prepare", "dispatch", "return", "sample", "detokenize", "unattributed", "total"} <= set(over)
+
+
+def test_report_fits_80_columns_in_a_pipe(home, smollm2_path):
+    """In a pipe at 80 columns the op tables keep every column and no table line is wider than 80 (the decode
+    bytes line alone is one long line, for grep)."""
+    r = run(home, "--model", smollm2_path, "--prompt-tokens", 8, "--gen-tokens", 3, columns=80)
+    assert r.returncode == 0, r.stderr
+    wide = [ln for ln in r.stdout.splitlines() if len(ln) > 80 and not ln.startswith("decode reads")]
+    assert not wide, wide
+    for phase in ("prefill", "decode"):
+        rows = _op_rows(r.stdout, phase + ":")
+        assert rows and all(len(row) == 10 and "…" not in " ".join(row) for row in rows)
 
 
 def test_decode_bytes_line(full, smollm2_path):
@@ -188,7 +214,7 @@ def test_filters(home, smollm2_path):
     r = run(home, "--model", smollm2_path, "--prompt-tokens", 8, "--gen-tokens", 3, "--phase", "decode",
             "--op", "down", "--layer", 2)
     assert r.returncode == 0, r.stderr
-    rows = _rows(r.stdout, "decode:")
+    rows = _op_rows(r.stdout, "decode:")
     assert [row[0] for row in rows] == ["down"] and rows[0][1] == "2"
     assert "prefill:" not in r.stdout
     assert [row[0] for row in _rows(r.stdout, "ms per layer")] == ["2"]
