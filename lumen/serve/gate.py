@@ -7,6 +7,8 @@
 - One log line per request when its response ends: client, method, path, status, seconds, id, and the token
   counts a handler left in the state ("usage").
 - A handler that raises answers 500 for that request alone (logged with its traceback); the server serves on.
+  Unless the client is gone: an error raised by receive() (a proxy's cancelled task, a broken transport) or after
+  it said the client disconnected is the client leaving, logged in one line, not a failure.
 """
 from __future__ import annotations
 
@@ -60,9 +62,24 @@ class Gate:
             if body is None:
                 return await reply(413, f"the request body is larger than {self.max_body} bytes")
             receive = _replay(body, receive)
+        gone = [False]
+
+        async def receive_():
+            try:
+                msg = await receive()
+            except Exception:                        # noqa: BLE001 - the connection is gone (Ray: TaskCancelledError)
+                gone[0] = True
+                raise
+            if msg.get("type") == "http.disconnect":
+                gone[0] = True
+            return msg
+
         try:
-            await self.app(scope, receive, send_)
+            await self.app(scope, receive_, send_)
         except Exception as e:                       # noqa: BLE001 - whatever a handler broke: 500, that request
+            if gone[0]:
+                log.info("request %s: the client left (%s)", rid, type(e).__name__)
+                return
             log.exception("request %s failed", rid)
             if status[0] == 0:
                 await reply(500, f"internal error: {type(e).__name__}: {e}")
