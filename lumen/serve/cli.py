@@ -88,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
                     help="seconds a prefill replica holds a prompt's KV for the decode replica (default 60)")
     pd.add_argument("--pd-prefill-timeout", type=float, default=PD_PREFILL_TIMEOUT, metavar="S",
-                    help="seconds a decode replica waits for the prefill pool's answer (its queue and the "
-                         "prefill) before it cancels the call and follows --kv-failure, so a prefill replica that "
-                         f"hangs does not hang the request (default {PD_PREFILL_TIMEOUT:g}; raise it when a prefill "
-                         "can take longer: long prompts on a large model, or a deep queue on the prefill pool)")
+                    help="seconds a decode replica waits without a word from the prefill replica (it sends one "
+                         "every second while the prompt is queued or prefilling) before it cancels the call and "
+                         "follows --kv-failure, so a prefill replica that hangs does not hang the request "
+                         f"(default {PD_PREFILL_TIMEOUT:g})")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3", "mistral", "none"],
                     help="how tool calls are read from the model's text (default: from the chat template; none: "
                          "requests with tools get a 400 unless tool_choice is \"none\")")
