@@ -317,6 +317,7 @@ class ToolParser:
         self.lead = ""                         # ... and the text before its JSON (a fence, a separator)
         self.cut = False                       # finish(): the text ended inside a call's arguments
         self.group = False                     # after a bare call: another one, or the group's end, may follow
+        self.after_call = False                # no content since the last call ended
         self._name = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
         self._head = re.compile(self._name.pattern + r'\s*,\s*"' + re.escape(self.args_key) + r'"\s*:\s*(?=\S)')
         self._head_cut = re.compile(self._name.pattern + r'\s*,\s*"' + re.escape(self.args_key) + r'"\s*:\s*$')
@@ -470,6 +471,9 @@ class ToolParser:
 
     def _content(self, text: str, final: bool) -> str:
         text = self.held_ws + text
+        if self.after_call:                     # whitespace next to a call is not content, after it either
+            text = text.lstrip()
+            self.after_call = not text
         if final:
             self.held_ws = ""
             return "" if self.n_calls else text
@@ -484,6 +488,7 @@ class ToolParser:
         self.group = self.is_bare
         self.in_call = self.is_bare = False
         self.n_calls += 1
+        self.after_call = True
 
     def _whole(self, body: str) -> ToolCallDelta | None:
         """A call written in another key order, read at once; None if it is no call ({"name": str, args})."""
@@ -558,6 +563,14 @@ class ToolParser:
                 lines += [f"BARE_FIRST_{i}: /{leads}{ws}{call}{_lark_re(json.dumps(t.name))}/",
                           f"tail_{i}: /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ args_{i} /{ws}\\}}/",
                           f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
+        after = ""                          # what may follow the bare calls besides whitespace
+        if bare and parallel and not self.bare_end_required:
+            # text that starts no call: a model that goes on past its calls (Qwen2.5-Coder writes the result it
+            # expects, `{"result": ...}`) is not forced into one more call at its `{`; the parser reads it as content
+            after = " (TRAIL | AFTER)?"
+            starts = "|".join([_loose(self.bare_sep)] + [_loose(s) for s in self.leads if s.strip()])
+            lines.append(f"AFTER: /[ \\t\\r\\n]*[^ \\t\\r\\n](.|\\n)*/ & ~/\\s*({starts})\\s*\\{{\\s*\"name\"(.|\\n)*/"
+                         + (f" & ~/(.|\\n)*{_lark_re(self.open)}(.|\\n)*/" if tagged else ""))
         if choice == "auto":
             text = "/(.|\\n)*/"
             if tagged:                      # text never spells the open marker ...
@@ -571,10 +584,11 @@ class ToolParser:
                 # which would pass as text; masked, it writes the call
                 text += f" & ~/\\s*({loose})\\s*\\{{\\s*\\{{(.|\\n)*/"
             lines = ["start: TEXT" + (" | TEXT_OPEN rest more TRAIL?" if tagged else "")
-                     + (" | bare TRAIL?" if bare else ""),
+                     + ((" | bare" + (after or " TRAIL?")) if bare else ""),
                      f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines
         else:
-            lines = [f"start: {json.dumps(self.open)} rest more TRAIL?" if tagged else "start: bare TRAIL?"] + lines
+            start = f"{json.dumps(self.open)} rest more TRAIL?" if tagged else "bare" + (after or " TRAIL?")
+            lines = [f"start: {start}"] + lines
         return _lark(lines)
 
     def _answer_grammar(self, objects: list[dict], defs: dict, xg: dict, answer: dict, parallel: bool,

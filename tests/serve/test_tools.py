@@ -159,6 +159,7 @@ def _call(name, args):
     ('```json\n{"name": "Bob"}\n```', '```json\n{"name": "Bob"}\n```', []),
     ("```python\nx = 1\n```", "```python\nx = 1\n```", []),
     ("The sum is 3.", "The sum is 3.", []),
+    (BARE + '\n{"result": 3}', '{"result": 3}', [_call("add", '{"a": 1, "b": 2}')]),   # text after the calls
 ])
 def test_parser_same_calls_whole_or_in_chunks(text, content, calls):
     for step in (len(text) + 1, 1, 2, 3, 5, 8):
@@ -304,6 +305,12 @@ W = '{"name": "weather", "arguments": {"city": "Paris"}}'
     ("required", True, "<tool_call>\n" + W + "\n</tool_call>\n", True),
     ("weather", True, "<tool_call>\n" + W + "\n</tool_call>\n", True),
     ("auto", True, BARE + "\n" * 5, False),                            # whitespace stays bounded
+    # after bare calls, text that starts no call (the result the model expects): not forced into another call
+    ("auto", True, BARE + '\n{"result": 3}', True),
+    ("auto", True, BARE + '\n{"name": "wether", "arguments": {}}', False),
+    ("auto", True, BARE + "\n```json\n" + W + "\n```", False),
+    ("auto", True, BARE + "\nthen <tool_call>\n" + W + "\n</tool_call>", False),
+    ("auto", False, BARE + '\n{"result": 3}', False),
     ("required", True, "<tool_call>\n" + W + "\n</tool_call>", True),
     ("required", True, "Sure. <tool_call>\n" + W + "\n</tool_call>", False),
     ("required", True, "No.", False),
@@ -341,6 +348,9 @@ def test_grammar_accepts_exactly_valid_calls(compiler, choice, parallel, text, o
     (MistralParser, "add", True, "[" + W + "]", False),
     (MistralParser, "required", True, "[" + W + "]\n", True),
     (Llama3Parser, "required", True, W.replace("arguments", "parameters") + " \n", True),
+    (Llama3Parser, "required", True, W.replace("arguments", "parameters") + '\n{"result": 3}', True),
+    (Llama3Parser, "required", True, W.replace("arguments", "parameters") + ' ; {"name": "x"}', False),
+    (MistralParser, "required", True, "[" + W + ']\n{"result": 3}', False),
     (MistralParser, "weather", True, "[" + W + ", " + W + "]", False),
 ])
 def test_other_formats_grammar_accepts_their_own_calls(compiler, parser, choice, parallel, text, ok):
