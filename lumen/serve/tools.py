@@ -505,12 +505,16 @@ class ToolParser:
     # --- the grammar ----------------------------------------------------------------------------------------
     def grammar(self, tools: list[Tool], choice: str, parallel: bool = True,
                 marker_id: int | None = None, answer: dict | None = None,
-                open_id: int | None = None) -> Constraint | None:
+                open_id: int | None = None, close_id: int | None = None) -> Constraint | None:
         """The Lark constraint for `choice` over `tools` (None for "none"): see the module docstring. marker_id:
         the vocabulary's id of `marker` when it is a special token (`marker_token`), which may then start the
         bare calls (the text cannot spell it). answer: with "auto", the JSON schema of a text answer (the
         request's response_format): the output is then calls, or JSON text that follows it; open_id, the
-        vocabulary's one token for the open marker (`open_token`), is then the only way to start a tagged call."""
+        vocabulary's one token for the open marker (`open_token`), is then the only way to start a tagged call.
+        open_id and close_id (`close_token`) are also the only way to close a call and start the next: spelled, the
+        close is forced as pieces the model never saw ("<", "/tool", "_call", ">"), and the next call's "<" would
+        force a call on a model that meant to write other text there (a <tool_response> it expects), call after
+        call up to max_tokens."""
         if choice == "none" or not tools:
             return None
         parallel = parallel and choice in ("auto", "required")      # a named function: one call of it
@@ -534,7 +538,9 @@ class ToolParser:
             "$ref": f"#/$defs/tool{i}"} if f"tool{i}" in defs else params[i]},
             "required": ["name", self.args_key], "additionalProperties": False} for i, t in enumerate(named)]
         if answer is not None:
-            return self._answer_grammar(objects, defs, xg, answer, parallel, marker_id, open_id)
+            return self._answer_grammar(objects, defs, xg, answer, parallel, marker_id, open_id, close_id)
+        open_ = f"<[{int(open_id)}]>" if open_id is not None else json.dumps(self.open)
+        close = f"<[{int(close_id)}]>" if close_id is not None else json.dumps(self.close)
         if tagged:
             schema: dict = {"x-guidance": xg, "anyOf": objects}
             if len(named) == 1:
@@ -543,8 +549,8 @@ class ToolParser:
                 schema["$defs"] = defs
             sep = json.dumps(self.separator)
             lines += [f"body: %json {json.dumps(schema, ensure_ascii=False)}",
-                      f"rest: {sep} body {sep} {json.dumps(self.close)}",
-                      f"more: ({sep} {json.dumps(self.open)} rest)*" if parallel else "more: \"\""]
+                      f"rest: {sep} body {sep} {close}",
+                      f"more: ({sep} {open_} rest)*" if parallel else "more: \"\""]
         if bare:
             leads = "|".join(_lark_re(s) for s in self.leads if s)
             leads = f"({leads})" + ("?" if "" in self.leads else "") if leads else ""
@@ -587,12 +593,12 @@ class ToolParser:
                      + ((" | bare" + (after or " TRAIL?")) if bare else ""),
                      f"TEXT: {text}"] + ([f"TEXT_OPEN: ({text}) {json.dumps(self.open)}"] if tagged else []) + lines
         else:
-            start = f"{json.dumps(self.open)} rest more TRAIL?" if tagged else "bare" + (after or " TRAIL?")
+            start = f"{open_} rest more TRAIL?" if tagged else "bare" + (after or " TRAIL?")
             lines = [f"start: {start}"] + lines
         return _lark(lines)
 
     def _answer_grammar(self, objects: list[dict], defs: dict, xg: dict, answer: dict, parallel: bool,
-                        marker_id: int | None, open_id: int | None) -> Constraint:
+                        marker_id: int | None, open_id: int | None, close_id: int | None) -> Constraint:
         """"auto" with a response_format: calls, or a JSON answer. A bare call with no lead and the answer are
         both JSON objects, so they are one %json (anyOf the answer and the calls; then one call only): llguidance's
         lexer is greedy, and a bare call's own lexeme beside the answer's would cut the answer off at its first
@@ -621,7 +627,8 @@ class ToolParser:
             mark = f"<[{int(open_id)}]>" if open_id is not None else json.dumps(self.open)
             alts.append(f"{mark} rest more TRAIL?")
             lines += [f"body: %json {json.dumps(body, ensure_ascii=False)}",
-                      f"rest: {sep} body {sep} {json.dumps(self.close)}",
+                      f"rest: {sep} body {sep} " + (f"<[{int(close_id)}]>" if close_id is not None
+                                                    else json.dumps(self.close)),
                       f"more: ({sep} {mark} rest)*" if parallel else "more: \"\""]
         return _lark(["start: " + " | ".join(alts), *lines])
 
@@ -751,6 +758,15 @@ def open_token(tokenizer, parser: type[ToolParser]) -> int | None:
     if parser.open is None:
         return None
     ids = tokenizer.encode(parser.open, add_bos=False, special=True)
+    return ids[0] if len(ids) == 1 else None
+
+
+def close_token(tokenizer, parser: type[ToolParser]) -> int | None:
+    """The id of the parser's close marker when the vocabulary has it as one token (Qwen2.5's </tool_call>),
+    else None."""
+    if parser.open is None:
+        return None
+    ids = tokenizer.encode(parser.close, add_bos=False, special=True)
     return ids[0] if len(ids) == 1 else None
 
 

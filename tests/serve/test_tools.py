@@ -25,8 +25,8 @@ from lumen.serve.openai import chat
 from lumen.serve.openai.serving import Settings
 from lumen.serve.prompts import Prompter
 from lumen.serve.tools import (PARSERS, HermesParser, Llama3Parser, MistralParser, assemble, check_messages,
-                               fallback_messages, marker_token, open_token, parse_tool_choice, parse_tools,
-                               parser_for_template)
+                               close_token, fallback_messages, marker_token, open_token, parse_tool_choice,
+                               parse_tools, parser_for_template)
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -517,6 +517,37 @@ def test_beside_an_answer_a_tagged_call_starts_only_with_its_token(qwen05_file):
         grammar = HermesParser().grammar(TOOLS, "auto", True, None, ANSWER, oid)
         assert _accepts((tok, c), grammar, "\n" + W + "\n</tool_call>", (oid,))
         assert _accepts((tok, c), grammar, '{"city": "Paris", "temp": 21}')
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_tagged_call_closes_and_the_next_opens_with_their_tokens(qwen05_file, choice):
+    """Qwen2.5's </tool_call> and <tool_call> are one token each: the grammar closes a call with its token (not
+    forced as pieces the model never saw) and opens the next with its token only, so a model that starts to write
+    "<" after a call (the <tool_response> it expects) is not forced into one more call."""
+    tok = Tokenizer.from_metadata(GGUFFile(str(qwen05_file)).metadata)
+    oid, cid = open_token(tok, HermesParser), close_token(tok, HermesParser)
+    assert cid is not None and tok.token_bytes(cid) == b"</tool_call>"
+    lt, nl = tok.encode("<", add_bos=False, special=False), tok.encode("\n", add_bos=False, special=False)
+    call = [oid, *tok.encode("\n" + W + "\n", add_bos=False, special=False)]
+    with GrammarCompiler(tok) as c:
+        m = c.compile(HermesParser().grammar(TOOLS, choice, True, None, None, oid, cid)).matcher()
+        row = np.zeros(m.vocab.mask_words, np.int32)
+
+        def allowed(t: int) -> bool:
+            m.fill_mask(row)
+            return bool((row[t // 32] >> (t % 32)) & 1)
+
+        for t in call:
+            assert allowed(t)
+            m.advance(t)
+        assert allowed(cid) and not allowed(lt[0])
+        m.advance(cid)
+        for t in nl:
+            m.advance(t)
+        assert allowed(oid) and not allowed(lt[0]) and allowed(tok.eos_id)
+        for t in [*call, cid, tok.eos_id]:
+            m.fill_mask(row)
+            m.advance(t)
 
 
 def test_no_grammar_for_none():

@@ -22,7 +22,8 @@ from fastapi import APIRouter, Request
 from ...format.chat import ChatTemplateError, continue_final
 from .. import protocol as P
 from ..prompts import content_text
-from ..tools import PARSERS, marker_token, open_token, parse_tool_choice, parse_tools, parser_for_template
+from ..tools import (PARSERS, close_token, marker_token, open_token, parse_tool_choice, parse_tools,
+                     parser_for_template)
 from .serving import Generation
 
 router = APIRouter()
@@ -54,7 +55,8 @@ class ServingChat(Generation):
             cls = PARSERS[name]             # (required, a named function: a call, whatever response_format says)
             tok = self.engine.tokenizer
             constraint = await asyncio.to_thread(cls().grammar, tools, choice, req.parallel_tool_calls is not False,
-                                                 marker_token(tok, cls), answer, open_token(tok, cls))
+                                                 marker_token(tok, cls), answer, open_token(tok, cls),
+                                                 close_token(tok, cls))
             parser = functools.partial(cls, names=[t.name for t in tools])
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
