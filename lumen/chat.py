@@ -24,7 +24,7 @@ from .commands import prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError
-from .generate import (add_sampling_args, load_model, print_summary, process_escapes, render_messages,
+from .generate import (NO_LIMIT, add_sampling_args, check_max_tokens, load_model, print_summary, process_escapes, render_messages,
                        sampling_from_args, status_while_compiling, summary_line)
 from .model.store import DEFAULT_MODEL
 
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                     f"path to a .gguf file (default {DEFAULT_MODEL})")
     ap.add_argument("--system", "-s", help="system prompt (escapes processed as in lumen.generate)")
     ap.add_argument("--max-tokens", "-n", type=int, default=None,
-                    help="the most tokens of one reply (default: until the model ends its turn, or the context's end)")
+                    help="the most tokens of one reply (default, or -1 as llama.cpp: until the model ends its turn, or the "
+                         "context's end)")
     add_sampling_args(ap, chat_only=True)
     ap.add_argument("--ctx", "--ctx-size", "-c", type=int, default=None,
                     help="context length, the whole conversation included (default 2048, or the model's trained "
@@ -173,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     from .engine.sampling.params import SamplingParams
     try:                                                 # the flags' values: usage errors, before the model loads
-        from .engine.config import check_int
-        if args.max_tokens is not None:
-            check_int("max_tokens", args.max_tokens)     # as generate says it (SamplingParams adds "or None")
+        if check_max_tokens(args.max_tokens) == NO_LIMIT:     # as generate says it (SamplingParams adds "or None")
+            args.max_tokens = None                       # (this one's default)
         params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
         if why := threads_error(args.threads):
             raise ValueError(why)

@@ -19,7 +19,7 @@ from .errors import LumenError
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
 from .commands import prog, run, threads_error, trained_context_only
-from .engine.config import THREAD_FLAGS, EngineConfig
+from .engine.config import THREAD_FLAGS, EngineConfig, check_int
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
 HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -64,6 +64,17 @@ def process_escapes(text: str) -> str:
 
 
 DEFAULT_MAX_TOKENS = 128
+NO_LIMIT = -1               # --max-tokens -1: until an end token or the context's end (llama.cpp's -n -1)
+
+
+def check_max_tokens(n: int | None) -> int | None:
+    """--max-tokens as given: None (not given), NO_LIMIT or a positive count; ValueError for any other value."""
+    if n is not None and n != NO_LIMIT:
+        try:
+            check_int("max_tokens", n)                   # 0 would generate nothing and print a line of zeros
+        except ValueError as e:
+            raise ValueError(f"{e}; {NO_LIMIT} generates until an end token or the context's end") from None
+    return n
 
 # Sampling defaults: plain completion is greedy; a chat gets what llama.cpp's and ollama's users get (llama.cpp's
 # temperature, top-k, top-p and min-p; ollama's repeat penalty over the last 64 tokens), since greedy decoding
@@ -127,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "as llama.cpp and ollama do, below; --greedy for greedy)")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")
     ap.add_argument("--max-tokens", "-n", type=int, default=None,
-                    help=f"the most tokens to generate (default {DEFAULT_MAX_TOKENS}, or fewer where the context ends)")
+                    help=f"the most tokens to generate (default {DEFAULT_MAX_TOKENS}, or fewer where the context ends; "
+                         f"{NO_LIMIT}: until an end token or the context's end, as llama.cpp)")
     add_sampling_args(ap)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable; escapes processed)")
     ap.add_argument("--ignore-eos", action="store_true",
@@ -343,11 +355,10 @@ def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .engine.config import check_int                 # refused before the model loads (or is
-    from .engine.sampling.params import SamplingParams   # fetched: a 1 GB download to learn --top-p 2 is wrong)
+    from .engine.sampling.params import SamplingParams   # refused before the model loads (or is fetched: a 1 GB
+                                                         # download to learn --top-p 2 is wrong)
     try:
-        if args.max_tokens is not None:
-            check_int("max_tokens", args.max_tokens)     # 0 would generate nothing and print a line of zeros
+        check_max_tokens(args.max_tokens)
         SamplingParams(**sampling_from_args(args, args.chat or args.tools is not None), stop=args.stop,
                        num_speculative_tokens=args.num_speculative_tokens)
         if why := threads_error(args.threads):
@@ -427,10 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         from .engine.sequence import RequestMetrics
         stats = RequestMetrics()
         max_tokens = args.max_tokens
-        if max_tokens is None:                           # the default stops where the context ends (--ctx 64 works)
+        if max_tokens is None or max_tokens == NO_LIMIT:  # the default stops where the context ends (--ctx 64 works)
             from .engine.admission import prompt_ids
             room = model.n_ctx - len(prompt_ids(prompt, model.tokenizer, model.config.n_vocab, special))
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))   # (no room at all: the context error says so)
+            limit = room if max_tokens == NO_LIMIT else min(DEFAULT_MAX_TOKENS, room)
+            max_tokens = max(1, limit)                   # (no room at all: the context error says so)
         gen = model.generate(prompt, max_tokens=max_tokens, **sampling_from_args(args, chat),
                              stop=args.stop, special=special,
                              stats=stats, speculative=args.speculative,

@@ -97,11 +97,18 @@ def test_a_context_past_training_is_refused_and_forced_as_generate_does(smollm2_
     assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
 
 
+def test_max_tokens_minus_one_is_the_default_as_in_generate(smollm2_path):
+    r = subprocess.run([*chat(smollm2_path), "-n", "-1"], input="hi\n", capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
 @pytest.mark.parametrize("n", ["0", "-3"])
 def test_max_tokens_below_one_is_said_as_generate_says_it(smollm2_path, n):
     r = subprocess.run([sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "-n", n], input="",
                        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
-    assert (r.returncode, r.stderr) == (2, f"error: max_tokens must be a positive integer, got {n}\n")   # usage
+    assert (r.returncode, r.stderr) == (2, f"error: max_tokens must be a positive integer, got {n}; -1 generates "
+                                           "until an end token or the context's end\n")      # usage
 
 
 class Session:

@@ -769,6 +769,16 @@ def test_the_default_max_tokens_stops_where_a_small_context_ends(smollm2_path):
     assert r.returncode == 1 and "plus max_tokens (128) exceeds the context of 32 tokens" in r.stderr, r.stderr
 
 
+def test_max_tokens_minus_one_generates_to_the_context_end(smollm2_path):
+    """llama.cpp's `-n -1` (no limit) was refused ("max_tokens must be a positive integer"), and a large -n by the
+    context check: there was no way to ask for a reply longer than 128 tokens without counting the context."""
+    m = summary(generate(smollm2_path, "--ctx", 200, "-n", -1, "--ignore-eos", "--prompt", FRANCE))
+    assert int(m[1]) + int(m[2]) == 200 and int(m[2]) > 128 and m[3] == "length"
+    r = generate(smollm2_path, "-n", -2, "--prompt", FRANCE)
+    assert r.returncode == 2 and one_line(r.stderr) == ("error: max_tokens must be a positive integer, got -2; -1 "
+                                                        "generates until an end token or the context's end")
+
+
 def test_the_speculation_stats_say_what_bench_spec_reads(smollm2_path):
     """With --speculative the stats line adds the acceptance and the tokens per verifying step (counted over the
     steps that verified drafts, not over every step), in the words lumen.bench spec parses."""
