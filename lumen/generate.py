@@ -346,6 +346,27 @@ def status_while_compiling(console, text: str = COMPILING, done: str = "compiled
                 print(f"{done} {time.perf_counter() - started[0]:.0f} s", file=out, flush=True)
 
 
+def tokens_to_generate(model, prompt, special: bool, max_tokens: int | None) -> int:
+    """The max_tokens of the run: --max-tokens as given, the default 128 or the rest of the context (NO_LIMIT),
+    cut where the context ends; LumenError in the flags' words when the prompt and --max-tokens do not fit (the
+    API's ContextError names its keywords, which a command-line user never typed)."""
+    from .engine.admission import prompt_ids
+    n_prompt = len(prompt_ids(prompt, model.tokenizer, model.config.n_vocab, special))
+    room = model.n_ctx - n_prompt
+    if room < 1:
+        raise LumenError(f"the prompt ({n_prompt} tokens) leaves no room to generate in the context of "
+                         f"{model.n_ctx} tokens: give a larger --ctx or a shorter prompt")
+    if max_tokens is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens == NO_LIMIT:
+        return room
+    if max_tokens > room:
+        raise LumenError(f"the prompt ({n_prompt} tokens) and --max-tokens {max_tokens} exceed the context of "
+                         f"{model.n_ctx} tokens: give --ctx {n_prompt + max_tokens} or more, or -n {NO_LIMIT} to "
+                         "generate to the context's end")
+    return max_tokens
+
+
 def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool, **kw):
     """lumen.load, refusing a ctx beyond the model's trained context (the API only warns) unless force_ctx."""
     from . import load
@@ -437,12 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt, chat = model.tokenize(rendered, special=True), True      # (one BOS: Model.tokenize)
         from .engine.sequence import RequestMetrics
         stats = RequestMetrics()
-        max_tokens = args.max_tokens
-        if max_tokens is None or max_tokens == NO_LIMIT:  # the default stops where the context ends (--ctx 64 works)
-            from .engine.admission import prompt_ids
-            room = model.n_ctx - len(prompt_ids(prompt, model.tokenizer, model.config.n_vocab, special))
-            limit = room if max_tokens == NO_LIMIT else min(DEFAULT_MAX_TOKENS, room)
-            max_tokens = max(1, limit)                   # (no room at all: the context error says so)
+        max_tokens = tokens_to_generate(model, prompt, special, args.max_tokens)
         gen = model.generate(prompt, max_tokens=max_tokens, **sampling_from_args(args, chat),
                              stop=args.stop, special=special,
                              stats=stats, speculative=args.speculative,

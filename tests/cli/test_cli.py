@@ -610,11 +610,14 @@ def test_bad_flags_argparse(smollm2_path, args, message):
     assert r.stderr.strip().splitlines()[-1] == f"python -m lumen.generate: error: {message}"
 
 
-def test_prompt_longer_than_context(smollm2_path):
-    r = generate(smollm2_path, "--ctx", 16, "-n", 4, "--prompt", "The quick brown fox jumps over the lazy dog. " * 4)
+@pytest.mark.parametrize("n", [["-n", "4"], []], ids=["max-tokens", "default"])
+def test_prompt_longer_than_context(smollm2_path, n):
+    """Said in the flags' words: it was "the prompt (40 tokens) plus max_tokens (1) exceeds the context of 16
+    tokens; use a larger ctx", a max_tokens the user had not given and a ctx that is no flag."""
+    r = generate(smollm2_path, "--ctx", 16, *n, "--prompt", "The quick brown fox jumps over the lazy dog. " * 4)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    err = one_line(r.stderr)
-    assert err.startswith("error: the prompt (") and "exceeds the context of 16 tokens" in err
+    assert re.fullmatch(r"error: the prompt \(\d+ tokens\) leaves no room to generate in the context of 16 tokens: "
+                        r"give a larger --ctx or a shorter prompt", one_line(r.stderr)), r.stderr
 
 
 def test_error_is_one_line_in_a_pipe(smollm2_path, tmp_path):
@@ -766,7 +769,10 @@ def test_the_default_max_tokens_stops_where_a_small_context_ends(smollm2_path):
     m = summary(generate(smollm2_path, "--ctx", 32, "--ignore-eos", "--prompt", FRANCE))
     assert int(m[1]) + int(m[2]) == 32 and m[3] == "length"
     r = generate(smollm2_path, "--ctx", 32, "-n", 128, "--prompt", FRANCE)
-    assert r.returncode == 1 and "plus max_tokens (128) exceeds the context of 32 tokens" in r.stderr, r.stderr
+    assert r.returncode == 1, r.stderr
+    assert one_line(r.stderr) == (f"error: the prompt ({m[1]} tokens) and --max-tokens 128 exceed the context of 32 "
+                                  f"tokens: give --ctx {int(m[1]) + 128} or more, or -n -1 to generate to the "
+                                  "context's end")
 
 
 def test_max_tokens_minus_one_generates_to_the_context_end(smollm2_path):
