@@ -25,8 +25,8 @@ ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("
 HEX_DIGITS = b"0123456789abcdefABCDEF"
 EPILOG = r"""escapes: in --prompt, --system and --stop, \n \r \t \' \" \\ and \xHH (a byte) are replaced as
 llama.cpp does, so --stop "\n\n" stops at a blank line; any other backslash is kept as typed. --no-escape
-takes the text literally. A prompt read from stdin is taken as is, less one trailing newline (as llama.cpp
-does for a prompt file), so `echo "def f(x):" | ...` continues the line echo wrote.
+takes the text literally. A prompt read from --file or stdin is taken as is, less one trailing newline (as
+llama.cpp does for a prompt file), so `echo "def f(x):" | ...` continues the line echo wrote.
 
 sampling: plain generation is greedy by default. With --chat the defaults are those of llama.cpp's chat and
 ollama: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1 over the last 64 tokens; each
@@ -121,6 +121,24 @@ def read_stdin_prompt(stream) -> str:
         text = stream.read()
     except UnicodeDecodeError as e:                      # (a strict UTF-8 stdin; a C locale's escapes the bytes)
         raise ValueError(f"the prompt on stdin is not valid UTF-8 ({e.reason})") from None
+    return without_last_newline(text)
+
+
+def read_prompt_file(path: str) -> str:
+    """The prompt of --file: the file's text as is (its bytes, no newline translation) but for one trailing
+    newline, as llama.cpp's -f; UsageError when it cannot be read, ValueError when it is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UsageError(f"--file {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return without_last_newline(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the prompt file {path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def without_last_newline(text: str) -> str:
     if text.endswith("\n"):
         text = text[:-2] if text.endswith("\r\n") else text[:-1]
     return text
@@ -132,8 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name (see python -m lumen.models) or path to a .gguf file "
                          f"(default {DEFAULT_MODEL})")
-    ap.add_argument("--prompt", "-p", help="the prompt (escapes processed); when absent, read from stdin as is but for "
-                                           "one trailing newline")
+    given = ap.add_mutually_exclusive_group()
+    given.add_argument("--prompt", "-p", help="the prompt (escapes processed); when neither it nor --file is given, "
+                                              "read from stdin as is but for one trailing newline")
+    given.add_argument("--file", "-f", metavar="FILE", help="read the prompt from FILE, as is but for one trailing "
+                                                            "newline (llama.cpp's -f)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (and sample "
                     "as llama.cpp and ollama do, below; --greedy for greedy)")
     ap.add_argument("--system", help="system message in chat mode (escapes processed)")
@@ -392,13 +413,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
-    stdin_prompt = args.prompt is None
-    if stdin_prompt:
-        if sys.stdin is None or sys.stdin.isatty():      # (None: started with stdin closed)
-            print("error: give --prompt TEXT or pipe the prompt on stdin", file=sys.stderr)
-            return 2
+    literal_prompt = args.prompt is None                 # read from a file or stdin: no escapes
+    if literal_prompt and args.file is None and (sys.stdin is None or sys.stdin.isatty()):   # (None: stdin closed)
+        print("error: give --prompt TEXT, --file FILE or pipe the prompt on stdin", file=sys.stderr)
+        return 2
+    if literal_prompt:
         try:
-            args.prompt = read_stdin_prompt(sys.stdin)
+            args.prompt = read_stdin_prompt(sys.stdin) if args.file is None else read_prompt_file(args.file)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -425,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_escape:
             args.stop = [process_escapes(s) for s in args.stop]
             args.system = args.system and process_escapes(args.system)
-            if not stdin_prompt:
+            if not literal_prompt:
                 args.prompt = process_escapes(args.prompt)
         with status_while_compiling(err):    # a first load compiles its weight types' kernels and packs; a first
                                              # warm-up waits for the forward pass

@@ -198,6 +198,24 @@ def test_chat_samples_as_llama_cpp_and_ollama():
     assert "--greedy makes it greedy" in text
 
 
+def test_prompt_from_a_file_as_llama_cpp_reads_it(smollm2_path, greedy_run, tmp_path):
+    """llama-cli's -f FILE: the file's text less one trailing newline, no escapes processed (there was no flag;
+    `< FILE` was the only way)."""
+    f = tmp_path / "prompt.txt"
+    f.write_text(FRANCE + "\n")
+    r = generate(smollm2_path, "-n", N_GREEDY, "-f", f)
+    assert summary(r)[1] == summary(greedy_run)[1] and r.stdout == greedy_run.stdout
+    f.write_bytes(b"caf\xe9\n")
+    r = generate(smollm2_path, "--file", f)
+    assert (r.returncode, one_line(r.stderr)) == (1, f"error: the prompt file {f} is not valid UTF-8 (invalid "
+                                                     "continuation byte at byte 3)")
+    r = generate(smollm2_path, "--file", tmp_path / "none.txt")
+    assert (r.returncode, one_line(r.stderr)) == (2, f"error: --file {tmp_path}/none.txt: cannot read it (No such file "
+                                                     "or directory)")
+    r = generate(smollm2_path, "--file", f, "--prompt", FRANCE)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
 def test_empty_stdin_prompt(smollm2_path):
     r = generate(smollm2_path, "-n", 8, stdin="")
     assert r.returncode == 1 and "Traceback" not in r.stderr

@@ -88,7 +88,7 @@ def test_a_closed_stdin_is_no_prompt(smollm2_path):
 
     r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-n", "4"],
                        preexec_fn=closed_stdin, capture_output=True, text=True, timeout=300)
-    assert (r.returncode, r.stderr) == (2, "error: give --prompt TEXT or pipe the prompt on stdin\n")
+    assert (r.returncode, r.stderr) == (2, "error: give --prompt TEXT, --file FILE or pipe the prompt on stdin\n")
     r = subprocess.run([sys.executable, "-m", "lumen.chat", "-m", str(smollm2_path), "-n", "4"],
                        preexec_fn=closed_stdin, capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
