@@ -103,7 +103,8 @@ def add_sampling_args(ap: argparse.ArgumentParser, chat_only: bool = False) -> N
                     help=default("repeat_last_n") + ": tokens the penalties look back over (-1 = all)")
     ap.add_argument("--greedy", action="store_true",
                     help="always the most likely token: temperature 0 and no repeat penalty (unless given)")
-    ap.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: fresh entropy)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed of the sampler (default, or -1 as llama.cpp: fresh entropy)")
 
 
 def sampling_from_args(args, chat: bool) -> dict:
@@ -111,7 +112,7 @@ def sampling_from_args(args, chat: bool) -> dict:
     ones, which are greedy)."""
     base = PLAIN_SAMPLING if args.greedy or not chat else CHAT_SAMPLING
     out = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
-    return dict(out, seed=args.seed)
+    return dict(out, seed=None if args.seed == -1 else args.seed)      # (-1: llama.cpp's "random")
 
 
 def read_stdin_prompt(stream) -> str:

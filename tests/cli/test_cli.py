@@ -216,6 +216,16 @@ def test_prompt_from_a_file_as_llama_cpp_reads_it(smollm2_path, greedy_run, tmp_
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_seed_minus_one_is_fresh_entropy_as_in_llama_cpp(chat):
+    """llama.cpp's --seed -1 (its default: a random seed) was refused with "seed must be None or an integer"."""
+    from lumen.generate import build_parser, sampling_from_args
+    args = build_parser().parse_args(["--seed", "-1", "--temperature", "1"])
+    assert sampling_from_args(args, chat)["seed"] is None
+    args = build_parser().parse_args(["--seed", "7"])
+    assert sampling_from_args(args, chat)["seed"] == 7
+
+
 def test_empty_stdin_prompt(smollm2_path):
     r = generate(smollm2_path, "-n", 8, stdin="")
     assert r.returncode == 1 and "Traceback" not in r.stderr
