@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             continue
         write("\n")
+        if args.max_tokens is None and stats.stop_reason == "length":   # (with -n, fit() left the room for it)
+            print(f"note: the reply was cut where the context of {model.n_ctx} tokens ends (--ctx)",
+                  file=sys.stderr, flush=True)
         if chat.dropped > dropped:
             print(f"note: the {chat.dropped - dropped} oldest turn(s) dropped to fit the context of "
                   f"{model.n_ctx} tokens", file=sys.stderr, flush=True)

@@ -103,6 +103,19 @@ def test_max_tokens_minus_one_is_the_default_as_in_generate(smollm2_path):
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
+def test_a_reply_cut_by_the_context_says_so(smollm2_path):
+    """The reply stopped mid-sentence at the context's end with only "(length)" in the figures, as if -n had cut
+    it, though no -n was given."""
+    cmd = [sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "--greedy", "--ctx", "64"]
+    r = subprocess.run(cmd, input="Count from 1 to 100.\n", capture_output=True, text=True, timeout=TIMEOUT,
+                       cwd=ROOT)
+    assert r.returncode == 0 and stats_lines(r.stderr)[-1].group(0).endswith("(length)"), r.stderr
+    assert "note: the reply was cut where the context of 64 tokens ends (--ctx)" in r.stderr.splitlines(), r.stderr
+    r = subprocess.run(cmd + ["-n", "4"], input="Count from 1 to 100.\n", capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("n", ["0", "-3"])
 def test_max_tokens_below_one_is_said_as_generate_says_it(smollm2_path, n):
     r = subprocess.run([sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "-n", n], input="",
