@@ -128,6 +128,16 @@ class Input:
             except ImportError:
                 pass
 
+    def _readline(self) -> str:
+        """One line through a pipe. Read as bytes where the stream has them: a strict UTF-8 stdin (a UTF-8 locale's)
+        raised UnicodeDecodeError on a line that is not UTF-8 and lost the rest of its chunk; its bad bytes are
+        kept as surrogates instead, so the message is refused as in any other locale and the session goes on."""
+        buffer = getattr(self.stream, "buffer", None)
+        if buffer is None:
+            return self.stream.readline()
+        line = buffer.readline().decode("utf-8", "surrogateescape")
+        return line[:-2] + "\n" if line.endswith("\r\n") else line      # (as a text stream reads it)
+
     def line(self) -> str | None:
         parts = []
         while True:
@@ -137,7 +147,7 @@ class Input:
                 except EOFError:
                     return None if not parts else "\n".join(parts)
             else:
-                got = self.stream.readline()
+                got = self._readline()
                 if not got:
                     return None if not parts else "\n".join(parts)
                 got = got[:-1] if got.endswith("\n") else got
@@ -220,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:                    # at the prompt: the session ends
             print(file=sys.stderr)
             return 0
+        except UnicodeDecodeError as e:              # a terminal's strict UTF-8 input(): the line is refused
+            print(f"error: the line is not valid UTF-8 ({e.reason})", file=sys.stderr, flush=True)
+            continue
         if text is None:                             # EOF
             if reader.tty:
                 print(file=sys.stderr)

@@ -3,6 +3,7 @@ reply must be exactly what Model.generate gives for the conversation so far, ren
 engine's logits are the same with or without a prefix-cache hit). Two turns where the second sees the first,
 /clear, /exit, EOF; and SIGINT during a reply, which stops that reply and keeps the session. Every wait is
 bounded and the tests stop what they start."""
+import os
 import re
 import signal
 import subprocess
@@ -114,6 +115,21 @@ def test_a_reply_cut_by_the_context_says_so(smollm2_path):
     r = subprocess.run(cmd + ["-n", "4"], input="Count from 1 to 100.\n", capture_output=True, text=True,
                        timeout=TIMEOUT, cwd=ROOT)
     assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("io", ["utf-8:surrogateescape", "utf-8:strict"])
+def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(smollm2_path, io):
+    """With a strict UTF-8 stdin (a UTF-8 locale's) the line raised UnicodeDecodeError out of the session: a
+    traceback, and the lines after it never read."""
+    env = {**os.environ, "PYTHONIOENCODING": io}
+    r = subprocess.run(chat(smollm2_path), input=b"caf\xe9\nhi\n", capture_output=True, timeout=TIMEOUT, cwd=ROOT,
+                       env=env)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert err.splitlines()[0] == "error: the text is not valid UTF-8: it holds byte 0xe9"
+    assert len(stats_lines(err)) == 1 and r.stdout.strip(), err
+    r = subprocess.run(chat(smollm2_path), input=b"/help\r\n", capture_output=True, timeout=TIMEOUT, cwd=ROOT, env=env)
+    assert r.stderr.decode().startswith("/clear "), r.stderr                 # a CRLF line is the line
 
 
 @pytest.mark.parametrize("n", ["0", "-3"])
