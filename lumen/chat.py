@@ -92,25 +92,30 @@ class Conversation:
             self.dropped += 1
 
     def reply(self, text: str, write, stop_requested) -> object:
-        """Answer the user's `text`: the reply's text goes to write() as it comes; stop_requested() true between
-        two tokens aborts the request. Returns the RequestMetrics of the reply (stop_reason "abort" if stopped)."""
+        """Answer the user's `text`: the reply's text goes to write() as it comes; stop_requested() true after
+        an engine step (a token, or a chunk of the prompt) aborts the request. Returns the RequestMetrics of the
+        reply (stop_reason "abort" if stopped)."""
         from .engine.sequence import RequestMetrics
         messages = self.messages + [{"role": "user", "content": text}]
         ids = self.fit(messages)
         stats = RequestMetrics()
         answer = []
-        stream = self.engine.stream(ids, self.params, metrics=stats)
-        try:
-            for out in stream:
-                if out.error:
-                    raise LumenError(out.error)
-                if out.delta_text:
-                    answer.append(out.delta_text)
-                    write(out.delta_text)
-                if stop_requested():
+        rid = self.engine.add_request(ids, self.params, metrics=stats)
+        try:                                        # step by step, not engine.stream: a stream yields only when
+            while not stop_requested():             # a token comes, so Ctrl-C waited for a long prompt's prefill
+                outs = [out for out in self.engine.step() if out.request_id == rid]
+                if not outs and not self.engine.has_unfinished():
+                    raise LumenError(f"request {rid} left the engine without a final output")
+                for out in outs:
+                    if out.error:
+                        raise LumenError(out.error)
+                    if out.delta_text:
+                        answer.append(out.delta_text)
+                        write(out.delta_text)
+                if any(out.finished for out in outs):
                     break
         finally:
-            stream.close()                          # aborts the request if it has not finished
+            self.engine.abort(rid)                  # (a finished request: a no-op)
         self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
         return stats
 
