@@ -107,11 +107,17 @@ class Model:
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Text -> token ids. add_bos=None uses the model's default (tokenizer.ggml.add_bos_token), but not twice
         (lumen.format.tokenizer.Tokenizer.default_bos)."""
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize() takes a str, got {type(text).__name__}"
+                            + ("; decode the bytes first" if isinstance(text, (bytes, bytearray)) else ""))
         tok = self.tokenizer
         return tok.encode(text, add_bos=tok.default_bos(text, special) if add_bos is None else add_bos,
                           special=special)
 
     def detokenize(self, ids) -> str:
+        """Token ids -> text. TypeError for text (its characters are no token ids) or a single id."""
+        if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"detokenize() takes a sequence of token ids, got {type(ids).__name__}")
         return self.tokenizer.decode(ids)
 
     # ---- forward: one sequence, its blocks the pool in order ----

@@ -23,6 +23,23 @@ def test_logits_takes_token_ids(model, ids):
         model.logits(ids)
 
 
+@pytest.mark.parametrize("text, message", [
+    (None, r"tokenize\(\) takes a str, got NoneType$"), (b"hi", r"tokenize\(\) takes a str, got bytes; decode the bytes"),
+    (["hi"], r"tokenize\(\) takes a str, got list$")])
+def test_tokenize_takes_text(model, text, message):
+    """It said "encode() takes a str", a method the user never called."""
+    with pytest.raises(TypeError, match=message):
+        model.tokenize(text)
+
+
+@pytest.mark.parametrize("ids", ["abc", 7], ids=["text", "one-id"])
+def test_detokenize_takes_token_ids(model, ids):
+    """Text said "a token id must be an integer, got 'a'" (its first character); one id, "not iterable"."""
+    with pytest.raises(TypeError, match=r"detokenize\(\) takes a sequence of token ids, got "):
+        model.detokenize(ids)
+    assert model.detokenize(model.tokenize("Hello world")) == "Hello world"
+
+
 @pytest.mark.parametrize("token", ["a", 1.5, None])
 def test_decode_takes_one_token_id(model, token):
     model.reset()
