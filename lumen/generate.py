@@ -504,16 +504,20 @@ def main(argv: list[str] | None = None) -> int:
             out.write(text)
             wrote = wrote or bool(text)
             from .serve.tools import assemble
+            cut = stats.stop_reason == "length"          # (a call the grammar completed ends the reply)
             for call in assemble(deltas + calls):        # one JSON line per call
                 f = call["function"]
                 try:
-                    arguments = json.loads(f["arguments"] or "{}")
+                    arguments = json.loads(f["arguments"] or ("" if cut else "{}"))
                 except json.JSONDecodeError:               # cut by --max-tokens: as written
                     arguments = f["arguments"]
                 out.write("\n" * wrote + json.dumps({"name": f["name"], "arguments": arguments}, ensure_ascii=False))
                 wrote = True
         out.write("\n")
         out.flush()
+        if parser is not None and stats.stop_reason == "length":
+            print(f"note: the reply was cut at {stats.gen_tokens} tokens (--max-tokens, --ctx): a tool call in it is "
+                  "incomplete or missing", file=sys.stderr, flush=True)
     except (LumenError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # plain: one line, no markup parsing of paths
         return 1

@@ -282,6 +282,24 @@ def test_tools_print_the_call_as_a_json_line(smollm2_path, tmp_path):
     assert all(isinstance(v, int) for v in call["arguments"].values())
 
 
+@pytest.mark.parametrize("n", [3, 14])
+def test_a_tool_call_cut_by_max_tokens_says_so(smollm2_path, tmp_path, n):
+    """A call cut before its arguments printed '"arguments": {}', a complete call with none; one cut before its
+    name printed nothing; neither said the call was cut."""
+    f = tmp_path / "tools.json"
+    f.write_text(json.dumps([{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}]))
+    r = generate(smollm2_path, "--tools", f, "--tool-choice", "add", "--temperature", 0, "-p", "What is 2 plus 3?",
+                 "-n", n)
+    assert r.returncode == 0, r.stderr
+    assert stderr_lines(r)[0] == (f"note: the reply was cut at {n} tokens (--max-tokens, --ctx): a tool call in it "
+                                  "is incomplete or missing"), r.stderr
+    assert SUMMARY.match(stderr_lines(r)[1])[3] == "length", r.stderr
+    calls = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [c["arguments"] for c in calls] == ([] if n == 3 else [""]), r.stdout     # (14: its name, no arguments)
+
+
 @pytest.mark.slow
 def test_chat_without_template_falls_back(synth_model):
     chat = generate(synth_model, "--chat", "--prompt", "the cat", "-n", 6)
