@@ -229,49 +229,51 @@ def main(argv: list[str] | None = None) -> int:
         out.write(text)
         out.flush()
 
-    while True:
-        try:
-            text = reader.line()
-        except KeyboardInterrupt:                    # at the prompt: the session ends
-            print(file=sys.stderr)
-            return 0
-        except UnicodeDecodeError as e:              # a terminal's strict UTF-8 input(): the line is refused
-            print(f"error: the line is not valid UTF-8 ({e.reason})", file=sys.stderr, flush=True)
-            continue
-        if text is None:                             # EOF
-            if reader.tty:
-                print(file=sys.stderr)
-            return 0
-        command = text.strip()
-        if not command:
-            continue
-        if command in ("/exit", "/quit", "/bye"):
-            return 0
-        if command == "/clear":
-            chat.clear()
-            print("(the conversation is cleared)", file=sys.stderr, flush=True)
-            continue
-        if command in ("/help", "/?"):
-            print(HELP, file=sys.stderr, flush=True)
-            continue
-        if command.startswith("/") and " " not in command:
-            print(f"unknown command {command}; /help lists them", file=sys.stderr, flush=True)
-            continue
-        dropped = chat.dropped
-        try:
-            with StopFlag() as stop:
-                stats = chat.reply(text, write, lambda: stop.set)
-        except (LumenError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            continue
-        write("\n")
-        if args.max_tokens is None and stats.stop_reason == "length":   # (with -n, fit() left the room for it)
-            print(f"note: the reply was cut where the context of {model.n_ctx} tokens ends (--ctx)",
-                  file=sys.stderr, flush=True)
-        if chat.dropped > dropped:
-            print(f"note: the {chat.dropped - dropped} oldest turn(s) dropped to fit the context of "
-                  f"{model.n_ctx} tokens", file=sys.stderr, flush=True)
-        print_summary(err, summary_line(stats) + (f" | {stats.cached_tokens} cached" if stats.cached_tokens else ""))
+    try:                                             # Ctrl-C outside a reply (StopFlag's) is at the prompt,
+        while True:                                  # even just after a reply's figures: the session ends
+            try:
+                text = reader.line()
+            except UnicodeDecodeError as e:              # a terminal's strict UTF-8 input(): the line is refused
+                print(f"error: the line is not valid UTF-8 ({e.reason})", file=sys.stderr, flush=True)
+                continue
+            if text is None:                             # EOF
+                if reader.tty:
+                    print(file=sys.stderr)
+                return 0
+            command = text.strip()
+            if not command:
+                continue
+            if command in ("/exit", "/quit", "/bye"):
+                return 0
+            if command == "/clear":
+                chat.clear()
+                print("(the conversation is cleared)", file=sys.stderr, flush=True)
+                continue
+            if command in ("/help", "/?"):
+                print(HELP, file=sys.stderr, flush=True)
+                continue
+            if command.startswith("/") and " " not in command:
+                print(f"unknown command {command}; /help lists them", file=sys.stderr, flush=True)
+                continue
+            dropped = chat.dropped
+            try:
+                with StopFlag() as stop:
+                    stats = chat.reply(text, write, lambda: stop.set)
+            except (LumenError, ValueError) as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                continue
+            write("\n")
+            if args.max_tokens is None and stats.stop_reason == "length":   # (with -n, fit() left the room for it)
+                print(f"note: the reply was cut where the context of {model.n_ctx} tokens ends (--ctx)",
+                      file=sys.stderr, flush=True)
+            if chat.dropped > dropped:
+                print(f"note: the {chat.dropped - dropped} oldest turn(s) dropped to fit the context of "
+                      f"{model.n_ctx} tokens", file=sys.stderr, flush=True)
+            cached = f" | {stats.cached_tokens} cached" if stats.cached_tokens else ""
+            print_summary(err, summary_line(stats) + cached)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 0
 
 
 if __name__ == "__main__":

@@ -232,3 +232,20 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2_path, model):
             found.append(len(model.tokenize(text, special=True)) == int(second[1]))
     assert any(found), (out, err)
     assert m < len(full) - 1, "the first reply was not stopped"
+
+
+def test_ctrl_c_just_after_a_reply_ends_the_session(smollm2_path, monkeypatch):
+    """A SIGINT landing after a reply's figures but before the next read (a busy machine delays the handler)
+    raised KeyboardInterrupt out of the session: "interrupted" and status 130 instead of the prompt's end, 0."""
+    import io
+    from lumen import chat as chat_cli
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat_cli, "print_summary", interrupted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhello\n"))
+    try:
+        assert chat_cli.main(["--model", str(smollm2_path), "--greedy", "-n", "2"]) == 0
+    except KeyboardInterrupt:                         # (not out of the test: it would end pytest's session)
+        pytest.fail("KeyboardInterrupt left the session")
