@@ -364,7 +364,9 @@ def test_model_generate_stop_string_is_one_string(small):
     assert text == free.split("answer")[0]
     listed = "".join(t.text for t in small.generate("The capital of France is", max_tokens=8, stop=["answer"]))
     assert listed == text
-    for bad in ("", None, [""]):
+    unset = "".join(t.text for t in small.generate("The capital of France is", max_tokens=8, stop=None))
+    assert unset == free                                     # None: no stop strings, as vLLM's default
+    for bad in ("", [""], [None]):
         with pytest.raises(SamplerError, match="stop"):
             small.generate("The capital of France is", max_tokens=8, stop=bad)
 
