@@ -218,7 +218,9 @@ def test_gates_print_their_summary_in_one_process():
                        timeout=600)
     assert "bringing up nodes" not in r.stdout, r.stdout[-3000:]
     assert f"gated against the baseline of LUMEN_BENCH_CPU: '{key}'" in r.stdout, r.stdout[-3000:]
-    assert "Error" not in r.stdout, r.stdout[-3000:]
+    errors = [line for line in r.stdout.splitlines()         # a gate's verdict may fail (a busy host); nothing else
+              if "Error" in line and "slower than baseline" not in line and not line.endswith(": AssertionError")]
+    assert not errors, r.stdout[-3000:]
     for case in ("attention-gemma3-270m-H4x1-D256-decode-ctx1024 ", "matmul-smollm2-135m-Q4_1-ffn_up-1536x576-N1 "):
         assert case in r.stdout, r.stdout[-3000:]
 
