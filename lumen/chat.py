@@ -100,22 +100,16 @@ class Conversation:
         ids = self.fit(messages)
         stats = RequestMetrics()
         answer = []
-        rid = self.engine.add_request(ids, self.params, metrics=stats)
-        try:                                        # step by step, not engine.stream: a stream yields only when
-            while not stop_requested():             # a token comes, so Ctrl-C waited for a long prompt's prefill
-                outs = [out for out in self.engine.step() if out.request_id == rid]
-                if not outs and not self.engine.has_unfinished():
-                    raise LumenError(f"request {rid} left the engine without a final output")
-                for out in outs:
-                    if out.error:
-                        raise LumenError(out.error)
-                    if out.delta_text:
-                        answer.append(out.delta_text)
-                        write(out.delta_text)
-                if any(out.finished for out in outs):
-                    break
+        stream = self.engine.stream(ids, self.params, metrics=stats, stop=stop_requested)   # (asked every step:
+        try:                                                                    # a prompt's chunks too)
+            for out in stream:
+                if out.error:
+                    raise LumenError(out.error)
+                if out.delta_text:
+                    answer.append(out.delta_text)
+                    write(out.delta_text)
         finally:
-            self.engine.abort(rid)                  # (a finished request: a no-op)
+            stream.close()                          # aborts the request if it has not finished
         self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
         return stats
 

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -411,21 +411,25 @@ class Engine:
                 self.abort(rid)
         return results
 
-    def stream(self, prompt, params: SamplingParams | None = None, *,
-               metrics: RequestMetrics | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt, params: SamplingParams | None = None, *, metrics: RequestMetrics | None = None,
+               stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
         """Yield the request's outputs as its tokens arrive (other requests advance too). Closing the iterator
         early, or dropping it, aborts the request. The request is queued at once (a bad one raises here, not at
-        the first next). Several streams may be followed at once, interleaved or from several threads."""
+        the first next). Several streams may be followed at once, interleaved or from several threads. stop, if
+        given, is asked before every step the iterator runs: true ends the stream and aborts the request, so a
+        caller (Ctrl-C in lumen.chat) is heard between a long prompt's chunks, not only when a token comes."""
         with self._lock:                            # registered before any step can make its first output
             rid = self.add_request(prompt, params, metrics=metrics)
             self._streams[rid] = deque()
-        return _Stream(self, rid)
+        return _Stream(self, rid, stop)
 
-    def _follow(self, rid: str) -> Iterator[RequestOutput]:
+    def _follow(self, rid: str, stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
         q, done = self._streams[rid], False
         try:
             while not done:
                 if not q:
+                    if stop is not None and stop():
+                        return                      # (finally: not done, so aborted)
                     if not self.step() and not q and not self.has_unfinished():
                         raise LumenError(f"request {rid} left the engine without a final output")
                     continue
@@ -461,9 +465,9 @@ class _Stream:
     """Engine.stream's iterator: a generator over the request's queue that also aborts the request when it is
     closed or garbage-collected before it was ever started (a generator's finally would not run then)."""
 
-    def __init__(self, engine: Engine, rid: str):
+    def __init__(self, engine: Engine, rid: str, stop=None):
         self._engine, self._rid = engine, rid
-        self._gen = engine._follow(rid)
+        self._gen = engine._follow(rid, stop)
 
     def __iter__(self):
         return self

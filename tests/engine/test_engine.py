@@ -322,6 +322,20 @@ def small(smollm2_path):
     return lumen.load(smollm2_path, ctx=256, threads=2)
 
 
+def test_a_stream_asks_its_stop_before_every_step(small):
+    """Engine.stream(stop=...): asked before each step the iterator runs, a prompt's chunks included (lumen.chat's
+    Ctrl-C); true ends the stream and aborts the request; a later one runs whole."""
+    eng = Engine(small, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=16, kv_cache_mb=16)
+    asked = []
+    cut = eng.stream("the cat sat on the mat " * 10, SamplingParams(max_tokens=8, temperature=0),
+                     stop=lambda: asked.append(1) or len(asked) > 2)
+    assert list(cut) == [] and len(asked) == 3            # two prompt chunks ran, then the stop was heard
+    assert eng.num_running == eng.num_waiting == 0 and not eng._streams
+    whole = list(eng.stream("The capital of France is", SamplingParams(max_tokens=4, temperature=0),
+                            stop=lambda: False))
+    assert whole[-1].finished and len(whole[-1].token_ids) == 4
+
+
 def test_interleaved_and_dropped_streams_each_get_their_own_tokens(small):
     """Two Model.generate iterators (one-sequence engine) interleaved: each gets all its tokens, none hangs;
     one dropped before its first next is aborted, not left to run."""
