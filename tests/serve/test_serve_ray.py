@@ -526,6 +526,17 @@ def start_marked(model, tmp_path):
     return p, mark, log
 
 
+def signal_and_wait(send, p, log) -> tuple[int, float]:
+    """send() a signal, then wait (30 s at most) for p to exit: (its exit code, seconds it took)."""
+    send()
+    t1 = time.monotonic()
+    try:
+        code = p.wait(30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running 30 s after the signal:\n{log.read_text()[-2000:]}") from None
+    return code, time.monotonic() - t1
+
+
 @pytest.mark.slow
 def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
     """A SIGTERM while ray.init runs (its GCS up): Ray's own handlers used to take over (exit 15); now the server's
@@ -537,13 +548,7 @@ def test_sigterm_while_ray_starts_stops_at_once(smollm2_path, tmp_path):
         while not any("gcs_server" in n for n in session_processes(mark, p.pid).values()):
             assert p.poll() is None and time.monotonic() - t0 < 120, log.read_text()[-2000:]
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        t1 = time.monotonic()
-        try:
-            code = p.wait(30)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running 30 s after SIGTERM:\n{log.read_text()[-2000:]}") from None
-        took = time.monotonic() - t1
+        code, took = signal_and_wait(lambda: p.send_signal(signal.SIGTERM), p, log)
     finally:
         if p.poll() is None:
             p.kill()
@@ -578,13 +583,8 @@ def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, 
             time.sleep(0.05)
         time.sleep(delay)
         assert p.poll() is None, log.read_text()[-2000:]
-        os.killpg(p.pid, sig)
-        t1 = time.monotonic()
-        try:
-            code = p.wait(30)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running 30 s after the SIGTERM:\n{log.read_text()[-2000:]}") from None
-        took = time.monotonic() - t1
+        code, took = signal_and_wait(lambda: os.killpg(p.pid, sig), p, log)
+        t1 = time.monotonic() - took
         while session_processes(mark, None) and time.monotonic() - t1 < 45:
             time.sleep(0.25)
     finally:
