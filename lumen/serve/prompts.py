@@ -43,32 +43,34 @@ class Prompter:
         self.eos_text = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         self._pieces: dict[int, tuple[str, bytes]] = {}
 
-    def encode(self, text: str, *, add_special: bool = True, param: str = "prompt") -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, param: str = "prompt", special: bool = True
+               ) -> list[int]:
         if len(text) > self.max_chars:
             raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
                                 "(max_model_len) can be", param)
-        return self._encode(text, add_special and self.tok.default_bos(text, True), param)
+        return self._encode(text, add_special and self.tok.default_bos(text, True), param, special)
 
-    def _encode(self, text: str, add_bos: bool, param: str) -> list[int]:
-        """The tokenizer's ids for a request's text; whatever ValueError it raises on that text (it is the
-        client's) is ApiError(400), not a server error."""
+    def _encode(self, text: str, add_bos: bool, param: str, special: bool = True) -> list[int]:
+        """The tokenizer's ids for a request's text (special: its special-token texts parsed); whatever
+        ValueError it raises on that text (it is the client's) is ApiError(400), not a server error."""
         try:
-            return self.tok.encode(text, add_bos=add_bos, special=True)
+            return self.tok.encode(text, add_bos=add_bos, special=special)
         except ValueError as e:
             raise ApiError(400, f"the {param} cannot be tokenized: {e}", param) from None
 
-    def prompt(self, text: str, param: str = "prompt", *, add_special: bool = True) -> list[int]:
+    def prompt(self, text: str, param: str = "prompt", *, add_special: bool = True, special: bool = True
+               ) -> list[int]:
         """A generation prompt's token ids; ApiError(400) for a text that cannot fit max_model_len, found by
         tokenizing prefixes of 8, 32, 128 ... times max_model_len characters when it is that long. add_special:
-        the BOS by the model's default (False: none)."""
+        the BOS by the model's default (False: none); special: its special-token texts parsed (False: text)."""
         size = PROBE_CHARS * self.max_model_len
         while size < len(text):
-            n = len(self._encode(text[:size], False, param))
+            n = len(self._encode(text[:size], False, param, special))
             if n > self.max_model_len + PROBE_SLACK:
-                raise ApiError(400, f"the prompt has more than {n - PROBE_SLACK} tokens in its first {size} "
+                raise ApiError(400, f"the {param} has more than {n - PROBE_SLACK} tokens in its first {size} "
                                     f"characters; max_model_len is {self.max_model_len}", param)
             size *= 4
-        return self.encode(text, add_special=add_special, param=param)
+        return self.encode(text, add_special=add_special, param=param, special=special)
 
     def completion(self, prompt) -> list[list[int]]:
         """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.

@@ -19,7 +19,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
-from ..prompts import PROBE_CHARS, PROBE_SLACK, Prompter
+from ..prompts import Prompter
 from .serving import Generation
 
 router = APIRouter()
@@ -57,23 +57,6 @@ def fim_ids(tok) -> tuple[int, int, int]:
     return ids
 
 
-def plain_ids(prompter: Prompter, text: str, param: str) -> list[int]:
-    """`text`'s token ids with its special-token texts left as text, no BOS; ApiError(400) for a text that cannot
-    fit max_model_len (found by its prefixes first when it is long, as Prompter.prompt does)."""
-    tok, n_ctx = prompter.tok, prompter.max_model_len
-    if len(text) > prompter.max_chars:
-        raise P.ApiError(400, f"the {param} ({len(text)} characters) is longer than {n_ctx} tokens (max_model_len) "
-                              "can be", param)
-    size = PROBE_CHARS * n_ctx
-    while size < len(text):
-        n = len(tok.encode(text[:size], add_bos=False, special=False))
-        if n > n_ctx + PROBE_SLACK:
-            raise P.ApiError(400, f"the {param} has more than {n - PROBE_SLACK} tokens in its first {size} "
-                                  f"characters; max_model_len is {n_ctx}", param)
-        size *= 4
-    return tok.encode(text, add_bos=False, special=False)
-
-
 def infill_prompts(prompter: Prompter, prompt, suffix: str, fim: tuple[int, int, int]):
     """(the prompts' own token ids, their infill prompts): each prompt (text or token ids) between the FIM prefix
     and suffix tokens, then the suffix's tokens and the FIM middle token; ApiError(400) for a missing prompt or one
@@ -87,10 +70,10 @@ def infill_prompts(prompter: Prompter, prompt, suffix: str, fim: tuple[int, int,
     pre, suf, mid = fim
     tok = prompter.tok
     bos = [tok.bos_id] if tok.add_bos_default and tok.bos_id is not None else []
-    tail = [suf, *plain_ids(prompter, suffix, "suffix"), mid]
+    tail = [suf, *prompter.prompt(suffix, "suffix", add_special=False, special=False), mid]
     own, out = [], []
     for p in prompt:
-        ids = plain_ids(prompter, p, "prompt") if isinstance(p, str) else list(p)
+        ids = prompter.prompt(p, add_special=False, special=False) if isinstance(p, str) else list(p)
         ids_all = [*bos, pre, *ids, *tail]
         if len(ids_all) >= prompter.max_model_len:
             raise P.ApiError(400, f"the prompt and suffix make {len(ids_all)} tokens; max_model_len is "
