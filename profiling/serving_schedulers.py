@@ -67,7 +67,8 @@ def main(argv=None) -> None:
         prompts = all_prompts(loads, a.repetitions, first.url)
         for r in range(a.repetitions):
             for name, srv in servers.items():
-                res = run_load(replace(loads[a.concurrency], url=srv.url, label=name), prompts[a.concurrency, r])
+                reqs = prompts[a.concurrency, r, "none"]
+                res = run_load(replace(loads[a.concurrency], url=srv.url, label=name), reqs)
                 runs[name].append(res)
                 print(f"  rep {r + 1}: {name}: {res['output_throughput']:.1f} tok/s, ITL p99 "
                       f"{res['itl_ms']['p99']:.0f} ms", file=sys.stderr, flush=True)

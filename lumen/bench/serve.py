@@ -28,7 +28,9 @@ lumen.bench.mix), --concurrency 1,4,16 (a sweep; --num-prompts per level, defaul
 [--llama-server PATH] starts llama-server too on the same GGUF (-np <largest level> -c <enough> -t --threads,
 weight repacking on) and runs the same requests against both, interleaved per level and repetition, then prints
 output tok/s, TTFT p50/p99 and ITL p50/p99 side by side with their ratios. Every server started is stopped at
-the end, on an error and on Ctrl-C (lumen.bench.launch).
+the end, on an error and on Ctrl-C (lumen.bench.launch). --corunner sleep,busy runs every level and repetition
+again beside each co-runner (lumen.bench.corunner, its own process on the same cores as the servers and this
+client), with fresh prompts, and prints each server's figures beside it over its idle ones of the same repetition.
 
     python -m lumen.bench serve --serve-model qwen2.5-coder-1.5b --compare llama.cpp --llama-server PATH \
         --mix chat --concurrency 1,4,16 --ignore-eos -r 2
@@ -157,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--llama-server", metavar="PATH",
                     help="the llama-server binary (implies --compare; default $LLAMA_SERVER, else on $PATH)")
     wl.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. \"-nr\", said beside figures)")
+    wl.add_argument("--corunner", metavar="KINDS", default=None,
+                    help="also run every level and repetition beside each co-runner, comma-separated: sleep (a "
+                         "process sleeping 1 ms in a loop), busy (one spinning a core); each server's figures "
+                         "beside it are divided by its idle ones of the same repetition (lumen.bench.corunner)")
     return ap
 
 
@@ -588,29 +594,68 @@ def per_level(load: Load, levels: list[int | None], num_prompts: int | None) -> 
             for c in levels}
 
 
-def all_prompts(loads: dict, reps: int, url: str) -> dict:
-    """{(level, repetition): requests}, made through url's tokenizer; each its own variant of the prompts."""
+def all_prompts(loads: dict, reps: int, url: str, kinds: tuple = ("none",)) -> dict:
+    """{(level, repetition, co-runner kind): requests}, made through url's tokenizer; each its own variant of the
+    prompts (a run never finds its prompts in the server's prefix cache from an earlier one)."""
     from dataclasses import replace
-    return {(c, r): prepare_load(replace(lv, url=url), variant=1 + k * reps + r)
-            for k, (c, lv) in enumerate(loads.items()) for r in range(reps)}
+    return {(c, r, kind): prepare_load(replace(lv, url=url), variant=1 + (k * reps + r) * len(kinds) + j)
+            for k, (c, lv) in enumerate(loads.items()) for r in range(reps) for j, kind in enumerate(kinds)}
 
 
-def sweep(loads: dict, prompts: dict, reps: int, servers: dict[str, str]) -> tuple[dict, dict]:
+def sweep(loads: dict, prompts: dict, reps: int, servers: dict[str, str],
+          kinds: tuple = ("none",)) -> tuple[dict, dict]:
     """Every level's load against every server, the servers interleaved per repetition, each repetition with
-    prompts of its own (`all_prompts`), the same for every server.
-    Returns ({level: {server: medians}}, {level: {server: [results]}})."""
+    prompts of its own (`all_prompts`), the same for every server; within a repetition, idle ("none") and then
+    beside each other co-runner kind (lumen.bench.corunner: its own process on the same cores).
+    Returns ({kind: {level: {server: medians}}}, {kind: {level: {server: [results]}}})."""
     from dataclasses import replace
-    table, raw = {}, {}
+
+    from .corunner import corunner
+    raw = {kind: {c: {name: [] for name in servers} for c in loads} for kind in kinds}
     for c, lv in loads.items():
-        raw[c] = {name: [] for name in servers}
         for r in range(reps):
-            for name, url in servers.items():
-                res = run_load(replace(lv, url=url, label=name), prompts[c, r])
-                raw[c][name].append(res)
-                print(f"concurrency {c or 'all'}: {name} {res['output_throughput']:.1f} output tok/s, "
-                      f"{res['failed']} failed", file=sys.stderr, flush=True)
-        table[c] = {name: medians(runs) for name, runs in raw[c].items()}
+            for kind in kinds:
+                with corunner(kind, seconds=3600):
+                    for name, url in servers.items():
+                        res = run_load(replace(lv, url=url, label=name), prompts[c, r, kind])
+                        raw[kind][c][name].append(res)
+                        beside = "" if kind == "none" else f" beside a {kind} loop"
+                        print(f"concurrency {c or 'all'}: {name}{beside} {res['output_throughput']:.1f} output "
+                              f"tok/s, {res['failed']} failed", file=sys.stderr, flush=True)
+    table = {kind: {c: {name: medians(runs) for name, runs in per.items()} for c, per in levels.items()}
+             for kind, levels in raw.items()}
     return table, raw
+
+
+def beside_ratios(raw: dict) -> list[dict]:
+    """Per co-runner kind, level, server and figure: the median over repetitions of (the figure beside the
+    co-runner / the same server's idle figure in the same repetition). Throughput: below 1 is a loss; TTFT and
+    ITL: above 1 is a loss."""
+    import statistics
+    rows = []
+    for kind, levels in raw.items():
+        if kind == "none":
+            continue
+        for c, per in levels.items():
+            for name, runs in per.items():
+                idle = raw["none"][c][name]
+                row = {"corunner": kind, "level": c, "server": name}
+                for fig, key, stat in FIGURES:
+                    pairs = [(figure(b, key, stat), figure(i, key, stat)) for b, i in zip(runs, idle)]
+                    pairs = [b / i for b, i in pairs if b is not None and i]
+                    row[fig] = statistics.median(pairs) if pairs else None
+                rows.append(row)
+    return rows
+
+
+def render_beside(rows: list[dict]) -> str:
+    lines = ["beside co-runners: each figure / the same server's idle figure in the same repetition (medians; "
+             "sleep = a process sleeping 1 ms in a loop, busy = one spinning a core)",
+             f"{'conc':>5} {'server':<12} {'beside':<7}" + "".join(f"{n:>13}" for n, _, _ in FIGURES)]
+    for r in rows:
+        lines.append(f"{r['level'] if r['level'] else 'all':>5} {r['server']:<12} {r['corunner']:<7}" + "".join(
+            f"{'-' if r[n] is None else format(r[n], '.2f') + 'x':>13}" for n, _, _ in FIGURES))
+    return "\n".join(lines)
 
 
 def _token_lengths(url: str, texts: list[str]) -> list[int]:
@@ -641,7 +686,7 @@ def run_started(loads: dict, args, binary: str | None) -> tuple[dict, dict, dict
         lumen = started.start(launch.Server("Lumen", launch.lumen_serve_args(path, args.threads, extra)))
         servers = {"Lumen": lumen.url}
         info["lumen_cmd"] = " ".join(lumen.args)
-        prompts = all_prompts(loads, args.repetitions, lumen.url)
+        prompts = all_prompts(loads, args.repetitions, lumen.url, args.kinds)
         if binary is not None:
             # one slot per concurrent request, each holding the longest prompt and output of the run with room
             longest = max(_token_lengths(lumen.url, sorted({p for reqs in prompts.values() for p, _ in reqs})))
@@ -651,7 +696,7 @@ def run_started(loads: dict, args, binary: str | None) -> tuple[dict, dict, dict
                 binary, path, args.threads, top, ctx, shlex.split(args.llama_args))))
             servers["llama.cpp"] = llama.url
             info["llama_cmd"] = " ".join(llama.args)
-        table, raw = sweep(loads, prompts, args.repetitions, servers)
+        table, raw = sweep(loads, prompts, args.repetitions, servers, args.kinds)
     return table, raw, info
 
 
@@ -704,6 +749,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--serve-model runs a fixed number of requests; a soak (--duration) takes a running server (--url)")
     if args.repetitions > 1 and args.serve_model is None and args.concurrency is None:
         ap.error("-r repeats the runs of a sweep: give --concurrency or --serve-model")
+    from .corunner import parse_kinds
+    try:
+        args.kinds = ("none", *parse_kinds(args.corunner))
+    except ValueError as e:
+        ap.error(str(e))
+    if args.corunner is not None and args.serve_model is None and args.concurrency is None:
+        ap.error("--corunner runs a sweep beside co-runners: give --serve-model or --concurrency")
     if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
         ap.error(why)
     if args.url is not None:
@@ -728,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     skip = {"json", "concurrency", "repetitions", "serve_model", "threads", "serve_args", "compare", "llama_server",
-            "llama_args"}
+            "llama_args", "corunner", "kinds"}
     load = Load(**{k: v for k, v in vars(args).items() if k not in skip})
     load.url = args.url or "http://127.0.0.1:8000"
     sweeping = args.serve_model is not None or args.concurrency is not None
@@ -739,8 +791,8 @@ def main(argv: list[str] | None = None) -> int:
             res = run_load(load)
         elif args.serve_model is None:
             loads = per_level(load, levels, args.num_prompts)
-            prompts = all_prompts(loads, args.repetitions, load.url)
-            table, raw = sweep(loads, prompts, args.repetitions, {"server": load.url})
+            prompts = all_prompts(loads, args.repetitions, load.url, args.kinds)
+            table, raw = sweep(loads, prompts, args.repetitions, {"server": load.url}, args.kinds)
             info = {"url": load.url}
         else:
             table, raw, info = run_started(per_level(load, levels, args.num_prompts), args, binary)
@@ -765,9 +817,22 @@ def main(argv: list[str] | None = None) -> int:
     mixname = f"mix {load.mix}" if load.mix else "the committed workload"
     lens = f", input {load.input_len}" if load.input_len else ""
     lens += f", output {load.output_len}" if load.output_len else ""
-    print(side_by_side(table, args.repetitions, f"== {info.get('model', load.url)}: {mixname}{lens}, "
-                                                f"{'ignore_eos' if load.ignore_eos else 'stopping at EOS'} =="))
+    title = (f"== {info.get('model', load.url)}: {mixname}{lens}, "
+             f"{'ignore_eos' if load.ignore_eos else 'stopping at EOS'}")
+    print(side_by_side(table["none"], args.repetitions, title + " =="))
+    for kind in args.kinds[1:]:
+        print("\n" + side_by_side(table[kind], args.repetitions, f"{title}, beside a {kind} loop =="))
+    ratios = beside_ratios(raw)
+    if ratios:
+        print("\n" + render_beside(ratios))
     if args.json:
-        Path(args.json).write_text(json.dumps({"info": info, "levels": list(table), "medians": {
-            str(c): v for c, v in table.items()}, "runs": {str(c): v for c, v in raw.items()}}, indent=1))
-    return 0 if all(m["failed"] == 0 for row in table.values() for m in row.values()) else 1
+        out = {"info": info, "levels": list(table["none"]),
+               "medians": {str(c): v for c, v in table["none"].items()},
+               "runs": {str(c): v for c, v in raw["none"].items()}}
+        if ratios:
+            out["corunners"] = {kind: {"medians": {str(c): v for c, v in table[kind].items()},
+                                       "runs": {str(c): v for c, v in raw[kind].items()}} for kind in args.kinds[1:]}
+            out["beside_ratios"] = ratios
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0 if all(m["failed"] == 0 for levels in table.values() for row in levels.values()
+                    for m in row.values()) else 1

@@ -96,6 +96,8 @@ def test_corpus_from_a_server_with_a_short_context():
     (["--serve-model", "smollm2-135m", "--threads", "0"], "--threads must be at least 1"),
     (["--duration", "nan"], "--duration must be positive, got nan"),
     (["--duration", "10", "--window", "0"], "--window must be positive, got 0.0"),
+    (["--concurrency", "2", "--corunner", "busy,idle"], "--corunner takes sleep, busy"),
+    (["--corunner", "busy"], "--corunner runs a sweep beside co-runners"),
 ])
 def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -224,3 +226,35 @@ def test_compare_llama_server(smollm2_path, tmp_path):
     assert lumen["completed"] == llama["completed"] == 2 and llama["total_output_tokens"] == 8
     assert abs(lumen["total_input_tokens"] - llama["total_input_tokens"]) <= 4      # the same prompts
     assert "ratio" in r.stdout
+
+
+def _run(tps, ttft, itl99):
+    return {"output_throughput": tps, "ttft_ms": {"p50": ttft, "p99": ttft}, "itl_ms": {"p50": itl99, "p99": itl99}}
+
+
+def test_beside_ratios_pair_each_repetition_with_its_own_idle_run():
+    raw = {"none": {4: {"Lumen": [_run(100, 50, 10), _run(50, 100, 20)]}},
+           "busy": {4: {"Lumen": [_run(80, 100, 15), _run(20, 300, 20)]}}}
+    (row,) = bench.beside_ratios(raw)
+    assert row["corunner"] == "busy" and row["level"] == 4 and row["server"] == "Lumen"
+    # per repetition 0.8 and 0.4 -> 0.6 (the ratio of medians would be 50/75)
+    assert row["output tok/s"] == pytest.approx(0.6) and row["TTFT p50"] == pytest.approx(2.5)
+    assert row["ITL p99"] == pytest.approx(1.25)
+    assert "busy" in bench.render_beside([row]) and "0.60x" in bench.render_beside([row])
+
+
+@pytest.mark.slow
+def test_sweep_beside_a_busy_loop(smollm2_path, tmp_path):
+    out = tmp_path / "beside.json"
+    r, seen = run_bench("--serve-model", str(smollm2_path), "--mix", "chat", "--concurrency", "2",
+                        "--num-prompts", "2", "--output-len", "4", "--ignore-eos", "--corunner", "busy",
+                        "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not [p for p in seen if alive(p)]                 # the server and the co-runner are gone
+    res = json.loads(out.read_text())
+    (idle,) = res["runs"]["2"]["Lumen"]
+    (busy,) = res["corunners"]["busy"]["runs"]["2"]["Lumen"]
+    assert idle["completed"] == busy["completed"] == 2 and busy["total_output_tokens"] == 8
+    (row,) = res["beside_ratios"]
+    assert row["corunner"] == "busy" and row["output tok/s"] > 0
+    assert "beside a busy loop" in r.stdout and "beside co-runners" in r.stdout
