@@ -179,7 +179,9 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     The template sees `messages`, `tools` (None when there are none), `bos_token`, `eos_token` and
     `add_generation_prompt`, plus the helpers listed in the module docstring. A `developer` message (OpenAI's newer
     name of the system role) is a system message for a template that never names that role (Qwen2.5's would drop
-    it; llama.cpp and vLLM map it the same way). Assistant messages may carry
+    it; llama.cpp and vLLM map it the same way). A message's content may be a string, None (written as "") or a
+    list of {"type": "text", "text": ...} parts, joined as llama.cpp joins them (`message_text`) unless the template
+    reads only parts. Assistant messages may carry
     OpenAI `tool_calls` (arguments as a JSON string, or an object) and `tool` messages the results. The result is
     text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
     wrote `bos_token`.
@@ -191,6 +193,8 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     messages = list(messages)
     if "developer" not in template:      # OpenAI's newer name of the system role, for a template that lacks it
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    if not _wants_typed_content(template):
+        messages = [_with_text_content(m) for m in messages]
     if any(m.get("tool_calls") for m in messages):
         messages = [_with_arguments(m) for m in messages]
         if _wants_object_arguments(template):
@@ -248,6 +252,48 @@ def continue_final(rendered: str, final: str) -> str:
     kept = final.lstrip()
     end = at + (len(kept) if rendered.startswith(kept, at) else len(core))
     return rendered[:end]
+
+
+def message_text(content: Any) -> Any:
+    """A message's content as the template gets it from llama-server: None as "", a list of text parts as their
+    texts joined by "\n" (none before the first non-empty one, as llama.cpp's common_chat_msgs_to_json_oaicompat
+    writes them; vLLM joins by "\n" too), anything else as given. A part that is not text is a ChatTemplateError:
+    this engine reads text only."""
+    if content is None:
+        return ""
+    if not isinstance(content, (list, tuple)):
+        return content
+    text = ""
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ChatTemplateError(f"only text content parts are supported, got {kind!r}")
+        if text:
+            text += "\n"
+        text += part["text"]
+    return text
+
+
+def _with_text_content(message: Mapping) -> Mapping:
+    content = message.get("content")
+    if "content" not in message or (content is not None and not isinstance(content, (list, tuple))):
+        return message
+    return {**message, "content": message_text(content)}
+
+
+@functools.lru_cache(maxsize=32)
+def _wants_typed_content(template: str) -> bool:
+    """Whether the template shows a user's text only when the content is a list of parts, not a string (llama.cpp's
+    requires_typed_content probe): such a template gets the parts as given."""
+    def shows(content) -> bool:
+        try:
+            out = _render(compile_template(template), [{"role": "user", "content": content}], bos_token="",
+                          eos_token="", add_generation_prompt=False, tools=None)
+        except ChatTemplateError:
+            return False
+        return "__user__" in out
+
+    return not shows("__user__") and shows([{"type": "text", "text": "__user__"}])
 
 
 _NEEDLES = ('"argument_needle":', "'argument_needle':", "<parameter=argument_needle>")

@@ -338,3 +338,28 @@ def test_continue_final_cuts_after_the_final_message():
             continue_final(rendered, text)
     with pytest.raises(ChatTemplateError, match="does not appear"):
         continue_final(rendered, "The product is")
+
+
+def test_content_parts_and_none_render_as_llamacpp(smol_template):
+    """Content as a list of text parts is joined by "\\n" (none before the first non-empty part) and None content is
+    "", as llama-server --jinja (b1-0c1e570, /apply-template) renders SmolLM2's template; before, the template got
+    the list (printed as a Python repr, or failed) and None (failed on `+`)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "system", "content": [{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}]},
+                {"role": "user", "content": [{"type": "text", "text": t} for t in ("", "a", "", "b")]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "r"}]}]
+    assert render_chat(smol_template, messages, bos_token="<|im_start|>", eos_token="<|im_end|>") == (
+        "<|im_start|>system\nS1\nS2<|im_end|>\n<|im_start|>user\na\n\nb<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n")
+    assert messages[1]["content"][1] == {"type": "text", "text": "a"}, "the caller's messages stay"
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    with pytest.raises(ChatTemplateError, match="only text content parts.*'image_url'"):
+        render(smol_template, [image])
+
+
+def test_a_template_that_reads_only_parts_gets_them():
+    """A template that shows a text only from content parts (llama.cpp's requires_typed_content) gets the parts."""
+    typed = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert render(typed, [{"role": "user", "content": parts}]) == "[a][b]"
