@@ -173,7 +173,8 @@ def compile_template(template: str) -> jinja2.Template:
 # rendering
 
 def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_token: str,
-                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                continue_final_message: bool = False) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with a GGUF/Hugging Face chat template.
 
     The template sees `messages`, `tools` (None when there are none), `bos_token`, `eos_token` and
@@ -184,8 +185,11 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     reads only parts. Assistant messages may carry
     OpenAI `tool_calls` (arguments as a JSON string, or an object) and `tool` messages the results. The result is
     text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
-    wrote `bos_token`.
+    wrote `bos_token`. continue_final_message (with add_generation_prompt false): the text ends inside the final
+    message, so that the model goes on with it (`_cut_final`).
     """
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message needs add_generation_prompt false")
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
     tools = _openai_tools(tools)
@@ -199,8 +203,35 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
         messages = [_with_arguments(m) for m in messages]
         if _wants_object_arguments(template):
             messages = [_with_object_arguments(m) for m in messages]
-    return _render(compiled, messages, bos_token=bos_token, eos_token=eos_token,
-                   add_generation_prompt=bool(add_generation_prompt), tools=tools)
+    context = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=bool(add_generation_prompt),
+                   tools=tools)
+    text = _render(compiled, messages, **context)
+    return _cut_final(compiled, messages, text, context) if continue_final_message else text
+
+
+_FINAL_NEEDLE = "\ufdd2final\ufdd3"   # stands in for the final message's text (noncharacters: in no real text)
+
+
+def _cut_final(compiled: jinja2.Template, messages: list, rendered: str, context: dict) -> str:
+    """The rendered conversation cut inside its final message. What the template writes after that message's text
+    is found by rendering the conversation once more with a needle as that text; cut off, the rendered text ends
+    with the message's, and `continue_final` cuts right after it (so text that looks like the template's own
+    markup, "<|im_end|>", is still the message's). A text of only whitespace then continues where the template
+    put it, as llama-server does. When the template does not write the rest the same way, `continue_final` looks
+    for the text from the end."""
+    if not messages:
+        raise ChatTemplateError("there is no final message to continue")
+    final = messages[-1].get("content")
+    if not isinstance(final, str):
+        raise ChatTemplateError("the final message to continue must have text content")
+    marked = _render(compiled, [*messages[:-1], {**messages[-1], "content": _FINAL_NEEDLE}], **context)
+    if marked.count(_FINAL_NEEDLE) == 1:
+        tail = marked[marked.index(_FINAL_NEEDLE) + len(_FINAL_NEEDLE):]
+        if rendered.endswith(tail):
+            rendered = rendered[:len(rendered) - len(tail)]
+            if not final.strip():
+                return rendered
+    return continue_final(rendered, final)
 
 
 def _openai_tools(tools) -> list[dict] | None:

@@ -363,3 +363,25 @@ def test_a_template_that_reads_only_parts_gets_them():
     typed = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}"
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert render(typed, [{"role": "user", "content": parts}]) == "[a][b]"
+
+
+@pytest.mark.parametrize("final", ["|im_end|>", "<|im_end|>", "   ", "Sure, "])
+def test_continue_final_message_ends_inside_the_final_message(smol_template, final):
+    """render_chat(continue_final_message=True) ends right after the final message's text, as llama-server --jinja
+    (b1-0c1e570, /apply-template) prefills SmolLM2's template, also when the text looks like the template's own
+    closing markup (found from the end, that was the template's "<|im_end|>": the turn came out closed) or is only
+    whitespace (refused before)."""
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": final}]
+    got = render_chat(smol_template, messages, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                      add_generation_prompt=False, continue_final_message=True)
+    assert got == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" + final
+    with pytest.raises(ChatTemplateError, match="needs add_generation_prompt false"):
+        render(smol_template, messages, continue_final_message=True)
+
+
+def test_continue_final_message_with_a_trimming_template():
+    """A template that trims the text: the continued text is the trimmed one, its closing markup cut off."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " <end_of_turn> \n"}]
+    assert render(GEMMA3_STYLE, messages, add_generation_prompt=False, continue_final_message=True) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n<end_of_turn>")
