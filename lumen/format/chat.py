@@ -181,8 +181,9 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     `add_generation_prompt`, plus the helpers listed in the module docstring. A `developer` message (OpenAI's newer
     name of the system role) is a system message for a template that never names that role (Qwen2.5's would drop
     it; llama.cpp and vLLM map it the same way). A message's content may be a string, None (written as "") or a
-    list of {"type": "text", "text": ...} parts, joined as llama.cpp joins them (`message_text`) unless the template
-    reads only parts. Assistant messages may carry
+    list of {"type": "text", "text": ...} parts; as llama.cpp does, parts are joined (`message_text`) for a template
+    that reads only strings, a string becomes one part for a template that reads only parts, and a template that
+    reads both gets the content as given (`_content_kinds`). Assistant messages may carry
     OpenAI `tool_calls` (arguments as a JSON string, or an object) and `tool` messages the results. The result is
     text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
     wrote `bos_token`. continue_final_message (with add_generation_prompt false): the text ends inside the final
@@ -194,25 +195,30 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
         raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
     tools = _openai_tools(tools)
     compiled = compile_template(template)
+    context = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=bool(add_generation_prompt),
+                   tools=tools)
+    text = _render(compiled, _template_messages(template, messages), **context)
+    return _cut_final(template, messages, text, context) if continue_final_message else text
+
+
+def _template_messages(template: str, messages: Sequence[Mapping]) -> list:
+    """The messages as the template gets them (render_chat's docstring)."""
     messages = list(messages)
     if "developer" not in template:      # OpenAI's newer name of the system role, for a template that lacks it
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-    if not _wants_typed_content(template):
-        messages = [_with_text_content(m) for m in messages]
+    string_ok, parts_ok = _content_kinds(template)
+    messages = [_with_content(m, string_ok, parts_ok) for m in messages]
     if any(m.get("tool_calls") for m in messages):
         messages = [_with_arguments(m) for m in messages]
         if _wants_object_arguments(template):
             messages = [_with_object_arguments(m) for m in messages]
-    context = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=bool(add_generation_prompt),
-                   tools=tools)
-    text = _render(compiled, messages, **context)
-    return _cut_final(compiled, messages, text, context) if continue_final_message else text
+    return messages
 
 
 _FINAL_NEEDLE = "\ufdd2final\ufdd3"   # stands in for the final message's text (noncharacters: in no real text)
 
 
-def _cut_final(compiled: jinja2.Template, messages: list, rendered: str, context: dict) -> str:
+def _cut_final(template: str, messages: Sequence[Mapping], rendered: str, context: dict) -> str:
     """The rendered conversation cut inside its final message. What the template writes after that message's text
     is found by rendering the conversation once more with a needle as that text; cut off, the rendered text ends
     with the message's, and `continue_final` cuts right after it (so text that looks like the template's own
@@ -221,10 +227,11 @@ def _cut_final(compiled: jinja2.Template, messages: list, rendered: str, context
     for the text from the end."""
     if not messages:
         raise ChatTemplateError("there is no final message to continue")
-    final = messages[-1].get("content")
+    final = message_text(messages[-1].get("content"))
     if not isinstance(final, str):
         raise ChatTemplateError("the final message to continue must have text content")
-    marked = _render(compiled, [*messages[:-1], {**messages[-1], "content": _FINAL_NEEDLE}], **context)
+    probe = [*messages[:-1], {**messages[-1], "content": _FINAL_NEEDLE}]
+    marked = _render(compile_template(template), _template_messages(template, probe), **context)
     if marked.count(_FINAL_NEEDLE) == 1:
         tail = marked[marked.index(_FINAL_NEEDLE) + len(_FINAL_NEEDLE):]
         if rendered.endswith(tail):
@@ -305,26 +312,39 @@ def message_text(content: Any) -> Any:
     return text
 
 
-def _with_text_content(message: Mapping) -> Mapping:
-    content = message.get("content")
-    if "content" not in message or (content is not None and not isinstance(content, (list, tuple))):
+def _with_content(message: Mapping, string_ok: bool, parts_ok: bool) -> Mapping:
+    """The message with its content as llama-server hands it to a template that reads strings (string_ok), content
+    parts (parts_ok), or both: None is "", then parts are joined for a strings-only template and a string is one text
+    part for a parts-only one."""
+    if "content" not in message:
         return message
-    return {**message, "content": message_text(content)}
+    content = message["content"]
+    if content is None:
+        content = ""
+    if isinstance(content, (list, tuple)):
+        text = message_text(content)                       # (checks that every part is text)
+        content = text if string_ok and not parts_ok else [{"type": "text", "text": p["text"]} for p in content]
+    elif isinstance(content, str) and parts_ok and not string_ok:
+        content = [{"type": "text", "text": content}]
+    return {**message, "content": content}
+
+
+_CONTENT_NEEDLE = "__user__"
 
 
 @functools.lru_cache(maxsize=32)
-def _wants_typed_content(template: str) -> bool:
-    """Whether the template shows a user's text only when the content is a list of parts, not a string (llama.cpp's
-    requires_typed_content probe): such a template gets the parts as given."""
+def _content_kinds(template: str) -> tuple[bool, bool]:
+    """(reads strings, reads parts): whether a user's text shows when the content is a string, and when it is a
+    list of text parts (shown as text, not as the list's repr), as llama.cpp probes a template's capabilities."""
     def shows(content) -> bool:
         try:
             out = _render(compile_template(template), [{"role": "user", "content": content}], bos_token="",
                           eos_token="", add_generation_prompt=False, tools=None)
         except ChatTemplateError:
             return False
-        return "__user__" in out
+        return _CONTENT_NEEDLE in out and not any(k in out for k in ("'text'", '"text"', "'type'", '"type"'))
 
-    return not shows("__user__") and shows([{"type": "text", "text": "__user__"}])
+    return shows(_CONTENT_NEEDLE), shows([{"type": "text", "text": _CONTENT_NEEDLE}])
 
 
 _NEEDLES = ('"argument_needle":', "'argument_needle':", "<parameter=argument_needle>")

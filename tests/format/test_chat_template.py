@@ -358,11 +358,21 @@ def test_content_parts_and_none_render_as_llamacpp(smol_template):
         render(smol_template, [image])
 
 
-def test_a_template_that_reads_only_parts_gets_them():
-    """A template that shows a text only from content parts (llama.cpp's requires_typed_content) gets the parts."""
-    typed = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}"
-    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert render(typed, [{"role": "user", "content": parts}]) == "[a][b]"
+@pytest.mark.parametrize("kind,expected", [("both", "<system>S <user>[a][b]<assistant><user>"),
+                                            ("parts", "<system>[S ]<user>[ a ][b]<assistant>[]<user>[]")])
+def test_content_as_the_template_reads_it(kind, expected):
+    """A template that reads strings and parts (Gemma 3's) gets the content as given (None as ""), and one that reads
+    only parts gets every string as one text part, as llama-server --jinja (b1-0c1e570, /apply-template with
+    --chat-template-file) renders these two templates."""
+    both = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for p in m.content %}[{{ p.text | trim }}]{% endfor %}{% endif %}{% endfor %}")
+    parts = "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "system", "content": "S "},
+                {"role": "user", "content": [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": ""}]
+    template = both if kind == "both" else parts
+    assert render(template, messages, add_generation_prompt=False) == expected
 
 
 @pytest.mark.parametrize("final", ["|im_end|>", "<|im_end|>", "   ", "Sure, "])
