@@ -10,6 +10,9 @@ error, `raise_exception(...)`, undefined call, blocked access, runaway sizes) is
 The environment mirrors what Hugging Face transformers gives templates: trim_blocks and lstrip_blocks on, the
 loopcontrols extension ({% break %}, {% continue %}), `raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson`
 filter that keeps non-ASCII text (ensure_ascii=False) and does not HTML-escape; it writes floats as llama.cpp does.
+Whitespace is stripped as llama.cpp's template engine strips it: `trim` and a string's strip(), lstrip() and
+rstrip() without an argument take only C's isspace() characters (" \t\n\v\f\r"), not Python's Unicode whitespace, so
+a message ending in U+3000 or U+0085 keeps it there and here (Gemma 3's template trims every message).
 
 Tools (OpenAI format) reach the template as llama.cpp's `llama-server --jinja` gives them, so that a conversation
 renders to the same prompt there and here:
@@ -68,6 +71,11 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset(["*", "**"])
 
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, str) and attribute in ("strip", "lstrip", "rstrip"):
+            return _c_strip(getattr(obj, attribute))
+        return super().getattr(obj, attribute)
+
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
@@ -100,6 +108,21 @@ def _bounded_filter(f):
         _check_widths(args[1:], kwargs)
         return f(*args, **kwargs)
     return bounded
+
+
+C_SPACE = " \t\n\v\f\r"   # C's isspace(): the whitespace llama.cpp's template engine strips
+
+
+def _c_strip(method):
+    """A str's strip/lstrip/rstrip whose default strips C_SPACE only (llama.cpp's jinja string::strip)."""
+    def strip(chars: str | None = None) -> str:
+        return method(C_SPACE if chars is None else chars)
+    return strip
+
+
+def _trim(value: Any, chars: str | None = None) -> str:
+    """jinja2's trim filter with C_SPACE as the default characters."""
+    return jinja2.filters.soft_str(value).strip(C_SPACE if chars is None else chars)
 
 
 def _raise_exception(message: str = "") -> None:
@@ -145,6 +168,7 @@ def _tojson(value: Any, indent: int | None = None, separators: Sequence[str] | N
 def _environment() -> _Sandbox:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters["trim"] = _trim
     for name in ("center", "indent", "wordwrap", "truncate"):
         env.filters[name] = _bounded_filter(env.filters[name])
     env.globals["raise_exception"] = _raise_exception

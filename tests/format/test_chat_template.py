@@ -395,3 +395,16 @@ def test_continue_final_message_with_a_trimming_template():
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " <end_of_turn> \n"}]
     assert render(GEMMA3_STYLE, messages, add_generation_prompt=False, continue_final_message=True) == (
         "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n<end_of_turn>")
+
+
+def test_trim_and_strip_take_the_whitespace_llamacpp_takes():
+    """`trim` and strip()/lstrip()/rstrip() without an argument strip C's isspace() characters only, not Python's
+    Unicode whitespace (U+3000, U+0085, U+2028, U+00A0 stay), as llama-server --jinja (b1-0c1e570, /apply-template
+    with --chat-template-file) renders this template; before, jinja2 stripped them all (Gemma 3's template trims
+    every message, so its prompts differed from llama.cpp's)."""
+    template = ("{% for m in messages %}[{{ m.content | trim }}|{{ m.content.strip() }}|{{ m.content.lstrip() }}|"
+                "{{ m.content.rstrip() }}|{{ m.content.strip('x') }}]{% endfor %}")
+    messages = [{"role": "user", "content": "\u3000\t a\x85 \n\f\v\r"}, {"role": "user", "content": "x\u2028 y \xa0x"}]
+    assert render(template, messages, add_generation_prompt=False) == (
+        "[\u3000\t a\x85|\u3000\t a\x85|\u3000\t a\x85 \n\x0c\x0b\r|\u3000\t a\x85|\u3000\t a\x85 \n\x0c\x0b\r]"
+        "[x\u2028 y \xa0x|x\u2028 y \xa0x|x\u2028 y \xa0x|x\u2028 y \xa0x|\u2028 y \xa0]")
