@@ -3,7 +3,7 @@
     tok = Tokenizer.from_metadata(meta)                # meta: GGUF key -> str/int/float/bool/list
     ids = tok.encode(text, add_bos=tok.add_bos_default, special=True)
     text = tok.decode(ids)
-    stream = tok.stream(); out = "".join(stream.push(i) for i in ids) + stream.flush()
+    stream = tok.stream(); out = "".join(stream.push(i) for i in generated_ids) + stream.flush()
 
 `tokenizer.ggml.model` picks the implementation:
 - "gpt2"  -> `BPETokenizer`: byte-level BPE. `tokenizer.ggml.pre` (absent: "default", as in llama.cpp) picks
@@ -452,9 +452,11 @@ class Tokenizer:
         """Text of `ids`; special=True also renders control tokens ("<end_of_turn>") as their text."""
         return self.decode_bytes(ids, special=special).decode("utf-8", errors="replace")
 
-    def stream(self, *, special: bool = False) -> StreamDecoder:
-        """An incremental decoder: push ids one by one, get text that never splits a UTF-8 character."""
-        return StreamDecoder(self, special=special)
+    def stream(self, *, special: bool = False, start: bool = False) -> StreamDecoder:
+        """An incremental decoder: push ids one by one, get text that never splits a UTF-8 character. By default
+        the ids continue a prompt (a generation): every piece is kept whole, as llama-server streams them; with
+        start=True they begin a text, and the first piece loses its prefixed space as in decode()."""
+        return StreamDecoder(self, special=special, start=start)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id}, "
@@ -487,13 +489,16 @@ class Tokenizer:
 class StreamDecoder:
     """Decode ids one at a time. push() returns only whole UTF-8 characters and keeps a split character's
     leading bytes until the rest arrives; flush() returns what is left (invalid bytes become U+FFFD). The
-    concatenated output equals tok.decode(all ids)."""
+    concatenated output equals tok.decode(all ids), but for the one leading space decode() drops with
+    add_space_prefix (SentencePiece's dummy prefix): only a stream with start=True drops it too. A generation
+    continues its prompt, so its first token's space is text (" Paris" after "The capital of France is"), as
+    llama-server's token_to_piece and vLLM's incremental detokenizer keep it."""
 
-    def __init__(self, tok: Tokenizer, *, special: bool = False):
+    def __init__(self, tok: Tokenizer, *, special: bool = False, start: bool = False):
         self.tok = tok
         self.special = special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._first = True
+        self._first = start
 
     def push(self, token_id: int) -> str:
         piece = self.tok.token_bytes(token_id, special=self.special)

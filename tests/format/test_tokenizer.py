@@ -295,6 +295,16 @@ def test_stream_special(gemma):
     assert "".join(map(gemma.stream(special=True).push, ids)) == "<bos><start_of_turn>hi"
 
 
+def test_stream_keeps_a_generation_first_space():
+    """With add_space_prefix (SentencePiece's dummy prefix), decode() drops one leading space of a text, but a
+    generation continues its prompt: the stream keeps its first token's space, as llama-server's token_to_piece
+    (lstrip 0) streams it; before, " Paris" after "The capital of France is" came out as "Paris"."""
+    tok = Tokenizer.from_metadata(tiny_spm({"▁": -1, "a": -1, "▁a": -2}))
+    ids = [tok.token_to_id["▁a"]] * 2
+    assert "".join(map(tok.stream().push, ids)) == " a a"
+    assert "".join(map(tok.stream(start=True).push, ids)) == tok.decode(ids) == "a a"
+
+
 # --- SPM merging on a tiny vocabulary -----------------------------------------------------------------------
 def tiny_spm(extra: dict[str, float], **meta) -> dict:
     """An SPM vocab: <unk> <s> </s>, the 256 byte tokens, then `extra` pieces with their scores."""
