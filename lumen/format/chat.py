@@ -136,10 +136,14 @@ def _strftime_now(fmt: str) -> str:
 def _tojson(value: Any, indent: int | None = None, separators: Sequence[str] | None = None,
             sort_keys: bool = False) -> str:
     """json.dumps(value, ensure_ascii=False, ...) but for floats, written as llama.cpp's template engine writes
-    them (C's %g: 5.0 -> 5, 1e-05, 3.14159), so a tool's `"default": 5.0` reads as llama-server shows it."""
+    them (C's %g: 5.0 -> 5, 1e-05, 3.14159), so a tool's `"default": 5.0` reads as llama-server shows it; an
+    integer past int64 is a double there (10**20 -> 1e+20; one in uint64's upper half it wraps to a negative
+    int64, a bug not copied here: written as a double too)."""
     item_sep, key_sep = separators if separators is not None else ("," if indent is not None else ", ", ": ")
 
     def dump(v: Any, level: int) -> str:
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            v = float(v)                 # past int64 llama.cpp's template engine holds a double
         if v is None or isinstance(v, (bool, int, str)):
             return json.dumps(v, ensure_ascii=False)
         if isinstance(v, float):

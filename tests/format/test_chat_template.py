@@ -285,6 +285,15 @@ def test_tojson_writes_floats_as_llamacpp():
     assert env_out == '{"a": 5, "b": 0.1, "c": 1.23457e+06, "d": 3.14159, "e": 1e-05, "f": [2, true, null]}'
 
 
+def test_tojson_writes_integers_past_int64_as_doubles():
+    """llama.cpp's template engine holds an integer past int64 as a double: 10**20 in a tool's schema or a call's
+    arguments shows as 1e+20 (llama-server --jinja b1-0c1e570, /apply-template with Qwen2.5's template, which
+    writes tools with tojson); it was written as 100000000000000000000. (2**64 - 1 llama.cpp writes as -1.)"""
+    big = [2**63 - 1, 2**64, -2**63, -2**63 - 1, 10**20, True]
+    assert render("{{ messages[0].v | tojson }}", [{"v": big}]) == (
+        "[9223372036854775807, 1.84467e+19, -9223372036854775808, -9.22337e+18, 1e+20, true]")
+
+
 def test_developer_role_is_system_unless_the_template_names_it(qwen05_file, smol_template):
     """OpenAI's `developer` message is the system message for a template without that role (Qwen2.5's dropped it,
     with and without tools); a template that names the role gets it as it is."""
