@@ -255,6 +255,8 @@ def _cut_final(template: str, messages: Sequence[Mapping], rendered: str, contex
     for the text from the end."""
     if not messages:
         raise ChatTemplateError("there is no final message to continue")
+    if messages[-1].get("tool_calls"):                  # (llama-server refuses it too)
+        raise ChatTemplateError("the final message has tool calls, so it cannot be continued")
     final = message_text(messages[-1].get("content"))
     if not isinstance(final, str):
         raise ChatTemplateError("the final message to continue must have text content")

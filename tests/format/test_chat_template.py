@@ -399,6 +399,18 @@ def test_continue_final_message_ends_inside_the_final_message(smol_template, fin
         render(smol_template, messages, continue_final_message=True)
 
 
+def test_continue_final_message_with_tool_calls_is_refused(qwen05_file):
+    """A final message with tool calls cannot be continued (llama-server: "Cannot continue an assistant message
+    that contains tool calls"); with no text, Qwen2.5's template came out cut after "<|im_start|>assistant"."""
+    qwen = chat_template_from_metadata(GGUFFile(qwen05_file).metadata)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for content in (None, "", "Let me look."):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+        with pytest.raises(ChatTemplateError, match="has tool calls"):
+            render_chat(qwen, messages, bos_token="", eos_token="<|im_end|>", add_generation_prompt=False,
+                        continue_final_message=True)
+
+
 def test_continue_final_message_with_a_trimming_template():
     """A template that trims the text: the continued text is the trimmed one, its closing markup cut off."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " <end_of_turn> \n"}]
