@@ -372,7 +372,7 @@ def _content_kinds(template: str) -> tuple[bool, bool]:
                           eos_token="", add_generation_prompt=False, tools=None)
         except ChatTemplateError:
             return False
-        return _CONTENT_NEEDLE in out and not any(k in out for k in ("'text'", '"text"', "'type'", '"type"'))
+        return _CONTENT_NEEDLE in out and not any(f"{q}text{q}: {q}{_CONTENT_NEEDLE}" in out for q in "'\"")
 
     return shows(_CONTENT_NEEDLE), shows([{"type": "text", "text": _CONTENT_NEEDLE}])
 

@@ -429,3 +429,12 @@ def test_trim_and_strip_take_the_whitespace_llamacpp_takes():
     assert render(template, messages, add_generation_prompt=False) == (
         "[\u3000\t a\x85|\u3000\t a\x85|\u3000\t a\x85 \n\x0c\x0b\r|\u3000\t a\x85|\u3000\t a\x85 \n\x0c\x0b\r]"
         "[x\u2028 y \xa0x|x\u2028 y \xa0x|x\u2028 y \xa0x|x\u2028 y \xa0x|\u2028 y \xa0]")
+
+
+def test_content_probe_ignores_the_templates_own_text():
+    """A template whose own text holds '"type"' (a JSON example in its instructions) still reads strings: text
+    parts are joined for it. The probe looked for "type"/"text" anywhere in the output, took the template for one
+    that reads neither, and handed it the list (printed as its repr)."""
+    template = '{{ \'{"type": "text"}\' }}{% for m in messages %}{{ m.content }}{% endfor %}'
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert render(template, [{"role": "user", "content": parts}]) == '{"type": "text"}a\nb'
