@@ -221,3 +221,16 @@ def test_sampler_error_blames_the_parameter_not_the_message():
         assert r.json()["error"]["param"] == "stop_token_ids"
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] is None
+
+
+@pytest.mark.parametrize("model, status", [(None, 200), ("", 200), ("bytes", 200), ("other", 404), (" bytes", 404)])
+def test_model_empty_is_the_served_one(model, status):
+    """model null or "" is the served model (vLLM's rule); any other name but the served one is 404 naming model."""
+    body = {"prompt": "x", "max_tokens": 1} | ({} if model is None else {"model": model})
+    with completion_client(ScriptedWorker()) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    if status == 404:
+        assert r.json()["error"]["param"] == "model" and repr(model) in r.json()["error"]["message"]
+    else:
+        assert r.json()["model"] == "bytes"

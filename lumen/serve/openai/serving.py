@@ -56,8 +56,8 @@ class Serving:
         self.engine = worker.engine
 
     def check_model(self, name: str | None) -> None:
-        """A request that names a model must name the served one."""
-        if name is not None and name != self.settings.model_id:
+        """A request that names a model must name the served one; null or "" is the served one (as vLLM takes it)."""
+        if name and name != self.settings.model_id:
             raise P.ApiError(404, f"the model {name!r} does not exist (this server serves "
                                   f"{self.settings.model_id!r})", "model")
 
