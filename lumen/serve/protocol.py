@@ -208,13 +208,13 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
-                    max_tokens_field: str = "max_tokens", least: int = 1) -> SamplingParams:
+                    max_tokens_field: str = "max_tokens", least: int = 1, zero_note: str = "") -> SamplingParams:
     """The request's SamplingParams (one choice); ApiError(400) naming the field when a value is out of range
-    (max_tokens_field: the one max_tokens came from; least: its smallest value). OpenAI's defaults: temperature 1,
-    top_p 1. top_k -1 (vLLM's "off") is 0 here."""
+    (max_tokens_field: the one max_tokens came from; least: its smallest value; zero_note: said of a refused 0).
+    OpenAI's defaults: temperature 1, top_p 1. top_k -1 (vLLM's "off") is 0 here."""
     if max_tokens is not None and max_tokens < least:
         raise ApiError(400, f"{max_tokens_field} must be at least {least}, got {max_tokens}" +
-                       (" (0 only with echo)" if max_tokens == 0 else ""), max_tokens_field)
+                       (zero_note if max_tokens == 0 else ""), max_tokens_field)
     if req.seed is not None and not -SEED_RANGE <= req.seed < SEED_RANGE:
         raise ApiError(400, f"seed must be a 64-bit integer, in [-2^63, 2^63), got {req.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -284,7 +284,8 @@ def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingPara
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
     check_n(req.n, n_limit)
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, least=0 if req.echo else 1)
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, least=0 if req.echo else 1,
+                             zero_note=" (0 only with echo)")
     if req.echo and req.logprobs is not None:
         params = params.replace(prompt_logprobs=req.logprobs)
     return per_choice(params, req.n)
