@@ -42,6 +42,9 @@ class Prompter:
         self.bos_text = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         self.eos_text = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         self._pieces: dict[int, tuple[str, bytes]] = {}
+        self._text_bytes: dict[int, bytes] = {}
+        # the tokenizer's decode drops one leading space of the first piece (SentencePiece's add_space_prefix)
+        self.tok_strips_space = bool(getattr(tokenizer, "add_space_prefix", False))
 
     def encode(self, text: str, *, add_special: bool = True, param: str = "prompt", special: bool = True
                ) -> list[int]:
@@ -131,6 +134,13 @@ class Prompter:
             b = self.tok.token_bytes(token_id, special=True)
             p = self._pieces[token_id] = (b.decode("utf-8", errors="replace"), b)
         return p
+
+    def text_bytes(self, token_id: int) -> bytes:
+        """A token's bytes as they are in generated or decoded text (control tokens: none)."""
+        b = self._text_bytes.get(token_id)
+        if b is None:
+            b = self._text_bytes[token_id] = self.tok.token_bytes(token_id, special=False)
+        return b
 
 
 def _plain(m: ChatMessage) -> dict:

@@ -3,7 +3,9 @@
     text_completion / chat.completion            a whole response (choices, usage)
     text_completion / chat.completion.chunk      one SSE event per engine output that adds something
     logprobs   completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}; with echo the
-               prompt's tokens first (the first one's logprob and top_logprobs null), from text_offset 0
+               prompt's tokens first (the first one's logprob and top_logprobs null), from text_offset 0.
+               text_offset: where the token begins in the choice's text, in characters of that text (a
+               control token such as BOS takes none; a token that begins inside a character is at that character)
                chat:        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
     usage      {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}
 
@@ -43,6 +45,18 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else MIN_LOGPROB
 
 
+def n_chars(b: bytes) -> int:
+    """The characters UTF-8 bytes begin (every byte but a continuation byte, 0b10xxxxxx, begins one)."""
+    return sum((x & 0xC0) != 0x80 for x in b)
+
+
+def text_offset(chars: int, b: bytes) -> int:
+    """The text_offset of a token whose text is the bytes b, after `chars` characters of text: the index of the
+    character its first byte belongs to (one begun before it when b starts inside a character). A control token
+    (no bytes in the text) sits where the next character will."""
+    return max(0, chars - 1) if b and (b[0] & 0xC0) == 0x80 else chars
+
+
 class Reply:
     """One HTTP request's answer, built from its engine outputs. kind: "completion" or "chat"."""
 
@@ -59,7 +73,8 @@ class Reply:
         self.echo_logprobs = echo is not None and logprobs is not None   # ... with its tokens' logprobs: a stream
                                                  # sends it with each choice's first chunk, not before
         self.sent_logprobs: dict[int, int] = {}  # choice index -> logprob entries already streamed
-        self.offsets: dict[int, int] = {}        # choice index -> text_offset of its next token (completions)
+        self.offsets: dict[int, int] = {}        # choice index -> characters of text before its next token
+                                                 # (completions' text_offset)
         self.started: set[int] = set()           # choices that sent a token chunk
         self.finals: dict[int, RequestOutput] = {}
         self.tool_parser = tool_parser           # chat with tools: the parser class of the model's call format
@@ -216,10 +231,13 @@ class Reply:
             return {"content": content}
         tokens, lps, tops, offsets = [], [], [], []
 
-        def add(tok: int, entry, offset: int) -> int:
+        def add(tok: int, entry, chars: int, first: bool = False) -> int:
             text = piece(tok)[0]
             tokens.append(text)
-            offsets.append(offset)
+            b = self.prompter.text_bytes(tok)
+            if first and self.prompter.tok_strips_space and b[:1] == b" ":
+                b = b[1:]                        # (as the tokenizer's decode drops it)
+            offsets.append(text_offset(chars, b))
             if entry is None:                    # the prompt's first token: nothing before it to predict it
                 lps.append(None)
                 tops.append(None)
@@ -229,13 +247,13 @@ class Reply:
                 d = {piece(t)[0]: _lp(x) for t, x in top}
                 d.setdefault(text, _lp(lp))      # the token itself is always there (OpenAI's legacy format)
                 tops.append(d)
-            return offset + len(text)
+            return chars + n_chars(b)
         if prompt is not None:
-            offset = 0
-            for tok, entry in zip(self.prompts[index // self.n], prompt):
-                offset = add(tok, entry, offset)
-        offset = self.offsets.get(index, len(self.echo[index // self.n]) if self.echo is not None else 0)
+            chars = 0
+            for i, (tok, entry) in enumerate(zip(self.prompts[index // self.n], prompt)):
+                chars = add(tok, entry, chars, first=i == 0)
+        chars = self.offsets.get(index, len(self.echo[index // self.n]) if self.echo is not None else 0)
         for tok, entry in zip(token_ids, entries):
-            offset = add(tok, entry, offset)
-        self.offsets[index] = offset
+            chars = add(tok, entry, chars)
+        self.offsets[index] = chars
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
