@@ -8,6 +8,10 @@ continue_final_message, return_token_ids) and llama-server's under its own (repe
 request holds at most MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread
 at every token.
 
+vLLM's extensions that Lumen does not implement (UNSUPPORTED) are refused with a 400 naming the field when set to
+anything but their default, rather than ignored: a client asking for prompt_logprobs or beam search would
+otherwise get an answer that silently lacks what it asked for.
+
 Structured output (lumen.serve.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*,
 llama-server's json_schema and grammar, on both endpoints; `constraint_of` turns them into the request's one
 Constraint, or an ApiError(400) naming the field with llguidance's message.
@@ -30,6 +34,17 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 EXPECTED = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
             "stop": "a string or a list of strings", "content": "a string, null or a list of text parts"}
 SEED_RANGE = 2 ** 63
+# vLLM's sampling extensions not implemented: field -> (the values that ask for nothing, what to send instead)
+UNSUPPORTED = {
+    "prompt_logprobs": ((None,), "for the prompt's logprobs send echo: true with logprobs to /v1/completions"),
+    "use_beam_search": ((None, False), "only sampling is supported"),
+    "include_stop_str_in_output": ((None, False), "the text ends before the stop string; finish_reason \"stop\" "
+                                                  "and stop_reason say which one matched"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text (logprobs show them)"),
+    "allowed_token_ids": ((None,), "send logit_bias, or a structured output such as guided_choice"),
+    "bad_words": ((None, []), "send logit_bias with -100 for their tokens"),
+    "truncate_prompt_tokens": ((None,), "send a prompt that fits max_model_len"),
+}
 MAX_STOP = 128          # stop strings per request: the engine checks each at every token, on its one thread
 
 
@@ -103,6 +118,16 @@ class _Sampling(_Body):
     def _null_is_default(cls, v, info: ValidationInfo):
         """OpenAI's spec lets a client send null for a parameter it leaves at its default."""
         return cls.model_fields[info.field_name].default if v is None else v
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _refuse_unsupported(cls, data, handler):
+        if isinstance(data, dict):
+            for name, (off, instead) in UNSUPPORTED.items():
+                v = data.get(name)
+                if not any(v is o or (type(v) is type(o) and v == o) for o in off):
+                    raise ApiError(400, f"{name} (a vLLM extension) is not supported: {instead}", name)
+        return handler(data)
 
     @property
     def include_usage(self) -> bool:

@@ -2,6 +2,8 @@
 taken, which are refused with a 400 naming the field, and what the refusal says."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lumen.serve import protocol as P
@@ -30,3 +32,24 @@ def test_chat_max_tokens_0_does_not_point_at_echo(field):
     e = refusal(completion, max_tokens=0)
     assert e.param == "max_tokens" and "echo" in e.message
     assert completion(max_tokens=0, echo=True)[0].max_tokens == 0
+
+
+@pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("prompt_logprobs", 0), ("use_beam_search", True),
+                                          ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                                          ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+                                          ("truncate_prompt_tokens", 8)])
+@pytest.mark.parametrize("model", [P.CompletionRequest, P.ChatCompletionRequest])
+def test_unsupported_vllm_extensions_are_refused_not_ignored(model, field, value):
+    """A vLLM extension Lumen does not implement is a 400 naming it, not an answer silently without it."""
+    base = {"prompt": "hi"} if model is P.CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(P.ApiError) as e:
+        P.parse(json.dumps(base | {field: value}).encode(), model)
+    assert (e.value.status, e.value.param) == (400, field) and "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("model", [P.CompletionRequest, P.ChatCompletionRequest])
+def test_unsupported_vllm_extensions_at_their_defaults_are_taken(model):
+    base = {"prompt": "hi"} if model is P.CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    defaults = {"prompt_logprobs": None, "use_beam_search": False, "include_stop_str_in_output": False,
+                "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
+    assert P.parse(json.dumps(base | defaults).encode(), model).n == 1
