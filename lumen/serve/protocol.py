@@ -4,8 +4,8 @@ and the API's error (OpenAI's shape: {"error": {"message", "type", "param", "cod
 Bodies are validated strictly (no "0.5" for a number, no true for an integer), as the OpenAI API does. Fields
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
-continue_final_message, return_token_ids) and llama-server's under its own (repeat_penalty, repeat_last_n). A
-request holds at most MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread
+continue_final_message, return_token_ids, include_stop_str_in_output) and llama-server's under its own
+(repeat_penalty, repeat_last_n). A request holds at most MAX_STOP stop strings (OpenAI takes four, vLLM any number): each costs the engine's one thread
 at every token.
 
 vLLM's extensions that Lumen does not implement (UNSUPPORTED) are refused with a 400 naming the field when set to
@@ -38,8 +38,6 @@ SEED_RANGE = 2 ** 63
 UNSUPPORTED = {
     "prompt_logprobs": ((None,), "for the prompt's logprobs send echo: true with logprobs to /v1/completions"),
     "use_beam_search": ((None, False), "only sampling is supported"),
-    "include_stop_str_in_output": ((None, False), "the text ends before the stop string; finish_reason \"stop\" "
-                                                  "and stop_reason say which one matched"),
     "skip_special_tokens": ((None, True), "special tokens are always left out of the text (logprobs show them)"),
     "allowed_token_ids": ((None,), "send logit_bias, or a structured output such as guided_choice"),
     "bad_words": ((None, []), "send logit_bias with -100 for their tokens"),
@@ -100,6 +98,7 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
+    include_stop_str_in_output: bool = False   # vLLM's: the stop string that matched ends the text (responses)
     speculative: str | None = None             # Lumen: "ngram", "draft" or "none" (default: the server's)
     num_speculative_tokens: int | None = None
     # structured output, read by lumen.serve.structured (constraint_of): values checked there
@@ -113,7 +112,8 @@ class _Sampling(_Body):
     json_schema: Any = None                    # llama-server
     grammar: Any = None
 
-    @field_validator("n", "stream", "min_tokens", "ignore_eos", "return_token_ids", mode="before")
+    @field_validator("n", "stream", "min_tokens", "ignore_eos", "return_token_ids", "include_stop_str_in_output",
+                     mode="before")
     @classmethod
     def _null_is_default(cls, v, info: ValidationInfo):
         """OpenAI's spec lets a client send null for a parameter it leaves at its default."""

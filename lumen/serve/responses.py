@@ -63,12 +63,13 @@ class Reply:
     def __init__(self, kind: str, response_id: str, model: str, created: int, prompter, *, n: int,
                  prompts: list[list[int]], logprobs: int | None, return_token_ids: bool = False,
                  echo: list[str] | None = None, tool_parser: type[ToolParser] | None = None,
-                 named_tool: bool = False):
+                 named_tool: bool = False, include_stop: bool = False):
         self.kind, self.id, self.model, self.created = kind, response_id, model, created
         self.prompter = prompter
         self.n, self.prompts = n, prompts
         self.logprobs = logprobs                 # None: not asked; k: top-k alternatives per token
         self.return_token_ids = return_token_ids
+        self.include_stop = include_stop         # vLLM's include_stop_str_in_output
         self.echo = echo                         # completions: the prompt text per prompt, put before the text
         self.echo_logprobs = echo is not None and logprobs is not None   # ... with its tokens' logprobs: a stream
                                                  # sends it with each choice's first chunk, not before
@@ -93,7 +94,7 @@ class Reply:
                 "choices": choices, "usage": self.usage()}
 
     def _final_choice(self, index: int, out: RequestOutput) -> dict:
-        text = out.text
+        text = out.text + self._stop_text(out)
         if self.echo is not None:
             text = self.echo[index // self.n] + text
         c: dict = {"index": index}
@@ -162,16 +163,17 @@ class Reply:
         want_tokens = self.logprobs is not None or self.return_token_ids
         if not (out.delta_text or out.finished or (want_tokens and out.delta_token_ids)):
             return None
+        delta_text = out.delta_text + self._stop_text(out)
         c: dict = {"index": index}
         echo_now = self.echo_logprobs and index not in self.started     # the echo and its logprobs, first
         if self.kind == "completion":
-            c["text"] = self.echo[index // self.n] + out.delta_text if echo_now else out.delta_text
+            c["text"] = self.echo[index // self.n] + delta_text if echo_now else delta_text
         elif self.tool_parser is not None:
-            c["delta"] = self._tool_delta(index, out)
+            c["delta"] = self._tool_delta(index, out, delta_text)
             if not c["delta"] and not out.finished and not want_tokens:
                 return None
         else:
-            c["delta"] = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+            c["delta"] = {"content": delta_text} if delta_text or not out.finished else {}
         entries = out.logprobs or []
         start = self.sent_logprobs.get(index, 0)
         c["logprobs"] = self._logprobs(index, out.token_ids[start:len(entries)], entries[start:],
@@ -191,12 +193,12 @@ class Reply:
         self.started.add(index)
         return self._chunk([c], None, with_usage)
 
-    def _tool_delta(self, index: int, out: RequestOutput) -> dict:
+    def _tool_delta(self, index: int, out: RequestOutput, delta_text: str) -> dict:
         """A stream's delta through the choice's tool parser: content and/or tool_calls (empty: nothing yet)."""
         parser = self.parsers.get(index)
         if parser is None:
             parser = self.parsers[index] = self.tool_parser()
-        content, deltas = parser.feed(out.delta_text)
+        content, deltas = parser.feed(delta_text)
         if out.finished:
             rest, more = parser.finish()
             content, deltas = content + rest, deltas + more
@@ -210,6 +212,13 @@ class Reply:
         elif out.finished and index not in self.said:
             d["content"] = ""                     # no call and no text: "", as the whole answer says
         return d
+
+    def _stop_text(self, out: RequestOutput) -> str:
+        """With include_stop_str_in_output, the stop string that ended the output (the engine's text ends before
+        it): it goes at the end of the text, as vLLM puts it."""
+        if self.include_stop and out.finished and out.finish_reason == "stop" and isinstance(out.stop_reason, str):
+            return out.stop_reason
+        return ""
 
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage(), True)

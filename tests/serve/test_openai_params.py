@@ -35,7 +35,7 @@ def test_chat_max_tokens_0_does_not_point_at_echo(field):
 
 
 @pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("prompt_logprobs", 0), ("use_beam_search", True),
-                                          ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                                          ("skip_special_tokens", False),
                                           ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
                                           ("truncate_prompt_tokens", 8)])
 @pytest.mark.parametrize("model", [P.CompletionRequest, P.ChatCompletionRequest])
@@ -50,6 +50,5 @@ def test_unsupported_vllm_extensions_are_refused_not_ignored(model, field, value
 @pytest.mark.parametrize("model", [P.CompletionRequest, P.ChatCompletionRequest])
 def test_unsupported_vllm_extensions_at_their_defaults_are_taken(model):
     base = {"prompt": "hi"} if model is P.CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
-    defaults = {"prompt_logprobs": None, "use_beam_search": False, "include_stop_str_in_output": False,
-                "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
+    defaults = {"prompt_logprobs": None, "use_beam_search": False, "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
     assert P.parse(json.dumps(base | defaults).encode(), model).n == 1

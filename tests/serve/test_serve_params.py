@@ -5,6 +5,7 @@ import pytest
 
 import lumen
 from lumen.serve.protocol import MAX_STOP
+from servers import sse_events
 from test_serve import MAX_MODEL_LEN, live_server
 
 
@@ -64,3 +65,22 @@ def test_stop_list_is_bounded(http):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                 "stop": ["a"] * 10_000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_include_stop_str_in_output_ends_the_text_with_the_stop(http, path):
+    """vLLM's include_stop_str_in_output: the text goes on to the end of the stop string that matched, streamed
+    or whole; without it the text ends before it."""
+    body = {"max_tokens": 40, "temperature": 0, "stop": [" 5", ", 6"]}
+    body |= {"prompt": "1, 2, 3, 4,"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]}
+    text = (lambda c: c["text"]) if path == "/v1/completions" else (lambda c: c["message"]["content"])
+    plain = http.post(path, json=body).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["stop_reason"] in body["stop"]
+    whole = http.post(path, json=body | {"include_stop_str_in_output": True}).json()["choices"][0]
+    assert text(whole) == text(plain) + plain["stop_reason"] and whole["finish_reason"] == "stop"
+    with http.stream("POST", path, json=body | {"include_stop_str_in_output": True, "stream": True}) as r:
+        choices = [c for e in sse_events(r) for c in e["choices"]]
+    part = (lambda c: c["text"]) if path == "/v1/completions" else (lambda c: c["delta"].get("content") or "")
+    assert "".join(part(c) for c in choices) == text(whole) and choices[-1]["finish_reason"] == "stop"
+    assert text(http.post(path, json=body | {"include_stop_str_in_output": None}).json()["choices"][0]) == text(plain)

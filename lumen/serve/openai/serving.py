@@ -77,7 +77,7 @@ class Generation(Serving):
         reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
                       int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
                       return_token_ids=req.return_token_ids, echo=echo, tool_parser=tool_parser,
-                      named_tool=named_tool)
+                      named_tool=named_tool, include_stop=req.include_stop_str_in_output)
         field = P.constraint_field(req) or ("tools" if tool_parser is not None else None)
         await self.compile_grammar(params[0].constraint, field)
         sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field)
