@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from lumen.engine.sampling.sampler import SamplerError
+from lumen.errors import ContextError
 from lumen.engine.sequence import RequestMetrics, RequestOutput
 from lumen.format.tokenizer import Tokenizer
 from lumen.serve import protocol as P
@@ -234,3 +235,18 @@ def test_model_empty_is_the_served_one(model, status):
         assert r.json()["error"]["param"] == "model" and repr(model) in r.json()["error"]["message"]
     else:
         assert r.json()["model"] == "bytes"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 64}, "max_tokens"),                 # the prompt fits; max_tokens goes past
+    ({"prompt": [1] * 63, "max_tokens": 2}, "max_tokens"),
+    ({"prompt": ["x", "y" * 70], "max_tokens": 2}, "prompt"),          # a prompt alone fills the context
+    ({"prompt": [1, 999], "max_tokens": 64}, "prompt"),                # a token outside the vocabulary
+    ({"prompt": "x", "max_tokens": None}, "prompt"),
+])
+def test_context_refusal_blames_max_tokens_when_the_prompt_fits(body, param):
+    """The engine's refusal of a request that does not fit the context names max_tokens when each prompt is
+    valid and leaves room, and only max_tokens takes the request past max_model_len (64 here); else the prompt."""
+    with completion_client(ScriptedWorker(refuse=ContextError("does not fit"))) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

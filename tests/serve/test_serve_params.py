@@ -84,3 +84,17 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop(http, path):
     part = (lambda c: c["text"]) if path == "/v1/completions" else (lambda c: c["delta"].get("content") or "")
     assert "".join(part(c) for c in choices) == text(whole) and choices[-1]["finish_reason"] == "stop"
     assert text(http.post(path, json=body | {"include_stop_str_in_output": None}).json()["choices"][0]) == text(plain)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_MODEL_LEN},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": MAX_MODEL_LEN},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": [28] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt"),
+])
+def test_too_long_for_the_context_names_the_field_at_fault(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "max_model_len" in r.json()["error"]["message"]

@@ -80,7 +80,9 @@ class Generation(Serving):
                       named_tool=named_tool, include_stop=req.include_stop_str_in_output)
         field = P.constraint_field(req) or ("tools" if tool_parser is not None else None)
         await self.compile_grammar(params[0].constraint, field)
-        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field)
+        max_tokens_field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
+            else "max_tokens"
+        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field, max_tokens_field)
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
             return StreamingResponse(self.stream(request, reply, sub, index, req.include_usage, field),
@@ -116,6 +118,15 @@ class Generation(Serving):
                 return name
         return None
 
+    def context_blamed(self, prompts: list[list[int]], params: list, max_tokens_param: str) -> str:
+        """The parameter a request the engine cannot fit is about: max_tokens when every prompt is a valid one that
+        leaves room in the context, but not the max_tokens asked beyond it; else the prompt."""
+        L, V = self.engine.max_model_len, self.engine.config.n_vocab
+        if all(0 < len(p) < L and all(0 <= t < V for t in p) for p in prompts) and any(
+                sp.max_tokens is not None and len(p) + sp.max_tokens > L for p, sp in zip(prompts, params)):
+            return max_tokens_param
+        return self.prompt_param
+
     async def compile_grammar(self, constraint, param: str | None) -> None:
         """Wait (off the event loop) for the engine's compilation of the request's constraint, so that a grammar
         llguidance rejects against the vocabulary is a 400 that never reaches the engine; the engine then finds it
@@ -128,9 +139,10 @@ class Generation(Serving):
         except StructuredOutputError as e:
             raise grammar_error(e, param) from None
 
-    async def submit(self, prompts: list[list[int]], params: list, constraint_param: str | None = None):
+    async def submit(self, prompts: list[list[int]], params: list, constraint_param: str | None = None,
+                     max_tokens_param: str = "max_tokens"):
         """The worker's submission of these engine requests; its refusals as ApiErrors (constraint_param: the
-        field a grammar the engine refuses is blamed on)."""
+        field a grammar the engine refuses is blamed on; max_tokens_param: the one max_tokens came from)."""
         try:
             return await self.worker.submit(prompts, params)  # a remote worker answers once a replica took it
         except ShuttingDown as e:
@@ -143,8 +155,8 @@ class Generation(Serving):
             raise grammar_error(e, constraint_param) from None
         except SamplerError as e:                 # token ids in the params outside the vocabulary
             raise P.ApiError(400, str(e), self.blamed(e, params)) from None
-        except (ContextError, RequestError) as e:     # the prompt: too long, empty, ids outside the vocabulary
-            raise P.ApiError(400, str(e), self.prompt_param) from None
+        except (ContextError, RequestError) as e:     # the prompt (too long, empty, bad ids) or max_tokens
+            raise P.ApiError(400, str(e), self.context_blamed(prompts, params, max_tokens_param)) from None
         except ValueError as e:                   # any other request the engine refuses
             raise P.ApiError(400, str(e)) from None
 
