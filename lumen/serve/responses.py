@@ -5,7 +5,8 @@
     logprobs   completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}; with echo the
                prompt's tokens first (the first one's logprob and top_logprobs null), from text_offset 0.
                text_offset: where the token begins in the choice's text, in characters of that text (a
-               control token such as BOS takes none; a token that begins inside a character is at that character)
+               control token takes none unless the echoed prompt holds its text; a token that begins inside a
+               character is at that character)
                chat:        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
     usage      {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}
 
@@ -240,12 +241,14 @@ class Reply:
             return {"content": content}
         tokens, lps, tops, offsets = [], [], [], []
 
-        def add(tok: int, entry, chars: int, first: bool = False) -> int:
+        def add(tok: int, entry, chars: int, first: bool = False, echoed: str | None = None) -> int:
             text = piece(tok)[0]
             tokens.append(text)
             b = self.prompter.text_bytes(tok)
             if first and self.prompter.tok_strips_space and b[:1] == b" ":
                 b = b[1:]                        # (as the tokenizer's decode drops it)
+            if not b and text and echoed is not None and echoed.startswith(text, chars):
+                b = text.encode()                # a control token the echoed prompt holds as text ("<|im_start|>")
             offsets.append(text_offset(chars, b))
             if entry is None:                    # the prompt's first token: nothing before it to predict it
                 lps.append(None)
@@ -258,9 +261,9 @@ class Reply:
                 tops.append(d)
             return chars + n_chars(b)
         if prompt is not None:
-            chars = 0
+            chars, echoed = 0, self.echo[index // self.n] if self.echo is not None else None
             for i, (tok, entry) in enumerate(zip(self.prompts[index // self.n], prompt)):
-                chars = add(tok, entry, chars, first=i == 0)
+                chars = add(tok, entry, chars, first=i == 0, echoed=echoed)
         chars = self.offsets.get(index, len(self.echo[index // self.n]) if self.echo is not None else 0)
         for tok, entry in zip(token_ids, entries):
             chars = add(tok, entry, chars)

@@ -84,3 +84,16 @@ def test_text_offsets_without_echo_start_at_0():
     choice = reply.body()["choices"][0]
     assert choice["logprobs"]["text_offset"] == [0, 1, 1, 2]
     check_offsets(choice["text"], choice["logprobs"])
+
+
+def test_echoed_control_token_text_takes_its_room():
+    """A prompt that spells a control token ("</s>" parsed as EOS) echoes that text: the offsets count it, while
+    the BOS the tokenizer added (not in the text) takes none."""
+    text = "a</s>b"
+    prompt = [BOS, ord("a"), EOS, ord("b")]
+    reply = completion_reply(prompt, text)
+    reply.finals[0] = output(prompt, [ord("!")], "!")
+    choice = reply.body()["choices"][0]
+    assert choice["text"] == "a</s>b!"
+    assert choice["logprobs"]["text_offset"] == [0, 0, 1, 5, 6]
+    check_offsets(choice["text"], choice["logprobs"])
