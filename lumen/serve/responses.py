@@ -256,8 +256,10 @@ class Reply:
             else:
                 lp, top = entry
                 lps.append(_lp(lp))
-                d = {piece(t)[0]: _lp(x) for t, x in top}
-                d.setdefault(text, _lp(lp))      # the token itself is always there (OpenAI's legacy format)
+                d: dict = {}
+                for t, x in top:                 # tokens of one text (bytes shown as U+FFFD): the likeliest's
+                    d.setdefault(piece(t)[0], _lp(x))
+                d[text] = _lp(lp)                # the token itself is always there (OpenAI's legacy format)
                 tops.append(d)
             return chars + n_chars(b)
         if prompt is not None:

@@ -97,3 +97,18 @@ def test_echoed_control_token_text_takes_its_room():
     assert choice["text"] == "a</s>b!"
     assert choice["logprobs"]["text_offset"] == [0, 0, 1, 5, 6]
     check_offsets(choice["text"], choice["logprobs"])
+
+
+def test_top_logprobs_of_tokens_with_one_text_keep_the_sampled_ones():
+    """Byte tokens that are not whole characters all read U+FFFD: in the legacy {text: logprob} map the sampled
+    token's text holds its own logprob (as token_logprobs says), any other text its likeliest token's."""
+    reply = completion_reply([ord("a")], None)
+    out = output([ord("a")], [0xA9, 0x41], "\ufffdA", echo=False)
+    out.logprobs = [(-2.0, [(0xC3, -0.5), (0xA9, -2.0), (0xC4, -3.0)]),
+                    (-0.1, [(0x41, -0.1), (0xC3, -4.0), (0xC4, -5.0)])]
+    reply.finals[0] = out
+    lp = reply.body()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-2.0, -0.1]
+    assert lp["top_logprobs"] == [{"\ufffd": -2.0}, {"A": -0.1, "\ufffd": -4.0}]
+    for tok, x, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[tok] == x
