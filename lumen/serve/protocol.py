@@ -68,8 +68,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False       # vLLM's: with include_usage, each chunk's usage so far too
 
-    @field_validator("include_usage", mode="before")
+    @field_validator("include_usage", "continuous_usage_stats", mode="before")
     @classmethod
     def _null_is_default(cls, v):
         return False if v is None else v
@@ -132,6 +133,11 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (only with include_usage, as vLLM reads it)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampling):

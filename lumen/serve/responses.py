@@ -8,7 +8,9 @@
                control token takes none unless the echoed prompt holds its text; a token that begins inside a
                character is at that character)
                chat:        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
-    usage      {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}
+    usage      {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}; a stream
+               with stream_options.include_usage ends with a chunk of it and no choices, and with vLLM's
+               continuous_usage_stats too each chunk carries its choice's {prompt_tokens, completion_tokens so far}
 
 Choice i of prompt p has index p * n + i. completion_tokens counts every generated token, the end token
 included (as vLLM counts them); logprobs cover the same tokens. With return_token_ids (vLLM's extension) each
@@ -64,13 +66,14 @@ class Reply:
     def __init__(self, kind: str, response_id: str, model: str, created: int, prompter, *, n: int,
                  prompts: list[list[int]], logprobs: int | None, return_token_ids: bool = False,
                  echo: list[str] | None = None, tool_parser: type[ToolParser] | None = None,
-                 named_tool: bool = False, include_stop: bool = False):
+                 named_tool: bool = False, include_stop: bool = False, continuous_usage: bool = False):
         self.kind, self.id, self.model, self.created = kind, response_id, model, created
         self.prompter = prompter
         self.n, self.prompts = n, prompts
         self.logprobs = logprobs                 # None: not asked; k: top-k alternatives per token
         self.return_token_ids = return_token_ids
         self.include_stop = include_stop         # vLLM's include_stop_str_in_output
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: every chunk has its usage
         self.echo = echo                         # completions: the prompt text per prompt, put before the text
         self.echo_logprobs = echo is not None and logprobs is not None   # ... with its tokens' logprobs: a stream
                                                  # sends it with each choice's first chunk, not before
@@ -154,7 +157,7 @@ class Reply:
             if delta is not None:
                 if self.return_token_ids:
                     delta["prompt_token_ids"] = self.prompts[index // self.n]
-                out.append(self._chunk([delta], None, with_usage))
+                out.append(self._chunk([delta], self._usage_so_far(index, 0), with_usage))
         return out
 
     def chunk(self, index: int, out: RequestOutput, with_usage: bool) -> dict | None:
@@ -192,7 +195,7 @@ class Reply:
             if index not in self.started and self.kind == "completion" and (self.echo is None or echo_now):
                 c["prompt_token_ids"] = out.prompt_token_ids
         self.started.add(index)
-        return self._chunk([c], None, with_usage)
+        return self._chunk([c], self._usage_so_far(index, len(out.token_ids)), with_usage)
 
     def _tool_delta(self, index: int, out: RequestOutput, delta_text: str) -> dict:
         """A stream's delta through the choice's tool parser: content and/or tool_calls (empty: nothing yet)."""
@@ -220,6 +223,14 @@ class Reply:
         if self.include_stop and out.finished and out.finish_reason == "stop" and isinstance(out.stop_reason, str):
             return out.stop_reason
         return ""
+
+    def _usage_so_far(self, index: int, generated: int) -> dict | None:
+        """With continuous_usage_stats, a chunk's usage: its choice's prompt and the tokens it generated so far
+        (as vLLM counts them); else None."""
+        if not self.continuous_usage:
+            return None
+        prompt = len(self.prompts[index // self.n])
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage(), True)

@@ -250,3 +250,26 @@ def test_context_refusal_blames_max_tokens_when_the_prompt_fits(body, param):
     with completion_client(ScriptedWorker(refuse=ContextError("does not fit"))) as c:
         r = c.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continuous_usage_stats_give_each_chunk_its_usage():
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its choice's prompt
+    tokens and the tokens it generated so far; the last chunk has the whole usage and no choices. Without
+    continuous_usage_stats the chunks' usage is null."""
+    with completion_client(ScriptedWorker()) as c:
+        for continuous in (True, False, None):
+            r = c.post("/v1/completions", json={"prompt": "Hi", "n": 2, "stream": True, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": continuous}})
+            lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+            assert lines[-1] == "[DONE]"
+            events = [json.loads(x) for x in lines[:-1]]
+            *chunks, last = events
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+            if continuous:
+                got = {i: [e["usage"]["completion_tokens"] for e in chunks if e["choices"][0]["index"] == i]
+                       for i in (0, 1)}
+                assert got == {0: [1, 2, 3], 1: [1, 2, 3]}
+                assert all(e["usage"]["prompt_tokens"] == 3 and e["usage"]["total_tokens"] ==
+                           3 + e["usage"]["completion_tokens"] for e in chunks)
+            else:
+                assert all(e["usage"] is None for e in chunks)

@@ -77,7 +77,8 @@ class Generation(Serving):
         reply = Reply(self.kind, f"{self.id_prefix}-{request_id(request)}", self.settings.model_id,
                       int(time.time()), self.prompter, n=req.n, prompts=prompts, logprobs=params[0].logprobs,
                       return_token_ids=req.return_token_ids, echo=echo, tool_parser=tool_parser,
-                      named_tool=named_tool, include_stop=req.include_stop_str_in_output)
+                      named_tool=named_tool, include_stop=req.include_stop_str_in_output,
+                      continuous_usage=req.continuous_usage)
         field = P.constraint_field(req) or ("tools" if tool_parser is not None else None)
         await self.compile_grammar(params[0].constraint, field)
         max_tokens_field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
