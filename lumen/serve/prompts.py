@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..format.chat import ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, render_chat
+from ..format.chat import ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, continue_final, render_chat
 from .protocol import ApiError, ChatMessage
 from .tools import Tool, check_messages, fallback_messages, template_takes_tools
 
@@ -124,8 +124,22 @@ class Prompter:
             raise ApiError(400, str(e), "messages") from None
 
     def chat(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
-             tools: list[Tool] | None = None) -> list[int]:
-        return self.prompt(self.render(messages, add_generation_prompt, tools), "messages")
+             tools: list[Tool] | None = None, continue_final_message: bool = False, add_special: bool = True
+             ) -> list[int]:
+        """A conversation's prompt ids; with continue_final_message (vLLM's, add_generation_prompt false) they end
+        inside the final message, so that the answer goes on with it (an assistant prefill). add_special: the
+        model's BOS rule (False: no BOS beyond what the template writes)."""
+        if not continue_final_message:
+            return self.prompt(self.render(messages, add_generation_prompt, tools), "messages", add_special=add_special)
+        if add_generation_prompt:                                            # (as vLLM answers it)
+            raise ApiError(400, "continue_final_message goes on with the final message, so no new turn may follow "
+                                "it: send add_generation_prompt: false with it", "continue_final_message")
+        text = self.render(messages, False, tools)
+        try:
+            text = continue_final(text, content_text(messages[-1]))
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), "continue_final_message") from None
+        return self.prompt(text, "messages", add_special=add_special)
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """A token's text and bytes as logprobs show it (control tokens as their text)."""

@@ -200,6 +200,8 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     content: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None             # with messages: rendered as a chat request renders them
+    continue_final_message: bool = False
     add_special_tokens: bool | None = None
     add_special: bool | None = None
     add_generation_prompt: bool = True
@@ -332,9 +334,6 @@ def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams
         raise ApiError(400, "function_call (OpenAI's deprecated function calling) is not supported: send "
                             "tool_choice, \"none\", \"auto\" or {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}", "function_call")
-    if req.continue_final_message and req.add_generation_prompt:       # (as vLLM answers it)
-        raise ApiError(400, "continue_final_message goes on with the final message, so no new turn may follow it: "
-                            "send add_generation_prompt: false with it", "continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:

@@ -98,3 +98,32 @@ def test_too_long_for_the_context_names_the_field_at_fault(http, path, body, par
     r = http.post(path, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert "max_model_len" in r.json()["error"]["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"tools": [TOOL]},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}],
+     "continue_final_message": True, "add_generation_prompt": False},
+])
+def test_tokenize_messages_counts_what_a_chat_request_uses(http, extra):
+    """/tokenize with a chat request's messages (and its tools, continue_final_message) gives the prompt ids the
+    chat request runs: its usage.prompt_tokens and prompt_token_ids."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}]} | extra
+    chat = http.post("/v1/chat/completions", json=body | {"max_tokens": 1, "return_token_ids": True})
+    assert chat.status_code == 200, chat.text
+    chat = chat.json()
+    tok = http.post("/tokenize", json=body)
+    assert tok.status_code == 200, tok.text
+    assert tok.json()["count"] == chat["usage"]["prompt_tokens"]
+    assert tok.json()["tokens"] == chat["choices"][0]["prompt_token_ids"]
+
+
+def test_tokenize_refuses_continue_final_message_with_a_generation_prompt(http):
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

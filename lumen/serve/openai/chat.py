@@ -19,9 +19,7 @@ import json
 
 from fastapi import APIRouter, Request
 
-from ...format.chat import ChatTemplateError, continue_final
 from .. import protocol as P
-from ..prompts import content_text
 from ..tools import (PARSERS, close_token, marker_token, open_token, parse_tool_choice, parse_tools,
                      parser_for_template)
 from .serving import Generation
@@ -65,14 +63,8 @@ class ServingChat(Generation):
 
     async def prompt_ids(self, req: P.ChatCompletionRequest, tools) -> list[int]:
         """The conversation's prompt ids (with continue_final_message: ending inside the final message)."""
-        if not req.continue_final_message:
-            return await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools)
-        text = await asyncio.to_thread(self.prompter.render, req.messages, False, tools)
-        try:
-            text = continue_final(text, content_text(req.messages[-1]))
-        except ChatTemplateError as e:
-            raise P.ApiError(400, str(e), "continue_final_message") from None
-        return await asyncio.to_thread(self.prompter.prompt, text, "messages")
+        return await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
+                                       req.continue_final_message)
 
 
 @router.post("/v1/chat/completions")

@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize, in vLLM's shapes (`prompt` or `messages`; `prompt` back) and llama-server's
+"""POST /tokenize and /detokenize, in vLLM's shapes (`prompt`, or `messages` with `tools`,
+`add_generation_prompt` and `continue_final_message` as a chat request takes them; `prompt` back) and llama-server's
 (`content`, `with_pieces`; `content` back). Both take at most max_model_len tokens, as a prompt does (400 beyond):
 a text far past it is refused after tokenizing a prefix (lumen.serve.prompts), so neither stalls the server on a
 text no request could use."""
@@ -9,6 +10,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
+from ..tools import parse_tools
 from .serving import Serving
 
 router = APIRouter()
@@ -19,20 +21,26 @@ class ServingTokenize(Serving):
     async def tokenize(self, req: P.TokenizeRequest) -> dict:
         self.check_model(req.model)
         add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
-        if req.messages is not None:
-            text, param = self.prompter.render(req.messages, req.add_generation_prompt), "messages"
-        elif req.prompt is not None:                                    # vLLM: special tokens added by default
+        if req.messages is not None:                   # rendered as a chat request renders them: its usage says
+            tools = await asyncio.to_thread(parse_tools, req.tools)      # the same prompt_tokens
+            ids = await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
+                                          req.continue_final_message, add is not False)
+            return self.answer(ids, req.with_pieces, "messages")
+        if req.prompt is not None:                                    # vLLM: special tokens added by default
             text, add, param = req.prompt, add is not False, "prompt"
         elif req.content is not None:                                   # llama-server: not by default
             text, add, param = req.content, bool(add), "content"
         else:
             raise P.ApiError(400, "give prompt, content or messages", "prompt")
         ids = await asyncio.to_thread(self.prompter.prompt, text, param, add_special=add is not False)
+        return self.answer(ids, req.with_pieces, param)
+
+    def answer(self, ids: list[int], with_pieces: bool, param: str) -> dict:
         if len(ids) > self.engine.max_model_len:
             raise P.ApiError(400, f"the text has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}",
                              param)
         tokens = ids
-        if req.with_pieces:
+        if with_pieces:
             tokens = []
             for i in ids:
                 b = self.engine.tokenizer.token_bytes(i, special=True)
