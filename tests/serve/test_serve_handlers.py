@@ -273,3 +273,30 @@ def test_continuous_usage_stats_give_each_chunk_its_usage():
                            3 + e["usage"]["completion_tokens"] for e in chunks)
             else:
                 assert all(e["usage"] is None for e in chunks)
+
+
+class BrokenOutputWorker(ScriptedWorker):
+    """Its second output cannot be answered (an id no choice has): a fault of the server's, mid-stream."""
+
+    async def outputs(self, sub):
+        n = 0
+        async for out in super().outputs(sub):
+            n += 1
+            yield out if n == 1 else RequestOutput("nobody", [], [], "", True, "length", RequestMetrics())
+            if n > 1:
+                return
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event():
+    """After the 200 went out, a failure to build an event is an error event (500, OpenAI's shape) and [DONE],
+    so a client reads an error rather than a cut connection; the engine requests are aborted."""
+    worker = BrokenOutputWorker()
+    with completion_client(worker) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "stream": True})
+    assert r.status_code == 200
+    lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    first, err = json.loads(lines[0]), json.loads(lines[-2])
+    assert first["choices"][0]["text"] == "o"
+    assert err["error"]["code"] == 500 and err["error"]["message"].startswith("internal error: KeyError")
+    assert worker.aborted >= 1

@@ -8,6 +8,7 @@ into OpenAI's error body (lumen/serve/app.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from ..prompts import Prompter
 from ..responses import DONE, Reply, sse
 from ..worker import QueueFull, ShuttingDown, TooManyRequests, Worker
 
+log = logging.getLogger("lumen.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -165,7 +167,8 @@ class Generation(Serving):
                      grammar_param: str | None = None):
         """The SSE events of a streamed answer: the opening chunks, one chunk per output that adds something, the
         usage chunk if asked for, then [DONE]; an error event instead when the submission fails (grammar_param:
-        the field a grammar that fails is blamed on)."""
+        the field a grammar that fails is blamed on); an error event (500) and [DONE] if building an event
+        fails, rather than a connection cut mid-stream."""
         worker, finished = self.worker, False
         try:
             for chunk in reply.opening(include_usage):
@@ -185,6 +188,10 @@ class Generation(Serving):
                     yield sse(reply.usage_chunk())
             yield DONE
             finished = True
+        except Exception as e:                        # noqa: BLE001 - a fault of ours after the 200 went out: the
+            log.exception("request %s: its stream failed", request_id(request))   # client gets an error event
+            yield sse(P.error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            yield DONE
         finally:
             if not finished or sub.open:
                 worker.abort(sub)
