@@ -50,5 +50,6 @@ def test_unsupported_vllm_extensions_are_refused_not_ignored(model, field, value
 @pytest.mark.parametrize("model", [P.CompletionRequest, P.ChatCompletionRequest])
 def test_unsupported_vllm_extensions_at_their_defaults_are_taken(model):
     base = {"prompt": "hi"} if model is P.CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
-    defaults = {"prompt_logprobs": None, "use_beam_search": False, "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
+    defaults = {"prompt_logprobs": None, "use_beam_search": False, "skip_special_tokens": True,
+                "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
     assert P.parse(json.dumps(base | defaults).encode(), model).n == 1
