@@ -200,7 +200,8 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     content: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[Any] | None = None             # with messages: rendered as a chat request renders them
+    tools: list[Any] | None = None             # with messages: rendered as a chat request renders them (not
+    tool_choice: Any = None                    # shown with tool_choice "none")
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
     add_special: bool | None = None

@@ -108,6 +108,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 @pytest.mark.parametrize("extra", [
     {},
     {"tools": [TOOL]},
+    {"tools": [TOOL], "tool_choice": "none"},
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}],
      "continue_final_message": True, "add_generation_prompt": False},
 ])

@@ -23,6 +23,8 @@ class ServingTokenize(Serving):
         add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
         if req.messages is not None:                   # rendered as a chat request renders them: its usage says
             tools = await asyncio.to_thread(parse_tools, req.tools)      # the same prompt_tokens
+            if req.tool_choice == "none":                                # (lumen.serve.openai.chat)
+                tools = None
             ids = await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
                                           req.continue_final_message, add is not False)
             return self.answer(ids, req.with_pieces, "messages")
