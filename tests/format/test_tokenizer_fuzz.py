@@ -4,7 +4,8 @@ whitespace and digit runs, code, special-token texts) must tokenize to llama-ser
 modes, detokenize to its /detokenize text, and stream without U+FFFD; random conversations must render to its
 /apply-template prompt byte for byte. A few hundred cases per model, seconds.
 
-Needs llama-server ($LLAMA_SERVER, else on $PATH; --jinja, a build from 2026 with /apply-template); skipped without it.
+Needs llama-server ($LLAMA_SERVER, else on $PATH, else /tmp/lcpp/build/bin as the other llama.cpp tests; --jinja,
+a build from 2026 with /apply-template); skipped without it.
 """
 import os
 import random
@@ -67,8 +68,14 @@ def random_chat(r: random.Random) -> tuple[list, bool]:
     return messages, messages[-1]["role"] == "user"
 
 
+DEFAULT_LLAMA_SERVER = "/tmp/lcpp/build/bin/llama-server"
+
+
 def llama_server() -> str:
+    """$LLAMA_SERVER, else llama-server on $PATH, else where the other llama.cpp tests look (tests/serve)."""
     path = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if not path and os.access(DEFAULT_LLAMA_SERVER, os.X_OK):
+        path = DEFAULT_LLAMA_SERVER
     if not path:
         pytest.skip("llama-server not found: set $LLAMA_SERVER or put it on $PATH")
     return path
