@@ -194,14 +194,15 @@ class Engine:
     # ---- the loop
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that advanced or ended. Outputs of requests that
-        a stream() follows are also queued for it, whoever steps (another stream, generate, a loop)."""
+        a stream() follows are also queued for it, whoever steps (another stream, generate, a loop), before the
+        next step can run: a stream stepping from another thread then finds its request's outputs queued."""
         with self._step_lock:
             outs = self._step()
-        if self._streams:                           # (a server's loop follows no stream: nothing to do per output)
-            for out in outs:
-                q = self._streams.get(out.request_id)
-                if q is not None:
-                    q.append(out)
+            if self._streams:                       # (a server's loop follows no stream: nothing to do per output)
+                for out in outs:
+                    q = self._streams.get(out.request_id)
+                    if q is not None:
+                        q.append(out)
         return outs
 
     def _step(self) -> list[RequestOutput]:

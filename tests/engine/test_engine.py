@@ -370,6 +370,43 @@ def test_model_generate_from_two_threads(small):
     assert got == {0: want, 1: want}
 
 
+class _StepsInTheGap(dict):
+    """Engine._streams for the test below: the first time a step hands out its outputs, another thread follows
+    stream `other` (given a second to step, which it can only once the step lock is free)."""
+    other = thread = None
+
+    def __init__(self):
+        super().__init__()
+        self.errors, self.outs = [], None
+
+    def get(self, key, default=None):
+        if self.thread is None and self.other is not None:
+            def follow():
+                try:
+                    self.outs = list(self.other)
+                except Exception as e:              # noqa: BLE001 (reported by the test)
+                    self.errors.append(e)
+            self.thread = threading.Thread(target=follow)
+            self.thread.start()
+            self.thread.join(1.0)
+        return super().get(key, default)
+
+
+def test_a_stream_followed_from_another_thread_gets_outputs_made_by_this_one(small):
+    """Outputs are in their streams' queues before the step lock is released: a stream stepping from another
+    thread right after a step that finished its request finds its final output, not an empty engine (it raised
+    "left the engine without a final output", now and then, under Model.generate from several threads)."""
+    eng = Engine(small, max_model_len=256, max_num_seqs=2, kv_cache_mb=16)
+    eng._streams = gap = _StepsInTheGap()
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    mine = eng.stream("The capital of France is", sp)
+    gap.other = eng.stream("def fibonacci(n):", sp)
+    assert [o.finished for o in mine] == [True]
+    gap.thread.join(60)
+    assert gap.errors == [] and [(o.finished, len(o.token_ids)) for o in gap.outs] == [(True, 1)]
+    assert not eng.has_unfinished() and eng.blocks.num_free == eng.blocks.n_blocks
+
+
 def test_model_generate_stop_string_is_one_string(small):
     """stop="answer" stops at "answer", not at the "a" of "Paris" (a string is not a list of characters)."""
     free = "".join(t.text for t in small.generate("The capital of France is", max_tokens=8))
