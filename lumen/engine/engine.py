@@ -392,24 +392,33 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         results: list[RequestOutput | None] = [None] * len(prompts)
-        order = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                order[self.add_request(p, sp)] = i
-            except (LumenError, ValueError) as e:
-                now = time.perf_counter()
-                results[i] = RequestOutput(f"invalid-{i}", [], [], "", True, "error",
-                                           RequestMetrics(arrival=now, finished=now), error=str(e))
-        try:
+        order = {}                                  # request id -> its index; its outputs queue as a stream's do,
+        try:                                        # so any thread's step (another generate's) hands them over
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    with self._lock:
+                        rid = self.add_request(p, sp)
+                        self._streams[rid] = deque()
+                    order[rid] = i
+                except (LumenError, ValueError) as e:
+                    now = time.perf_counter()
+                    results[i] = RequestOutput(f"invalid-{i}", [], [], "", True, "error",
+                                               RequestMetrics(arrival=now, finished=now), error=str(e))
             while order:
-                for out in self.step():
-                    i = order.get(out.request_id)
-                    if i is not None and out.finished:
-                        results[i] = out
-                        del order[out.request_id]
+                if not any(self._streams[rid] for rid in order):
+                    if not self.step() and not self.has_unfinished() and not any(self._streams[r] for r in order):
+                        raise LumenError(f"{len(order)} request(s) left the engine without a final output")
+                for rid in list(order):
+                    q = self._streams[rid]
+                    while q:
+                        out = q.popleft()
+                        if out.finished:
+                            results[order.pop(rid)] = out
+                            self._streams.pop(rid, None)
+                            break
         finally:                                    # interrupted: its requests must not run on unseen
             for rid in order:
-                self.abort(rid)
+                self._drop(rid)
         return results
 
     def stream(self, prompt, params: SamplingParams | None = None, *, metrics: RequestMetrics | None = None,

@@ -370,6 +370,25 @@ def test_model_generate_from_two_threads(small):
     assert got == {0: want, 1: want}
 
 
+def test_engine_generate_from_two_threads(small):
+    """Two threads in Engine.generate at once on one engine: each gets its own results, whichever thread's step
+    finished them (each took the other's final outputs and looped for ever)."""
+    eng = Engine(small, max_model_len=256, max_num_seqs=4, kv_cache_mb=16)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = {k: [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=3 + 4 * k, temperature=0))]
+            for k in range(2)}
+    got = {}
+
+    def run(k):
+        got[k] = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=3 + 4 * k, temperature=0))]
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(2)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not any(t.is_alive() for t in threads), "Engine.generate hung"
+    assert got == want
+    assert not eng.has_unfinished() and not eng._streams and eng.blocks.num_free == eng.blocks.n_blocks
+
+
 class _StepsInTheGap(dict):
     """Engine._streams for the test below: the first time a step hands out its outputs, another thread follows
     stream `other` (given a second to step, which it can only once the step lock is free)."""
