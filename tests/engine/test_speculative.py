@@ -620,6 +620,23 @@ def test_speculation_under_preemption_matches_each_request_alone(tiny, spec):
     _draft_holds_nothing(eng)
 
 
+def test_a_running_request_drafts_though_waiting_ones_hold_the_draft_rows(tiny):
+    """Two sequences run at once; the draft model's two rows went to the first prompt and to a waiting one it
+    prefilled, and the second request (a one-token prompt, never prefilled) runs: it takes the waiting one's row,
+    so it drafts, and its seeded tokens are those it samples alone (it sampled plainly, without a draft, and
+    they differed)."""
+    target, draft = tiny
+    alone = Engine(target, max_model_len=64, max_num_seqs=1, kv_cache_mb=4, draft_model=draft, adaptive_k=False)
+    eng = Engine(target, max_model_len=64, max_num_seqs=2, kv_cache_mb=4, draft_model=draft, adaptive_k=False)
+    prompts = [[(3 * j) % 14 for j in range(20)], [5], [(j + 1) % 14 for j in range(24)]]
+    ps = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative="draft")] + [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, speculative="draft") for s in (3, 4)]
+    outs = eng.generate(prompts, ps)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone.generate(prompts, ps)]
+    assert outs[1].metrics.spec_steps > 1
+    _draft_holds_nothing(eng)
+
+
 def test_a_request_that_can_never_draft_costs_the_draft_nothing(tiny):
     """max_tokens 1 (a prefill for another engine, a classifier's one token), or 2 greedy: no position is ever
     drafted, so the draft model does not prefill the prompt either."""

@@ -21,6 +21,7 @@ from ..costs.steps import StepCosts
 from ..block_manager import BlockManager, CachedPrefix
 from ...model.parts import ModelParts
 from ..runner import Runner
+from ..sequence import Status
 from ..sampling.sampler import DRAFT, uniform
 from .verify import draw
 
@@ -208,9 +209,20 @@ class DraftModel:
         return out
 
     def _admit(self, seq) -> bool:
+        """Give seq a row of the draft's pool; False when every row is held (preempted requests keep theirs, and
+        waiting ones take free rows to prefill). A request the target runs takes the row of one it does not when
+        none is free: there are as many rows as requests can run, so every running request drafts, and a seeded
+        one samples the same tokens whatever waits beside it (drafts depend on the tokens alone, so the other
+        only prefills again)."""
         if seq not in self.done:
             if not self.blocks.admit(seq, CachedPrefix([], [], 0), 0):
-                return False                         # every row is held (preempted requests keep theirs)
+                idle = None if seq.status is not Status.RUNNING else next(
+                    (q for q in reversed(self.done) if q.status is not Status.RUNNING), None)
+                if idle is None:
+                    return False
+                self.forget(idle)
+                if not self.blocks.admit(seq, CachedPrefix([], [], 0), 0):
+                    return False
             self.done[seq] = 0
         return True
 
