@@ -15,6 +15,7 @@ from goldens import corpus
 from lumen import Engine, SamplingParams
 from lumen.engine.sampling.sampler import PICK, RESIDUAL, uniform
 from lumen.engine.config import SpeculativeConfig
+from lumen.engine.sequence import Status
 from lumen.engine.costs.steps import StepCosts
 from lumen.engine.speculative import (PRIOR, NgramDrafter, SpecState, Speculator, choose_k, expected_tokens,
                                       update_alpha, verify)
@@ -635,6 +636,24 @@ def test_a_running_request_drafts_though_waiting_ones_hold_the_draft_rows(tiny):
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone.generate(prompts, ps)]
     assert outs[1].metrics.spec_steps > 1
     _draft_holds_nothing(eng)
+
+
+def test_the_draft_row_a_running_request_takes_is_never_a_preempted_one_s(tiny):
+    """Rows full: one held by a waiting prompt, one by a request preempted after its first token (it samples with a
+    draft again when readmitted). A running request takes the waiting prompt's row; a waiting prompt takes none."""
+    target, draft = tiny
+    eng = Engine(target, max_model_len=64, max_num_seqs=2, kv_cache_mb=4, draft_model=draft)
+    d = eng.speculator.draft
+    p = SamplingParams(max_tokens=8, temperature=0.8, seed=1, speculative="draft")
+    preempted, prompt, running, later = (eng._seqs[eng.add_request([1, 2, 3, 4], p)] for _ in range(4))
+    preempted.output_ids.append(5)                  # (as after its first token and a preemption: waiting)
+    assert d._admit(prompt) and d._admit(preempted) and not d._admit(later)
+    running.status = Status.RUNNING
+    assert d._admit(running) and list(d.done) == [preempted, running]
+    assert not d._admit(later)
+    for q in (preempted, running):
+        d.forget(q)
+    assert d.blocks.num_free == d.blocks.n_blocks
 
 
 def test_a_request_that_can_never_draft_costs_the_draft_nothing(tiny):

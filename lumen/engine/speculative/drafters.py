@@ -209,15 +209,15 @@ class DraftModel:
         return out
 
     def _admit(self, seq) -> bool:
-        """Give seq a row of the draft's pool; False when every row is held (preempted requests keep theirs, and
-        waiting ones take free rows to prefill). A request the target runs takes the row of one it does not when
-        none is free: there are as many rows as requests can run, so every running request drafts, and a seeded
-        one samples the same tokens whatever waits beside it (drafts depend on the tokens alone, so the other
-        only prefills again)."""
+        """Give seq a row of the draft's pool; False when every row is held. Waiting requests take free rows to
+        prefill their prompts, and preempted ones keep theirs. A request that samples a token drafted for (one the
+        target runs, or a preempted one, which samples again when readmitted) takes the row of one that does not
+        (a waiting prompt, whose first token is a plain draw, or one that ended) when none is free: there are as
+        many rows as requests can run or wait preempted, so each of them drafts, and a seeded one samples the same
+        tokens whatever waits beside it (drafts depend on the tokens alone: the other only prefills again)."""
         if seq not in self.done:
             if not self.blocks.admit(seq, CachedPrefix([], [], 0), 0):
-                idle = None if seq.status is not Status.RUNNING else next(
-                    (q for q in reversed(self.done) if q.status is not Status.RUNNING), None)
+                idle = next((q for q in reversed(self.done) if not _samples(q)), None) if _samples(seq) else None
                 if idle is None:
                     return False
                 self.forget(idle)
@@ -294,6 +294,11 @@ class DraftModel:
             if toks:
                 out[seq] = Draft(toks, None if all(q is None for q in qs) else qs)
         return out
+
+
+def _samples(seq) -> bool:
+    """Whether seq may sample a token with a draft: it runs, or it was preempted after its first token."""
+    return seq.status is Status.RUNNING or (seq.status is Status.WAITING and bool(seq.output_ids))
 
 
 def prefix_head(w, n: int):
