@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine.config import EngineConfig, cli_words
@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="waiting requests (choices) beyond which new ones get 429 (default 256)")
     ap.add_argument("--max-n", type=int, default=64, help="largest n (choices per request, default 64)")
     ap.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body (413 beyond; default 16)")
+    ap.add_argument("--max-connections", type=int, default=default_max_connections(), metavar="N",
+                    help="open HTTP connections beyond which a request gets 503 (default 1024, fewer under a lower "
+                         "open-file limit); a connection's headers must arrive within 20 s and fit in 64 KiB, "
+                         "an idle kept-alive connection closes after 5 s")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -161,11 +165,140 @@ def _server_class():
     return Server
 
 
-def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
-    """Run the app until a signal stops it (see the module docstring)."""
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one connection may take of the server, so that slow, idle or hostile clients cannot starve the others
+    of sockets or memory (uvicorn bounds none of these by itself: a connection that never sends, or sends its
+    headers a byte at a time, stays open for ever, and httptools buffers headers without end).
+
+    head_timeout: seconds a request's line and headers may take, from the connection's opening or the first byte
+        of a request after the previous one (a deadline, not an idle timer: slowloris sends a byte a second); then
+        408 and the connection closes (closed silently if nothing came). Apache's mod_reqtimeout allows 20-40 s.
+    keep_alive: idle seconds between requests on a kept-alive connection (uvicorn's and vLLM's 5).
+    max_head_bytes: the request line and headers (431 past it); llama-server allows 8 KiB a line, h11 16 KiB.
+    max_connections: open connections; past them a request gets 503 (uvicorn's limit_concurrency)."""
+    head_timeout: float = 20.0
+    keep_alive: float = 5.0
+    max_head_bytes: int = 64 * 1024
+    max_connections: int = 1024
+
+
+LINGER_S = 2.0         # how long a connection refused mid-request is read (and dropped) before it closes
+
+
+def default_max_connections() -> int:
+    """1024, or fewer where the open-file limit would be reached first (then accept() fails without an answer)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return HttpLimits.max_connections
+    return HttpLimits.max_connections if soft == resource.RLIM_INFINITY else max(16, min(1024, soft - 64))
+
+
+def _limit_reply(status: int, reason: str, message: str) -> bytes:
+    from . import protocol as P
+    from .responses import dumps
+    error = P.error_body(status, message)
+    error["error"]["type"] = "invalid_request_error"          # 408, 431: the client's doing
+    body = dumps(error).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+def guarded_protocol(base: type, limits: HttpLimits) -> type:
+    """uvicorn's HTTP protocol class `base` (httptools' or h11's) with a deadline and a size bound on each request's
+    head (HttpLimits). A head is being read from the connection's opening, and from the first byte after a
+    response, until uvicorn makes the request's cycle (its headers are complete)."""
+
+    class Guarded(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_bytes, self._head_timer, self._dropping = 0, None, False
+            self._arm_head()
+
+        def _arm_head(self) -> None:
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(limits.head_timeout, self._head_late)
+
+        def _head_done(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _refuse(self, reply: bytes) -> None:
+            """Answer and close; what the client still sends meanwhile is read and dropped for a moment (a lingering
+            close), since closing on unread data resets the connection and the client would lose the answer."""
+            self._head_done()
+            if self.transport.is_closing():
+                return
+            self._dropping = True
+            self.transport.write(reply)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self._head_bytes == 0:                # nothing asked: close, as uvicorn's keep-alive timeout does
+                self.transport.close()
+                return
+            self.logger.warning("%s: the request's headers took over %g s; closing", _who(self), limits.head_timeout)
+            self._refuse(_limit_reply(408, "Request Timeout",
+                                      f"the request's headers took longer than {limits.head_timeout:g} s"))
+
+        def data_received(self, data: bytes) -> None:
+            if self._dropping:
+                return
+            if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm_head()                     # a new request after the previous one's response
+            reading = self._head_timer is not None
+            if reading:
+                self._head_bytes += len(data)
+            before = self.cycle
+            super().data_received(data)
+            if not reading or self.transport.is_closing():
+                return
+            if self.cycle is not before:             # the headers are complete (the rest of data may be body)
+                self._head_done()
+            elif self._head_bytes > limits.max_head_bytes:
+                self.logger.warning("%s: request headers over %d bytes; closing", _who(self), limits.max_head_bytes)
+                self._refuse(_limit_reply(431, "Request Header Fields Too Large",
+                                          f"the request line and headers are larger than {limits.max_head_bytes} bytes"))
+
+        def connection_lost(self, exc) -> None:
+            self._head_done()
+            super().connection_lost(exc)
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
+
+
+def _who(protocol) -> str:
+    client = getattr(protocol, "client", None)
+    return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def uvicorn_config(app, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info",
+                   limits: HttpLimits = HttpLimits()):
+    """uvicorn's Config for the app, with the HttpLimits on every connection."""
     import uvicorn
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+    base = import_from_string(HTTP_PROTOCOLS["auto"])        # httptools' when it is installed, else h11's
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=shutdown_timeout + 5, http=guarded_protocol(base, limits),
+                          timeout_keep_alive=limits.keep_alive, limit_concurrency=limits.max_connections,
+                          h11_max_incomplete_event_size=limits.max_head_bytes)
+
+
+def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info",
+          limits: HttpLimits = HttpLimits()) -> None:
+    """Run the app until a signal stops it (see the module docstring)."""
+    config = uvicorn_config(app, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                            limits=limits)
     _server_class()(config, worker, shutdown_timeout).run()
 
 
@@ -183,7 +316,7 @@ def stop_signals() -> tuple:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    for name in ("max_queue", "max_n"):
+    for name in ("max_queue", "max_n", "max_connections"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 < args.max_body_mb < 1e6:
@@ -266,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.host, args.port)
     try:
         serve(app, worker, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-              log_level=args.log_level)
+              log_level=args.log_level, limits=HttpLimits(max_connections=args.max_connections))
     except KeyboardInterrupt:                          # a signal before uvicorn took them over: nothing in flight
         pass
     log.info("stopped")

@@ -1,0 +1,177 @@
+"""Slow, idle and oversized clients against the server's HTTP layer (lumen.serve.cli.uvicorn_config: uvicorn with
+HttpLimits, and the Gate), on 127.0.0.1 in this process, over a small app, so no model is needed: connections
+that send nothing or their headers a byte at a time are closed at the head deadline while others are served, a
+head past its bound gets 431, an idle kept-alive connection closes, and past the connection cap a request gets
+503 until the slow ones are gone. The limits are shortened (a second) so each test takes a few seconds; every
+wait is bounded and every server is stopped by its test."""
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from lumen.serve.cli import HttpLimits, main, uvicorn_config
+from lumen.serve.gate import Gate
+from servers import free_port
+
+LIMITS = HttpLimits(head_timeout=1.0, keep_alive=0.5, max_head_bytes=8192, max_connections=64)
+
+
+async def tiny_app(scope, receive, send):
+    """GET anything: {"ok": true}; POST: the body's length."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while scope["method"] == "POST" and more:
+        msg = await receive()
+        body += msg.get("body", b"")
+        more = msg.get("more_body", False)
+    out = json.dumps({"ok": True, "bytes": len(body)}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@contextmanager
+def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20):
+    import uvicorn
+    port = free_port()
+    app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes)
+    srv = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, shutdown_timeout=1, log_level="warning",
+                                        limits=limits))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() - t0 < 10, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        t.join(10)
+        assert not t.is_alive(), "the server did not stop"
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def get(port: int, path: str = "/health") -> int:
+    """The status of one request on a new connection."""
+    with connect(port) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        return int(read_all(s).split(b" ", 2)[1])
+
+
+def read_all(s: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection (fails past timeout)."""
+    s.settimeout(timeout)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def closed_by_server(s: socket.socket, timeout: float) -> bytes | None:
+    """What the server sent before closing the connection, or None if it is still open after timeout."""
+    try:
+        return read_all(s, timeout)
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        return b""
+
+
+def test_idle_and_slowloris_connections_are_closed_while_others_are_served():
+    with server() as port:
+        idle = [connect(port) for _ in range(20)]
+        slow = [connect(port) for _ in range(20)]
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        t0, sent, statuses = time.monotonic(), 0, []
+        while time.monotonic() - t0 < LIMITS.head_timeout + 1 and sent < len(head):   # a byte each 50 ms each
+            for s in slow:
+                try:
+                    s.sendall(head[sent:sent + 1])
+                except OSError:
+                    pass
+            sent += 1
+            if sent % 5 == 0:
+                statuses.append(get(port))                # others are served meanwhile
+            time.sleep(0.05)
+        assert statuses and all(code == 200 for code in statuses), statuses
+        got = [closed_by_server(s, 4.0) for s in idle + slow]
+        assert all(g is not None for g in got), f"{sum(g is None for g in got)} of 40 connections still open"
+        assert all(g == b"" for g in got[:20]), "an idle connection that asked nothing got an answer"
+        for g in got[20:]:
+            assert g.startswith(b"HTTP/1.1 408 "), g[:100]
+            assert json.loads(g.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
+        for s in idle + slow:
+            s.close()
+        assert get(port) == 200
+
+
+def test_a_head_past_its_bound_gets_431_and_the_server_serves_on():
+    with server() as port:
+        with connect(port) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for _ in range(256):                      # up to 1 MiB of headers
+                    s.sendall(b"X-Big: " + b"a" * 4000 + b"\r\n")
+            except OSError:                               # closed by the server: what it said is read below
+                pass
+            got = closed_by_server(s, 5.0)
+        assert got is not None and got.startswith(b"HTTP/1.1 431 "), (got or b"")[:200]
+        assert b'"code":431' in got
+        assert get(port) == 200
+
+
+def test_a_large_body_in_the_heads_segment_is_not_taken_for_a_large_head():
+    """The head is bounded, not the first read: a request whose body arrives with its headers is served."""
+    with server() as port:
+        body = b"x" * 200_000
+        with connect(port) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                      + body)
+            got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["bytes"] == len(body)
+
+
+def test_kept_alive_requests_are_served_then_an_idle_connection_closes():
+    with server() as port:
+        with connect(port) as s:
+            for _ in range(3):                            # one connection, requests apart: each head has its deadline
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.settimeout(5)
+                assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+                time.sleep(LIMITS.keep_alive / 2)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while got.count(b"HTTP/1.1 200 ") < 2:        # both pipelined requests answered
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+            assert closed_by_server(s, 3.0) == b"", "an idle kept-alive connection stayed open"
+
+
+def test_past_the_connection_cap_a_request_gets_503_until_the_idle_ones_are_gone():
+    with server(HttpLimits(head_timeout=1.0, keep_alive=0.5, max_head_bytes=8192, max_connections=8)) as port:
+        idle = [connect(port) for _ in range(8)]
+        time.sleep(0.2)
+        assert get(port) == 503
+        for s in idle:
+            assert closed_by_server(s, 4.0) == b""
+            s.close()
+        assert get(port) == 200
+
+
+def test_max_connections_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--max-connections", "0"])
+    assert e.value.code == 2
+    assert "--max-connections must be at least 1" in capsys.readouterr().err
