@@ -199,9 +199,7 @@ def default_max_connections() -> int:
 def _limit_reply(status: int, reason: str, message: str) -> bytes:
     from . import protocol as P
     from .responses import dumps
-    error = P.error_body(status, message)
-    error["error"]["type"] = "invalid_request_error"          # 408, 431: the client's doing
-    body = dumps(error).encode()
+    body = dumps(P.error_body(status, message)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 

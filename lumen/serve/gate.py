@@ -2,8 +2,10 @@
 
 - X-Request-Id: honoured (or made) and echoed on the response; the handlers read it from the scope's state.
 - The API key (--api-key): `Authorization: Bearer KEY` (or `X-Api-Key`) on every path but OPEN_PATHS, else 401.
-- The body bound (--max-body-mb): past it, by Content-Length or counted as it arrives, 413. The body is read
-  here whole and handed on, so a handler's later receive() is the client's disconnect.
+- The body bound (--max-body-mb): past it, by Content-Length or counted as it arrives, 413; and a body that has
+  not all arrived BODY_TIMEOUT_S after the headers, 408. Both close the connection (a body sent past the bound is
+  read and dropped for LINGER_S at most, so a client that sends all before it reads still gets the answer). The
+  body is read here whole and handed on, so a handler's later receive() is the client's disconnect.
 - One log line per request when its response ends: client, method, path, status, seconds, id, and the token
   counts a handler left in the state ("usage").
 - A handler that raises answers 500 for that request alone (logged with its traceback); the server serves on.
@@ -12,6 +14,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -22,12 +25,16 @@ from .responses import dumps
 
 log = logging.getLogger("lumen.serve")
 OPEN_PATHS = ("/health", "/metrics")          # answered without the API key
+BODY_TIMEOUT_S = 60.0                         # 16 MB in it is 280 KB/s; a prompt is far smaller
+LINGER_S = 2.0
+CLOSE = [(b"connection", b"close")]
 
 
 class Gate:
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, open_paths: tuple = ()):
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, open_paths: tuple = (),
+                 body_timeout: float = BODY_TIMEOUT_S):
+        self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
         self.open_paths = frozenset(OPEN_PATHS + tuple(open_paths))     # + the UI's pages (lumen.serve.ui.PAGES)
 
     async def __call__(self, scope, receive, send):
@@ -59,8 +66,10 @@ class Gate:
                                [(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(headers, receive)
-            if body is None:
-                return await reply(413, f"the request body is larger than {self.max_body} bytes")
+            if body == 413:
+                return await reply(413, f"the request body is larger than {self.max_body} bytes", CLOSE)
+            if body == 408:
+                return await reply(408, f"the request body did not arrive within {self.body_timeout:g} s", CLOSE)
             receive = _replay(body, receive)
         gone = [False]
 
@@ -89,26 +98,35 @@ class Gate:
         key = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
         return hmac.compare_digest(key.encode(), self.api_key.encode())
 
-    async def _read_body(self, headers: dict, receive) -> bytes | None:
-        """The whole body, or None once it is past the bound (Content-Length or counted)."""
+    async def _read_body(self, headers: dict, receive) -> bytes | int:
+        """The whole body, or the status that refuses it: 413 past the bound (by Content-Length, before reading a
+        byte: a client waiting for 100-continue sends none; or counted, then the rest is dropped for LINGER_S at
+        most), 408 when it is not all in within body_timeout."""
         try:
             if int(headers.get("content-length", 0)) > self.max_body:
-                return None
+                return 413
         except ValueError:
             pass
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return 413 if size > self.max_body else 408
             if msg["type"] == "http.disconnect":
                 break
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                return None
-            chunks.append(chunk)
+            if size <= self.max_body:
+                chunk = msg.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body:         # drop what follows for a moment, then refuse
+                    chunks, deadline = [], min(deadline, loop.time() + LINGER_S)
+                else:
+                    chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
-        return b"".join(chunks)
+        return 413 if size > self.max_body else b"".join(chunks)
 
     @staticmethod
     def _log(scope, status: int, rid: str, seconds: float, usage: dict | None) -> None:

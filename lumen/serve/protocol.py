@@ -27,7 +27,8 @@ from ..engine.sampling.sampler import SamplerError
 from .structured import GUIDED, StructuredFieldError, constraint_from_body
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               431: "invalid_request_error", 429: "rate_limit_error",
                499: "client_closed_request",
                500: "server_error", 503: "service_unavailable"}
 # what a union field holds, said once instead of one pydantic error per member of the union

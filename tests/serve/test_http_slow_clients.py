@@ -2,7 +2,8 @@
 HttpLimits, and the Gate), on 127.0.0.1 in this process, over a small app, so no model is needed: connections
 that send nothing or their headers a byte at a time are closed at the head deadline while others are served, a
 head past its bound gets 431, an idle kept-alive connection closes, and past the connection cap a request gets
-503 until the slow ones are gone. The limits are shortened (a second) so each test takes a few seconds; every
+503 until the slow ones are gone; a body past --max-body-mb gets 413 and a body that stalls 408, and
+either closes the connection. The limits are shortened (a second) so each test takes a few seconds; every
 wait is bounded and every server is stopped by its test."""
 import json
 import socket
@@ -35,10 +36,10 @@ async def tiny_app(scope, receive, send):
 
 
 @contextmanager
-def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20):
+def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20, body_timeout: float = 60.0):
     import uvicorn
     port = free_port()
-    app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes)
+    app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     srv = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, shutdown_timeout=1, log_level="warning",
                                         limits=limits))
     t = threading.Thread(target=srv.run, daemon=True)
@@ -175,3 +176,45 @@ def test_max_connections_must_be_positive(capsys):
         main(["--max-connections", "0"])
     assert e.value.code == 2
     assert "--max-connections must be at least 1" in capsys.readouterr().err
+
+
+def test_a_body_declared_past_the_bound_gets_413_at_once_and_the_connection_closes():
+    with server(HttpLimits(head_timeout=30, keep_alive=30)) as port:      # closed by the 413, not by a timer
+        with connect(port) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n")
+            got = closed_by_server(s, 5.0)
+        assert got is not None, "the connection stayed open for the 10 GB body"
+        assert got.startswith(b"HTTP/1.1 413 ") and b'"code":413' in got, got[:200]
+        assert get(port) == 200
+
+
+def test_a_chunked_body_past_the_bound_is_cut_and_a_small_overflow_still_gets_its_413():
+    with server() as port:
+        with connect(port) as s:                          # sent in full, then read: the answer is there
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(24):                           # 1.5 MiB against 1 MiB
+                s.sendall(b"10000\r\n" + b"a" * 0x10000 + b"\r\n")
+            s.sendall(b"0\r\n\r\n")
+            got = closed_by_server(s, 5.0)
+        assert got is not None and got.startswith(b"HTTP/1.1 413 "), (got or b"")[:200]
+        with connect(port) as s:                          # sent without end: the server stops reading it
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            t0, cut = time.monotonic(), False
+            while time.monotonic() - t0 < 10:
+                try:
+                    s.sendall(b"10000\r\n" + b"a" * 0x10000 + b"\r\n")
+                except OSError:
+                    cut = True
+                    break
+            assert cut, "the server read an endless body for 10 s"
+        assert get(port) == 200
+
+
+def test_a_body_that_stalls_gets_408_and_the_connection_closes():
+    with server(body_timeout=1.0) as port:
+        with connect(port) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            got = closed_by_server(s, 5.0)
+        assert got is not None, "the connection stayed open, waiting for the body"
+        assert got.startswith(b"HTTP/1.1 408 ") and b'"code":408' in got, got[:200]
+        assert get(port) == 200
