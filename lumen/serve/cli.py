@@ -176,7 +176,8 @@ class HttpLimits:
         408 and the connection closes (closed silently if nothing came). Apache's mod_reqtimeout allows 20-40 s.
     keep_alive: idle seconds between requests on a kept-alive connection (uvicorn's and vLLM's 5).
     max_head_bytes: the request line and headers (431 past it); llama-server allows 8 KiB a line, h11 16 KiB.
-    max_connections: open connections; past them a request gets 503 (uvicorn's limit_concurrency)."""
+    max_connections: open connections; past them a new connection gets 503 (OpenAI's error shape, Retry-After)
+        and is closed, without its request being read."""
     head_timeout: float = 20.0
     keep_alive: float = 5.0
     max_head_bytes: int = 64 * 1024
@@ -196,12 +197,12 @@ def default_max_connections() -> int:
     return HttpLimits.max_connections if soft == resource.RLIM_INFINITY else max(16, min(1024, soft - 64))
 
 
-def _limit_reply(status: int, reason: str, message: str) -> bytes:
+def _limit_reply(status: int, reason: str, message: str, extra: str = "") -> bytes:
     from . import protocol as P
     from .responses import dumps
     body = dumps(P.error_body(status, message)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+            f"{extra}connection: close\r\n\r\n").encode() + body
 
 
 def guarded_protocol(base: type, limits: HttpLimits) -> type:
@@ -213,6 +214,10 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._head_bytes, self._head_timer, self._dropping = 0, None, False
+            if len(self.connections) > limits.max_connections:        # (this one included)
+                self._refuse(_limit_reply(503, "Service Unavailable", f"the server has {limits.max_connections} "
+                                          "connections open, its most; try again later", "retry-after: 1\r\n"))
+                return
             self._arm_head()
 
         def _arm_head(self) -> None:
@@ -288,8 +293,7 @@ def uvicorn_config(app, *, host: str, port: int, shutdown_timeout: float, log_le
     base = import_from_string(HTTP_PROTOCOLS["auto"])        # httptools' when it is installed, else h11's
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=shutdown_timeout + 5, http=guarded_protocol(base, limits),
-                          timeout_keep_alive=limits.keep_alive, limit_concurrency=limits.max_connections,
-                          h11_max_incomplete_event_size=limits.max_head_bytes)
+                          timeout_keep_alive=limits.keep_alive, h11_max_incomplete_event_size=limits.max_head_bytes)
 
 
 def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info",

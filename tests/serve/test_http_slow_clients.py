@@ -164,7 +164,12 @@ def test_past_the_connection_cap_a_request_gets_503_until_the_idle_ones_are_gone
     with server(HttpLimits(head_timeout=1.0, keep_alive=0.5, max_head_bytes=8192, max_connections=8)) as port:
         idle = [connect(port) for _ in range(8)]
         time.sleep(0.2)
-        assert get(port) == 503
+        with connect(port) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = closed_by_server(s, 5.0)
+        assert got is not None and got.startswith(b"HTTP/1.1 503 "), (got or b"")[:200]
+        head, body = got.split(b"\r\n\r\n", 1)
+        assert b"retry-after: 1" in head.lower() and json.loads(body)["error"]["code"] == 503
         for s in idle:
             assert closed_by_server(s, 4.0) == b""
             s.close()
