@@ -68,7 +68,7 @@ def build_app(worker: Worker, prompter: Prompter, metrics: Metrics, settings: Se
 
 def add_error_handlers(app: FastAPI) -> None:
     """ApiError -> its status and OpenAI's error body (Retry-After on 429 and 503); Starlette's own errors (no
-    route, wrong method) in the same shape."""
+    route, wrong method: with its Allow header) in the same shape."""
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError):
@@ -78,7 +78,7 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return JSONResponse(P.error_body(e.status_code, msg), status_code=e.status_code)
+        return JSONResponse(P.error_body(e.status_code, msg), status_code=e.status_code, headers=e.headers)
 
 
 def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
