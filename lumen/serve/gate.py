@@ -6,6 +6,7 @@
   not all arrived BODY_TIMEOUT_S after the headers, 408. Both close the connection (a body sent past the bound is
   read and dropped for LINGER_S at most, so a client that sends all before it reads still gets the answer). The
   body is read here whole and handed on, so a handler's later receive() is the client's disconnect.
+- HEAD is answered as GET without the body (HTTP's rule; Starlette does it for its routes, FastAPI not).
 - One log line per request when its response ends: client, method, path, status, seconds, id, and the token
   counts a handler left in the state ("usage").
 - A handler that raises answers 500 for that request alone (logged with its traceback); the server serves on.
@@ -46,8 +47,11 @@ class Gate:
         state["request_id"] = rid
         t0 = time.perf_counter()
         status = [0]
+        head = scope["method"] == "HEAD"
 
         async def send_(msg):
+            if head and msg["type"] == "http.response.body":
+                msg = dict(msg, body=b"")
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
                 msg = dict(msg, headers=[*msg.get("headers", []), (b"x-request-id", rid.encode("latin-1"))])
@@ -84,7 +88,7 @@ class Gate:
             return msg
 
         try:
-            await self.app(scope, receive_, send_)
+            await self.app(dict(scope, method="GET") if head else scope, receive_, send_)
         except Exception as e:                       # noqa: BLE001 - whatever a handler broke: 500, that request
             if gone[0]:
                 log.info("request %s: the client left (%s)", rid, type(e).__name__)

@@ -1,6 +1,7 @@
 """HTTP methods against the server's HTTP layer (the Gate and lumen.serve.app's error handlers on uvicorn, in this
-process, over small routes: no model needed): a wrong method is a 405 in OpenAI's error shape with the Allow
-header; an unknown path a 404 in the same shape. The server is stopped by each test."""
+process, over small routes: no model needed): HEAD is answered as GET without its body, as HTTP requires of a
+server and as monitors send it; a wrong method is a 405 in OpenAI's error shape with the Allow header; an unknown
+path a 404 in the same shape. The server is stopped by each test."""
 import json
 import socket
 import threading
@@ -62,6 +63,16 @@ def ask(port: int, method: str, path: str) -> tuple[int, dict, bytes]:
     lines = head.decode("latin-1").split("\r\n")
     headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines[1:])}
     return int(lines[0].split()[1]), headers, body
+
+
+def test_head_is_get_without_the_body():
+    with server() as port:
+        status, headers, body = ask(port, "GET", "/health")
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+        status, head_headers, head_body = ask(port, "HEAD", "/health")
+        assert status == 200 and head_body == b""
+        assert head_headers["content-length"] == headers["content-length"]
+        assert head_headers["content-type"] == "application/json"
 
 
 def test_a_wrong_method_is_a_405_with_allow_and_an_unknown_path_a_404_in_openai_shape():
