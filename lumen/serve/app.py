@@ -62,7 +62,7 @@ def build_app(worker: Worker, prompter: Prompter, metrics: Metrics, settings: Se
                                      max_model_len=prompter.max_model_len, speculative=settings.speculative,
                                      structured_output=True))
     app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       open_paths=PAGES if settings.ui else ())
+                       open_paths=PAGES if settings.ui else (), draining=lambda: worker.draining)
     return app
 
 

@@ -3,7 +3,9 @@
 - X-Request-Id: honoured (or made) and echoed on the response; the handlers read it from the scope's state.
 - The API key (--api-key): `Authorization: Bearer KEY` (or `X-Api-Key`) on every path but OPEN_PATHS, else 401.
 - The body bound (--max-body-mb): past it, by Content-Length or counted as it arrives, 413; and a body that has
-  not all arrived BODY_TIMEOUT_S after the headers, 408. Both close the connection (a body sent past the bound is
+  not all arrived BODY_TIMEOUT_S after the headers, 408; one still arriving when the server starts draining,
+  503 (so a slow upload does not hold the shutdown); a client gone before its body's end is not answered and its
+  truncated body never reaches a handler. Those answers close the connection (a body sent past the bound is
   read and dropped for LINGER_S at most, so a client that sends all before it reads still gets the answer). The
   body is read here whole and handed on, so a handler's later receive() is the client's disconnect.
 - HEAD is answered as GET without the body (HTTP's rule; Starlette does it for its routes, FastAPI not).
@@ -28,14 +30,16 @@ log = logging.getLogger("lumen.serve")
 OPEN_PATHS = ("/health", "/metrics")          # answered without the API key
 BODY_TIMEOUT_S = 60.0                         # 16 MB in it is 280 KB/s; a prompt is far smaller
 LINGER_S = 2.0
+POLL_S = 0.5                                  # how often a body read looks whether the server is draining
 CLOSE = [(b"connection", b"close")]
 
 
 class Gate:
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, open_paths: tuple = (),
-                 body_timeout: float = BODY_TIMEOUT_S):
+                 body_timeout: float = BODY_TIMEOUT_S, draining=lambda: False):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
+        self.draining = draining                     # () -> True once the server is shutting down
         self.open_paths = frozenset(OPEN_PATHS + tuple(open_paths))     # + the UI's pages (lumen.serve.ui.PAGES)
 
     async def __call__(self, scope, receive, send):
@@ -62,7 +66,8 @@ class Gate:
         async def reply(code: int, message: str, extra: list | None = None):
             body = dumps(P.error_body(code, message)).encode()
             await send_({"type": "http.response.start", "status": code,
-                         "headers": [(b"content-type", b"application/json"), *(extra or [])]})
+                         "headers": [(b"content-type", b"application/json"),
+                                     (b"content-length", str(len(body)).encode()), *(extra or [])]})
             await send_({"type": "http.response.body", "body": body})
 
         if self.api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
@@ -74,6 +79,11 @@ class Gate:
                 return await reply(413, f"the request body is larger than {self.max_body} bytes", CLOSE)
             if body == 408:
                 return await reply(408, f"the request body did not arrive within {self.body_timeout:g} s", CLOSE)
+            if body == 503:
+                return await reply(503, "the server is shutting down", [*CLOSE, (b"retry-after", b"1")])
+            if body == 499:                          # nothing to answer, nobody to answer
+                log.info("request %s: the client left before the end of its body", rid)
+                return
             receive = _replay(body, receive)
         gone = [False]
 
@@ -105,22 +115,29 @@ class Gate:
     async def _read_body(self, headers: dict, receive) -> bytes | int:
         """The whole body, or the status that refuses it: 413 past the bound (by Content-Length, before reading a
         byte: a client waiting for 100-continue sends none; or counted, then the rest is dropped for LINGER_S at
-        most), 408 when it is not all in within body_timeout."""
+        most), 408 when it is not all in within body_timeout, 503 when the server starts draining meanwhile, 499
+        when the client disconnects before its end."""
         try:
             if int(headers.get("content-length", 0)) > self.max_body:
                 return 413
         except ValueError:
             pass
-        chunks, size = [], 0
+        chunks, size, pending = [], 0, None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout
         while True:
-            try:
-                msg = await asyncio.wait_for(receive(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                return 413 if size > self.max_body else 408
+            if pending is None:
+                pending = asyncio.ensure_future(receive())
+            left = deadline - loop.time()
+            done, _ = await asyncio.wait({pending}, timeout=min(left, POLL_S)) if left > 0 else ((), ())
+            if not done:                         # receive() is cancelled only when the body is given up
+                if left <= POLL_S or self.draining():
+                    pending.cancel()
+                    return 413 if size > self.max_body else 408 if left <= POLL_S else 503
+                continue
+            msg, pending = pending.result(), None
             if msg["type"] == "http.disconnect":
-                break
+                return 499
             if size <= self.max_body:
                 chunk = msg.get("body", b"")
                 size += len(chunk)

@@ -2,8 +2,9 @@
 HttpLimits, and the Gate), on 127.0.0.1 in this process, over a small app, so no model is needed: connections
 that send nothing or their headers a byte at a time are closed at the head deadline while others are served, a
 head past its bound gets 431, an idle kept-alive connection closes, and past the connection cap a request gets
-503 until the slow ones are gone; a body past --max-body-mb gets 413 and a body that stalls 408, and
-either closes the connection. The limits are shortened (a second) so each test takes a few seconds; every
+503 until the slow ones are gone; a body past --max-body-mb gets 413, a body that stalls 408, one still
+arriving when the server drains 503, each closing the connection, and a body cut by its client's leaving never
+reaches a handler. The limits are shortened (a second) so each test takes a few seconds; every
 wait is bounded and every server is stopped by its test."""
 import json
 import socket
@@ -20,10 +21,14 @@ from servers import free_port
 LIMITS = HttpLimits(head_timeout=1.0, keep_alive=0.5, max_head_bytes=8192, max_connections=64)
 
 
+CALLS: list[str] = []                                     # the paths tiny_app was called for
+
+
 async def tiny_app(scope, receive, send):
     """GET anything: {"ok": true}; POST: the body's length."""
     if scope["type"] != "http":
         return
+    CALLS.append(scope["path"])
     body, more = b"", True
     while scope["method"] == "POST" and more:
         msg = await receive()
@@ -36,10 +41,11 @@ async def tiny_app(scope, receive, send):
 
 
 @contextmanager
-def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20, body_timeout: float = 60.0):
+def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20, body_timeout: float = 60.0,
+           draining=lambda: False):
     import uvicorn
     port = free_port()
-    app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes, body_timeout=body_timeout, draining=draining)
     srv = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, shutdown_timeout=1, log_level="warning",
                                         limits=limits))
     t = threading.Thread(target=srv.run, daemon=True)
@@ -223,3 +229,27 @@ def test_a_body_that_stalls_gets_408_and_the_connection_closes():
         assert got is not None, "the connection stayed open, waiting for the body"
         assert got.startswith(b"HTTP/1.1 408 ") and b'"code":408' in got, got[:200]
         assert get(port) == 200
+
+
+def test_a_body_still_arriving_when_the_server_drains_gets_503_at_once():
+    draining = [False]
+    with server(draining=lambda: draining[0]) as port:
+        with connect(port) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            time.sleep(0.3)
+            draining[0] = True
+            got = closed_by_server(s, 5.0)          # not after the 60 s the body may take
+        assert got is not None, "the upload held its connection through the drain"
+        head, body = got.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower(), head
+        assert json.loads(body)["error"]["code"] == 503
+
+
+def test_a_body_cut_by_its_client_leaving_never_reaches_the_app():
+    with server() as port:
+        with connect(port) as s:                     # valid JSON, but 50 bytes of the 100 declared
+            s.sendall(b"POST /cut HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"prompt": "hi"}'.ljust(50))
+            time.sleep(0.2)
+        assert get(port, "/after") == 200            # the server has handled the close by now
+        time.sleep(0.2)
+    assert "/after" in CALLS and "/cut" not in CALLS, CALLS
