@@ -185,6 +185,7 @@ class HttpLimits:
 
 
 LINGER_S = 2.0         # how long a connection refused mid-request is read (and dropped) before it closes
+UNREAD_BYTES = 2 ** 20  # of a body answered before it came, dropped before the connection closes (after LINGER_S)
 
 
 def default_max_connections() -> int:
@@ -213,7 +214,7 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
     class Guarded(base):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._head_bytes, self._head_timer, self._dropping = 0, None, False
+            self._head_bytes, self._head_timer, self._dropping, self._unread, self._body_open = 0, None, False, 0, False
             if len(self.connections) > limits.max_connections:        # (this one included)
                 self._refuse(_limit_reply(503, "Service Unavailable", f"the server has {limits.max_connections} "
                                           "connections open, its most; try again later", "retry-after: 1\r\n"))
@@ -221,7 +222,7 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
             self._arm_head()
 
         def _arm_head(self) -> None:
-            self._head_bytes = 0
+            self._head_bytes = self._unread = 0
             self._head_timer = self.loop.call_later(limits.head_timeout, self._head_late)
 
         def _head_done(self) -> None:
@@ -255,7 +256,15 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
         def data_received(self, data: bytes) -> None:
             if self._dropping:
                 return
-            if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+            answered = self.cycle is None or self.cycle.response_complete
+            if answered and self._in_body():         # the rest of a body answered before it came (a 401): uvicorn
+                self._unread += len(data)            # drops it; past UNREAD_BYTES, for LINGER_S more at most
+                if self._unread > UNREAD_BYTES:
+                    self._dropping = True
+                    self.loop.call_later(LINGER_S, self.transport.close)
+                    return
+                return super().data_received(data)
+            if self._head_timer is None and answered:
                 self._arm_head()                     # a new request after the previous one's response
             reading = self._head_timer is not None
             if reading:
@@ -270,6 +279,22 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
                 self.logger.warning("%s: request headers over %d bytes; closing", _who(self), limits.max_head_bytes)
                 self._refuse(_limit_reply(431, "Request Header Fields Too Large",
                                           f"the request line and headers are larger than {limits.max_head_bytes} bytes"))
+
+        def _in_body(self) -> bool:
+            """The client is sending a request's body: what it sends now is no head."""
+            conn = getattr(self, "conn", None)
+            if conn is not None:                     # h11's
+                import h11
+                return conn.their_state is h11.SEND_BODY
+            return self._body_open
+
+        def on_headers_complete(self) -> None:       # httptools' parser callbacks (h11's protocol has none)
+            super().on_headers_complete()
+            self._body_open = True
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._body_open = False
 
         def connection_lost(self, exc) -> None:
             self._head_done()

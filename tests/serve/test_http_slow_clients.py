@@ -4,8 +4,7 @@ that send nothing or their headers a byte at a time are closed at the head deadl
 head past its bound gets 431, an idle kept-alive connection closes, and past the connection cap a request gets
 503 until the slow ones are gone; a body past --max-body-mb gets 413, a body that stalls 408, one still
 arriving when the server drains 503, each closing the connection, and a body cut by its client's leaving never
-reaches a handler. The limits are shortened (a second) so each test takes a few seconds; every
-wait is bounded and every server is stopped by its test."""
+reaches a handler. The limits are shortened (a second) so each test takes a few seconds; every wait is bounded and every server is stopped by its test."""
 import json
 import socket
 import threading
@@ -253,3 +252,18 @@ def test_a_body_cut_by_its_client_leaving_never_reaches_the_app():
         assert get(port, "/after") == 200            # the server has handled the close by now
         time.sleep(0.2)
     assert "/after" in CALLS and "/cut" not in CALLS, CALLS
+
+
+def test_a_body_answered_before_it_came_is_no_head_and_the_connection_serves_on():
+    """A body sent after its response (here a GET's, which the app does not read; a 401's alike) is dropped as
+    body, not counted as the next request's head: the next request on the connection is served."""
+    with server() as port:
+        with connect(port) as s:
+            body = b"x" * 100_000                         # past max_head_bytes (8192)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+            s.settimeout(5)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+            s.sendall(body)
+            s.sendall(b"GET /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 200 "), got[:200]
