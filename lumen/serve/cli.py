@@ -310,15 +310,17 @@ def _who(protocol) -> str:
 
 
 def uvicorn_config(app, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info",
-                   limits: HttpLimits = HttpLimits()):
-    """uvicorn's Config for the app, with the HttpLimits on every connection."""
+                   limits: HttpLimits = HttpLimits(), http: str = "auto"):
+    """uvicorn's Config for the app, with the HttpLimits on every connection. http: uvicorn's HTTP parser, "auto"
+    (httptools' when it is installed, else h11's), "httptools" or "h11"."""
     import uvicorn
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
-    base = import_from_string(HTTP_PROTOCOLS["auto"])        # httptools' when it is installed, else h11's
+    base = import_from_string(HTTP_PROTOCOLS[http])
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=shutdown_timeout + 5, http=guarded_protocol(base, limits),
-                          timeout_keep_alive=limits.keep_alive, h11_max_incomplete_event_size=limits.max_head_bytes)
+                          timeout_keep_alive=limits.keep_alive,     # h11's own bound, behind ours by a read (256 KiB):
+                          h11_max_incomplete_event_size=limits.max_head_bytes + 2 ** 18)   # ours answers 431 first
 
 
 def serve(app, worker, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info",

@@ -4,7 +4,8 @@ that send nothing or their headers a byte at a time are closed at the head deadl
 head past its bound gets 431, an idle kept-alive connection closes, and past the connection cap a request gets
 503 until the slow ones are gone; a body past --max-body-mb gets 413, a body that stalls 408, one still
 arriving when the server drains 503, each closing the connection, and a body cut by its client's leaving never
-reaches a handler. The limits are shortened (a second) so each test takes a few seconds; every wait is bounded and every server is stopped by its test."""
+reaches a handler. Each test runs over both of uvicorn's HTTP parsers, with limits of a second, so it takes a
+few seconds; every wait is bounded and every server is stopped by its test."""
 import json
 import socket
 import threading
@@ -39,6 +40,17 @@ async def tiny_app(scope, receive, send):
     await send({"type": "http.response.body", "body": out})
 
 
+@pytest.fixture(autouse=True, params=["httptools", "h11"])
+def parser(request):
+    """Each test runs over both of uvicorn's HTTP parsers (httptools is the one installed with uvicorn[standard])."""
+    pytest.importorskip(request.param)
+    PARSER[0] = request.param
+    yield request.param
+
+
+PARSER = ["auto"]
+
+
 @contextmanager
 def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20, body_timeout: float = 60.0,
            draining=lambda: False):
@@ -46,7 +58,7 @@ def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20, body_time
     port = free_port()
     app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes, body_timeout=body_timeout, draining=draining)
     srv = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, shutdown_timeout=1, log_level="warning",
-                                        limits=limits))
+                                        limits=limits, http=PARSER[0]))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     t0 = time.monotonic()
