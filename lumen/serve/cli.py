@@ -277,8 +277,14 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
                 self._head_done()
             elif self._head_bytes > limits.max_head_bytes:
                 self.logger.warning("%s: request headers over %d bytes; closing", _who(self), limits.max_head_bytes)
-                self._refuse(_limit_reply(431, "Request Header Fields Too Large",
-                                          f"the request line and headers are larger than {limits.max_head_bytes} bytes"))
+                self._refuse(_limit_reply(431, "Request Header Fields Too Large", "the request line and headers are "
+                                          f"larger than {limits.max_head_bytes} bytes"))
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request its parser rejects, in OpenAI's error shape, closed as _refuse closes
+            (uvicorn's own is plain text, closed at once: the client may lose it under what it still sends)."""
+            self.logger.warning("%s: %s", _who(self), msg)
+            self._refuse(_limit_reply(400, "Bad Request", f"{msg.rstrip('.')} (malformed HTTP)"))
 
         def _in_body(self) -> bool:
             """The client is sending a request's body: what it sends now is no head."""

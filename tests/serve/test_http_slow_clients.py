@@ -279,3 +279,25 @@ def test_a_body_answered_before_it_came_is_no_head_and_the_connection_serves_on(
             s.sendall(b"GET /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             got = read_all(s)
         assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+
+
+@pytest.mark.parametrize("request_bytes, h11_too", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n" + b"{}" * 50_000, True),
+    (b"FOO /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", False),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}", False),
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 500, True),      # TLS to a plain-HTTP port
+], ids=["bad-length", "unknown-method", "length-and-chunked", "tls"])
+def test_a_request_the_parser_rejects_gets_a_400_in_openai_shape(request_bytes, h11_too, parser):
+    if parser == "h11" and not h11_too:
+        pytest.skip("h11 takes an unknown method (the app answers it) and Content-Length beside chunked")
+    with server() as port:
+        with connect(port) as s:
+            try:
+                s.sendall(request_bytes)
+            except OSError:
+                pass
+            got = closed_by_server(s, 5.0)
+        assert got is not None and got.startswith(b"HTTP/1.1 400 "), (got or b"")[:200]
+        error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == 400 and error["type"] == "invalid_request_error", error
+        assert get(port) == 200
