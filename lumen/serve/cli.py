@@ -492,6 +492,9 @@ def _pd_flags_error(args) -> str | None:
 
 def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     """--replicas N / --ray-address: the same server as a Ray Serve application (lumen.serve.ray)."""
+    if args.max_connections != default_max_connections():
+        ap.error("--max-connections caps this process's own HTTP server; with --replicas, --ray-address or "
+                 "--prefill-replicas, Ray Serve's proxy takes the connections (leave it out)")
     if args.replicas < 1 or any(v is not None and v < 1 for v in (args.min_replicas, args.max_replicas)):
         ap.error("--replicas, --min-replicas and --max-replicas must be at least 1")
     if args.min_replicas is not None and args.max_replicas is not None and args.min_replicas > args.max_replicas:

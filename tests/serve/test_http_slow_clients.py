@@ -193,11 +193,15 @@ def test_past_the_connection_cap_a_request_gets_503_until_the_idle_ones_are_gone
         assert get(port) == 200
 
 
-def test_max_connections_must_be_positive(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--max-connections", "0"], "--max-connections must be at least 1"),
+    (["--replicas", "2", "--max-connections", "10"], "--max-connections caps this process's own HTTP server"),
+])
+def test_max_connections_bad_values_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["--max-connections", "0"])
+        main(argv)
     assert e.value.code == 2
-    assert "--max-connections must be at least 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_a_body_declared_past_the_bound_gets_413_at_once_and_the_connection_closes():
