@@ -263,7 +263,12 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
                     self._dropping = True
                     self.loop.call_later(LINGER_S, self.transport.close)
                     return
-                return super().data_received(data)
+                if self._head_timer is None:         # and it has head_timeout to end, as a head has (a drip of it
+                    self._head_timer = self.loop.call_later(limits.head_timeout, self._head_late)   # would not)
+                super().data_received(data)
+                if not self._in_body():
+                    self._head_done()
+                return
             if self._head_timer is None and answered:
                 self._arm_head()                     # a new request after the previous one's response
             reading = self._head_timer is not None

@@ -285,6 +285,25 @@ def test_a_body_answered_before_it_came_is_no_head_and_the_connection_serves_on(
         assert got.startswith(b"HTTP/1.1 200 "), got[:200]
 
 
+def test_a_drip_of_a_body_answered_before_it_came_is_closed_at_the_head_deadline():
+    with server() as port:
+        with connect(port) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
+            s.settimeout(5)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+            t0, closed = time.monotonic(), False
+            s.settimeout(0.1)
+            while not closed and time.monotonic() - t0 < LIMITS.head_timeout + 3:    # a byte each 0.1 s
+                try:
+                    s.sendall(b"x")
+                    closed = s.recv(100) == b""
+                except socket.timeout:
+                    pass
+                except OSError:
+                    closed = True
+        assert closed, "a drip of an unread body kept the connection open"
+
+
 @pytest.mark.parametrize("request_bytes, h11_too", [
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n" + b"{}" * 50_000, True),
     (b"FOO /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", False),
