@@ -20,7 +20,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 
 @pytest.fixture(scope="module")
 def proc(smollm2_path, tmp_path_factory):
-    p = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "1024", "--kv-cache-mb", "32", "--max-num-seqs",
+    p = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "1024", "--kv-cache-mb", "64", "--max-num-seqs",
                                   "2", "--max-queue", "12", "--max-num-batched-tokens", "64",
                                   "--max-connections", "40", "--shutdown-timeout", "3", "--no-ui"),
                       tmp_path_factory.mktemp("serve") / "server.log")
@@ -158,7 +158,7 @@ def test_sigterm_ends_streams_and_uploads_in_flight_and_exits_0(proc):
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             started = [asyncio.Event(), asyncio.Event()]
-            tasks = [asyncio.create_task(stream_events(client, dict(LONG, max_tokens=900), started=e))
+            tasks = [asyncio.create_task(stream_events(client, dict(LONG, max_tokens=1000), started=e))
                      for e in started]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             proc.p.send_signal(signal.SIGTERM)
