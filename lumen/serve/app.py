@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -63,6 +64,9 @@ def build_app(worker: Worker, prompter: Prompter, metrics: Metrics, settings: Se
                                      structured_output=True))
     app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        open_paths=PAGES if settings.ui else (), draining=lambda: worker.draining)
+    if settings.allowed_origins:      # outside the Gate: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     return app
 
 
@@ -84,7 +88,7 @@ def add_error_handlers(app: FastAPI) -> None:
 def make_app(engine, *, model_name: str, chat_template: str | None = None, api_key: str | None = None,
              max_queue: int = 256, max_n: int = 64, max_body_bytes: int = 16 * 2 ** 20,
              speculative: str | None = None, profile_path: str | None = None, ui: bool = True,
-             tool_call_parser: str | None = None):
+             tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = ("*",)):
     """The FastAPI app over an engine, and its worker (started by the app's lifespan). ui: the chat page and the
     dashboard (lumen.serve.ui). tool_call_parser: lumen.serve.tools' parser name or "none" (None: from the
     template)."""
@@ -94,7 +98,8 @@ def make_app(engine, *, model_name: str, chat_template: str | None = None, api_k
     metrics = Metrics(engine, model_name)
     worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics, profile_path=profile_path)
     settings = Settings(model_id=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                        speculative=speculative, ui=ui, tool_call_parser=tool_call_parser)
+                        speculative=speculative, ui=ui, tool_call_parser=tool_call_parser,
+                        allowed_origins=tuple(allowed_origins))
     return build_app(worker, prompter, metrics, settings), worker
 
 

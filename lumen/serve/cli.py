@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="waiting requests (choices) beyond which new ones get 429 (default 256)")
     ap.add_argument("--max-n", type=int, default=64, help="largest n (choices per request, default 64)")
     ap.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body (413 beyond; default 16)")
+    ap.add_argument("--allowed-origins", type=allowed_origins, default=("*",), metavar="ORIGINS",
+                    help="web pages (origins, comma-separated, e.g. http://localhost:3000; or a JSON list) whose "
+                         "scripts may call the API from a browser (CORS); default * (any, as vLLM and "
+                         "llama-server), \"\" for none")
     ap.add_argument("--max-connections", type=int, default=default_max_connections(), metavar="N",
                     help="open HTTP connections beyond which a request gets 503 (default 1024, fewer under a lower "
                          "open-file limit); a connection's headers must arrive within 20 s and fit in 64 KiB, "
@@ -104,6 +108,32 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--speculative", choices=["ngram", "draft"], help="the default for requests that do not say")
     EngineConfig.add_cli_args(sp, only=SPEC_FLAGS)
     return ap
+
+
+def allowed_origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: "*", "" (none), origins comma-separated, or vLLM's JSON list -> the origins."""
+    import json
+    from urllib.parse import urlsplit
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    else:
+        items = [o for o in text.split(",")]
+    out = []
+    for o in (i.strip() for i in items):
+        if not o:
+            continue
+        u = urlsplit(o)
+        if o != "*" and (u.scheme not in ("http", "https") or not u.netloc or u.path not in ("", "/") or u.query):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: give scheme://host[:port] "
+                                             "(e.g. http://localhost:3000), or * for any")
+        out.append(o.rstrip("/"))
+    return tuple(dict.fromkeys(out))
 
 
 def model_id(model: str, served_name: str | None) -> str:
@@ -423,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_queue=args.max_queue, max_n=args.max_n,
                                max_body_bytes=int(args.max_body_mb * 2 ** 20), speculative=args.speculative,
                                profile_path=args.profile, ui=not args.no_ui,
-                               tool_call_parser=args.tool_call_parser)
+                               tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {cli_words(str(e))}", file=sys.stderr)
         return 1
@@ -538,7 +568,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         return 1
     settings = Settings(model_id=model_id(args.model, args.served_model_name), api_key=args.api_key,
                         max_body_bytes=int(args.max_body_mb * 2 ** 20), max_n=args.max_n, speculative=args.speculative,
-                        ui=not args.no_ui, tool_call_parser=args.tool_call_parser)
+                        ui=not args.no_ui, tool_call_parser=args.tool_call_parser,
+                        allowed_origins=args.allowed_origins)
     if args.prefill_replicas:
         from .ray import pd
         pd_settings = pd.PDSettings(args.pd_threshold, args.kv_failure, prefill_timeout_s=args.pd_prefill_timeout)

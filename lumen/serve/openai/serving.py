@@ -39,6 +39,7 @@ class Settings:
     speculative: str | None = None            # the default speculative decoding of requests that do not say
     ui: bool = False                          # the chat page and the dashboard (lumen.serve.ui); cli: unless --no-ui
     tool_call_parser: str | None = None       # --tool-call-parser: a lumen.serve.tools parser, "none"; None: auto
+    allowed_origins: tuple[str, ...] = ("*",)  # --allowed-origins: browser pages that may call the API (CORS)
 
 
 def request_id(request: Request) -> str:
