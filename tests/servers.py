@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -76,6 +77,42 @@ class ServerProcess:
         if self.p.poll() is None:
             self.p.kill()
             self.p.wait(10)
+
+
+@contextmanager
+def uvicorn_thread(config):
+    """Run uvicorn.Server(config) (a uvicorn.Config with its port) in a thread of this process until the block
+    ends; then stop it and check the thread is gone."""
+    import threading
+
+    import uvicorn
+    srv = uvicorn.Server(config)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() - t0 < 10, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield srv
+    finally:
+        srv.should_exit = True
+        t.join(10)
+        assert not t.is_alive(), "the server did not stop"
+
+
+def lumen_metrics(url: str) -> dict:
+    """The server's lumen:* samples from /metrics, summed over labels but finished_reason (kept as
+    "request_success_total:<reason>")."""
+    out: dict = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("lumen:"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0][len("lumen:"):]
+            if 'finished_reason="' in name:
+                key += ":" + name.split('finished_reason="')[1].split('"')[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
 
 
 def sse_events(r: httpx.Response) -> list:

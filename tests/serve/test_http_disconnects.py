@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from servers import ServerProcess, aiter_sse_events, lumen_serve
+from servers import ServerProcess, aiter_sse_events, lumen_metrics, lumen_serve
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
@@ -28,22 +28,10 @@ def proc(smollm2_path, tmp_path_factory):
     p.stop(timeout=40)
 
 
-def gauges(url: str) -> dict:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("lumen:"):
-            name, value = line.rsplit(" ", 1)
-            key = name.split("{")[0][len("lumen:"):]
-            if 'finished_reason="' in name:
-                key += ":" + name.split('finished_reason="')[1].split('"')[0]
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 def wait_for(url: str, ok, timeout: float = 30.0) -> dict:
     t0 = time.monotonic()
     while True:
-        g = gauges(url)
+        g = lumen_metrics(url)
         if ok(g):
             return g
         assert time.monotonic() - t0 < timeout, g
@@ -72,7 +60,7 @@ async def stream_events(client, body: dict, upto: int | None = None, started: as
 def test_clients_leaving_at_each_phase_free_everything(proc):
     url = proc.url
     wait_for(url, idle_and_free)
-    aborted0 = gauges(url).get("request_success_total:abort", 0)
+    aborted0 = lumen_metrics(url).get("request_success_total:abort", 0)
 
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:

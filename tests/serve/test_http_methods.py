@@ -4,8 +4,6 @@ server and as monitors send it; a wrong method is a 405 in OpenAI's error shape 
 path a 404 in the same shape. The server is stopped by each test."""
 import json
 import socket
-import threading
-import time
 from contextlib import contextmanager
 
 from fastapi import FastAPI
@@ -13,7 +11,7 @@ from fastapi import FastAPI
 from lumen.serve.app import add_error_handlers
 from lumen.serve.cli import uvicorn_config
 from lumen.serve.gate import Gate
-from servers import free_port
+from servers import free_port, uvicorn_thread
 
 
 def small_app():
@@ -34,22 +32,10 @@ def small_app():
 
 @contextmanager
 def server():
-    import uvicorn
     port = free_port()
-    srv = uvicorn.Server(uvicorn_config(small_app(), host="127.0.0.1", port=port, shutdown_timeout=1,
-                                        log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    t0 = time.monotonic()
-    while not srv.started:
-        assert t.is_alive() and time.monotonic() - t0 < 10, "the server did not start"
-        time.sleep(0.02)
-    try:
+    with uvicorn_thread(uvicorn_config(small_app(), host="127.0.0.1", port=port, shutdown_timeout=1,
+                                       log_level="warning")):
         yield port
-    finally:
-        srv.should_exit = True
-        t.join(10)
-        assert not t.is_alive(), "the server did not stop"
 
 
 def ask(port: int, method: str, path: str) -> tuple[int, dict, bytes]:

@@ -8,7 +8,6 @@ reaches a handler. Each test runs over both of uvicorn's HTTP parsers, with limi
 few seconds; every wait is bounded and every server is stopped by its test."""
 import json
 import socket
-import threading
 import time
 from contextlib import contextmanager
 
@@ -16,7 +15,7 @@ import pytest
 
 from lumen.serve.cli import HttpLimits, main, uvicorn_config
 from lumen.serve.gate import Gate
-from servers import free_port
+from servers import free_port, uvicorn_thread
 
 LIMITS = HttpLimits(head_timeout=1.0, keep_alive=0.5, max_head_bytes=8192, max_connections=64)
 
@@ -54,23 +53,11 @@ PARSER = ["auto"]
 @contextmanager
 def server(limits: HttpLimits = LIMITS, max_body_bytes: int = 2 ** 20, body_timeout: float = 60.0,
            draining=lambda: False):
-    import uvicorn
     port = free_port()
     app = Gate(tiny_app, api_key=None, max_body_bytes=max_body_bytes, body_timeout=body_timeout, draining=draining)
-    srv = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, shutdown_timeout=1, log_level="warning",
-                                        limits=limits, http=PARSER[0]))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    t0 = time.monotonic()
-    while not srv.started:
-        assert t.is_alive() and time.monotonic() - t0 < 10, "the server did not start"
-        time.sleep(0.02)
-    try:
+    with uvicorn_thread(uvicorn_config(app, host="127.0.0.1", port=port, shutdown_timeout=1, log_level="warning",
+                                       limits=limits, http=PARSER[0])):
         yield port
-    finally:
-        srv.should_exit = True
-        t.join(10)
-        assert not t.is_alive(), "the server did not stop"
 
 
 def connect(port: int) -> socket.socket:

@@ -27,7 +27,7 @@ import lumen
 from lumen import SamplingParams
 from lumen.bench.offline import load_prompts
 from lumen.serve.worker import Submission
-from servers import ROOT, ServerProcess, aiter_sse_events, free_port, lumen_serve
+from servers import ROOT, ServerProcess, aiter_sse_events, free_port, lumen_metrics, lumen_serve
 
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", "/tmp/lcpp/build/bin/llama-server"))
 N_CLIENTS = 64
@@ -49,23 +49,11 @@ def server(smollm2_path, tmp_path_factory):
     proc.stop(timeout=SHUTDOWN_TIMEOUT + 30)
 
 
-def metrics(url: str) -> dict:
-    out: dict = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("lumen:"):
-            name, value = line.rsplit(" ", 1)
-            key = name.split("{")[0][len("lumen:"):]
-            if 'finished_reason="' in name:
-                key += ":" + name.split('finished_reason="')[1].split('"')[0]
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 def wait_idle(url: str, aborted: float, timeout: float = 60.0) -> dict:
     """/metrics once nothing runs or waits and `aborted` requests have been counted as aborted."""
     t0 = time.monotonic()
     while True:
-        m = metrics(url)
+        m = lumen_metrics(url)
         if (m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
                 and m.get("request_success_total:abort", 0) >= aborted):
             return m
@@ -130,7 +118,7 @@ def test_load_with_faults(server, model):
     end_ids = model.tokenizer.eot_ids
     refs: dict[int, list[int]] = {}
     rss = []
-    aborted = metrics(server.url).get("request_success_total:abort", 0.0)
+    aborted = lumen_metrics(server.url).get("request_success_total:abort", 0.0)
     for round_ in range(3):
         t0 = time.monotonic()
         results = asyncio.run(one_round(server.url, reqs))
