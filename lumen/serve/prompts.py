@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..format.chat import ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, continue_final, render_chat
+from ..format.chat import (ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, continue_final,
+                           message_text, render_chat)
 from .protocol import ApiError, ChatMessage
 from .tools import Tool, check_messages, fallback_messages, template_takes_tools
 
@@ -165,7 +166,8 @@ def _plain(m: ChatMessage) -> dict:
 
 
 def content_text(m: ChatMessage) -> str:
-    """A message's content as one string: its text parts joined, and an assistant's refusal parts as its text
+    """A message's content as one string: its text parts joined by "\n" as llama.cpp and vLLM join them
+    (lumen.format.chat.message_text, as the offline chat does), and an assistant's refusal parts as its text
     (OpenAI's assistant content holds text and refusal parts; vLLM renders a refusal as text); any other part is
     ApiError(400)."""
     if m.content is None:
@@ -184,4 +186,4 @@ def content_text(m: ChatMessage) -> str:
         else:
             raise ApiError(400, f"only text content parts (and an assistant's refusal parts) are supported, got "
                                 f"type {part.type!r}", "messages")
-    return "".join(texts)
+    return message_text([{"type": "text", "text": t} for t in texts])

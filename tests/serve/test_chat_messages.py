@@ -180,7 +180,7 @@ def test_a_text_part_without_text_is_a_400_that_says_so(client, part):
 
 @pytest.mark.parametrize("content, end", [
     ("The sum is", "The sum is"),
-    ([{"type": "text", "text": "The sum"}, {"type": "text", "text": " is"}], "The sum is"),
+    ([{"type": "text", "text": "The sum"}, {"type": "text", "text": " is"}], "The sum\n is"),   # (parts: "\n")
     ("The sum is \n", "The sum is \n"),                  # (the template keeps the whitespace: so does the cut)
 ])
 def test_continue_final_message_continues_it(client, content, end):
@@ -192,6 +192,17 @@ def test_continue_final_message_continues_it(client, content, end):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert _prompt(worker).endswith("<|im_end|>\n<|im_start|>assistant\n" + end), _prompt(worker)[-60:]
+
+
+@pytest.mark.parametrize("parts, text", [(["A", "B"], "A\nB"), (["", "B", "", "C"], "B\n\nC"), (["", ""], "")])
+def test_text_parts_are_joined_by_newlines_as_llama_cpp_joins_them(client, parts, text):
+    """llama-server and vLLM join a message's text parts with "\n" (llama.cpp: none before the first non-empty
+    part), and so does lumen.format.chat.render_chat offline: the server renders the same prompt."""
+    http, worker = client
+    content = [{"type": "text", "text": t} for t in parts]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    assert f"<|im_start|>user\n{text}<|im_end|>" in _prompt(worker), _prompt(worker)
 
 
 def test_continue_final_message_needs_the_generation_prompt_off(client):
@@ -260,7 +271,7 @@ def test_an_assistant_refusal_part_is_rendered_as_its_text(client):
                                              {"type": "text", "text": " Ask me another."}]}
     r = http.post("/v1/chat/completions", json={"messages": [USER, said, USER]})
     assert r.status_code == 200, r.text
-    assert "<|im_start|>assistant\nI can't help with that. Ask me another.<|im_end|>" in _prompt(worker)
+    assert "<|im_start|>assistant\nI can't help with that.\n Ask me another.<|im_end|>" in _prompt(worker)
     for bad in ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
                 {"role": "assistant", "content": [{"type": "refusal"}]},
                 {"role": "assistant", "content": [{"type": "refusal", "refusal": 3}]}):
