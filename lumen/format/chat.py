@@ -51,6 +51,10 @@ class ChatTemplateError(LumenError):
     """A chat template is missing, invalid, unsafe, or failed (for instance through raise_exception)."""
 
 
+class ContinueFinalError(ChatTemplateError):
+    """continue_final_message cannot go on with the final message (it has no text, or tool calls)."""
+
+
 class _TemplateRaised(Exception):
     """Raised by the template's own raise_exception(msg)."""
 
@@ -215,10 +219,10 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     OpenAI `tool_calls` (arguments as a JSON string, or an object) and `tool` messages the results. The result is
     text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
     wrote `bos_token`. continue_final_message (with add_generation_prompt false): the text ends inside the final
-    message, so that the model goes on with it (`_cut_final`).
+    message, so that the model goes on with it (`_cut_final`); ContinueFinalError when it cannot be.
     """
     if continue_final_message and add_generation_prompt:
-        raise ChatTemplateError("continue_final_message needs add_generation_prompt false")
+        raise ContinueFinalError("continue_final_message needs add_generation_prompt false")
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
     tools = _openai_tools(tools)
@@ -254,12 +258,12 @@ def _cut_final(template: str, messages: Sequence[Mapping], rendered: str, contex
     put it, as llama-server does. When the template does not write the rest the same way, `continue_final` looks
     for the text from the end."""
     if not messages:
-        raise ChatTemplateError("there is no final message to continue")
+        raise ContinueFinalError("there is no final message to continue")
     if messages[-1].get("tool_calls"):                  # (llama-server refuses it too)
-        raise ChatTemplateError("the final message has tool calls, so it cannot be continued")
+        raise ContinueFinalError("the final message has tool calls, so it cannot be continued")
     final = message_text(messages[-1].get("content"))
     if not isinstance(final, str):
-        raise ChatTemplateError("the final message to continue must have text content")
+        raise ContinueFinalError("the final message to continue must have text content")
     probe = [*messages[:-1], {**messages[-1], "content": _FINAL_NEEDLE}]
     marked = _render(compile_template(template), _template_messages(template, probe), **context)
     if marked.count(_FINAL_NEEDLE) == 1:
@@ -312,10 +316,10 @@ def continue_final(rendered: str, final: str) -> str:
     the rendered conversation does not hold it (the template changed it)."""
     core = final.strip()
     if not core:
-        raise ChatTemplateError("the final message has no text to continue")
+        raise ContinueFinalError("the final message has no text to continue")
     at = rendered.rfind(core)
     if at < 0:
-        raise ChatTemplateError("the final message's text does not appear in the conversation the chat template "
+        raise ContinueFinalError("the final message's text does not appear in the conversation the chat template "
                                 "renders, so it cannot be continued")
     kept = final.lstrip()
     end = at + (len(kept) if rendered.startswith(kept, at) else len(core))

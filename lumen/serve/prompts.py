@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..format.chat import (ChatTemplateError, NO_CHAT_TEMPLATE_MESSAGE, compile_template, continue_final,
+from ..format.chat import (ChatTemplateError, ContinueFinalError, NO_CHAT_TEMPLATE_MESSAGE, compile_template,
                            message_text, render_chat)
 from .protocol import ApiError, ChatMessage
 from .tools import Tool, check_messages, fallback_messages, template_takes_tools
@@ -102,8 +102,10 @@ class Prompter:
         return out
 
     def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
-               tools: list[Tool] | None = None) -> str:
-        """The conversation as prompt text, through the chat template (sandboxed), with the request's tools."""
+               tools: list[Tool] | None = None, continue_final_message: bool = False) -> str:
+        """The conversation as prompt text, through the chat template (sandboxed), with the request's tools;
+        continue_final_message: ending inside the final message (render_chat's, 400 naming that field when the
+        final message cannot be continued)."""
         if self.template is None:
             raise ApiError(400, NO_CHAT_TEMPLATE_MESSAGE + " Or start the server with --chat-template FILE.",
                            "messages")
@@ -120,7 +122,10 @@ class Prompter:
             plain = fallback_messages(plain, tools or [])
         try:
             return render_chat(self.template, plain, bos_token=self.bos_text, eos_token=self.eos_text,
-                               add_generation_prompt=add_generation_prompt, **kw)
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, **kw)
+        except ContinueFinalError as e:
+            raise ApiError(400, str(e), "continue_final_message") from None
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
 
@@ -135,12 +140,7 @@ class Prompter:
         if add_generation_prompt:                                            # (as vLLM answers it)
             raise ApiError(400, "continue_final_message goes on with the final message, so no new turn may follow "
                                 "it: send add_generation_prompt: false with it", "continue_final_message")
-        text = self.render(messages, False, tools)
-        try:
-            text = continue_final(text, content_text(messages[-1]))
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), "continue_final_message") from None
-        return self.prompt(text, "messages", add_special=add_special)
+        return self.prompt(self.render(messages, False, tools, True), "messages", add_special=add_special)
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """A token's text and bytes as logprobs show it (control tokens as their text)."""
