@@ -75,7 +75,7 @@ class Conversation:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         text = render_messages(self.model, self.template, head + messages)
-        return self.model.tokenize(text, special=True)
+        return self.model.tokenize(text, special=True, shielded=True)
 
     def fit(self, messages: list[dict]) -> list[int]:
         """The prompt of `messages`, the oldest turns dropped until a reply has room; LumenError when the last

@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             if rendered is None:
                 print(f"note: {why}", file=sys.stderr)     # and plain completion's sampling
             else:
-                prompt, chat = model.tokenize(rendered, special=True), True      # (one BOS: Model.tokenize)
+                prompt, chat = model.tokenize(rendered, special=True, shielded=not args.special), True  # (one BOS)
         from .engine.sequence import RequestMetrics
         stats = RequestMetrics()
         max_tokens = tokens_to_generate(model, prompt, special, args.max_tokens)

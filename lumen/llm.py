@@ -104,15 +104,17 @@ class Model:
     def metadata(self) -> dict:
         return self.gguf.metadata
 
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False, shielded: bool = False
+                 ) -> list[int]:
         """Text -> token ids. add_bos=None uses the model's default (tokenizer.ggml.add_bos_token), but not twice
-        (lumen.format.tokenizer.Tokenizer.default_bos)."""
+        (lumen.format.tokenizer.Tokenizer.default_bos). shielded: a conversation rendered from shielded messages
+        (Tokenizer.shield_messages), whose control-token texts are read back as text."""
         if not isinstance(text, str):
             raise TypeError(f"tokenize() takes a str, got {type(text).__name__}"
                             + ("; decode the bytes first" if isinstance(text, (bytes, bytearray)) else ""))
         tok = self.tokenizer
         return tok.encode(text, add_bos=tok.default_bos(text, special) if add_bos is None else add_bos,
-                          special=special)
+                          special=special, shielded=shielded)
 
     def detokenize(self, ids) -> str:
         """Token ids -> text. TypeError for text (its characters are no token ids) or a single id."""
@@ -270,7 +272,8 @@ class Model:
         text = render_chat(require_chat_template(self.metadata), tok.shield_messages(messages),  # (text stays text)
                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
-        return self.generate(self.tokenize(text, special=True), params, stats=stats, **sampling)  # (its markers)
+        ids = self.tokenize(text, special=True, shielded=True)          # (its markers; the messages' text as text)
+        return self.generate(ids, params, stats=stats, **sampling)
 
     @staticmethod
     def _tokens(outputs: Iterator, end_ids: frozenset) -> Iterator[Token]:

@@ -41,7 +41,7 @@ All follow llama.cpp (src/llama-vocab.cpp) step by step:
 
 A chat prompt is rendered text encoded with special=True, so the template's markers parse; the messages' own
 control-token texts must not (a user's "<|im_start|>" would open a turn): `shield_messages` marks them before the
-template renders, and encode(special=True) reads a marked text back as plain text.
+template renders, and encode(special=True, shielded=True) reads a marked text back as plain text.
 
 Decoding renders each token as llama.cpp's `token_to_piece`: normal tokens as their text (byte-level
 characters mapped back to bytes, U+2581 back to a space), byte tokens as their byte, user-defined tokens as
@@ -338,9 +338,11 @@ class Tokenizer:
         return not (special and self.bos_id is not None and isinstance(text, str)
                     and text.startswith(self.token_text(self.bos_id)))
 
-    def encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool, special: bool, shielded: bool = False) -> list[int]:
         """Token ids of `text`. add_bos: prepend bos_id. special: parse control-token texts (e.g.
-        "<|im_start|>", "<start_of_turn>", "<bos>") as those tokens; user-defined tokens are always parsed."""
+        "<|im_start|>", "<start_of_turn>", "<bos>") as those tokens; user-defined tokens are always parsed.
+        shielded (with special): the text holds parts shielded by `shield`, read back as plain text; only a caller
+        that shielded says so, so any other text with U+FDD0 in it is encoded as it is, as llama.cpp encodes it."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         check_unicode(text)
@@ -350,7 +352,7 @@ class Tokenizer:
                 raise GGUFError("add_bos requested but the vocabulary has no bos token")
             ids.append(self.bos_id)
         fragments = self._partition(text, special)
-        if special and SHIELD_OPEN in text:            # (a shielded text: Tokenizer.shield)
+        if special and shielded and SHIELD_OPEN in text:            # (a shielded text: Tokenizer.shield)
             fragments = [self._unshield(f) if isinstance(f, str) else f for f in fragments]
         self._encode_fragments(fragments, ids)
         return ids
@@ -360,8 +362,8 @@ class Tokenizer:
         """`text` such that encode(special=True) reads every control-token text in it as plain text: what a user
         wrote, before it goes into a chat template whose own markers must parse. Each control or unknown
         token's text becomes SHIELD_OPEN + its id + SHIELD_CLOSE (Unicode noncharacters, no token's text), which
-        encode(special=True) writes back as that text after the special-token partition; a SHIELD_OPEN in
-        `text` itself becomes SHIELD_OPEN + SHIELD_CLOSE. So encode(shield(t), special=True) is
+        encode(special=True, shielded=True) writes back as that text after the special-token partition; a SHIELD_OPEN
+        in `text` itself becomes SHIELD_OPEN + SHIELD_CLOSE. So encode(shield(t), special=True, shielded=True) is
         encode(t, special=False), and the template's "<|im_start|>" stays a token while the user's is text."""
         if not isinstance(text, str):
             raise TypeError(f"shield() takes a str, got {type(text).__name__}")
@@ -1346,8 +1348,8 @@ class WPMTokenizer(Tokenizer):
         self.strip_accents: bool = _get(meta, "tokenizer.ggml.normalizer.strip_accents", bool, self.lowercase)
         self._longest = max(map(len, self.tokens))  # (characters) no vocab entry is longer
 
-    def encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
-        ids = super().encode(text, add_bos=add_bos, special=special)
+    def encode(self, text: str, *, add_bos: bool, special: bool, shielded: bool = False) -> list[int]:
+        ids = super().encode(text, add_bos=add_bos, special=special, shielded=shielded)
         if add_bos:
             if self.sep_id is None:
                 raise GGUFError("add_bos requested but the vocabulary has no separator token")
@@ -1484,10 +1486,10 @@ class UGMTokenizer(Tokenizer):
         self._user_prefixes = {t.encode()[:k] for i, t in enumerate(self.tokens) if self.attrs[i] & ATTR_USER_DEFINED
                                for k in range(1, len(t.encode()) + 1)}
 
-    def encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool, special: bool, shielded: bool = False) -> list[int]:
         """As Tokenizer.encode; add_bos stands for llama.cpp's add_special here: it also appends eos when
         `tokenizer.ggml.add_eos_token` (default true) is set."""
-        ids = super().encode(text, add_bos=add_bos, special=special)
+        ids = super().encode(text, add_bos=add_bos, special=special, shielded=shielded)
         if add_bos and self.add_eos:
             ids.append(self.eos_id)
         return ids

@@ -47,34 +47,37 @@ class Prompter:
         # the tokenizer's decode drops one leading space of the first piece (SentencePiece's add_space_prefix)
         self.tok_strips_space = bool(getattr(tokenizer, "add_space_prefix", False))
 
-    def encode(self, text: str, *, add_special: bool = True, param: str = "prompt", special: bool = True
-               ) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, param: str = "prompt", special: bool = True,
+               shielded: bool = False) -> list[int]:
         if len(text) > self.max_chars:
             raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
                                 "(max_model_len) can be", param)
-        return self._encode(text, add_special and self.tok.default_bos(text, True), param, special)
+        return self._encode(text, add_special and self.tok.default_bos(text, True), param, special, shielded)
 
-    def _encode(self, text: str, add_bos: bool, param: str, special: bool = True) -> list[int]:
-        """The tokenizer's ids for a request's text (special: its special-token texts parsed); whatever
-        ValueError it raises on that text (it is the client's) is ApiError(400), not a server error."""
+    def _encode(self, text: str, add_bos: bool, param: str, special: bool = True, shielded: bool = False
+                ) -> list[int]:
+        """The tokenizer's ids for a request's text (special: its special-token texts parsed; shielded: a rendered
+        conversation whose messages were shielded, Tokenizer.shield); whatever ValueError it raises on that text
+        (it is the client's) is ApiError(400), not a server error."""
         try:
-            return self.tok.encode(text, add_bos=add_bos, special=special)
+            return self.tok.encode(text, add_bos=add_bos, special=special, shielded=shielded)
         except ValueError as e:
             raise ApiError(400, f"the {param} cannot be tokenized: {e}", param) from None
 
-    def prompt(self, text: str, param: str = "prompt", *, add_special: bool = True, special: bool = True
-               ) -> list[int]:
+    def prompt(self, text: str, param: str = "prompt", *, add_special: bool = True, special: bool = True,
+               shielded: bool = False) -> list[int]:
         """A generation prompt's token ids; ApiError(400) for a text that cannot fit max_model_len, found by
         tokenizing prefixes of 8, 32, 128 ... times max_model_len characters when it is that long. add_special:
-        the BOS by the model's default (False: none); special: its special-token texts parsed (False: text)."""
+        the BOS by the model's default (False: none); special: its special-token texts parsed (False: text);
+        shielded: a conversation rendered by `render` (its messages' control-token texts stay text)."""
         size = PROBE_CHARS * self.max_model_len
         while size < len(text):
-            n = len(self._encode(text[:size], False, param, special))
+            n = len(self._encode(text[:size], False, param, special, shielded))
             if n > self.max_model_len + PROBE_SLACK:
                 raise ApiError(400, f"the {param} has more than {n - PROBE_SLACK} tokens in its first {size} "
                                     f"characters; max_model_len is {self.max_model_len}", param)
             size *= 4
-        return self.encode(text, add_special=add_special, param=param, special=special)
+        return self.encode(text, add_special=add_special, param=param, special=special, shielded=shielded)
 
     def completion(self, prompt) -> list[list[int]]:
         """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.
@@ -136,11 +139,13 @@ class Prompter:
         inside the final message, so that the answer goes on with it (an assistant prefill). add_special: the
         model's BOS rule (False: no BOS beyond what the template writes)."""
         if not continue_final_message:
-            return self.prompt(self.render(messages, add_generation_prompt, tools), "messages", add_special=add_special)
+            text = self.render(messages, add_generation_prompt, tools)
+            return self.prompt(text, "messages", add_special=add_special, shielded=True)
         if add_generation_prompt:                                            # (as vLLM answers it)
             raise ApiError(400, "continue_final_message goes on with the final message, so no new turn may follow "
                                 "it: send add_generation_prompt: false with it", "continue_final_message")
-        return self.prompt(self.render(messages, False, tools, True), "messages", add_special=add_special)
+        return self.prompt(self.render(messages, False, tools, True), "messages", add_special=add_special,
+                           shielded=True)
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """A token's text and bytes as logprobs show it (control tokens as their text)."""

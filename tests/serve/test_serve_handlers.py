@@ -36,7 +36,7 @@ class ByteTokenizer:
     def token_text(self, i: int) -> str:
         return self.token_bytes(i).decode()
 
-    def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool = False, special: bool = True, shielded: bool = False) -> list[int]:
         return [BOS] * add_bos + list(text.encode())
 
     def decode(self, ids, special: bool = False) -> str:
@@ -146,8 +146,8 @@ def test_tokenize_refuses_more_than_max_model_len_tokens():
     worker = ScriptedWorker()
     tok = worker.engine.tokenizer
     encoded = []
-    tok.encode = lambda text, add_bos=False, special=True: encoded.append(len(text)) or ByteTokenizer.encode(
-        tok, text, add_bos, special)
+    tok.encode = lambda text, add_bos=False, special=True, shielded=False: encoded.append(len(text)) or \
+        ByteTokenizer.encode(tok, text, add_bos, special)
     t = tokenize.ServingTokenize(worker, prompter(worker), SETTINGS)
     assert asyncio.run(t.tokenize(P.TokenizeRequest(content="x" * 64)))["count"] == 64
     for req, param in [(P.TokenizeRequest(content="x" * 65), "content"),

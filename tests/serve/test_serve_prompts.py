@@ -93,6 +93,18 @@ def test_continue_final_message_goes_on_after_control_token_text(tokenizer, fina
         tokenizer.encode(final, add_bos=False, special=False)
 
 
+def test_a_prompt_holding_shield_marks_is_tokenized_as_written(tokenizer):
+    """Only a rendered conversation is unshielded: a completion prompt (or a message) holding the tokenizer's
+    shield marks, U+FDD0 id U+FDD1, is those characters, as llama-server tokenizes them, not the token's text."""
+    start = tokenizer.token_to_id["<|im_start|>"]
+    text = f"a\ufdd0{start}\ufdd1b"
+    p = Prompter(tokenizer, "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}", MAX_MODEL_LEN)
+    [ids] = p.completion(text)
+    assert start not in ids and tokenizer.decode(ids, special=True).endswith(text)
+    ids = p.chat([ChatMessage(role="user", content=text)], add_generation_prompt=False)
+    assert ids.count(start) == 1 and tokenizer.decode(ids, special=True).endswith("<|im_start|>" + text)
+
+
 class Refusing(Recording):
     """A tokenizer that raises ValueError on any text holding "\\x00"."""
 
