@@ -52,7 +52,7 @@ class Prompter:
         if len(text) > self.max_chars:
             raise ApiError(400, f"the text ({len(text)} characters) is longer than {self.max_model_len} tokens "
                                 "(max_model_len) can be", param)
-        return self._encode(text, add_special and self.tok.default_bos(text, True), param, special, shielded)
+        return self._encode(text, add_special and self.tok.default_bos(text, special), param, special, shielded)
 
     def _encode(self, text: str, add_bos: bool, param: str, special: bool = True, shielded: bool = False
                 ) -> list[int]:

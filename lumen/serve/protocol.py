@@ -196,7 +196,8 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(_Body):
     """vLLM's (`prompt` or `messages`, add_special_tokens default true) or llama-server's (`content`,
-    add_special default false, with_pieces)."""
+    add_special default false, parse_special default true, with_pieces default false; null is the default, as
+    llama-server reads it, and another type a 400)."""
     model: str | None = None
     prompt: str | None = None
     content: str | None = None
@@ -207,7 +208,13 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_special: bool | None = None
     add_generation_prompt: bool = True
+    parse_special: bool = True                 # llama-server's: special-token text parsed as those tokens
     with_pieces: bool = False
+
+    @field_validator("parse_special", "with_pieces", mode="before")
+    @classmethod
+    def _null_flags(cls, v, info: ValidationInfo):
+        return cls.model_fields[info.field_name].default if v is None else v
 
 
 class DetokenizeRequest(_Body):

@@ -1,6 +1,8 @@
 """POST /tokenize and /detokenize, in vLLM's shapes (`prompt`, or `messages` with `tools`,
 `add_generation_prompt` and `continue_final_message` as a chat request takes them; `prompt` back) and llama-server's
-(`content`, `with_pieces`; `content` back). Both take at most max_model_len tokens, as a prompt does (400 beyond):
+(`content`, `add_special`, `parse_special`, `with_pieces`; `content` back). parse_special false (either text
+field) tokenizes special-token text ("<|im_start|>") as plain text; messages are always rendered with their markers
+parsed, so it is a 400 with them. Both take at most max_model_len tokens, as a prompt does (400 beyond):
 a text far past it is refused after tokenizing a prefix (lumen.serve.prompts), so neither stalls the server on a
 text no request could use."""
 from __future__ import annotations
@@ -22,6 +24,9 @@ class ServingTokenize(Serving):
         self.check_model(req.model)
         add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
         if req.messages is not None:                   # rendered as a chat request renders them: its usage says
+            if not req.parse_special:
+                raise P.ApiError(400, "messages are rendered with the template's special tokens parsed: leave "
+                                      "parse_special out (or true) with them", "parse_special")
             tools = await asyncio.to_thread(parse_tools, req.tools)      # the same prompt_tokens
             if req.tool_choice == "none":                                # (lumen.serve.openai.chat)
                 tools = None
@@ -34,7 +39,8 @@ class ServingTokenize(Serving):
             text, add, param = req.content, bool(add), "content"
         else:
             raise P.ApiError(400, "give prompt, content or messages", "prompt")
-        ids = await asyncio.to_thread(self.prompter.prompt, text, param, add_special=add is not False)
+        ids = await asyncio.to_thread(self.prompter.prompt, text, param, add_special=add is not False,
+                                      special=req.parse_special)
         return self.answer(ids, req.with_pieces, param)
 
     def answer(self, ids: list[int], with_pieces: bool, param: str) -> dict:
