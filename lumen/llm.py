@@ -258,7 +258,8 @@ class Model:
         return self._tokens(self.engine.stream(ids, params, metrics=stats), self.engine.end_ids)
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,
-             stats: RequestMetrics | None = None, **sampling) -> Iterator[Token]:
+             stats: RequestMetrics | None = None, chat_template_kwargs: dict | None = None,
+             **sampling) -> Iterator[Token]:
         """Yield the assistant's reply to a conversation, as generate() yields tokens.
 
         messages: [{"role": "system" | "user" | "assistant", "content": str}, ...], written by the model's chat
@@ -266,12 +267,14 @@ class Model:
         /v1/chat/completions write them; the reply ends with the turn (or at max_tokens). params and sampling
         keywords as for generate() (greedy unless a temperature is given). LumenError (lumen.format.chat's
         ChatTemplateError) for a model without a chat template or messages it cannot render.
+        chat_template_kwargs: more template variables (vLLM's, e.g. {"enable_thinking": False} for Qwen3).
         """
         from .format.chat import render_chat, require_chat_template
         tok = self.tokenizer
         text = render_chat(require_chat_template(self.metadata), tok.shield_messages(messages),  # (text stays text)
                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                           template_kwargs=chat_template_kwargs)
         ids = self.tokenize(text, special=True, shielded=True)          # (its markers; the messages' text as text)
         return self.generate(ids, params, stats=stats, **sampling)
 

@@ -204,9 +204,31 @@ def compile_template(template: str) -> jinja2.Template:
 # ---------------------------------------------------------------------------------------------------------
 # rendering
 
+# the variables and helpers render_chat gives a template itself: template_kwargs may not replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset(["messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                         "raise_exception", "strftime_now", "continue_final_message"])
+
+
+def check_template_kwargs(template_kwargs: Any) -> dict:
+    """vLLM's chat_template_kwargs as render_chat takes them: a mapping of variable names (strings) to values, none
+    of them a variable or helper render_chat sets itself (RESERVED_TEMPLATE_VARIABLES); ChatTemplateError else."""
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, Mapping):
+        raise ChatTemplateError(f"chat_template_kwargs must be an object of template variables, got "
+                                f"{type(template_kwargs).__name__}")
+    for key in template_kwargs:
+        if not isinstance(key, str):
+            raise ChatTemplateError(f"chat_template_kwargs keys must be strings, got {key!r}")
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {key!r}: the chat template gets it from the "
+                                    f"request itself (reserved: {', '.join(sorted(RESERVED_TEMPLATE_VARIABLES))})")
+    return dict(template_kwargs)
+
+
 def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_token: str,
                 add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with a GGUF/Hugging Face chat template.
 
     The template sees `messages`, `tools` (None when there are none), `bos_token`, `eos_token` and
@@ -220,6 +242,8 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     text: the caller tokenizes it with special tokens parsed, and should not add a BOS if the template already
     wrote `bos_token`. continue_final_message (with add_generation_prompt false): the text ends inside the final
     message, so that the model goes on with it (`_cut_final`); ContinueFinalError when it cannot be.
+    template_kwargs: more variables for the template (vLLM's chat_template_kwargs, such as Qwen3's
+    {"enable_thinking": false}), none of them one of its own (`check_template_kwargs`).
     """
     if continue_final_message and add_generation_prompt:
         raise ContinueFinalError("continue_final_message needs add_generation_prompt false")
@@ -227,8 +251,8 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
         raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
     tools = _openai_tools(tools)
     compiled = compile_template(template)
-    context = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=bool(add_generation_prompt),
-                   tools=tools)
+    context = dict(check_template_kwargs(template_kwargs), bos_token=bos_token, eos_token=eos_token,
+                   add_generation_prompt=bool(add_generation_prompt), tools=tools)
     text = _render(compiled, _template_messages(template, messages), **context)
     return _cut_final(template, messages, text, context) if continue_final_message else text
 
@@ -293,7 +317,7 @@ def _openai_tools(tools) -> list[dict] | None:
     return out or None
 
 
-def _render(compiled: jinja2.Template, messages: list, **context) -> str:
+def _render(compiled: jinja2.Template, messages: list, /, **context) -> str:
     try:
         return compiled.render(messages=messages, **context)
     except _TemplateRaised as e:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..format.chat import (ChatTemplateError, ContinueFinalError, NO_CHAT_TEMPLATE_MESSAGE, compile_template,
-                           message_text, render_chat)
+from ..format.chat import (ChatTemplateError, ContinueFinalError, NO_CHAT_TEMPLATE_MESSAGE, check_template_kwargs,
+                           compile_template, message_text, render_chat)
 from .protocol import ApiError, ChatMessage
 from .tools import Tool, check_messages, fallback_messages, template_takes_tools
 
@@ -105,10 +105,16 @@ class Prompter:
         return out
 
     def render(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
-               tools: list[Tool] | None = None, continue_final_message: bool = False) -> str:
+               tools: list[Tool] | None = None, continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> str:
         """The conversation as prompt text, through the chat template (sandboxed), with the request's tools;
         continue_final_message: ending inside the final message (render_chat's, 400 naming that field when the
-        final message cannot be continued)."""
+        final message cannot be continued); template_kwargs: the request's chat_template_kwargs (400 naming it
+        for one that would replace the template's own variables)."""
+        try:
+            check_template_kwargs(template_kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), "chat_template_kwargs") from None
         if self.template is None:
             raise ApiError(400, NO_CHAT_TEMPLATE_MESSAGE + " Or start the server with --chat-template FILE.",
                            "messages")
@@ -126,26 +132,27 @@ class Prompter:
         try:
             return render_chat(self.template, plain, bos_token=self.bos_text, eos_token=self.eos_text,
                                add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, **kw)
+                               continue_final_message=continue_final_message, template_kwargs=template_kwargs, **kw)
         except ContinueFinalError as e:
             raise ApiError(400, str(e), "continue_final_message") from None
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
 
     def chat(self, messages: list[ChatMessage] | None, add_generation_prompt: bool = True,
-             tools: list[Tool] | None = None, continue_final_message: bool = False, add_special: bool = True
-             ) -> list[int]:
+             tools: list[Tool] | None = None, continue_final_message: bool = False, add_special: bool = True,
+             template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt ids; with continue_final_message (vLLM's, add_generation_prompt false) they end
         inside the final message, so that the answer goes on with it (an assistant prefill). add_special: the
-        model's BOS rule (False: no BOS beyond what the template writes)."""
+        model's BOS rule (False: no BOS beyond what the template writes). template_kwargs: the request's
+        chat_template_kwargs, more variables for the template."""
         if not continue_final_message:
-            text = self.render(messages, add_generation_prompt, tools)
+            text = self.render(messages, add_generation_prompt, tools, template_kwargs=template_kwargs)
             return self.prompt(text, "messages", add_special=add_special, shielded=True)
         if add_generation_prompt:                                            # (as vLLM answers it)
             raise ApiError(400, "continue_final_message goes on with the final message, so no new turn may follow "
                                 "it: send add_generation_prompt: false with it", "continue_final_message")
-        return self.prompt(self.render(messages, False, tools, True), "messages", add_special=add_special,
-                           shielded=True)
+        return self.prompt(self.render(messages, False, tools, True, template_kwargs), "messages",
+                           add_special=add_special, shielded=True)
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """A token's text and bytes as logprobs show it (control tokens as their text)."""

@@ -187,6 +187,7 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False       # vLLM: the answer goes on with the final message (a prefill)
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM: more template variables ({"enable_thinking": false})
 
     @field_validator("logprobs", "add_generation_prompt", "continue_final_message", mode="before")
     @classmethod
@@ -205,6 +206,7 @@ class TokenizeRequest(_Body):
     tools: list[Any] | None = None             # with messages: rendered as a chat request renders them (not
     tool_choice: Any = None                    # shown with tool_choice "none")
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     add_special: bool | None = None
     add_generation_prompt: bool = True

@@ -438,3 +438,25 @@ def test_content_probe_ignores_the_templates_own_text():
     template = '{{ \'{"type": "text"}\' }}{% for m in messages %}{{ m.content }}{% endfor %}'
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert render(template, [{"role": "user", "content": parts}]) == '{"type": "text"}a\nb'
+
+
+def test_template_kwargs_are_variables_of_the_template():
+    """render_chat(template_kwargs=...): vLLM's chat_template_kwargs, as variables beside the template's own; one
+    that would replace those (messages, bos_token, raise_exception ...) or a non-mapping is a ChatTemplateError."""
+    from lumen.format.chat import RESERVED_TEMPLATE_VARIABLES
+    t = ("{% for m in messages %}{{ m.content }}{% endfor %}|{{ compiled | default('-') }}"
+         "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = dict(bos_token="<s>", eos_token="</s>", add_generation_prompt=False)
+    assert render_chat(t, msgs, **kw) == render_chat(t, msgs, template_kwargs={}, **kw) == "hi|-"
+    assert render_chat(t, msgs, template_kwargs={"enable_thinking": False}, **kw) == "hi|-<think></think>"
+    assert render_chat(t, msgs, template_kwargs={"compiled": 1}, **kw) == "hi|1"
+    said = [*msgs, {"role": "assistant", "content": "The"}]
+    assert render_chat(t, said, template_kwargs={"enable_thinking": False}, continue_final_message=True,
+                       **kw) == "hiThe"
+    for key in RESERVED_TEMPLATE_VARIABLES:
+        with pytest.raises(ChatTemplateError, match="may not set"):
+            render_chat(t, msgs, template_kwargs={key: 1}, **kw)
+    for bad in ([("enable_thinking", False)], "x", {1: True}):
+        with pytest.raises(ChatTemplateError, match="chat_template_kwargs"):
+            render_chat(t, msgs, template_kwargs=bad, **kw)

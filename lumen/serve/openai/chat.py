@@ -9,7 +9,9 @@ response_format with tools (as OpenAI's Agents SDK sends its output type on ever
 only: "auto" gives calls or JSON that follows it, "required" and a named function a call, "none" the JSON.
 
 continue_final_message (vLLM's; with add_generation_prompt false): the prompt ends inside the final message, so
-the answer goes on with it (an assistant prefill).
+the answer goes on with it (an assistant prefill). chat_template_kwargs (vLLM's): more variables for the template,
+such as Qwen3's {"enable_thinking": false}; one that would replace the template's own (messages, tools,
+add_generation_prompt, bos_token, ...) is a 400.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class ServingChat(Generation):
     async def prompt_ids(self, req: P.ChatCompletionRequest, tools) -> list[int]:
         """The conversation's prompt ids (with continue_final_message: ending inside the final message)."""
         return await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
-                                       req.continue_final_message)
+                                       req.continue_final_message, template_kwargs=req.chat_template_kwargs)
 
 
 @router.post("/v1/chat/completions")

@@ -31,7 +31,8 @@ class ServingTokenize(Serving):
             if req.tool_choice == "none":                                # (lumen.serve.openai.chat)
                 tools = None
             ids = await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
-                                          req.continue_final_message, add is not False)
+                                          req.continue_final_message, add is not False,
+                                          template_kwargs=req.chat_template_kwargs)
             return self.answer(ids, req.with_pieces, "messages")
         if req.prompt is not None:                                    # vLLM: special tokens added by default
             text, add, param = req.prompt, add is not False, "prompt"
