@@ -265,12 +265,16 @@ class Model:
         messages: [{"role": "system" | "user" | "assistant", "content": str}, ...], written by the model's chat
         template (tokenizer.chat_template) with the assistant's turn opened, as `lumen chat` and the server's
         /v1/chat/completions write them; the reply ends with the turn (or at max_tokens). params and sampling
-        keywords as for generate() (greedy unless a temperature is given). LumenError (lumen.format.chat's
-        ChatTemplateError) for a model without a chat template or messages it cannot render.
+        keywords as for generate() (greedy unless a temperature is given). Content may also be a list of
+        {"type": "text", "text": ...} parts, and None for an assistant message. ValueError (ChatMessageError) for
+        messages the server would answer with a 400 (an unknown role, content that is not text, a malformed tool
+        call: lumen.format.chat.plain_messages); LumenError (ChatTemplateError) for a model without a chat
+        template or messages its template cannot render.
         chat_template_kwargs: more template variables (vLLM's, e.g. {"enable_thinking": False} for Qwen3).
         """
-        from .format.chat import render_chat, require_chat_template
+        from .format.chat import plain_messages, render_chat, require_chat_template
         tok = self.tokenizer
+        messages = plain_messages(messages)
         text = render_chat(require_chat_template(self.metadata), tok.shield_messages(messages),  # (text stays text)
                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",

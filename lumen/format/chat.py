@@ -55,6 +55,138 @@ class ContinueFinalError(ChatTemplateError):
     """continue_final_message cannot go on with the final message (it has no text, or tool calls)."""
 
 
+class ChatMessageError(ChatTemplateError, ValueError):
+    """A conversation that is not one OpenAI would take: an unknown role, content that is not text, a malformed
+    tool call (the server answers it with a 400 naming the message)."""
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")     # OpenAI's chat roles
+
+
+def check_messages(messages: list[dict]) -> None:
+    """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
+    answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
+    calls say the same), `tool_calls` only on assistant messages and well formed (type "function", ids distinct
+    within the message, as OpenAI requires), and every `tool` message answers a call made before it (its
+    tool_call_id); ChatMessageError naming the message. A call's arguments are an object or an object's JSON text
+    ("" for none): a template would write any other value."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            raise ChatMessageError(f"messages[{i}].role {role!r} is not a chat role; OpenAI's are "
+                                   f"{', '.join(ROLES)}")
+        if role == "function":
+            raise ChatMessageError(f"messages[{i}] has role \"function\" (OpenAI's deprecated function calling), "
+                                   "which is not supported: send a function's result as {\"role\": \"tool\", "
+                                   "\"tool_call_id\": ..., \"content\": ...} answering an assistant's tool_calls")
+        if m.get("function_call") is not None:
+            raise ChatMessageError(f"messages[{i}].function_call (OpenAI's deprecated function calling) is not "
+                                   "supported: send the call as tool_calls, [{\"id\", \"type\": \"function\", "
+                                   "\"function\": {\"name\", \"arguments\"}}]")
+        if role != "assistant" and m.get("tool_calls"):
+            raise ChatMessageError(f"messages[{i}].tool_calls: only an assistant message calls tools, not a {role} "
+                                   "message")
+        if role == "assistant" and m.get("tool_calls") is not None:
+            calls |= _check_calls(i, m["tool_calls"])
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str):
+                raise ChatMessageError(f"messages[{i}] (role tool) needs a tool_call_id")
+            if tid not in calls:
+                raise ChatMessageError(f"messages[{i}] answers tool_call_id {tid!r}, which no earlier assistant "
+                                       "message called")
+
+
+def _check_calls(i: int, tcs) -> set[str]:
+    """The ids of messages[i]'s tool_calls, checked (check_messages)."""
+    if not isinstance(tcs, list):
+        raise ChatMessageError(f"messages[{i}].tool_calls must be a list")
+    ids: set[str] = set()
+    for j, tc in enumerate(tcs):
+        if isinstance(tc, dict) and tc.get("type", "function") != "function":
+            raise ChatMessageError(f"messages[{i}].tool_calls[{j}].type must be \"function\" (the only kind of "
+                                   f"call this server renders), got {tc['type']!r}")
+        if isinstance(tc, dict) and isinstance(tc.get("id"), str):
+            if tc["id"] in ids:         # (OpenAI refuses it too: a tool message could not say which)
+                raise ChatMessageError(f"messages[{i}].tool_calls[{j}].id {tc['id']!r} is the id of an earlier "
+                                       "call in this message; each call needs its own")
+            ids.add(tc["id"])
+        f = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ChatMessageError(f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
+                                   f"\"function\": {{\"name\", \"arguments\"}}}}")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except (ValueError, RecursionError):            # (nested past the parser's depth)
+                raise ChatMessageError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid "
+                                       "JSON") from None
+            if not isinstance(args, dict):
+                raise ChatMessageError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON "
+                                       f"object's text, got JSON {type(args).__name__}")
+            try:                    # an escape such as "\ud800" decodes to a lone surrogate: not text
+                json.dumps(args, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise ChatMessageError(f"messages[{i}].tool_calls[{j}].function.arguments escape a lone "
+                                       "surrogate (\\ud800-\\udfff), which is not text") from None
+        elif not isinstance(args, dict):
+            raise ChatMessageError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string "
+                                   "or an object")
+    return ids
+
+
+def plain_messages(messages) -> list[dict]:
+    """A conversation given to the Python API (Model.chat) as the server takes it: a non-empty list of message
+    dicts, each content a string, a list of {"type": "text", "text": ...} parts (joined; an assistant's
+    {"type": "refusal", "refusal": ...} parts as text, as vLLM), or None for an assistant message (""; one that
+    calls tools has none); the roles and tool calls as check_messages. Copies with the content one string;
+    ChatMessageError naming the message otherwise."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ChatMessageError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                               f"{type(messages).__name__}")
+    if not messages:
+        raise ChatMessageError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatMessageError(f"messages[{i}] must be a {{'role': ..., 'content': ...}} dict, got "
+                                   f"{type(m).__name__}")
+        out.append({**m, "content": _content_text(i, m)})
+    check_messages(out)
+    return out
+
+
+def _content_text(i: int, m: Mapping) -> str:
+    """messages[i]'s content as one string (plain_messages)."""
+    content, role = m.get("content"), m.get("role")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if role == "assistant" or (role not in ROLES):     # (an unknown role: check_messages names it)
+            return ""
+        raise ChatMessageError(f"messages[{i}].content is missing or None; a {role} message needs its text (a "
+                               "string, or a list of text parts)")
+    if not isinstance(content, (list, tuple)):
+        raise ChatMessageError(f"messages[{i}].content must be a string or a list of text parts, got "
+                               f"{type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+        if key is None:
+            raise ChatMessageError(f"messages[{i}].content[{j}]: only text parts (and an assistant's refusal "
+                                   f"parts) are supported, got {f'type {kind!r}' if kind else repr(part)[:80]}")
+        if not isinstance(part.get(key), str):
+            raise ChatMessageError(f"messages[{i}].content[{j}]: a {kind} part needs its {key}, a string")
+        texts.append(part[key])
+    text = ""
+    for t in texts:                     # joined as message_text joins them (llama.cpp, vLLM)
+        text += ("\n" if text else "") + t
+    return text
+
+
 class _TemplateRaised(Exception):
     """Raised by the template's own raise_exception(msg)."""
 

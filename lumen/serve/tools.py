@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.structured import Constraint, StructuredOutputError
+from ..format.chat import ChatMessageError, check_messages as _check_messages
 from ..engine.structured.constraint import (JSON_WHITESPACE, closed_objects, enforceable_patterns, known_formats,
                                             map_subschemas)
 from .protocol import ApiError
 
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
 CHOICES = ("none", "auto", "required")
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")     # OpenAI's chat roles
 
 
 @dataclass(frozen=True)
@@ -143,74 +143,12 @@ def parse_tool_choice(choice: Any, tools: list[Tool]) -> str:
 
 
 def check_messages(messages: list[dict]) -> None:
-    """Every role one of OpenAI's (a template drops a message of a role it does not know, and the model would
-    answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
-    calls say the same), `tool_calls` only on assistant messages and well formed (type "function", ids distinct
-    within the message, as OpenAI requires), and every `tool` message answers a call made before it (its
-    tool_call_id); ApiError(400, param "messages") naming the message. A call's arguments are an object or an object's JSON text ("" for none): a template would write any other value."""
-    calls: set[str] = set()
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role {role!r} is not a chat role; OpenAI's are "
-                                f"{', '.join(ROLES)}", "messages")
-        if role == "function":
-            raise ApiError(400, f"messages[{i}] has role \"function\" (OpenAI's deprecated function calling), "
-                                "which is not supported: send a function's result as {\"role\": \"tool\", "
-                                "\"tool_call_id\": ..., \"content\": ...} answering an assistant's tool_calls",
-                           "messages")
-        if m.get("function_call") is not None:
-            raise ApiError(400, f"messages[{i}].function_call (OpenAI's deprecated function calling) is not "
-                                "supported: send the call as tool_calls, [{\"id\", \"type\": \"function\", "
-                                "\"function\": {\"name\", \"arguments\"}}]", "messages")
-        if role != "assistant" and m.get("tool_calls"):
-            raise ApiError(400, f"messages[{i}].tool_calls: only an assistant message calls tools, not a {role} "
-                                "message", "messages")
-        if role == "assistant" and m.get("tool_calls") is not None:
-            tcs = m["tool_calls"]
-            if not isinstance(tcs, list):
-                raise ApiError(400, f"messages[{i}].tool_calls must be a list", "messages")
-            ids: set[str] = set()
-            for j, tc in enumerate(tcs):
-                if isinstance(tc, dict) and tc.get("type", "function") != "function":
-                    raise ApiError(400, f"messages[{i}].tool_calls[{j}].type must be \"function\" (the only kind of "
-                                        f"call this server renders), got {tc['type']!r}", "messages")
-                if isinstance(tc, dict) and isinstance(tc.get("id"), str):
-                    if tc["id"] in ids:         # (OpenAI refuses it too: a tool message could not say which)
-                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].id {tc['id']!r} is the id of an earlier "
-                                            "call in this message; each call needs its own", "messages")
-                    ids.add(tc["id"])
-                f = tc.get("function") if isinstance(tc, dict) else None
-                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                    raise ApiError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
-                                        f"\"function\": {{\"name\", \"arguments\"}}}}", "messages")
-                args = f.get("arguments", "{}")
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args or "{}")
-                    except (ValueError, RecursionError):            # (nested past the parser's depth)
-                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
-                                       "messages") from None
-                    if not isinstance(args, dict):
-                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON "
-                                            f"object's text, got JSON {type(args).__name__}", "messages")
-                    try:                    # an escape such as "\ud800" decodes to a lone surrogate: not text
-                        json.dumps(args, ensure_ascii=False).encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments escape a lone "
-                                            "surrogate (\\ud800-\\udfff), which is not text", "messages") from None
-                elif not isinstance(args, dict):
-                    raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string "
-                                        "or an object", "messages")
-                if isinstance(tc.get("id"), str):
-                    calls.add(tc["id"])
-        elif role == "tool":
-            tid = m.get("tool_call_id")
-            if not isinstance(tid, str):
-                raise ApiError(400, f"messages[{i}] (role tool) needs a tool_call_id", "messages")
-            if tid not in calls:
-                raise ApiError(400, f"messages[{i}] answers tool_call_id {tid!r}, which no earlier assistant "
-                                    "message called", "messages")
+    """lumen.format.chat.check_messages (what a conversation may hold, shared with Model.chat) as ApiError(400,
+    param "messages") naming the message."""
+    try:
+        _check_messages(messages)
+    except ChatMessageError as e:
+        raise ApiError(400, str(e), "messages") from None
 
 
 # --- the fallback prompt, for a chat template that does not take tools -----------------------------------------

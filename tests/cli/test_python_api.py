@@ -97,6 +97,55 @@ def test_chat_errors(model, tmp_path):
         lumen.load(tmp_path / "tiny.gguf").chat([{"role": "user", "content": "Hi"}])
 
 
+USER = {"role": "user", "content": "Hi"}
+CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "wizard", "content": "Hi"}], "messages[0].role 'wizard' is not a chat role"),
+    ([{"content": "Hi"}], "messages[0].role None is not a chat role"),
+    ([USER, {"role": "function", "name": "f", "content": "3"}], "messages[1] has role \"function\""),
+    ([USER, {"role": "tool", "tool_call_id": "c9", "content": "3"}], "no earlier assistant"),
+    ([USER, {"role": "user", "content": "x", "tool_calls": CALL["tool_calls"]}], "only an assistant message"),
+], ids=["unknown-role", "no-role", "function-role", "tool-without-call", "user-tool-calls"])
+def test_chat_refuses_messages_as_the_server_does(model, messages, words):
+    """Model.chat rendered an unknown role (the template dropped the message, the model answered as if it had not
+    been sent); the server answered the same messages with a 400. Both say the same now."""
+    from lumen.serve.protocol import ApiError
+    from lumen.serve.tools import check_messages
+    with pytest.raises(ValueError) as api:
+        model.chat(messages, max_tokens=1)
+    assert words in str(api.value)
+    with pytest.raises(ApiError) as server:
+        check_messages(messages)
+    assert server.value.message == str(api.value) and server.value.status == 400
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "user", "content": None}], "messages[0].content is missing or None; a user message needs its text"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content is missing or None"),
+    ([{"role": "user", "content": 5}], "messages[0].content must be a string or a list of text parts, got int"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "a text part needs its text"),
+    (["Hi"], "messages[0] must be a {'role': ..., 'content': ...} dict, got str"),
+    ([], "messages must be a non-empty list"),
+])
+def test_chat_refuses_content_that_is_not_text(model, messages, words):
+    """A user message with content None ended in the template's "TypeError: can only concatenate str (not
+    "NoneType") to str"; no messages at all rendered a prompt with no turn in it."""
+    with pytest.raises(ValueError) as e:
+        model.chat(messages, max_tokens=1)
+    assert words in str(e.value)
+
+
+def test_chat_takes_text_parts_and_an_assistant_without_content(model):
+    """OpenAI's message forms: content as text parts, an assistant's content None (the server takes both)."""
+    want = [t.id for t in model.chat([USER, {"role": "assistant", "content": ""}, USER], max_tokens=3)]
+    parts = {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}
+    assert [t.id for t in model.chat([parts, {"role": "assistant", "content": None}, USER], max_tokens=3)] == want
+
+
 def test_engine_config_must_be_an_engine_config(model):
     """A dict of options given as the config ended in "AttributeError: 'dict' object has no attribute
     'pack_cache'"."""
