@@ -23,7 +23,7 @@ import time
 from .commands import prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
-from .errors import LumenError
+from .errors import LumenError, plural
 from .generate import (NO_LIMIT, add_sampling_args, check_max_tokens, load_model, print_summary, process_escapes, render_messages,
                        sampling_from_args, status_while_compiling, summary_line)
 from .model.store import DEFAULT_MODEL
@@ -86,8 +86,8 @@ class Conversation:
             if len(ids) + room <= self.model.n_ctx:
                 return ids
             if len(messages) <= 1:
-                raise LumenError(f"the message takes {len(ids)} tokens: with {room} for the reply that exceeds the "
-                                 f"context of {self.model.n_ctx} tokens (--ctx)")
+                raise LumenError(f"the message takes {plural(len(ids), 'token')}: with {room} for the reply that "
+                                 f"exceeds the context of {plural(self.model.n_ctx, 'token')} (--ctx)")
             messages[:] = messages[2:] if messages[1]["role"] == "assistant" else messages[1:]
             self.dropped += 1
 

@@ -24,3 +24,8 @@ class ContextError(LumenError, ValueError):
 
 class ContextWarning(UserWarning):
     """A context length beyond the one the model was trained on (the CLIs refuse it unless --force-ctx)."""
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 token', '2 tokens', '0 tokens': a count and its noun, as a message says them."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

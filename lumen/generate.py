@@ -15,7 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from .errors import LumenError
+from .errors import LumenError, plural
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
 from .commands import prog, run, threads_error, trained_context_only
@@ -376,16 +376,16 @@ def tokens_to_generate(model, prompt, special: bool, max_tokens: int | None) -> 
     n_prompt = len(prompt_ids(prompt, model.tokenizer, model.config.n_vocab, special))
     room = model.n_ctx - n_prompt
     if room < 1:
-        raise LumenError(f"the prompt ({n_prompt} tokens) leaves no room to generate in the context of "
-                         f"{model.n_ctx} tokens: give a larger --ctx or a shorter prompt")
+        raise LumenError(f"the prompt ({plural(n_prompt, 'token')}) leaves no room to generate in the context of "
+                         f"{plural(model.n_ctx, 'token')}: give a larger --ctx or a shorter prompt")
     if max_tokens is None:
         return min(DEFAULT_MAX_TOKENS, room)
     if max_tokens == NO_LIMIT:
         return room
     if max_tokens > room:
-        raise LumenError(f"the prompt ({n_prompt} tokens) and --max-tokens {max_tokens} exceed the context of "
-                         f"{model.n_ctx} tokens: give --ctx {n_prompt + max_tokens} or more, or -n {NO_LIMIT} to "
-                         "generate to the context's end")
+        raise LumenError(f"the prompt ({plural(n_prompt, 'token')}) and --max-tokens {max_tokens} exceed the context "
+                         f"of {plural(model.n_ctx, 'token')}: give --ctx {n_prompt + max_tokens} or more, or "
+                         f"-n {NO_LIMIT} to generate to the context's end")
     return max_tokens
 
 
@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write("\n")
         out.flush()
         if parser is not None and stats.stop_reason == "length":
-            print(f"note: the reply was cut at {stats.gen_tokens} tokens (--max-tokens, --ctx): a tool call in it is "
-                  "incomplete or missing", file=sys.stderr, flush=True)
+            print(f"note: the reply was cut at {plural(stats.gen_tokens, 'token')} (--max-tokens, --ctx): a tool call "
+                  "in it is incomplete or missing", file=sys.stderr, flush=True)
     except (LumenError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # plain: one line, no markup parsing of paths
         return 1

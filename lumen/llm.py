@@ -17,7 +17,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import ContextError, ContextWarning, LumenError
+from .errors import ContextError, ContextWarning, LumenError, plural
 from .kernels.attention import BLOCK
 from .engine.admission import prompt_ids
 from .engine.config import check_int
@@ -143,9 +143,9 @@ class Model:
             bad = int(ids[(ids < 0) | (ids >= self.config.n_vocab)][0])
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.config.n_vocab - 1})")
         if self.n_past + ids.size > self.n_ctx:
-            raise ContextError(f"{self.n_past} tokens in the cache + {ids.size} new ones exceed the context "
-                               f"of {self.n_ctx} tokens; load the model with a larger ctx (max trained: "
-                               f"{self.config.ctx_train})")
+            raise ContextError(f"{plural(self.n_past, 'token')} in the cache + {plural(ids.size, 'new one')} exceed "
+                               f"the context of {plural(self.n_ctx, 'token')}; load the model with a larger ctx "
+                               f"(max trained: {self.config.ctx_train})")
 
     def _run(self, ids: np.ndarray, n_out: int, phase: str, logits: np.ndarray | None = None) -> np.ndarray:
         """One forward call over a chunk (len <= n_batch) at the current position: logits of its last n_out rows."""
@@ -253,8 +253,8 @@ class Model:
         ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)   # RequestError if bad
         n_new = params.max_tokens or 0
         if len(ids) + n_new > self.n_ctx:
-            raise ContextError(f"the prompt ({len(ids)} tokens) plus max_tokens ({n_new}) exceeds the "
-                               f"context of {self.n_ctx} tokens; use a larger ctx or fewer tokens")
+            raise ContextError(f"the prompt ({plural(len(ids), 'token')}) plus max_tokens ({n_new}) exceeds the "
+                               f"context of {plural(self.n_ctx, 'token')}; use a larger ctx or fewer tokens")
         return self._tokens(self.engine.stream(ids, params, metrics=stats), self.engine.end_ids)
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,

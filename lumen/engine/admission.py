@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ContextError, LumenError
+from ..errors import ContextError, LumenError, plural
 from .block_manager import BlockManager
 from .sampling.params import SamplingParams
 
@@ -43,14 +43,15 @@ def admit(prompt, params: SamplingParams, tokenizer, n_vocab: int, max_model_len
     ids = prompt_ids(prompt, tokenizer, n_vocab, params.special)
     n, limit = len(ids), max_model_len
     if n >= limit:
-        raise ContextError(f"the prompt has {n} tokens; max_model_len is {limit}, which must also leave room "
+        raise ContextError(f"the prompt has {plural(n, 'token')}; max_model_len is {limit}, which must also leave room "
                            f"for at least one generated token")
     max_tokens = limit - n if params.max_tokens is None else params.max_tokens
     if n + max_tokens > limit:
-        raise ContextError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
+        raise ContextError(f"the prompt ({plural(n, 'token')}) plus max_tokens ({max_tokens}) exceeds max_model_len "
                            f"({limit})")
     need = BlockManager.blocks_for(n + max_tokens)
     if need > pool_blocks:
-        raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks but "
-                           f"the pool has {pool_blocks}; raise kv_cache_mb or lower max_tokens")
+        raise RequestError(f"the prompt ({plural(n, 'token')}) plus max_tokens ({max_tokens}) needs "
+                           f"{plural(need, 'KV block')} but the pool has {pool_blocks}; raise kv_cache_mb or lower "
+                           "max_tokens")
     return ids, max_tokens

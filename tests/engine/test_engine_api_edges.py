@@ -128,3 +128,28 @@ def test_speculative_logprobs_end_with_the_tokens(engine, stop):
         out = engine.generate([ids], sp)[0]
         assert len(out.logprobs) == len(out.token_ids)
         assert out.logprobs == want.logprobs[:len(out.token_ids)]
+
+
+def test_counts_in_errors_are_singular_or_plural(engine, smollm2_path):
+    """It said "the prompt (1 tokens)": one token, one KV block are singular, other counts plural."""
+    n = engine.max_model_len
+    with pytest.raises(lumen.ContextError, match=rf"^the prompt \(1 token\) plus max_tokens \({n}\) exceeds"):
+        engine.add_request([1], SamplingParams(max_tokens=n))
+    with pytest.raises(lumen.ContextError, match=rf"^the prompt \(2 tokens\) plus max_tokens \({n - 1}\) exceeds"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=n - 1))
+    m = lumen.load(smollm2_path, ctx=16, threads=1)
+    with pytest.raises(lumen.ContextError, match=r"^the prompt \(1 token\) plus max_tokens \(16\) exceeds the "
+                                                 r"context of 16 tokens"):
+        m.generate([1], max_tokens=16)
+    m.prefill(list(range(1, 16)))
+    with pytest.raises(lumen.ContextError, match=r"^15 tokens in the cache \+ 2 new ones exceed"):
+        m.prefill([1, 2])
+    m.prefill([1])
+    with pytest.raises(lumen.ContextError, match=r"^16 tokens in the cache \+ 1 new one exceed"):
+        m.decode(1)
+    assert serves(engine)
+
+
+def test_plural():
+    from lumen.errors import plural
+    assert [plural(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
