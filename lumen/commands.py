@@ -70,9 +70,12 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
     - its reader gone (`... | head`): quiet, status 141 (128 + SIGPIPE, as a shell reports `yes | head`);
     - Ctrl-C that the tool did not handle itself: one line, status 130 (128 + SIGINT), no traceback.
     argparse's exits (--help, a usage error) pass through, their output flushed here too. Started with stdout
-    closed (`>&-`, where Python's sys.stdout is None), the output goes nowhere, as to /dev/null."""
+    closed (`>&-`, where Python's sys.stdout is None), the output goes nowhere, as to /dev/null. On a stdout that
+    cannot encode all text (PYTHONIOENCODING=ascii, a Latin-1 locale) a character it lacks is written as its
+    backslash escape (caf\\xe9), as Python writes stderr, not a UnicodeEncodeError halfway through the text."""
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")
+    escape_unencodable(sys.stdout)
     try:
         try:
             code = main(argv)
@@ -88,6 +91,18 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())           # the interpreter's own last flush must not fail again
         return 141
+
+
+def escape_unencodable(stream) -> None:
+    """Make a text stream whose encoding is not a UTF one write what it cannot encode as backslash escapes."""
+    import codecs
+    encoding, errors = getattr(stream, "encoding", None), getattr(stream, "errors", None)
+    try:
+        utf = codecs.lookup(encoding).name.startswith("utf")
+    except (LookupError, TypeError):
+        return
+    if not utf and errors == "strict" and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="backslashreplace")
 
 
 def check_writable(path: str, what: str) -> str | None:

@@ -1,0 +1,35 @@
+"""A terminal or pipe whose encoding cannot write all text (PYTHONIOENCODING=ascii, a Latin-1 locale): the text
+the model generates is printed with backslash escapes for what it cannot encode, status 0, never a
+UnicodeEncodeError halfway through the reply."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lumen.commands import run
+
+
+@pytest.mark.parametrize("encoding, want", [("ascii", b"caf\\xe9 \\u65e5\n"), ("latin-1", b"caf\xe9 \\u65e5\n"),
+                                            ("utf-8", "café 日\n".encode())])
+def test_run_escapes_what_stdout_cannot_encode(monkeypatch, encoding, want):
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding=encoding)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert run(lambda argv: print("café 日") or 0) == 0
+    assert raw.getvalue() == want
+
+
+@pytest.mark.parametrize("env", [{"PYTHONIOENCODING": "ascii"}, {"PYTHONIOENCODING": "latin-1"},
+                                 {"LANG": "C", "LC_ALL": "C"}], ids=["ascii", "latin-1", "C-locale"])
+def test_generate_prints_what_the_terminal_cannot_encode_escaped(smollm2_path, env):
+    """`--choice` makes the reply non-ASCII whatever the model would say."""
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-p", "Say café:",
+                        "--choice", "café 日本", "-n", "20"], capture_output=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **env}, timeout=300)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert r.stdout in (b"caf\\xe9 \\u65e5\\u672c\n", b"caf\xe9 \\u65e5\\u672c\n", "café 日本\n".encode()), r.stdout
+    assert b"Traceback" not in r.stderr and b"generated" in r.stderr
