@@ -302,12 +302,12 @@ def render_messages(model, template: str, messages: list[dict], tools=None, spec
                        add_generation_prompt=True, **kw)
 
 
-def summary_line(stats) -> str:
+def summary_line(stats, reason: str | None = None) -> str:
     """One request's figures from its RequestMetrics: prompt tokens, TTFT, prefill and decode tok/s, TPOT, tokens
-    generated and why it ended."""
+    generated and why it ended (reason, else its stop_reason)."""
     return (f"prompt {stats.prompt_tokens} tok | TTFT {stats.prefill_s * 1e3:.0f} ms | prefill "
             f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT "
-            f"{(stats.tpot_s or 0.0) * 1e3:.1f} ms | {stats.gen_tokens} generated ({stats.stop_reason})")
+            f"{(stats.tpot_s or 0.0) * 1e3:.1f} ms | {stats.gen_tokens} generated ({reason or stats.stop_reason})")
 
 
 def print_summary(console, line: str) -> None:
@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    gen = None                                           # the generation, once it runs (Ctrl-C reports it)
     try:
         if not args.no_escape:
             args.stop = [process_escapes(s) for s in args.stop]
@@ -526,16 +527,26 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the store and the pack cache say what to do; anything else at least names the file
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+    except KeyboardInterrupt:                            # Ctrl-C: the text so far ends its line, and its figures
+        if gen is not None:
+            gen.close()                                  # (aborts the request)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print_summary(err, run_summary(stats, t_load, t_compile, args.speculative, "interrupted"))
+        print("interrupted", file=sys.stderr)
         return 130
-    line = (summary_line(stats) + f" | load {t_load:.2f} s"
+    print_summary(err, run_summary(stats, t_load, t_compile, args.speculative))
+    return 0
+
+
+def run_summary(stats, t_load: float, t_compile: float, speculative: str | None, reason: str | None = None) -> str:
+    """The summary line of a run (summary_line, the load and warm-up times, the speculative counts); reason: why
+    it ended, when not the request's stop reason."""
+    return (summary_line(stats, reason) + f" | load {t_load:.2f} s"
             + (f" | warm-up {t_compile:.1f} s" if t_compile > 1.0 else "")
-            + (f" | {args.speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "
+            + (f" | {speculative}: {100 * stats.acceptance_rate:.0f}% of {stats.spec_proposed} drafted accepted, "
                f"{stats.mean_accepted_length:.2f} tok/verify step over {stats.spec_steps} steps"
                if stats.spec_steps else ""))
-    print_summary(err, line)
-    return 0
 
 
 if __name__ == "__main__":

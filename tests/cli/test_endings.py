@@ -101,3 +101,25 @@ def test_a_closed_stdout_is_written_nowhere(smollm2_path):
                        preexec_fn=lambda: os.close(1), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                        timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr and "generated" in r.stderr, r.stderr
+
+
+def test_ctrl_c_in_generate_keeps_the_text_and_its_figures(smollm2_path):
+    """Ctrl-C while generate decodes: the text so far ends its line, the summary line says how far it got, then
+    "interrupted" and status 130; it was "interrupted" alone, the figures lost."""
+    p = subprocess.Popen([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-p", "Once upon a time",
+                          "-n", "-1", "--ignore-eos"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    try:
+        first = os.read(p.stdout.fileno(), 64)           # the first tokens are out: it is decoding
+        assert first, p.stderr.read()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    out, err = (first + out).decode(), err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and err.strip().endswith("interrupted"), err
+    assert out.strip() and out.endswith("\n"), out
+    summary = [line for line in err.splitlines() if " generated (" in line]
+    assert len(summary) == 1 and summary[0].startswith("prompt ") and "generated (interrupted) | load" in summary[0]
+    assert int(summary[0].split(" generated (")[0].rsplit("| ", 1)[1]) >= 1, summary
