@@ -8,6 +8,7 @@ engine's stream. The two never share a runner, so `reset()` only ever touches th
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from .engine.sequence import RequestMetrics
 DEFAULT_CTX = 2048
 MAX_CTX = 1 << 24           # the most positions RoPE tables hold exactly in float32 (lumen.kernels.rope)
 DEFAULT_BATCH = 256
+DEFAULT_MAX_TOKENS = 128    # generate()'s max_tokens when none is given
 
 
 class Token(NamedTuple):
@@ -226,7 +228,8 @@ class Model:
         prompt: text (tokenized with the model's BOS default; `special` parses special-token text) or token ids.
         params: a lumen.SamplingParams; or its fields as keywords (`sampling`: max_tokens, temperature, top_k,
         top_p, min_p, the penalties, seed, stop, special, speculative, ignore_eos, constraint, ...), where
-        max_tokens defaults to 128 (None: the rest of the context) and temperature to 0 (greedy).
+        max_tokens defaults to 128, or fewer where the context ends (None: the rest of the context), and
+        temperature to 0 (greedy).
         Stops at max_tokens, an end-of-generation token (EOS / end-of-turn from the metadata), or a stop string
         (the text before it is yielded, the stop string itself is not). The end-of-generation token itself is
         yielded only if it releases held-back text (a possible stop-string prefix), with that text.
@@ -234,8 +237,9 @@ class Model:
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
+        default_length = params is None and "max_tokens" not in sampling
         if params is None:
-            sampling = {"max_tokens": 128, "temperature": 0.0, **sampling}
+            sampling = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, **sampling}
             if sampling["max_tokens"] is not None:              # None: the rest of the context
                 check_int("max_tokens", sampling["max_tokens"], 0)
                 if sampling["max_tokens"] == 0:
@@ -251,6 +255,13 @@ class Model:
             raise ValueError('speculative="draft" needs a draft model: call model.speculation(draft_model=M) '
                              "first (a lumen.Model, registry name or .gguf path sharing this vocabulary)")
         ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)   # RequestError if bad
+        room = self.n_ctx - len(ids)
+        if room < 1:
+            raise ContextError(f"the prompt ({plural(len(ids), 'token')}) leaves no room to generate in the context "
+                               f"of {plural(self.n_ctx, 'token')}; load the model with a larger max_model_len or "
+                               "shorten the prompt")
+        if default_length and params.max_tokens > room:      # the default ends where the context does
+            params = dataclasses.replace(params, max_tokens=room)
         n_new = params.max_tokens or 0
         if len(ids) + n_new > self.n_ctx:
             raise ContextError(f"the prompt ({plural(len(ids), 'token')}) plus max_tokens ({n_new}) exceeds the "

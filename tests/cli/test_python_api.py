@@ -183,3 +183,19 @@ def test_draft_speculation_without_a_draft_model_says_how_to_give_one(model):
     Model user calls."""
     with pytest.raises(ValueError, match=r"model.speculation\(draft_model=M\)"):
         model.generate("Hi", max_tokens=2, speculative="draft")
+
+
+def test_the_default_max_tokens_ends_where_the_context_does(model):
+    """A 100-token prompt in a 128-token context: the default max_tokens (128, never given) was refused ("the
+    prompt (100 tokens) plus max_tokens (128) exceeds the context"); it now stops at the context's end, as
+    `lumen generate` does. A max_tokens given is still checked, and a prompt that fills the context is refused."""
+    from lumen.engine.sequence import RequestMetrics
+    stats = RequestMetrics()
+    got = list(model.generate(list(range(1, 101)), ignore_eos=True, stats=stats))
+    assert len(got) == 28 and stats.stop_reason == "length"
+    with pytest.raises(lumen.ContextError, match=r"^the prompt \(100 tokens\) plus max_tokens \(29\) exceeds"):
+        model.generate(list(range(1, 101)), max_tokens=29)
+    with pytest.raises(lumen.ContextError, match=r"^the prompt \(128 tokens\) leaves no room to generate in the "
+                                                 r"context of 128 tokens; load the model with a larger max_model_len"):
+        model.generate(list(range(1, 129)))
+    assert len(list(model.generate([1], ignore_eos=True))) == 127
