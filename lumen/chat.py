@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from .commands import prog, run, threads_error
+from .commands import Parser, prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError, plural
@@ -36,7 +36,7 @@ REPLY_ROOM = 256            # tokens a reply is sure to have when --max-tokens i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("chat"), description="Chat with a GGUF model in the terminal "
+    ap = Parser(prog=prog("chat"), description="Chat with a GGUF model in the terminal "
                                  "(multi-turn, through the model's chat template).", epilog=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="registry name (see python -m lumen.models) or "

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def dispatch(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "help" and argv[1] in COMMANDS:     # `lumen help generate`, as git and pip
+    if len(argv) == 2 and argv[0] == "help":             # `lumen help generate`, as git and pip
         argv = [argv[1], "--help"]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

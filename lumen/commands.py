@@ -9,6 +9,7 @@ model loads; 1 for a run that failed; 130 and 141 from run().
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import warnings
@@ -41,6 +42,14 @@ EXIT_STATUS = """exit status (every command):
        an output path that cannot be written (--json), a llama.cpp tool path that is not an executable, no prompt
   130  interrupted (Ctrl-C)
   141  the reader of the output went away (`lumen generate ... | head`)"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a wrong command line is one line on stderr, `prog: error: message`, and status 2
+    (argparse prints its whole usage first: 20 lines for generate, the error last)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def threads_error(threads: int | None) -> str | None:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from .errors import LumenError, plural
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
-from .commands import prog, run, threads_error, trained_context_only
+from .commands import Parser, prog, run, threads_error, trained_context_only
 from .engine.config import THREAD_FLAGS, EngineConfig, check_int
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
@@ -146,7 +146,7 @@ def without_last_newline(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("generate"), description="Generate text with a GGUF model.",
+    ap = Parser(prog=prog("generate"), description="Generate text with a GGUF model.",
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name (see python -m lumen.models) or path to a .gguf file "
