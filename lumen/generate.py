@@ -19,7 +19,7 @@ from .errors import LumenError, plural
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
 from .commands import Parser, prog, run, threads_error, trained_context_only
-from .engine.config import THREAD_FLAGS, EngineConfig, check_int
+from .engine.config import THREAD_FLAGS, EngineConfig, SpeculativeConfig, check_int
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
 HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                        num_speculative_tokens=args.num_speculative_tokens)
         if why := threads_error(args.threads):
             raise ValueError(why)
+        if args.speculative:                             # --ngram-min/-max, --draft-vocab: in range
+            SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens or 5, ngram_min=args.ngram_min,
+                              ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
         if args.ctx is not None:
             from .llm import MAX_CTX
             check_int("ctx", args.ctx, hi=MAX_CTX)
