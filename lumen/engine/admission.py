@@ -21,7 +21,10 @@ def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
         ids = tokenizer.encode(prompt, add_bos=tokenizer.default_bos(prompt, special), special=special)
     elif isinstance(prompt, (list, tuple, np.ndarray)):
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise RequestError("a token-id prompt must hold integers")     # ("1" or 1.0 is not a token id)
+            texts = len(prompt) > 0 and all(isinstance(t, str) for t in prompt)    # ("1" or 1.0: no token id)
+            raise RequestError("a token-id prompt must hold integers" + (
+                f", got {len(prompt)} strings: one prompt is one string (lumen.Engine.generate takes a list of "
+                "prompts)" if texts else ""))
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < n_vocab]
         if bad:

@@ -199,3 +199,13 @@ def test_the_default_max_tokens_ends_where_the_context_does(model):
                                                  r"context of 128 tokens; load the model with a larger max_model_len"):
         model.generate(list(range(1, 129)))
     assert len(list(model.generate([1], ignore_eos=True))) == 127
+
+
+def test_a_list_of_prompts_to_model_generate_says_one_prompt_is_one_string(model):
+    """model.generate(["a", "b"]) said "a token-id prompt must hold integers", which a caller who gave text
+    could not read as "give one prompt"."""
+    with pytest.raises(ValueError, match=r"^a token-id prompt must hold integers, got 2 strings: one prompt is one "
+                                         r"string \(lumen.Engine.generate takes a list of prompts\)$"):
+        model.generate(["Hello", "World"])
+    with pytest.raises(ValueError, match=r"^a token-id prompt must hold integers$"):
+        model.generate([1, "2"])
