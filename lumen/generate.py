@@ -117,11 +117,15 @@ def sampling_from_args(args, chat: bool) -> dict:
 
 def read_stdin_prompt(stream) -> str:
     """A prompt piped on stdin, as is but for one trailing newline (as llama.cpp reads a prompt file, -f): echo
-    and a file's last line end in one the user did not mean as part of the prompt."""
+    and a file's last line end in one the user did not mean as part of the prompt. Read as UTF-8 bytes where the
+    stream has them, whatever the locale's encoding (an ASCII one refused "café"; a Latin-1 one made it "cafÃ©"),
+    as --file reads."""
+    buffer = getattr(stream, "buffer", None)
     try:
-        text = stream.read()
+        text = stream.read() if buffer is None else buffer.read().decode("utf-8")
     except UnicodeDecodeError as e:                      # (a strict UTF-8 stdin; a C locale's escapes the bytes)
-        raise ValueError(f"the prompt on stdin is not valid UTF-8 ({e.reason})") from None
+        at = f" at byte {e.start}" if buffer is not None else ""
+        raise ValueError(f"the prompt on stdin is not valid UTF-8 ({e.reason}{at})") from None
     return without_last_newline(text)
 
 

@@ -33,3 +33,21 @@ def test_generate_prints_what_the_terminal_cannot_encode_escaped(smollm2_path, e
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     assert r.stdout in (b"caf\\xe9 \\u65e5\\u672c\n", b"caf\xe9 \\u65e5\\u672c\n", "café 日本\n".encode()), r.stdout
     assert b"Traceback" not in r.stderr and b"generated" in r.stderr
+
+
+def test_a_prompt_on_stdin_is_utf8_whatever_the_locale(smollm2_path):
+    """Under PYTHONIOENCODING=ascii `printf 'café' | lumen generate` said "the prompt on stdin is not valid
+    UTF-8", and under latin-1 the prompt was "cafÃ©"; stdin is read as UTF-8 bytes, as --file is."""
+    from lumen.generate import read_stdin_prompt
+    for encoding in ("ascii", "latin-1", "utf-8"):
+        stream = io.TextIOWrapper(io.BytesIO("Say café 日本\n".encode()), encoding=encoding)
+        assert read_stdin_prompt(stream) == "Say café 日本"
+    with pytest.raises(ValueError, match=r"^the prompt on stdin is not valid UTF-8 \(invalid start byte at byte 2\)$"):
+        read_stdin_prompt(io.TextIOWrapper(io.BytesIO(b"ab\xff"), encoding="ascii"))
+    assert read_stdin_prompt(io.StringIO("text\n")) == "text"                    # a stream without bytes
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-n", "1"],
+                       input="Say café".encode(), capture_output=True, timeout=300,
+                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONIOENCODING": "ascii"})
+    import lumen
+    n = len(lumen.load(smollm2_path, ctx=64, threads=1).tokenize("Say café"))
+    assert r.returncode == 0 and f"prompt {n} tok |".encode() in r.stderr, r.stderr
