@@ -238,6 +238,10 @@ class Model:
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
         default_length = params is None and "max_tokens" not in sampling
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown := [k for k in sampling if k not in fields]:     # (not "SamplingParams.__init__() got ...")
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the sampling keywords are "
+                            f"lumen.SamplingParams' fields: {', '.join(sorted(fields))}")
         if params is None:
             sampling = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, **sampling}
             if sampling["max_tokens"] is not None:              # None: the rest of the context

@@ -209,3 +209,15 @@ def test_a_list_of_prompts_to_model_generate_says_one_prompt_is_one_string(model
         model.generate(["Hello", "World"])
     with pytest.raises(ValueError, match=r"^a token-id prompt must hold integers$"):
         model.generate([1, "2"])
+
+
+@pytest.mark.parametrize("kw", [{"n": 2}, {"max_new_tokens": 8}, {"tools": []}])
+def test_an_unknown_sampling_keyword_names_the_known_ones(model, kw):
+    """It said "SamplingParams.__init__() got an unexpected keyword argument 'n'", a class the caller never
+    named, and not which keywords there are."""
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=rf"^unexpected keyword argument '{name}'; the sampling keywords are "
+                                        r"lumen.SamplingParams' fields: .*max_tokens.*temperature"):
+        model.generate("Hi", **kw)
+    with pytest.raises(TypeError, match=rf"^unexpected keyword argument '{name}'"):
+        model.chat([{"role": "user", "content": "Hi"}], **kw)
