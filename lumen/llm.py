@@ -89,6 +89,7 @@ class Model:
         self.n_past = 0                              # positions 0 .. n_past-1 are in the cache
         self._forward_lock = threading.RLock()       # one prefill / decode / logits at a time (own runner, n_past)
         self._engine = None
+        self._engine_lock = threading.Lock()
         self._spec = {}                              # speculative decoding options of the engine (speculation())
 
     @cached_property
@@ -204,12 +205,13 @@ class Model:
     def engine(self) -> Engine:
         """The engine generate() runs on (made on first use): this model's weights, one sequence, a KV pool of
         n_ctx tokens, no prefix caching, the speculative options of speculation()."""
-        if self._engine is None:
-            self._engine = Engine(self.parts, threads=self.threads, max_model_len=self.n_ctx, max_num_seqs=1,
-                                  max_num_batched_tokens=self.n_batch, num_kv_blocks=-(-self.n_ctx // BLOCK),
-                                  enable_prefix_caching=False, adaptive_threads=self.adaptive_threads,
-                                  **self._spec)
-        return self._engine
+        with self._engine_lock:                      # (threads calling generate at once make one engine)
+            if self._engine is None:
+                self._engine = Engine(self.parts, threads=self.threads, max_model_len=self.n_ctx, max_num_seqs=1,
+                                      max_num_batched_tokens=self.n_batch, num_kv_blocks=-(-self.n_ctx // BLOCK),
+                                      enable_prefix_caching=False, adaptive_threads=self.adaptive_threads,
+                                      **self._spec)
+            return self._engine
 
     def speculation(self, *, draft_model=None, num_speculative_tokens: int = 5, ngram_min: int = 1,
                     ngram_max: int = 4, draft_vocab: int | None = 32768) -> None:

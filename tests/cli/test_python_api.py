@@ -221,3 +221,27 @@ def test_an_unknown_sampling_keyword_names_the_known_ones(model, kw):
         model.generate("Hi", **kw)
     with pytest.raises(TypeError, match=rf"^unexpected keyword argument '{name}'"):
         model.chat([{"role": "user", "content": "Hi"}], **kw)
+
+
+def test_threads_that_generate_at_once_share_one_engine(smollm2_path, monkeypatch):
+    """Model.engine is made on first use: threads that called generate at once each made an engine (a KV pool
+    and a runner each), the last one kept."""
+    import threading
+    import time
+
+    import lumen.llm
+    made = []
+
+    def slow_engine(*a, **kw):                       # widens the window in which a second thread could make one
+        made.append(1)
+        time.sleep(0.2)
+        return object()
+    monkeypatch.setattr(lumen.llm, "Engine", slow_engine)
+    m = lumen.load(smollm2_path, max_model_len=64, threads=1)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(m.engine)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and len(got) == 4 and all(e is got[0] for e in got)
