@@ -50,7 +50,14 @@ def __getattr__(name: str):
 
 
 def load(model: str | os.PathLike, **kwargs):
-    """Load a model by registry name (fetched on first use, see `python -m lumen.models`) or .gguf path."""
+    """Load a model by registry name (fetched on first use, see `python -m lumen.models`) or .gguf path. kwargs:
+    lumen.Model's options (max_model_len or ctx, threads, max_num_batched_tokens or n_batch, pack_cache,
+    adaptive_threads); TypeError naming them for any other, before the model is fetched."""
+    import inspect
     from .llm import Model
     from .model.store import resolve
+    known = [p for p in inspect.signature(Model.__init__).parameters if p not in ("self", "path", "parts")]
+    if unknown := [k for k in kwargs if k not in known]:
+        raise TypeError(f"lumen.load() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                        f"{', '.join(known)}")
     return Model(resolve(model), **kwargs)

@@ -245,3 +245,13 @@ def test_threads_that_generate_at_once_share_one_engine(smollm2_path, monkeypatc
     for t in threads:
         t.join()
     assert len(made) == 1 and len(got) == 4 and all(e is got[0] for e in got)
+
+
+@pytest.mark.parametrize("kw", [{"n_ctx": 512}, {"n_threads": 2}, {"parts": None}])
+def test_load_names_its_options_for_an_unknown_one(kw):
+    """llama-cpp-python's n_ctx said "Model.__init__() got an unexpected keyword argument 'n_ctx'" (after the
+    model was fetched), and not which options there are."""
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=rf"^lumen.load\(\) got an unexpected keyword argument '{name}'; its options "
+                                        r"are max_model_len, threads, .*ctx, n_batch$"):
+        lumen.load("no-such-model-is-fetched", **kw)
