@@ -7,7 +7,7 @@ from typing import Any
 from lumen.errors import FetchError, GGUFError
 from lumen.format.gguf import GGUFFile
 from lumen.model.store import MODELS, resolve
-from .commands import prog
+from .commands import Parser, prog
 
 
 def _short(v: Any, width: int = 80) -> str:
@@ -19,11 +19,9 @@ def _short(v: Any, width: int = 80) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     from rich.console import Console
     from rich.table import Table
-    ap = argparse.ArgumentParser(prog=prog("gguf"), description="Show a GGUF file's metadata and tensors")
+    ap = Parser(prog=prog("gguf"), description="Show a GGUF file's metadata and tensors")
     ap.add_argument("file", help="path to a .gguf file, or a registry name (python -m lumen.models)")
     args = ap.parse_args(argv)
     console = Console()

@@ -1,18 +1,17 @@
 """`python -m lumen.models` (`lumen models`): the model store's command line (the store is lumen/model/store.py)."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from .commands import prog, run
+from .commands import Parser, prog, run
 from .errors import FetchError
 from .model import store
 from .model.store import DEFAULT_MODEL, MODELS, fetch, home_blocker, lumen_home, model_path, state, unwritable, verify
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog("models"), description=store.__doc__.splitlines()[0])
+    ap = Parser(prog=prog("models"), description=store.__doc__.splitlines()[0])
     ap.add_argument("--fetch", metavar="NAME", choices=sorted(MODELS),
                     help="fetch (and verify) one model, unless it is already")
     ap.add_argument("--verify", metavar="NAME", choices=sorted(MODELS), help="re-check a fetched model's sha256")

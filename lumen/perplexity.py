@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import LumenError
 from .model.store import DEFAULT_MODEL
-from .commands import prog, run, threads_error
+from .commands import Parser, prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 
@@ -57,7 +57,7 @@ def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.n
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("perplexity"), description=__doc__.splitlines()[0])
+    ap = Parser(prog=prog("perplexity"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,
                     help=f"registry name or path to a .gguf file (default {DEFAULT_MODEL})")
     ap.add_argument("--file", "-f", required=True, help="a UTF-8 text file")

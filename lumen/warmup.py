@@ -79,9 +79,9 @@ def warm(model: str, *, threads: int | None = None, ctx: int = 64) -> Warmed:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import prog
+    from .commands import Parser, prog
     from .model.store import DEFAULT_MODEL
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog("warmup"),
         description="Compile Lumen's kernels for the given models ahead of time (into the compile cache under "
                     "LUMEN_HOME), so a later start answers at full speed at once. A second run compiles nothing.")

@@ -41,7 +41,7 @@ import numpy as np
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
 from .tools import ToolNotFound, find_tool, refuse
-from ..commands import check_writable, prog, threads_error
+from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 
@@ -114,7 +114,7 @@ def _median(reps: list[dict]) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("bench batch"), description=__doc__.splitlines()[0])
+    ap = Parser(prog=prog("bench batch"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-npp", type=int, default=128, help="prompt tokens per sequence (default 128)")
     ap.add_argument("-ntg", type=int, default=128, help="generated tokens per sequence (default 128)")

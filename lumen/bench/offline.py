@@ -13,14 +13,13 @@ allocated blocks that hold a token (a block shared by several sequences counted 
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from ..commands import check_writable, prog, threads_error
+from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import EngineConfig
 
 PROMPTS = Path(__file__).with_name("data") / "prompts.json"
@@ -72,7 +71,7 @@ def run_engine(engine, reqs, params_of) -> tuple[float, dict, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog("bench offline"), description=__doc__.splitlines()[0])
+    ap = Parser(prog=prog("bench offline"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("--requests", type=int, default=128, help="requests (default 128)")
     EngineConfig.add_cli_args(ap, only=("threads", "adaptive_threads", "max_num_seqs", "max_num_batched_tokens",

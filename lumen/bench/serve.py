@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from ..commands import check_writable, prog
+from ..commands import Parser, check_writable, prog
 from .mix import MIXES as MIX_NAMES
 
 LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
@@ -111,7 +111,7 @@ class Outcome:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("bench serve"), description=__doc__.splitlines()[0],
+    ap = Parser(prog=prog("bench serve"), description=__doc__.splitlines()[0],
                                  epilog=LLAMA_SERVER, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="the server's base URL (default http://127.0.0.1:8000)")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",

@@ -51,7 +51,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .tools import ToolNotFound, find_tool, refuse
-from ..commands import check_writable, prog, trained_context_only
+from ..commands import Parser, check_writable, prog, trained_context_only
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
 SMALL = 32          # the extra pp/tg size (what the original Lumen measurements used)
@@ -365,7 +365,7 @@ def render(rows: list[dict], engines: list, info: dict, console) -> None:
 # ---------------------------------------------------------------- CLI
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("bench [single]"), description=__doc__.splitlines()[0])
+    ap = Parser(prog=prog("bench [single]"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (default 128)")

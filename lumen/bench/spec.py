@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from .tools import ToolNotFound, find_tool, refuse
-from ..commands import check_writable, prog
+from ..commands import Parser, check_writable, prog
 from ..engine.config import EngineConfig
 
 SPEC_KINDS = ("completion", "edit", "chat")         # spec_prompts.json
@@ -117,7 +117,7 @@ def median(xs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog("bench spec"), description=__doc__.split("\n\n")[0],
+    ap = Parser(prog=prog("bench spec"), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path (default smollm2-135m)")
     ap.add_argument("--draft-model", metavar="MODEL", help="also run --speculative draft with this draft model")

@@ -39,7 +39,7 @@ from pathlib import Path
 from lumen.errors import LumenError
 from lumen.model.store import DEFAULT_MODEL
 from lumen.profile.report import GLUE, PHASES, ops_png, plot, print_machine, print_report, summarize
-from ..commands import check_writable, prog, threads_error, trained_context_only
+from ..commands import Parser, check_writable, prog, threads_error, trained_context_only
 from ..engine.config import EngineConfig
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -69,7 +69,7 @@ OVERHEAD_ONLY = {"repeats": 5}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("profile"), formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = Parser(prog=prog("profile"), formatter_class=argparse.RawDescriptionHelpFormatter,
                                  usage="%(prog)s [MODE] [OPTIONS]   (modes: see below)",
                                  description="Profile Lumen on this machine: a generate run op by op against the\n"
                                              "roofline, the machine's limits, the timers' overhead, the engine's\n"

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..engine.config import EngineConfig, cli_words
 from ..errors import LumenError
 from ..model.store import DEFAULT_MODEL
-from ..commands import prog
+from ..commands import Parser, prog
 
 log = logging.getLogger("lumen.serve")
 ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb",
@@ -37,7 +37,7 @@ SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("serve"), description="An OpenAI-compatible server for a GGUF "
+    ap = Parser(prog=prog("serve"), description="An OpenAI-compatible server for a GGUF "
                                  "model: /v1/completions, /v1/chat/completions, /tokenize, /detokenize, "
                                  "/v1/models, /health, /metrics.")
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL,

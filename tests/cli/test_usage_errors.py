@@ -27,6 +27,19 @@ def test_a_wrong_command_line_is_one_line(module, prog, argv, message, capsys):
     assert out == "" and err.replace("'ngram', 'draft'", "ngram, draft") == f"{prog}: error: {message}\n"
 
 
+@pytest.mark.parametrize("module, argv", [
+    ("lumen.serve.cli", ["--bogus"]), ("lumen.bench.cli", ["batch", "--bogus"]), ("lumen.bench.cli", ["--bogus"]),
+    ("lumen.bench.cli", ["spec", "--bogus"]), ("lumen.bench.cli", ["offline", "--bogus"]),
+    ("lumen.bench.cli", ["serve", "--bogus"]), ("lumen.profile.__main__", ["--bogus"]), ("lumen.models", ["--bogus"]),
+    ("lumen.perplexity", ["--bogus"]), ("lumen.gguf", []), ("lumen.warmup", ["--bogus"])],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_every_tool_says_a_wrong_command_line_in_one_line(module, argv, capsys):
+    import importlib
+    assert run(importlib.import_module(module).main, argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and ": error: " in err, err
+
+
 def test_help_of_an_unknown_command_is_a_usage_error(capsys):
     """`lumen help nosuch` printed the general help, status 0, as if the command existed."""
     from lumen.cli import main
