@@ -248,8 +248,6 @@ class Model:
             sampling = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, **sampling}
             if sampling["max_tokens"] is not None:              # None: the rest of the context
                 check_int("max_tokens", sampling["max_tokens"], 0)
-                if sampling["max_tokens"] == 0:
-                    return iter(())
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")
@@ -261,6 +259,8 @@ class Model:
             raise ValueError('speculative="draft" needs a draft model: call model.speculation(draft_model=M) '
                              "first (a lumen.Model, registry name or .gguf path sharing this vocabulary)")
         ids = prompt_ids(prompt, self.tokenizer, self.config.n_vocab, params.special)   # RequestError if bad
+        if params.max_tokens == 0:                          # nothing to generate (the request was still checked)
+            return iter(())
         room = self.n_ctx - len(ids)
         if room < 1:
             raise ContextError(f"the prompt ({plural(len(ids), 'token')}) leaves no room to generate in the context "

@@ -255,3 +255,16 @@ def test_load_names_its_options_for_an_unknown_one(kw):
     with pytest.raises(TypeError, match=rf"^lumen.load\(\) got an unexpected keyword argument '{name}'; its options "
                                         r"are max_model_len, threads, .*ctx, n_batch$"):
         lumen.load("no-such-model-is-fetched", **kw)
+
+
+def test_max_tokens_0_still_checks_the_request(model):
+    """max_tokens=0 returned nothing before anything was checked: a None prompt, temperature -1 and a token id
+    outside the vocabulary passed silently."""
+    assert list(model.generate("Hi", max_tokens=0)) == []
+    assert list(model.generate("Hi", lumen.SamplingParams(max_tokens=0))) == []
+    with pytest.raises(ValueError, match="a prompt is a string or a list of token ids, got NoneType"):
+        model.generate(None, max_tokens=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        model.generate("Hi", max_tokens=0, temperature=-1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.generate([10 ** 9], max_tokens=0)
