@@ -24,8 +24,8 @@ from .commands import Parser, prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError, plural
-from .generate import (NO_LIMIT, add_sampling_args, check_max_tokens, load_model, print_summary, process_escapes, render_messages,
-                       sampling_from_args, status_while_compiling, summary_line)
+from .generate import (NO_LIMIT, add_sampling_args, check_ctx, check_max_tokens, load_model, print_summary,
+                       process_escapes, render_messages, sampling_from_args, status_while_compiling, summary_line)
 from .model.store import DEFAULT_MODEL
 
 HELP = """/clear   forget the conversation (the system prompt stays)
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, **sampling_from_args(args, chat=True))
         if why := threads_error(args.threads):
             raise ValueError(why)
+        check_ctx(args.ctx)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -76,6 +76,14 @@ def check_max_tokens(n: int | None) -> int | None:
             raise ValueError(f"{e}; {NO_LIMIT} generates until an end token or the context's end") from None
     return n
 
+def check_ctx(ctx: int | None) -> None:
+    """--ctx as given: None (not given) or 1 .. the most positions Lumen holds; ValueError otherwise (a usage error,
+    said before the model loads)."""
+    if ctx is not None:
+        from .llm import MAX_CTX
+        check_int("ctx", ctx, hi=MAX_CTX)
+
+
 # Sampling defaults: plain completion is greedy; a chat gets what llama.cpp's and ollama's users get (llama.cpp's
 # temperature, top-k, top-p and min-p; ollama's repeat penalty over the last 64 tokens), since greedy decoding
 # of a small chat model loops on one phrase until the token limit.
@@ -413,9 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.speculative:                             # --ngram-min/-max, --draft-vocab: in range
             SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens or 5, ngram_min=args.ngram_min,
                               ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
-        if args.ctx is not None:
-            from .llm import MAX_CTX
-            check_int("ctx", args.ctx, hi=MAX_CTX)
+        check_ctx(args.ctx)
     except ValueError as e:                              # a flag's value: a usage error
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,8 @@ def status(module: str, argv: list[str]) -> int:
     ("lumen.models", ["--fetch", "nosuch"], 2),
     ("lumen.chat", ["--temperature", "-1"], 2),
     ("lumen.chat", ["--threads", "0"], 2),
+    ("lumen.chat", ["--ctx", "0"], 2),
+    ("lumen.chat", ["--ctx", "-5"], 2),
     ("lumen.perplexity", ["--file", "/etc/hostname", "--threads", "0"], 2),
     # failed runs: the model cannot be found
     ("lumen.generate", ["--prompt", "hi", "--model", "/nonexistent/m.gguf"], 1),
