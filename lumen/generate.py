@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write("\n")
             sys.stdout.flush()
             print_summary(err, run_summary(stats, t_load, t_compile, args.speculative, "interrupted"))
-        print("interrupted", file=sys.stderr)
+        print("interrupted" if gen is not None else "\ninterrupted", file=sys.stderr)   # (after the ^C echoed)
         return 130
     print_summary(err, run_summary(stats, t_load, t_compile, args.speculative))
     return 0

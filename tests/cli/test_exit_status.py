@@ -72,3 +72,14 @@ def test_the_rule_is_in_lumen_help(capsys):
     assert EXIT_STATUS in out
     for code in ("  1 ", "  2 ", "  130 ", "  141 "):
         assert code in EXIT_STATUS
+
+
+def test_interrupted_before_generating_ends_the_echoed_line(monkeypatch, capsys):
+    """Ctrl-C while generate loads: "interrupted" on a line of its own after the terminal's ^C, no summary."""
+    from lumen import generate
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(generate, "load_model", interrupt)
+    assert status("lumen.generate", ["--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "\ninterrupted\n"
