@@ -24,7 +24,7 @@ from .commands import Parser, prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError, plural
-from .generate import (NO_LIMIT, add_sampling_args, check_ctx, check_max_tokens, load_model, print_summary,
+from .generate import (NO_LIMIT, add_sampling_args, argv_text, check_ctx, check_max_tokens, load_model, print_summary,
                        process_escapes, render_messages, sampling_from_args, status_while_compiling, summary_line)
 from .model.store import DEFAULT_MODEL
 
@@ -179,6 +179,7 @@ class StopFlag:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.system = argv_text(args.system)
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
     from .engine.sampling.params import SamplingParams

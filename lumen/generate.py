@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -32,6 +33,21 @@ sampling: plain generation is greedy by default. With --chat the defaults are th
 ollama: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1 over the last 64 tokens; each
 flag given overrides its default. --greedy makes it greedy (temperature 0, no repeat penalty);
 --temperature 0 alone keeps the penalty."""
+
+
+def argv_text(text):
+    """A command-line argument as the user typed it: under a C locale without UTF-8 mode (PYTHONUTF8=0) Python
+    decodes argv as ASCII and escapes each other byte (surrogateescape), so "café" came as "caf\\udcc3\\udca9" and
+    was refused as not UTF-8; its bytes are decoded as UTF-8 again. Bytes that are not UTF-8 stay escaped (and
+    are refused where the text is used). None and lists (repeated flags) are mapped through."""
+    if isinstance(text, list):
+        return [argv_text(t) for t in text]
+    if not isinstance(text, str) or all(c < "\udc80" or c > "\udcff" for c in text):
+        return text
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except (UnicodeError, ValueError):
+        return text
 
 
 def process_escapes(text: str) -> str:
@@ -410,6 +426,8 @@ def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in ("prompt", "system", "stop", "choice", "regex"):
+        setattr(args, name, argv_text(getattr(args, name)))
     from .engine.sampling.params import SamplingParams   # refused before the model loads (or is fetched: a 1 GB
                                                          # download to learn --top-p 2 is wrong)
     try:

@@ -51,3 +51,22 @@ def test_a_prompt_on_stdin_is_utf8_whatever_the_locale(smollm2_path):
     import lumen
     n = len(lumen.load(smollm2_path, ctx=64, threads=1).tokenize("Say café"))
     assert r.returncode == 0 and f"prompt {n} tok |".encode() in r.stderr, r.stderr
+
+
+def test_argv_text_is_utf8_under_a_c_locale_without_utf8_mode(smollm2_path):
+    """LC_ALL=C with PYTHONUTF8=0: Python decoded argv as ASCII, so -p "café" was refused ("the text is not valid
+    UTF-8: it holds byte 0xc3") though its bytes are UTF-8; they are decoded as UTF-8 again. Bytes that are not
+    UTF-8 are still refused."""
+    from lumen.generate import argv_text
+    assert argv_text("caf\udcc3\udca9") == "café" and argv_text(["a", "\udcc3\udca9"]) == ["a", "é"]
+    assert argv_text("ab\udcff") == "ab\udcff" and argv_text(None) is None and argv_text("日本") == "日本"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0",
+           "PYTHONCOERCECLOCALE": "0"}
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-p", "Say café:",
+                        "--choice", "café", "--stop", "é", "-n", "8"], capture_output=True, timeout=300,
+                       stdin=subprocess.DEVNULL, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"caf\n", r.stdout                       # the stop string "é" ends it
+    r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-p", b"ab\xff", "-n", "1"],
+                       capture_output=True, timeout=300, stdin=subprocess.DEVNULL, env=env)
+    assert (r.returncode, r.stderr) == (1, b"error: the text is not valid UTF-8: it holds byte 0xff\n")
