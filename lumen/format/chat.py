@@ -68,14 +68,18 @@ def check_messages(messages: list[dict]) -> None:
     answer as if it had not been sent) but its deprecated "function" (nor an assistant's `function_call`: tool
     calls say the same), `tool_calls` only on assistant messages and well formed (type "function", ids distinct
     within the message, as OpenAI requires), and every `tool` message answers a call made before it (its
-    tool_call_id); ChatMessageError naming the message. A call's arguments are an object or an object's JSON text
-    ("" for none): a template would write any other value."""
+    tool_call_id), and only an assistant message without content (None: OpenAI and llama.cpp refuse it for the
+    others); ChatMessageError naming the message. A call's arguments are an object or an object's JSON text ("" for
+    none): a template would write any other value."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ROLES:
             raise ChatMessageError(f"messages[{i}].role {role!r} is not a chat role; OpenAI's are "
                                    f"{', '.join(ROLES)}")
+        if m.get("content") is None and role != "assistant" and role != "function":
+            raise ChatMessageError(f"messages[{i}].content is missing or None; a {role} message needs its text (a "
+                                   "string, or a list of text parts; only an assistant's may be None)")
         if role == "function":
             raise ChatMessageError(f"messages[{i}] has role \"function\" (OpenAI's deprecated function calling), "
                                    "which is not supported: send a function's result as {\"role\": \"tool\", "
@@ -155,19 +159,16 @@ def plain_messages(messages) -> list[dict]:
                                    f"{type(m).__name__}")
         out.append({**m, "content": _content_text(i, m)})
     check_messages(out)
-    return out
+    return [{**m, "content": m["content"] or ""} for m in out]
 
 
-def _content_text(i: int, m: Mapping) -> str:
+def _content_text(i: int, m: Mapping) -> str | None:
     """messages[i]'s content as one string (plain_messages)."""
     content, role = m.get("content"), m.get("role")
     if isinstance(content, str):
         return content
-    if content is None:
-        if role == "assistant" or (role not in ROLES):     # (an unknown role: check_messages names it)
-            return ""
-        raise ChatMessageError(f"messages[{i}].content is missing or None; a {role} message needs its text (a "
-                               "string, or a list of text parts)")
+    if content is None:                                   # (check_messages says whether the role may have none)
+        return None
     if not isinstance(content, (list, tuple)):
         raise ChatMessageError(f"messages[{i}].content must be a string or a list of text parts, got "
                                f"{type(content).__name__}")

@@ -121,7 +121,7 @@ class Prompter:
         if not messages:
             raise ApiError(400, "messages must be a non-empty list", "messages")
         plain = [_plain(m) for m in messages]
-        check_messages(plain)
+        check_messages([{**p, "content": None} if m.content is None else p for p, m in zip(plain, messages)])
         plain = self.tok.shield_messages(plain)         # a message's "<|im_start|>" is text: it opens no turn
         kw = {}
         if RENDER_TAKES_TOOLS and template_takes_tools(self.template):

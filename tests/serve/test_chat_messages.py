@@ -324,3 +324,18 @@ def test_duplicate_call_ids_and_a_call_not_a_function_are_a_400(client, calls, w
     del two[1]["type"]
     r = http.post("/v1/chat/completions", json={"messages": [USER, {**CALLED, "tool_calls": two}]})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("message", [{"role": "user", "content": None}, {"role": "user"},
+                                     {"role": "system", "content": None}])
+def test_a_message_without_content_is_a_400_but_an_assistants(client, message):
+    """A user message with content null was rendered as an empty turn (OpenAI and llama.cpp refuse it); the
+    server now says what Model.chat says for it (lumen.format.chat.check_messages)."""
+    http, worker = client
+    r = http.post("/v1/chat/completions", json={"messages": [message, USER]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["message"].startswith("messages[0].content is missing or None")
+    assert not worker.submitted
+    r = http.post("/v1/chat/completions", json={"messages": [USER, {"role": "assistant", "content": None}, USER]})
+    assert r.status_code == 200, r.text
