@@ -140,8 +140,10 @@ def test_chat_refuses_content_that_is_not_text(model, messages, words):
 
 
 def test_chat_takes_text_parts_and_an_assistant_without_content(model):
-    """OpenAI's message forms: content as text parts, an assistant's content None (the server takes both)."""
-    want = [t.id for t in model.chat([USER, {"role": "assistant", "content": ""}, USER], max_tokens=3)]
+    """OpenAI's message forms: content as text parts (joined by newlines, as llama.cpp and vLLM join them), an
+    assistant's content None (the server takes both)."""
+    joined = {"role": "user", "content": "H\ni"}
+    want = [t.id for t in model.chat([joined, {"role": "assistant", "content": ""}, USER], max_tokens=3)]
     parts = {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}
     assert [t.id for t in model.chat([parts, {"role": "assistant", "content": None}, USER], max_tokens=3)] == want
 
