@@ -228,8 +228,12 @@ class ToolParser:
     - tagged (`open` set): content, then `open` JSON `close` blocks, anywhere in the text (Hermes' <tool_call>);
     - bare (`leads` set): at the very start, one of `leads`, then the calls' JSON separated by `bare_sep` and ended
       by `bare_end` (Llama 3's `{...}; {...}`, Mistral's `[{...}, {...}]`, Qwen2.5-Coder's ```json fence).
-    Whitespace is free around the markers. Incremental: feed() text deltas, finish() at the end; the same deltas
-    whether the text comes at once or a token at a time. A subclass names its format in the class attributes,
+    Whitespace is free around the markers. Arguments written as a JSON string ("{\\"a\\": 1}") are sent as the
+    string's text, as llama.cpp reads them. A call read whole (its end in the same text as its start, as the server
+    reads a non-streamed answer) that is no call ({"name": str, args: an object or its text}) is text: the grammar
+    only lets a cut call (max_tokens) through, and a stream sends a call's name before its end.
+    Incremental: feed() text deltas, finish() at the end; the same deltas whether the text comes at once or a token
+    at a time (for calls that parse). A subclass names its format in the class attributes,
     which also shape the grammar."""
     open: str | None = "<tool_call>"
     close = "</tool_call>"
@@ -306,7 +310,7 @@ class ToolParser:
                     content.append(self._content(out, final=False))
                     break
                 content.append(self._content(self.buf[:i], final=False))
-                self.held_ws = ""                          # whitespace next to a call is not content
+                self.lead, self.held_ws = self.held_ws, ""  # whitespace next to a call is not content (unless no call)
                 self.buf = self.buf[i + len(self.open):]
                 self.in_call, self.head_done, self.sent_args = True, False, 0
             else:
@@ -318,13 +322,12 @@ class ToolParser:
                 body = self.buf if j < 0 else self.buf[:j]
                 if not self.head_done:
                     m = self._head.match(body)
-                    if m is None:
-                        if j < 0:
-                            break
-                        whole = self._whole(body)           # another key order: the call at once
+                    if j >= 0 and (m is None or not self._plain(body)):
+                        # the whole call at once: another key order, arguments as a JSON string, or no call
+                        whole = self._whole(body)
                         if whole is None:                   # not a call after all: text
                             bare = self.is_bare
-                            text = self.lead + body if bare else self.open + body + self.close
+                            text = self.lead + (body if bare else self.open + body + self.close)
                             self.buf = self.buf[j + (0 if bare else len(self.close)):]
                             self.in_call = self.is_bare = self.bare_ok = self.group = False
                             content.append(self._content(text, final=False))
@@ -332,6 +335,8 @@ class ToolParser:
                         calls.append(whole)
                         self._end_call(j)
                         continue
+                    if m is None:
+                        break
                     name = _json_string(m.group(1))
                     if self.is_bare and not self._declared(name):     # JSON text that names no tool
                         text, self.buf = self.lead + self.buf, ""
@@ -341,6 +346,20 @@ class ToolParser:
                     calls.append(ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", name))
                     self.head_done = True
                     self.buf = self.buf[m.end():]
+                    continue
+                if self.sent_args == 0 and self.buf.startswith('"'):
+                    # the arguments as a JSON string ("{\\"a\\": 1}"): held to the call's end, then sent as
+                    # their text (as llama.cpp reads them); a client parses a call's arguments as an object
+                    if j < 0:
+                        break
+                    end = self.buf[:j].rstrip()
+                    end = end[:-1].rstrip() if end.endswith("}") else end
+                    try:
+                        text = json.loads(end)
+                    except ValueError:
+                        text = end
+                    calls.append(ToolCallDelta(self.n_calls, arguments=(text or "{}") if isinstance(text, str) else end))
+                    self._end_call(j)
                     continue
                 if j < 0:                                     # stream arguments, holding back a possible end
                     tail = self._tail.search(self.buf)
@@ -429,16 +448,40 @@ class ToolParser:
         self.after_call = True
 
     def _whole(self, body: str) -> ToolCallDelta | None:
-        """A call written in another key order, read at once; None if it is no call ({"name": str, args})."""
+        """A whole call read at once (another key order, more keys, arguments as an object's JSON text); None if it
+        is no call ({"name": str, args: an object or its JSON text}): malformed JSON is text, not a call."""
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(
-                obj.get(self.args_key), dict) or (self.is_bare and not self._declared(obj["name"])):
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or (
+                self.is_bare and not self._declared(obj["name"])):
             return None
-        return ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", obj["name"],
-                             json.dumps(obj[self.args_key], ensure_ascii=False))
+        args = obj.get(self.args_key)
+        if self.args_key not in obj and not self.is_bare and set(obj) == {"name"}:
+            return ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", obj["name"], "{}")   # no arguments
+        if isinstance(args, str):
+            try:
+                if not isinstance(json.loads(args or "{}"), dict):
+                    return None
+            except (ValueError, RecursionError):
+                return None
+            text = args or "{}"
+        elif isinstance(args, dict):
+            text = json.dumps(args, ensure_ascii=False)
+        else:
+            return None
+        return ToolCallDelta(self.n_calls, f"call_{uuid.uuid4().hex[:24]}", obj["name"], text)
+
+    def _plain(self, body: str) -> bool:
+        """Whether a whole call's text is {"name": str, args: object} and nothing else (its arguments' own text is
+        then sent as written)."""
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError):
+            return False
+        return (isinstance(obj, dict) and set(obj) == {"name", self.args_key} and isinstance(obj["name"], str)
+                and isinstance(obj[self.args_key], dict))
 
     # --- the grammar ----------------------------------------------------------------------------------------
     def grammar(self, tools: list[Tool], choice: str, parallel: bool = True,

@@ -1,0 +1,61 @@
+"""The shapes a Qwen2.5 model writes a call in besides a clean `<tool_call>{...}</tool_call>`, read by the Hermes
+parser the same whether the text comes whole or a few characters at a time: arguments as a JSON string (OpenAI
+clients parse a call's arguments as an object: the string's text is sent, as llama.cpp reads it), a call without
+arguments, and a malformed call, which comes back as the text it is, never as a call whose arguments do not parse."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lumen.serve.tools import HermesParser, assemble
+
+NAMES = ["add", "get_current_time"]
+
+
+def _parse(text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
+    p, content, deltas = HermesParser(names=NAMES), [], []
+    for a in range(0, len(text), step):
+        c, d = p.feed(text[a:a + step])
+        content.append(c)
+        deltas += d
+    c, d = p.finish()
+    return "".join(content) + c, [(x["function"]["name"], x["function"]["arguments"]) for x in assemble(deltas + d)]
+
+
+ARGS = '{"a": 1, "b": "x}"}'
+STRING = json.dumps(ARGS)                   # "{\"a\": 1, \"b\": \"x}\"}"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>\n{"name": "add", "arguments": ' + STRING + '}\n</tool_call>', "", [("add", ARGS)]),
+    ('{"name": "add", "arguments": ' + STRING + '}', "", [("add", ARGS)]),
+    ('```json\n{"name": "add", "arguments": ' + STRING + '}\n```', "", [("add", ARGS)]),
+    ('<tool_call>\n{"arguments": ' + STRING + ', "name": "add"}\n</tool_call>', "", [("add", ARGS)]),
+    ('<tool_call>\n{"name": "get_current_time", "arguments": ""}\n</tool_call>', "", [("get_current_time", "{}")]),
+    ('<tool_call>\n{"name": "get_current_time"}\n</tool_call>', "", [("get_current_time", "{}")]),
+])
+def test_arguments_as_a_json_string_or_none_are_the_objects_text(text, content, calls):
+    for step in (len(text), 1, 2, 3, 7):
+        got = _parse(text, step)
+        assert got == (content, calls), step
+        for _, args in got[1]:
+            assert isinstance(json.loads(args), dict)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": }\n</tool_call>',
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1}, }\n</tool_call>',
+    '<tool_call>\n{"name": add, "arguments": {"a": 1}}\n</tool_call>',
+    '<tool_call>\n{"name": "add", "arguments": "not json"}\n</tool_call>',
+    '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>',
+    '{"name": "add", "arguments": {"a": 1, "b": }}',
+])
+def test_a_malformed_whole_call_is_its_text(text):
+    """The whole answer (how the server reads a non-streamed reply) of a call that does not parse is content."""
+    assert _parse("Let me add.\n" + text, len(text) + 20) == ("Let me add.\n" + text, [])
+
+
+def test_extra_keys_in_a_call_stay_out_of_its_arguments():
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1}, "id": "x"}\n</tool_call>'
+    assert _parse(text, len(text)) == ("", [("add", '{"a": 1}')])
