@@ -533,22 +533,30 @@ class ToolParser:
                       f"rest: {sep} body {sep} {close}",
                       f"more: ({sep} {open_} rest)*" if parallel else "more: \"\""]
         if bare:
-            leads = "|".join(_lark_re(s) for s in self.leads if s)
-            leads = f"({leads})" + ("?" if "" in self.leads else "") if leads else ""
             call = f'\\{{{ws}"name"{ws}:{ws}'
             end = (" BARE_END" + ("" if self.bare_end_required else "?")) if self.bare_end else ""
             mark = f"<[{int(marker_id)}]>? " if marker_id is not None else ""
+            more = " (BARE_NEXT bare_rest)*" if parallel else ""
+            # a lead that opens a block (Hermes' ```json fence) is closed by bare_end, even where a bare call
+            # without a lead may go without it: else the model may write past its calls' end before the fence's
+            opening = [s for s in self.leads if s] if self.bare_end and not self.bare_end_required else []
+            groups = [("BARE", [s for s in self.leads if s not in opening], end), ("FENCE", opening, " BARE_END")]
+            groups = [g for g in groups if g[1]]
             # the first call's lexeme runs to its tool's name, so that text starting {"name": "<no tool>" is text
-            lines += [f"bare: {mark}bare_first" + (" (BARE_NEXT bare_rest)*" if parallel else "") + end,
+            lines += ["bare: " + " | ".join(f"{mark}{g.lower()}_first{more}{e}" for g, _, e in groups),
                       f"BARE_NEXT: /{ws}{_lark_re(self.bare_sep)}{ws}{call}/",
                       f"BARE_END: /{ws}{_lark_re(self.bare_end)}/",
-                      "bare_first: " + " | ".join(f"BARE_FIRST_{i} tail_{i}" for i in range(len(named))),
                       "bare_rest: " + " | ".join(f"{json.dumps(json.dumps(t.name))} tail_{i}"
                                                  for i, t in enumerate(named))]
+            for g, ls, _ in groups:
+                leads = "|".join(_lark_re(s) for s in ls if s)
+                leads = f"({leads})" + ("?" if "" in ls else "") if leads else ""
+                lines += [f"{g.lower()}_first: " + " | ".join(f"{g}_FIRST_{i} tail_{i}" for i in range(len(named)))]
+                lines += [f"{g}_FIRST_{i}: /{leads}{ws}{call}{_lark_re(json.dumps(t.name))}/"
+                          for i, t in enumerate(named)]
             for i, t in enumerate(named):
                 args = {"x-guidance": xg, **params[i]}
-                lines += [f"BARE_FIRST_{i}: /{leads}{ws}{call}{_lark_re(json.dumps(t.name))}/",
-                          f"tail_{i}: /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ args_{i} /{ws}\\}}/",
+                lines += [f"tail_{i}: /{ws},{ws}\"{self.args_key}\"{ws}:{ws}/ args_{i} /{ws}\\}}/",
                           f"args_{i}: %json {json.dumps(args, ensure_ascii=False)}"]
         after = ""                          # what may follow the bare calls besides whitespace
         if bare and parallel and not self.bare_end_required:

@@ -59,3 +59,54 @@ def test_a_malformed_whole_call_is_its_text(text):
 def test_extra_keys_in_a_call_stay_out_of_its_arguments():
     text = '<tool_call>\n{"name": "add", "arguments": {"a": 1}, "id": "x"}\n</tool_call>'
     assert _parse(text, len(text)) == ("", [("add", '{"a": 1}')])
+
+
+# --- the grammar: a call in a ```json fence ends with the fence ---------------------------------------------------
+@pytest.fixture(scope="module")
+def compiler(smollm2_path):
+    from lumen.engine.structured.compiler import GrammarCompiler
+    from lumen.format.gguf import GGUFFile
+    from lumen.format.tokenizer import Tokenizer
+    tok = Tokenizer.from_metadata(GGUFFile(str(smollm2_path)).metadata)
+    with GrammarCompiler(tok) as c:
+        yield tok, c
+
+
+def _accepts(compiler, constraint, text: str) -> bool:
+    import numpy as np
+    tok, c = compiler
+    m = c.compile(constraint).matcher()
+    row = np.zeros(m.vocab.mask_words, np.int32)
+    try:
+        for t in [*tok.encode(text, add_bos=False, special=False), tok.eos_id]:
+            m.fill_mask(row)
+            m.advance(t)
+    except Exception:                        # noqa: BLE001 - StructuredOutputError: the token is not allowed
+        return False
+    return True
+
+
+T = '{"name": "get_current_time", "arguments": {}}'
+A = '{"name": "add", "arguments": {"a": 1}}'
+
+
+@pytest.mark.parametrize("parallel, text, ok", [
+    (True, "```json\n" + T + "\n```", True),
+    (True, "```json\n" + T + "\n" + A + "\n```", True),
+    (True, "```json\n" + T + "\n```\n", True),
+    (True, "```json\n" + T + "\n```\nThe time is coming.", True),
+    (True, "```\n" + T + "\n```", True),
+    (False, "```json\n" + T + "\n```", True),
+    # Qwen2.5-Coder-0.5B wrote one brace too many after a fenced call, and it came back as content "}\n```"
+    (True, "```json\n" + T + "\n}\n```", False),
+    (True, "```json\n" + T, False),                       # the fence must close
+    (False, "```json\n" + T, False),
+    (True, T, True),                                      # a bare call without a fence needs no end
+    (True, T + '\n{"result": 3}', True),
+])
+def test_a_fenced_call_ends_with_its_fence(compiler, parallel, text, ok):
+    from lumen.serve.tools import parse_tools
+    tools = parse_tools([{"type": "function", "function": {"name": "get_current_time"}},
+                         {"type": "function", "function": {"name": "add", "parameters": {
+                             "type": "object", "properties": {"a": {"type": "integer"}}}}}])
+    assert _accepts(compiler, HermesParser().grammar(tools, "auto", parallel), text) is ok
