@@ -358,7 +358,8 @@ class ToolParser:
                         text = json.loads(end)
                     except ValueError:
                         text = end
-                    calls.append(ToolCallDelta(self.n_calls, arguments=(text or "{}") if isinstance(text, str) else end))
+                    text = (text or "{}") if isinstance(text, str) else end
+                    calls.append(ToolCallDelta(self.n_calls, arguments=text))
                     self._end_call(j)
                     continue
                 if j < 0:                                     # stream arguments, holding back a possible end
