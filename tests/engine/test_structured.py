@@ -544,6 +544,36 @@ def test_complete_grammar_stops_and_allows_every_end_token(toks, compilers, name
     assert m.is_stopped and m.error == ""
 
 
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_grammar_naming_an_end_token_takes_that_token(toks, compilers, name):
+    """A Lark grammar may name a special token (`<[id]>`, `<|name|>`); when it names an end-of-generation token
+    (SmolLM2's <|endoftext|>, Gemma's <end_of_turn>, or the EOS itself), the mask allows it and advance takes it,
+    as a draft does: it is not read as the EOS the grammar does not expect there."""
+    tok, vocab = toks[name], grammar_vocab(toks[name])
+    x = tok.encode("x", add_bos=False, special=False)
+    for end in vocab.eog_ids:
+        compiled = compilers[name].compile(Constraint.lark(f'start: "x" <[{end}]>'))
+        m = compiled.matcher()
+        if end != vocab.eos_id:      # (llguidance validates EOS only where the grammar is complete: a draft stops)
+            assert m.validate_draft([*x, end]) == len(x) + 1
+        m.advance_many(x)
+        row = np.zeros(vocab.mask_words, np.int32)
+        m.fill_mask(row)
+        assert end in set(_allowed(row, tok.n_vocab))
+        m.advance(end)
+        assert m.is_stopped and m.is_accepting and m.error == ""
+        m2 = compiled.matcher()                              # nothing else ends it early
+        m2.advance_many(x)
+        for other in vocab.eog_ids:
+            if other not in _allowed(row, tok.n_vocab):
+                with pytest.raises(StructuredOutputError, match="not allowed"):
+                    m2.advance(other)
+    if name == "smollm2-135m":                                # by name, as llguidance's Lark writes it
+        m = compilers[name].compile(Constraint.lark('start: "x" <|endoftext|>')).matcher()
+        m.advance_many([*x, tok.token_to_id["<|endoftext|>"]])
+        assert m.is_stopped and m.error == ""
+
+
 def test_advance_rejects_a_disallowed_token_and_keeps_state(toks, compilers):
     tok, compiled = toks["smollm2-135m"], compilers["smollm2-135m"].compile(Constraint.regex(r"[0-9]{2,4}"))
     m = compiled.matcher()

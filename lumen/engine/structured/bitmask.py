@@ -55,7 +55,7 @@ def fill_masks(executor: llguidance.LLExecutor, masks: np.ndarray, items: Sequen
         masks[a:b] = 0
     ptr, one = masks.ctypes.data, masks.shape[1] * 4
     plain = [(m.ll, row) for m, row, d in items if not d]
-    drafted = [(m.ll, row, [m._ll_token(t) for t in d]) for m, row, d in items if d]
+    drafted = [(m.ll, row, m._ll_tokens(d)) for m, row, d in items if d]
     if plain:
         executor.unsafe_compute_mask_ptr(plain, ptr, one, n)
     if drafted:                       # llguidance's draft call takes only non-empty drafts

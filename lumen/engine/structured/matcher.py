@@ -1,7 +1,8 @@
 """GrammarMatcher: one request's position in its grammar. Made by CompiledGrammar.matcher().
 
     m.fill_mask(row)                  # row: int32 (mask_words,), the tokens allowed next (bit t = token t)
-    m.advance(token)                  # after sampling; any end-of-generation token counts as EOS
+    m.advance(token)                  # after sampling; an end-of-generation token counts as EOS (unless the
+                                      # grammar names that very token, as Lark's <|endoftext|> or <[id]>)
     m.is_stopped                      # the grammar is complete and takes no more text: finish with "stop"
     m.validate_draft(tokens) -> n     # how many of the speculative draft tokens the grammar accepts (a prefix)
     m.rollback(n)                     # undo the last n advanced tokens
@@ -35,18 +36,32 @@ class GrammarMatcher:
         self._eog = frozenset(vocab.eog_ids)
         self.n_tokens = 0                  # tokens advanced (committed) so far
 
-    def _ll_token(self, token: int) -> int:
-        """llguidance's id for a Lumen token: every end-of-generation token is its one EOS."""
-        return self.vocab.eos_id if token in self._eog else int(token)
+    def _ll_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """llguidance's ids for Lumen tokens committed in order from here: an end-of-generation token is its one
+        EOS, unless the grammar names that token itself there (Lark's `<|endoftext|>`, `<[id]>`)."""
+        eos, out = self.vocab.eos_id, []
+        for t in tokens:
+            t = int(t)
+            if t in self._eog and t != eos and self.ll.validate_tokens([*out, t]) <= len(out):
+                t = eos
+            out.append(t)
+        return out
+
+    def _takes_eos(self) -> bool:
+        """Whether llguidance consumes EOS here. validate_tokens says 0 for it where the grammar is not complete,
+        even where the grammar names it as a token of its own (`start: "x" <|im_end|>`), which the mask allows
+        and consume_token takes; asked of a copy, on this rare path only."""
+        probe = self.ll.deep_copy()
+        return probe.consume_token(self.vocab.eos_id) and not probe.is_error()
 
     def advance(self, token: int) -> None:
         """Commit one sampled token. StructuredOutputError if the grammar does not allow it here."""
-        t = self._ll_token(token)
+        t, = self._ll_tokens([token])
         if self.ll.is_error():                  # llguidance gave up (a limit of its lexer or parser), not the token
             raise StructuredOutputError(f"{GRAMMAR_FAILED} before token {token}: {self.error}")
         # a stopped matcher still takes EOS (validate_tokens says 0 for it there)
-        end = t == self.vocab.eos_id and self.ll.is_stopped()
-        if not (end or self.ll.validate_tokens([t]) == 1):
+        eos = t == self.vocab.eos_id
+        if not ((eos and self.ll.is_stopped()) or self.ll.validate_tokens([t]) == 1 or (eos and self._takes_eos())):
             raise StructuredOutputError(f"token {token} is not allowed by the grammar here (after "
                                         f"{self.n_tokens} tokens){self._why()}")
         if not self.ll.consume_token(t):
@@ -62,7 +77,7 @@ class GrammarMatcher:
         """The length of the longest prefix of `tokens` the grammar accepts from here (no state change)."""
         if not tokens or self.ll.is_error():
             return 0
-        return self.ll.validate_tokens([self._ll_token(t) for t in tokens])
+        return self.ll.validate_tokens(self._ll_tokens(tokens))
 
     def rollback(self, n: int) -> None:
         """Undo the last n committed tokens."""

@@ -15,7 +15,8 @@ function. From Lumen's tokenizer:
 - end of sequence: llguidance knows one EOS token, `eos_id` (the vocabulary's eos, or its lowest end-of-generation
   token without one). A model ends a turn with any of its end-of-generation tokens (Gemma's `<end_of_turn>` besides
   `<eos>`), so the mask functions (lumen.engine.structured.bitmask) allow all of `eog_ids` wherever the grammar
-  allows EOS, and the matcher (lumen.engine.structured.matcher) feeds any of them to llguidance as EOS.
+  allows EOS, and the matcher (lumen.engine.structured.matcher) feeds any of them to llguidance as EOS, unless the
+  grammar names that token itself (Lark's `<|endoftext|>` or `<[id]>`).
 - tokenize: Lumen's own encoder with no BOS, no added leading space (SentencePiece's add_space_prefix off) and
   special-token text read as plain text. llguidance calls it (holding the GIL) when it compiles a grammar, to
   tokenize forced text; masks never call it.
