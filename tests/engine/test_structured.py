@@ -317,6 +317,21 @@ def test_a_ref_that_loops_before_any_value_is_refused(schema):
     Constraint.json_schema(tree)                                       # recursion behind a value: fine
 
 
+def test_a_ref_to_an_anchor_is_not_a_loop(toks, compilers):
+    """A plain-name fragment ("#item") names an $anchor, not a JSON pointer: it was read as "#", the root, and the
+    schema refused as a $ref leading back to itself. llguidance resolves it; the output takes the anchored schema."""
+    schema = {"$defs": {"item": {"$anchor": "item", "type": "integer", "minimum": 5, "maximum": 9},
+                        "list": {"$anchor": "list", "type": "array", "items": {"$ref": "#item"}, "minItems": 1,
+                                 "maxItems": 3}},
+              "$ref": "#list"}
+    compiled = compilers["smollm2-135m"].compile(Constraint.json_schema(schema), timeout=30)
+    text, _, finished = walk(compiled, toks["smollm2-135m"], np.random.default_rng(0))
+    assert finished
+    jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(StructuredOutputError, match="leads back to itself"):
+        Constraint.json_schema({"$defs": {"a": {"$anchor": "a", "$ref": "#/$defs/a"}}, "$ref": "#a"})
+
+
 @pytest.mark.parametrize("schema", [{"anyOf": [{"$ref": "#"}]}, {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}])
 def test_a_schema_that_matches_no_text_is_refused(compilers, schema):
     """$refs that loop back before any value through anyOf (which no_ref_loops leaves to llguidance): llguidance

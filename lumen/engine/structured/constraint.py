@@ -237,14 +237,14 @@ def exclusive_bounds(schema: Any) -> Any:
 
 
 def no_ref_loops(schema: Any) -> Any:
-    """`schema`, checked: no local $ref may lead back to itself through $refs and allOf entries alone, before any
-    value (`{"$ref": "#"}`, `"d": {"$ref": "#/$defs/d"}`). No JSON matches such a schema; llguidance compiles it
+    """`schema`, checked: no local $ref (a JSON pointer) may lead back to itself through $refs and allOf entries
+    alone, before any value (`{"$ref": "#"}`, `"d": {"$ref": "#/$defs/d"}`). No JSON matches such a schema; llguidance compiles it
     and fails where it is reached ("NoExtensionBias"), perhaps after part of a streamed response was sent.
     StructuredOutputError otherwise. A $ref behind a property, an item or an anyOf branch is ordinary recursion."""
     refs: list[str] = []
 
     def collect(d: dict) -> dict:
-        if isinstance(d.get("$ref"), str) and d["$ref"].startswith("#"):
+        if _pointer(d.get("$ref")):
             refs.append(d["$ref"])
         return d
     map_subschemas(schema, collect)
@@ -265,7 +265,7 @@ def no_ref_loops(schema: Any) -> Any:
         if not isinstance(node, dict):
             return None
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
+        if _pointer(ref):
             if ref in seen:
                 return ref
             found = loops(resolve(ref), seen | {ref})
@@ -281,6 +281,12 @@ def no_ref_loops(schema: Any) -> Any:
         if loops(resolve(ref), frozenset({ref})):
             _fail("json_schema", f"the $ref {ref!r} leads back to itself before any value: no JSON matches it")
     return schema
+
+
+def _pointer(ref: Any) -> bool:
+    """Whether a $ref is a local JSON pointer ("#", "#/$defs/x"); a plain-name fragment ("#foo") names an $anchor,
+    which llguidance resolves."""
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 
 
 def integer_bounds(schema: Any) -> Any:
