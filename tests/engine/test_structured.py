@@ -303,6 +303,15 @@ def test_compiler_reports_vocabulary_errors(compilers):
     assert compiler.submit(c).exception() is not None
 
 
+def test_unknown_special_token_names_the_known_ones(compilers):
+    """A grammar naming a special token the vocabulary lacks: llguidance lists the vocabulary's special tokens, cut
+    at the front and mostly placeholders (Gemma's 6000 <unusedN>, Qwen's [PADn]); the error names the real ones."""
+    with pytest.raises(StructuredOutputError) as e:
+        compilers["gemma3-270m"].compile(Constraint.lark('start: "ok" <|nope|>'), timeout=30)
+    msg = str(e.value)
+    assert 'unknown special token: "<|nope|>"' in msg and "<end_of_turn>" in msg and "<start_of_turn>" in msg
+    assert len(msg) < 400 and msg.count("<unused") <= 1 and "\n" not in msg
+
 @pytest.mark.parametrize("schema", [
     {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]},
     {"$defs": {"d": {"allOf": [{"$ref": "#/$defs/d"}]}}, "type": "array", "items": {"$ref": "#/$defs/d"}},

@@ -65,7 +65,21 @@ def one_line(msg: str) -> str:
     lines = [ln.strip() for ln in msg.strip().splitlines()]
     lines = [ln for ln in lines if ln.strip("^ ") and not re.match(r"\d+ \| ", ln)]
     said = [ln.removeprefix("error:").strip() for ln in lines[1:] if ln.startswith("error:")]
-    return " ".join(lines[:1] + said if said else lines)
+    return _SPECIALS.sub(_named_specials, " ".join(lines[:1] + said if said else lines))
+
+
+# llguidance's list of a vocabulary's special tokens, in an unknown-token error: "⟦…[PAD151843]‧...‧</s>⟧", cut at
+# the front, mostly placeholders (Qwen2.5: 272 "[PADn]" of 292), "≺EOS≻" for the end-of-sequence token
+_SPECIALS = re.compile(r"⟦([^⟧]*)⟧")
+
+
+def _named_specials(m: re.Match) -> str:
+    """The named tokens of such a list, sorted, placeholders counted rather than listed."""
+    names = [n for n in m.group(1).lstrip("…").split("‧") if n]
+    pads = [n for n in names if re.fullmatch(r"\[PAD\d+\]|<unused\d+>|<\|reserved_special_token_\d+\|>", n)]
+    named = sorted(set(names) - set(pads), key=lambda n: (n == "≺EOS≻", n))
+    more = f" (and placeholders such as {pads[-1]})" if pads else ""
+    return ", ".join(n if n != "≺EOS≻" else "the end-of-sequence token" for n in named) + more
 
 
 def _fail(kind: str, msg: str) -> None:
