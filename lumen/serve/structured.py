@@ -3,7 +3,8 @@
     constraint = constraint_from_body(body)     # body: the request's JSON object (a dict)
 
 Both conventions are accepted, each under its own names:
-- OpenAI / vLLM `response_format`: {"type": "text"} (no constraint), {"type": "json_object"},
+- OpenAI / vLLM `response_format` (its `type` required, as theirs): {"type": "text"} (no constraint),
+  {"type": "json_object"},
   {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}; llama-server's
   {"type": "json_object", "schema": {...}} and {"type": "json_schema", "schema": {...}} too. Unless `strict` is
   true, a json_schema may use keywords llguidance cannot enforce (uniqueItems, not, ...; an overlapping oneOf is
@@ -81,7 +82,9 @@ def constraint_from_body(body: Mapping[str, Any]) -> Constraint | None:
 def _response_format(rf: Any):
     if not isinstance(rf, Mapping):
         _fail("response_format", f"must be an object, got {type(rf).__name__}")
-    kind = rf.get("type", "text")
+    kind = rf.get("type")
+    if kind is None:                    # as OpenAI and vLLM: {"json_schema": {...}} alone is a mistake, not "text"
+        _fail("response_format.type", 'is required: "text", "json_object" or "json_schema"')
     if kind == "text":
         return None
     if kind == "json_object":

@@ -66,6 +66,9 @@ def test_fields_map_to_constraints(body, want):
      "disable_any_whitespace must be a boolean"),
     ({"response_format": "json"}, "response_format", "must be an object"),
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type: must be"),
+    ({"response_format": {"json_schema": {"name": "p", "schema": SCHEMA}}}, "response_format",   # not "text"
+     "response_format.type: is required"),
+    ({"response_format": {"type": None, "schema": SCHEMA}}, "response_format", "response_format.type: is required"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "must be an object with the schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "response_format.json_schema.schema: is required"),
