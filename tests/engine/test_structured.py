@@ -473,6 +473,28 @@ GBNF = {  # grammar -> a check of its language in Python
         lambda s: all(re.fullmatch(r"[a-z]+", x) for x in json.loads(s)),
 }
 
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_regex_digit_and_word_classes_are_ascii(toks, compilers, name):
+    r"""`\d` and `\w` in a regex constraint are ASCII, as in a JSON schema's pattern (and xgrammar's, vLLM's
+    default): llguidance's Rust regexes read them as Unicode, so `\d{3}` took Arabic-Indic or fullwidth digits, and
+    a walk over random logits wrote them. The pattern's own errors still quote it as it was given."""
+    tok = toks[name]
+    for pattern, ok in [(r"\d{3}-\d{4}", b"0123456789"), (r"\w+", b"0123456789_" + bytes(range(65, 91)) +
+                                                             bytes(range(97, 123))), (r"[^\D]+", b"0123456789")]:
+        compiled = compilers[name].compile(Constraint.regex(pattern))
+        row = np.zeros(compiled.vocab.mask_words, np.int32)
+        compiled.matcher().fill_mask(row)
+        firsts = {tok.token_bytes(int(i)) for i in _allowed(row, tok.n_vocab)}
+        assert firsts and all(set(b) <= set(ok) for b in firsts), sorted(b for b in firsts if not set(b) <= set(ok))[:5]
+    for seed in SEEDS:
+        text, _, finished = walk(compilers[name].compile(Constraint.regex(r"\d{3}-\d{4}")), tok,
+                                 np.random.default_rng(seed))
+        assert finished and re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
+    with pytest.raises(StructuredOutputError) as e:
+        Constraint.regex(r"\d(")
+    assert str(e.value).startswith("invalid regex constraint: at") and '"\\\\d("' in str(e.value)
+
+
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -162,7 +162,9 @@ class Constraint:
 
     @classmethod
     def regex(cls, pattern: str) -> Constraint:
-        """The whole output matches `pattern` (Rust regex syntax, as llguidance; no lookaround, no backrefs)."""
+        """The whole output matches `pattern` (Rust regex syntax, as llguidance; no lookaround, no backrefs). `\\d`
+        and `\\w` are ASCII (`[0-9]`, `[0-9a-zA-Z_]`), as in a JSON schema's pattern and in xgrammar's and Outlines'
+        regexes (vLLM's): Rust's Unicode classes let a model write a phone number in Devanagari digits."""
         return cls.make("regex", pattern)
 
     @classmethod
@@ -433,13 +435,20 @@ def _to_grammar(kind: str, value: str) -> str:
         if kind == "json_object":
             return ll.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
-            return ll.grammar_from_regex(value)
+            grammar = ll.grammar_from_regex(value)
+            ascii_classes = llguidance.regex_to_lark(value, "dw")
+            if ascii_classes == value:
+                return grammar
+            _validate(kind, grammar)                         # its errors quote the pattern as it was given
+            return ll.grammar_from_regex(ascii_classes)
         if kind == "choice":
             # each choice a Lark string literal (JSON string syntax, which llguidance's Lark reads)
             return ll.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(value)))
         if kind == "grammar_lark":
             return ll.grammar_from_lark(value)
         return ll.grammar_from_lark(gbnf_to_lark(value))
+    except StructuredOutputError:
+        raise
     except Exception as e:  # ValueError from llguidance, GbnfToLarkError (with its position) from the GBNF parser
         _fail(kind, str(e))
 
