@@ -89,6 +89,8 @@ def test_vocab_tokenize_is_lumens_encoder(toks, name):
     ("json_schema", {"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
     ("json_schema", {"type": "number", "minimum": float("nan")}, "cannot be written as JSON"),
     ("json_schema", False, "the schema false matches nothing"),
+    ("json_schema", {"const": 12345678901234567890}, "the const holds the integer 12345678901234567890, beyond 2^53"),
+    ("json_schema", {"type": "object", "properties": {"a": {"enum": [1, [2 ** 60]]}}}, "the enum holds the integer"),
     ("json_object", {"type": "object"}, "takes no value"),
     ("regex", "a(b", "unclosed group"),
     ("regex", 12, "expected a string"),

@@ -25,7 +25,8 @@ silently ignored, so that every output validates against the schema; "x-guidance
 them and ignores them. A string `format` llguidance does not know ("password", "uri-reference") is dropped: JSON
 Schema makes an unknown format an annotation, which validators ignore too. An exclusive whole-number bound
 with the other bound less than 1 away becomes an inclusive one just past it (`exclusive_bounds`: llguidance's
-number regex takes the bound itself there). An object schema that lists its
+number regex takes the bound itself there). A const or enum integer beyond 2^53 is an error (`exact_data`:
+llguidance writes the nearest double). An object schema that lists its
 properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
 patterns llguidance cannot enforce (look-around, backreferences).
 """
@@ -143,7 +144,7 @@ class Constraint:
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
         try:
-            schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(no_ref_loops(schema)))))
+            schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(exact_data(no_ref_loops(schema))))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
@@ -318,6 +319,28 @@ def integer_bounds(schema: Any) -> Any:
                 if _number(v) and not (abs(v) < 2 ** 63 and float(v) == v):
                     _fail("json_schema", f"the integer bound {k}: {v} is beyond what llguidance enforces "
                                          f"(integers below 2^63 that a double holds exactly)")
+        return d
+    return map_subschemas(schema, check)
+
+
+def exact_data(schema: Any) -> Any:
+    """`schema`, checked: no `const` or `enum` value may hold an integer beyond 2^53. llguidance 1.9 keeps JSON numbers
+    as doubles and writes the shortest decimal of the nearest one: `{"const": 12345678901234567890}` made every
+    output 12345678901234567000, which the schema refuses. StructuredOutputError otherwise (a string holds it)."""
+    def big(x: Any) -> int | None:
+        if isinstance(x, int) and not isinstance(x, bool):
+            return x if abs(x) > 2 ** 53 else None
+        for v in x.values() if isinstance(x, dict) else x if isinstance(x, list) else ():
+            found = big(v)
+            if found is not None:
+                return found
+        return None
+
+    def check(d: dict) -> dict:
+        for k in ("const", "enum"):
+            if k in d and (v := big(d[k])) is not None:
+                _fail("json_schema", f"the {k} holds the integer {v}, beyond 2^53, which llguidance would write as "
+                                     f"the nearest double ({float(v):.17g}); give it as a string")
         return d
     return map_subschemas(schema, check)
 
