@@ -281,7 +281,9 @@ def test_paced_default_spreads_a_long_prompt_over_the_streams_steps(model):
         got[sched] = ([outs[i] for i in ids], outs[late], chunks)
     assert got["paced"][:2] == got["fcfs"][:2]
     assert len(got["fcfs"][2]) == 1                                  # one 400-token step beside the streams
-    assert len(got["paced"][2]) >= 3 and max(got["paced"][2]) < 400  # spread over the streams' steps
+    # spread over the streams' steps; how many depends on the step times measured (a busy neighbour's share of
+    # the cores makes the decode steps, and so each chunk's allowance, longer: 2 chunks seen under a full suite)
+    assert len(got["paced"][2]) >= 2 and max(got["paced"][2]) < 400
 
 
 def test_bad_scheduler_settings(model):
