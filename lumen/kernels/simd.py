@@ -50,11 +50,60 @@ from .ir import (F16, F32, I8, I32, LANES, VB8, VF, VH, VI, call, fma, fmax, hma
                  splat, vload)
 from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
-_features = llvm.get_host_cpu_features()
+# A vpdpbusd that the target cannot encode stops LLVM (an abort, not an exception), and one encoded for a CPU
+# without it is an illegal instruction. So VNNI is what Numba compiles for, not what this CPU has: NUMBA_CPU_NAME
+# and NUMBA_CPU_FEATURES name another target (NUMBA_CPU_NAME=generic for a compile cache any x86-64 can load,
+# haswell for an AVX2-only Xeon). Without NUMBA_CPU_FEATURES Numba compiles for this CPU's features, whatever the
+# CPU name; with it, only LLVM knows what a CPU name implies, so LLVM is asked, in a child process where a target
+# without vpdpbusd may abort (compile_vnni_probe: about 60 ms). Numba keys its cache by the same name and features.
+_VNNI_PROBE = r"""
+import sys
+import llvmlite.binding as llvm
+llvm.initialize_native_target()
+llvm.initialize_native_asmprinter()
+m = llvm.parse_assembly('''
+declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)
+declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
+define <8 x i32> @a(<8 x i32> %x, <8 x i32> %y, <8 x i32> %z) {
+  %r = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %x, <8 x i32> %y, <8 x i32> %z)
+  ret <8 x i32> %r
+}
+define <16 x i32> @b(<16 x i32> %x, <16 x i32> %y, <16 x i32> %z) {
+  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %x, <16 x i32> %y, <16 x i32> %z)
+  ret <16 x i32> %r
+}
+''')
+t = llvm.Target.from_triple(llvm.get_process_triple())
+print(t.create_target_machine(cpu=sys.argv[1], features=sys.argv[2]).emit_assembly(m).count("vpdpbusd"))
+"""
+
+
+def compile_vnni_probe(cpu: str, features: str) -> bool:
+    """Whether LLVM encodes vpdpbusd, 256- and 512-bit, for the target (a CPU name and a features string), asked in
+    a child process (a target without it aborts there); False when the child cannot tell: the portable IR runs on
+    any target."""
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", _VNNI_PROBE, cpu, features], capture_output=True, text=True,
+                           timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and r.stdout.strip() == "2"
+
+
+def target_has_vnni() -> bool:
+    """Whether the CPU Numba compiles for has AVX512-VNNI and 256-bit AVX-512 vectors (avx512vl); see above."""
+    from numba.core import config
+    if config.CPU_FEATURES is None:
+        f = llvm.get_host_cpu_features()
+        return bool(f.get("avx512vnni", False) and f.get("avx512vl", False))
+    return compile_vnni_probe(config.CPU_NAME or llvm.get_host_cpu_name(), config.CPU_FEATURES)
+
+
 # LUMEN_NO_VNNI=1 compiles the portable IR even on a VNNI CPU (for tests; lumen/__init__.py gives that build its
 # own compile cache, because Numba's cache key knows the CPU but not this switch).
-VNNI = (bool(_features.get("avx512vnni", False) and _features.get("avx512vl", False))
-        and os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0"))
+VNNI = os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0") and target_has_vnni()
 
 ROWS = R                       # rows of a tile; LANES (lumen.kernels.ir) = 16 rows per vector (i32 lanes)
 

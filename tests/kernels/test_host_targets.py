@@ -1,0 +1,72 @@
+"""Kernels compiled for another CPU than this one (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES): what a host without
+AVX512-VNNI, or without AVX-512, gets, checked on whatever CPU the tests run on.
+
+Each case runs in a child process with its own Numba cache (the target is read when Numba starts, and a cache
+compiled for one target must not mix with this process's)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_matmul import PORTABLE_ROWS, PORTABLE_SCRIPT, PORTABLE_TYPES, check, make_weight
+
+from lumen.format.quants import dequantize_ref
+from lumen.kernels.matmul import matmul, prepare
+
+VNNI_OF = "import lumen.kernels.simd as simd; print(simd.VNNI)"
+
+
+def _env(tmp_path, cpu: str, features: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_FEATURES", "LUMEN_NO_VNNI")}
+    env.update(NUMBA_CPU_NAME=cpu, NUMBA_CACHE_DIR=str(tmp_path / f"numba-{cpu}"), LUMEN_HOME=str(tmp_path / "home"))
+    if features is not None:
+        env["NUMBA_CPU_FEATURES"] = features
+    return env
+
+
+@pytest.mark.parametrize("cpu, features, vnni", [
+    ("haswell", "", False),                 # AVX2 only
+    ("skylake-avx512", "", False),          # AVX-512 without VNNI
+    ("x86-64-v4", "", False),
+    ("generic", None, False),               # Numba's portable target (NUMBA_CPU_FEATURES defaults to "")
+    ("cascadelake", "", True),              # AVX-512 with VNNI
+    ("znver4", "", True),
+    ("znver4", "-avx512vnni", False),       # a CPU name with a feature taken away
+])
+def test_vnni_follows_the_compile_target(tmp_path, cpu, features, vnni):
+    """The tiles use vpdpbusd exactly when the CPU Numba compiles for has it, whatever this CPU has: LLVM aborted
+    compiling a vpdpbusd for haswell on a VNNI host, and would encode one that a VNNI-less host cannot run."""
+    r = subprocess.run([sys.executable, "-c", VNNI_OF], env=_env(tmp_path, cpu, features), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str(vnni)]
+
+
+@pytest.mark.slow
+def test_tiles_compiled_for_avx2_only(tmp_path):
+    """Compiled for an AVX2-only CPU (haswell) the tile kernels run (no abort), use no AVX-512 register, and give
+    the bits this CPU's build gives (within the float64 reference's bound too): the decode kernel, the NR-row
+    passes and the passes over tiles unpacked first."""
+    res = tmp_path / "haswell.npz"
+    script = PORTABLE_SCRIPT + (
+        "\nasm = ''.join(matmul_kernel.inspect_asm().values())"
+        "\nprint('asm', asm.count('zmm'), asm.count('ymm'), asm.count('vpdpbusd'))\n")
+    r = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(res)],
+                       env=_env(tmp_path, "haswell", ""), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    zmm, ymm, dp = (int(v) for v in r.stdout.split("asm", 1)[1].split())
+    assert zmm == 0 and dp == 0 and ymm > 0, (zmm, ymm, dp)
+    got = np.load(res)
+    rng = np.random.default_rng(7)
+    for qt in PORTABLE_TYPES:
+        raw = make_weight(qt, 80, 512, rng)
+        p = prepare(raw, qt)
+        for n in PORTABLE_ROWS:
+            x = rng.standard_normal((n, 512)).astype(np.float32)
+            o = np.zeros((n, 80), np.float32)
+            matmul(o, x, p, qt)
+            assert np.array_equal(got[f"{qt.name}_{n}"], o), (qt.name, n)
+            check(got[f"{qt.name}_{n}"], x, dequantize_ref(raw, qt, (80, 512)).astype(np.float64), qt)
