@@ -58,12 +58,26 @@ def cpu_info(cpuinfo: dict | None = None) -> dict:
     else:
         ident = ""
     return {"model": info.get("model name") or cpu_model(), "id": ident,
-            "isa": sorted(f for f in flags if f in ISA), "cpus": os.cpu_count()}
+            "isa": sorted(f for f in flags if f in ISA), "cpus": os.cpu_count(), "target": compile_target()}
+
+
+def compile_target() -> str:
+    """The CPU Numba is told to compile for instead of this one, "" when it is not: NUMBA_CPU_NAME (the features
+    are this CPU's unless NUMBA_CPU_FEATURES is set; Numba's own rule). What runs, and how fast, is the target's
+    code: a figure measured for haswell code on a Zen 5 is not a Zen 5 figure."""
+    name, features = os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")
+    if name is None and features is None:
+        return ""
+    if features is None and str(name).lower() == "generic":
+        features = ""                                   # (Numba's default for generic)
+    return f"{name or 'this CPU'}, features {'of this CPU' if features is None else repr(features)}"
 
 
 def cpu_key(cpu: dict) -> str:
     """The key of a CPU: "model name | identity | N CPUs | ISA flags". A hypervisor may show a generic model name
     ("AMD EPYC" for both a Zen 4 and a Zen 5 guest), so the family and model numbers are part of the key, and so
-    are the ISA flags (a guest may not be granted all of its CPU's)."""
+    are the ISA flags (a guest may not be granted all of its CPU's), and the CPU Numba compiles for when it is
+    told another one (compile_target: code built for haswell runs at haswell code's speed on any host)."""
     isa = " ".join(cpu["isa"]) or "no AVX2"
-    return f"{cpu['model']} | {cpu.get('id') or 'identity unknown'} | {cpu['cpus']} CPUs | {isa}"
+    key = f"{cpu['model']} | {cpu.get('id') or 'identity unknown'} | {cpu['cpus']} CPUs | {isa}"
+    return key + (f" | compiled for {cpu['target']}" if cpu.get("target") else "")

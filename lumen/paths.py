@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent                  # the lumen package dire
 # Numba's compile cache, keyed by the compiled code. Numba checks a cached function against its own source file
 # only, but the forward pass inlines kernels from other files: after an edit to a kernel, the cached forward pass
 # would still run the old kernel. So the cache lives in $LUMEN_HOME/numba/<hash of every source file that holds
-# compiled code, of the switches frozen into it (LUMEN_TIMERS, LUMEN_NO_VNNI), and of what else the code depends
+# compiled code, of the switches frozen into it (LUMEN_TIMERS, LUMEN_NO_VNNI, the NUMBA_CPU_NAME and
+# NUMBA_CPU_FEATURES of a build for another CPU), and of what else the code depends
 # on: Lumen's version, Numba's and llvmlite's, Python's, and the CPU's model and features (a home shared by
 # several machines or environments keeps one cache for each)>; a change is a new directory. An explicit
 # NUMBA_CACHE_DIR wins.
@@ -69,6 +70,9 @@ def compile_cache_dir() -> str:
     """$LUMEN_HOME/numba/<key of the compiled sources, build switches and platform> (see COMPILED)."""
     h = hashlib.sha256(f"timers={os.environ.get('LUMEN_TIMERS', '1')} "
                        f"novnni={os.environ.get('LUMEN_NO_VNNI', '0')}\n".encode())
+    target = (os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES"))
+    if target != (None, None):                          # compiled for another CPU (lumen.kernels.simd): its own
+        h.update(f"target={target}\n".encode())         # cache, and its own step costs (keyed by this name)
     h.update(_platform())
     for pattern in COMPILED:
         for p in sorted(ROOT.glob(pattern)):
