@@ -81,3 +81,62 @@ def cpu_key(cpu: dict) -> str:
     isa = " ".join(cpu["isa"]) or "no AVX2"
     key = f"{cpu['model']} | {cpu.get('id') or 'identity unknown'} | {cpu['cpus']} CPUs | {isa}"
     return key + (f" | compiled for {cpu['target']}" if cpu.get("target") else "")
+
+
+def cpu_quota(cgroup: str | None = None, root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs' worth of time a cgroup quota lets this process use (`docker --cpus=1.5`: 1.5), the smallest on
+    the path from its cgroup up to the root; None when there is none or it cannot be read. cgroup: the text of
+    /proc/self/cgroup (read when None); root: where the cgroup file systems are mounted.
+    cgroup v2: <root>/<path>/cpu.max is "quota period" or "max period"; v1: cpu.cfs_quota_us (-1: none) and
+    cpu.cfs_period_us in the cpu controller's mount (<root>/cpu or <root>/cpu,cpuacct)."""
+    if cgroup is None:
+        try:
+            cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    base = Path(root)
+    dirs = []                                           # (directory of the cgroup, v2?) deepest first
+    for line in cgroup.splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        rel = Path(path.strip().lstrip("/"))
+        if hid == "0" and controllers == "":
+            mounts = [(base, True), (base / "unified", True)]
+        elif "cpu" in controllers.split(","):
+            mounts = [(base / name, False) for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")]
+        else:
+            continue
+        for mount, v2 in mounts:
+            for d in (mount / rel, *(mount / rel).parents):
+                if mount in (d, *d.parents):
+                    dirs.append((d, v2))
+    best = None
+    for d, v2 in dirs:
+        try:
+            if v2:
+                quota, period = (d / "cpu.max").read_text().split()[:2]
+                if quota == "max":
+                    continue
+            else:
+                quota, period = (d / "cpu.cfs_quota_us").read_text(), (d / "cpu.cfs_period_us").read_text()
+            q = int(quota) / int(period)
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
+        if q > 0:
+            best = q if best is None else min(best, q)
+    return best
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process can compute on at once: the CPUs it may run on (sched_getaffinity: taskset, a
+    container's cpuset), fewer under a cgroup CPU quota (cpu_quota, rounded up). os.cpu_count() counts the
+    machine's, which a process may not use: more threads than this wait on each other at every barrier."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    q = cpu_quota()
+    if q is not None:
+        import math
+        n = min(n, max(1, math.ceil(q - 1e-9)))
+    return max(1, n)

@@ -37,6 +37,8 @@ Beside a busy process this rule keeps the first steps after each pause on the co
 again on every thread made them wait for the neighbour (profiling/shared_machine.py part 3 measures both).
 
 `Governor(max_threads, adaptive=False)` (or LUMEN_FIXED_THREADS=1, `--fixed-threads`) keeps max_threads always.
+Either way never more than the CPUs the process can compute on (lumen.cpu.usable_cpus: its affinity, a cgroup CPU
+quota), and it says so: Numba starts as many threads as NUMBA_NUM_THREADS asks, whatever the process may use.
 Where /proc is missing (not Linux) it keeps max_threads too.
 """
 from __future__ import annotations
@@ -46,6 +48,8 @@ import math
 import os
 import threading
 import time
+
+from ..cpu import cpu_quota, usable_cpus
 
 WINDOW_S = 0.05       # seconds between readings of our threads' wait
 SLOW_S = 0.2          # seconds over which others' demand is read
@@ -61,6 +65,7 @@ RESET_S = 1.0         # after a pause longer than this, start again from max_thr
 PROBES = 3            # after a pause others were busy in: readings of who is runnable now (runnable_others) ...
 PROBE_GAP_S = 0.001   # ... this far apart: read back to back they catch transients (a task that just exited)
 log = logging.getLogger("lumen.engine")
+_WARNED: set[tuple[int, int]] = set()   # (threads asked, usable CPUs) already said to be too many
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -146,6 +151,15 @@ class Governor:
         self.max = max_threads
         self.n = max_threads
         self.cpus = _allowed_cpus()
+        # threads beyond the CPUs this process can compute on (NUMBA_NUM_THREADS or --threads over a taskset, a
+        # container's cpuset or CPU quota) wait for one another at every barrier: 2 threads on 1 CPU decoded at a
+        # quarter of 1 thread's rate. `threads` never gives more than `usable`.
+        self.usable = usable_cpus()
+        if max_threads > self.usable and (max_threads, self.usable) not in _WARNED:     # once a process
+            _WARNED.add((max_threads, self.usable))
+            log.warning("%d threads asked, but this process can compute on %d CPU%s (affinity %d of %d, CPU quota "
+                        "%s): its steps run on %d", max_threads, self.usable, "s" * (self.usable != 1),
+                        len(self.cpus), os.cpu_count() or 0, cpu_quota() or "none", self.usable)
         self.adaptive = (adaptive and max_threads > 1 and os.environ.get("LUMEN_FIXED_THREADS", "0") in ("", "0")
                          and busy_seconds(self.cpus) is not None)
         self.others = 0.0                     # the last reading: others' demand, in cores
@@ -169,12 +183,12 @@ class Governor:
             now = time.monotonic()
             if self._last is None or now - self._last[0] >= WINDOW_S:
                 self._read(now)
-        ident = threading.get_ident()
-        if self._set != (ident, self.n):
+        ident, n = threading.get_ident(), min(self.n, self.usable)
+        if self._set != (ident, n):
             import numba
-            numba.set_num_threads(self.n)
-            self._set = (ident, self.n)
-        return self.n
+            numba.set_num_threads(n)
+            self._set = (ident, n)
+        return n
 
     def done(self) -> None:
         """The step the last `threads` was for has ended: the time until the next one is a pause, not a step."""
