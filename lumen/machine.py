@@ -26,7 +26,8 @@ These are what Numba code reaches here, not the vendor's peak. The result is cac
 `$LUMEN_HOME/machine.json` and is reused only on the same CPU (machine_key(): the CPU key of lumen.cpu, which
 holds the family and model numbers, the CPU count and the ISA flags, and the vendor and stepping; a model name
 such as "AMD EPYC" is shown for a Zen 4 and a Zen 5 guest alike), and only when written by this VERSION of the
-kernels. A cache without that key (written before it existed) is measured again.
+kernels, on as many threads as this process can compute on. A cache without that key (written before it
+existed) is measured again.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu import cpu_info, cpu_key, cpu_model, read_cpuinfo
+from .cpu import cpu_info, cpu_key, cpu_model, read_cpuinfo, usable_cpus
 from .errors import LumenError
 from .kernels import ir as kir
 from .kernels import simd
@@ -210,8 +211,10 @@ def cache_sizes() -> dict:
 
 def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000, dot_rounds: int = 500_000,
             threads: int | None = None) -> dict:
-    """Measure the limits now: about 10 s at the default sizes (a quiet machine); smaller sizes for tests."""
-    threads = threads or os.cpu_count() or 1
+    """Measure the limits now: about 10 s at the default sizes (a quiet machine); smaller sizes for tests. The
+    all-thread figures run on `threads`, by default the CPUs this process can compute on (lumen.cpu.usable_cpus:
+    under taskset -c 0 two threads on one CPU measured a share of it, cached as the machine's)."""
+    threads = threads or usable_cpus()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # 1-minute average, before measuring
     out = {"cpu": cpu_model(), "cpu_key": machine_key(), "cores": os.cpu_count(), "threads": threads,
            "version": VERSION, **cache_sizes()}
@@ -279,6 +282,9 @@ def _stale(d) -> str | None:
         return "does not name the CPU's family and model (written by an older Lumen)"
     if d["cpu_key"] != machine_key() or d.get("cores") != os.cpu_count():
         return f"was measured on another CPU ({d['cpu_key']}; this one is {machine_key()})"
+    if d["threads"] != usable_cpus():
+        return (f"was measured on {d['threads']} threads, and this process can compute on {usable_cpus()} CPUs "
+                f"(its affinity or CPU quota)")
     return None
 
 

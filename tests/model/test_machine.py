@@ -86,6 +86,24 @@ def test_missing_old_or_foreign_cache_is_measured(tmp_path, monkeypatch, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json", "machine.lock"]   # no temporary left
 
 
+def test_limits_follow_the_cpus_this_process_may_use(tmp_path, monkeypatch, capsys):
+    """Under taskset -c 0 (here: usable_cpus() = 1) the all-thread figures are measured on 1 thread, and the
+    machine's 2-thread figures are not read back as this process's, nor its 1-thread figures as the machine's."""
+    import lumen.machine as machine
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    real = machine.measure
+    monkeypatch.setattr(machine, "measure", lambda: real(**SMALL))
+    two = real(threads=2, **SMALL)
+    (tmp_path / "machine.json").write_text(json.dumps(dict(two, bw_gbps=1e-3)))
+    monkeypatch.setattr(machine, "usable_cpus", lambda: 1, raising=False)
+    one = machine.limits()
+    assert one["threads"] == 1 and one["bw_gbps"] > 1e-3
+    assert "was measured on 2 threads, and this process can compute on 1 CPUs" in capsys.readouterr().err
+    assert machine.limits() == one                                 # valid here: read back
+    monkeypatch.setattr(machine, "usable_cpus", lambda: 2)
+    assert machine.limits()["threads"] == 2
+
+
 def cpuinfo(family: int, model: int, stepping: int = 1) -> str:
     """/proc/cpuinfo of a 2-CPU "AMD EPYC" KVM guest (Zen 4: family 25; Zen 5: family 26), one block per CPU."""
     block = (f"processor\t: {{}}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
