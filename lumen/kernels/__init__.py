@@ -8,10 +8,20 @@ whether a cache holds such an entry: two test processes sharing one cache made o
 quantize_x_par; tests/engine/test_threads.py re-creates it).
 
 Numba's compile cache is locked here too, before any kernel compiles or loads (lumen.paths.lock_compile_cache).
+
+On a target without F16C (NUMBA_CPU_NAME=generic or x86-64-v2: a compile cache for any x86-64) LLVM turns the
+kernels' half-precision conversions into calls to __extendhfsf2 and __truncsfhf2, which its JIT looks up in the
+process: "LLVM ERROR: Symbol not found" aborted it. libgcc_s (GCC 12 or later) has them, so it is loaded here for
+the JIT to find (the IEEE conversions, rounding to nearest even as F16C does: the same bits).
 """
 import numba
 
 from ..paths import lock_compile_cache
 
 lock_compile_cache()
+try:
+    import llvmlite.binding
+    llvmlite.binding.load_library_permanently("libgcc_s.so.1")
+except RuntimeError:             # not there (not Linux, or no GCC runtime): a target with F16C needs none of it
+    pass
 numba.get_num_threads()          # launches the threading layer (numba.np.ufunc.parallel._launch_threads)

@@ -70,3 +70,48 @@ def test_tiles_compiled_for_avx2_only(tmp_path):
             matmul(o, x, p, qt)
             assert np.array_equal(got[f"{qt.name}_{n}"], o), (qt.name, n)
             check(got[f"{qt.name}_{n}"], x, dequantize_ref(raw, qt, (80, 512)).astype(np.float64), qt)
+
+
+HALF_SCRIPT = r"""
+import sys, numpy as np, numba
+sys.path.insert(0, sys.argv[1])
+from lumen.format.quants import ACT_FORMAT, QT, dequantize_ref
+from lumen.kernels.kinds import kinds
+from lumen.kernels.layout import R
+from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
+from lumen.kernels.scratch import per_thread
+from lumen.kernels.work import counters
+from test_matmul import check, make_weight
+th, rng = numba.get_num_threads(), np.random.default_rng(7)
+raw = make_weight(QT.Q8_0, 80, 512, rng)
+p = prepare(raw, QT.Q8_0)
+x = rng.standard_normal((1, 512)).astype(np.float32)
+acts = new_acts(1, 512, ACT_FORMAT[QT.Q8_0])
+prepare_x(acts, x, ACT_FORMAT[QT.Q8_0])
+o = np.zeros((1, 80), np.float32)
+m = mat(p)
+matmul_kernel((o, o, o), (m, m, m), 1, acts, per_thread((th, R), np.float32), unpack_scratch(th, 512), counters(th),
+              kinds(mats=(QT.Q8_0,), embd=(), acts=()))
+check(o, x, dequantize_ref(raw, QT.Q8_0, (80, 512)).astype(np.float64), QT.Q8_0)
+print("ok")
+"""
+
+
+def _has_half_conversions() -> bool:
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libgcc_s.so.1")
+    except OSError:
+        return False
+    return hasattr(lib, "__extendhfsf2") and hasattr(lib, "__truncsfhf2")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_half_conversions(), reason="no libgcc_s with the half conversions (GCC 12 or later)")
+def test_tiles_compiled_without_f16c(tmp_path):
+    """Compiled for x86-64-v2 (SSE4.2: no F16C, no FMA; what NUMBA_CPU_NAME=generic also lacks) a Q8_0 tile runs
+    and holds the float64 reference's bound: its f16 scales are library calls, which aborted the process ("LLVM
+    ERROR: Symbol not found: __extendhfsf2") until lumen.kernels loaded them."""
+    r = subprocess.run([sys.executable, "-c", HALF_SCRIPT, str(Path(__file__).parent)],
+                       env=_env(tmp_path, "x86-64-v2", ""), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.split() == ["ok"], r.stderr[-3000:]
