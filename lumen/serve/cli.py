@@ -552,7 +552,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
                           router=args.router)
     pools = args.prefill_replicas + args.decode_replicas if args.prefill_replicas else scale.initial
     most = scale.bounds[1] if scale.bounds else pools     # the CPUs shared by the most replicas there will be
-    threads = args.threads or max(1, (os.cpu_count() or 1) // most)
+    from ..cpu import usable_cpus                     # (the CPUs this process may use: taskset, a cgroup quota)
+    threads = args.threads or max(1, usable_cpus() // most)
     config = replace(config, threads=threads)
     try:
         from ..model.parts import open_gguf

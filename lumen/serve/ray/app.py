@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from ...cpu import usable_cpus
 from ...engine.config import EngineConfig
 from ..app import Settings, build_app
 from ..openai.health import ServingHealth
@@ -246,7 +247,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
     def catch_signals() -> dict:                   # again once Ray is up, should Ray have taken SIGTERM over
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    short = None if address else cpus_short(replicas, threads, joined=False, have=os.cpu_count() or 1,
+    short = None if address else cpus_short(replicas, threads, joined=False, have=usable_cpus(),
                                              most=max_replicas)
     if short:                      # surely short, said before Ray's seconds of start-up (Ray may count fewer CPUs
         print(f"error: {short}", file=sys.stderr)          # than the machine's, so it is checked again once up)
