@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import os
 from typing import Any
 
 from lumen.errors import FetchError, GGUFError
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("file", help="path to a .gguf file, or a registry name (python -m lumen.models)")
     args = ap.parse_args(argv)
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:    # a pipe: one line per key, nothing cut
+        console = Console(width=1 << 12)
     try:
         path = resolve(args.file) if args.file in MODELS else args.file     # as every other tool takes a name
         g = GGUFFile(path)
@@ -32,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     meta = Table(title=f"{g.path.name}: GGUF v{g.version}, {len(g.metadata)} metadata keys")
-    meta.add_column("key")
+    meta.add_column("key", overflow="fold")                           # a key cut to "...rms_epsi…" names nothing
     meta.add_column("value", overflow="fold")
     for k, v in g.metadata.items():
         meta.add_row(k, _short(v))
     console.print(meta)
     tab = Table(title=f"{len(g.tensors)} tensors, data at offset {g.data_start}")
     for col, just in (("name", "left"), ("type", "left"), ("shape (ggml dims)", "left"), ("bytes", "right")):
-        tab.add_column(col, justify=just)
+        tab.add_column(col, justify=just, overflow="fold")
     total = 0
     for t in g.tensors.values():
         tab.add_row(t.name, t.qtype.name, str(list(t.dims)), f"{t.nbytes:,}")

@@ -1,0 +1,37 @@
+"""`lumen gguf FILE` as a user reads it: in a terminal or through a pipe (`lumen gguf M | grep rope`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.synth import write_model
+
+
+def _gguf(path, columns: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns:
+        env["COLUMNS"] = columns
+    return subprocess.run([sys.executable, "-m", "lumen.gguf", str(path)], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_a_pipe_gets_whole_keys_and_values(tmp_path):
+    """Off a terminal rich lays the tables out for 80 columns, which cut a key to
+    "llama.attention.layer_norm_rms_epsi…"; through a pipe each key is one line, whole."""
+    write_model(tmp_path / "m.gguf", meta={"general.a_rather_long_metadata_key_name_for_the_test": 7})
+    r = _gguf(tmp_path / "m.gguf")
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
+    for key in ("llama.attention.layer_norm_rms_epsilon", "general.a_rather_long_metadata_key_name_for_the_test"):
+        rows = [line for line in r.stdout.splitlines() if key in line]
+        assert len(rows) == 1, r.stdout
+    assert [line for line in r.stdout.splitlines() if "blk.0.attn_output.weight" in line], r.stdout
+
+
+def test_a_narrow_terminal_folds_keys_instead_of_cutting_them(tmp_path):
+    """With COLUMNS set narrow, a long key wraps onto the next line; no part of it is dropped."""
+    write_model(tmp_path / "m.gguf")
+    r = _gguf(tmp_path / "m.gguf", columns="50")
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
