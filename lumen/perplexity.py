@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ctx < (4 if args.score == "half" else 2):
         ap.error("--ctx must be at least 4 (2 with --score all)")
+    from .llm import MAX_CTX
+    if args.ctx > MAX_CTX:                              # a flag out of its range: said before the model loads
+        ap.error(f"--ctx must be at most {MAX_CTX}, got {args.ctx}")
     if why := threads_error(args.threads):
         ap.error(why)
     try:
