@@ -240,6 +240,18 @@ def overhead(model, model_arg: str, prompt_tokens: int, gen_tokens: int, threads
     return out
 
 
+def no_match(prof, phase: str | None, op: str | None, layer: int | None) -> str:
+    """Why the tables are empty: --phase/--op/--layer each name something recorded, but no record has them all
+    (attention at --layer -1, outside the layer stack). Names what the other filters do match."""
+    given = [f"--{k} {v}" for k, v in (("phase", phase), ("op", op), ("layer", layer)) if v is not None]
+    where = " and ".join(f"--{k} {v}" for k, v in (("phase", phase), ("layer", layer)) if v is not None)
+    if op is not None and where:
+        ops = sorted({r.op for r in prof.select(phase, None, layer)})
+        return (f"no records match {' '.join(given)}: {op} does not run there; ops recorded with {where}: "
+                f"{', '.join(ops) or 'none'}")
+    return f"no records match {' '.join(given)}"
+
+
 def check_outputs(args, mode: str) -> str | None:
     """Why the --json/--plot files cannot be written, checked before any measuring (an --engine calibration takes
     minutes): a missing or unwritable directory, no matplotlib, a plot format matplotlib cannot write, or a flag the
@@ -346,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                     "stop_reason": stats.stop_reason, "threads": model.threads,
                     "prefill_tps": stats.prefill_tps, "decode_tps": stats.decode_tps}
         print_report(s, lim, title, console)
+        if (args.op is not None or args.layer is not None) and not any(s["ops"].values()):
+            print(f"note: {no_match(prof, args.phase, args.op, args.layer)}", file=sys.stderr)
         if args.json:
             prof.to_json(args.json)
             data = json.loads(Path(args.json).read_text())

@@ -220,6 +220,17 @@ def test_filters(home, smollm2_path):
     assert [row[0] for row in _rows(r.stdout, "ms per layer")] == ["2"]
 
 
+def test_filters_that_match_nothing_say_so(home, smollm2_path):
+    """--op attention --layer -1 (attention runs inside the layer stack) printed two empty tables and nothing
+    else; a note says no record matches, and names the ops recorded at layer -1."""
+    r = run(home, "--model", smollm2_path, "--prompt-tokens", 8, "--gen-tokens", 2, "--op", "attention",
+            "--layer", -1)
+    assert r.returncode == 0, r.stderr
+    assert "note: no records match --op attention --layer -1: attention does not run there" in r.stderr, r.stderr
+    recorded = r.stderr.split("ops recorded with --layer -1: ")[1].split(", ")
+    assert "attention" not in recorded and "sample" in [x.strip() for x in recorded], r.stderr
+
+
 @pytest.mark.parametrize("args, code, msg", [
     (["--phase", "training"], 2, "unknown phase 'training'"),
     (["--op", "flash"], 2, "unknown op 'flash'; ops are act, attention,"),
