@@ -42,13 +42,34 @@ from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
 from .tools import ToolNotFound, find_tool, refuse
 from ..commands import Parser, check_writable, prog, threads_error
-from ..engine.config import THREAD_FLAGS, EngineConfig
+from ..engine.config import THREAD_FLAGS, EngineConfig, available_mb
 
 
 # Seconds of rest between the two engines' blocks, both ways. Lumen's one-sequence decode right after
 # llama-batched-bench's process exits ran 28.0 ms a step against 21.4-21.7 alone or after this rest (the exiting
 # process's gigabyte of repacked weights is still being freed while the next block streams its own weights).
 SETTLE_ENGINES_S = 3.0
+
+
+def memory_needed(cfg, kv_bytes: int, npp: int, npl: int) -> int:
+    """Bytes the run writes, at the least: the KV pool (kv_bytes, every block filled by the last decode step), the
+    activations of one prefill step of npl * npp tokens (lumen.engine.runner.make_scratch's per-token buffers) and
+    a row of logits per sequence."""
+    E, F = cfg.n_embd, cfg.n_ff
+    q, kv, att = cfg.n_head * cfg.head_dim, cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v), cfg.n_head * cfg.head_dim_v
+    per_token = 4 * (2 * E + q + kv + att + 2 * F) + 5 * max(E, F, att)
+    return kv_bytes + npl * npp * per_token + 4 * npl * cfg.n_vocab
+
+
+def memory_error(cfg, kv_bytes: int, npp: int, npl: int, available_mb: float | None) -> str | None:
+    """Why -npl sequences of -npp prompt tokens cannot run here: more memory than is available (the run was
+    killed by the kernel's OOM killer, -npl 100000), else None. Unknown available memory: None."""
+    need = memory_needed(cfg, kv_bytes, npp, npl)
+    if available_mb is None or need <= available_mb * 2 ** 20 * 0.9:
+        return None
+    return (f"-npl {npl} sequences of -npp {npp} tokens need about {need / 1e9:.1f} GB (the KV cache "
+            f"{kv_bytes / 1e9:.1f} GB, one prefill step of {npl * npp} tokens the rest), more than the "
+            f"{available_mb * 2 ** 20 / 1e9:.1f} GB available; use a smaller -npl or -npp")
 
 
 def run_lumen(engine, npp: int, ntg: int, npl: int, ids: np.ndarray) -> dict:
@@ -177,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         top = levels[-1]
         per_block = model.runner.kv_bytes_per_block
         blocks = top * (-(-(args.npp + args.ntg + 1) // 16)) + 1
+        if why := memory_error(model.config, blocks * per_block, args.npp, top, available_mb()):
+            raise LumenError(why)
         engine = Engine(model, max_model_len=args.npp + args.ntg + 1, max_num_seqs=top,
                         max_num_batched_tokens=top * args.npp, kv_cache_mb=blocks * per_block / 2 ** 20,
                         enable_prefix_caching=False, adaptive_threads=args.adaptive_threads)
