@@ -44,6 +44,7 @@ _STATS = re.compile(r"decode ([\d.]+) tok/s .*?\| (\d+) generated")
 _SPEC = re.compile(r"(?:ngram|draft): (\d+)% of (\d+) drafted accepted, ([\d.]+) tok/verify step")
 _LL_SPEED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 _LL_N = re.compile(r"\b(n_drafted|n_accept|n_predict)\s*=\s*(\d+)")
+_NO_ROOM = re.compile(r"the prompt \((\d+) tokens\) and --max-tokens (\d+) exceed the context of (\d+) tokens")
 DATA = Path(__file__).parent / "data"
 
 
@@ -65,8 +66,13 @@ def prompts(kinds: list[str], per_kind: int) -> list[dict]:
 
 def failure(stderr: str) -> str:
     """What a failed lumen.generate said: its `error: ` line (not the compile notes before it), else its last
-    500 characters."""
+    500 characters. A -n beyond its context is said in this tool's flags: generate's own (--max-tokens, --ctx)
+    are not this command's."""
     errors = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
+    if errors and (m := _NO_ROOM.search(errors[-1])):
+        n_prompt, n, ctx = map(int, m.groups())
+        return (f"-n {n} does not fit: the prompt takes {n_prompt} of lumen.generate's {ctx} tokens of context; "
+                f"use -n {ctx - n_prompt} or less")
     return errors[-1] if errors else stderr.strip()[-500:] or "it printed nothing"
 
 

@@ -95,3 +95,15 @@ def test_a_failed_generate_run_is_said_by_its_error_line():
     assert spec.failure(err) == "the draft model's vocabulary has 262144 tokens, the target's 49152"
     assert spec.failure("Segmentation fault\n") == "Segmentation fault"
     assert spec.failure("") == "it printed nothing"
+
+
+def test_a_gen_length_beyond_the_context_is_said_in_this_tools_flags(smollm2_path, capsys):
+    """-n 5000 failed with lumen.generate's own advice, "give --ctx 5053 or more, or -n -1", flags that
+    `bench spec` does not take; it names -n and the most that fits."""
+    assert spec.main(["-m", str(smollm2_path), "-r", "1", "--prompts-per-kind", "1", "--kinds", "completion",
+                      "-n", "5000", "-t", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: lumen.generate failed (1): -n 5000 does not fit: the prompt takes "), err
+    assert "--ctx" not in err and "--max-tokens" not in err and err.endswith(" or less"), err
+    n_prompt = int(err.split("the prompt takes ")[1].split()[0])
+    assert err.endswith(f"use -n {2048 - n_prompt} or less"), err
