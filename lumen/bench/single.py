@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = max(max_pp, max(t.size for t in tests if t.kind == "tg") + 1, 3)    # (3: the warm-up's 1 + 2 decodes)
     try:
         path = resolve(args.model)
-        with trained_context_only("use a smaller -p or -n"):
+        biggest = "--small" if args.small > max(args.n_prompt, args.n_gen) else "-p or -n"    # what set ctx
+        with trained_context_only(f"use a smaller {biggest}"):
             lumen = LumenEngine(path, args.threads, ctx, max_pp, adaptive_threads=args.adaptive_threads)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

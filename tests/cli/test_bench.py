@@ -99,9 +99,11 @@ def test_offline_kv_cache_too_small_is_one_line_error(smollm2_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["single", "-p", "9000", "-n", "2", "-r", "1"], "error: ctx=9000 is beyond the 8192 tokens this model was "
      "trained on (output past that is unreliable); use a smaller -p or -n"),
+    (["single", "-p", "8", "-n", "2", "--small", "9000", "-r", "1"], "error: ctx=9001 is beyond the 8192 tokens "
+     "this model was trained on (output past that is unreliable); use a smaller --small"),      # (not -p or -n)
     (["batch", "-npp", "9000", "-ntg", "2", "-npl", "1", "-r", "1"], "error: -npp 9000 + -ntg 2 + 1 tokens are "
      "beyond the 8192 tokens this model was trained on; use a smaller -npp or -ntg"),
-], ids=["single", "batch"])
+], ids=["single", "single-small", "batch"])
 def test_context_beyond_the_trained_one_is_refused(smollm2_path, argv, says, capsys):
     """As lumen.generate refuses it (SmolLM2: 8192 tokens), at once, not after minutes of prefill."""
     from lumen.bench.cli import main
