@@ -36,13 +36,18 @@ def min_tokens(score: str) -> int:
     return 3 if score == "half" else 2
 
 
+def check_length(n: int, score: str) -> None:
+    """LumenError when a text of n tokens is too short to score one prediction."""
+    if n < min_tokens(score):
+        raise LumenError(f"the text has {n} token{'s' * (n != 1)}; at least {min_tokens(score)} are needed to score "
+                         "one (use a longer file)")
+
+
 def chunk_nll(model, ids: list[int], ctx: int, score: str = "half") -> list[np.ndarray]:
     """Per chunk, the NLL of each scored next-token prediction. A text shorter than ctx is one chunk of all its
     tokens (as llama-perplexity with a smaller -c), so a short file still gets a figure; LumenError only when it
     is too short to score any token."""
-    if len(ids) < min_tokens(score):
-        raise LumenError(f"the text has {len(ids)} token{'s' * (len(ids) != 1)}; at least {min_tokens(score)} are "
-                         f"needed to score one (use a longer file)")
+    check_length(len(ids), score)
     ctx = min(ctx, len(ids))
     out = []
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos_default else None
@@ -89,17 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from rich.console import Console
         from .generate import load_model, status_while_compiling
+        from .model.parts import build_tokenizer, make_parts, open_gguf
+        from .model.store import resolve
+        path = resolve(args.model)
+        g, cfg = open_gguf(path)                        # the tokenizer first: the text's length sets the context
+        tok = build_tokenizer(g.metadata)
+        ids = tok.encode(text, add_bos=tok.default_bos(text, False), special=False)     # as Model.tokenize(text)
+        check_length(len(ids), args.score)              # said before the weights load and the kernels compile
+        n = min(args.ctx, len(ids))                     # a shorter text is one chunk: only n tokens of context
+        if n > cfg.ctx_train and not args.force_ctx:    # (load_model's refusal, before the weights load)
+            raise LumenError(f"ctx={n} is beyond the {cfg.ctx_train} tokens this model was trained on (output past "
+                             "that is unreliable); pass --force-ctx to use it anyway")
         with status_while_compiling(Console(stderr=True, highlight=False)):
-            model = load_model(args.model, args.ctx, args.threads, args.force_ctx, n_batch=min(args.ctx, 512),
-                               adaptive_threads=args.adaptive_threads)
+            model = load_model(path, n, args.threads, args.force_ctx, n_batch=min(n, 512),
+                               adaptive_threads=args.adaptive_threads, parts=make_parts(path, g, cfg, tok))
             model.warmup()
-        ids = model.tokenize(text)
-        if len(ids) >= min_tokens(args.score):          # (fewer: chunk_nll says why it cannot score)
-            if len(ids) < args.ctx:
-                print(f"note: the text has {len(ids)} tokens, fewer than --ctx {args.ctx}: the context is reduced "
-                      f"to {len(ids)}, one chunk", file=sys.stderr)
-            n = min(args.ctx, len(ids))
-            print(f"{len(ids)} tokens, {len(ids) // n} chunks of {n}", file=sys.stderr)
+        if len(ids) < args.ctx:
+            print(f"note: the text has {len(ids)} tokens, fewer than --ctx {args.ctx}: the context is reduced "
+                  f"to {len(ids)}, one chunk", file=sys.stderr)
+        print(f"{len(ids)} tokens, {len(ids) // n} chunks of {n}", file=sys.stderr)
         nll_all = []
         for i, nll in enumerate(chunk_nll(model, ids, args.ctx, args.score)):
             nll_all.append(nll)
