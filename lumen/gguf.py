@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in g.metadata.items():
         meta.add_row(k, _short(v))
     console.print(meta)
+    if not g.tensors:                                   # (its data offset, aligned, can lie past the file's end)
+        console.print(f"no tensors: a metadata-only file (a vocabulary, as llama.cpp's ggml-vocab-*.gguf), not a "
+                      f"model to run; {g.size:,} file bytes")
+        return 0
     tab = Table(title=f"{len(g.tensors)} tensors, data at offset {g.data_start}")
     for col, just in (("name", "left"), ("type", "left"), ("shape (ggml dims)", "left"), ("bytes", "right")):
         tab.add_column(col, justify=just, overflow="fold")

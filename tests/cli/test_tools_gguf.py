@@ -35,3 +35,22 @@ def test_a_narrow_terminal_folds_keys_instead_of_cutting_them(tmp_path):
     r = _gguf(tmp_path / "m.gguf", columns="50")
     assert r.returncode == 0, r.stderr
     assert "…" not in r.stdout, r.stdout
+
+
+def test_a_file_without_tensors_says_so(tmp_path):
+    """A vocabulary-only GGUF (llama.cpp's ggml-vocab-*.gguf) printed an empty table titled "0 tensors, data at
+    offset N" with N past the file's end, and "total tensor bytes: 0"; it says what the file is instead."""
+    from gguf import GGUFWriter
+    path = tmp_path / "vocab.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "ab"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = _gguf(path)
+    assert r.returncode == 0, r.stderr
+    assert "tokenizer.ggml.tokens" in r.stdout and "data at offset" not in r.stdout, r.stdout
+    assert f"no tensors: a metadata-only file (a vocabulary, as llama.cpp's ggml-vocab-*.gguf), not a model to " \
+           f"run; {path.stat().st_size:,} file bytes" in " ".join(r.stdout.split()), r.stdout
