@@ -263,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         render_ratios(ratios, console, f"beside co-runners, {model.threads} threads, {args.repetitions} reps "
                                        f"(load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"model": str(path), "npp": args.npp, "ntg": args.ntg, "threads": model.threads,
-                       "levels": levels, "repetitions": reps, "medians": med, "rss_mb": peak_rss_mb(),
-                       "corunners": ratios}, fh, indent=1)
+        try:                                             # (checked before the run; a read-only mount, a full disk)
+            with open(args.json, "w") as fh:
+                json.dump({"model": str(path), "npp": args.npp, "ntg": args.ntg, "threads": model.threads,
+                           "levels": levels, "repetitions": reps, "medians": med, "rss_mb": peak_rss_mb(),
+                           "corunners": ratios}, fh, indent=1)
+        except OSError as e:
+            print(f"error: cannot write the JSON to {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0

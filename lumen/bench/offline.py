@@ -126,5 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one by one (Model.generate): {t_one:.1f} s = {n_out / t_one:.1f} output tok/s; engine "
               f"{t_one / t_eng:.2f}x; identical outputs {same}/{len(reqs)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        try:                                             # (checked before the run; a read-only mount, a full disk)
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        except OSError as e:
+            print(f"error: cannot write the JSON to {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0

@@ -499,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         render_ratios(ratios, console, f"beside co-runners, {lumen.threads} threads, {args.repetitions} reps "
                                        f"(load average {info['load_avg']})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "figures": rows, "corunners": ratios}, f, indent=1)
+        try:                                             # (checked before the run; a read-only mount, a full disk)
+            with open(args.json, "w") as f:
+                json.dump({"info": info, "figures": rows, "corunners": ratios}, f, indent=1)
+        except OSError as e:
+            print(f"error: cannot write the JSON to {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0

@@ -250,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: speculative output differed from plain decoding on {sorted(set(mismatches))}",
               file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "draft_model": args.draft_model,
-                                               "threads": args.threads, "n_gen": args.n_gen,
-                                               "repetitions": args.repetitions, "summary": summary, "runs": runs,
-                                               "seconds": time.time() - t_start}, indent=1))
+        try:                                             # (checked before the run; a read-only mount, a full disk)
+            Path(args.json).write_text(json.dumps({"model": args.model, "draft_model": args.draft_model,
+                                                   "threads": args.threads, "n_gen": args.n_gen,
+                                                   "repetitions": args.repetitions, "summary": summary,
+                                                   "runs": runs, "seconds": time.time() - t_start}, indent=1))
+        except OSError as e:
+            print(f"error: cannot write the JSON to {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 1 if mismatches else 0
