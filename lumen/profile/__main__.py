@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase is not None and args.phase not in PHASES:
         print(f"error: unknown phase {args.phase!r}; phases are {', '.join(PHASES)}", file=sys.stderr)
         return 2
+    if args.phase == "decode" and args.gen_tokens < 2 and mode == "run":     # (no decode step to report)
+        print("error: --phase decode needs --gen-tokens 2 or more: the first generated token is sampled from the "
+              "prefill step", file=sys.stderr)
+        return 2
     from lumen.model.forward import OPS
     if args.op is not None and args.op not in OPS + GLUE:          # (before the load and the run)
         print(f"error: unknown op {args.op!r}; ops are {', '.join(sorted(OPS + GLUE))}", file=sys.stderr)

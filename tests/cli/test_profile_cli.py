@@ -231,6 +231,15 @@ def test_filters_that_match_nothing_say_so(home, smollm2_path):
     assert "attention" not in recorded and "sample" in [x.strip() for x in recorded], r.stderr
 
 
+def test_decode_phase_of_a_run_without_a_decode_step_is_a_usage_error(home, smollm2_path):
+    """--gen-tokens 1 samples its token from the prefill step: --phase decode reported "decode: 0 tokens in 0
+    steps" and "-96.4 MB activations" per step."""
+    r = run(home, "--model", smollm2_path, "--prompt-tokens", 4, "--gen-tokens", 1, "--phase", "decode")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == ("error: --phase decode needs --gen-tokens 2 or more: the first generated token is "
+                                "sampled from the prefill step") and r.stdout == "", r.stderr
+
+
 @pytest.mark.parametrize("args, code, msg", [
     (["--phase", "training"], 2, "unknown phase 'training'"),
     (["--op", "flash"], 2, "unknown op 'flash'; ops are act, attention,"),
