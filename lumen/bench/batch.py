@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
-from .tools import ToolNotFound, find_tool, refuse
+from .tools import ToolNotFound, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig, available_mb
 
@@ -157,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    extra = split_args(ap, "--llama-args", args.llama_args)
     try:
         levels = sorted({int(x) for x in args.npl.split(",") if x.strip()})
     except ValueError:
@@ -215,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     engines = ["Lumen", "llama.cpp"] if binary else ["Lumen"]
     beside = {k: {e: {b: [] for b in levels} for e in engines} for k in ["none", *kinds]}
     reps = beside["none"]
-    extra = shlex.split(args.llama_args)
     for r in range(args.repetitions):
         for kind in ["none", *kinds]:                      # idle, then beside each co-runner, every repetition
             with corunner(kind, seconds=3600):

@@ -40,7 +40,6 @@ import importlib
 import json
 import os
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
-from .tools import ToolNotFound, find_tool, refuse
+from .tools import ToolNotFound, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog, trained_context_only
 from ..engine.config import THREAD_FLAGS, EngineConfig
 
@@ -408,6 +407,7 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    llama_args = split_args(ap, "--llama-args", args.llama_args)
     validate(ap, args)
     binary = None
     if args.llama_bench or (args.compare and os.environ.get("LLAMA_BENCH")):
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     rss_lumen = peak_rss_mb()
     try:
         if binary:
-            other = LlamaBenchEngine(binary, path, lumen.threads, shlex.split(args.llama_args), lumen.n_vocab)
+            other = LlamaBenchEngine(binary, path, lumen.threads, llama_args, lumen.n_vocab)
         elif args.compare == "llama.cpp":
             other = load_llama_cpp(path, lumen.threads, ctx + 64)
         else:

@@ -26,14 +26,13 @@ import argparse
 import json
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .tools import ToolNotFound, find_tool, refuse
+from .tools import ToolNotFound, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog
 from ..engine.config import EngineConfig
 
@@ -137,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-args", default="", help='extra llama-lookup flags, e.g. "-nr"')
     ap.add_argument("--json", metavar="FILE", help="write every run and the summary to FILE")
     args = ap.parse_args(argv)
+    extra = split_args(ap, "--llama-args", args.llama_args)
     cores = os.cpu_count() or 1
     args.threads = cores if args.threads is None else args.threads   # (the help's "all cores", named in the runs)
     if not 1 <= args.threads <= cores:
@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, OSError, ValueError) as e:      # the run failed (status 1), as every tool's model lookup
         print(f"error: {e}", file=sys.stderr)
         return 1
-    extra = shlex.split(args.llama_args)
     items = prompts(kinds, args.prompts_per_kind)
     methods = ["plain", "ngram"] + (["draft"] if args.draft_model else [])
     runs: list[dict] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 
 
@@ -35,3 +36,12 @@ def find_tool(name: str, flag: str, path: str | None, env: str | None = None) ->
 def refuse(ap: argparse.ArgumentParser, message: str):
     """Exit 2 with argparse's error line alone: the usage block would bury a wrong path in seven lines."""
     ap.exit(2, f"{ap.prog}: error: {message}\n")
+
+
+def split_args(ap: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
+    """`--llama-args "..."` as the tool's argv (shell quoting); an unclosed quote is a usage error, said before any
+    work rather than as a traceback after the model has loaded."""
+    try:
+        return shlex.split(value)
+    except ValueError as e:
+        refuse(ap, f"{flag} {value!r}: {str(e).lower()}")
