@@ -291,6 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
+    if mode == "engine":                                # the engine's flags, before the model loads
+        from ..engine.config import check_int
+        from ..llm import MAX_CTX
+        try:
+            for flag, v, hi in (("--max-num-batched-tokens", args.max_num_batched_tokens, None),
+                                ("--max-num-seqs", args.max_num_seqs, None),
+                                ("--max-model-len", args.max_model_len, MAX_CTX)):
+                check_int(flag, v, hi=hi)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if mode in ("engine", "serving"):
         from .serving_cli import engine_main, serving_main          # the engine's step costs, a serving profile
         try:

@@ -55,7 +55,11 @@ def engine_main(args) -> int:
     from .. import Engine, load
     from ..engine.costs.steps import calibrate
     console = Console()
+    from ..errors import LumenError
     model = load(args.model, ctx=64, threads=args.threads)
+    if args.max_model_len > model.config.ctx_train:    # as every command line refuses it
+        raise LumenError(f"--max-model-len {args.max_model_len} is beyond the {model.config.ctx_train} tokens this "
+                         "model was trained on; use a smaller --max-model-len")
     eng = Engine(model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     cm = calibrate(eng.runner, eng.cost_key, tiny=args.tiny, use_cache=not args.remeasure)

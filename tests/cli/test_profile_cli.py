@@ -231,6 +231,22 @@ def test_filters_that_match_nothing_say_so(home, smollm2_path):
     assert "attention" not in recorded and "sample" in [x.strip() for x in recorded], r.stderr
 
 
+@pytest.mark.parametrize("args, code, msg", [
+    (["--max-num-seqs", "0"], 2, "error: --max-num-seqs must be a positive integer, got 0"),
+    (["--max-num-batched-tokens", "-1"], 2, "error: --max-num-batched-tokens must be a positive integer, got -1"),
+    (["--max-model-len", "100000000"], 2, "error: --max-model-len must be an integer in [1, 16777216], got 100000000"),
+    (["--max-model-len", "9000"], 1, "error: --max-model-len 9000 is beyond the 8192 tokens this model was trained "
+                                     "on; use a smaller --max-model-len"),
+])
+def test_engine_flags_are_checked_before_the_calibration(home, smollm2_path, args, code, msg):
+    """--engine's flags exited 1 with the engine's field names ("max_num_seqs must be ...", "max_pos 100000000 is
+    beyond exact float32 positions") once the model had loaded; they are usage errors in the flags' names, and a
+    context past the trained one (SmolLM2: 8192) is refused as every command line refuses it (it was calibrated)."""
+    r = run(home, "--engine", "--tiny", "--model", smollm2_path, *args)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines()[-1] == msg, r.stderr
+
+
 def test_decode_phase_of_a_run_without_a_decode_step_is_a_usage_error(home, smollm2_path):
     """--gen-tokens 1 samples its token from the prefill step: --phase decode reported "decode: 0 tokens in 0
     steps" and "-96.4 MB activations" per step."""
