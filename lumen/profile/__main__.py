@@ -195,7 +195,7 @@ def worker(model_path: str, prompt_tokens: int, gen_tokens: int, threads: int | 
     model = load(model_path, ctx=prompt_tokens + gen_tokens + 1, threads=threads)
     ids = make_prompt(model, prompt_tokens)
     model.warmup()
-    _decode_tps(model, ids, 4, False)
+    _decode_tps(model, ids, min(4, gen_tokens), False)     # (within the context: prompt + gen_tokens + 1)
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
@@ -208,7 +208,7 @@ def overhead(model, model_arg: str, prompt_tokens: int, gen_tokens: int, threads
              console) -> dict:
     ids = make_prompt(model, prompt_tokens)
     model.warmup()
-    _decode_tps(model, ids, 4, True)
+    _decode_tps(model, ids, min(4, gen_tokens), True)      # (within the context: prompt + gen_tokens + 1)
     env = dict(os.environ, LUMEN_TIMERS="0")
     cmd = [sys.executable, "-m", "lumen.profile", "--worker", "--model", str(model.path),
            "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens)]
@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--gen-tokens must be at least 1, got {args.gen_tokens}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if mode == "overhead" and args.gen_tokens < 2:     # decode tok/s: the first token comes from the prefill
+        ap.error(f"--overhead needs --gen-tokens 2 or more (decode steps to time), got {args.gen_tokens}")
     if args.phase is not None and args.phase not in PHASES:
         print(f"error: unknown phase {args.phase!r}; phases are {', '.join(PHASES)}", file=sys.stderr)
         return 2

@@ -247,6 +247,19 @@ def test_engine_flags_are_checked_before_the_calibration(home, smollm2_path, arg
     assert r.stderr.strip().splitlines()[-1] == msg, r.stderr
 
 
+def test_overhead_with_few_generated_tokens(home, smollm2_path):
+    """--overhead's warm-ups generated 4 tokens whatever --gen-tokens was, past the context it loads (prompt +
+    gen + 1): --gen-tokens 2 died with "exceeds the context of 7 tokens". --gen-tokens 1 times no decode step: a
+    usage error."""
+    r = run(home, "--overhead", "--model", smollm2_path, "--repeats", 1, "--prompt-tokens", 4, "--gen-tokens", 2,
+            "--threads", 1)
+    assert r.returncode == 0, r.stderr
+    assert "decode tok/s medians over 1: compiled out " in r.stdout, r.stdout
+    r = run(home, "--overhead", "--model", smollm2_path, "--gen-tokens", 1)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "error: --overhead needs --gen-tokens 2 or more (decode steps to time), got 1"), r.stderr
+
+
 def test_decode_phase_of_a_run_without_a_decode_step_is_a_usage_error(home, smollm2_path):
     """--gen-tokens 1 samples its token from the prefill step: --phase decode reported "decode: 0 tokens in 0
     steps" and "-96.4 MB activations" per step."""
