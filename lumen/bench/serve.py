@@ -671,16 +671,14 @@ def _token_lengths(url: str, texts: list[str]) -> list[int]:
 
 def run_started(loads: dict, args, binary: str | None) -> tuple[dict, dict, dict]:
     """Start lumen.serve (and llama-server), sweep, stop them (also on an error or a Ctrl-C). The prompts are
-    made through lumen.serve's tokenizer and sent to both."""
-    import shlex
-
+    made through lumen.serve's tokenizer and sent to both. args.serve_argv, args.llama_argv: the split flags."""
     from . import launch
     from ..model.store import resolve
     path = str(resolve(args.serve_model))
     top = max((c for c in loads if c), default=16)
     info = {"model": path, "threads": args.threads}
     with launch.Servers() as started:
-        extra = shlex.split(args.serve_args) + ["--shutdown-timeout", "5"]
+        extra = args.serve_argv + ["--shutdown-timeout", "5"]
         if top > 16 and "--max-num-seqs" not in extra:
             extra += ["--max-num-seqs", str(top)]
         lumen = started.start(launch.Server("Lumen", launch.lumen_serve_args(path, args.threads, extra)))
@@ -693,7 +691,7 @@ def run_started(loads: dict, args, binary: str | None) -> tuple[dict, dict, dict
             per_slot = longest + max(n for reqs in prompts.values() for _, n in reqs) + 64
             ctx = top * (-(-per_slot // 256) * 256)
             llama = started.start(launch.Server("llama.cpp", launch.llama_server_args(
-                binary, path, args.threads, top, ctx, shlex.split(args.llama_args))))
+                binary, path, args.threads, top, ctx, args.llama_argv)))
             servers["llama.cpp"] = llama.url
             info["llama_cmd"] = " ".join(llama.args)
         table, raw = sweep(loads, prompts, args.repetitions, servers, args.kinds)
@@ -754,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
         args.kinds = ("none", *parse_kinds(args.corunner))
     except ValueError as e:
         ap.error(str(e))
+    from .tools import split_args                          # (an unclosed quote: a usage error before any start)
+    args.serve_argv = split_args(ap, "--serve-args", args.serve_args)
+    args.llama_argv = split_args(ap, "--llama-args", args.llama_args)
     if args.corunner is not None and args.serve_model is None and args.concurrency is None:
         ap.error("--corunner runs a sweep beside co-runners: give --serve-model or --concurrency")
     if args.json and (why := check_writable(args.json, "the JSON")):      # before the run, not after it
@@ -780,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     skip = {"json", "concurrency", "repetitions", "serve_model", "threads", "serve_args", "compare", "llama_server",
-            "llama_args", "corunner", "kinds"}
+            "llama_args", "corunner", "kinds", "serve_argv", "llama_argv"}
     load = Load(**{k: v for k, v in vars(args).items() if k not in skip})
     load.url = args.url or "http://127.0.0.1:8000"
     sweeping = args.serve_model is not None or args.concurrency is not None

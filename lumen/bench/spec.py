@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from .tools import ToolNotFound, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog
+from ..cpu import usable_cpus
 from ..engine.config import EngineConfig
 
 SPEC_KINDS = ("completion", "edit", "chat")         # spec_prompts.json
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write every run and the summary to FILE")
     args = ap.parse_args(argv)
     extra = split_args(ap, "--llama-args", args.llama_args)
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()                             # (the CPUs this process may use: taskset, a cgroup quota)
     args.threads = cores if args.threads is None else args.threads   # (the help's "all cores", named in the runs)
     if not 1 <= args.threads <= cores:
         ap.error(f"--threads must be between 1 and {cores}, got {args.threads}")

@@ -98,6 +98,8 @@ def test_corpus_from_a_server_with_a_short_context():
     (["--duration", "10", "--window", "0"], "--window must be positive, got 0.0"),
     (["--concurrency", "2", "--corunner", "busy,idle"], "--corunner takes sleep, busy"),
     (["--corunner", "busy"], "--corunner runs a sweep beside co-runners"),
+    (["--serve-model", "smollm2-135m", "--serve-args", '"--pace'], "--serve-args '\"--pace': no closing quotation"),
+    (["--serve-model", "smollm2-135m", "--llama-args", "'-nr"], "--llama-args \"'-nr\": no closing quotation"),
 ])
 def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
