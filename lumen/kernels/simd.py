@@ -3,8 +3,9 @@
 LLVM never emits vpdpbusd from Numba loops, and the int16-lane loops it does emit reach a small fraction of the
 int8 dot rate. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products
 to an int32 lane: 64 products per 512-bit instruction. These intrinsics emit it directly when the CPU has
-AVX512-VNNI (llvm.x86.avx512.vpdpbusd.512), and otherwise the same arithmetic as portable vector IR (widen,
-multiply, add) that any LLVM target compiles; the integers are the same either way.
+AVX512-VNNI (llvm.x86.avx512.vpdpbusd.512), else vpmaddubsw and vpmaddwd (AVX512BW or AVX2, as llama.cpp's AVX2
+kernels; MADD below), else the same arithmetic as portable vector IR (widen, multiply, add) that any LLVM target
+compiles; the integers are the same every way.
 
 The weights are read in the compact layout of lumen.kernels.layout (nibbles plus bit planes, f16 / u8 / i8 scales)
 and unpacked in registers: per group of 32 columns and 16 rows, 8 quads (vectors of 4 unsigned bytes per lane,
@@ -105,19 +106,109 @@ def target_has_vnni() -> bool:
 # own compile cache, because Numba's cache key knows the CPU but not this switch).
 VNNI = os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0") and target_has_vnni()
 
+# Without VNNI, an x86 target with AVX2 (or AVX512BW) computes the same integers by vpmaddubsw (u8 x i8, pairs added
+# into i16) and vpmaddwd by ones (pairs of those into i32), as llama.cpp's AVX2 kernels do: 2 instructions per 4-byte
+# dot, where the portable IR (widen to i32, multiply, add 4 lanes) takes many (a haswell build prefilled 29x slower
+# than this one, skylake-avx512 12x). vpmaddubsw saturates its i16 pair sums, which bytes up to 127 never reach
+# (|x| <= 127: 2 x 127 x 127 < 2^15); the Q8 family's bytes (q + 128, up to 255) go as |q| times x with q's sign
+# (_dpbusd's offset). MADD: 512 (AVX512BW), 256 (AVX2), or 0 (the portable IR).
+_MADD_PROBE = r"""
+import sys
+import llvmlite.binding as llvm
+llvm.initialize_native_target()
+llvm.initialize_native_asmprinter()
+width = sys.argv[3]
+kind = "avx512.pmaddubs.w.512" if width == "512" else "avx2.pmadd.ub.sw"
+b, h = ("<64 x i8>", "<32 x i16>") if width == "512" else ("<32 x i8>", "<16 x i16>")
+m = llvm.parse_assembly(f"declare {h} @llvm.x86.{kind}({b}, {b})\n"
+                        f"define {h} @a({b} %x, {b} %y) {{\n"
+                        f"  %r = call {h} @llvm.x86.{kind}({b} %x, {b} %y)\n"
+                        f"  ret {h} %r\n}}\n")
+t = llvm.Target.from_triple(llvm.get_process_triple())
+print(t.create_target_machine(cpu=sys.argv[1], features=sys.argv[2]).emit_assembly(m).count("vpmaddubsw"))
+"""
+
+
+def _madd_probe(cpu: str, features: str, width: int) -> bool:
+    """Whether LLVM encodes a `width`-bit vpmaddubsw for the target, asked in a child process (as
+    compile_vnni_probe: a target without it may abort)."""
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", _MADD_PROBE, cpu, features, str(width)], capture_output=True,
+                           text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and r.stdout.strip() == "1"
+
+
+def target_madd() -> int:
+    """The widest vpmaddubsw of the CPU Numba compiles for: 512 (AVX512BW), 256 (AVX2), 0 (none, or not x86)."""
+    from numba.core import config
+    if not llvm.get_process_triple().startswith(("x86_64", "i686", "i386")):
+        return 0
+    if config.CPU_FEATURES is None:
+        f = llvm.get_host_cpu_features()
+        return 512 if f.get("avx512bw", False) else 256 if f.get("avx2", False) else 0
+    cpu = config.CPU_NAME or llvm.get_host_cpu_name()
+    for width in (512, 256):
+        if _madd_probe(cpu, config.CPU_FEATURES, width):
+            return width
+    return 0
+
+
+MADD = 0 if VNNI else target_madd()
+
 ROWS = R                       # rows of a tile; LANES (lumen.kernels.ir) = 16 rows per vector (i32 lanes)
 
 
 # ---- 256-bit helpers (lumen.machine's int8 dot measures with these)
 
-def _dpbusd(builder, acc, u, x):
-    """acc + per lane: sum of 4 u8 bytes of u times the 4 i8 bytes of x (8 or 16 x i32 vectors)."""
+def _madd(builder, u, x, n):
+    """Per i32 lane of n: the sum of the 4 products u8 x i8 of u and x (n x i32 vectors), by vpmaddubsw and vpmaddwd
+    by ones (MADD); the i16 pair sums must not saturate (see MADD)."""
+    width = 512 if MADD == 512 and n == 16 else 256
+    k = width // 32                                   # i32 lanes per instruction
+    b8, h16, v32 = ir.VectorType(I8, 4 * k), ir.VectorType(ir.IntType(16), 2 * k), ir.VectorType(I32, k)
+    ubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(h16, [b8, b8]),
+                                         "llvm.x86.avx512.pmaddubs.w.512" if width == 512 else
+                                         "llvm.x86.avx2.pmadd.ub.sw")
+    wd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [h16, h16]),
+                                        "llvm.x86.avx512.pmaddw.d.512" if width == 512 else "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(h16, [1] * (2 * k))
+    parts = []
+    for h in range(n // k):                           # the k-lane pieces of the n lanes
+        idx = ir.Constant(ir.VectorType(I32, k), list(range(h * k, (h + 1) * k)))
+        up = builder.bitcast(u if k == n else builder.shuffle_vector(u, u, idx), b8)
+        xp = builder.bitcast(x if k == n else builder.shuffle_vector(x, x, idx), b8)
+        parts.append(builder.call(wd, [builder.call(ubs, [up, xp]), ones]))
+    if len(parts) == 1:
+        return parts[0]
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(I32, n), list(range(n))))
+
+
+def _dpbusd(builder, acc, u, x, offset: int = 0):
+    """acc + per lane: sum of 4 u8 bytes of u times the 4 i8 bytes of x (8 or 16 x i32 vectors). offset 128 (only
+    where MADD): u's bytes are q + 128 (the Q8 family's zero point) and the sum is of q times x, i.e. 128 times the
+    lane's sum of x less (the caller starts from 0 instead of -128 sum x)."""
     vt = acc.type
     n = vt.count
+    if offset:
+        assert offset == 128 and MADD and not VNNI
+        b = ir.VectorType(I8, 4 * n)
+        zero = ir.Constant(b, [0] * (4 * n))
+        q = builder.bitcast(builder.xor(u, ir.Constant(vt, [-0x7F7F7F80] * n)), b)    # (0x80808080 as i32)
+        xb = builder.bitcast(x, b)
+        neg = builder.icmp_signed("<", q, zero)
+        aq = builder.select(neg, builder.sub(zero, q), q)          # |q|: -128 wraps to 0x80, 128 unsigned
+        xs = builder.select(neg, builder.sub(zero, xb), xb)        # x with q's sign (|x| <= 127: no wrap)
+        return builder.add(acc, _madd(builder, builder.bitcast(aq, vt), builder.bitcast(xs, vt), n))
     if VNNI:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3),
                                             f"llvm.x86.avx512.vpdpbusd.{32 * n}")
         return builder.call(fn, [acc, u, x])
+    if MADD:
+        return builder.add(acc, _madd(builder, u, x, n))
     wide = ir.VectorType(I32, 4 * n)
     ub = builder.zext(builder.bitcast(u, ir.VectorType(I8, 4 * n)), wide)
     xb = builder.sext(builder.bitcast(x, ir.VectorType(I8, 4 * n)), wide)
@@ -192,6 +283,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
     NV = ROWS // LANES
     gbytes = GROUP_BYTES[fam]
     halves = ((0, 4), (4, 8)) if sc == SC_K6 else ((0, 8),)   # quads per integer sum
+    signed = bool(MADD) and z == 128        # bytes q + 128 past vpmaddubsw's range: q x x directly (_dpbusd)
 
     def codegen(context, builder, sig, args):
         (out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G) = args[:16]
@@ -235,7 +327,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
             for h, (k0, k1) in enumerate(halves):
                 acc = []                     # acc[i][j]: row i, weight vector j; from -z * sum x (z = 0: zero)
                 for xg, xig, _, _ in rows:
-                    if z:
+                    if z and not signed:
                         c = [builder.load(builder.gep(xig, [ir.Constant(I32, e)])) for e in range(2)]
                         c = c[h] if sc == SC_K6 else builder.add(c[0], c[1])
                         init = splat(builder, builder.neg(builder.shl(c, ir.Constant(I32, z.bit_length() - 1))), VI)
@@ -248,7 +340,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
                         p = builder.bitcast(builder.gep(xg, [ir.Constant(I32, 4 * k)]), I32.as_pointer())
                         b = splat(builder, builder.load(p, align=1), VI)
                         for j in range(len(vs)):
-                            a[j] = _dpbusd(builder, a[j], u[j], b)
+                            a[j] = _dpbusd(builder, a[j], u[j], b, 128 if signed else 0)
                 scl = [_scales(builder, sc, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)), h)
                        for v in vs]
                 for a, (_, _, dg, sxg), row in zip(acc, rows, slots):

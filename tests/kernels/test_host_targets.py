@@ -16,7 +16,7 @@ from test_matmul import PORTABLE_ROWS, PORTABLE_SCRIPT, PORTABLE_TYPES, check, m
 from lumen.format.quants import dequantize_ref
 from lumen.kernels.matmul import matmul, prepare
 
-VNNI_OF = "import lumen.kernels.simd as simd; print(simd.VNNI)"
+VNNI_OF = "import lumen.kernels.simd as simd; print(simd.VNNI, simd.MADD)"
 
 
 def _env(tmp_path, cpu: str, features: str | None) -> dict:
@@ -27,38 +27,40 @@ def _env(tmp_path, cpu: str, features: str | None) -> dict:
     return env
 
 
-@pytest.mark.parametrize("cpu, features, vnni", [
-    ("haswell", "", False),                 # AVX2 only
-    ("skylake-avx512", "", False),          # AVX-512 without VNNI
-    ("x86-64-v4", "", False),
-    ("generic", None, False),               # Numba's portable target (NUMBA_CPU_FEATURES defaults to "")
-    ("cascadelake", "", True),              # AVX-512 with VNNI
-    ("znver4", "", True),
-    ("znver4", "-avx512vnni", False),       # a CPU name with a feature taken away
+@pytest.mark.parametrize("cpu, features, vnni, madd", [
+    ("haswell", "", False, 256),            # AVX2 only: vpmaddubsw on ymm
+    ("skylake-avx512", "", False, 512),     # AVX-512 without VNNI: vpmaddubsw on zmm
+    ("x86-64-v4", "", False, 512),
+    ("x86-64-v2", "", False, 0),            # SSE4.2: the portable IR
+    ("generic", None, False, 0),            # Numba's portable target (NUMBA_CPU_FEATURES defaults to "")
+    ("cascadelake", "", True, 0),           # AVX-512 with VNNI
+    ("znver4", "", True, 0),
+    ("znver4", "-avx512vnni", False, 512),  # a CPU name with a feature taken away
 ])
-def test_vnni_follows_the_compile_target(tmp_path, cpu, features, vnni):
+def test_vnni_follows_the_compile_target(tmp_path, cpu, features, vnni, madd):
     """The tiles use vpdpbusd exactly when the CPU Numba compiles for has it, whatever this CPU has: LLVM aborted
-    compiling a vpdpbusd for haswell on a VNNI host, and would encode one that a VNNI-less host cannot run."""
+    compiling a vpdpbusd for haswell on a VNNI host, and would encode one that a VNNI-less host cannot run; and
+    without it, vpmaddubsw at the widest the target has (simd.MADD), else the portable IR."""
     r = subprocess.run([sys.executable, "-c", VNNI_OF], env=_env(tmp_path, cpu, features), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == [str(vnni)]
+    assert r.stdout.split() == [str(vnni), str(madd)]
 
 
 @pytest.mark.slow
 def test_tiles_compiled_for_avx2_only(tmp_path):
-    """Compiled for an AVX2-only CPU (haswell) the tile kernels run (no abort), use no AVX-512 register, and give
-    the bits this CPU's build gives (within the float64 reference's bound too): the decode kernel, the NR-row
+    """Compiled for an AVX2-only CPU (haswell) the tile kernels run (no abort), use no AVX-512 register but AVX2's
+    vpmaddubsw, and give the bits this CPU's build gives (within the float64 reference's bound too): the decode kernel, the NR-row
     passes and the passes over tiles unpacked first."""
     res = tmp_path / "haswell.npz"
     script = PORTABLE_SCRIPT + (
         "\nasm = ''.join(matmul_kernel.inspect_asm().values())"
-        "\nprint('asm', asm.count('zmm'), asm.count('ymm'), asm.count('vpdpbusd'))\n")
+        "\nprint('asm', asm.count('zmm'), asm.count('ymm'), asm.count('vpdpbusd'), asm.count('vpmaddubsw'))\n")
     r = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(res)],
                        env=_env(tmp_path, "haswell", ""), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    zmm, ymm, dp = (int(v) for v in r.stdout.split("asm", 1)[1].split())
-    assert zmm == 0 and dp == 0 and ymm > 0, (zmm, ymm, dp)
+    zmm, ymm, dp, madd = (int(v) for v in r.stdout.split("asm", 1)[1].split())
+    assert zmm == 0 and dp == 0 and ymm > 0 and madd > 0, (zmm, ymm, dp, madd)      # AVX2's int8 dot, not the IR's
     got = np.load(res)
     rng = np.random.default_rng(7)
     for qt in PORTABLE_TYPES:

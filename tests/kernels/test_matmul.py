@@ -362,8 +362,9 @@ np.savez(sys.argv[2], **out)
 
 @pytest.mark.slow
 def test_portable_ir_gives_the_same_bits(tmp_path):
-    """Without AVX512-VNNI (forced by LUMEN_NO_VNNI=1, own Numba cache) the tile kernels compile to portable
-    vector IR; the integer sums, and so every output bit, must equal the vpdpbusd path's: the decode kernel, the
+    """Without AVX512-VNNI (forced by LUMEN_NO_VNNI=1, own Numba cache) the tile kernels compile to vpmaddubsw
+    (AVX512BW or AVX2, lumen.kernels.simd.MADD) or portable vector IR; the integer sums, and so every output bit,
+    must equal the vpdpbusd path's: the decode kernel, the
     NR-row passes and (Q5_0, Q6_K at 67 rows) the passes over tiles unpacked first."""
     import os
     import subprocess
