@@ -32,6 +32,7 @@ interleaved. Default 3 runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -69,6 +70,7 @@ def child(out_path: str, cli_args: list[str]) -> None:
     def wrap(owner, name, key):
         fn = getattr(owner, name)
 
+        @functools.wraps(fn)             # (its signature too: lumen.load checks its options against Model's)
         def timed(*a, **k):
             if key + ".0" not in marks:
                 marks[key + ".0"] = now()

@@ -375,7 +375,12 @@ def test_portable_ir_gives_the_same_bits(tmp_path):
     res = tmp_path / "portable.npz"
     subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT, str(Path(__file__).parent), str(res)], env=env,
                    check=True, timeout=600)
-    got = np.load(res)
+    assert_bits_of_this_build(np.load(res), simd.VNNI)
+
+
+def assert_bits_of_this_build(got, *why):
+    """got (PORTABLE_SCRIPT's outputs from another build) equals this build's, bit for bit, for every type and
+    row count, and holds the float64 reference's bound."""
     rng = np.random.default_rng(7)
     for qt in PORTABLE_TYPES:
         raw = make_weight(qt, 80, 512, rng)
@@ -384,5 +389,5 @@ def test_portable_ir_gives_the_same_bits(tmp_path):
             x = rng.standard_normal((n, 512)).astype(np.float32)
             o = np.zeros((n, 80), np.float32)
             matmul(o, x, p, qt)
-            assert np.array_equal(got[f"{qt.name}_{n}"], o), (qt.name, n, simd.VNNI)
+            assert np.array_equal(got[f"{qt.name}_{n}"], o), (qt.name, n, *why)
             check(o, x, dequantize_ref(raw, qt, (80, 512)).astype(np.float64), qt)
