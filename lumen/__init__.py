@@ -57,7 +57,7 @@ def load(model: str | os.PathLike, **kwargs):
     from .llm import Model
     from .model.store import resolve
     known = [p for p in inspect.signature(Model.__init__).parameters if p not in ("self", "path", "parts")]
-    if unknown := [k for k in kwargs if k not in known]:
+    if unknown := [k for k in kwargs if k not in known and k != "parts"]:     # (parts: the CLIs' parsed GGUF)
         raise TypeError(f"lumen.load() got an unexpected keyword argument {unknown[0]!r}; its options are "
                         f"{', '.join(known)}")
     return Model(resolve(model), **kwargs)
