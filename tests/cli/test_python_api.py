@@ -249,7 +249,7 @@ def test_threads_that_generate_at_once_share_one_engine(smollm2_path, monkeypatc
     assert len(made) == 1 and len(got) == 4 and all(e is got[0] for e in got)
 
 
-@pytest.mark.parametrize("kw", [{"n_ctx": 512}, {"n_threads": 2}, {"parts": None}])
+@pytest.mark.parametrize("kw", [{"n_ctx": 512}, {"n_threads": 2}, {"path": None}])
 def test_load_names_its_options_for_an_unknown_one(kw):
     """llama-cpp-python's n_ctx said "Model.__init__() got an unexpected keyword argument 'n_ctx'" (after the
     model was fetched), and not which options there are."""
