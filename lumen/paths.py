@@ -186,6 +186,32 @@ def lock_compile_cache() -> None:
     cls.save, cls.load, cls._load_index, cls._lumen_locked = locked_save, locked_load, whole_index, True
 
 
+def unique_symbols() -> None:
+    """Give every function Numba compiles a random id, not the next of a count that starts at 1 in each process
+    (lumen.kernels calls this on import, before any kernel compiles).
+
+    The id is part of a compiled function's symbol, and the symbol is how Numba finds the code it loads from its
+    cache. Two processes that compile two signatures of one function (tiles_1 for Q4_1 in one, for Q5_0 in the
+    other) at the same point of their start took the same id; the signatures' record types are named by another
+    per-process count, so both symbols came out the same (tiles_1 v6 Record 2179). A third process that loads both
+    from the cache found one body under that name and ran it for both types: SmolLM2 (Q4_1) decoded garbage after
+    Qwen2.5 (Q5_0) was loaded. A random 63-bit id makes symbols from different processes differ (Numba issue
+    10486 describes the same collision after fork)."""
+    from numba.core import bytecode
+    ident = bytecode.FunctionIdentity
+    if not getattr(ident, "_lumen_random", False):
+        import secrets
+
+        class _RandomIds:
+            def __iter__(self):
+                return self
+
+            def __next__(self) -> int:
+                return secrets.randbits(63)
+
+        ident._unique_ids, ident._lumen_random = _RandomIds(), True
+
+
 @contextmanager
 def compiling():
     """Hold the machine's compile turn for the block: one process at a time compiles into the compile cache, and

@@ -116,3 +116,70 @@ def test_processes_that_start_at_once_compile_a_types_kernels_once(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert sorted(outs) == [0, 1], f"tiles compiled by each process: {outs} (the second should load it)"
+
+
+
+RECORDS = textwrap.dedent("""
+    from numba import njit
+
+    @njit(cache=True)
+    def last(a, out):
+        out[0] = a[0].last                    # at the offset of its record type, compiled into each signature
+""")
+
+COMPILE_ONE = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    import lumen.kernels
+    import records
+    n, out = int(sys.argv[2]), np.zeros(1, np.int64)
+    records.last(np.arange(1, n + 1, dtype=np.uint8).view([(f"f{i}", np.uint8) for i in range(n - 1)]
+                                                           + [("last", np.uint8)]), out)
+    assert out[0] == n
+""")
+
+LOAD_ALL = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    from numba import njit
+    import lumen.kernels
+    from lumen.kernels.entries import address
+    from lumen.kernels.kinds import call
+    import records
+
+    @njit
+    def through(addr, a, out):
+        call(addr, (a, out))
+
+    def record(n):                              # bytes 1..n: its last field holds n
+        return np.arange(1, n + 1, dtype=np.uint8).view([(f"f{i}", np.uint8) for i in range(n - 1)] + [("last", "u1")])
+
+    arrays, out = [record(n) for n in (1, 2, 3)], np.zeros(1, np.int64)
+    for a in arrays:                            # load every signature from the cache first
+        records.last(a, out)
+    got = []
+    for a in arrays:                            # then call each through its address, as the forward pass does
+        sig = (records.last.typeof_pyval(a), records.last.typeof_pyval(out))
+        through(address(records.last, sig), a, out)
+        got.append(int(out[0]))
+    print(*got, sum(records.last.stats.cache_hits.values()))
+""")
+
+
+def test_signatures_cached_by_different_processes_keep_their_own_code(tmp_path):
+    """Numba names a compiled signature by a per-process count and its record types by another, so processes that
+    each compiled one record signature first saved their code under one symbol, and a process that loaded them
+    all found the first one's at every signature's address (lumen.paths.unique_symbols)."""
+    (tmp_path / "records.py").write_text(RECORDS)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(tmp_path)])}
+    for n in (1, 2, 3):                              # one signature per fresh process, each compiled first there
+        r = subprocess.run([sys.executable, "-c", COMPILE_ONE, str(tmp_path), str(n)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", LOAD_ALL, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["1", "2", "3", "3"], f"last fields of 1..3-field records, cache hits: {r.stdout}"
