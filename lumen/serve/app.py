@@ -29,7 +29,7 @@ from .metrics import Metrics
 from .openai import chat, completions, health, models, tokenize
 from .openai.serving import Settings
 from .prompts import Prompter
-from .ui import PAGES, StepTap, ui_router
+from .ui import PAGES, StepTap, add_ui
 from .worker import EngineWorker, Worker
 
 __all__ = ["Settings", "build_app", "make_app", "load_engine", "add_error_handlers"]
@@ -59,9 +59,8 @@ def build_app(worker: Worker, prompter: Prompter, metrics: Metrics, settings: Se
         app.include_router(router)
     if settings.ui:                               # GET /, /dashboard, /dashboard/data, /ui/* (lumen.serve.ui)
         worker.tap = StepTap() if getattr(worker, "steps_here", True) else None    # Ray: the steps are elsewhere
-        app.include_router(ui_router(metrics.registry, worker.tap, model_id=settings.model_id,
-                                     max_model_len=prompter.max_model_len, speculative=settings.speculative,
-                                     structured_output=True))
+        add_ui(app, metrics.registry, worker.tap, model_id=settings.model_id, max_model_len=prompter.max_model_len,
+               speculative=settings.speculative, structured_output=True)
     app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        open_paths=PAGES if settings.ui else (), draining=lambda: worker.draining)
     if settings.allowed_origins:      # outside the Gate: a browser's preflight carries no API key

@@ -665,3 +665,17 @@ def test_speculative_request_equals_plain_and_is_counted(http, model):
     r = http.post("/v1/completions", json={**body, "speculative": "draft"})      # no draft model
     assert_error(r, 400, "speculative")
     assert "--draft-model" in r.json()["error"]["message"]
+
+
+def test_a_stopped_server_frees_its_engine(model):
+    """Nothing the app's routes leave behind (FastAPI caches every endpoint callable for the process's life)
+    keeps a stopped server's engine, and with it its KV pool, alive."""
+    import gc
+    import weakref
+    with live_server(model) as s:
+        assert httpx.get(s.url + "/dashboard/data", timeout=30).status_code == 200
+        assert httpx.get(s.url + "/metrics", timeout=30).status_code == 200
+        engine = weakref.ref(s.engine)
+        del s
+    gc.collect()
+    assert engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())]

@@ -262,10 +262,9 @@ class StubApp:
         from prometheus_client import CollectorRegistry
 
         from lumen.serve.gate import Gate
-        from lumen.serve.ui import ui_router
+        from lumen.serve.ui import add_ui
         app = FastAPI()
-        app.include_router(ui_router(registry or CollectorRegistry(), None, model_id=model_id,
-                                     structured_output=structured_output))
+        add_ui(app, registry or CollectorRegistry(), None, model_id=model_id, structured_output=structured_output)
         self.bodies = []
 
         @app.post("/v1/chat/completions")

@@ -4,10 +4,10 @@ steps it records while a page looks (steps.py), and the pages with their vendore
 network is needed to load them).
 
     tap = StepTap(); worker.tap = tap                  # the engine thread runs tap.step(engine)
-    app.include_router(ui_router(metrics.registry, tap, model_id="smollm2-135m"))
+    add_ui(app, metrics.registry, tap, model_id="smollm2-135m")    # the routes, the dashboard on app.state.ui
     Gate(..., open_paths=PAGES)                         # the pages load without the API key; their data does not
 """
-from .router import PAGES, page_weight, ui_router
+from .router import PAGES, add_ui, page_weight
 from .steps import StepTap
 
-__all__ = ["PAGES", "StepTap", "page_weight", "ui_router"]
+__all__ = ["PAGES", "StepTap", "add_ui", "page_weight"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..protocol import error_body
@@ -63,39 +63,57 @@ def page_weight() -> dict[str, int]:
     return out
 
 
-def ui_router(registry, tap: StepTap | None, *, model_id: str, max_model_len: int | None = None,
-              speculative: str | None = None, structured_output: bool = False) -> APIRouter:
-    """The UI's routes over the server's Prometheus registry (lumen.serve.metrics.Metrics.registry) and the
-    engine thread's StepTap (None: no step records). structured_output: the server honours response_format
-    json_schema (the chat page then shows its JSON schema field)."""
-    board = Dashboard(registry, tap, model_id=model_id, speculative=speculative)
-    router = APIRouter()
-    info = {"model": model_id, "max_model_len": max_model_len, "structured_output": structured_output}
+class UI:
+    """What the UI's routes read at request time, kept on app.state.ui (add_ui)."""
 
-    def send(name: str) -> Response:
-        body, media = ASSETS[name]
-        return Response(body, media_type=media, headers=HEADERS)
+    def __init__(self, board: Dashboard, info: dict):
+        self.board, self.info = board, info
 
-    @router.get("/")
-    async def chat_page():
-        return send(PAGE_FILES["/"])
 
-    @router.get("/dashboard")
-    async def dashboard_page():
-        return send(PAGE_FILES["/dashboard"])
+def add_ui(app, registry, tap: StepTap | None, *, model_id: str, max_model_len: int | None = None,
+           speculative: str | None = None, structured_output: bool = False) -> None:
+    """The UI's routes on app, over the server's Prometheus registry (lumen.serve.metrics.Metrics.registry) and
+    the engine thread's StepTap (None: no step records). structured_output: the server honours response_format
+    json_schema (the chat page then shows its JSON schema field).
 
-    @router.get("/ui/info")
-    async def ui_info():
-        return JSONResponse(info, headers={"Cache-Control": "no-store"})
+    The routes are module functions that find the dashboard on app.state, as the API's routers do: FastAPI caches
+    every endpoint callable it sees (fastapi.dependencies.models, 4096 entries, for the process's life), so a
+    closure over the dashboard kept its registry, the metrics and so the engine alive after its server stopped."""
+    app.state.ui = UI(Dashboard(registry, tap, model_id=model_id, speculative=speculative),
+                      {"model": model_id, "max_model_len": max_model_len, "structured_output": structured_output})
+    app.include_router(router)
 
-    @router.get("/dashboard/data")
-    async def dashboard_data():
-        return JSONResponse(board.data(), headers={"Cache-Control": "no-store"})
 
-    @router.get("/ui/{name:path}")
-    async def asset(name: str):
-        if name not in ASSETS or name.endswith(".html"):
-            return JSONResponse(error_body(404, f"no route GET /ui/{name}"), status_code=404)
-        return send(name)
+def _send(name: str) -> Response:
+    body, media = ASSETS[name]
+    return Response(body, media_type=media, headers=HEADERS)
 
-    return router
+
+router = APIRouter()
+
+
+@router.get("/")
+async def chat_page():
+    return _send(PAGE_FILES["/"])
+
+
+@router.get("/dashboard")
+async def dashboard_page():
+    return _send(PAGE_FILES["/dashboard"])
+
+
+@router.get("/ui/info")
+async def ui_info(request: Request):
+    return JSONResponse(request.app.state.ui.info, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/dashboard/data")
+async def dashboard_data(request: Request):
+    return JSONResponse(request.app.state.ui.board.data(), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/ui/{name:path}")
+async def asset(name: str):
+    if name not in ASSETS or name.endswith(".html"):
+        return JSONResponse(error_body(404, f"no route GET /ui/{name}"), status_code=404)
+    return _send(name)
