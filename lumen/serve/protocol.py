@@ -10,7 +10,9 @@ number): each costs the engine's one thread at every token.
 
 vLLM's extensions that Lumen does not implement (UNSUPPORTED) are refused with a 400 naming the field when set to
 anything but their default, rather than ignored: a client asking for prompt_logprobs or beam search would
-otherwise get an answer that silently lacks what it asked for.
+otherwise get an answer that silently lacks what it asked for. So are, on the chat endpoint, OpenAI's audio output
+(modalities other than "text", audio) and web_search_options, best_of other than n, and vLLM's chat echo. Fields
+whose absence changes no token (user, metadata, store, service_tier, prediction) are ignored.
 
 Structured output (lumen.serve.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*,
 llama-server's json_schema and grammar, on both endpoints; `constraint_of` turns them into the request's one
@@ -188,8 +190,14 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False       # vLLM: the answer goes on with the final message (a prefill)
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: more template variables ({"enable_thinking": false})
+    # what the answer would lack if ignored: refused by chat_params unless at the value that asks for nothing
+    modalities: list[str] | None = None        # OpenAI: ["text"] only
+    audio: Any = None                          # OpenAI: audio output
+    web_search_options: Any = None             # OpenAI: search models
+    best_of: int | None = None                 # vLLM's chat takes it as the completions endpoint does
+    echo: bool = False                         # vLLM's: the final message's text before the answer
 
-    @field_validator("logprobs", "add_generation_prompt", "continue_final_message", mode="before")
+    @field_validator("logprobs", "add_generation_prompt", "continue_final_message", "echo", mode="before")
     @classmethod
     def _null_flags(cls, v, info: ValidationInfo):
         return cls.model_fields[info.field_name].default if v is None else v
@@ -337,7 +345,8 @@ def completion_params(req: CompletionRequest, n_limit: int) -> list[SamplingPara
 
 def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams]:
     """One SamplingParams per choice of a chat request; ApiError(400) for what is not supported, such as
-    OpenAI's deprecated functions and function_call (tools and tool_choice say the same)."""
+    OpenAI's deprecated functions and function_call (tools and tool_choice say the same), and what an answer would
+    silently lack: audio output (modalities, audio), web search, best_of beyond n, vLLM's echo."""
     if req.functions is not None:
         raise ApiError(400, "functions (OpenAI's deprecated function calling) is not supported: send tools, "
                             "[{\"type\": \"function\", \"function\": <each function>}]", "functions")
@@ -345,6 +354,19 @@ def chat_params(req: ChatCompletionRequest, n_limit: int) -> list[SamplingParams
         raise ApiError(400, "function_call (OpenAI's deprecated function calling) is not supported: send "
                             "tool_choice, \"none\", \"auto\" or {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}", "function_call")
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise ApiError(400, f"modalities other than \"text\" are not supported (this server answers text), got "
+                            f"{req.modalities}", "modalities")
+    if req.audio is not None:
+        raise ApiError(400, "audio output is not supported: this server answers text; leave audio out", "audio")
+    if req.web_search_options is not None:
+        raise ApiError(400, "web_search_options is not supported: this server does not search the web",
+                       "web_search_options")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
+    if req.echo:
+        raise ApiError(400, "echo (vLLM's chat extension) is not supported: to go on with a final assistant "
+                            "message send continue_final_message: true and add_generation_prompt: false", "echo")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:

@@ -53,3 +53,25 @@ def test_unsupported_vllm_extensions_at_their_defaults_are_taken(model):
     defaults = {"prompt_logprobs": None, "use_beam_search": False, "skip_special_tokens": True,
                 "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
     assert P.parse(json.dumps(base | defaults).encode(), model).n == 1
+
+
+@pytest.mark.parametrize("field, value", [("modalities", ["text", "audio"]), ("modalities", ["audio"]),
+                                          ("audio", {"voice": "alloy", "format": "wav"}),
+                                          ("web_search_options", {}), ("best_of", 3), ("echo", True)])
+def test_chat_fields_whose_answer_would_lack_them_are_refused(field, value):
+    """Audio output, web search, best_of beyond n and vLLM's chat echo change the answer: a 400 naming the field,
+    not a text answer that silently lacks them (as the openai client sends them)."""
+    with pytest.raises(P.ApiError) as e:
+        P.chat_params(P.parse(json.dumps({"messages": [{"role": "user", "content": "hi"}], field: value}).encode(),
+                              P.ChatCompletionRequest), 64)
+    assert (e.value.status, e.value.param) == (400, field) and "support" in e.value.message
+
+
+@pytest.mark.parametrize("extra", [{"modalities": ["text"]}, {"modalities": None}, {"audio": None},
+                                   {"web_search_options": None}, {"best_of": 2, "n": 2}, {"echo": False},
+                                   {"echo": None}, {"prediction": {"type": "content", "content": "hi"}},
+                                   {"service_tier": "auto", "store": False, "metadata": {"a": "b"}, "user": "u"}])
+def test_chat_fields_that_ask_for_nothing_more_are_taken(extra):
+    body = {"messages": [{"role": "user", "content": "hi"}]} | extra
+    params = P.chat_params(P.parse(json.dumps(body).encode(), P.ChatCompletionRequest), 64)
+    assert len(params) == extra.get("n", 1)
