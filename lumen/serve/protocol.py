@@ -254,7 +254,7 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
         return "the request body must be a JSON object", None
     loc = [str(p) for p in first["loc"]]
     for i, p in enumerate(loc):
-        if p in EXPECTED:
+        if p in EXPECTED and i + 1 < len(loc):          # a union's member tag follows (/tokenize's prompt: a str)
             return f"{'.'.join(loc[:i + 1])} must be {EXPECTED[p]}", loc[0]
     return f"{'.'.join(loc)}: {first['msg']}", loc[0] if loc else None
 

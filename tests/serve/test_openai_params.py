@@ -75,3 +75,17 @@ def test_chat_fields_that_ask_for_nothing_more_are_taken(extra):
     body = {"messages": [{"role": "user", "content": "hi"}]} | extra
     params = P.chat_params(P.parse(json.dumps(body).encode(), P.ChatCompletionRequest), 64)
     assert len(params) == extra.get("n", 1)
+
+
+def test_a_wrong_type_is_described_by_what_the_field_takes_there():
+    """/tokenize's prompt is a string only: its refusal must not offer the token-id lists a completion's takes."""
+    with pytest.raises(P.ApiError) as e:
+        P.parse(b'{"prompt": ["hi"]}', P.TokenizeRequest)
+    assert (e.value.status, e.value.param) == (400, "prompt") and "token id" not in e.value.message
+    assert "string" in e.value.message
+    with pytest.raises(P.ApiError) as e:
+        P.parse(b'{"prompt": {"a": 1}}', P.CompletionRequest)
+    assert e.value.message == f"prompt must be {P.EXPECTED['prompt']}"
+    with pytest.raises(P.ApiError) as e:
+        P.parse(b'{"messages": [{"role": "user", "content": 5}]}', P.TokenizeRequest)
+    assert e.value.message == f"messages.0.content must be {P.EXPECTED['content']}"

@@ -300,3 +300,15 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event():
     assert first["choices"][0]["text"] == "o"
     assert err["error"]["code"] == 500 and err["error"]["message"].startswith("internal error: KeyError")
     assert worker.aborted >= 1
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                                         ({"prompt": "hi", "content": "hi"}, "content"),
+                                         ({"content": "hi", "messages": [{"role": "user", "content": "hi"}]},
+                                          "messages")])
+def test_tokenize_refuses_two_texts_rather_than_ignore_one(body, param):
+    worker = ScriptedWorker()
+    t = tokenize.ServingTokenize(worker, prompter(worker), SETTINGS)
+    with pytest.raises(P.ApiError) as e:
+        asyncio.run(t.tokenize(P.parse(json.dumps(body).encode(), P.TokenizeRequest)))
+    assert (e.value.status, e.value.param) == (400, param) and "one of prompt, content or messages" in e.value.message

@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize, in vLLM's shapes (`prompt`, or `messages` with `tools`,
 `add_generation_prompt` and `continue_final_message` as a chat request takes them; `prompt` back) and llama-server's
-(`content`, `add_special`, `parse_special`, `with_pieces`; `content` back). parse_special false (either text
+(`content`, `add_special`, `parse_special`, `with_pieces`; `content` back): one of the three texts, two are a 400
+(rather than one tokenized and the other ignored). parse_special false (either text
 field) tokenizes special-token text ("<|im_start|>") as plain text; messages are always rendered with their markers
 parsed, so it is a 400 with them. Both take at most max_model_len tokens, as a prompt does (400 beyond):
 a text far past it is refused after tokenizing a prefix (lumen.serve.prompts), so neither stalls the server on a
@@ -23,6 +24,9 @@ class ServingTokenize(Serving):
     async def tokenize(self, req: P.TokenizeRequest) -> dict:
         self.check_model(req.model)
         add = req.add_special_tokens if req.add_special_tokens is not None else req.add_special
+        given = [f for f in ("prompt", "content", "messages") if getattr(req, f) is not None]
+        if len(given) > 1:                             # (one would be tokenized, the other silently not)
+            raise P.ApiError(400, f"give one of prompt, content or messages, not {' and '.join(given)}", given[1])
         if req.messages is not None:                   # rendered as a chat request renders them: its usage says
             if not req.parse_special:
                 raise P.ApiError(400, "messages are rendered with the template's special tokens parsed: leave "
