@@ -202,7 +202,7 @@ def test_completion_router_alone_whole_and_streamed():
 
 @pytest.mark.parametrize("refusal, status, param", [
     (QueueFull("the waiting queue is full"), 429, None),
-    (TooManyRequests("too many"), 400, "n"),
+    (TooManyRequests("too many"), 400, "prompt"),          # n is 1: the list of prompts is at fault
     (SamplerError("logit_bias holds token ids outside the vocabulary (0..257), got [999]"), 400, "logit_bias"),
 ])
 def test_completion_refusals_name_their_parameter(refusal, status, param):
@@ -312,3 +312,11 @@ def test_tokenize_refuses_two_texts_rather_than_ignore_one(body, param):
     with pytest.raises(P.ApiError) as e:
         asyncio.run(t.tokenize(P.parse(json.dumps(body).encode(), P.TokenizeRequest)))
     assert (e.value.status, e.value.param) == (400, param) and "one of prompt, content or messages" in e.value.message
+
+
+@pytest.mark.parametrize("n, param", [(1, "prompt"), (2, "n")])
+def test_more_requests_than_the_queue_holds_blame_n_only_when_it_is_asked(n, param):
+    """prompts x n beyond the queue: with n 1 the client's list of prompts is what to shorten, not n."""
+    with completion_client(ScriptedWorker(refuse=TooManyRequests("too many"))) as c:
+        r = c.post("/v1/completions", json={"prompt": ["x"] * 300, "n": n})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, param)

@@ -86,7 +86,8 @@ class Generation(Serving):
         await self.compile_grammar(params[0].constraint, field)
         max_tokens_field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
             else "max_tokens"
-        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field, max_tokens_field)
+        sub = await self.submit([p for p in prompts for _ in params], params * len(prompts), field, max_tokens_field,
+                                "n" if req.n > 1 else self.prompt_param)
         index = {r: i for i, r in enumerate(sub.request_ids)}
         if req.stream:
             return StreamingResponse(self.stream(request, reply, sub, index, req.include_usage, field),
@@ -144,9 +145,10 @@ class Generation(Serving):
             raise grammar_error(e, param) from None
 
     async def submit(self, prompts: list[list[int]], params: list, constraint_param: str | None = None,
-                     max_tokens_param: str = "max_tokens"):
+                     max_tokens_param: str = "max_tokens", many_param: str = "n"):
         """The worker's submission of these engine requests; its refusals as ApiErrors (constraint_param: the
-        field a grammar the engine refuses is blamed on; max_tokens_param: the one max_tokens came from)."""
+        field a grammar the engine refuses is blamed on; max_tokens_param: the one max_tokens came from;
+        many_param: the one blamed for more requests than the queue holds, n or the list of prompts)."""
         try:
             return await self.worker.submit(prompts, params)  # a remote worker answers once a replica took it
         except ShuttingDown as e:
@@ -154,7 +156,7 @@ class Generation(Serving):
         except QueueFull as e:
             raise P.ApiError(429, str(e)) from None
         except TooManyRequests as e:              # prompts x n beyond what the queue could ever hold
-            raise P.ApiError(400, str(e), "n") from None
+            raise P.ApiError(400, str(e), many_param) from None
         except StructuredOutputError as e:        # a remote engine's compile_grammar (lumen.serve.ray.replica)
             raise grammar_error(e, constraint_param) from None
         except SamplerError as e:                 # token ids in the params outside the vocabulary
