@@ -79,8 +79,9 @@ class Prompter:
             size *= 4
         return self.encode(text, add_special=add_special, param=param, special=special, shielded=shielded)
 
-    def completion(self, prompt) -> list[list[int]]:
-        """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt.
+    def completion(self, prompt, add_special: bool = True) -> list[list[int]]:
+        """A completion request's `prompt` (a string, token ids, or a list of either) -> one id list per prompt
+        (add_special: a text's BOS by the model's rule; False: none, as vLLM's add_special_tokens false).
         Token ids are checked by the engine (range, length), in Python loops on the event loop: a list too long
         for the context is refused here first, by its length alone."""
         if prompt is None:
@@ -98,7 +99,7 @@ class Prompter:
             if not isinstance(p, str) and len(p) >= self.max_model_len:
                 raise ApiError(400, f"the prompt has {len(p)} tokens; max_model_len is {self.max_model_len}, which "
                                     "must also leave room for at least one generated token", "prompt")
-            ids = self.prompt(p) if isinstance(p, str) else list(p)
+            ids = self.prompt(p, add_special=add_special) if isinstance(p, str) else list(p)
             if not ids:
                 raise ApiError(400, "prompt is empty (no tokens)", "prompt")
             out.append(ids)

@@ -4,12 +4,14 @@ and the API's error (OpenAI's shape: {"error": {"message", "type", "param", "cod
 Bodies are validated strictly (no "0.5" for a number, no true for an integer), as the OpenAI API does. Fields
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
-continue_final_message, return_token_ids, include_stop_str_in_output) and llama-server's under its own
+continue_final_message, return_token_ids, include_stop_str_in_output, add_special_tokens, documents) and llama-server's under its own
 (repeat_penalty, repeat_last_n). A request holds at most MAX_STOP stop strings (OpenAI takes four, vLLM any
 number): each costs the engine's one thread at every token.
 
-vLLM's extensions that Lumen does not implement (UNSUPPORTED) are refused with a 400 naming the field when set to
-anything but their default, rather than ignored: a client asking for prompt_logprobs or beam search would
+vLLM's and llama-server's extensions that Lumen does not implement (UNSUPPORTED: prompt_logprobs, beam search,
+logits processors, n_predict, mirostat, typical_p, XTC, DRY ...; CHAT_UNSUPPORTED: a request's own chat_template) are
+refused with a 400 naming the field when set to anything but their default, rather than ignored: a client asking
+for prompt_logprobs or beam search would
 otherwise get an answer that silently lacks what it asked for. So are, on the chat endpoint, OpenAI's audio output
 (modalities other than "text", audio) and web_search_options, best_of other than n, and vLLM's chat echo. Fields
 whose absence changes no token (user, metadata, store, service_tier, prediction) are ignored.
@@ -20,7 +22,7 @@ Constraint, or an ApiError(400) naming the field with llguidance's message.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -37,14 +39,33 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 EXPECTED = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
             "stop": "a string or a list of strings", "content": "a string, null or a list of text parts"}
 SEED_RANGE = 2 ** 63
-# vLLM's sampling extensions not implemented: field -> (the values that ask for nothing, what to send instead)
+# vLLM's and llama-server's extensions not implemented: field -> (the values that ask for nothing, what to send
+# instead, whose extension it is)
 UNSUPPORTED = {
-    "prompt_logprobs": ((None,), "for the prompt's logprobs send echo: true with logprobs to /v1/completions"),
-    "use_beam_search": ((None, False), "only sampling is supported"),
-    "skip_special_tokens": ((None, True), "special tokens are always left out of the text (logprobs show them)"),
-    "allowed_token_ids": ((None,), "send logit_bias, or a structured output such as guided_choice"),
-    "bad_words": ((None, []), "send logit_bias with -100 for their tokens"),
-    "truncate_prompt_tokens": ((None,), "send a prompt that fits max_model_len"),
+    "prompt_logprobs": ((None,), "for the prompt's logprobs send echo: true with logprobs to /v1/completions",
+                        "vLLM"),
+    "use_beam_search": ((None, False), "only sampling is supported", "vLLM"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text (logprobs show them)",
+                            "vLLM"),
+    "allowed_token_ids": ((None,), "send logit_bias, or a structured output such as guided_choice", "vLLM"),
+    "bad_words": ((None, []), "send logit_bias with -100 for their tokens", "vLLM"),
+    "truncate_prompt_tokens": ((None,), "send a prompt that fits max_model_len", "vLLM"),
+    "logits_processors": ((None, []), "no custom logits processor runs here; send logit_bias or a structured output",
+                          "vLLM"),
+    "return_tokens_as_token_ids": ((None, False), "send return_token_ids: true for each choice's token ids", "vLLM"),
+    "prompt_embeds": ((None,), "send the prompt as text or token ids", "vLLM"),
+    "n_predict": ((None,), "send max_tokens (null: the rest of the context)", "llama-server"),
+    "n_probs": ((None, 0), "send logprobs (and top_logprobs on /v1/chat/completions)", "llama-server"),
+    "mirostat": ((None, 0), "send temperature, top_k, top_p or min_p", "llama-server"),
+    "typical_p": ((None, 1, 1.0), "send temperature, top_k, top_p or min_p", "llama-server"),
+    "top_n_sigma": ((None, -1, -1.0, 0, 0.0), "send temperature, top_k, top_p or min_p", "llama-server"),
+    "xtc_probability": ((None, 0, 0.0), "send temperature, top_k, top_p or min_p", "llama-server"),
+    "dynatemp_range": ((None, 0, 0.0), "send temperature", "llama-server"),
+    "dry_multiplier": ((None, 0, 0.0), "send repetition_penalty, presence_penalty or frequency_penalty",
+                       "llama-server"),
+}
+CHAT_UNSUPPORTED = {
+    "chat_template": ((None,), "the server's template is used (python -m lumen.serve --chat-template FILE)", "vLLM"),
 }
 MAX_STOP = 128          # stop strings per request: the engine checks each at every token, on its one thread
 
@@ -81,6 +102,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     """The sampling fields both endpoints share."""
+    unsupported: ClassVar[dict] = UNSUPPORTED
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -102,6 +124,7 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
+    add_special_tokens: bool | None = None     # vLLM's: false, no BOS added to the prompt (null: the model's rule)
     include_stop_str_in_output: bool = False   # vLLM's: the stop string that matched ends the text (responses)
     speculative: str | None = None             # Lumen: "ngram", "draft" or "none" (default: the server's)
     num_speculative_tokens: int | None = None
@@ -127,10 +150,10 @@ class _Sampling(_Body):
     @classmethod
     def _refuse_unsupported(cls, data, handler):
         if isinstance(data, dict):
-            for name, (off, instead) in UNSUPPORTED.items():
+            for name, (off, instead, whose) in cls.unsupported.items():
                 v = data.get(name)
                 if not any(v is o or (type(v) is type(o) and v == o) for o in off):
-                    raise ApiError(400, f"{name} (a vLLM extension) is not supported: {instead}", name)
+                    raise ApiError(400, f"{name} (a {whose} extension) is not supported: {instead}", name)
         return handler(data)
 
     @property
@@ -177,6 +200,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    unsupported: ClassVar[dict] = UNSUPPORTED | CHAT_UNSUPPORTED
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -190,6 +214,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False       # vLLM: the answer goes on with the final message (a prefill)
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM: more template variables ({"enable_thinking": false})
+    documents: list[Any] | None = None         # vLLM: the template's `documents` (RAG templates)
     # what the answer would lack if ignored: refused by chat_params unless at the value that asks for nothing
     modalities: list[str] | None = None        # OpenAI: ["text"] only
     audio: Any = None                          # OpenAI: audio output

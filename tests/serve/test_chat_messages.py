@@ -339,3 +339,21 @@ def test_a_message_without_content_is_a_400_but_an_assistants(client, message):
     assert not worker.submitted
     r = http.post("/v1/chat/completions", json={"messages": [USER, {"role": "assistant", "content": None}, USER]})
     assert r.status_code == 200, r.text
+
+
+def test_documents_reach_the_template_and_add_special_tokens_false_drops_the_bos():
+    """vLLM's documents are the template's `documents` (as chat_template_kwargs would give them), and
+    add_special_tokens false leaves out the BOS the byte model adds by default: neither is ignored."""
+    worker = ScriptedWorker()
+    template = "{% for d in documents %}[{{ d.text }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(chat.router)
+    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, template, 4096),
+                                      Settings(model_id="bytes"))
+    body = {"messages": [USER], "documents": [{"text": "doc1"}, {"text": "doc2"}], "max_tokens": 1}
+    with TestClient(app) as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert c.post("/v1/chat/completions", json=body | {"add_special_tokens": False}).status_code == 200
+    (with_bos, _), (without, _) = worker.submitted
+    assert with_bos[0] == [256, *b"[doc1][doc2]1+2?"] and without[0] == list(b"[doc1][doc2]1+2?")

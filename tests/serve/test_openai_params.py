@@ -37,10 +37,15 @@ def test_chat_max_tokens_0_does_not_point_at_echo(field):
 @pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("prompt_logprobs", 0), ("use_beam_search", True),
                                           ("skip_special_tokens", False),
                                           ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
-                                          ("truncate_prompt_tokens", 8)])
+                                          ("truncate_prompt_tokens", 8), ("logits_processors", ["m.f"]),
+                                          ("return_tokens_as_token_ids", True), ("prompt_embeds", "AAAA"),
+                                          ("n_predict", 8), ("n_predict", -1), ("n_probs", 3), ("mirostat", 2),
+                                          ("typical_p", 0.5), ("top_n_sigma", 1.5), ("xtc_probability", 0.5),
+                                          ("dynatemp_range", 0.5), ("dry_multiplier", 0.8)])
 @pytest.mark.parametrize("model", [P.CompletionRequest, P.ChatCompletionRequest])
 def test_unsupported_vllm_extensions_are_refused_not_ignored(model, field, value):
-    """A vLLM extension Lumen does not implement is a 400 naming it, not an answer silently without it."""
+    """A vLLM or llama-server extension Lumen does not implement is a 400 naming it, not an answer silently
+    without it."""
     base = {"prompt": "hi"} if model is P.CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(P.ApiError) as e:
         P.parse(json.dumps(base | {field: value}).encode(), model)
@@ -51,7 +56,10 @@ def test_unsupported_vllm_extensions_are_refused_not_ignored(model, field, value
 def test_unsupported_vllm_extensions_at_their_defaults_are_taken(model):
     base = {"prompt": "hi"} if model is P.CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
     defaults = {"prompt_logprobs": None, "use_beam_search": False, "skip_special_tokens": True,
-                "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
+                "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None,
+                "logits_processors": [], "return_tokens_as_token_ids": False, "prompt_embeds": None, "n_predict": None,
+                "n_probs": 0, "mirostat": 0, "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+                "dynatemp_range": 0.0, "dry_multiplier": 0.0}
     assert P.parse(json.dumps(base | defaults).encode(), model).n == 1
 
 
@@ -89,3 +97,13 @@ def test_a_wrong_type_is_described_by_what_the_field_takes_there():
     with pytest.raises(P.ApiError) as e:
         P.parse(b'{"messages": [{"role": "user", "content": 5}]}', P.TokenizeRequest)
     assert e.value.message == f"messages.0.content must be {P.EXPECTED['content']}"
+
+
+def test_a_requests_own_chat_template_is_refused_on_chat_only():
+    """vLLM's per-request chat_template would change the prompt: a 400 on chat, not the server's template used
+    silently; a completion has no template, so there it changes nothing."""
+    with pytest.raises(P.ApiError) as e:
+        P.parse(json.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"}).encode(),
+                P.ChatCompletionRequest)
+    assert (e.value.status, e.value.param) == (400, "chat_template") and "--chat-template" in e.value.message
+    assert P.parse(b'{"prompt": "hi", "chat_template": "{{ x }}"}', P.CompletionRequest).prompt == "hi"

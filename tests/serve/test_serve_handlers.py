@@ -320,3 +320,15 @@ def test_more_requests_than_the_queue_holds_blame_n_only_when_it_is_asked(n, par
     with completion_client(ScriptedWorker(refuse=TooManyRequests("too many"))) as c:
         r = c.post("/v1/completions", json={"prompt": ["x"] * 300, "n": n})
     assert (r.status_code, r.json()["error"]["param"]) == (400, param)
+
+
+@pytest.mark.parametrize("extra, first", [({}, BOS), ({"add_special_tokens": None}, BOS),
+                                          ({"add_special_tokens": True}, BOS), ({"add_special_tokens": False}, 104)])
+def test_completion_add_special_tokens_false_leaves_out_the_bos(extra, first):
+    """vLLM's add_special_tokens: false is a prompt without the BOS the model adds by default, not ignored."""
+    worker = ScriptedWorker()
+    with completion_client(worker) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1} | extra)
+    assert r.status_code == 200, r.text
+    (prompts, _), = worker.submitted
+    assert prompts[0][0] == first and bytes(t for t in prompts[0] if t < 256) == b"hi"

@@ -11,7 +11,8 @@ only: "auto" gives calls or JSON that follows it, "required" and a named functio
 continue_final_message (vLLM's; with add_generation_prompt false): the prompt ends inside the final message, so
 the answer goes on with it (an assistant prefill). chat_template_kwargs (vLLM's): more variables for the template,
 such as Qwen3's {"enable_thinking": false}; one that would replace the template's own (messages, tools,
-add_generation_prompt, bos_token, ...) is a 400.
+add_generation_prompt, bos_token, ...) is a 400. vLLM's documents are the template's `documents` variable, and its
+add_special_tokens false leaves out the BOS the template does not write.
 """
 from __future__ import annotations
 
@@ -65,8 +66,12 @@ class ServingChat(Generation):
 
     async def prompt_ids(self, req: P.ChatCompletionRequest, tools) -> list[int]:
         """The conversation's prompt ids (with continue_final_message: ending inside the final message)."""
+        kwargs = req.chat_template_kwargs
+        if req.documents is not None:                  # vLLM's: the template's `documents`
+            kwargs = {"documents": req.documents, **(kwargs or {})}
         return await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
-                                       req.continue_final_message, template_kwargs=req.chat_template_kwargs)
+                                       req.continue_final_message, req.add_special_tokens is not False,
+                                       template_kwargs=kwargs)
 
 
 @router.post("/v1/chat/completions")

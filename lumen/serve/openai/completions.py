@@ -37,7 +37,8 @@ class ServingCompletion(Generation):
         params = P.speculation(P.completion_params(req, self.settings.max_n), req, self.settings.speculative)
         params = P.constrained(params, await asyncio.to_thread(P.constraint_of, req))   # 400 if invalid
         if fim is None:
-            sent = prompts = await asyncio.to_thread(self.prompter.completion, req.prompt)
+            sent = prompts = await asyncio.to_thread(self.prompter.completion, req.prompt,
+                                                     req.add_special_tokens is not False)
         else:
             sent, prompts = await asyncio.to_thread(infill_prompts, self.prompter, req.prompt, req.suffix, fim)
         echo = None
