@@ -258,7 +258,9 @@ class DetokenizeRequest(_Body):
 
 
 def parse(body: bytes, model: type[BaseModel]) -> Any:
-    """A request body -> the model, or ApiError(400) saying what is wrong."""
+    """A request body -> the model, or ApiError(400) saying what is wrong. A UTF-8 byte order mark before the JSON
+    is skipped, as RFC 8259 allows and vLLM's and llama-server's parsers do (Windows tools write one)."""
+    body = body.removeprefix(b"\xef\xbb\xbf")
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:

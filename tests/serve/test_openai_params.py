@@ -107,3 +107,15 @@ def test_a_requests_own_chat_template_is_refused_on_chat_only():
                 P.ChatCompletionRequest)
     assert (e.value.status, e.value.param) == (400, "chat_template") and "--chat-template" in e.value.message
     assert P.parse(b'{"prompt": "hi", "chat_template": "{{ x }}"}', P.CompletionRequest).prompt == "hi"
+
+
+def test_a_utf8_byte_order_mark_before_the_json_is_skipped():
+    """RFC 8259 lets a parser skip it; vLLM's (json.loads on bytes) and llama-server's (nlohmann) do."""
+    bom = b"\xef\xbb\xbf"
+    assert P.parse(bom + b'{"prompt": "hi"}', P.CompletionRequest).prompt == "hi"
+    with pytest.raises(P.ApiError) as e:
+        P.parse(bom, P.CompletionRequest)
+    assert "empty" in e.value.message
+    with pytest.raises(P.ApiError) as e:
+        P.parse(bom + bom + b'{"prompt": "hi"}', P.CompletionRequest)     # one mark, not any number
+    assert "malformed JSON" in e.value.message
