@@ -198,6 +198,13 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None                                    # a participant's name (OpenAI: a string)
 
+    @model_validator(mode="after")
+    def _no_audio(self):
+        if getattr(self, "audio", None) is not None:         # OpenAI's {"id"} of an earlier audio answer
+            raise ValueError("an assistant's audio (an earlier audio answer, by id) is not supported: send its "
+                             "transcript as the message's content")
+        return self
+
 
 class ChatCompletionRequest(_Sampling):
     unsupported: ClassVar[dict] = UNSUPPORTED | CHAT_UNSUPPORTED

@@ -357,3 +357,16 @@ def test_documents_reach_the_template_and_add_special_tokens_false_drops_the_bos
         assert c.post("/v1/chat/completions", json=body | {"add_special_tokens": False}).status_code == 200
     (with_bos, _), (without, _) = worker.submitted
     assert with_bos[0] == [256, *b"[doc1][doc2]1+2?"] and without[0] == list(b"[doc1][doc2]1+2?")
+
+
+def test_an_assistants_audio_reference_is_a_400_not_an_empty_turn(client):
+    """OpenAI's assistant message may stand for an earlier audio answer by its id only: rendered without it, the
+    turn would be empty, so it is a 400 saying to send the transcript; a null audio is an absent one."""
+    c, worker = client
+    said = {"role": "assistant", "audio": {"id": "audio_abc"}}
+    r = c.post("/v1/chat/completions", json={"messages": [USER, said, USER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "transcript" in r.json()["error"]["message"] and not worker.submitted
+    r = c.post("/v1/chat/completions", json={"messages": [USER, {"role": "assistant", "content": "3", "audio": None},
+                                                          USER]})
+    assert r.status_code == 200, r.text
