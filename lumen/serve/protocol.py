@@ -252,8 +252,9 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     parse_special: bool = True                 # llama-server's: special-token text parsed as those tokens
     with_pieces: bool = False
+    return_token_strs: bool = False            # vLLM's: each token's vocabulary string too ("token_strs")
 
-    @field_validator("parse_special", "with_pieces", mode="before")
+    @field_validator("parse_special", "with_pieces", "return_token_strs", mode="before")
     @classmethod
     def _null_flags(cls, v, info: ValidationInfo):
         return cls.model_fields[info.field_name].default if v is None else v

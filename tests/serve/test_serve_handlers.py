@@ -332,3 +332,17 @@ def test_completion_add_special_tokens_false_leaves_out_the_bos(extra, first):
     assert r.status_code == 200, r.text
     (prompts, _), = worker.submitted
     assert prompts[0][0] == first and bytes(t for t in prompts[0] if t < 256) == b"hi"
+
+
+@pytest.mark.parametrize("body", [{"prompt": "hi"}, {"messages": [{"role": "user", "content": "hi"}]}])
+def test_tokenize_return_token_strs_gives_the_vocabulary_strings(body):
+    """vLLM's return_token_strs: each token's string as the vocabulary holds it, beside the ids (not ignored);
+    absent, null or false: no token_strs."""
+    worker = ScriptedWorker()
+    t = tokenize.ServingTokenize(worker, Prompter(worker.engine.tokenizer, "{% for m in messages %}{{ m.content }}"
+                                                  "{% endfor %}", 64), SETTINGS)
+    got = asyncio.run(t.tokenize(P.parse(json.dumps(body | {"return_token_strs": True}).encode(), P.TokenizeRequest)))
+    assert got["tokens"] == [BOS, ord("h"), ord("i")] and got["token_strs"] == ["<s>", "h", "i"]
+    for off in ({}, {"return_token_strs": None}, {"return_token_strs": False}):
+        got = asyncio.run(t.tokenize(P.parse(json.dumps(body | off).encode(), P.TokenizeRequest)))
+        assert "token_strs" not in got

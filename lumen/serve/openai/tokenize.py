@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize, in vLLM's shapes (`prompt`, or `messages` with `tools`,
 `add_generation_prompt` and `continue_final_message` as a chat request takes them; `prompt` back) and llama-server's
-(`content`, `add_special`, `parse_special`, `with_pieces`; `content` back): one of the three texts, two are a 400
+(`content`, `add_special`, `parse_special`, `with_pieces`; `content` back); vLLM's return_token_strs adds each
+token's vocabulary string (token_strs). One of the three texts, two are a 400
 (rather than one tokenized and the other ignored). parse_special false (either text
 field) tokenizes special-token text ("<|im_start|>") as plain text; messages are always rendered with their markers
 parsed, so it is a 400 with them. Both take at most max_model_len tokens, as a prompt does (400 beyond):
@@ -37,7 +38,7 @@ class ServingTokenize(Serving):
             ids = await asyncio.to_thread(self.prompter.chat, req.messages, req.add_generation_prompt, tools,
                                           req.continue_final_message, add is not False,
                                           template_kwargs=req.chat_template_kwargs)
-            return self.answer(ids, req.with_pieces, "messages")
+            return self.answer(ids, req.with_pieces, "messages", req.return_token_strs)
         if req.prompt is not None:                                    # vLLM: special tokens added by default
             text, add, param = req.prompt, add is not False, "prompt"
         elif req.content is not None:                                   # llama-server: not by default
@@ -46,9 +47,9 @@ class ServingTokenize(Serving):
             raise P.ApiError(400, "give prompt, content or messages", "prompt")
         ids = await asyncio.to_thread(self.prompter.prompt, text, param, add_special=add is not False,
                                       special=req.parse_special)
-        return self.answer(ids, req.with_pieces, param)
+        return self.answer(ids, req.with_pieces, param, req.return_token_strs)
 
-    def answer(self, ids: list[int], with_pieces: bool, param: str) -> dict:
+    def answer(self, ids: list[int], with_pieces: bool, param: str, token_strs: bool = False) -> dict:
         if len(ids) > self.engine.max_model_len:
             raise P.ApiError(400, f"the text has {len(ids)} tokens; max_model_len is {self.engine.max_model_len}",
                              param)
@@ -62,7 +63,10 @@ class ServingTokenize(Serving):
                 except UnicodeDecodeError:
                     piece = list(b)
                 tokens.append({"id": i, "piece": piece})
-        return {"tokens": tokens, "count": len(ids), "max_model_len": self.engine.max_model_len}
+        out = {"tokens": tokens, "count": len(ids), "max_model_len": self.engine.max_model_len}
+        if token_strs:                                 # vLLM's: the vocabulary's strings ("Ġworld", "<|im_start|>")
+            out["token_strs"] = [self.engine.tokenizer.token_text(i) for i in ids]
+        return out
 
     def detokenize(self, req: P.DetokenizeRequest) -> dict:
         self.check_model(req.model)
