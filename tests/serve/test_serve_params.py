@@ -1,6 +1,7 @@
 """Request parameters as an OpenAI client sends them, through a live server (test_serve.live_server): the
 defaults it leaves out, and the edges of their ranges."""
 import httpx
+import openai
 import pytest
 
 import lumen
@@ -128,3 +129,51 @@ def test_tokenize_messages_counts_what_a_chat_request_uses(http, extra):
 def test_tokenize_refuses_continue_final_message_with_a_generation_prompt(http):
     r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": True,
+                              "top_logprobs": 2, "seed": 1}),
+    ("/v1/completions", {"prompt": ["Hi", "Bye"], "n": 2, "logprobs": 2, "seed": 1}),
+    ("/v1/completions", {"prompt": ["Hi", "Bye"], "n": 2, "echo": True, "seed": 1}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_validate_against_the_openai_clients_models(http, path, body, stream):
+    """Every body and chunk validates (not merely constructs, as the client does) against openai's own pydantic
+    models: ids, created, object, choices' finish_reason literals, logprobs, usage with prompt_tokens_details.
+    (Not echo with logprobs: the first prompt token's logprob is null, as OpenAI's legacy API and vLLM answer it,
+    which openai's Logprobs type does not allow for.)"""
+    from openai.types import Completion, CompletionUsage
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    chat = path.endswith("chat/completions")
+    body = body | {"max_tokens": 3}
+    if not stream:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        got = (ChatCompletion if chat else Completion).model_validate(r.json())
+        assert got.usage.prompt_tokens_details.cached_tokens >= 0
+        assert sorted(c.index for c in got.choices) == list(range(2 if chat else 4))
+        return
+    with http.stream("POST", path, json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    for e in events:        # (openai's Completion, which its streams use too, has no null finish_reason)
+        if chat or all(c["finish_reason"] is not None for c in e["choices"]):
+            (ChatCompletionChunk if chat else Completion).model_validate(e)
+    assert len({e["id"] for e in events}) == 1 and events[-1]["choices"] == []
+    usage = CompletionUsage.model_validate(events[-1]["usage"])
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert sum(e["choices"][0]["finish_reason"] is not None for e in events[:-1]) == (2 if chat else 4)
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"extra_body": {"n_predict": 4}}, "n_predict"),
+    ({"extra_body": {"mirostat": 2}}, "mirostat"),
+])
+def test_the_openai_client_is_told_what_is_not_supported(http, kw, param):
+    """Sent through the openai client, a field this server would otherwise drop is a BadRequestError naming it."""
+    client = openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kw)
+    assert e.value.body["param"] == param
