@@ -20,9 +20,10 @@ With tools (lumen.serve.tools), a chat choice's text goes through its ToolParser
 stays content, calls become message.tool_calls ({id, type: "function", function: {name, arguments}}, arguments
 a JSON string) and the finish_reason "tool_calls" (when the model ended its turn; "length" stays "length", and a
 stop string that cut a call's arguments leaves "stop").
-A stream sends each call as OpenAI does: a tool_calls delta with its index, id, type and name, then argument
-fragments, and its content is null until some comes (a choice with neither says "" at its end). The whole response
-is read by the same parser, so it is what a client joining the deltas gets, content included.
+A stream sends each call as OpenAI does: a tool_calls delta with its index, id, type and name (arguments ""), then
+argument fragments, one tool_calls entry a chunk, and its content is null until some comes (a choice with neither
+says "" at its end). The whole response is read by the same parser, so it is what a client joining the deltas gets,
+content included.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import json
 import math
 
 from ..engine.sequence import RequestOutput
-from .tools import ToolParser, assemble
+from .tools import ToolCallDelta, ToolParser, assemble
 
 DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0            # what vLLM reports for -inf (JSON has no infinity)
@@ -160,8 +161,9 @@ class Reply:
                 out.append(self._chunk([delta], self._usage_so_far(index, 0), with_usage))
         return out
 
-    def chunk(self, index: int, out: RequestOutput, with_usage: bool) -> dict | None:
-        """The event for one engine output of choice `index`, or None when it adds nothing to send."""
+    def chunks(self, index: int, out: RequestOutput, with_usage: bool) -> list[dict]:
+        """The events for one engine output of choice `index` (none when it adds nothing to send): one, or with
+        tools one per tool_calls entry (_one_call_each)."""
         if out.finished:
             self.finals[index] = out
         want_tokens = self.logprobs is not None or self.return_token_ids
@@ -175,7 +177,7 @@ class Reply:
         elif self.tool_parser is not None:
             c["delta"] = self._tool_delta(index, out, delta_text)
             if not c["delta"] and not out.finished and not want_tokens:
-                return None
+                return []
         else:
             c["delta"] = {"content": delta_text} if delta_text or not out.finished else {}
         entries = out.logprobs or []
@@ -195,7 +197,29 @@ class Reply:
             if index not in self.started and self.kind == "completion" and (self.echo is None or echo_now):
                 c["prompt_token_ids"] = out.prompt_token_ids
         self.started.add(index)
-        return self._chunk([c], self._usage_so_far(index, len(out.token_ids)), with_usage)
+        usage = self._usage_so_far(index, len(out.token_ids))
+        return [self._chunk([x], usage, with_usage) for x in self._one_call_each(c)]
+
+    def _one_call_each(self, c: dict) -> list[dict]:
+        """A streamed choice whose delta holds several tool_calls entries as one choice per entry, as OpenAI
+        streams them (a client may read only a chunk's tool_calls[0]): the first keeps the content, logprobs and
+        token ids, the last the finish_reason."""
+        calls = c.get("delta", {}).get("tool_calls") or []
+        if len(calls) < 2:
+            return [c]
+        first = {**c, "delta": {**c["delta"], "tool_calls": calls[:1]}, "finish_reason": None}
+        first.pop("stop_reason", None)
+        out = [first]
+        for k, tc in enumerate(calls[1:], 1):
+            x: dict = {"index": c["index"], "delta": {"tool_calls": [tc]}, "logprobs": None, "finish_reason": None}
+            if k == len(calls) - 1:
+                x["finish_reason"] = c["finish_reason"]
+                if "stop_reason" in c:
+                    x["stop_reason"] = c["stop_reason"]
+            if "token_ids" in c:
+                x["token_ids"] = []
+            out.append(x)
+        return out
 
     def _tool_delta(self, index: int, out: RequestOutput, delta_text: str) -> dict:
         """A stream's delta through the choice's tool parser: content and/or tool_calls (empty: nothing yet)."""
@@ -210,7 +234,7 @@ class Reply:
         if content:
             d["content"] = content
         if deltas:
-            d["tool_calls"] = [x.openai() for x in deltas]
+            d["tool_calls"] = [x.openai() for x in _name_apart(deltas)]
         if d:
             self.said.add(index)
         elif out.finished and index not in self.said:
@@ -282,3 +306,16 @@ class Reply:
             chars = add(tok, entry, chars)
         self.offsets[index] = chars
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _name_apart(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """A call's first delta (its id and name) with arguments "", its argument text in the next, as OpenAI and vLLM
+    stream a call: a client that starts a call on its id and appends the arguments of the deltas without one
+    loses no text."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if d.id is not None and d.arguments:
+            out += [ToolCallDelta(d.index, d.id, d.name, ""), ToolCallDelta(d.index, arguments=d.arguments)]
+        else:
+            out.append(d)
+    return out

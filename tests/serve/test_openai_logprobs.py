@@ -74,7 +74,7 @@ def test_streamed_text_offsets_equal_the_whole_ones():
     got = []
     for k, (lo, hi) in enumerate([(0, 2), (2, 3), (3, 4)]):
         out = output(PROMPT, GEN[:hi], "", finished=hi == len(GEN), delta=GEN[lo:hi])
-        got += reply.chunk(0, out, False)["choices"][0]["logprobs"]["text_offset"]
+        got += reply.chunks(0, out, False)[0]["choices"][0]["logprobs"]["text_offset"]
     assert got == want
 
 

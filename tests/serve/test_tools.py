@@ -27,6 +27,7 @@ from lumen.serve.prompts import Prompter
 from lumen.serve.tools import (PARSERS, HermesParser, Llama3Parser, MistralParser, assemble, check_messages,
                                close_token, fallback_messages, marker_token, open_token, parse_tool_choice,
                                parse_tools, parser_for_template)
+from lumen.serve.worker import Submission
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -669,6 +670,59 @@ def test_endpoint_stream_joins_to_the_whole_message(reply):
     assert joined["finish_reason"] == whole["finish_reason"] == ("tool_calls" if reply == CALL else "stop")
     calls = [{"name": c["name"], "arguments": c["arguments"]} for c in joined.get("tool_calls", {}).values()]
     assert calls == [c["function"] for c in whole["message"].get("tool_calls", [])]
+
+
+TWO_CALLS = CALL + "\n" + CALL.replace('"a": 1', '"a": 7')
+
+
+@pytest.mark.parametrize("size", [1, 5, len(TWO_CALLS)])
+def test_endpoint_streams_one_call_entry_per_chunk_name_first(size):
+    """As OpenAI streams a call: each chunk's tool_calls holds one entry; a call's first has its id, type and name
+    and arguments "", the later ones only argument text. A client that starts a call on its id and appends the
+    arguments of the entries without one, reading only tool_calls[0], gets the whole answer's calls, however
+    many characters an engine output brings."""
+    class Worker(CallingWorker):
+        REPLY = TWO_CALLS.encode()
+
+        async def submit(self, prompts, params):
+            self.submitted.append((prompts, params))
+            sub, ids, lo = Submission(["r0"]), list(self.REPLY), 0
+            for hi in [*range(size, len(ids), size), len(ids)]:            # size characters an output
+                done = hi == len(ids)
+                sub.queue.put_nowait(RequestOutput("r0", prompts[0], ids[:hi], self.REPLY[:hi].decode(), done,
+                                                   "stop" if done else None, RequestMetrics(),
+                                                   delta_token_ids=ids[lo:hi], delta_text=self.REPLY[lo:hi].decode()))
+                lo = hi
+            return sub
+
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(chat.router)
+    worker = Worker()
+    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, TEMPLATE, 4096),
+                                      Settings(model_id="bytes"))
+    http = TestClient(app)
+    whole = http.post("/v1/chat/completions", json={**BODY, "max_tokens": 500}).json()["choices"][0]
+    assert [json.loads(c["function"]["arguments"])["a"] for c in whole["message"]["tool_calls"]] == [1, 7]
+    with http.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": 500, "stream": True}) as s:
+        events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    calls: dict[int, dict] = {}
+    for e in events:
+        tcs = e["choices"][0]["delta"].get("tool_calls")
+        if not tcs:
+            continue
+        assert len(tcs) == 1
+        tc = tcs[0]
+        if "id" in tc:                          # a call's first entry: its name, no argument text yet
+            assert tc["type"] == "function" and tc["function"] == {"name": "add", "arguments": ""}
+            calls[tc["index"]] = {"id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
+        else:
+            assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+            calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls.values()] == [
+        c["function"] for c in whole["message"]["tool_calls"]]
+    finishes = [e["choices"][0]["finish_reason"] for e in events]
+    assert finishes[-1] == "tool_calls" and not any(finishes[:-1])
 
 
 MISTRAL_TEMPLATE = ("{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -168,8 +168,8 @@ class Generation(Serving):
 
     async def stream(self, request: Request, reply: Reply, sub, index: dict, include_usage: bool,
                      grammar_param: str | None = None):
-        """The SSE events of a streamed answer: the opening chunks, one chunk per output that adds something, the
-        usage chunk if asked for, then [DONE]; an error event instead when the submission fails (grammar_param:
+        """The SSE events of a streamed answer: the opening chunks, the chunks of each output that adds something,
+        the usage chunk if asked for, then [DONE]; an error event instead when the submission fails (grammar_param:
         the field a grammar that fails is blamed on); an error event (500) and [DONE] if building an event
         fails, rather than a connection cut mid-stream."""
         worker, finished = self.worker, False
@@ -181,8 +181,7 @@ class Generation(Serving):
                 if fail is not None:
                     yield sse(P.error_body(*fail))
                     break
-                chunk = reply.chunk(index[out.request_id], out, include_usage)
-                if chunk is not None:
+                for chunk in reply.chunks(index[out.request_id], out, include_usage):
                     yield sse(chunk)
                 worker.sent(out)
             else:
