@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             from .serve.tools import PARSERS, marker_token, parser_for_template
             if tooling[1] != "none":
                 kind = PARSERS[parser_for_template(chat_template_from_metadata(model.metadata))]
-                parser = kind()
+                parser = kind(names=[t.name for t in tooling[0]])     # (JSON naming no tool: text)
                 constraint = parser.grammar(*tooling, True, marker_token(model.tokenizer, kind))
         if args.chat or tooling is not None:
             rendered, why = chat_prompt(model, args.prompt, args.system, tooling and tooling[0], args.special)

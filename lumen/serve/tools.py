@@ -16,13 +16,13 @@ arguments; the incremental reading and the grammar are shared.
 The grammar (llguidance Lark): each tool's call is `%json` of {"name": const, "arguments": its parameters schema},
 so a call names a declared tool and its arguments validate. `required` and a named function start with the call (a
 named function: that one call only, as OpenAI and vLLM answer it); `auto` allows free text that neither contains the
-open marker nor starts as a bare call (`{"name": "<a tool>"`, or any name then the arguments' key: JSON text such as
-`{"name": "Bob", "age": 3}` stays text), or such text and then the calls: a call that starts is always well formed,
-and text without a call is unconstrained (the grammar's one-lexeme text rule accepts any text that does not spell a
-call's start). This is llama.cpp's lazy grammar written as one grammar, whose text lexeme is cheap to mask
-(profiling/tool_calling.py). With a JSON response_format, `auto` takes calls or JSON text that follows it (the
-answer) instead of free text. JSON whitespace is bounded as for structured output; a call's arguments are an
-object whose properties are the listed ones (`closed_objects`). A tool with `strict: true` must
+open marker nor starts as a bare call (`{"name": "<a tool>"`: JSON text such as `{"name": "Bob", "age": 3}`, or a
+call of no tool `{"name": "wether", "arguments": {...}}`, stays text), or such text and then the calls: a call that
+starts is always well formed, and text without a call is unconstrained (the grammar's one-lexeme text rule accepts
+any text that does not spell a call's start). This is llama.cpp's lazy grammar written as one grammar, whose text
+lexeme is cheap to mask (profiling/tool_calling.py). With a JSON response_format, `auto` takes calls or JSON text
+that follows it (the answer) instead of free text. JSON whitespace is bounded as for structured output; a call's
+arguments are an object whose properties are the listed ones (`closed_objects`). A tool with `strict: true` must
 have a schema llguidance enforces in full (else a 400); a non-strict tool's unenforceable keywords (uniqueItems,
 ...) are accepted and ignored, as structured output's "lenient".
 """
@@ -572,10 +572,12 @@ class ToolParser:
             if tagged:                      # text never spells the open marker ...
                 text += f" & ~/(.|\\n)*{_lark_re(self.open)}(.|\\n)*/"
             if self.leads is not None:      # ... nor starts as a bare call would (as the parser reads one): naming
-                loose = "|".join(_loose(s) for s in self.leads)             # a tool, or with arguments next
+                # a tool. One that names no tool is text even with arguments next (the parser, which knows the
+                # tools, reads it so): refused, the model already past its name would spell the key wrong
+                # ({"name": "schedule_meeting", "arguments': ...}) and the text would be no JSON at all
+                loose = "|".join(_loose(s) for s in self.leads)
                 names = "|".join(_lark_re(json.dumps(t.name)) for t in named)
-                head = f'"([^"\\\\]|\\\\.)*"\\s*,\\s*"{self.args_key}"'
-                text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"\\s*:\\s*({names}|{head})(.|\\n)*/"
+                text += f" & ~/\\s*({loose})\\s*\\{{\\s*\"name\"\\s*:\\s*({names})(.|\\n)*/"
                 # ... nor starts with "{{": Qwen2.5-Coder sometimes doubles a bare call's braces ({{"name": ...}}),
                 # which would pass as text; masked, it writes the call
                 text += f" & ~/\\s*({loose})\\s*\\{{\\s*\\{{(.|\\n)*/"
