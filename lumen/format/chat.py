@@ -96,7 +96,9 @@ def check_messages(messages: list[dict]) -> None:
         elif role == "tool":
             tid = m.get("tool_call_id")
             if not isinstance(tid, str):
-                raise ChatMessageError(f"messages[{i}] (role tool) needs a tool_call_id")
+                got = "" if tid is None else f", got {type(tid).__name__} {tid!r}"
+                raise ChatMessageError(f"messages[{i}] (role tool) needs a tool_call_id, the id (a string) of the "
+                                       f"call it answers{got}")
             if tid not in calls:
                 raise ChatMessageError(f"messages[{i}] answers tool_call_id {tid!r}, which no earlier assistant "
                                        "message called")
@@ -111,6 +113,9 @@ def _check_calls(i: int, tcs) -> set[str]:
         if isinstance(tc, dict) and tc.get("type", "function") != "function":
             raise ChatMessageError(f"messages[{i}].tool_calls[{j}].type must be \"function\" (the only kind of "
                                    f"call this server renders), got {tc['type']!r}")
+        if isinstance(tc, dict) and tc.get("id") is not None and not isinstance(tc["id"], str):
+            raise ChatMessageError(f"messages[{i}].tool_calls[{j}].id must be a string, got "
+                                   f"{type(tc['id']).__name__} {tc['id']!r}")
         if isinstance(tc, dict) and isinstance(tc.get("id"), str):
             if tc["id"] in ids:         # (OpenAI refuses it too: a tool message could not say which)
                 raise ChatMessageError(f"messages[{i}].tool_calls[{j}].id {tc['id']!r} is the id of an earlier "

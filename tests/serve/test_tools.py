@@ -91,6 +91,9 @@ def test_tool_messages_must_answer_a_call():
     for msgs, words in [([user, {"role": "tool", "tool_call_id": "call_1", "content": "3"}], "no earlier"),
                         ([user, _assistant(), {"role": "tool", "tool_call_id": "call_2", "content": "3"}], "call_2"),
                         ([user, _assistant(), {"role": "tool", "content": "3"}], "needs a tool_call_id"),
+                        ([user, _assistant(), {"role": "tool", "tool_call_id": 1, "content": "3"}], "got int 1"),
+                        ([user, {"role": "assistant", "tool_calls": [{"id": 7, "type": "function", "function": {
+                            "name": "add", "arguments": "{}"}}]}], "tool_calls[0].id must be a string, got int"),
                         ([user, _assistant(args="{not json")], "not valid JSON"),
                         ([user, {"role": "assistant", "tool_calls": [{"id": "x"}]}], "tool_calls[0]")]:
         with pytest.raises(P.ApiError) as e:
