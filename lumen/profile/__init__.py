@@ -107,9 +107,14 @@ class Profiler(StepClock):
         self._t0 = self._last = ticks()
 
     def describe(self, phase: str, n_tokens: int, n_seqs: int, kv_tokens: int, requests: tuple = ()) -> None:
-        """Set the open step's shape once it is known (the engine knows it after scheduling)."""
+        """Set the open step's shape once it is known (the engine knows it after scheduling). What the step
+        recorded before (its "schedule") takes the phase too: a record's phase is its step's."""
         st = self._open
         st.phase, st.n_tokens, st.n_seqs, st.kv_tokens, st.requests = phase, n_tokens, n_seqs, kv_tokens, requests
+        for r in reversed(self.records):
+            if r.step != st.step:
+                break
+            r.phase = phase
 
     def end_step(self, at: int | None = None) -> None:
         """Close the step at tick `at` (now by default)."""

@@ -35,6 +35,17 @@ def test_every_op_of_every_layer_is_recorded(profiled):
         assert all(r.seconds >= 0 for r in recs)
 
 
+def test_records_carry_their_steps_phase(profiled):
+    """The engine laps "schedule" before the runner knows the step is a prefill: that record is the prefill's
+    too, so by_op("prefill") holds a schedule and by_op("decode") one schedule per decode step, no more."""
+    _, prof, _ = profiled
+    phase = {s.step: s.phase for s in prof.steps}
+    assert [(r.step, r.op, r.phase) for r in prof.records if r.phase != phase[r.step]] == []
+    n_decode = sum(p == "decode" for p in phase.values())
+    assert prof.by_op("decode")["schedule"].calls == n_decode
+    assert prof.by_op("prefill")["schedule"].calls == 1
+
+
 def test_work_is_attached(profiled):
     m, prof, _ = profiled
     ops = prof.by_op("decode")
