@@ -16,7 +16,8 @@ A request's interval [a, b] is split into parts:
     between steps  time covered by no step (the engine loop, waiting for work)
     send         from the step that made the token to the bytes leaving the server (SSE, JSON)
 TTFT is [arrival, first token sent]; an ITL is [token k sent, token k+1 sent]. A request not streamed (all its
-tokens sent at once) has no ITL: its gaps of 0 are not gaps a client saw. `report` gives p50 and p99 of
+tokens sent at once) has no ITL: its gaps of 0 are not gaps a client saw, and its TTFT (the whole response) is
+split up to its last token made, "send" being only the rest. `report` gives p50 and p99 of
 each and the mean split of the requests at those percentiles, and checks coverage (the parts add up to the wall
 time) and that no catch-all ("between steps", the steps' unattributed time) holds much.
 """
@@ -115,9 +116,10 @@ def breakdown(prof, traces: list[Trace]) -> list[dict]:
             continue
         first = next((s["t0"] for s in steps if tr.request_id in s["requests"]), tr.made[0])
         sent = tr.sent_times
-        ttft = split(steps, starts, tr.request_id, tr.arrival, tr.made[0], first)
-        ttft["send"] += max(0.0, sent[0] - tr.made[0])
         streamed = len(sent) < 2 or sent[-1] > sent[0]
+        made = tr.made[0] if streamed else tr.made[-1]     # not streamed: its TTFT holds the steps of every token
+        ttft = split(steps, starts, tr.request_id, tr.arrival, made, first)
+        ttft["send"] += max(0.0, sent[0] - made)
         itls = []
         for k in range(1, len(tr.made) if streamed else 0):
             p = split(steps, starts, tr.request_id, sent[k - 1], tr.made[k], first) if tr.made[k] > sent[k - 1] \

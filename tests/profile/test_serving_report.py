@@ -63,3 +63,16 @@ def test_a_request_not_streamed_has_no_inter_token_gaps():
     rep = report(prof, [whole])
     assert "itl_p50_s" not in rep and rep["ttft_p50_s"] == pytest.approx(0.042 - 0.015)
     assert "no ITL" in summary_line(rep) and "ITL p50 0.0" not in summary_line(rep)
+
+
+def test_a_request_not_streamed_is_split_up_to_its_last_token():
+    """Its TTFT is the whole response: the steps that made its later tokens are its forward passes (it runs from
+    its arrival in step 1 to the end of step 3), not time spent sending. Only the gap from its last token to the
+    response is "send"."""
+    prof, traces = made_up_run()
+    whole = Trace("b", 0.015, traces[1].made, sent=[0.042] * len(traces[1].made))
+    parts = report(prof, [whole])["ttft_p50_parts"]
+    wall = 0.042 - 0.015
+    assert sum(parts.values()) == pytest.approx(1.0)
+    assert parts["send"] == pytest.approx((0.042 - 0.041) / wall)
+    assert parts["forward"] == pytest.approx(0.6 * (0.041 - 0.015) / wall)    # 6 ms of each 10 ms step
