@@ -36,6 +36,7 @@ import numpy as np
 
 import lumen
 from lumen.bench.corunner import corunner
+from lumen.bench.tools import given_tool
 from lumen.kernels.work import STATIC
 from verdict import verdict
 
@@ -229,11 +230,13 @@ def main(argv=None) -> None:
     ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gen", type=int, default=128, help="decode tokens per measurement (default 128)")
-    ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama.cpp's llama-bench binary")
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (default $LLAMA_BENCH; without it, "
+                                          "Lumen alone)")
     ap.add_argument("--no-server", action="store_true", help="part 1 only")
     ap.add_argument("--gap", type=float, default=1.5, help="part 3: seconds between requests (default 1.5)")
     ap.add_argument("--quick", action="store_true", help="1 repetition of 16 tokens, no llama-bench (for tests)")
     a = ap.parse_args(argv)
+    a.llama_bench = given_tool(ap, "llama-bench", "--llama-bench", a.llama_bench, "LLAMA_BENCH")
     reps, n = (1, 16) if a.quick else (a.reps, a.gen)
     binary = None if a.quick else a.llama_bench
     hi = numba.config.NUMBA_NUM_THREADS

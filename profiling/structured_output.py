@@ -34,6 +34,8 @@ from lumen.engine.engine import Engine
 from lumen.engine.structured import Constraint
 from structured_costs import SCHEMAS
 from verdict import verdict
+from lumen.bench.launch import _die_with_parent
+from lumen.bench.tools import given_tool
 from lumen.model.store import resolve
 
 MODEL = "smollm2-135m"
@@ -95,19 +97,25 @@ def free_port() -> int:
 
 def start(cmd: list[str], url: str, name: str) -> subprocess.Popen:
     import httpx
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{name} did not come up in 300 s")
+    # its own session (a Ctrl-C reaches this script, whose `finally` stops it), ended by the kernel if this
+    # script dies unwinding nothing (SIGTERM, SIGKILL), and stopped here if it never comes up or we are interrupted
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 300:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{name} did not come up in 300 s")
+    except BaseException:
+        stop(proc)
+        raise
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -175,10 +183,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one round, concurrency 1 and 4, no HTTP (for tests)")
-    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                    help="llama.cpp's llama-server for part 3 (default $LLAMA_SERVER; without it part 3 is skipped)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server for part 3 (default $LLAMA_SERVER; without it "
+                                           "part 3 is skipped)")
     ap.add_argument("--no-http", action="store_true", help="skip part 3")
     args = ap.parse_args(argv)
+    args.llama_server = given_tool(ap, "llama-server", "--llama-server", args.llama_server, "LLAMA_SERVER")
     rounds = 1 if args.quick else args.rounds
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     model = lumen.load(MODEL, threads=2)

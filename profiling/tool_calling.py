@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -31,6 +29,7 @@ import numpy as np
 from structured_output import free_port, start, stop
 from verdict import verdict
 
+from lumen.bench.tools import given_tool
 from lumen.engine.structured import GrammarCompiler
 from lumen.format.gguf import GGUFFile
 from lumen.format.tokenizer import Tokenizer
@@ -161,12 +160,13 @@ def mask_cost(model: str) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+    ap.add_argument("--llama-server",
                     help="llama.cpp's llama-server, run with --jinja, for its call rate (default $LLAMA_SERVER; "
                          "without it that part is skipped)")
     ap.add_argument("--reps", type=int, default=3, help="TPOT runs per condition (default 3)")
     ap.add_argument("--concurrency", default="1", help="comma-separated concurrencies for TPOT (default 1)")
     args = ap.parse_args(argv)
+    args.llama_server = given_tool(ap, "llama-server", "--llama-server", args.llama_server, "LLAMA_SERVER")
 
     mask = mask_cost(args.model)
     print(f"mask fill of the auto grammar along free text: median {mask * 1e6:.0f} us per token", flush=True)
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
         stop(server)
 
     llama = None
-    if args.llama_server and Path(args.llama_server).exists():
+    if args.llama_server:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = start([args.llama_server, "--jinja", "-m", str(resolve(args.model, quiet=True)), "-t", "2", "-c",

@@ -33,6 +33,18 @@ def find_tool(name: str, flag: str, path: str | None, env: str | None = None) ->
     return shutil.which(name)
 
 
+def given_tool(ap: argparse.ArgumentParser, name: str, flag: str, path: str | None, env: str) -> str | None:
+    """For a script whose comparison runs only when asked for: the tool's executable when `path` (given with
+    `flag`) or $env names one, else None (not looked up on $PATH). A wrong one exits 2 with one line, before any
+    work: a script must not measure for minutes and then skip the comparison, or die on it."""
+    if not path and not os.environ.get(env):
+        return None
+    try:
+        return find_tool(name, flag, path, env)
+    except ToolNotFound as e:
+        refuse(ap, str(e))
+
+
 def refuse(ap: argparse.ArgumentParser, message: str):
     """Exit 2 with argparse's error line alone: the usage block would bury a wrong path in seven lines."""
     ap.exit(2, f"{ap.prog}: error: {message}\n")
