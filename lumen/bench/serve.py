@@ -715,9 +715,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if not args.request_rate > 0:
         ap.error(f"--request-rate must be positive, got {args.request_rate}")
-    for flag, v in (("--duration", args.duration), ("--window", args.window)):
+    for flag, v in (("--duration", args.duration), ("--window", args.window),
+                    ("--probe-interval-ms", args.probe_interval_ms), ("--slo-ttft-ms", args.slo_ttft_ms),
+                    ("--slo-tpot-ms", args.slo_tpot_ms)):
         if v is not None and not v > 0:                  # (not v > 0: a NaN too)
             ap.error(f"{flag} must be positive, got {v}")
+    if not args.temperature >= 0:                        # a server would refuse every request, the warm-up first
+        ap.error(f"--temperature must be at least 0, got {args.temperature}")
     if args.duration and args.request_rate == float("inf") and not args.max_concurrency:
         ap.error("--duration needs --request-rate or --max-concurrency (else it would send without bound)")
     for name in ("max_concurrency", "input_len", "output_len", "repetitions", "threads"):
