@@ -169,10 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- the requests
 _CORPUS: dict[str, list[int]] = {}        # the mix's corpus as token ids, by server URL (tokenized once)
 
+def _answer(r) -> dict:
+    """r's JSON body; when the server refused the request, a RuntimeError of one line with what was asked and the
+    server's own reason (its OpenAI-style error message, else the start of its body)."""
+    if r.status_code == 200:
+        return r.json()
+    try:
+        why = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        why = r.text[:200]
+    why = " ".join(str(why).split()) or "no reason given"
+    raise RuntimeError(f"the server refused {r.request.method} {r.request.url.path} (HTTP {r.status_code}): {why}")
+
+
 async def _model_id(client) -> str:
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    return _answer(await client.get("/v1/models"))["data"][0]["id"]
 
 
 async def _tokenize_corpus(client, mix) -> list[int]:
@@ -180,35 +191,26 @@ async def _tokenize_corpus(client, mix) -> list[int]:
     with a short max_model_len), each committed prompt apart, joined by the separator's ids."""
     r = await client.post("/tokenize", json={"content": mix.corpus()})
     if r.status_code != 400:
-        r.raise_for_status()
-        return r.json()["tokens"]
+        return _answer(r)["tokens"]
     out: list[int] = []
     sep = None
     for piece in mix.corpus_pieces():
         if out:
             if sep is None:
-                r = await client.post("/tokenize", json={"content": mix.SEPARATOR})
-                r.raise_for_status()
-                sep = r.json()["tokens"]
+                sep = _answer(await client.post("/tokenize", json={"content": mix.SEPARATOR}))["tokens"]
             out += sep
-        r = await client.post("/tokenize", json={"content": piece})
-        r.raise_for_status()
-        out += r.json()["tokens"]
+        out += _answer(await client.post("/tokenize", json={"content": piece}))["tokens"]
     return out
 
 
 async def _fit_prompt(client, text: str, n: int) -> str:
     """The text cut or repeated to n tokens, through the server's /tokenize and /detokenize (llama-server's
     shape, which lumen.serve also takes)."""
-    r = await client.post("/tokenize", json={"content": text})
-    r.raise_for_status()
-    ids = r.json()["tokens"]
+    ids = _answer(await client.post("/tokenize", json={"content": text}))["tokens"]
     if not ids:
         raise ValueError("the server tokenized a prompt to no tokens")
     ids = (ids * (n // len(ids) + 1))[:n]
-    r = await client.post("/detokenize", json={"tokens": ids})
-    r.raise_for_status()
-    return r.json()["content"]
+    return _answer(await client.post("/detokenize", json={"tokens": ids}))["content"]
 
 
 async def prepare(load: Load, client, variant: int = 0) -> list[tuple[str, int]]:
@@ -232,9 +234,7 @@ async def prepare(load: Load, client, variant: int = 0) -> list[tuple[str, int]]
         reqs = []
         for (a, b), (_, o) in zip(mix.windows(len(ids), [p for p, _ in lens], load.seed * 1_000_003 + variant),
                                   lens):
-            r = await client.post("/detokenize", json={"tokens": ids[a:b]})
-            r.raise_for_status()
-            reqs.append((r.json()["content"], o))
+            reqs.append((_answer(await client.post("/detokenize", json={"tokens": ids[a:b]}))["content"], o))
     if load.output_len is not None:
         reqs = [(p, load.output_len) for p, _ in reqs]
     return reqs
@@ -663,9 +663,7 @@ def _token_lengths(url: str, texts: list[str]) -> list[int]:
     with httpx.Client(base_url=url, timeout=120) as client:
         out = []
         for t in texts:
-            r = client.post("/tokenize", json={"content": t})
-            r.raise_for_status()
-            out.append(len(r.json()["tokens"]))
+            out.append(len(_answer(client.post("/tokenize", json={"content": t}))["tokens"]))
     return out
 
 

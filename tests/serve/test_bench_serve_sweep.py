@@ -57,6 +57,28 @@ def test_mix_windows_fit_the_corpus():
     assert len(mix.corpus()) > 100_000                                 # > 2048 tokens of committed text
 
 
+def test_a_refused_prompt_preparation_is_one_line_with_the_servers_reason():
+    """--input-len longer than the server's context: its /detokenize says why it refuses, and the error is that,
+    in one line (it was httpx's two lines naming neither the reason nor what to change)."""
+    import asyncio
+
+    import httpx
+
+    def server(request):
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [1, 2, 3]})
+        return httpx.Response(400, json={"error": {"message": "600 tokens are more than\nmax_model_len (512)"}})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://t") as client:
+            return await bench._fit_prompt(client, "some text", 600)
+
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(run())
+    assert str(e.value) == ("the server refused POST /detokenize (HTTP 400): 600 tokens are more than "
+                            "max_model_len (512)")
+
+
 def test_corpus_from_a_server_with_a_short_context():
     """A server that refuses the whole corpus as too long (a short max_model_len) gets it piece by piece: the same
     ids as whole where the tokenizer does not merge across the separator (here: one id per character)."""
