@@ -132,20 +132,72 @@ def alone_then_together(url: str, path: str, bodies: list[dict], rounds: int = 2
     return asyncio.run(asyncio.wait_for(go(), 600))
 
 
-@pytest.mark.slow
-def test_completions_under_preemption_equal_each_request_alone(smollm2_path, tmp_path):
+@pytest.fixture(scope="module")
+def smol(smollm2_path, tmp_path_factory):
+    """SmolLM2 with 34 KV blocks of 16 tokens (544 tokens) for up to 16 sequences of up to 256."""
     proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "256", "--kv-cache-mb", "12",
-                                     "--max-num-seqs", "16", "--no-ui"), tmp_path / "server.log")
-    try:
-        m = lumen_metrics(proc.url)
-        assert m["kv_cache_total_blocks"] * 16 < 600, m          # the load below wants ~1500 tokens of KV
-        preempted = alone_then_together(proc.url, "/v1/completions", completion_bodies())
-        assert preempted > 0, "the load never ran out of KV blocks: it tests nothing"
-        m = wait_idle(proc.url)
-        assert m["kv_cache_usage_perc"] == 0, m
-    finally:
-        assert proc.stop(timeout=60) == 0, proc.tail()
+                                     "--max-num-seqs", "16", "--no-ui"), tmp_path_factory.mktemp("serve") / "server.log")
+    yield proc
+    assert proc.stop(timeout=60) == 0, proc.tail()
     assert "Traceback" not in proc.log.read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_completions_under_preemption_equal_each_request_alone(smol):
+    m = lumen_metrics(smol.url)
+    assert m["kv_cache_total_blocks"] * 16 < 600, m              # the load below wants ~1500 tokens of KV
+    preempted = alone_then_together(smol.url, "/v1/completions", completion_bodies())
+    assert preempted > 0, "the load never ran out of KV blocks: it tests nothing"
+    m = wait_idle(smol.url)
+    assert m["kv_cache_usage_perc"] == 0, m
+
+
+@pytest.mark.slow
+def test_streams_cut_while_preempting_each_other_free_everything(smol):
+    """16 long streams (200 tokens each, 3200 tokens of KV wanted in a pool of 544) preempt one another; once
+    they have, every client leaves at once. All 16 are aborted, every block is free, and a greedy request
+    afterwards answers as it did before the load (the freed and prefix-cached blocks hold no stale KV)."""
+    probe = {"prompt": "Story 3: once", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=smol.url, timeout=300, limits=httpx.Limits(max_connections=24)) as c:
+            before = await answer(c, "/v1/completions", probe)
+            m0 = await asyncio.to_thread(lumen_metrics, smol.url)
+            started = [asyncio.Event() for _ in range(16)]
+
+            async def stream(i: int) -> None:
+                body = {"prompt": f"Story {i}: once", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+                        "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_lines():
+                        started[i].set()
+            tasks = [asyncio.create_task(stream(i)) for i in range(16)]
+            t0 = time.monotonic()
+            while (await asyncio.to_thread(lumen_metrics, smol.url))["num_preemptions_total"] \
+                    <= m0["num_preemptions_total"]:
+                assert time.monotonic() - t0 < 120, "no preemption"
+                assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
+                await asyncio.sleep(0.05)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            aborted0 = m0.get("request_success_total:abort", 0)
+            t0 = time.monotonic()
+            while True:
+                m = await asyncio.to_thread(lumen_metrics, smol.url)
+                if m.get("request_success_total:abort", 0) >= aborted0 + 16:
+                    break
+                assert time.monotonic() - t0 < 30, m
+                await asyncio.sleep(0.1)
+            assert m["request_success_total:abort"] == aborted0 + 16, m
+            await asyncio.to_thread(wait_idle, smol.url)
+            after = await answer(c, "/v1/completions", probe)
+            return before, after
+    before, after = asyncio.run(asyncio.wait_for(go(), 300))
+    assert after == before
+    assert len(before["ids"][0]) == 40
 
 
 @pytest.mark.slow
