@@ -3,8 +3,9 @@ concurrent requests (streamed and whole, greedy and seeded, n > 1, stop strings,
 penalties and logit_bias) whose blocks do not fit at once, so running requests are preempted and recomputed.
 Every answer under that load equals the same request sent alone to the same server (text, finish reason,
 logprobs, token ids), the server counts the preemptions, and once the load is over no request runs or waits and
-every KV block is free. SmolLM2 through /v1/completions, Qwen2.5-Coder-0.5B through /v1/chat/completions. Every
-wait is bounded; each test stops the server it starts."""
+every KV block is free; streams cut while they preempt one another free everything. SmolLM2 through
+/v1/completions, Qwen2.5-Coder-0.5B through /v1/chat/completions. Every wait is bounded; the tests stop the servers
+they start."""
 import asyncio
 import json
 import time
@@ -136,7 +137,8 @@ def alone_then_together(url: str, path: str, bodies: list[dict], rounds: int = 2
 def smol(smollm2_path, tmp_path_factory):
     """SmolLM2 with 34 KV blocks of 16 tokens (544 tokens) for up to 16 sequences of up to 256."""
     proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "256", "--kv-cache-mb", "12",
-                                     "--max-num-seqs", "16", "--no-ui"), tmp_path_factory.mktemp("serve") / "server.log")
+                                     "--max-num-seqs", "16", "--no-ui"),
+                         tmp_path_factory.mktemp("serve") / "server.log")
     yield proc
     assert proc.stop(timeout=60) == 0, proc.tail()
     assert "Traceback" not in proc.log.read_text(errors="replace")
@@ -210,5 +212,6 @@ def test_chat_under_preemption_equal_each_request_alone_qwen(qwen05_path, tmp_pa
         m = wait_idle(proc.url)
         assert m["kv_cache_usage_perc"] == 0, m
     finally:
-        assert proc.stop(timeout=60) == 0, proc.tail()
+        code = proc.stop(timeout=60)
+    assert code == 0, proc.tail()
     assert "Traceback" not in proc.log.read_text(errors="replace")
