@@ -23,7 +23,8 @@ from .kernels.attention import BLOCK
 from .engine.admission import prompt_ids
 from .engine.config import check_int
 from .engine.engine import Engine
-from .model.parts import ModelParts, build_tokenizer, make_parts, open_gguf  # noqa: F401 (build_tokenizer: re-exported)
+from .model.parts import build_tokenizer  # noqa: F401 (re-exported)
+from .model.parts import ModelParts, make_parts, numba_threads, open_gguf
 from .engine.runner import Runner
 from .engine.sampling.params import SamplingParams
 from .engine.sequence import RequestMetrics
@@ -54,8 +55,9 @@ class Model:
         beyond the trained context warns). max_num_batched_tokens: the largest prefill chunk (DEFAULT_BATCH).
         These are lumen.Engine's names; `ctx` and `n_batch` (llama.cpp's) are accepted for them. pack_cache: read
         the repacked weights from the on-disk cache (lumen.model.packcache) when valid, store them there otherwise;
-        None = on unless LUMEN_PACK_CACHE=0. threads: the most threads a forward pass uses; adaptive_threads:
-        fewer while other processes want the cores (lumen.engine.threads), else always `threads`."""
+        None = on unless LUMEN_PACK_CACHE=0. threads: the most threads a forward pass uses (None: NUMBA_NUM_THREADS,
+        whatever another model was given); adaptive_threads: fewer while other processes want the cores
+        (lumen.engine.threads), else always `threads`."""
         for name, alias, value, other in (("max_model_len", "ctx", max_model_len, ctx),
                                           ("max_num_batched_tokens", "n_batch", max_num_batched_tokens, n_batch)):
             if value is not None and other is not None:
@@ -79,7 +81,8 @@ class Model:
         check_int(batch_name, n_batch)
         self.threads = ModelParts.set_threads(threads)
         if parts is None:
-            parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)
+            with numba_threads(self.threads):
+                parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)
         self.parts = parts
         self.path, self.gguf, self.config, self.tokenizer = parts.path, g, cfg, tok
         self.weights = parts.weights

@@ -69,8 +69,8 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """threads: the most threads a step uses (None: Numba's current count); adaptive_threads: fewer while other
-    processes (or a server's event loop) want the cores (lumen.engine.threads), else always `threads`.
+    """threads: the most threads a step uses (None: all Numba's, NUMBA_NUM_THREADS); adaptive_threads: fewer while
+    other processes (or a server's event loop) want the cores (lumen.engine.threads), else always `threads`.
     max_model_len: longest prompt + output (None: the model's trained context, or with fit_model_len what the KV
     pool holds if that is less; a given max_model_len beyond the pool is refused with fit_model_len, else each
     request is checked against the pool when it arrives).

@@ -167,7 +167,6 @@ class Governor:
         self.switches_per_step = 0.0          # ... their context switches per step (barrier sleeps)
         self.changes = 0                      # how often n changed
         self.steps = 0
-        self._set: tuple[int, int] | None = None   # (thread ident, n) last given to numba.set_num_threads
         self._tids: dict[int, list[int]] = {}      # calling thread ident -> its compute threads' tids
         self._last: tuple | None = None            # the last reading: (time, busy, ours, wait, switches, steps,
                                                    # calling thread)
@@ -183,11 +182,10 @@ class Governor:
             now = time.monotonic()
             if self._last is None or now - self._last[0] >= WINDOW_S:
                 self._read(now)
-        ident, n = threading.get_ident(), min(self.n, self.usable)
-        if self._set != (ident, n):
-            import numba
-            numba.set_num_threads(n)
-            self._set = (ident, n)
+        import numba
+        n = min(self.n, self.usable)
+        if numba.get_num_threads() != n:      # (read, not remembered: another engine's steps in this thread, or
+            numba.set_num_threads(n)          # the caller, may have set another count since; ~1 us)
         return n
 
     def done(self) -> None:

@@ -5,6 +5,7 @@ made from it. On the model floor, below the engine, so the engine and lumen.Mode
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,14 +52,30 @@ class ModelParts:
 
     @staticmethod
     def set_threads(threads: int | None) -> int:
-        """Set Numba's thread count for the calling thread (None: keep it); returns it."""
+        """The thread count a Model or Engine runs on: `threads`, checked, or None: every thread Numba has
+        (NUMBA_NUM_THREADS). Numba's count of the calling thread is left alone: each step sets its own
+        (lumen.engine.threads.Governor). Set here, a model loaded with threads=1 made every model or engine loaded
+        after it in that thread take 1 thread for None."""
         import numba
         max_threads = numba.config.NUMBA_NUM_THREADS
-        if threads is not None:
-            if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= max_threads:
-                raise ValueError(f"threads must be between 1 and {max_threads}, got {threads!r}")
-            numba.set_num_threads(threads)
-        return numba.get_num_threads()
+        if threads is None:
+            return max_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= max_threads:
+            raise ValueError(f"threads must be between 1 and {max_threads}, got {threads!r}")
+        return threads
+
+
+@contextmanager
+def numba_threads(n: int):
+    """Numba's thread count of the calling thread is n for the block, then what it was (the weights pack on that
+    many threads: lumen.model.weights.load_weights)."""
+    import numba
+    before = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None = None,

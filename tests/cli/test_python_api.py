@@ -270,3 +270,20 @@ def test_max_tokens_0_still_checks_the_request(model):
         model.generate("Hi", max_tokens=0, temperature=-1)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.generate([10 ** 9], max_tokens=0)
+
+
+def test_threads_given_to_one_model_are_not_the_default_of_the_next(smollm2_path):
+    """lumen.load(..., threads=1) set Numba's count of the calling thread, and threads=None meant that count:
+    every model and engine made after it in the thread ran on 1 thread, whatever the machine has."""
+    import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 threads")
+    before = numba.get_num_threads()
+    one = lumen.load(smollm2_path, max_model_len=64, threads=1)
+    assert one.threads == 1 and numba.get_num_threads() == before
+    other = lumen.load(smollm2_path, max_model_len=64)
+    assert other.threads == numba.config.NUMBA_NUM_THREADS
+    assert lumen.Engine(one, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
+    assert one.engine.threads == 1 and one.runner.governor.max == 1
+    assert [t.id for t in one.generate("Hi", max_tokens=3)] == [t.id for t in other.generate("Hi", max_tokens=3)]
+    assert lumen.load(smollm2_path, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS

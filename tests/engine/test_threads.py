@@ -232,6 +232,22 @@ def test_threads_sets_numba_for_the_calling_thread():
     numba.set_num_threads(MAX)
 
 
+def test_two_governors_in_one_thread_each_get_their_count():
+    """The governor remembered the count it had last set in a thread and set it only when that changed: an engine
+    of 1 thread stepped in between, and an engine of 2 ran its later steps on 1 in that thread."""
+    if MAX < 2 or T.usable_cpus() < 2:
+        pytest.skip("needs 2 threads")
+    two, one = Governor(2, adaptive=False), Governor(1, adaptive=False)
+    try:
+        assert two.threads() == 2 and numba.get_num_threads() == 2
+        assert one.threads() == 1 and numba.get_num_threads() == 1
+        assert two.threads() == 2 and numba.get_num_threads() == 2
+        numba.set_num_threads(1)                        # the caller's own setting, between two steps
+        assert two.threads() == 2 and numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(MAX)
+
+
 def test_readings_come_from_proc():
     cpus = T._allowed_cpus()
     b0 = busy_seconds(cpus)
