@@ -221,10 +221,20 @@ class Model:
         """Set up speculative decoding for generate(..., speculative="ngram" | "draft"): draft_model (a
         lumen.Model, name or path sharing this model's vocabulary) for "draft", the most tokens drafted per step,
         the n-gram sizes the "ngram" drafter matches, the token ids the draft proposes (lumen.engine.speculative,
-        lumen.engine.config.SpeculativeConfig)."""
-        self._spec = dict(draft_model=draft_model, num_speculative_tokens=num_speculative_tokens,
-                          ngram_min=ngram_min, ngram_max=ngram_max, draft_vocab=draft_vocab)
-        self._engine = None
+        lumen.engine.config.SpeculativeConfig). Checked here, the draft model loaded once: bad options raise now
+        and leave the model as it was (stored unchecked, they made every later generate() fail, speculative or
+        not)."""
+        from .engine.config import SpeculativeConfig
+        from .engine.speculative.drafters import DraftModel
+        from .model.parts import parts_of
+        spec = dict(draft_model=None, num_speculative_tokens=num_speculative_tokens, ngram_min=ngram_min,
+                    ngram_max=ngram_max, draft_vocab=draft_vocab)
+        SpeculativeConfig(**spec)                                   # ValueError for a bad option
+        if draft_model is not None:
+            spec["draft_model"] = draft = parts_of(draft_model)    # FetchError, GGUFError, TypeError
+            DraftModel.check_vocabulary(draft, self.config.n_vocab, self.tokenizer.tokens)
+        with self._engine_lock:
+            self._spec, self._engine = spec, None
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  stats: RequestMetrics | None = None, **sampling) -> Iterator[Token]:

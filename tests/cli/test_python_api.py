@@ -287,3 +287,20 @@ def test_threads_given_to_one_model_are_not_the_default_of_the_next(smollm2_path
     assert one.engine.threads == 1 and one.runner.governor.max == 1
     assert [t.id for t in one.generate("Hi", max_tokens=3)] == [t.id for t in other.generate("Hi", max_tokens=3)]
     assert lumen.load(smollm2_path, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    ({"draft_model": "no-such-model"}, lumen.FetchError, "unknown model 'no-such-model'"),
+    ({"draft_model": 5}, TypeError, "model must be a registry name or a path"),
+    ({"num_speculative_tokens": 0}, ValueError, r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
+    ({"ngram_min": 3, "ngram_max": 2}, ValueError, "ngram_max must be an integer in"),
+])
+def test_bad_speculation_options_are_refused_at_once_and_change_nothing(smollm2_path, kw, error, words):
+    """speculation() only stored its options: the first generate() made the engine and raised from deep inside
+    it, and so did every generate() after it, speculative or not, until speculation() was called again."""
+    m = lumen.load(smollm2_path, max_model_len=64, threads=1)
+    want = [t.id for t in m.generate("Hi", max_tokens=3)]
+    with pytest.raises(error, match=words):
+        m.speculation(**kw)
+    assert [t.id for t in m.generate("Hi", max_tokens=3)] == want
+    assert [t.id for t in m.generate("Hi", max_tokens=3, speculative="ngram")] == want

@@ -151,14 +151,9 @@ class DraftModel:
     FOLD = 8                                        # a gap of up to this many tokens rides in the first forward
     CONFIDENCE = 0.4                                # a greedy draft stops after a token it gives less than this
 
-    def __init__(self, parts: ModelParts, *, n_vocab: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, threads: int, governor=None, vocab: int | None = None,
-                 target_bytes: int | None = None, tokens: list | None = None):
-        """parts: the draft model's; n_vocab: the target's vocabulary size and tokens its token texts (they must
-        agree: a draft speaking another vocabulary of the same size would only ever be rejected); the sizes are the
-        engine's; governor: the engine runner's (one thread count for the engine's steps); vocab: the token ids
-        the draft's head computes (None: all); target_bytes: what a target step reads (the prior of the draft's
-        cost until its steps are measured)."""
+    @staticmethod
+    def check_vocabulary(parts: ModelParts, n_vocab: int, tokens: list | None = None) -> None:
+        """ValueError unless the draft model's parts speak the target's vocabulary (its size and token texts)."""
         if parts.config.n_vocab != n_vocab:
             raise ValueError(f"the draft model's vocabulary has {parts.config.n_vocab} tokens, the target's "
                              f"{n_vocab}: they must share one")
@@ -167,6 +162,16 @@ class DraftModel:
             raise ValueError(f"the draft model's vocabulary differs from the target's: token {i} is "
                              f"{parts.tokenizer.tokens[i]!r} in the draft, {tokens[i]!r} in the target; they must "
                              f"share one")
+
+    def __init__(self, parts: ModelParts, *, n_vocab: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, threads: int, governor=None, vocab: int | None = None,
+                 target_bytes: int | None = None, tokens: list | None = None):
+        """parts: the draft model's; n_vocab: the target's vocabulary size and tokens its token texts (they must
+        agree: a draft speaking another vocabulary of the same size would only ever be rejected); the sizes are the
+        engine's; governor: the engine runner's (one thread count for the engine's steps); vocab: the token ids
+        the draft's head computes (None: all); target_bytes: what a target step reads (the prior of the draft's
+        cost until its steps are measured)."""
+        self.check_vocabulary(parts, n_vocab, tokens)
         self.parts = parts
         w = parts.bundle
         self.vocab = n_vocab if vocab is None or vocab >= n_vocab else -(-vocab // R) * R
