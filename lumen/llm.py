@@ -253,6 +253,8 @@ class Model:
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
         default_length = params is None and "max_tokens" not in sampling
+        if stats is not None and not isinstance(stats, RequestMetrics):   # (the engine's word for it: metrics)
+            raise TypeError(f"stats must be a lumen.engine.sequence.RequestMetrics or None, got {type(stats).__name__}")
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown := [k for k in sampling if k not in fields]:     # (not "SamplingParams.__init__() got ...")
             raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the sampling keywords are "

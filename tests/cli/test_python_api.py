@@ -304,3 +304,11 @@ def test_bad_speculation_options_are_refused_at_once_and_change_nothing(smollm2_
         m.speculation(**kw)
     assert [t.id for t in m.generate("Hi", max_tokens=3)] == want
     assert [t.id for t in m.generate("Hi", max_tokens=3, speculative="ngram")] == want
+
+
+def test_stats_of_the_wrong_type_are_named_stats(model):
+    """generate(stats=5) said "metrics must be a RequestMetrics or None", the engine's word, not the caller's."""
+    with pytest.raises(TypeError, match=r"^stats must be a lumen.engine.sequence.RequestMetrics or None, got int$"):
+        model.generate("Hi", max_tokens=2, stats=5)
+    with pytest.raises(TypeError, match=r"^stats must be"):
+        model.chat([{"role": "user", "content": "Hi"}], max_tokens=2, stats={})
