@@ -79,7 +79,7 @@ class Model:
             warnings.warn(ContextWarning(f"{ctx_name}={ctx} is beyond the {cfg.ctx_train} tokens this model was "
                                          "trained on (output past that is unreliable)"), stacklevel=2)
         check_int(batch_name, n_batch)
-        self.threads = ModelParts.set_threads(threads)
+        self.threads = ModelParts.thread_count(threads)
         if parts is None:
             with numba_threads(self.threads):
                 parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)

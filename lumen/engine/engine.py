@@ -70,7 +70,7 @@ class Engine:
         c = self.engine_config = config if config is not None else EngineConfig.from_kwargs(**options)
         parts = self.parts = parts_of(model, pack_cache=c.pack_cache)
         self.config, self.tokenizer = parts.config, parts.tokenizer
-        self.threads = parts.set_threads(c.threads)
+        self.threads = parts.thread_count(c.threads)
         self.max_model_len = c.model_len(self.config.ctx_train)
         self.end_ids = frozenset(parts.tokenizer.eot_ids)
         cfg = self.config

@@ -51,7 +51,7 @@ class ModelParts:
     rope_freqs: np.ndarray | None
 
     @staticmethod
-    def set_threads(threads: int | None) -> int:
+    def thread_count(threads: int | None) -> int:
         """The thread count a Model or Engine runs on: `threads`, checked, or None: every thread Numba has
         (NUMBA_NUM_THREADS). Numba's count of the calling thread is left alone: each step sets its own
         (lumen.engine.threads.Governor). Set here, a model loaded with threads=1 made every model or engine loaded
