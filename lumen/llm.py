@@ -21,7 +21,7 @@ import numpy as np
 from .errors import ContextError, ContextWarning, LumenError, plural
 from .kernels.attention import BLOCK
 from .engine.admission import prompt_ids
-from .engine.config import check_int
+from .engine.config import check_bool, check_int
 from .engine.engine import Engine
 from .model.parts import build_tokenizer  # noqa: F401 (re-exported)
 from .model.parts import ModelParts, make_parts, numba_threads, open_gguf
@@ -79,6 +79,8 @@ class Model:
             warnings.warn(ContextWarning(f"{ctx_name}={ctx} is beyond the {cfg.ctx_train} tokens this model was "
                                          "trained on (output past that is unreliable)"), stacklevel=2)
         check_int(batch_name, n_batch)
+        check_bool("adaptive_threads", adaptive_threads)
+        check_bool("pack_cache", pack_cache, none_ok=True)
         self.threads = ModelParts.thread_count(threads)
         if parts is None:
             with numba_threads(self.threads):

@@ -31,6 +31,13 @@ def check_int(name: str, v, lo: int = 1, hi: int | None = None) -> None:
         raise ValueError(f"{name} must be {what}, got {v!r}")
 
 
+def check_bool(name: str, v, *, none_ok: bool = False) -> None:
+    """The one switch check: ValueError naming `name` unless v is True or False (or None where none_ok). A string
+    is truthy: adaptive_threads="no" or enable_prefix_caching="false" turned the switch on."""
+    if not (isinstance(v, bool) or (none_ok and v is None)):
+        raise ValueError(f"{name} must be True or False{' or None' if none_ok else ''}, got {v!r}")
+
+
 def _seconds(name: str, v) -> None:
     if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6):
         raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -62,7 +69,7 @@ class SpeculativeConfig:
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         check_int("ngram_min", self.ngram_min, 1, MAX_SPECULATIVE_TOKENS)
         check_int("ngram_max", self.ngram_max, self.ngram_min, MAX_SPECULATIVE_TOKENS)
-        object.__setattr__(self, "adaptive_k", bool(self.adaptive_k))
+        check_bool("adaptive_k", self.adaptive_k)
         if self.draft_vocab is not None:
             check_int("draft_vocab", self.draft_vocab, 64)
 
@@ -108,6 +115,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.threads is not None:
             check_int("threads", self.threads)
+        for name in ("adaptive_threads", "fit_model_len", "enable_prefix_caching", "enable_chunked_prefill",
+                     "explain"):
+            check_bool(name, getattr(self, name))
+        check_bool("pack_cache", self.pack_cache, none_ok=True)
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:

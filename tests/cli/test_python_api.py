@@ -312,3 +312,21 @@ def test_stats_of_the_wrong_type_are_named_stats(model):
         model.generate("Hi", max_tokens=2, stats=5)
     with pytest.raises(TypeError, match=r"^stats must be"):
         model.chat([{"role": "user", "content": "Hi"}], max_tokens=2, stats={})
+
+
+@pytest.mark.parametrize("kw", [{"adaptive_threads": "no"}, {"pack_cache": "false"}, {"adaptive_threads": None}])
+def test_switches_that_are_not_true_or_false_are_refused(kw, smollm2_path):
+    """A string is truthy: lumen.load(..., adaptive_threads="no") turned the governor on, pack_cache="false" read
+    and wrote the pack cache, and so did the engine's switches (enable_prefix_caching="false": caching on)."""
+    name, value = next(iter(kw.items()))
+    with pytest.raises(ValueError, match=rf"^{name} must be True or False(?: or None)?, got {value!r}$"):
+        lumen.load(smollm2_path, **kw)
+    with pytest.raises(ValueError, match=rf"^{name} must be True or False"):
+        lumen.EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("name", ["enable_prefix_caching", "enable_chunked_prefill", "fit_model_len", "explain",
+                                  "adaptive_k"])
+def test_engine_switches_that_are_not_true_or_false_are_refused(model, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be True or False, got 'false'$"):
+        lumen.Engine(model, **{name: "false"})
