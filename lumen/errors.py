@@ -1,5 +1,9 @@
 """The exceptions Lumen raises. Every user-facing failure is one of these, with a message a user can act on.
 ContextWarning is the one warning: the API warns where the command-line tools refuse."""
+import os
+import sys
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class LumenError(Exception):
@@ -29,3 +33,12 @@ class ContextWarning(UserWarning):
 def plural(n: int, noun: str) -> str:
     """'1 token', '2 tokens', '0 tokens': a count and its noun, as a message says them."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel for its caller that names the first frame outside Lumen, the user's line, however
+    deep the call (stacklevel=2 in lumen.Model named lumen.load's own line when the user called load)."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f, level = f.f_back, level + 1
+    return level

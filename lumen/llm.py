@@ -18,7 +18,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import ContextError, ContextWarning, LumenError, plural
+from .errors import ContextError, ContextWarning, LumenError, plural, user_stacklevel
 from .kernels.attention import BLOCK
 from .engine.admission import prompt_ids
 from .engine.config import check_bool, check_int
@@ -77,7 +77,7 @@ class Model:
         check_int(ctx_name, ctx, hi=MAX_CTX)
         if ctx > cfg.ctx_train:
             warnings.warn(ContextWarning(f"{ctx_name}={ctx} is beyond the {cfg.ctx_train} tokens this model was "
-                                         "trained on (output past that is unreliable)"), stacklevel=2)
+                                         "trained on (output past that is unreliable)"), stacklevel=user_stacklevel())
         check_int(batch_name, n_batch)
         check_bool("adaptive_threads", adaptive_threads)
         check_bool("pack_cache", pack_cache, none_ok=True)

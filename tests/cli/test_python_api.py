@@ -330,3 +330,13 @@ def test_switches_that_are_not_true_or_false_are_refused(kw, smollm2_path):
 def test_engine_switches_that_are_not_true_or_false_are_refused(model, name):
     with pytest.raises(ValueError, match=rf"^{name} must be True or False, got 'false'$"):
         lumen.Engine(model, **{name: "false"})
+
+
+def test_the_context_warning_names_the_users_line(smollm2_path):
+    """It named lumen/__init__.py (lumen.load's own call of Model) for every user of lumen.load."""
+    with pytest.warns(lumen.errors.ContextWarning, match="beyond the 8192 tokens") as caught:
+        lumen.load(smollm2_path, max_model_len=8200, threads=1)
+    assert [w.filename for w in caught] == [__file__]
+    with pytest.warns(lumen.errors.ContextWarning) as caught:
+        lumen.Model(smollm2_path, ctx=8200, threads=1)
+    assert [w.filename for w in caught] == [__file__]
