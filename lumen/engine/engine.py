@@ -60,7 +60,8 @@ __all__ = ["Engine", "EngineConfig", "RequestError"]          # RequestError: lu
 
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, **options):
-        """model: a registry name, a .gguf path, a loaded lumen.Model or its ModelParts (weights are shared).
+        """model: a registry name, a .gguf path, a loaded lumen.Model or its ModelParts (weights are shared; a
+        Model's threads are the engine's unless `threads` is given).
         config: an EngineConfig, or its fields (and SpeculativeConfig's) as keywords (lumen.engine.config)."""
         if config is not None and options:
             raise TypeError("give an EngineConfig or its fields as keywords, not both")
@@ -70,7 +71,10 @@ class Engine:
         c = self.engine_config = config if config is not None else EngineConfig.from_kwargs(**options)
         parts = self.parts = parts_of(model, pack_cache=c.pack_cache)
         self.config, self.tokenizer = parts.config, parts.tokenizer
-        self.threads = parts.thread_count(c.threads)
+        threads = c.threads
+        if threads is None and parts is getattr(model, "parts", None):     # a lumen.Model: the threads it was given
+            threads = getattr(model, "threads", None)
+        self.threads = parts.thread_count(threads)
         self.max_model_len = c.model_len(self.config.ctx_train)
         self.end_ids = frozenset(parts.tokenizer.eot_ids)
         cfg = self.config

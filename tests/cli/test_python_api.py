@@ -283,7 +283,10 @@ def test_threads_given_to_one_model_are_not_the_default_of_the_next(smollm2_path
     assert one.threads == 1 and numba.get_num_threads() == before
     other = lumen.load(smollm2_path, max_model_len=64)
     assert other.threads == numba.config.NUMBA_NUM_THREADS
-    assert lumen.Engine(one, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
+    assert lumen.Engine(one.parts, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
+    assert lumen.Engine(other, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
+    assert lumen.Engine(one, max_model_len=64).threads == 1            # a Model's threads, unless given
+    assert lumen.Engine(one, max_model_len=64, threads=2).threads == 2
     assert one.engine.threads == 1 and one.runner.governor.max == 1
     assert [t.id for t in one.generate("Hi", max_tokens=3)] == [t.id for t in other.generate("Hi", max_tokens=3)]
     assert lumen.load(smollm2_path, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
