@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -467,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_ui:
         log.info("chat at http://%s:%d/, live dashboard at http://%s:%d/dashboard", args.host, args.port,
                  args.host, args.port)
+    # What loading made lives as long as the server: out of the collector's reach, a full collection (0.2 s with
+    # SmolLM2, the loop and the engine thread stopped) no longer walks it, during serving or at exit.
+    gc.collect()
+    gc.freeze()
     try:
         serve(app, worker, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
               log_level=args.log_level, limits=HttpLimits(max_connections=args.max_connections))
