@@ -16,6 +16,7 @@ ids or logprobs, the metrics only with the final output.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -38,6 +39,8 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else f"pid{os.getpid()}"
         self.engine = await asyncio.to_thread(load_engine, model, config)
+        gc.collect()                              # what loading made lives as long as the replica: out of the
+        gc.freeze()                               # collector's walks (lumen.serve.cli, before serving)
         self.metrics = Metrics(self.engine, model_name)
         self.worker = self.worker_class(self.engine, max_queue=max_queue, metrics=self.metrics)
         self.worker.start()                       # the engine thread, bridged to this replica's event loop
