@@ -22,8 +22,10 @@ import ctypes
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from contextlib import contextmanager
 
 import psutil
@@ -47,19 +49,25 @@ def _subreaper() -> None:
 
 @contextmanager
 def sigterm_kept():
-    """Keep the caller's SIGTERM handler while Ray starts: ray.init and its node put their own in place (sys.exit;
-    a drain of up to 30 s, then sys.exit(1)), where the caller stops at once. Through Ray's private hook; where Ray
-    has none, nothing changes."""
+    """Keep the caller's SIGTERM and SIGINT handlers while Ray starts: ray.init and its node put their own in place
+    (sys.exit; a drain of up to 30 s, then sys.exit(1)), where the caller stops at once, and its driver's core
+    installs a C++ one (it prints "*** SIGTERM received" before it calls the caller's): the caller's are back in
+    place as it returns. Ray's Python one is kept out through Ray's private hook (where Ray has none, it is only put
+    back after)."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     utils = getattr(getattr(ray, "_private", None), "utils", None)
     setter = getattr(utils, "set_sigterm_handler", None)
-    if setter is None:
-        yield
-        return
-    utils.set_sigterm_handler = lambda handler: None
+    if setter is not None:
+        utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
-        utils.set_sigterm_handler = setter
+        if setter is not None:
+            utils.set_sigterm_handler = setter
+        for sig, handler in saved.items():
+            if handler is not None:                    # (None: not set from Python, nothing to put back)
+                signal.signal(sig, handler)
 
 
 @contextmanager
@@ -101,16 +109,16 @@ class LocalRay:
         # a short path: Ray's unix sockets live under it (at most 107 bytes)
         self.temp_dir = tempfile.mkdtemp(prefix="lumen-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         _subreaper()
-        try:
-            with sigterm_kept(), own_sessions():
+        try:                          # (to the end: a signal just after ray.init is a KeyboardInterrupt here too,
+            with sigterm_kept(), own_sessions():            # and the caller, without an instance, stops none of it)
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
                          _temp_dir=self.temp_dir, _system_config=SYSTEM_CONFIG)
+            self.core = {p: _name(p) for p in self.processes() if _name(p) in CORE}
+            host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+            self.gcs = (host, int(port))
         except BaseException:
             self.kill()
             raise
-        self.core = {p: _name(p) for p in self.processes() if _name(p) in CORE}
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
-        self.gcs = (host, int(port))
 
     def broken(self) -> str | None:
         """What of the instance's core has gone ("gcs_server", "raylet"), or None while it is whole or being stopped
