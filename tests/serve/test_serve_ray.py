@@ -21,6 +21,7 @@ import time
 import uuid
 
 import httpx
+import psutil
 import pytest
 
 import lumen
@@ -514,6 +515,38 @@ def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, t
     assert not left, f"left after a {sig.name} to the process group: {left}"
     assert code == 0 and took < 15, (code, took, proc.tail())
     assert "stopped" in proc.tail(5) and "Traceback" not in proc.log.read_text(errors="replace"), proc.tail()
+
+
+def test_kill_leaves_ray_while_its_core_runs(tmp_path, monkeypatch):
+    """LocalRay.kill (a second Ctrl-C, a signal while starting): the instance's other processes die first, then this
+    process leaves Ray (ray.shutdown) while its GCS and raylet still run, then they die too and the temp dir goes.
+    With the raylet killed before, Ray's core ended the server in ray.shutdown ("Exiting because the Raylet IPC
+    connection failed and the local Raylet is dead", exit 1) before its "stopped" and the temp dir's removal.
+    Stand-ins (sleep, named as Ray's programs) for the instance's processes; ray.shutdown records who is alive."""
+    from lumen.serve.ray import local as ray_local
+    local = object.__new__(ray_local.LocalRay)
+    local.before = {p.pid for p in psutil.Process().children(recursive=True)}
+    local.core, local.ending, local.temp_dir = {}, False, str(tmp_path / "lumen-ray-x")
+    os.mkdir(local.temp_dir)
+    names = ["gcs_server", "raylet", "default_worker.py", "ray::DashboardAgent"]
+    procs = {n: subprocess.Popen(["bash", "-c", f"exec -a {n} sleep 60"]) for n in names}
+    try:
+        t0 = time.monotonic()
+        while not all(ray_local._name(psutil.Process(p.pid)) == n for n, p in procs.items()):
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.02)
+        alive_at_shutdown = []
+        monkeypatch.setattr(ray_local.ray, "shutdown",
+                            lambda: alive_at_shutdown.extend(n for n, p in procs.items() if p.poll() is None))
+        local.kill()
+        assert sorted(alive_at_shutdown) == ["gcs_server", "raylet"]
+        assert all(p.poll() is not None for p in procs.values())
+        assert not os.path.exists(local.temp_dir)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def start_marked(model, tmp_path):

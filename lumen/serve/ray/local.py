@@ -167,13 +167,14 @@ class LocalRay:
                 self._end(procs, grace)
 
     def kill(self, disconnect: bool = True) -> None:
-        """Every process of the instance, now. The GCS goes last: this process leaves it first (ray.shutdown),
-        which takes seconds once it is gone. disconnect=False, for a process about to exit (os._exit): it does not
-        leave Ray (with the GCS gone, leaving waits for it), and the raylet goes last too, with the GCS and without
-        a wait, since Ray's core exits this process (code 1) at its first call to a raylet it finds dead."""
+        """Every process of the instance, now. Its core (the GCS and the raylet) goes last: this process leaves
+        them first (ray.shutdown), which takes seconds once the GCS is gone, and ends this process (Ray's core, code
+        1, before the caller's last words and the temp dir's removal) once the raylet is: its disconnect finds it
+        dead. disconnect=False, for a process about to exit (os._exit): it does not leave Ray, and the core is
+        killed at once after the rest."""
         self.ending = True
         procs = self.processes()
-        last = [p for p in procs if _name(p) in (("gcs_server",) if disconnect else CORE)]
+        last = [p for p in procs if _name(p) in CORE]
         psutil.wait_procs(_signal([p for p in procs if p not in last], "kill"), timeout=5.0)
         if disconnect:
             ray.shutdown()
