@@ -168,7 +168,7 @@ class Reply:
             self.finals[index] = out
         want_tokens = self.logprobs is not None or self.return_token_ids
         if not (out.delta_text or out.finished or (want_tokens and out.delta_token_ids)):
-            return None
+            return []
         delta_text = out.delta_text + self._stop_text(out)
         c: dict = {"index": index}
         echo_now = self.echo_logprobs and index not in self.started     # the echo and its logprobs, first
