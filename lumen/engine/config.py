@@ -127,7 +127,7 @@ class EngineConfig:
             check_int("num_kv_blocks", self.num_kv_blocks)
         mb = self.kv_cache_mb
         if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 0 < mb < 1e9):
-            raise ValueError(f"kv_cache_mb must be a positive number, got {mb!r}")
+            raise ValueError(f"kv_cache_mb must be a positive number of megabytes, below 1e9, got {mb!r}")
         slo = self.slo_ttft_s is not None or self.slo_tpot_s is not None
         if self.scheduler is None:
             object.__setattr__(self, "scheduler", "measured" if slo else "paced")

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..engine.config import EngineConfig, cli_words
 from ..errors import LumenError
 from ..model.store import DEFAULT_MODEL
-from ..commands import Parser, prog
+from ..commands import Parser, check_writable, prog
 
 log = logging.getLogger("lumen.serve")
 ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb",
@@ -389,13 +389,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for name in ("max_queue", "max_n", "max_connections"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.max_body_mb < 1e6:
         ap.error(f"--max-body-mb must be a positive number of megabytes, got {args.max_body_mb}")
     if not 0 <= args.shutdown_timeout < 1e6:                 # (nan too)
         ap.error(f"--shutdown-timeout must be a number of seconds, 0 or more, got {args.shutdown_timeout}")
     if not 1 <= args.port <= 65535:                    # (getaddrinfo wraps 70000 to 4464 without a word)
         ap.error(f"--port must be between 1 and 65535, got {args.port}")
+    for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):
+        if value is not None and not value.strip():    # ("$KEY" unset: an empty key, not none)
+            ap.error(f"{flag} must not be empty")
+    if args.profile is not None:                       # now, not at shutdown after the whole run
+        why = check_writable(args.profile, "the serving profile") if args.profile.strip() else \
+            "--profile needs a file name"
+        if why:
+            ap.error(why)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.speculative == "draft" and not args.draft_model:
         ap.error("--speculative draft needs --draft-model")
@@ -487,8 +495,10 @@ def read_template(path: str | None) -> str | None:
         return None
     try:
         return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise LumenError(f"--chat-template {path}: cannot read it ({e})") from None
+    except OSError as e:
+        raise LumenError(f"--chat-template {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise LumenError(f"--chat-template {path}: not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def bind_error(host: str, port: int) -> str | None:

@@ -17,6 +17,15 @@ from lumen.serve.cli import main
     (["--scheduler", "measured", "--pace", "3"], "--pace sets the paced scheduler"),
     (["--slo-ttft-ms", "500", "--pace", "3"], "--pace sets the paced scheduler"),
     (["--scheduler", "fcfs", "--slo-tpot-ms", "20"], "targets of the measured scheduler"),
+    (["--kv-cache-mb", "1e12"], "--kv-cache-mb must be a positive number of megabytes, below 1e9, got 1000000000000.0"),
+    (["--max-queue", "-1"], "--max-queue must be at least 1, got -1"),
+    # an empty key ("$KEY" unset) asked for the key "", and an empty name fell back to the model's, unsaid
+    (["--api-key", ""], "--api-key must not be empty"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+    # the profile is written at shutdown: a directory that does not exist lost the whole run's profile
+    (["--profile", "/nonexistent-dir/p.json"], "cannot write the serving profile to /nonexistent-dir/p.json: the "
+                                               "directory /nonexistent-dir does not exist"),
+    (["--profile", "."], "the serving profile path . is a directory"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
