@@ -393,6 +393,11 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"{flag} must be at least 1, got {v}")
     if args.small < 0:
         ap.error(f"--small must be 0 (off) or a positive size, got {args.small}")
+    from ..llm import MAX_CTX                         # (the run loads the model next: no import to spare)
+    for flag, v, hi in (("-p", args.n_prompt, MAX_CTX), ("-n", args.n_gen, MAX_CTX - 1),
+                        ("--small", args.small, MAX_CTX - 1)):
+        if v > hi:                                    # (said as the context the load refused: "ctx must be ...")
+            ap.error(f"{flag} must be at most {hi} (the longest context Lumen holds), got {v}")
     max_t = numba.config.NUMBA_NUM_THREADS
     if args.threads is not None and not 1 <= args.threads <= max_t:
         ap.error(f"--threads must be between 1 and {max_t} (the cores Numba can use), got {args.threads}")

@@ -322,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--gen-tokens must be at least 1, got {args.gen_tokens}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    from ..llm import MAX_CTX
+    if args.prompt_tokens + args.gen_tokens + 1 > MAX_CTX:      # (the context the run loads; said as "ctx" by it)
+        ap.error(f"--prompt-tokens + --gen-tokens must be below {MAX_CTX} (the longest context Lumen holds), got "
+                 f"{args.prompt_tokens + args.gen_tokens}")
     if mode == "overhead" and args.gen_tokens < 2:     # decode tok/s: the first token comes from the prefill
         ap.error(f"--overhead needs --gen-tokens 2 or more (decode steps to time), got {args.gen_tokens}")
     if args.phase is not None and args.phase not in PHASES:

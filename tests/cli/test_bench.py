@@ -68,6 +68,9 @@ def test_json_content(no_llama_run):
     (["--threads", "0"], "--threads must be between 1 and"),
     (["--threads", "100000"], "--threads must be between 1 and"),
     (["--small", "-1"], "--small must be 0"),
+    # the load's "ctx must be an integer in [1, 16777216]" (status 1) named a flag bench does not have
+    (["-p", "100000000000"], "-p must be at most 16777216 (the longest context Lumen holds), got 100000000000"),
+    (["-n", "16777216"], "-n must be at most 16777215"),
     (["-p", "abc"], "invalid int value"),
     (["--compare", "vllm"], "invalid choice"),
 ])

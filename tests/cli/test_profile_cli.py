@@ -277,6 +277,8 @@ def test_decode_phase_of_a_run_without_a_decode_step_is_a_usage_error(home, smol
     (["--prompt-tokens", "0"], 2, "--prompt-tokens must be at least 1"),
     (["--gen-tokens", "-3"], 2, "--gen-tokens must be at least 1"),
     (["--prompt-tokens", "x"], 2, "invalid int value"),
+    (["--prompt-tokens", "16777215"], 2, "--prompt-tokens + --gen-tokens must be below 16777216 (the longest "
+                                         "context Lumen holds), got 16777217"),     # (was "ctx must be ...", 1)
     (["--json", "/no/such/dir/p.json"], 2, "does not exist"),
     (["--plot", "/no/such/dir/p.png"], 2, "does not exist"),
 ])
