@@ -24,8 +24,9 @@ from .commands import Parser, prog, run, threads_error
 from .engine.config import THREAD_FLAGS, EngineConfig
 
 from .errors import LumenError, plural
-from .generate import (NO_LIMIT, add_sampling_args, argv_text, check_ctx, check_max_tokens, load_model, print_summary,
-                       process_escapes, render_messages, sampling_from_args, status_while_compiling, summary_line)
+from .generate import (NO_LIMIT, add_sampling_args, argv_text, check_ctx, check_max_tokens, flag_words, load_model,
+                       print_summary, process_escapes, render_messages, sampling_from_args, status_while_compiling,
+                       summary_line)
 from .model.store import DEFAULT_MODEL
 
 HELP = """/clear   forget the conversation (the system prompt stays)
@@ -178,7 +179,8 @@ class StopFlag:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     args.system = argv_text(args.system)
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(why)
         check_ctx(args.ctx)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_words(str(e), ap)}", file=sys.stderr)
         return 2
     try:
         from .format.chat import chat_template_from_metadata

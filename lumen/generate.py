@@ -92,6 +92,20 @@ def check_max_tokens(n: int | None) -> int | None:
             raise ValueError(f"{e}; {NO_LIMIT} generates until an end token or the context's end") from None
     return n
 
+def flag_words(message: str, ap: argparse.ArgumentParser) -> str:
+    """A flag's value error from the sampler or the engine, as the command line's user reads it: the keyword that
+    starts it (top_p, seed) as its flag (--top-p, --seed), and no Python None (a flag left out is its default;
+    --seed -1 is a fresh seed)."""
+    name, _, rest = message.partition(" ")
+    flag = next((o for a in ap._actions if a.dest == name for o in a.option_strings if o.startswith("--")), None)
+    if flag is None:
+        return message
+    if name == "stop":                                   # (the list it was given is the API's word)
+        return "--stop must not be empty"
+    none = "must be -1 (a fresh seed) or " if name == "seed" else "must be "
+    return f"{flag} {rest.replace('must be None or ', none)}"
+
+
 def check_ctx(ctx: int | None) -> None:
     """--ctx as given: None (not given) or 1 .. the most positions Lumen holds; ValueError otherwise (a usage error,
     said before the model loads)."""
@@ -425,7 +439,8 @@ def load_model(name: str, ctx: int | None, threads: int | None, force_ctx: bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     for name in ("prompt", "system", "stop", "choice", "regex"):
         setattr(args, name, argv_text(getattr(args, name)))
     from .engine.sampling.params import SamplingParams   # refused before the model loads (or is fetched: a 1 GB
@@ -441,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                               ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
         check_ctx(args.ctx)
     except ValueError as e:                              # a flag's value: a usage error
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_words(str(e), ap)}", file=sys.stderr)
         return 2
     from rich.console import Console
     err = Console(stderr=True, highlight=False)
