@@ -308,8 +308,10 @@ def _read(path: str, flag: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} {path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def chat_prompt(model, user: str, system: str | None, tools=None, special: bool = False) -> tuple[str | None, str]:

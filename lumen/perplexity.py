@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.ctx < (4 if args.score == "half" else 2):
-        ap.error("--ctx must be at least 4 (2 with --score all)")
+        ap.error(f"--ctx must be at least 4 (2 with --score all), got {args.ctx}")
     from .llm import MAX_CTX
     if args.ctx > MAX_CTX:                              # a flag out of its range: said before the model loads
         ap.error(f"--ctx must be at most {MAX_CTX}, got {args.ctx}")
@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.file, encoding="utf-8") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
+    except OSError as e:                               # (the reason once: not Python's "[Errno 2] ...: 'x'")
+        print(f"error: --file {args.file}: cannot read it ({e.strerror or e})", file=sys.stderr)
+        return 1
+    except UnicodeDecodeError as e:
+        print(f"error: --file {args.file} is not valid UTF-8 ({e.reason} at byte {e.start})", file=sys.stderr)
         return 1
     try:
         from rich.console import Console

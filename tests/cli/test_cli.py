@@ -705,7 +705,7 @@ def test_perplexity(smollm2_path, text_file):
 def test_perplexity_missing_file(tmp_path):
     r = run("lumen.perplexity", "--file", tmp_path / "nope.txt")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.startswith(f"error: cannot read {tmp_path / 'nope.txt'}")
+    assert r.stderr.startswith(f"error: --file {tmp_path / 'nope.txt'}: cannot read it (No such file")
 
 
 def test_perplexity_of_a_text_shorter_than_ctx(smollm2_path, text_file, tmp_path):

@@ -46,3 +46,30 @@ def test_help_of_an_unknown_command_is_a_usage_error(capsys):
     assert main(["help", "nosuch"]) == 2
     assert "unknown command 'nosuch'" in capsys.readouterr().err
     assert main(["help", "models"]) == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module, argv, code, message", [
+    ("lumen.generate", ["-p", "hi", "--json-schema", "{missing}"], 2,
+     "error: --json-schema {missing}: cannot read it (No such file or directory)"),
+    ("lumen.generate", ["-p", "hi", "--grammar", "{latin1}"], 2,
+     "error: --grammar {latin1} is not valid UTF-8 (invalid continuation byte at byte 3)"),
+    ("lumen.generate", ["-p", "hi", "--tools", "{missing}"], 2,
+     "error: --tools {missing}: cannot read it (No such file or directory)"),
+    ("lumen.perplexity", ["--file", "{missing}"], 1, "error: --file {missing}: cannot read it (No such file or "
+                                                      "directory)"),
+    ("lumen.perplexity", ["--file", "{latin1}"], 1,
+     "error: --file {latin1} is not valid UTF-8 (invalid continuation byte at byte 3)"),
+    ("lumen.perplexity", ["--file", "{latin1}", "--ctx", "1"], 2,
+     "python -m lumen.perplexity: error: --ctx must be at least 4 (2 with --score all), got 1"),
+], ids=["schema-missing", "grammar-latin1", "tools-missing", "perplexity-missing", "perplexity-latin1",
+        "perplexity-ctx"])
+def test_an_unreadable_file_is_said_once(module, argv, code, message, tmp_path, capsys):
+    """The reason once, as --file says it: these said Python's "[Errno 2] No such file or directory: 'x'" after
+    the file's name."""
+    import importlib
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    names = {"missing": str(tmp_path / "missing.txt"), "latin1": str(tmp_path / "latin1.txt")}
+    argv = [a.format(**names) for a in argv]
+    assert run(importlib.import_module(module).main, argv) == code
+    out, err = capsys.readouterr()
+    assert err == message.format(**names) + "\n", err
