@@ -427,9 +427,12 @@ def tokens_to_generate(model, prompt, special: bool, max_tokens: int | None) -> 
     if max_tokens == NO_LIMIT:
         return room
     if max_tokens > room:
+        need, trained = n_prompt + max_tokens, model.config.ctx_train
+        larger = (f"give --ctx {need} or more" if need <= trained else      # (not a --ctx the model refuses)
+                  f"give a smaller --max-tokens (the model was trained on {plural(trained, 'token')})")
         raise LumenError(f"the prompt ({plural(n_prompt, 'token')}) and --max-tokens {max_tokens} exceed the context "
-                         f"of {plural(model.n_ctx, 'token')}: give --ctx {n_prompt + max_tokens} or more, or "
-                         f"-n {NO_LIMIT} to generate to the context's end")
+                         f"of {plural(model.n_ctx, 'token')}: {larger}, or -n {NO_LIMIT} to generate to the context's "
+                         "end")
     return max_tokens
 
 

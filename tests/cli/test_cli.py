@@ -824,6 +824,10 @@ def test_the_default_max_tokens_stops_where_a_small_context_ends(smollm2_path):
     assert one_line(r.stderr) == (f"error: the prompt ({m[1]} tokens) and --max-tokens 128 exceed the context of 32 "
                                   f"tokens: give --ctx {int(m[1]) + 128} or more, or -n -1 to generate to the "
                                   "context's end")
+    r = generate(smollm2_path, "-n", 10 ** 20, "--prompt", FRANCE)     # said "give --ctx 100000000000000000008"
+    assert r.returncode == 1 and one_line(r.stderr) == (
+        f"error: the prompt ({m[1]} tokens) and --max-tokens {10 ** 20} exceed the context of 2048 tokens: give a "
+        "smaller --max-tokens (the model was trained on 8192 tokens), or -n -1 to generate to the context's end")
 
 
 def test_max_tokens_minus_one_generates_to_the_context_end(smollm2_path):
