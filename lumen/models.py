@@ -13,8 +13,9 @@ from .model.store import DEFAULT_MODEL, MODELS, fetch, home_blocker, lumen_home,
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog=prog("models"), description=store.__doc__.splitlines()[0])
     ap.add_argument("--fetch", metavar="NAME", choices=sorted(MODELS),
-                    help="fetch (and verify) one model, unless it is already")
-    ap.add_argument("--verify", metavar="NAME", choices=sorted(MODELS), help="re-check a fetched model's sha256")
+                    help="fetch (and verify) one model unless it is fetched already: %(choices)s")
+    ap.add_argument("--verify", metavar="NAME", choices=sorted(MODELS),
+                    help="re-check a fetched model's sha256: %(choices)s")
     args = ap.parse_args(argv)
     from rich.console import Console
     from rich.table import Table

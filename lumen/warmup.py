@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=prog("warmup"),
         description="Compile Lumen's kernels for the given models ahead of time (into the compile cache under "
                     "LUMEN_HOME), so a later start answers at full speed at once. A second run compiles nothing.")
-    p.add_argument("-m", "--model", action="append", default=None, metavar="M",
+    p.add_argument("-m", "--model", action="append", default=None, metavar="MODEL",
                    help=f"a registry name or a .gguf path; repeat for several (default: {DEFAULT_MODEL})")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     return p

@@ -36,3 +36,14 @@ def test_fetch_of_a_verified_model_does_not_download_it_again(smollm2_path, monk
     assert store.state("smollm2-135m") == "verified"
     assert models.main(["--fetch", "smollm2-135m"]) == 0
     assert "smollm2-135m is already fetched and verified" in capsys.readouterr().err
+
+
+def test_help_names_the_models_fetch_takes(capsys):
+    """--fetch's help ended mid-sentence ("unless it is already") and its metavar hid the names it takes."""
+    import pytest
+    from lumen.models import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "unless it is fetched already: " in out
+    assert all(name in out for name in MODELS), out
