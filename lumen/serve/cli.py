@@ -494,11 +494,14 @@ def read_template(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise LumenError(f"--chat-template {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise LumenError(f"--chat-template {path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.strip():                               # (every chat would be an empty prompt)
+        raise LumenError(f"--chat-template {path} is empty")
+    return text
 
 
 def bind_error(host: str, port: int) -> str | None:
