@@ -7,7 +7,7 @@ from typing import Any
 
 from lumen.errors import FetchError, GGUFError
 from lumen.format.gguf import GGUFFile
-from lumen.model.store import MODELS, resolve
+from lumen.model.store import resolve
 from .commands import Parser, prog
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal and "COLUMNS" not in os.environ:    # a pipe: one line per key, nothing cut
         console = Console(width=1 << 12)
     try:
-        path = resolve(args.file) if args.file in MODELS else args.file     # as every other tool takes a name
+        path = resolve(args.file)                       # a name or a path, said as every other tool says it
         g = GGUFFile(path)
     except (GGUFError, FetchError) as e:
         print(f"error: {e}", file=sys.stderr)

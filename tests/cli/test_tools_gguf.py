@@ -54,3 +54,15 @@ def test_a_file_without_tensors_says_so(tmp_path):
     assert "tokenizer.ggml.tokens" in r.stdout and "data at offset" not in r.stdout, r.stdout
     assert f"no tensors: a metadata-only file (a vocabulary, as llama.cpp's ggml-vocab-*.gguf), not a model to " \
            f"run; {path.stat().st_size:,} file bytes" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_a_wrong_name_is_said_as_every_tool_says_it(tmp_path, capsys):
+    """Anything but a registry name was opened as a file: a mistyped name said "cannot open nosuch: No such file
+    or directory", "" said "cannot open .: Is a directory"."""
+    from lumen.gguf import main
+    from lumen.model.store import MODELS
+    for arg, says in (("nosuch", f"unknown model 'nosuch': not a known name ({', '.join(MODELS)})"),
+                      ("", "unknown model ''"), (str(tmp_path), f"{tmp_path} is a directory")):
+        assert main([arg]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {says}") and len(err.splitlines()) == 1, err
