@@ -35,11 +35,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 EXIT_STATUS = """exit status (every command):
   0    done
-  1    the run failed: a model or a text file that cannot be found, fetched, read or loaded; a prompt that
+  1    the run failed: a model or perplexity's text that cannot be found, fetched, read or loaded; a prompt that
        cannot be used (empty, not UTF-8, longer than the context); an engine, server or llama.cpp tool that failed
   2    the command line is wrong, said before any model loads: what argparse rejects, a flag's value out of its
-       range or with a flag it does not go with, a grammar, schema or tools file that cannot be read or parsed,
-       an output path that cannot be written (--json), a llama.cpp tool path that is not an executable, no prompt
+       range or with a flag it does not go with, a prompt (--file), grammar, schema or tools file that cannot be
+       read or parsed, an output path that cannot be written (--json), a llama.cpp tool path that is not an
+       executable, no prompt
   130  interrupted (Ctrl-C)
   141  the reader of the output went away (`lumen generate ... | head`)"""
 
