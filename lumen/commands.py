@@ -86,11 +86,14 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")
     escape_unencodable(sys.stdout)
+    was_devnull = stdout_is_devnull()
     try:
         try:
             code = main(argv)
         except SystemExit as e:                          # argparse: --help, usage errors
             code = e.code
+            if code == 1 and not was_devnull and stdout_is_devnull():   # rich's reader gone: it points stdout at
+                code = 141                               # /dev/null and exits 1 (Console.on_broken_pipe)
         except KeyboardInterrupt:
             sys.stdout.flush()
             print("\ninterrupted", file=sys.stderr)
@@ -101,6 +104,15 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())           # the interpreter's own last flush must not fail again
         return 141
+
+
+def stdout_is_devnull() -> bool:
+    """True when file descriptor 1 is /dev/null (False when it cannot be told)."""
+    try:
+        out, null = os.fstat(sys.stdout.fileno()), os.stat(os.devnull)
+    except (OSError, ValueError, AttributeError):        # (a stdout with no descriptor: io.StringIO in a test)
+        return False
+    return (out.st_dev, out.st_ino) == (null.st_dev, null.st_ino)
 
 
 def escape_unencodable(stream) -> None:

@@ -33,10 +33,18 @@ def run_to_closed_pipe(*args: str, unbuffered: bool) -> subprocess.CompletedProc
                          ids=["lumen", "lumen generate", "lumen.generate", "lumen.bench", "lumen.models", "lumen.gguf",
                               "lumen.warmup", "lumen.serve", "lumen.profile"])
 def test_help_into_a_closed_pipe_ends_quietly(args, unbuffered):
-    """Quiet; the status is 141, or argparse's 0 (it drops a help it cannot write) or rich's 1 (it ends at once)."""
+    """Quiet; the status is 141, or argparse's 0 (it drops a help it cannot write); rich's 1 is made 141."""
     p = run_to_closed_pipe(*args, unbuffered=unbuffered)
-    assert p.returncode in (0, 1, 141), p.stderr
+    assert p.returncode in (0, 141), p.stderr
     assert p.stderr == "", p.stderr
+
+
+@pytest.mark.parametrize("args", [("lumen.gguf", "{model}"), ("lumen.models",)], ids=["gguf", "models"])
+def test_a_table_into_a_closed_pipe_is_141(args, smollm2_path):
+    """`lumen gguf M | head -1` ended 1, the status of a failed run: rich ends a print whose reader has gone with
+    SystemExit(1). EXIT_STATUS says 141, as for generate."""
+    p = run_to_closed_pipe(*[a.format(model=smollm2_path) for a in args], unbuffered=False)
+    assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr)
 
 
 def test_generation_into_a_closed_pipe_ends_quietly(smollm2_path):
