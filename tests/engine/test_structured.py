@@ -199,6 +199,31 @@ def test_integer_bounds_llguidance_would_clamp_are_refused():
     Constraint.json_schema({"type": "number", "minimum": 0.5, "maximum": 1e15})
 
 
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object", "properties": {"a": {}}, "required": [{"x": 1}]}, "Expected string for 'required' item"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", ["b"]]}, "Expected string for 'required' item"),
+    ({"type": "integer", "minimum": 10 ** 400}, "number out of range"),
+    ({"type": "number", "exclusiveMinimum": -(10 ** 400), "maximum": 0}, "number out of range"),
+    ({"const": 10 ** 400}, "number out of range"),
+    ({"enum": [1, -(10 ** 400)]}, "number out of range"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": {"a"}}, "cannot be written as JSON"),
+])
+def test_values_the_rewrites_do_not_expect_are_errors_not_crashes(schema, message):
+    """JSON the schema rewrites did not expect (a non-string in `required`, an integer beyond a double's range, a
+    Python set) is llguidance's StructuredOutputError, the 400 of a bad schema; these were a TypeError and an
+    OverflowError, a server's 500."""
+    with pytest.raises(StructuredOutputError, match=re.escape(message)):
+        Constraint.json_schema(schema)
+
+
+def test_a_python_schema_reads_as_its_json():
+    """A Python caller's schema is read as its JSON text: int keys are strings, tuples are lists (the rewrites
+    crashed on an int property name)."""
+    as_json = {"type": "object", "properties": {"1": {"enum": [1, 2]}}, "required": ["1"]}
+    assert Constraint.json_schema({"type": "object", "properties": {1: {"enum": (1, 2)}}, "required": ("1",)}) \
+        == Constraint.json_schema(as_json)
+
+
 def test_a_deeply_nested_schema_is_an_error_not_a_crash():
     """Nesting past Python's recursion limit (the schema rewrites walk it) or llguidance's (~128 levels) is a
     StructuredOutputError, the 400 of a bad schema, not a RecursionError."""

@@ -81,6 +81,11 @@ def test_fields_map_to_constraints(body, want):
     ({"guided_grammar": "root ::= foo"}, "guided_grammar", "Rule 'foo' not found"),
     ({"grammar": "start: foo"}, "grammar", "grammar: invalid grammar_gbnf constraint"),   # llama-server: GBNF only
     ({"json_schema": {"type": "array", "uniqueItems": True}}, "json_schema", "Unimplemented keys"),
+    # values JSON allows where the schema rewrites expect others: llguidance's 400, not a TypeError's 500
+    ({"json_schema": {"type": "object", "properties": {"a": {}}, "required": [{"x": 1}]}}, "json_schema",
+     "Expected string for 'required' item"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 10 ** 400}}}}, "response_format", "number out of range"),   # OverflowError
 ])
 def test_bad_fields_are_named(body, param, message):
     with pytest.raises(StructuredFieldError) as e:

@@ -144,17 +144,21 @@ class Constraint:
         if not isinstance(schema, dict):
             _fail("json_schema", f"a schema is a JSON object or a boolean, got {type(schema).__name__}")
         try:
+            # as JSON text reads it: a Python caller's int keys and tuples become strings and lists, which the
+            # rewrites below expect; what JSON cannot hold (NaN, a set) is refused here
+            schema = json.loads(json.dumps(schema, ensure_ascii=False, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            _fail("json_schema", f"the schema cannot be written as JSON: {e}")
+        except RecursionError:
+            _fail("json_schema", "the schema is nested too deeply")
+        try:
             schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(exact_data(no_ref_loops(schema))))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
         except RecursionError:          # llguidance's own limit (nesting ~128) would refuse it anyway
             _fail("json_schema", "the schema is nested too deeply")
-        try:
-            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            _fail("json_schema", f"the schema cannot be written as JSON: {e}")
-        return cls("json_schema", text)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -225,7 +229,14 @@ def known_formats(schema: Any) -> Any:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A JSON number a double holds (finite, within its range): an integer past 2^1024 is not one (llguidance
+    refuses it, "number out of range"), and math.isfinite would raise OverflowError on it."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return math.isfinite(x) if isinstance(x, float) else abs(x) < _DOUBLE_LIMIT
+
+
+_DOUBLE_LIMIT = 2 ** 1024          # the first integer beyond the largest finite double
 
 
 def exclusive_bounds(schema: Any) -> Any:
@@ -328,7 +339,7 @@ def exact_data(schema: Any) -> Any:
     as doubles and writes the shortest decimal of the nearest one: `{"const": 12345678901234567890}` made every
     output 12345678901234567000, which the schema refuses. StructuredOutputError otherwise (a string holds it)."""
     def big(x: Any) -> int | None:
-        if isinstance(x, int) and not isinstance(x, bool):
+        if _number(x) and isinstance(x, int):     # beyond a double's range: llguidance's "number out of range"
             return x if abs(x) > 2 ** 53 else None
         for v in x.values() if isinstance(x, dict) else x if isinstance(x, list) else ():
             found = big(v)
@@ -387,7 +398,7 @@ def closed_objects(schema: Any) -> Any:
             return d
         listed = d.get("properties") if isinstance(d.get("properties"), dict) else {}
         required = d.get("required") if isinstance(d.get("required"), list) else []
-        if "patternProperties" not in d and any(k not in listed for k in required):
+        if "patternProperties" not in d and any(not isinstance(k, str) or k not in listed for k in required):
             return d                        # it requires a key it does not list: only an open object has it
         return {**d, "additionalProperties": False}
 
