@@ -187,6 +187,27 @@ def test_objects_that_list_their_properties_take_no_others(toks, compilers):
     assert not accepts(composed, '{"id": 1, "name": "a", "o": {"id": 2, "more": 3}}')    # not a part: closed
 
 
+def test_objects_that_need_more_keys_than_they_list_stay_open(toks, compilers):
+    """An object that needs more keys than it lists (minProperties past them) stays open: closed, no JSON matched it
+    and a satisfiable schema was a 400 ("Unsatisfiable schema: minProperties (1) is greater than number of
+    properties (1)")."""
+    tok, c = toks["smollm2-135m"], compilers["smollm2-135m"]
+
+    def accepts(schema, text):
+        m = c.compile(Constraint.json_schema(schema)).matcher()
+        ids = tok.encode(text, add_bos=False, special=False) + [tok.eos_id]
+        return m.validate_draft(ids) == len(ids)
+
+    two = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2}
+    assert accepts(two, '{"a": 1, "b": 2}') and not accepts(two, '{"a": 1}')
+    enough = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "minProperties": 2}
+    assert accepts(enough, '{"a": 1, "b": 2}') and not accepts(enough, '{"a": 1, "b": 2, "c": 3}')   # closed
+    needs_b = {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]},
+               "x-guidance": {"lenient": True}}       # lenient: dependentRequired ignored, the object open
+    assert "additionalProperties" not in json.loads(Constraint.json_schema(needs_b).value)
+
+
 def test_integer_bounds_llguidance_would_clamp_are_refused():
     """llguidance clamps an integer bound to 64 bits ({"minimum": 1e20, "maximum": 1e20 + 100} let only
     9223372036854775807 through) and reads it as a double: such a bound is an error, not a wrong range."""

@@ -390,17 +390,26 @@ def closed_objects(schema: Any) -> Any:
     free, a model adds keys of its own ("price", "minItems") that a function called with the arguments does not
     take. A schema whose properties may come from elsewhere stays open: one with its own allOf / anyOf / oneOf /
     $ref, an allOf entry, an anyOf / oneOf entry of a schema that has properties, the target of a local $ref such
-    an entry makes (`"allOf": [{"$ref": "#/$defs/base"}, {...}]`: OpenAPI's composition), and one that requires a
-    key it does not list. `"additionalProperties": true` keeps an object open."""
+    an entry makes (`"allOf": [{"$ref": "#/$defs/base"}, {...}]`: OpenAPI's composition), and one that needs a key
+    it does not list (in `required` or `dependentRequired`, or more keys in `minProperties` than it lists): closed,
+    no JSON would match it. `"additionalProperties": true` keeps an object open."""
     def close(d: dict, partial: bool) -> dict:
         if partial or not ("properties" in d or "patternProperties" in d) or any(
                 k in d for k in ("additionalProperties", "unevaluatedProperties", "$ref", *_COMBINERS)):
             return d
-        listed = d.get("properties") if isinstance(d.get("properties"), dict) else {}
-        required = d.get("required") if isinstance(d.get("required"), list) else []
-        if "patternProperties" not in d and any(not isinstance(k, str) or k not in listed for k in required):
-            return d                        # it requires a key it does not list: only an open object has it
+        if "patternProperties" not in d and needs_unlisted(d):
+            return d                        # only an open object has that key
         return {**d, "additionalProperties": False}
+
+    def needs_unlisted(d: dict) -> bool:
+        listed = d.get("properties") if isinstance(d.get("properties"), dict) else {}
+        needed = list(d.get("required")) if isinstance(d.get("required"), list) else []
+        dependent = d.get("dependentRequired")
+        for keys in dependent.values() if isinstance(dependent, dict) else ():
+            needed += keys if isinstance(keys, list) else []
+        fewest = d.get("minProperties")
+        return any(not isinstance(k, str) or k not in listed for k in needed) or (
+            _number(fewest) and fewest > len(listed))
 
     def parts(d: dict):
         """d's combiner lists, each with whether its entries are parts of one object (their properties add up)."""
