@@ -16,6 +16,7 @@ from goldens import MODEL_NAMES
 
 from lumen.engine.structured import (JSON_WHITESPACE, Constraint, GrammarCompiler, MaskFiller, StructuredOutputError,
                                      apply_bitmask, apply_bitmasks, fill_masks, grammar_vocab)
+from lumen.engine.structured.constraint import FORMAT_PATTERNS
 from lumen.errors import LumenError
 from lumen.format.gguf import GGUFFile
 from lumen.format.tokenizer import Tokenizer
@@ -138,7 +139,8 @@ def test_unknown_string_formats_are_annotations(toks, compilers):
     c = Constraint.json_schema(schema)
     kept = json.loads(c.value)["properties"]
     assert "format" not in kept["pw"] and "format" not in kept["ref"] and "format" not in kept["more"]["items"]
-    assert kept["day"]["format"] == "date" and kept["note"] == {"const": {"format": "password"}}
+    assert kept["day"] == {"type": "string", "pattern": FORMAT_PATTERNS["date"]}     # (exact_formats: our regex)
+    assert kept["note"] == {"const": {"format": "password"}}
     assert kept["format"] == {"type": "string", "enum": ["a"]}
     tok, m = toks["smollm2-135m"], compilers["smollm2-135m"].compile(c).matcher()
     ok = '{"pw": "x", "ref": "../a", "format": "a", "day": "2024-01-31"}'
@@ -146,6 +148,44 @@ def test_unknown_string_formats_are_annotations(toks, compilers):
     assert m.validate_draft([*ids, tok.eos_id]) == len(ids) + 1
     bad = tok.encode(ok.replace("2024-01-31", "yesterday"), add_bos=False, special=False)
     assert m.validate_draft(bad) < len(bad)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"format": "date"}, ["2024-02-29", "2000-02-29", "0001-01-01", "2023-12-31"],
+     ["2023-02-29", "1900-02-29", "0000-01-01", "2023-04-31", "2023-13-01"]),
+    ({"format": "date-time"}, ["2024-02-29T23:59:59.5Z", "2023-01-01t00:00:00+05:30"],
+     ["2023-01-01T12:30:60Z", "2023-02-29T00:00:00Z", "2023-01-01T24:00:00Z", "2023-01-01T12:00:00"]),
+    ({"format": "time"}, ["01:02:03+05:30", "23:59:59.999z"], ["01:18:60Z", "23:59:60-01:00", "12:00:00"]),
+    ({"format": "hostname"}, ["a-b.example.com", "a" * 63, ".".join(["a" * 63] * 3) + ".abcdefghi"],
+     ["a" * 64, "-a.com", "a-.com", "a..b", ".".join(["a" * 63] * 4)]),          # the last: 255 characters
+    ({"format": "date", "pattern": "^20"}, ["2024-02-29"], ["2023-02-29", "1999-01-01"]),
+    ({"type": ["string", "null"], "format": "time"}, ["12:00:00Z", None], ["12:00:60Z"]),
+])
+def test_string_formats_take_only_valid_strings(toks, compilers, schema, good, bad):
+    """date, date-time, time and hostname take what RFC 3339 and RFC 1123 (and jsonschema's format checker, with
+    its optional validators) take: llguidance's own regexes took a leap second at any time ("01:18:60Z", a small
+    model's favourite), February 29 of every year, year 0000 and labels past 63 characters."""
+    tok, c = toks["smollm2-135m"], compilers["smollm2-135m"]
+    m = c.compile(Constraint.json_schema(schema)).matcher()
+    for value in good + bad:
+        ids = tok.encode(json.dumps(value), add_bos=False, special=False) + [tok.eos_id]
+        assert (m.validate_draft(ids) == len(ids)) == (value in good), (schema, value)
+
+
+def test_the_date_pattern_is_pythons_calendar():
+    """FORMAT_PATTERNS["date"] takes exactly the dates Python's calendar has (jsonschema's date check), years
+    0-2500 and a few beyond: leap years by the Gregorian rule, no year 0."""
+    import datetime
+    date = re.compile(FORMAT_PATTERNS["date"])
+    for y in [*range(0, 2501), 4000, 9996, 9999]:
+        for mo in range(0, 14):
+            for d in range(0, 33):
+                s = f"{y:04d}-{mo:02d}-{d:02d}"
+                try:
+                    real = datetime.date.fromisoformat(s) is not None
+                except ValueError:
+                    real = False
+                assert bool(date.fullmatch(s)) == real, s
 
 
 def test_objects_that_list_their_properties_take_no_others(toks, compilers):

@@ -23,9 +23,10 @@ whitespace_pattern replaces the default (`"x-guidance": {"whitespace_flexible": 
 Keywords llguidance cannot enforce (uniqueItems, not, if/then, contains, propertyNames) are an error rather than
 silently ignored, so that every output validates against the schema; "x-guidance": {"lenient": true} accepts
 them and ignores them. A string `format` llguidance does not know ("password", "uri-reference") is dropped: JSON
-Schema makes an unknown format an annotation, which validators ignore too. An exclusive whole-number bound
-with the other bound less than 1 away becomes an inclusive one just past it (`exclusive_bounds`: llguidance's
-number regex takes the bound itself there). A const or enum integer beyond 2^53 is an error (`exact_data`:
+Schema makes an unknown format an annotation, which validators ignore too. The formats date, date-time, time
+and hostname become regexes of our own (`exact_formats`: llguidance's take a leap second at any time). An
+exclusive whole-number bound with the other bound less than 1 away becomes an inclusive one just past it
+(`exclusive_bounds`: llguidance's number regex takes the bound itself there). A const or enum integer beyond 2^53 is an error (`exact_data`:
 llguidance writes the nearest double). An object schema that lists its
 properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
 patterns llguidance cannot enforce (look-around, backreferences).
@@ -50,6 +51,17 @@ JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}  # llguidance JSON option
 MAX_TEXT = 1 << 20                                     # 1 MiB: longest schema / regex / grammar text accepted
 FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
 # ^ the string formats llguidance enforces; any other ("password", "uri-reference", ...) is only an annotation
+# Formats whose llguidance 1.9 regexes take strings the format refuses, as our own regexes (a subset of each format:
+# RFC 3339 with no leap second, no year 0, February 29 only in leap years; RFC 1123 labels of 1-63 characters)
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[tT]{_TIME}$", "time": f"^{_TIME}$",
+                   "hostname": rf"^{_LABEL}(?:\.{_LABEL})*$"}
+FORMAT_MAX_LENGTH = {"hostname": 253}
 _DATA_KEYS = ("enum", "const", "default", "examples")   # schema keywords whose values are JSON data
 _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")   # name -> schema maps
 
@@ -152,7 +164,8 @@ class Constraint:
         except RecursionError:
             _fail("json_schema", "the schema is nested too deeply")
         try:
-            schema = closed_objects(known_formats(exclusive_bounds(integer_bounds(exact_data(no_ref_loops(schema))))))
+            schema = no_ref_loops(schema)
+            schema = closed_objects(known_formats(exact_formats(exclusive_bounds(integer_bounds(exact_data(schema))))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
@@ -226,6 +239,28 @@ def known_formats(schema: Any) -> Any:
         f = d.get("format")
         return {k: v for k, v in d.items() if k != "format"} if isinstance(f, str) and f not in FORMATS else d
     return map_subschemas(schema, drop)
+
+
+def exact_formats(schema: Any) -> Any:
+    """`schema` with each string `format` in FORMAT_PATTERNS made a `pattern` of our own (beside a pattern it has, in
+    an allOf entry), and a hostname's length bounded: llguidance 1.9's regexes take a leap second at any time
+    ("01:18:60Z"), February 29 of any year, year 0000 and hostname labels of any length, which RFC 3339 and RFC 1123
+    (and jsonschema's format checker) refuse. Ours lose only the rare valid leap second (23:59:60 UTC)."""
+    def swap(d: dict) -> dict:
+        f = d.get("format")
+        if not isinstance(f, str) or f not in FORMAT_PATTERNS:
+            return d
+        out = {k: v for k, v in d.items() if k != "format"}
+        if "pattern" in out:
+            out["allOf"] = [*(d["allOf"] if isinstance(d.get("allOf"), list) else []),
+                            {"pattern": FORMAT_PATTERNS[f]}]
+        else:
+            out["pattern"] = FORMAT_PATTERNS[f]
+        if f in FORMAT_MAX_LENGTH:
+            most = out.get("maxLength")
+            out["maxLength"] = min(most, FORMAT_MAX_LENGTH[f]) if _number(most) else FORMAT_MAX_LENGTH[f]
+        return out
+    return map_subschemas(schema, swap)
 
 
 def _number(x: Any) -> bool:
