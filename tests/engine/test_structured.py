@@ -94,6 +94,10 @@ def test_vocab_tokenize_is_lumens_encoder(toks, name):
     ("json_schema", {"type": "object", "properties": {"a": {"enum": [1, [2 ** 60]]}}}, "the enum holds the integer"),
     ("json_object", {"type": "object"}, "takes no value"),
     ("regex", "a(b", "unclosed group"),
+    ("regex", "a\\", "the regex ends in an unpaired backslash"),              # llguidance dropped it: "a"
+    ("regex", "\\", "the regex ends in an unpaired backslash"),
+    ("json_schema", {"type": "string", "pattern": "^[0-9]+\\"}, "the pattern ends in an unpaired backslash"),
+    ("json_schema", {"type": "object", "patternProperties": {"x\\": {}}}, "patternProperties name ends in an"),
     ("regex", 12, "expected a string"),
     ("choice", [], "the list of choices is empty"),
     ("choice", "yes", "expected a list of strings"),

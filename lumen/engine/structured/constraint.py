@@ -164,7 +164,7 @@ class Constraint:
         except RecursionError:
             _fail("json_schema", "the schema is nested too deeply")
         try:
-            schema = no_ref_loops(schema)
+            schema = regex_texts(no_ref_loops(schema))
             schema = closed_objects(known_formats(exact_formats(exclusive_bounds(integer_bounds(exact_data(schema))))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
@@ -513,6 +513,7 @@ def _to_grammar(kind: str, value: str) -> str:
         if kind == "json_object":
             return ll.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
+            _no_trailing_backslash(kind, "the regex", value)
             grammar = ll.grammar_from_regex(value)
             ascii_classes = llguidance.regex_to_lark(value, "dw")
             if ascii_classes == value:
@@ -529,6 +530,25 @@ def _to_grammar(kind: str, value: str) -> str:
         raise
     except Exception as e:  # ValueError from llguidance, GbnfToLarkError (with its position) from the GBNF parser
         _fail(kind, str(e))
+
+
+def _no_trailing_backslash(kind: str, what: str, pattern: str) -> None:
+    """StructuredOutputError for a regex ending in an unpaired backslash, which llguidance 1.9 silently drops (the
+    regex "a\\" matched "a"; the empty regex) where Rust's, Python's and ECMA-262's regexes refuse it."""
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        _fail(kind, f"{what} ends in an unpaired backslash (a literal backslash is written as two)")
+
+
+def regex_texts(schema: Any) -> Any:
+    """`schema`, checked: no `pattern` or `patternProperties` name ends in an unpaired backslash
+    (_no_trailing_backslash). StructuredOutputError otherwise."""
+    def check(d: dict) -> dict:
+        if isinstance(d.get("pattern"), str):
+            _no_trailing_backslash("json_schema", "the pattern", d["pattern"])
+        for name in d.get("patternProperties") if isinstance(d.get("patternProperties"), dict) else ():
+            _no_trailing_backslash("json_schema", "the patternProperties name", name)
+        return d
+    return map_subschemas(schema, check)
 
 
 def _validate(kind: str, grammar: str) -> None:
