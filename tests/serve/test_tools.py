@@ -438,6 +438,18 @@ def test_a_strict_tool_may_use_formats_llguidance_does_not_know(compiler):
     assert not _accepts(compiler, HermesParser().grammar(login, "required"), call.replace("a@b.co", "ab"))
 
 
+def test_a_tool_call_takes_only_valid_dates_and_times(compiler):
+    """A tool's date-time argument is RFC 3339's (lumen.engine.structured.constraint.exact_formats), as a
+    response_format's: llguidance's own regex took a leap second at any time and February 29 of every year."""
+    meet = parse_tools([{"type": "function", "function": {"name": "meet", "parameters": {
+        "type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}, "required": ["at"]}}}])
+    call = '<tool_call>\n{"name": "meet", "arguments": {"at": "%s"}}\n</tool_call>'
+    grammar = HermesParser().grammar(meet, "required")
+    assert _accepts(compiler, grammar, call % "2024-02-29T10:00:00Z")
+    assert not _accepts(compiler, grammar, call % "2024-03-01T10:00:60Z")
+    assert not _accepts(compiler, grammar, call % "2023-02-29T10:00:00Z")
+
+
 def test_a_tool_without_parameters_takes_no_arguments(compiler):
     """OpenAI: omitting parameters defines an empty parameter list, so the call's arguments are {}."""
     now = parse_tools([{"type": "function", "function": {"name": "now", "description": "The time."}}])
