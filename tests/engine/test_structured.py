@@ -438,8 +438,12 @@ def test_a_schema_that_matches_no_text_is_refused(compilers, schema):
     """$refs that loop back before any value through anyOf (which no_ref_loops leaves to llguidance): llguidance
     compiles a grammar that fails at its first mask, which would end a request at once with an error (or "stop"
     and no text). The compiler refuses it instead; a grammar that matches the empty text alone is still taken."""
-    with pytest.raises(StructuredOutputError, match="matches no text"):
+    with pytest.raises(StructuredOutputError, match="matches no text.*a \\$ref that leads back"):
         compilers["smollm2-135m"].compile(Constraint.json_schema(schema), timeout=30)
+    for grammar in (Constraint.lark("start: start"), Constraint.gbnf("root ::= x\nx ::= root")):
+        with pytest.raises(StructuredOutputError, match="matches no text") as e:    # a grammar has no $ref
+            compilers["smollm2-135m"].compile(grammar, timeout=30)
+        assert "$ref" not in str(e.value) and "a rule that leads back to itself" in str(e.value)
     compiled = compilers["smollm2-135m"].compile(Constraint.regex(""), timeout=30)
     m = compiled.matcher()
     m.fill_mask(np.zeros(compiled.vocab.mask_words, np.int32))

@@ -52,9 +52,10 @@ class CompiledGrammar:
             # no first token: $refs that loop back before any value ({"$ref": "#"}: "NoExtensionBias"); a request
             # would end at once, with an error or with "stop" and no text
             why = probe.get_error().strip().split("\n", 1)[0]
+            hint = ("a $ref that leads back to itself before any value?" if constraint.kind == "json_schema" else
+                    "a rule that leads back to itself before any text?")
             raise StructuredOutputError(f"invalid {constraint.kind} constraint: it matches no text"
-                                        f"{f' (llguidance: {why})' if why else ''}; a $ref that leads back to "
-                                        f"itself before any value?")
+                                        f"{f' (llguidance: {why})' if why else ''}; {hint}")
         self.compile_s = time.perf_counter() - t0
 
     def matcher(self) -> GrammarMatcher:
