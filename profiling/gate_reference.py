@@ -60,7 +60,7 @@ def main() -> None:
         a.runs, a.rounds, a.pause = 2, 3, 0.0
     import lumen
     numba.set_num_threads(1)
-    m = lumen.load("smollm2-135m", ctx=1024, n_batch=512)
+    m = lumen.load("smollm2-135m", ctx=1024, n_batch=512, threads=1)    # (its steps set their own count)
     m.reset()
     m.prefill(np.arange(10, 74))
 

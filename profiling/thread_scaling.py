@@ -2,7 +2,7 @@
 
     python profiling/thread_scaling.py [--quick] [--model smollm2-135m] [--repeats 5]
 
-Per repeat and thread count (numba.set_num_threads, interleaved): a profiled prefill of --prompt tokens, then
+Per repeat and thread count (a model loaded with each count, interleaved): a profiled prefill of --prompt tokens, then
 --gen decode steps. Per op: median over repeats of its seconds per step; speed-up = 1-thread / 2-thread time.
 """
 from __future__ import annotations
@@ -42,16 +42,14 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     prompt, gen, repeats = (8, 4, 1) if a.quick else (a.prompt, a.gen, a.repeats)
     hi = numba.config.NUMBA_NUM_THREADS
-    model = lumen.load(a.model, ctx=prompt + gen + 1)
-    ids = np.random.default_rng(0).integers(0, model.config.n_vocab, prompt)
     runs: dict[int, list] = {1: [], hi: []}
+    models = {t: lumen.load(a.model, ctx=prompt + gen + 1, threads=t, adaptive_threads=False) for t in runs}
+    ids = np.random.default_rng(0).integers(0, models[1].config.n_vocab, prompt)
     for r in range(repeats + 1):
-        for t in runs:  # interleaved; the first round is warm-up
-            numba.set_num_threads(t)
-            res = profiled_run(model, ids, gen)
+        for t in runs:  # interleaved; the first round is warm-up. (A model's steps run on its own thread count.)
+            res = profiled_run(models[t], ids, gen)
             if r:
                 runs[t].append(res)
-    numba.set_num_threads(hi)
     speed = {}
     for ph in ("prefill", "decode"):
         print(f"\n{ph} ({prompt if ph == 'prefill' else 1} tokens/step): us per step, 1 vs {hi} threads")

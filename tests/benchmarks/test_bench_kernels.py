@@ -110,8 +110,11 @@ def test_attention(gate, benchmark, model, H, Hkv, D, ctx, phase):
 
 @functools.lru_cache(maxsize=1)
 def smollm2_model():
+    import numba
+
     import lumen
-    return lumen.load(SMOLLM2, ctx=1024, n_batch=512)
+    # the threads conftest gave Numba (LUMEN_BENCH_THREADS): a model's steps run on its own count, not Numba's
+    return lumen.load(SMOLLM2, ctx=1024, n_batch=512, threads=numba.get_num_threads())
 
 
 @pytest.mark.smoke
