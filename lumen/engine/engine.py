@@ -81,6 +81,9 @@ class Engine:
         per_block = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * BLOCK * 2
         self.max_num_seqs, self.max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
         n_blocks = kv_blocks(c, per_block)
+        if c.fit_model_len and self.max_model_len > cfg.ctx_train:        # (a server: before the pool's size)
+            raise ValueError(f"max_model_len {self.max_model_len} is beyond the {cfg.ctx_train} tokens this model "
+                             "was trained on")
         if c.fit_model_len and n_blocks * BLOCK < self.max_model_len:
             if c.max_model_len is not None:
                 raise ValueError(f"the KV cache holds {n_blocks * BLOCK} tokens, fewer than max_model_len "

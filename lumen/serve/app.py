@@ -118,9 +118,6 @@ def load_engine(model: str, config: EngineConfig):
             config.check_unchunked(engine.max_model_len)        # (the served length is known from here)
         except ValueError as e:
             raise LumenError(cli_words(str(e))) from None
-        if engine.max_model_len > engine.config.ctx_train:
-            raise LumenError(f"--max-model-len {engine.max_model_len} is beyond the {engine.config.ctx_train} tokens "
-                             "this model was trained on")
         engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0))
         engine.costs.clear()       # that step timed loading the kernels: it must not pace the first requests
         warm_up()

@@ -303,12 +303,13 @@ def test_cli_flags_log_line_and_sigint(smollm2_path, model, tmp_path):
 @pytest.mark.parametrize("args, says", [
     (["--model", "/nonexistent/nope.gguf"], "nope.gguf"),
     (["--max-model-len", "9000"], "trained on"),
+    (["--max-model-len", "100000"], "--max-model-len 100000 is beyond the 8192 tokens"),   # (before the pool)
     (["--max-model-len", "2048", "--kv-cache-mb", "8"], "--kv-cache-mb"),
     (["--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: cannot read it"),
     (["--chat-template", "{bad}"], "--chat-template {bad}: not UTF-8 (invalid start byte at byte 14)"),
     (["--chat-template", "/dev/null"], "--chat-template /dev/null is empty"),     # (it served empty prompts)
-], ids=["no such model", "beyond the trained context", "KV cache too small", "no such template", "not UTF-8",
-        "empty template"])
+], ids=["no such model", "beyond the trained context", "far beyond it", "KV cache too small", "no such template",
+        "not UTF-8", "empty template"])
 def test_cli_startup_errors_are_one_line(smollm2_path, args, says, tmp_path):
     bad = tmp_path / "bad.jinja"
     bad.write_bytes(b"{{ messages }}\xff")
