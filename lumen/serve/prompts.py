@@ -74,8 +74,8 @@ class Prompter:
         while size < len(text):
             n = len(self._encode(text[:size], False, param, special, shielded))
             if n > self.max_model_len + PROBE_SLACK:
-                raise ApiError(400, f"the {param} has more than {n - PROBE_SLACK} tokens in its first {size} "
-                                    f"characters; max_model_len is {self.max_model_len}", param)
+                raise ApiError(400, f"the first {size} characters of {param} are more than {n - PROBE_SLACK} "
+                                    f"tokens; max_model_len is {self.max_model_len}", param)
             size *= 4
         return self.encode(text, add_special=add_special, param=param, special=special, shielded=shielded)
 
