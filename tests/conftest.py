@@ -26,6 +26,7 @@ import fcntl
 import gc
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,15 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         first.setdefault(item.path, _compile_free(item))
     items.sort(key=lambda item: (not first[item.path], -FILE_SECONDS.get(item.path.name, 0)))
+
+
+def pytest_configure(config):
+    """A run started in the background by a script or a non-interactive shell (`pytest &`, as CI jobs may be)
+    starts with SIGINT ignored, and a command a test starts inherits an ignored signal: the tests that press
+    Ctrl-C on a command then tested nothing (it ran to its end, status 0) unless an earlier test in that process had
+    put a handler back. Ctrl-C is a KeyboardInterrupt again here, which stops what the fixtures started."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)         # before xdist starts the workers, so that they inherit WARM_LOCK
