@@ -64,7 +64,8 @@ def test_sighup_drains_like_sigterm(smollm2_path, tmp_path):
     """SIGHUP (the terminal that started the server closed) killed the process at once, by its default action, with
     the streams in flight cut and no exit code; now it drains as SIGTERM does: the stream finishes, exit 0."""
     proc = ServerProcess(lumen_serve(smollm2_path, "--max-model-len", "512", "--kv-cache-mb", "16", "--no-ui"),
-                         tmp_path / "server.log")
+                         tmp_path / "server.log",       # (as from a terminal, even when this run is under nohup)
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         async def go():
             chunks, done = 0, False
