@@ -26,9 +26,10 @@ def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
                 f", got {len(prompt)} strings: one prompt is one string (lumen.Engine.generate takes a list of "
                 "prompts)" if texts else ""))
         ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < n_vocab]
+        end = min(n_vocab, tokenizer.vocab_end)   # (past the tokenizer's: padding rows of the embedding)
+        bad = [t for t in ids if not 0 <= t < end]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{end - 1})")
     else:
         raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:

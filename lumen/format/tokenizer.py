@@ -205,6 +205,12 @@ class Tokenizer:
             self.attrs = [ATTR_NORMAL] * n                # (n_vocab,) llama.cpp token attributes
         else:
             self.attrs = [TYPE_TO_ATTR.get(t, 0) for t in types]
+        # one past the last token the model's tokenizer has: the GGUF's trailing unused "[PADn]" tokens only pad
+        # the list to the embedding rows (Qwen2: 151665..151935) and are no token a prompt can hold
+        end = n
+        while end > 1 and self.attrs[end - 1] == ATTR_UNUSED:
+            end -= 1
+        self.vocab_end: int = end
 
         def special_id(key: str, default: int | None) -> int | None:
             if default is not None and not 0 <= default < n:

@@ -244,6 +244,21 @@ def test_qwen_coder_ends_and_fills_in_the_middle_as_llama_cpp(qwen05_file):
     assert not set(fim) & (tok.eot_ids | set(tok.encode(text, add_bos=False, special=False)))
 
 
+def test_vocab_end_leaves_out_the_padding_rows_only(qwen05_file, smol, gemma):
+    """Qwen2.5's GGUF pads its 151665 tokens with unused "[PADn]" ones up to the 151936 embedding rows; they are
+    past vocab_end, so a prompt of them is refused (lumen.engine.admission), while every token of the tokenizer,
+    added and special ones too (<|file_sep|>, the last), is still taken."""
+    from lumen.engine.admission import RequestError, prompt_ids
+    tok = Tokenizer.from_metadata(read_metadata(qwen05_file))
+    assert (tok.n_vocab, tok.vocab_end, tok.tokens[151664], tok.tokens[151665]) == (151936, 151665, "<|file_sep|>",
+                                                                                     "[PAD151665]")
+    assert (smol.vocab_end, gemma.vocab_end) == (smol.n_vocab, gemma.n_vocab)       # nothing padded there
+    assert prompt_ids([151643, 151644, 151664, 0], tok, 151936, True) == [151643, 151644, 151664, 0]
+    for bad in (151665, 151935):
+        with pytest.raises(RequestError, match=rf"^token id {bad} is outside the vocabulary \(0\.\.151664\)$"):
+            prompt_ids([1, bad], tok, 151936, True)
+
+
 def test_decode_special(smol, gemma):
     ids = gemma.encode("<start_of_turn>user\nhi<end_of_turn>", add_bos=True, special=True)
     assert gemma.decode(ids) == "user\nhi"

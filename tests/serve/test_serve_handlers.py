@@ -27,7 +27,7 @@ BOS, EOS = 256, 257
 
 class ByteTokenizer:
     """Token i < 256 is byte i; 256 and 257 are BOS and EOS."""
-    n_vocab, bos_id, eos_id, add_bos_default = 258, BOS, EOS, True
+    n_vocab, vocab_end, bos_id, eos_id, add_bos_default = 258, 258, BOS, EOS, True
     default_bos = Tokenizer.default_bos          # the real rule (it reads the three fields above)
 
     def token_bytes(self, i: int, special: bool = False) -> bytes:
@@ -138,6 +138,23 @@ def test_tokenize_handler_alone():
     with pytest.raises(P.ApiError) as e:
         asyncio.run(t.tokenize(P.TokenizeRequest()))
     assert (e.value.status, e.value.param) == (400, "prompt")
+
+
+def test_ids_past_the_tokenizer_are_refused_though_the_model_has_rows_for_them():
+    """Qwen2's embedding has rows past its tokenizer (151665..151935, "[PADn]" in the GGUF): /detokenize gave ""
+    for them (200) and a prompt of them ran; vLLM refuses ids outside the tokenizer's vocabulary, so do we."""
+    worker = ScriptedWorker()
+    worker.engine.tokenizer.vocab_end = 257                        # 257 (EOS here) pads the model's rows
+    t = tokenize.ServingTokenize(worker, prompter(worker), SETTINGS)
+    assert t.detokenize(P.DetokenizeRequest(tokens=[BOS, 104]))["content"] == "<s>h"
+    with pytest.raises(P.ApiError) as e:
+        t.detokenize(P.DetokenizeRequest(tokens=[104, 257]))
+    assert (e.value.status, e.value.param, e.value.message) == (400, "tokens", "token id 257 is outside the "
+                                                                                "vocabulary (0..256)")
+    with completion_client(ScriptedWorker(refuse=ContextError("does not fit"))) as c:
+        c.app.state.completion.engine.tokenizer.vocab_end = 257    # a fitting prompt, save that its id is padding
+        r = c.post("/v1/completions", json={"prompt": [1, 257], "max_tokens": 64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_tokenize_refuses_more_than_max_model_len_tokens():

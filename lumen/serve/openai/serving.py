@@ -64,6 +64,11 @@ class Serving:
             raise P.ApiError(404, f"the model {name!r} does not exist (this server serves "
                                   f"{self.settings.model_id!r})", "model")
 
+    def vocab_end(self) -> int:
+        """One past the largest token id a prompt (or /detokenize) may hold: the tokenizer's last, not the model's
+        embedding rows past it (Qwen2's 151665..151935 pad the matrix; lumen.engine.admission refuses them)."""
+        return min(self.engine.config.n_vocab, self.engine.tokenizer.vocab_end)
+
 
 class Generation(Serving):
     """The completions and chat endpoints: their requests go to the worker, their outputs come back as a whole
@@ -126,7 +131,7 @@ class Generation(Serving):
     def context_blamed(self, prompts: list[list[int]], params: list, max_tokens_param: str) -> str:
         """The parameter a request the engine cannot fit is about: max_tokens when every prompt is a valid one that
         leaves room in the context, but not the max_tokens asked beyond it; else the prompt."""
-        L, V = self.engine.max_model_len, self.engine.config.n_vocab
+        L, V = self.engine.max_model_len, self.vocab_end()
         if all(0 < len(p) < L and all(0 <= t < V for t in p) for p in prompts) and any(
                 sp.max_tokens is not None and len(p) + sp.max_tokens > L for p, sp in zip(prompts, params)):
             return max_tokens_param

@@ -72,7 +72,7 @@ class ServingTokenize(Serving):
         self.check_model(req.model)
         if len(req.tokens) > self.engine.max_model_len:
             raise P.ApiError(400, f"{len(req.tokens)} tokens; max_model_len is {self.engine.max_model_len}", "tokens")
-        V = self.engine.config.n_vocab
+        V = self.vocab_end()
         bad = [t for t in req.tokens if not 0 <= t < V]
         if bad:
             raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{V - 1})", "tokens")
