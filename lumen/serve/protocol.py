@@ -22,6 +22,7 @@ Constraint, or an ApiError(400) naming the field with llguidance's message.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
@@ -274,7 +275,34 @@ def parse(body: bytes, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise ApiError(400, *_describe(e.errors(include_url=False))) from None
+        errors = e.errors(include_url=False)
+        lone = _lone_surrogate(body) if errors[0]["type"] == "json_invalid" else None
+        if lone is not None:                          # (the parser says "unexpected end of hex escape")
+            raise ApiError(400, f"invalid JSON: a lone UTF-16 surrogate {lone} (a \\uD800-\\uDBFF escape must be "
+                                f"followed by a \\uDC00-\\uDFFF one, which stands after no other)") from None
+        raise ApiError(400, *_describe(errors)) from None
+
+
+ESCAPE = re.compile(r"\\(?:u([0-9A-Fa-f]{4})|.)", re.S)     # one JSON string escape: \uXXXX or \n, \\, ...
+
+
+def _lone_surrogate(body: bytes) -> str | None:
+    """Where the body's first \\uXXXX escape of a UTF-16 surrogate that is not half of a high-low pair is, as
+    "\\ud800 at line 1 column 13" (1-based, in characters, of its backslash); None when there is none."""
+    text = body.decode("utf-8", errors="replace")
+    escapes = list(ESCAPE.finditer(text))
+    units = [int(m.group(1), 16) if m.group(1) else 0 for m in escapes]      # (0: not a \uXXXX escape)
+    paired = [False] * len(escapes)
+    for i in range(len(escapes) - 1):
+        if (0xD800 <= units[i] <= 0xDBFF and 0xDC00 <= units[i + 1] <= 0xDFFF and not paired[i]
+                and escapes[i].end() == escapes[i + 1].start()):
+            paired[i] = paired[i + 1] = True
+    for m, unit, ok in zip(escapes, units, paired):
+        if 0xD800 <= unit <= 0xDFFF and not ok:
+            line = text.count("\n", 0, m.start()) + 1
+            column = m.start() - text.rfind("\n", 0, m.start())
+            return f"{m.group(0)} at line {line} column {column}"
+    return None
 
 
 def _describe(errors: list[dict]) -> tuple[str, str | None]:

@@ -119,3 +119,19 @@ def test_a_utf8_byte_order_mark_before_the_json_is_skipped():
     with pytest.raises(P.ApiError) as e:
         P.parse(bom + bom + b'{"prompt": "hi"}', P.CompletionRequest)     # one mark, not any number
     assert "malformed JSON" in e.value.message
+
+
+@pytest.mark.parametrize("body, where", [
+    (rb'{"prompt": "\ud800"}', r"\ud800 at line 1 column 13"),                 # a high one at the end
+    (rb'{"prompt": "a\udc00b"}', r"\udc00 at line 1 column 14"),               # a low one alone
+    (rb'{"prompt": "\ud800\u0041"}', r"\ud800 at line 1 column 13"),           # a high one before a non-low
+    (rb'{"prompt": "\ud800\ud800\udc00"}', r"\ud800 at line 1 column 13"),     # the first of two highs
+    (b'{"prompt": "\\\\ud800 \\ud83d\\ude00",\n "suffix": "\\ude00"}', r"\ude00 at line 2 column 13"),
+])
+def test_a_lone_surrogate_escape_is_named_not_the_parsers_words(body, where):
+    """A lone UTF-16 surrogate escape was refused in the JSON parser's words ("unexpected end of hex escape"):
+    the 400 names it and where it stands; an escaped backslash and a whole pair are no surrogate of their own."""
+    with pytest.raises(P.ApiError) as e:
+        P.parse(body, P.CompletionRequest)
+    assert e.value.status == 400 and e.value.message.startswith(f"invalid JSON: a lone UTF-16 surrogate {where} ")
+    assert P.parse(rb'{"prompt": "\\ud800 \ud83d\ude00"}', P.CompletionRequest).prompt == "\\ud800 \U0001F600"
