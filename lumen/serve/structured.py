@@ -155,10 +155,15 @@ def _schema(value: Any, param: str, options: dict | None = None) -> Constraint:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             _fail(param, f"the schema is not valid JSON: {e}")
+        if not isinstance(value, (Mapping, bool)):        # ('"x"': JSON, but no schema; not to be read again)
+            _fail(param, f"the schema must be a JSON object, got a JSON {_JSON_TYPES.get(type(value), 'value')}")
     if options and isinstance(value, Mapping):
         own = value.get("x-guidance")
         value = {**value, "x-guidance": {**options, **(own if isinstance(own, Mapping) else {})}}
     return _wrap(Constraint.json_schema, value, param)
+
+
+_JSON_TYPES = {str: "string", int: "number", float: "number", list: "array", type(None): "null"}
 
 
 def _text(make, value: Any, param: str) -> Constraint:

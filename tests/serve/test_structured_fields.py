@@ -86,6 +86,17 @@ def test_fields_map_to_constraints(body, want):
      "Expected string for 'required' item"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
         "type": "integer", "minimum": 10 ** 400}}}}, "response_format", "number out of range"),   # OverflowError
+    # JSON Schema's multipleOf is > 0 (-2 was taken; 0 was "invalid multiple of" for an integer only)
+    ({"guided_json": {"type": "number", "multipleOf": -2}}, "guided_json", "multipleOf must be greater than 0, got -2"),
+    ({"json_schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 0}}}}, "json_schema",
+     "json_schema: invalid json_schema constraint: multipleOf must be greater than 0, got 0"),
+    ({"guided_json": {"type": "string", "maxLength": 10 ** 12}}, "guided_json",    # was "decimal literal invalid"
+     "maxLength 1000000000000 is beyond the longest string length llguidance enforces (4294967295)"),
+    ({"guided_json": {"type": "string", "minLength": 2 ** 32}}, "guided_json", "minLength 4294967296 is beyond"),
+    # JSON text that is JSON, but no schema: it said "not valid JSON" (it was read a second time)
+    ({"guided_json": '"x"'}, "guided_json", "guided_json: the schema must be a JSON object, got a JSON string"),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs",
+     "structured_outputs.json: the schema must be a JSON object, got a JSON array"),
 ])
 def test_bad_fields_are_named(body, param, message):
     with pytest.raises(StructuredFieldError) as e:
@@ -117,3 +128,4 @@ def test_response_format_schema_is_exact_only_when_strict():
     with pytest.raises(StructuredFieldError, match="strict") as e:
         constraint_from_body(body(strict="yes"))
     assert e.value.param == "response_format"
+

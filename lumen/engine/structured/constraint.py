@@ -27,7 +27,8 @@ Schema makes an unknown format an annotation, which validators ignore too. The f
 and hostname become regexes of our own (`exact_formats`: llguidance's take a leap second at any time). An
 exclusive whole-number bound with the other bound less than 1 away becomes an inclusive one just past it
 (`exclusive_bounds`: llguidance's number regex takes the bound itself there). A const or enum integer beyond 2^53 is an error (`exact_data`:
-llguidance writes the nearest double). An object schema that lists its
+llguidance writes the nearest double), and so are a multipleOf of 0 or less and a string length past 2^32 - 1
+(`keyword_ranges`). An object schema that lists its
 properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
 patterns llguidance cannot enforce (look-around, backreferences).
 """
@@ -165,7 +166,8 @@ class Constraint:
             _fail("json_schema", "the schema is nested too deeply")
         try:
             schema = regex_texts(no_ref_loops(schema))
-            schema = closed_objects(known_formats(exact_formats(exclusive_bounds(integer_bounds(exact_data(schema))))))
+            schema = closed_objects(known_formats(exact_formats(exclusive_bounds(integer_bounds(exact_data(
+                keyword_ranges(schema)))))))
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
@@ -365,6 +367,27 @@ def integer_bounds(schema: Any) -> Any:
                 if _number(v) and not (abs(v) < 2 ** 63 and float(v) == v):
                     _fail("json_schema", f"the integer bound {k}: {v} is beyond what llguidance enforces "
                                          f"(integers below 2^63 that a double holds exactly)")
+        return d
+    return map_subschemas(schema, check)
+
+
+MAX_STRING_LENGTH = 2 ** 32 - 1      # llguidance's longest minLength / maxLength (a regex repetition count)
+
+
+def keyword_ranges(schema: Any) -> Any:
+    """`schema`, checked: a numeric `multipleOf` is greater than 0 (JSON Schema's rule; llguidance 1.9 took -2, and
+    refused 0 for an integer only, as "invalid multiple of"), and a string's minLength / maxLength is at most
+    MAX_STRING_LENGTH (llguidance refused 10**12 as "regex parse error: decimal literal invalid").
+    StructuredOutputError otherwise."""
+    def check(d: dict) -> dict:
+        m = d.get("multipleOf")
+        if _number(m) and m <= 0:
+            _fail("json_schema", f"multipleOf must be greater than 0, got {m}")
+        for k in ("minLength", "maxLength"):
+            v = d.get(k)
+            if _number(v) and v > MAX_STRING_LENGTH:
+                _fail("json_schema", f"{k} {v} is beyond the longest string length llguidance enforces "
+                                     f"({MAX_STRING_LENGTH})")
         return d
     return map_subschemas(schema, check)
 
