@@ -129,3 +129,27 @@ def test_response_format_schema_is_exact_only_when_strict():
         constraint_from_body(body(strict="yes"))
     assert e.value.param == "response_format"
 
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_pattern_that_is_no_regex_is_refused_strict_or_not(strict):
+    """A non-strict (lenient) schema drops the patterns llguidance cannot enforce (look-around, backreferences,
+    named ones too); it dropped one that does not parse either ("("), and the request ran unconstrained."""
+    def body(pattern):
+        schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                                           "strict": strict}}}
+
+    for pattern, why in [("(", "unclosed group"), ("a{2,1}", "invalid repetition count range"),
+                         ("*", "repetition operator missing expression")]:
+        with pytest.raises(StructuredFieldError, match=why) as e:
+            constraint_from_body(body(pattern))
+        assert e.value.param == "response_format"
+        if not strict:
+            assert f"the pattern {pattern!r} is not a valid regex: {why}" in str(e.value)
+    for pattern in ("^(?=.*\\d).{8,}$", "(a)\\1", "(?<n>a)\\k<n>"):
+        if strict:
+            with pytest.raises(StructuredFieldError):
+                constraint_from_body(body(pattern))
+        else:
+            assert "pattern" not in json.loads(constraint_from_body(body(pattern)).value)["properties"]["s"]
+    assert json.loads(constraint_from_body(body("^\\p{L}+$")).value)["properties"]["s"]["pattern"] == "^\\p{L}+$"

@@ -30,7 +30,7 @@ exclusive whole-number bound with the other bound less than 1 away becomes an in
 llguidance writes the nearest double), and so are a multipleOf of 0 or less and a string length past 2^32 - 1
 (`keyword_ranges`). An object schema that lists its
 properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
-patterns llguidance cannot enforce (look-around, backreferences).
+patterns llguidance cannot enforce (look-around, backreferences); one that is no regex at all is still an error.
 """
 from __future__ import annotations
 
@@ -423,20 +423,35 @@ def _past(k: float, sign: int) -> float:
 def enforceable_patterns(schema: Any) -> Any:
     """`schema` without the string `pattern`s llguidance cannot enforce (look-around, backreferences: JSON Schema
     patterns are ECMA-262, llguidance's regexes Rust's), for a lenient schema, which ignores what it cannot
-    enforce: a password rule `^(?=.*\\d).{8,}$` is dropped rather than the request refused."""
+    enforce: a password rule `^(?=.*\\d).{8,}$` is dropped rather than the request refused. A pattern that is no
+    regex at all ("(") is refused, as in a strict schema, rather than dropped. StructuredOutputError then."""
     def drop(d: dict) -> dict:
         p = d.get("pattern")
-        return {k: v for k, v in d.items() if k != "pattern"} if isinstance(p, str) and not _pattern_ok(p) else d
+        why = _pattern_error(p) if isinstance(p, str) else None
+        if why is None:
+            return d
+        if not UNENFORCEABLE.search(why) and "\\k<" not in p:     # (a named backreference: "unrecognized escape")
+            _fail("json_schema", f"the pattern {p!r} is not a valid regex: {why}")
+        return {k: v for k, v in d.items() if k != "pattern"}
     return map_subschemas(schema, drop)
 
 
+UNENFORCEABLE = re.compile(r"look-around|backreferences")   # what llguidance's regex error names when it is that
+
+
 @functools.lru_cache(maxsize=1024)
-def _pattern_ok(pattern: str) -> bool:
+def _pattern_error(pattern: str) -> str | None:
+    """llguidance's complaint about a schema's string pattern ("error: unclosed group"), None when it takes it."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
-    except Exception:  # noqa: BLE001 - ValueError from llguidance: the pattern does not parse
-        return False
-    return not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]
+    except Exception as e:  # noqa: BLE001 - ValueError from llguidance: the pattern does not parse
+        messages = [str(e)]
+    else:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if not is_error:
+            return None
+    last = (messages[0] if messages else "").strip().splitlines() or ["rejected by llguidance"]
+    return last[-1].removeprefix("error: ")
 
 
 _COMBINERS = ("allOf", "anyOf", "oneOf")
