@@ -686,13 +686,7 @@ def test_endpoint_stream_joins_to_the_whole_message(reply):
             sub.queue.put_nowait(RequestOutput("r0", prompts[0], [], "", True, "stop", RequestMetrics()))
             return sub
 
-    app = FastAPI()
-    add_error_handlers(app)
-    app.include_router(chat.router)
-    worker = Worker()
-    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, TEMPLATE, 4096),
-                                      Settings(model_id="bytes"))
-    http = TestClient(app)
+    http = _chat_client(Worker())
     whole = http.post("/v1/chat/completions", json=BODY).json()["choices"][0]
     with http.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as s:
         events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
@@ -703,6 +697,16 @@ def test_endpoint_stream_joins_to_the_whole_message(reply):
     calls = [{"name": c["name"], "arguments": c["arguments"]} for c in joined.get("tool_calls", {}).values()]
     assert calls == [c["function"] for c in whole["message"].get("tool_calls", [])]
 
+
+
+def _chat_client(worker) -> TestClient:
+    """A client of the chat endpoint alone over worker (a scripted one), with the server's error handlers."""
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(chat.router)
+    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, TEMPLATE, 4096),
+                                      Settings(model_id="bytes"))
+    return TestClient(app)
 
 TWO_CALLS = CALL + "\n" + CALL.replace('"a": 1', '"a": 7')
 
@@ -727,13 +731,7 @@ def test_endpoint_streams_one_call_entry_per_chunk_name_first(size):
                 lo = hi
             return sub
 
-    app = FastAPI()
-    add_error_handlers(app)
-    app.include_router(chat.router)
-    worker = Worker()
-    app.state.chat = chat.ServingChat(worker, Prompter(worker.engine.tokenizer, TEMPLATE, 4096),
-                                      Settings(model_id="bytes"))
-    http = TestClient(app)
+    http = _chat_client(Worker())
     whole = http.post("/v1/chat/completions", json={**BODY, "max_tokens": 500}).json()["choices"][0]
     assert [json.loads(c["function"]["arguments"])["a"] for c in whole["message"]["tool_calls"]] == [1, 7]
     with http.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": 500, "stream": True}) as s:
