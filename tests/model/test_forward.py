@@ -122,14 +122,15 @@ def test_gemma3_long_context_sliding_window(models):
     d = json.loads((DATA / "gemma3-270m.longctx.llamacpp.json").read_text())
     ids = d["tokens"]
     assert m.tokenize(d["text"]) == ids
-    # teacher-forced in chunks of 128 positions (the same bits as one call): keep only each position's loss and
-    # argmax, never all 1475 x 262144 logits (1.5 GB, and float64 copies of them)
+    # teacher-forced in chunks of 32 positions (the same bits as one call): keep only each position's loss and
+    # argmax, never all 1475 x 262144 logits (1.5 GB, and float64 copies of them; chunks of 128 still took the
+    # test process 0.7 GB past its other peaks, most of the clean-clone CI's peak RSS)
     m.reset()
     nll, argmax = [], []
-    for a in range(0, len(ids), 128):
-        rows = m.prefill(ids[a:a + 128], all_logits=True)
+    for a in range(0, len(ids), 32):
+        rows = m.prefill(ids[a:a + 32], all_logits=True)
         argmax += rows.argmax(1).tolist()
-        nxt = ids[a + 1:a + 129]                                  # what each row predicts
+        nxt = ids[a + 1:a + 33]                                   # what each row predicts
         nll.append(nll_of(np.concatenate([rows[:len(nxt)], rows[:1]]), [ids[a]] + nxt))  # (last row: unused pad)
     nll = np.concatenate(nll)
     ref = np.asarray(d["nll_per_token"])
