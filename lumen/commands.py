@@ -10,6 +10,7 @@ model loads; 1 for a run that failed; 130 and 141 from run().
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import warnings
@@ -51,6 +52,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """An unknown flag is said before a missing required one (argparse checks the required ones first, so
+        `perplexity --bogus` said "--file is required")."""
+        required = [a for a in self._actions if a.required and a.option_strings]
+        if not required:
+            return super().parse_args(args, namespace)
+        for a in required:
+            a.required = False
+        try:
+            _, extras = self.parse_known_args(args, copy.copy(namespace))
+        finally:
+            for a in required:
+                a.required = True
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return super().parse_args(args, namespace)
 
 
 def threads_error(threads: int | None) -> str | None:

@@ -16,10 +16,12 @@ from lumen.commands import run
     ("lumen.generate", "python -m lumen.generate", ["-p", "a", "--speculative", "maybe"],
      "argument --speculative: invalid choice: 'maybe' (choose from ngram, draft)"),
     ("lumen.chat", "python -m lumen.chat", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("lumen.perplexity", "python -m lumen.perplexity", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("lumen.perplexity", "python -m lumen.perplexity", [], "the following arguments are required: --file/-f"),
     ("lumen.chat", "python -m lumen.chat", ["--temperature", "hot"], "argument --temperature/--temp: invalid "
                                                                       "float value: 'hot'"),
 ], ids=["generate-unknown", "generate-not-int", "generate-exclusive", "generate-choice", "chat-unknown",
-        "chat-not-float"])
+        "perplexity-unknown", "perplexity-no-file", "chat-not-float"])
 def test_a_wrong_command_line_is_one_line(module, prog, argv, message, capsys):
     import importlib
     assert run(importlib.import_module(module).main, argv) == 2
