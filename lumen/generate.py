@@ -268,6 +268,8 @@ def constraint_from_args(args):
     elif args.regex is not None:
         flag, make, value = "--regex", Constraint.regex, args.regex
     elif args.choice:
+        if "" in args.choice:                            # (the only reply it allows is an empty one)
+            raise UsageError("--choice: a choice cannot be empty")
         flag, make, value = "--choice", Constraint.choice, args.choice
     elif args.json_object:
         return Constraint.json_object()

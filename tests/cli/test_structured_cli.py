@@ -53,7 +53,8 @@ def test_constrained_output(smollm2_path, tmp_path, kind):
     (["--json-schema", "{tmp}/missing.json"], "error: --json-schema {tmp}/missing.json: cannot read it"),
     (["--grammar", "{tmp}/bad.gbnf"], "error: --grammar {tmp}/bad.gbnf: invalid grammar_gbnf constraint"),
     (["--regex", "(a"], "error: --regex: invalid regex constraint"),
-], ids=["schema-type", "schema-not-json", "missing-file", "gbnf", "regex"])
+    (["--choice", "yes", "--choice", ""], "error: --choice: a choice cannot be empty"),
+], ids=["schema-type", "schema-not-json", "missing-file", "gbnf", "regex", "empty-choice"])
 def test_bad_constraint_is_usage_error(smollm2_path, tmp_path, args, message):
     (tmp_path / "bad.json").write_text('{"type": "strng"}')
     (tmp_path / "notjson.json").write_text('{"type": ')
