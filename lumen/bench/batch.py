@@ -39,7 +39,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
-from .tools import ToolNotFound, find_tool, refuse, split_args
+from .tools import ToolNotFound, comma_list, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig, available_mb
 
@@ -158,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     extra = split_args(ap, "--llama-args", args.llama_args)
     try:
-        levels = sorted({int(x) for x in args.npl.split(",") if x.strip()})
+        items = comma_list("-npl", args.npl)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        levels = sorted({int(x) for x in items})
     except ValueError:
         ap.error(f"-npl takes comma-separated integers, got {args.npl!r}")
     for flag, v in (("-npp", args.npp), ("-ntg", args.ntg), ("-r", args.repetitions)):

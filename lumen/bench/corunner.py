@@ -25,6 +25,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from .tools import comma_list
+
 KINDS = ("none", "sleep", "busy")
 SETTLE_S = 1.2          # seconds after a co-runner ends before the block does (> lumen.engine.threads.RESET_S)
 
@@ -67,7 +69,7 @@ def parse_kinds(text: str | None) -> list[str]:
     too, as the idle figure)."""
     if not text:
         return []
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    kinds = comma_list("--corunner", text)
     bad = [k for k in kinds if k not in KINDS or k == "none"]
     if bad:
         raise ValueError(f"--corunner takes {', '.join(k for k in KINDS if k != 'none')} (comma-separated), "

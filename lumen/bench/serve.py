@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 from ..commands import Parser, check_writable, prog
 from .mix import MIXES as MIX_NAMES
+from .tools import comma_list
 
 LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
 llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
@@ -697,8 +698,9 @@ def run_started(loads: dict, args, binary: str | None) -> tuple[dict, dict, dict
 
 
 def _levels(text: str) -> list[int]:
+    items = comma_list("--concurrency", text)
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        levels = [int(x) for x in items]
     except ValueError:
         raise ValueError(f"--concurrency takes comma-separated integers, got {text!r}") from None
     if not levels or min(levels) < 1:

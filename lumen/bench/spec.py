@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from .tools import ToolNotFound, find_tool, refuse, split_args
+from .tools import ToolNotFound, comma_list, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog
 from ..cpu import usable_cpus
 from ..engine.config import EngineConfig
@@ -145,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
                     ("--num-speculative-tokens", args.num_speculative_tokens)):
         if v < 1:
             ap.error(f"{flag} must be at least 1, got {v}")
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if not kinds:
+    if not args.kinds.replace(",", "").strip():
         ap.error("--kinds names no workload")
+    try:
+        kinds = comma_list("--kinds", args.kinds)
+    except ValueError as e:
+        ap.error(str(e))
     for k in kinds:
         if k not in KINDS:
             ap.error(f"unknown kind {k!r} (kinds: {', '.join(KINDS)})")

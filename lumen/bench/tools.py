@@ -50,6 +50,15 @@ def refuse(ap: argparse.ArgumentParser, message: str):
     ap.exit(2, f"{ap.prog}: error: {message}\n")
 
 
+def comma_list(flag: str, text: str) -> list[str]:
+    """A comma-separated flag's items, stripped; ValueError on an empty one: "1,2," or "a,,b" is a typo, not a
+    shorter list. Every list flag of the benchmarks reads its value with this."""
+    items = [x.strip() for x in text.split(",")]
+    if "" in items:
+        raise ValueError(f"{flag} {text!r} has an empty item (comma-separated, none empty)")
+    return items
+
+
 def split_args(ap: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
     """`--llama-args "..."` as the tool's argv (shell quoting); an unclosed quote is a usage error, said before any
     work rather than as a traceback after the model has loaded."""

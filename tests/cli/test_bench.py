@@ -395,3 +395,19 @@ def test_a_llama_tool_that_printed_nothing_is_said_so(smollm2_path):
         with pytest.raises(RuntimeError) as e:
             run()
         assert str(e.value).endswith("1): it printed nothing"), str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["batch", "-npl", "1,2,"], "-npl '1,2,' has an empty item"),
+    (["batch", "--corunner", "busy,"], "--corunner 'busy,' has an empty item"),
+    (["single", "--corunner", "sleep,,busy"], "--corunner 'sleep,,busy' has an empty item"),
+    (["spec", "--kinds", "completion,"], "--kinds 'completion,' has an empty item"),
+    (["serve", "--concurrency", "1,,4"], "--concurrency '1,,4' has an empty item"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_list_flag_refuses_an_empty_item(argv, message, capsys):
+    """`-npl 1,2,` ran levels 1 and 2, and `--kinds completion,` one kind, as if the typo were not there."""
+    from lumen.bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
