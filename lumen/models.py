@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.fetch:
             fetch(args.fetch)                            # a changed file is checked first, fetched again if bad
         if args.verify:
-            verify(args.verify)
+            path = verify(args.verify)                   # (a mismatch is a FetchError, said below)
+            print(f"{args.verify}: sha256 matches, verified: {path}", file=sys.stderr)
     except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -47,3 +47,20 @@ def test_help_names_the_models_fetch_takes(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "unless it is fetched already: " in out
     assert all(name in out for name in MODELS), out
+
+
+def test_verify_says_what_it_verified(monkeypatch, tmp_path, capsys):
+    """`lumen models --verify NAME` printed the table and nothing saying the check was done, or passed."""
+    from lumen import models
+    from lumen.errors import FetchError
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
+    monkeypatch.setattr(models, "verify", lambda name: tmp_path / f"{name}.gguf")
+    assert models.main(["--verify", "smollm2-135m"]) == 0
+    assert capsys.readouterr().err == f"smollm2-135m: sha256 matches, verified: {tmp_path / 'smollm2-135m.gguf'}\n"
+
+    def mismatch(name):
+        raise FetchError(f"sha256 mismatch for {name}")
+    monkeypatch.setattr(models, "verify", mismatch)
+    assert models.main(["--verify", "smollm2-135m"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: sha256 mismatch for smollm2-135m\n"
