@@ -170,16 +170,19 @@ def _server_class():
                         self.force_exit = True
                     self.loop.call_soon_threadsafe(self.worker.abort_all, 503, "the server is shutting down now")
                 else:
-                    self.loop.call_soon_threadsafe(self.drain)
+                    self.loop.call_soon_threadsafe(self.drain, sig)
             self.signals_seen += 1
             self.should_exit = True
 
-        def drain(self) -> None:
-            """The first signal, on the event loop: say what the wait is and how to end it, then drain."""
+        def drain(self, sig: int) -> None:
+            """The first signal, on the event loop: say what the wait is and how to end it (the same signal again:
+            Ctrl-C at a terminal, `kill` from a supervisor), then drain."""
             n = len(self.worker.submissions())
             if n:
-                log.warning("shutting down: draining %d in-flight request%s (up to %.0f s); press Ctrl-C again to "
-                            "stop now", n, "s" * (n != 1), self.shutdown_timeout)
+                again = ("press Ctrl-C again" if sig == signal.SIGINT
+                         else f"send {signal.Signals(sig).name} again")
+                log.warning("shutting down: draining %d in-flight request%s (up to %.0f s); %s to stop now", n,
+                            "s" * (n != 1), self.shutdown_timeout, again)
             else:
                 log.info("shutting down: nothing in flight")
             self.worker.drain(self.shutdown_timeout)

@@ -128,3 +128,25 @@ def test_abort_all_ends_the_streams_without_waiting_for_the_step():
         assert [o.request_id for o in observed] == ["r1"] and sub.queue.empty()
 
     asyncio.run(asyncio.wait_for(go(), 5))
+
+
+def test_the_drain_line_says_how_to_stop_now_with_the_signal_received(caplog):
+    """A supervisor's SIGTERM was answered with "press Ctrl-C again": there is no terminal to press it in. The way
+    to stop now is the same signal again."""
+    from types import SimpleNamespace
+
+    from lumen.serve.cli import _server_class
+
+    Server = _server_class()
+    server = Server.__new__(Server)                     # (no uvicorn config: drain() reads only these)
+    drained = []
+    server.worker = SimpleNamespace(submissions=lambda: ["a", "b"], drain=drained.append)
+    server.shutdown_timeout = 30.0
+    for sig, again in ((signal.SIGTERM, "send SIGTERM again"), (signal.SIGHUP, "send SIGHUP again"),
+                       (signal.SIGINT, "press Ctrl-C again")):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            server.drain(sig)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"shutting down: draining 2 in-flight requests (up to 30 s); {again} to stop now"]
+    assert drained == [30.0] * 3
