@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def allowed_origins(text: str) -> tuple[str, ...]:
-    """--allowed-origins: "*", "" (none), origins comma-separated, or vLLM's JSON list -> the origins."""
+    """--allowed-origins: "*", "" (none), origins comma-separated, or vLLM's JSON list -> the origins. An empty
+    origin in a list ("http://a.example," or [""]) is refused: a typo, not a way to say none."""
     import json
     from urllib.parse import urlsplit
     text = text.strip()
@@ -124,11 +125,11 @@ def allowed_origins(text: str) -> tuple[str, ...]:
         if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
             raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
     else:
-        items = [o for o in text.split(",")]
+        items = text.split(",") if text else []
     out = []
     for o in (i.strip() for i in items):
         if not o:
-            continue
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty origin (give \"\" alone for none)")
         u = urlsplit(o)
         if o != "*" and (u.scheme not in ("http", "https") or not u.netloc or u.path not in ("", "/") or u.query):
             raise argparse.ArgumentTypeError(f"{o!r} is not an origin: give scheme://host[:port] "

@@ -49,7 +49,7 @@ def test_only_the_origins_named(model):
 
 
 @pytest.mark.parametrize("text, origins", [
-    ("*", ("*",)), ("", ()),
+    ("*", ("*",)), ("", ()), ("[]", ()),
     ("http://a.example, https://b.example:8443/", ("http://a.example", "https://b.example:8443")),
     ('["http://a.example", "*"]', ("http://a.example", "*")),
 ])
@@ -58,7 +58,8 @@ def test_the_flag_reads(text, origins):
     assert build_parser().parse_args(["--allowed-origins", text]).allowed_origins == origins
 
 
-@pytest.mark.parametrize("text", ["localhost:3000", "http://a.example/path", "ftp://a.example", "[1, 2]", "[oops"])
+@pytest.mark.parametrize("text", ["localhost:3000", "http://a.example/path", "ftp://a.example", "[1, 2]", "[oops",
+                                  "http://a.example,", "http://a.example,,*", '[""]', " , "])
 def test_a_bad_value_is_a_usage_error(text, capsys):
     with pytest.raises(argparse.ArgumentTypeError):
         allowed_origins(text)
