@@ -24,10 +24,12 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 def check_int(name: str, v, lo: int = 1, hi: int | None = None) -> None:
-    """The one integer check of the engine's options: ValueError naming `name` unless lo <= v (<= hi)."""
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        what = ("a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else
-                f"an integer >= {lo}") if hi is None else f"an integer in [{lo}, {hi}]"
+    """The one integer check of the engine's options: ValueError naming `name` unless lo <= v (<= hi), in one
+    wording for every flag and field: "must be at least 1", "must be between 1 and 16"."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        what = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise ValueError(f"{name} must be {what}, got {v!r}")
 
 

@@ -136,7 +136,7 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(smollm2_path
 def test_max_tokens_below_one_is_said_as_generate_says_it(smollm2_path, n):
     r = subprocess.run([sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "-n", n], input="",
                        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
-    assert (r.returncode, r.stderr) == (2, f"error: --max-tokens must be a positive integer, got {n}; -1 generates "
+    assert (r.returncode, r.stderr) == (2, f"error: --max-tokens must be at least 1, got {n}; -1 generates "
                                            "until an end token or the context's end\n")      # usage
 
 

@@ -232,9 +232,9 @@ def test_filters_that_match_nothing_say_so(home, smollm2_path):
 
 
 @pytest.mark.parametrize("args, code, msg", [
-    (["--max-num-seqs", "0"], 2, "error: --max-num-seqs must be a positive integer, got 0"),
-    (["--max-num-batched-tokens", "-1"], 2, "error: --max-num-batched-tokens must be a positive integer, got -1"),
-    (["--max-model-len", "100000000"], 2, "error: --max-model-len must be an integer in [1, 16777216], got 100000000"),
+    (["--max-num-seqs", "0"], 2, "error: --max-num-seqs must be at least 1, got 0"),
+    (["--max-num-batched-tokens", "-1"], 2, "error: --max-num-batched-tokens must be at least 1, got -1"),
+    (["--max-model-len", "100000000"], 2, "error: --max-model-len must be between 1 and 16777216, got 100000000"),
     (["--max-model-len", "9000"], 1, "error: --max-model-len 9000 is beyond the 8192 tokens this model was trained "
                                      "on; use a smaller --max-model-len"),
 ])

@@ -10,9 +10,15 @@ from lumen.serve.cli import main
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be"),
     (["--max-body-mb", "nan"], "--max-body-mb must be"),
     (["--kv-cache-mb", "inf"], "--kv-cache-mb must be a positive number"),
-    (["--threads", "0"], "--threads must be a positive integer"),
-    (["--threads", "-2"], "--threads must be a positive integer"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "-2"], "--threads must be at least 1"),
     (["--threads", "100000"], "--threads must be between 1 and"),
+    # every integer range of the engine's flags in one wording (it was "a positive integer" here, "an integer in
+    # [1, 16777216]" for generate's --ctx)
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+    (["--max-model-len", "0"], "--max-model-len must be at least 1, got 0"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "17"], "--num-speculative-tokens must be between 1 and 16, "
+                                                                "got 17"),
     (["--scheduler", "fcfs", "--pace", "3"], "--pace sets the paced scheduler"),
     (["--scheduler", "measured", "--pace", "3"], "--pace sets the paced scheduler"),
     (["--slo-ttft-ms", "500", "--pace", "3"], "--pace sets the paced scheduler"),
