@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup matches (default 1)")
     sp.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the lookup matches (default 4)")
     sp.add_argument("--draft-vocab", type=int, default=32768, metavar="N",
-                    help="the draft model proposes only the first N token ids (default 32768)")
+                    help="the draft model proposes only the first N token ids (default 32768; N past the "
+                         "vocabulary: all of it)")
     so = ap.add_argument_group("structured output (the text must match; ends when the grammar is complete)")
     one = so.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE",

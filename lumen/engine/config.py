@@ -58,7 +58,8 @@ class SpeculativeConfig:
     ngram_min/ngram_max: the n-gram sizes the "ngram" drafter matches (lumen.engine.speculative);
     adaptive_k: choose each step's k from the request's acceptance rate and the measured step costs (False: always
     the most, as a fixed-k engine does);
-    draft_vocab: the draft model's head computes the logits of the first draft_vocab token ids only (None: all;
+    draft_vocab: the draft model's head computes the logits of the first draft_vocab token ids only (None, or more
+    than the vocabulary: all, so the default fits any model;
     lossless either way: lumen.engine.speculative.drafters.DraftModel)."""
     draft_model: object = None
     num_speculative_tokens: int = 5
@@ -263,7 +264,8 @@ CLI_ARGS: dict[str, tuple[tuple[str, ...], dict, str]] = {
     "ngram_min": (("--ngram-min",), dict(type=int, default=1, metavar="N"), "shortest n-gram the lookup matches"),
     "ngram_max": (("--ngram-max",), dict(type=int, default=4, metavar="N"), "longest n-gram the lookup matches"),
     "draft_vocab": (("--draft-vocab",), dict(type=int, default=32768, metavar="N"),
-                    "the draft model proposes only the first N token ids (its output head reads that share)"),
+                    "the draft model proposes only the first N token ids (its output head reads that share; "
+                    "N past the vocabulary: all of it)"),
 }
 
 

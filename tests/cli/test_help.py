@@ -294,3 +294,13 @@ def test_ctx_takes_llama_cpp_names(module):
     ap = importlib.import_module(f"lumen.{module}").build_parser()
     need = ["--file", "f.txt"] if module == "perplexity" else []
     assert {ap.parse_args([*need, flag, "1024"]).ctx for flag in ("--ctx", "--ctx-size", "-c")} == {1024}
+
+
+@pytest.mark.parametrize("module", ["lumen.generate", "lumen.serve.cli"])
+def test_draft_vocab_says_what_a_value_past_the_vocabulary_does(module):
+    """`--draft-vocab 100000000` is taken, and the draft proposes from the whole vocabulary (as the default 32768
+    does for a model of 32000 tokens): the help says so rather than leave it to a guess."""
+    import importlib
+    text = " ".join(importlib.import_module(module).build_parser().format_help().split())
+    assert "--draft-vocab N the draft model proposes only the first N token ids" in text, text
+    assert "N past the vocabulary: all of it)" in text, text
