@@ -26,11 +26,11 @@ them and ignores them. A string `format` llguidance does not know ("password", "
 Schema makes an unknown format an annotation, which validators ignore too. The formats date, date-time, time
 and hostname become regexes of our own (`exact_formats`: llguidance's take a leap second at any time). An
 exclusive whole-number bound with the other bound less than 1 away becomes an inclusive one just past it
-(`exclusive_bounds`: llguidance's number regex takes the bound itself there). A const or enum integer beyond 2^53 is an error (`exact_data`:
-llguidance writes the nearest double), and so are a multipleOf of 0 or less and a string length past 2^32 - 1
-(`keyword_ranges`). An object schema that lists its
-properties takes no other key unless it says so (`closed_objects`). A lenient schema also drops the string
-patterns llguidance cannot enforce (look-around, backreferences); one that is no regex at all is still an error.
+(`exclusive_bounds`: llguidance's number regex takes the bound itself there). A const or enum integer beyond 2^53
+is an error (`exact_data`: llguidance writes the nearest double), and so are a multipleOf of 0 or less and a
+string length past 2^32 - 1 (`keyword_ranges`). An object schema that lists its properties takes no other key
+unless it says so (`closed_objects`). A lenient schema also drops the string patterns llguidance cannot enforce
+(look-around, backreferences); one that is no regex at all is still an error.
 """
 from __future__ import annotations
 
@@ -303,8 +303,8 @@ def exclusive_bounds(schema: Any) -> Any:
 
 def no_ref_loops(schema: Any) -> Any:
     """`schema`, checked: no local $ref (a JSON pointer) may lead back to itself through $refs and allOf entries
-    alone, before any value (`{"$ref": "#"}`, `"d": {"$ref": "#/$defs/d"}`). No JSON matches such a schema; llguidance compiles it
-    and fails where it is reached ("NoExtensionBias"), perhaps after part of a streamed response was sent.
+    alone, before any value (`{"$ref": "#"}`, `"d": {"$ref": "#/$defs/d"}`). No JSON matches such a schema;
+    llguidance compiles it and fails where it is reached ("NoExtensionBias"), perhaps after part of a streamed response was sent.
     StructuredOutputError otherwise. A $ref behind a property, an item or an anyOf branch is ordinary recursion."""
     refs: list[str] = []
 
