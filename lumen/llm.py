@@ -20,11 +20,12 @@ import numpy as np
 
 from .errors import ContextError, ContextWarning, LumenError, plural, user_stacklevel
 from .kernels.attention import BLOCK
+from .kernels.work import numba_threads
 from .engine.admission import prompt_ids
 from .engine.config import check_bool, check_int
 from .engine.engine import Engine
 from .model.parts import build_tokenizer  # noqa: F401 (re-exported)
-from .model.parts import ModelParts, make_parts, numba_threads, open_gguf
+from .model.parts import ModelParts, make_parts, open_gguf
 from .engine.runner import Runner
 from .engine.sampling.params import SamplingParams
 from .engine.sequence import RequestMetrics
@@ -83,7 +84,7 @@ class Model:
         check_bool("pack_cache", pack_cache, none_ok=True)
         self.threads = ModelParts.thread_count(threads)
         if parts is None:
-            with numba_threads(self.threads):
+            with numba_threads(self.threads):           # (the weights pack on that many threads)
                 parts = make_parts(path, g, cfg, tok, pack_cache=pack_cache)
         self.parts = parts
         self.path, self.gguf, self.config, self.tokenizer = parts.path, g, cfg, tok

@@ -197,12 +197,9 @@ class Governor:
         ident = threading.get_ident()
         tids = self._tids.get(ident)
         if tids is None:
-            import numba
-            from ..kernels.work import compute_thread_ids
-            before = numba.get_num_threads()
-            numba.set_num_threads(self.max)
-            tids = compute_thread_ids(self.max)
-            numba.set_num_threads(before)
+            from ..kernels.work import compute_thread_ids, numba_threads
+            with numba_threads(self.max):
+                tids = compute_thread_ids(self.max)
             tids = sorted(set(tids) | {threading.get_native_id()})
             if len(self._tids) >= 8:                  # threads come and go (tests, executors): keep a few
                 self._tids.clear()

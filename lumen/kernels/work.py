@@ -14,13 +14,16 @@ so 2 chunks per share. Alone and beside a 1 ms sleeping loop the split makes no 
 (profiling/shared_machine.py: 307.8 / 309.3 against 313.6 / 314.6); beside a busy process it does not save 2
 threads (48.7 against 38.7), which is the thread governor's job (lumen.engine.threads).
 
-Also here: `compute_thread_ids` (the OS ids of the threads a caller's regions run on, for the governor) and
-`release_threads` (ending a thread's OpenMP pool).
+Also here: `compute_thread_ids` (the OS ids of the threads a caller's regions run on, for the governor),
+`release_threads` (ending a thread's OpenMP pool) and `numba_threads` (a thread count for a block).
 """
 from __future__ import annotations
 
 import ctypes
 import sys
+from contextlib import contextmanager
+
+import numba
 
 import numpy as np
 from llvmlite import ir
@@ -92,6 +95,17 @@ def gettid(typingctx):
 def _tids(out):
     for i in prange(out.shape[0]):
         out[i] = gettid()
+
+
+@contextmanager
+def numba_threads(n: int):
+    """Numba's thread count of the calling thread is n for the block, then what it was."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 def compute_thread_ids(n: int) -> list[int]:

@@ -5,7 +5,6 @@ made from it. On the model floor, below the engine, so the engine and lumen.Mode
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,19 +62,6 @@ class ModelParts:
         if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= max_threads:
             raise ValueError(f"threads must be between 1 and {max_threads}, got {threads!r}")
         return threads
-
-
-@contextmanager
-def numba_threads(n: int):
-    """Numba's thread count of the calling thread is n for the block, then what it was (the weights pack on that
-    many threads: lumen.model.weights.load_weights)."""
-    import numba
-    before = numba.get_num_threads()
-    numba.set_num_threads(n)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
 
 
 def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None = None,
