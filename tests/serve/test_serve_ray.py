@@ -93,6 +93,16 @@ def _marked_processes(mark: str, sid: int | None) -> dict[int, tuple[str, int, b
     return out
 
 
+def settle_session(p, mark: str, since: float | None) -> dict[int, str]:
+    """The end of a marked run (start_marked): up to 45 s after `since` (None: no wait) for its processes to go,
+    then p and whatever is left killed; what was left."""
+    while since is not None and session_processes(mark, None) and time.monotonic() - since < 45:
+        time.sleep(0.25)
+    if p.poll() is None:
+        p.kill()
+    return kill_session(mark, None)
+
+
 def kill_session(mark: str, sid: int | None) -> dict[int, str]:
     """SIGKILL to whatever session_processes finds; what it found."""
     left = session_processes(mark, sid)
@@ -607,6 +617,7 @@ def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, 
     at-fork hook, or to crash at exit (SIGSEGV) once stopped within ray.init. (After it serves:
     test_signal_to_the_process_group_stops_everything_in_seconds.)"""
     p, mark, log = start_marked(smollm2_path, tmp_path)
+    since = None                                    # (a failure before the signal: no wait, everything killed)
     try:
         t0 = time.monotonic()
         after, delay, sig = (*moment, signal.SIGTERM)[:3]
@@ -617,13 +628,9 @@ def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, 
         time.sleep(delay)
         assert p.poll() is None, log.read_text()[-2000:]
         code, took = signal_and_wait(lambda: os.killpg(p.pid, sig), p, log)
-        t1 = time.monotonic() - took
-        while session_processes(mark, None) and time.monotonic() - t1 < 45:
-            time.sleep(0.25)
+        since = time.monotonic() - took
     finally:
-        if p.poll() is None:
-            p.kill()
-        left = kill_session(mark, None)
+        left = settle_session(p, mark, since)
     text = log.read_text(errors="replace")
     assert not left, f"left after a SIGTERM to the process group at {moment}: {left}\n{text[-2000:]}"
     assert code in (0, -signal.SIGTERM) and took < 20, (code, took, text[-2000:])   # -15: before Ray's path is set
@@ -657,18 +664,15 @@ def test_group_sigterm_just_after_ray_init_returned_leaves_no_process(smollm2_pa
     p = subprocess.Popen([sys.executable, "-c", code, "--model", str(smollm2_path), "--replicas", "2", "--threads",
                           "1", "--port", str(free_port())], stdout=log.open("w"), stderr=subprocess.STDOUT,
                          start_new_session=True, env={**os.environ, MARK: mark})
+    since = None
     try:
         try:
             code = p.wait(240)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"still running:\n{log.read_text()[-2000:]}") from None
-        t0 = time.monotonic()
-        while session_processes(mark, None) and time.monotonic() - t0 < 45:
-            time.sleep(0.25)
+        since = time.monotonic()
     finally:
-        if p.poll() is None:
-            p.kill()
-        left = kill_session(mark, None)
+        left = settle_session(p, mark, since)
     text = log.read_text(errors="replace")
     assert "signalling the group" in text, text[-2000:]
     assert not left, f"left: {left}\n{text[-2000:]}"
