@@ -127,14 +127,20 @@ def cpu_quota(cgroup: str | None = None, root: str = "/sys/fs/cgroup") -> float 
     return best
 
 
-def usable_cpus() -> int:
-    """How many CPUs this process can compute on at once: the CPUs it may run on (sched_getaffinity: taskset, a
-    container's cpuset), fewer under a cgroup CPU quota (cpu_quota, rounded up). os.cpu_count() counts the
-    machine's, which a process may not use: more threads than this wait on each other at every barrier."""
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (sched_getaffinity: taskset, a container's cpuset), or every CPU where the
+    OS cannot say."""
     try:
-        n = len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        n = os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process can compute on at once: its allowed_cpus, fewer under a cgroup CPU quota
+    (cpu_quota, rounded up). os.cpu_count() counts the machine's, which a process may not use: more threads than
+    this wait on each other at every barrier."""
+    n = len(allowed_cpus())
     q = cpu_quota()
     if q is not None:
         import math

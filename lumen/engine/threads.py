@@ -49,7 +49,7 @@ import os
 import threading
 import time
 
-from ..cpu import cpu_quota, usable_cpus
+from ..cpu import allowed_cpus, cpu_quota, usable_cpus
 
 WINDOW_S = 0.05       # seconds between readings of our threads' wait
 SLOW_S = 0.2          # seconds over which others' demand is read
@@ -67,13 +67,6 @@ PROBE_GAP_S = 0.001   # ... this far apart: read back to back they catch transie
 log = logging.getLogger("lumen.engine")
 _WARNED: set[tuple[int, int]] = set()   # (threads asked, usable CPUs) already said to be too many
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(os.cpu_count() or 1))
 
 
 def busy_seconds(cpus: list[int]) -> float | None:
@@ -150,7 +143,7 @@ class Governor:
     def __init__(self, max_threads: int, adaptive: bool = True):
         self.max = max_threads
         self.n = max_threads
-        self.cpus = _allowed_cpus()
+        self.cpus = allowed_cpus()
         # threads beyond the CPUs this process can compute on (NUMBA_NUM_THREADS or --threads over a taskset, a
         # container's cpuset or CPU quota) wait for one another at every barrier: 2 threads on 1 CPU decoded at a
         # quarter of 1 thread's rate. `threads` never gives more than `usable`.

@@ -17,6 +17,7 @@ import pytest
 
 import lumen
 from lumen.bench.corunner import corunner, parse_kinds, ratio_rows
+from lumen.cpu import allowed_cpus
 from lumen.engine import threads as T
 from lumen.engine.threads import Governor, busy_seconds, schedstat
 from lumen.kernels import work
@@ -128,7 +129,7 @@ def test_after_a_pause_a_neighbour_that_left_or_barely_ran_is_not_waited_for(mon
 
 
 def test_the_instant_count_sees_a_neighbour_and_not_our_threads():
-    cpus = T._allowed_cpus()
+    cpus = allowed_cpus()
     try:
         T.runnable()
     except OSError:
@@ -249,7 +250,7 @@ def test_two_governors_in_one_thread_each_get_their_count():
 
 
 def test_readings_come_from_proc():
-    cpus = T._allowed_cpus()
+    cpus = allowed_cpus()
     b0 = busy_seconds(cpus)
     if b0 is None:
         pytest.skip("no /proc/stat")
@@ -268,7 +269,7 @@ def test_readings_come_from_proc():
 def test_a_busy_neighbour_is_read_as_one(monkeypatch):
     """The reading itself, end to end: a spinning process beside this one reads as about one core of others'
     demand (it gets one core of two), which the rule turns into one thread."""
-    if len(T._allowed_cpus()) != 2 or busy_seconds(T._allowed_cpus()) is None:
+    if len(allowed_cpus()) != 2 or busy_seconds(allowed_cpus()) is None:
         pytest.skip("written for 2 cores with /proc")
     g = Governor(2)
     g.threads()
