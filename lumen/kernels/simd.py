@@ -57,40 +57,39 @@ from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_
 # haswell for an AVX2-only Xeon). Without NUMBA_CPU_FEATURES Numba compiles for this CPU's features, whatever the
 # CPU name; with it, only LLVM knows what a CPU name implies, so LLVM is asked, in a child process where a target
 # without vpdpbusd may abort (compile_vnni_probe: about 60 ms). Numba keys its cache by the same name and features.
-_VNNI_PROBE = r"""
+_PROBE = r"""
 import sys
 import llvmlite.binding as llvm
 llvm.initialize_native_target()
 llvm.initialize_native_asmprinter()
-m = llvm.parse_assembly('''
-declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)
-declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
-define <8 x i32> @a(<8 x i32> %x, <8 x i32> %y, <8 x i32> %z) {
-  %r = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %x, <8 x i32> %y, <8 x i32> %z)
-  ret <8 x i32> %r
-}
-define <16 x i32> @b(<16 x i32> %x, <16 x i32> %y, <16 x i32> %z) {
-  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %x, <16 x i32> %y, <16 x i32> %z)
-  ret <16 x i32> %r
-}
-''')
+m = llvm.parse_assembly(sys.argv[3])
 t = llvm.Target.from_triple(llvm.get_process_triple())
-print(t.create_target_machine(cpu=sys.argv[1], features=sys.argv[2]).emit_assembly(m).count("vpdpbusd"))
+print(t.create_target_machine(cpu=sys.argv[1], features=sys.argv[2]).emit_assembly(m).count(sys.argv[4]))
 """
+_VNNI_IR = "\n".join(
+    f"declare <{n} x i32> @llvm.x86.avx512.vpdpbusd.{32 * n}(<{n} x i32>, <{n} x i32>, <{n} x i32>)\n"
+    f"define <{n} x i32> @f{n}(<{n} x i32> %x, <{n} x i32> %y, <{n} x i32> %z) {{\n"
+    f"  %r = call <{n} x i32> @llvm.x86.avx512.vpdpbusd.{32 * n}(<{n} x i32> %x, <{n} x i32> %y, <{n} x i32> %z)\n"
+    f"  ret <{n} x i32> %r\n}}" for n in (8, 16))
 
 
-def compile_vnni_probe(cpu: str, features: str) -> bool:
-    """Whether LLVM encodes vpdpbusd, 256- and 512-bit, for the target (a CPU name and a features string), asked in
-    a child process (a target without it aborts there); False when the child cannot tell: the portable IR runs on
-    any target."""
+def encoded(cpu: str, features: str, module: str, mnemonic: str) -> int:
+    """How many `mnemonic` instructions LLVM emits for the IR `module` on the target (a CPU name and a features
+    string), asked in a child process (an intrinsic the target cannot encode aborts LLVM there, not here); 0 when
+    the child cannot tell: the portable IR runs on any target."""
     import subprocess
     import sys
     try:
-        r = subprocess.run([sys.executable, "-c", _VNNI_PROBE, cpu, features], capture_output=True, text=True,
-                           timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0 and r.stdout.strip() == "2"
+        r = subprocess.run([sys.executable, "-c", _PROBE, cpu, features, module, mnemonic], capture_output=True,
+                           text=True, timeout=120)
+        return int(r.stdout.strip()) if r.returncode == 0 else 0
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0
+
+
+def compile_vnni_probe(cpu: str, features: str) -> bool:
+    """Whether LLVM encodes vpdpbusd, 256- and 512-bit, for the target."""
+    return encoded(cpu, features, _VNNI_IR, "vpdpbusd") == 2
 
 
 def target_has_vnni() -> bool:
@@ -112,34 +111,13 @@ VNNI = os.environ.get("LUMEN_NO_VNNI", "0") in ("", "0") and target_has_vnni()
 # than this one, skylake-avx512 12x). vpmaddubsw saturates its i16 pair sums, which bytes up to 127 never reach
 # (|x| <= 127: 2 x 127 x 127 < 2^15); the Q8 family's bytes (q + 128, up to 255) go as |q| times x with q's sign
 # (_dpbusd's offset). MADD: 512 (AVX512BW), 256 (AVX2), or 0 (the portable IR).
-_MADD_PROBE = r"""
-import sys
-import llvmlite.binding as llvm
-llvm.initialize_native_target()
-llvm.initialize_native_asmprinter()
-width = sys.argv[3]
-kind = "avx512.pmaddubs.w.512" if width == "512" else "avx2.pmadd.ub.sw"
-b, h = ("<64 x i8>", "<32 x i16>") if width == "512" else ("<32 x i8>", "<16 x i16>")
-m = llvm.parse_assembly(f"declare {h} @llvm.x86.{kind}({b}, {b})\n"
-                        f"define {h} @a({b} %x, {b} %y) {{\n"
-                        f"  %r = call {h} @llvm.x86.{kind}({b} %x, {b} %y)\n"
-                        f"  ret {h} %r\n}}\n")
-t = llvm.Target.from_triple(llvm.get_process_triple())
-print(t.create_target_machine(cpu=sys.argv[1], features=sys.argv[2]).emit_assembly(m).count("vpmaddubsw"))
-"""
-
-
 def _madd_probe(cpu: str, features: str, width: int) -> bool:
-    """Whether LLVM encodes a `width`-bit vpmaddubsw for the target, asked in a child process (as
-    compile_vnni_probe: a target without it may abort)."""
-    import subprocess
-    import sys
-    try:
-        r = subprocess.run([sys.executable, "-c", _MADD_PROBE, cpu, features, str(width)], capture_output=True,
-                           text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0 and r.stdout.strip() == "1"
+    """Whether LLVM encodes a `width`-bit vpmaddubsw for the target (encoded)."""
+    kind = "avx512.pmaddubs.w.512" if width == 512 else "avx2.pmadd.ub.sw"
+    b, h = ("<64 x i8>", "<32 x i16>") if width == 512 else ("<32 x i8>", "<16 x i16>")
+    module = (f"declare {h} @llvm.x86.{kind}({b}, {b})\n"
+              f"define {h} @a({b} %x, {b} %y) {{\n  %r = call {h} @llvm.x86.{kind}({b} %x, {b} %y)\n  ret {h} %r\n}}")
+    return encoded(cpu, features, module, "vpmaddubsw") == 1
 
 
 def target_madd() -> int:
