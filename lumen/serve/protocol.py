@@ -5,8 +5,8 @@ Bodies are validated strictly (no "0.5" for a number, no true for an integer), a
 the API does not name are ignored, as vLLM ignores them. vLLM's extensions are accepted under vLLM's names
 (top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos, add_generation_prompt,
 continue_final_message, return_token_ids, include_stop_str_in_output, add_special_tokens, documents) and
-llama-server's under its own (repeat_penalty, repeat_last_n). A request holds at most MAX_STOP stop strings (OpenAI takes four, vLLM any
-number): each costs the engine's one thread at every token.
+llama-server's under its own (repeat_penalty, repeat_last_n). A request holds at most MAX_STOP stop strings
+(OpenAI takes four, vLLM any number): each costs the engine's one thread at every token.
 
 vLLM's and llama-server's extensions that Lumen does not implement (UNSUPPORTED: prompt_logprobs, beam search,
 logits processors, n_predict, mirostat, typical_p, XTC, DRY ...; CHAT_UNSUPPORTED: a request's own

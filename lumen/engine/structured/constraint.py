@@ -304,8 +304,9 @@ def exclusive_bounds(schema: Any) -> Any:
 def no_ref_loops(schema: Any) -> Any:
     """`schema`, checked: no local $ref (a JSON pointer) may lead back to itself through $refs and allOf entries
     alone, before any value (`{"$ref": "#"}`, `"d": {"$ref": "#/$defs/d"}`). No JSON matches such a schema;
-    llguidance compiles it and fails where it is reached ("NoExtensionBias"), perhaps after part of a streamed response was sent.
-    StructuredOutputError otherwise. A $ref behind a property, an item or an anyOf branch is ordinary recursion."""
+    llguidance compiles it and fails where it is reached ("NoExtensionBias"), perhaps after part of a streamed
+    response was sent. StructuredOutputError otherwise. A $ref behind a property, an item or an anyOf branch is
+    ordinary recursion."""
     refs: list[str] = []
 
     def collect(d: dict) -> dict:
