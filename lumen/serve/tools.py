@@ -36,8 +36,7 @@ from typing import Any
 
 from ..engine.structured import Constraint, StructuredOutputError
 from ..format.chat import ChatMessageError, check_messages as _check_messages
-from ..engine.structured.constraint import (JSON_WHITESPACE, closed_objects, enforceable_patterns, exact_formats,
-                                            known_formats, map_subschemas)
+from ..engine.structured.constraint import JSON_WHITESPACE, checked_schema, enforceable_patterns, map_subschemas
 from .protocol import ApiError
 
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")        # OpenAI's rule for a function name
@@ -505,7 +504,7 @@ class ToolParser:
         own = answer.get("x-guidance") if answer is not None else None
         lenient = not all(t.strict for t in named) or (isinstance(own, dict) and own.get("lenient") is True)
         xg = {"whitespace_pattern": JSON_WHITESPACE, "lenient": lenient}
-        params = [closed_objects(known_formats(exact_formats(arguments_schema(t.parameters)))) for t in named]
+        params = [checked_schema(arguments_schema(t.parameters)) for t in named]
         params = [p if t.strict else enforceable_patterns(p) for p, t in zip(params, named)]
         tagged = self.open is not None
         bare = self.leads is not None and (choice == "auto" or not tagged)

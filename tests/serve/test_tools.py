@@ -378,6 +378,19 @@ def test_auto_lets_a_call_of_no_tool_through_as_its_text(compiler, name, text):
         assert _parse(text, step, parser) == (text, [])
 
 
+def test_a_tools_arguments_get_the_schema_rewrites_of_a_response_format(compiler):
+    """A tool's parameters go through the same checks and rewrites as a response_format schema (checked_schema):
+    llguidance's regex for `{"exclusiveMinimum": 0, "maximum": 0.5}` takes 0 itself, which the rewrite keeps out;
+    the tool grammar used to skip it and let a call send {"p": 0}."""
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}},
+        "required": ["p"]}}}])
+    grammar = HermesParser().grammar(tools, "required")
+    call = '<tool_call>\n{"name": "f", "arguments": {"p": %s}}\n</tool_call>'
+    assert _accepts(compiler, grammar, call % "0.25")
+    assert not _accepts(compiler, grammar, call % "0")
+
+
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_every_parser_reads_what_its_grammar_allows(compiler, name):
     """A call the grammar accepts (written by a required choice's forced path, here by hand) parses back."""

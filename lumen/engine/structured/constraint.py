@@ -165,9 +165,7 @@ class Constraint:
         except RecursionError:
             _fail("json_schema", "the schema is nested too deeply")
         try:
-            schema = regex_texts(no_ref_loops(schema))
-            schema = closed_objects(known_formats(exact_formats(exclusive_bounds(integer_bounds(exact_data(
-                keyword_ranges(schema)))))))
+            schema = checked_schema(schema)
             own = schema.get("x-guidance")
             if isinstance(own, dict) and own.get("lenient") is True:
                 schema = enforceable_patterns(schema)
@@ -241,6 +239,15 @@ def known_formats(schema: Any) -> Any:
         f = d.get("format")
         return {k: v for k, v in d.items() if k != "format"} if isinstance(f, str) and f not in FORMATS else d
     return map_subschemas(schema, drop)
+
+
+def checked_schema(schema: dict) -> dict:
+    """A JSON schema as llguidance is given it, from a request's response_format or a tool's parameters alike: every
+    check and rewrite of the module doc, in order (no_ref_loops ... closed_objects). StructuredOutputError for what
+    llguidance would get wrong or fail on later. RecursionError for a schema nested past Python's stack."""
+    schema = regex_texts(no_ref_loops(schema))
+    return closed_objects(known_formats(exact_formats(exclusive_bounds(integer_bounds(exact_data(
+        keyword_ranges(schema)))))))
 
 
 def exact_formats(schema: Any) -> Any:
