@@ -13,12 +13,13 @@ import statistics
 import numpy as np
 
 import lumen
+from token_ids import random_ids
 from verdict import verdict
 
 
 def attention_share(model, n_tokens: int) -> tuple[float, float]:
     """(attention share of the prefill wall time, prefill wall seconds) of one profiled prefill of n_tokens."""
-    ids = np.random.default_rng(n_tokens).integers(0, model.config.n_vocab, n_tokens)
+    ids = random_ids(np.random.default_rng(n_tokens), n_tokens, model, low=0)
     model.reset()
     with lumen.profile() as prof:
         model.prefill(ids)

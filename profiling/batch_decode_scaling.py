@@ -19,6 +19,7 @@ import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from token_ids import random_ids
 from verdict import verdict
 
 
@@ -26,7 +27,7 @@ def decode_steps(engine, B: int, context: int, steps: int, rng) -> list[float]:
     """Step times (s) of `steps` decode steps of B sequences at about `context` keys."""
     p = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for _ in range(B):
-        engine.add_request(rng.integers(4, engine.config.n_vocab, context).tolist(), p)
+        engine.add_request(random_ids(rng, context, engine).tolist(), p)
     while engine.num_waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
         engine.step()                                   # the prefills (and possibly a first decode)
     times = []

@@ -16,6 +16,7 @@ import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from token_ids import random_ids
 from verdict import verdict
 
 GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize", "unattributed")
@@ -25,7 +26,7 @@ def profile_steps(eng, B: int, context: int, tokens: int, rng) -> tuple[float, d
     """(ms per decode step, {op: ms per step}) over the decode steps of B sequences."""
     p = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for _ in range(B):
-        eng.add_request(rng.integers(4, eng.config.n_vocab, context).tolist(), p)
+        eng.add_request(random_ids(rng, context, eng).tolist(), p)
     while eng.num_waiting or any(s.num_computed < len(s.prompt_ids) for s in eng.scheduler.running):
         eng.step()
     with lumen.profile() as prof:

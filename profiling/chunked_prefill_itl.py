@@ -17,6 +17,7 @@ import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from token_ids import random_ids
 from verdict import verdict
 
 
@@ -24,11 +25,11 @@ def one(model, budget: int, chunked: bool, n_prompt: int, n_dec: int, rng) -> di
     eng = Engine(model, max_model_len=n_prompt + 64, max_num_seqs=n_dec + 1, max_num_batched_tokens=budget,
                  enable_chunked_prefill=chunked, enable_prefix_caching=False,
                  kv_cache_mb=(n_dec + 1) * (n_prompt + 80) * model.runner.kv_bytes_per_block / 16 / 2 ** 20)
-    dec = [eng.add_request(rng.integers(4, model.config.n_vocab, 32).tolist(),
+    dec = [eng.add_request(random_ids(rng, 32, model).tolist(),
                            SamplingParams(max_tokens=n_prompt, temperature=0, ignore_eos=True)) for _ in range(n_dec)]
     for _ in range(3):                                        # the decodes are running
         eng.step()
-    big = eng.add_request(rng.integers(4, model.config.n_vocab, n_prompt).tolist(),
+    big = eng.add_request(random_ids(rng, n_prompt, model).tolist(),
                           SamplingParams(max_tokens=1, temperature=0))
     last = {r: time.perf_counter() for r in dec}
     itl, steps = [], []

@@ -14,6 +14,7 @@ import statistics
 import numpy as np
 
 import lumen
+from token_ids import random_ids
 from verdict import verdict
 
 
@@ -37,7 +38,7 @@ def main(argv=None) -> None:
     repeats = 2 if a.quick else a.repeats
     model = lumen.load(a.model, ctx=max(contexts) + 1, threads=a.threads)
     model.warmup()
-    model.prefill(np.random.default_rng(0).integers(0, model.config.n_vocab, max(contexts)))  # fills the cache
+    model.prefill(random_ids(np.random.default_rng(0), max(contexts), model, low=0))  # fills the cache
     got: dict[int, list] = {c: [] for c in contexts}
     for r in range(repeats + 1):
         for c in contexts:  # interleaved; round 0 is warm-up

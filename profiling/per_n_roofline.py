@@ -23,6 +23,7 @@ import lumen
 from lumen import Engine, SamplingParams
 from lumen.machine import limits
 from lumen.profile.report import roofs, summarize
+from token_ids import random_ids
 from verdict import verdict
 
 OPS = ("gate_up", "down", "qkv", "o", "output", "attention")
@@ -34,7 +35,7 @@ def profile_n(model: str, threads, N: int, context: int, steps: int, rng):
                  kv_cache_mb=max(16, N * (context + steps + 2) * 0.05))
     p = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for _ in range(N):
-        eng.add_request(rng.integers(4, eng.config.n_vocab, context).tolist(), p)
+        eng.add_request(random_ids(rng, context, eng).tolist(), p)
     while eng.num_waiting or any(s.num_computed < len(s.prompt_ids) for s in eng.scheduler.running):
         eng.step()
     eng.step()                                                   # the first decode step (warm) is not measured

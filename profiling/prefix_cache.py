@@ -15,6 +15,7 @@ import numpy as np
 
 import lumen
 from lumen import Engine, SamplingParams
+from token_ids import random_ids
 from verdict import verdict
 
 
@@ -38,11 +39,11 @@ def main(argv=None) -> None:
     kw = dict(max_model_len=prefix + a.suffix + 2, max_num_seqs=2, max_num_batched_tokens=a.budget,
               kv_cache_mb=4 * (prefix + a.suffix) * model.runner.kv_bytes_per_block / 16 / 2 ** 20)
     rng = np.random.default_rng(0)
-    ttft(Engine(model, **kw), rng.integers(4, model.config.n_vocab, 40).tolist())   # warm-up
+    ttft(Engine(model, **kw), random_ids(rng, 40, model).tolist())   # warm-up
     miss, hit, off, cached = [], [], [], []
     for _ in range(repeats):
-        p = rng.integers(4, model.config.n_vocab, prefix).tolist()
-        sa, sb = (rng.integers(4, model.config.n_vocab, a.suffix).tolist() for _ in range(2))
+        p = random_ids(rng, prefix, model).tolist()
+        sa, sb = (random_ids(rng, a.suffix, model).tolist() for _ in range(2))
         eng = Engine(model, **kw)
         miss.append(ttft(eng, p + sa)[0])
         t, c = ttft(eng, p + sb)

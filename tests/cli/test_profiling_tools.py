@@ -44,3 +44,25 @@ def test_given_tool_is_none_unless_asked_for(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as e:
         given_tool(ap, "llama-server", "--llama-server", str(tmp_path / "nope"), "LLAMA_SERVER")
     assert e.value.code == 2
+
+
+def test_profiling_prompts_stay_within_the_tokenizers_ids(qwen05_file, monkeypatch):
+    """The profiling scripts' random prompts use only ids the engine admits: Qwen2.5's embedding has rows past its
+    tokenizer's ids, and prompts drawn up to config.n_vocab were refused (batch_step_ops on the 1.5B stopped with
+    'token id 151860 is outside the vocabulary')."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from lumen.engine.admission import prompt_ids
+    from lumen.format.gguf import GGUFFile
+    from lumen.format.tokenizer import Tokenizer
+    from lumen.model.config import config_from_metadata
+    monkeypatch.syspath_prepend(str(ROOT / "profiling"))
+    from token_ids import random_ids
+    meta = GGUFFile(qwen05_file).metadata
+    owner = SimpleNamespace(config=config_from_metadata(meta), tokenizer=Tokenizer.from_metadata(meta))
+    assert owner.config.n_vocab > owner.tokenizer.vocab_end            # the padded case this is about
+    ids = random_ids(np.random.default_rng(0), 20000, owner)
+    assert ids.max() >= owner.tokenizer.vocab_end - 50                 # the whole range, up to its end
+    assert prompt_ids(ids.tolist(), owner.tokenizer, owner.config.n_vocab, False) == ids.tolist()
