@@ -251,7 +251,8 @@ class Model:
         Stops at max_tokens, an end-of-generation token (EOS / end-of-turn from the metadata), or a stop string
         (the text before it is yielded, the stop string itself is not). The end-of-generation token itself is
         yielded only if it releases held-back text (a possible stop-string prefix), with that text.
-        A constraint's grammar that fails to compile raises LumenError with llguidance's message.
+        A constraint's grammar that fails to compile raises LumenError with llguidance's message. logprobs and
+        prompt_logprobs are refused (a Token has none): lumen.Engine's outputs carry them.
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
@@ -272,6 +273,10 @@ class Model:
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a lumen.SamplingParams (or give its fields as keywords), got "
                             f"{type(params).__name__}")
+        # (a Token is an id and its text: logprobs asked for here were computed and dropped without a word)
+        if asked := [f for f in ("logprobs", "prompt_logprobs") if getattr(params, f) is not None]:
+            raise ValueError(f"Model.generate yields Token(id, text), which has no {asked[0]}: run the request "
+                             f"through lumen.Engine (engine.generate, engine.stream), whose RequestOutput has them")
         # (said here: the engine's own message names `lumen serve --draft-model` and Engine(draft_model=...))
         if params.speculative == "draft" and self._spec.get("draft_model") is None:
             raise ValueError('speculative="draft" needs a draft model: call model.speculation(draft_model=M) '

@@ -343,3 +343,15 @@ def test_the_context_warning_names_the_users_line(smollm2_path):
     with pytest.warns(lumen.errors.ContextWarning) as caught:
         lumen.Model(smollm2_path, ctx=8200, threads=1)
     assert [w.filename for w in caught] == [__file__]
+
+
+@pytest.mark.parametrize("kw", [{"logprobs": 2}, {"prompt_logprobs": 0}])
+def test_logprobs_model_generate_cannot_return_are_refused(model, kw):
+    """A Token is (id, text): logprobs asked of Model.generate or Model.chat were computed and silently dropped."""
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"^Model.generate yields Token\(id, text\), which has no {name}: run "
+                                         r"the request through lumen.Engine"):
+        model.generate("Hi", max_tokens=2, **kw)
+    with pytest.raises(ValueError, match=rf"which has no {name}"):
+        model.chat([{"role": "user", "content": "Hi"}], lumen.SamplingParams(max_tokens=2, **kw))
+
