@@ -97,6 +97,7 @@ class Model:
         self._engine = None
         self._engine_lock = threading.Lock()
         self._spec = {}                              # speculative decoding options of the engine (speculation())
+        self.closed = False                          # close(): generate() refuses
 
     @cached_property
     def runner(self) -> Runner:
@@ -212,6 +213,8 @@ class Model:
         """The engine generate() runs on (made on first use): this model's weights, one sequence, a KV pool of
         n_ctx tokens, no prefix caching, the speculative options of speculation()."""
         with self._engine_lock:                      # (threads calling generate at once make one engine)
+            if self.closed:
+                raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
             if self._engine is None:
                 self._engine = Engine(self.parts, threads=self.threads, max_model_len=self.n_ctx, max_num_seqs=1,
                                       max_num_batched_tokens=self.n_batch, num_kv_blocks=-(-self.n_ctx // BLOCK),
@@ -256,6 +259,8 @@ class Model:
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
+        if self.closed:
+            raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
         default_length = params is None and "max_tokens" not in sampling
         if stats is not None and not isinstance(stats, RequestMetrics):   # (the engine's word for it: metrics)
             raise TypeError(f"stats must be a lumen.engine.sequence.RequestMetrics or None, got {type(stats).__name__}")
@@ -332,6 +337,22 @@ class Model:
                 if tok in end_ids and not text:
                     continue
                 yield Token(tok, text)
+
+    # ---- the end
+    def close(self) -> None:
+        """Close the engine generate() runs on (its requests are aborted, its grammar threads stopped); later
+        calls of generate() and chat() raise LumenError. The weights stay mapped while anything refers to them (an
+        Engine made from this model keeps working). Idempotent; `with lumen.load(...) as model:` calls it."""
+        with self._engine_lock:
+            engine, self._engine, self.closed = self._engine, None, True
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self):
         c = self.config

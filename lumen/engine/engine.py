@@ -132,6 +132,7 @@ class Engine:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{id(self) & 0xffff:x}-"
         self.steps = 0
+        self.closed = False
 
     @property
     def cost_key(self) -> CostKey:
@@ -152,6 +153,8 @@ class Engine:
             raise TypeError(f"request_id must be a non-empty string or None, got {request_id!r}")
         if metrics is not None and not isinstance(metrics, RequestMetrics):
             raise TypeError(f"metrics must be a RequestMetrics or None, got {type(metrics).__name__}")
+        if self.closed:
+            raise LumenError("this engine is closed (engine.close(), or the end of its `with` block)")
         ids, max_tokens = admit(prompt, params, self.tokenizer, self.config.n_vocab, self.max_model_len,
                                 self.blocks.n_blocks)
         if kv_transfer_params is not None or kv_data is not None:
@@ -379,6 +382,8 @@ class Engine:
         or one per prompt; None is SamplingParams(): temperature 1 and no max_tokens, so each request runs to an
         end token or the end of its context. A prompt that cannot be served gets finish_reason "error" and its
         message; params that are not SamplingParams are a TypeError."""
+        if self.closed:                             # (else each prompt's output would be an "error" one)
+            raise LumenError("this engine is closed (engine.close(), or the end of its `with` block)")
         if isinstance(prompts, (str, np.ndarray)) or (isinstance(prompts, (list, tuple)) and prompts
                                                       and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
@@ -460,6 +465,23 @@ class Engine:
         """A stream is closed: forget its queue and abort its request unless it ended."""
         if self._streams.pop(rid, None) is not None and not done:
             self.abort(rid)
+
+    # ---- the end
+    def close(self) -> None:
+        """Abort every request and stop the grammar threads; later requests raise LumenError. Streams still
+        followed end with their "abort" output. Idempotent; `with lumen.Engine(...) as engine:` calls it."""
+        with self._lock:
+            self.closed = True
+            rids = list(self._seqs)
+        for rid in rids:
+            self.abort(rid)
+        self.structured.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- state, for metrics and tests
     @property

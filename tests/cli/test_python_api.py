@@ -355,3 +355,21 @@ def test_logprobs_model_generate_cannot_return_are_refused(model, kw):
     with pytest.raises(ValueError, match=rf"which has no {name}"):
         model.chat([{"role": "user", "content": "Hi"}], lumen.SamplingParams(max_tokens=2, **kw))
 
+
+def test_a_model_closes_at_the_end_of_its_with_block(smollm2_path):
+    """`with lumen.load(...) as model:` said "'Model' object does not support the context manager protocol"."""
+    with lumen.load(smollm2_path, max_model_len=64, threads=1) as m:
+        ids = [t.id for t in m.generate("Hi", max_tokens=3, ignore_eos=True)]
+        stream = m.generate("Hi", max_tokens=20, ignore_eos=True)
+        next(stream)
+        engine = m.engine
+    assert m.closed and engine.closed and len(ids) == 3
+    assert len(list(stream)) == 0                       # its request was aborted: the stream just ends
+    for call in (lambda: m.generate("Hi", max_tokens=2), lambda: m.chat([{"role": "user", "content": "Hi"}]),
+                 lambda: m.engine):
+        with pytest.raises(lumen.LumenError, match=r"^this model is closed \(model.close\(\), or the end of its"):
+            call()
+    m.close()
+    with lumen.Engine(m, max_num_seqs=1) as e:          # its weights still serve an engine of their own
+        assert e.generate(["Hi"], lumen.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids \
+            == ids

@@ -153,3 +153,24 @@ def test_counts_in_errors_are_singular_or_plural(engine, smollm2_path):
 def test_plural():
     from lumen.errors import plural
     assert [plural(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
+
+
+def test_an_engine_closes_at_the_end_of_its_with_block(engine):
+    """`with lumen.Engine(...) as engine:` said "'Engine' object does not support the context manager protocol",
+    and there was no close(): a request still queued, a stream still followed and the grammar threads lived on
+    with the engine. Closing aborts them (a stream ends with its "abort" output), and a closed engine refuses work
+    with one clear line, not an "error" output per prompt."""
+    from lumen.engine.structured import Constraint
+    with Engine(engine.parts, max_num_seqs=2, kv_cache_mb=16) as e:
+        stream = e.stream([1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+        assert not next(stream).finished
+        e.add_request([4, 5, 6], SamplingParams(max_tokens=50, constraint=Constraint.choice(["yes", "no"])))
+    assert e.closed and [out.finish_reason for out in stream] == ["abort"]
+    assert e.blocks.num_free == e.blocks.n_blocks and not e.has_unfinished()
+    assert e.structured.compiler._pool._shutdown
+    for call in (lambda: e.add_request([1, 2]), lambda: e.generate([[1, 2]], SamplingParams(max_tokens=2)),
+                 lambda: e.stream([1, 2])):
+        with pytest.raises(LumenError, match=r"^this engine is closed \(engine.close\(\), or the end of its `with`"):
+            call()
+    e.close()                                           # again: nothing to do
+    assert serves(engine)                               # another engine over the same weights
