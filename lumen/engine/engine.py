@@ -29,19 +29,20 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from ..errors import LumenError
+from ..errors import ContextWarning, LumenError, user_stacklevel
 from ..kernels.attention import BLOCK
 from ..timer import active as profiler_active
 from .block_manager import BlockManager
 from .kv_transfer import DO_REMOTE_DECODE, KVConnector, KVData
 from .costs.budget import MeasuredBudget, PacedBudget
 from .config import EngineConfig, kv_blocks
-from ..model.parts import parts_of
+from ..model.parts import ModelParts, parts_of
 from .runner import Runner
 from .sampling.sampler import SamplerError
 from .sampling.params import SamplingParams
@@ -84,6 +85,11 @@ class Engine:
         if c.fit_model_len and self.max_model_len > cfg.ctx_train:        # (a server: before the pool's size)
             raise ValueError(f"max_model_len {self.max_model_len} is beyond the {cfg.ctx_train} tokens this model "
                              "was trained on")
+        if not c.fit_model_len and self.max_model_len > cfg.ctx_train and not isinstance(model, ModelParts):
+            # (as lumen.Model warns; ModelParts come from a Model or a tool that checked its own context)
+            warnings.warn(ContextWarning(f"max_model_len={self.max_model_len} is beyond the {cfg.ctx_train} tokens "
+                                         "this model was trained on (output past that is unreliable)"),
+                          stacklevel=user_stacklevel())
         if c.fit_model_len and n_blocks * BLOCK < self.max_model_len:
             if c.max_model_len is not None:
                 raise ValueError(f"the KV cache holds {n_blocks * BLOCK} tokens, fewer than max_model_len "

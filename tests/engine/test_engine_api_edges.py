@@ -174,3 +174,17 @@ def test_an_engine_closes_at_the_end_of_its_with_block(engine):
             call()
     e.close()                                           # again: nothing to do
     assert serves(engine)                               # another engine over the same weights
+
+
+def test_a_max_model_len_beyond_the_trained_context_warns_as_lumen_load_does(engine, smollm2_path):
+    """lumen.load(..., max_model_len=...) warns past the trained context; lumen.Engine took any length without a
+    word (8192 trained, 100000 given) and generated past it. ModelParts come from a Model that warned already."""
+    import warnings
+    with pytest.warns(lumen.errors.ContextWarning, match=r"^max_model_len=8200 is beyond the 8192 tokens this "
+                                                         r"model was trained on") as caught:
+        Engine(smollm2_path, max_model_len=8200, max_num_seqs=1, kv_cache_mb=4)
+    assert [w.filename for w in caught] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(smollm2_path, max_model_len=8192, max_num_seqs=1, kv_cache_mb=4)
+        Engine(engine.parts, max_model_len=8200, max_num_seqs=1, kv_cache_mb=4)
