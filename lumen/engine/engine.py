@@ -446,6 +446,9 @@ class Engine:
         the first next). Several streams may be followed at once, interleaved or from several threads. stop, if
         given, is asked before every step the iterator runs: true ends the stream and aborts the request, so a
         caller (Ctrl-C in lumen.chat) is heard between a long prompt's chunks, not only when a token comes."""
+        if stop is not None and not callable(stop):   # (else "'int' object is not callable" at the first next)
+            raise TypeError(f"stop must be a callable that returns true to end the stream, or None, got "
+                            f"{type(stop).__name__} (stop strings go in SamplingParams(stop=...))")
         with self._lock:                            # registered before any step can make its first output
             rid = self.add_request(prompt, params, metrics=metrics)
             self._streams[rid] = deque()

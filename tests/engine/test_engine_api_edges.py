@@ -188,3 +188,12 @@ def test_a_max_model_len_beyond_the_trained_context_warns_as_lumen_load_does(eng
         warnings.simplefilter("error")
         Engine(smollm2_path, max_model_len=8192, max_num_seqs=1, kv_cache_mb=4)
         Engine(engine.parts, max_model_len=8200, max_num_seqs=1, kv_cache_mb=4)
+
+
+@pytest.mark.parametrize("stop", ["\n", ["\n"], 5])
+def test_a_stream_stop_that_is_not_callable_is_refused_before_the_request_is_queued(engine, stop):
+    """stream(..., stop="\\n") (the name of SamplingParams' stop strings) queued the request and failed at the first
+    next with "'str' object is not callable" from inside the engine's loop."""
+    with pytest.raises(TypeError, match=r"^stop must be a callable .*\(stop strings go in SamplingParams\(stop="):
+        engine.stream([1, 2, 3], SamplingParams(max_tokens=2), stop=stop)
+    assert not engine.has_unfinished() and serves(engine)
