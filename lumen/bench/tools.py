@@ -28,7 +28,9 @@ def find_tool(name: str, flag: str, path: str | None, env: str | None = None) ->
         if found and os.path.isfile(found) and os.access(found, os.X_OK):
             return found
         what = ("is not an executable file" if found and os.path.exists(found) else
-                "does not exist" if os.sep in given else "is not on $PATH")
+                "does not exist" if os.sep in given else
+                f"is not on $PATH; the file in this directory is ./{given}" if os.path.exists(given) else
+                "is not on $PATH")                  # (a bare name is looked up on $PATH only, as the shell does)
         raise ToolNotFound(f"{source} {given}: {what} (give the path of llama.cpp's {name})")
     return shutil.which(name)
 

@@ -411,3 +411,18 @@ def test_a_list_flag_refuses_an_empty_item(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_bare_tool_name_in_this_directory_says_to_write_dot_slash(tmp_path, monkeypatch):
+    """`cd build/bin; ... --llama-bench llama-bench` said only "is not on $PATH" of a file the user could see."""
+    from lumen.bench.tools import ToolNotFound, find_tool
+    (tmp_path / "llama-bench").write_text("#!/bin/sh\n")
+    (tmp_path / "llama-bench").chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ToolNotFound, match=r"^--llama-bench llama-bench: is not on \$PATH; the file in this directory "
+                                           r"is \./llama-bench \(give the path"):
+        find_tool("llama-bench", "--llama-bench", "llama-bench")
+    assert find_tool("llama-bench", "--llama-bench", "./llama-bench") == "./llama-bench"
+    with pytest.raises(ToolNotFound, match=r"^--llama-bench nothing: is not on \$PATH \(give the path"):
+        find_tool("llama-bench", "--llama-bench", "nothing")
