@@ -484,7 +484,8 @@ class Engine:
             rids = list(self._seqs)
         for rid in rids:
             self.abort(rid)
-        self.structured.close()
+        with self._step_lock:                       # (a step under way may still fill its grammar masks)
+            self.structured.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -197,3 +197,29 @@ def test_a_stream_stop_that_is_not_callable_is_refused_before_the_request_is_que
     with pytest.raises(TypeError, match=r"^stop must be a callable .*\(stop strings go in SamplingParams\(stop="):
         engine.stream([1, 2, 3], SamplingParams(max_tokens=2), stop=stop)
     assert not engine.has_unfinished() and serves(engine)
+
+
+def test_closing_while_another_thread_steps_waits_for_its_step(engine, monkeypatch):
+    """close() from one thread while another thread's stream was in a step: the grammar threads were stopped under
+    that step, whose masks then failed with "cannot schedule new futures after shutdown" in the streaming thread."""
+    import threading
+    import time
+    from lumen.engine.structured import Constraint
+    e = Engine(engine.parts, max_num_seqs=2, kv_cache_mb=16)
+    stream = e.stream([1, 2, 3], SamplingParams(max_tokens=40, constraint=Constraint.regex("[a-z ]{1,40}")))
+    in_step, start, calls = threading.Event(), e.structured.start_masks, []
+
+    def slow_start(*a):
+        calls.append(1)
+        if len(calls) == 2:                             # (the first made the mask filler)
+            in_step.set()
+            time.sleep(0.3)
+        return start(*a)
+    monkeypatch.setattr(e.structured, "start_masks", slow_start)
+    got = []
+    t = threading.Thread(target=lambda: got.extend(stream))     # (an exception here would leave got empty)
+    t.start()
+    assert in_step.wait(30)
+    e.close()
+    t.join(30)
+    assert got and got[-1].finished and got[-1].finish_reason == "abort"
