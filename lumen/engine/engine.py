@@ -24,6 +24,7 @@ request samples with its own RNG, so its tokens are too.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -62,14 +63,17 @@ __all__ = ["Engine", "EngineConfig", "RequestError"]          # RequestError: lu
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, **options):
         """model: a registry name, a .gguf path, a loaded lumen.Model or its ModelParts (weights are shared; a
-        Model's threads are the engine's unless `threads` is given).
+        Model's threads and adaptive_threads are the engine's unless given).
         config: an EngineConfig, or its fields (and SpeculativeConfig's) as keywords (lumen.engine.config)."""
         if config is not None and options:
             raise TypeError("give an EngineConfig or its fields as keywords, not both")
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a lumen.EngineConfig (or give its fields as keywords: "
                             f"Engine(model, **options)), got {type(config).__name__}")
-        c = self.engine_config = config if config is not None else EngineConfig.from_kwargs(**options)
+        c = config if config is not None else EngineConfig.from_kwargs(**options)
+        if config is None and "adaptive_threads" not in options and hasattr(model, "adaptive_threads"):
+            c = dataclasses.replace(c, adaptive_threads=model.adaptive_threads)    # (a lumen.Model's, as threads)
+        self.engine_config = c
         parts = self.parts = parts_of(model, pack_cache=c.pack_cache)
         self.config, self.tokenizer = parts.config, parts.tokenizer
         threads = c.threads

@@ -292,6 +292,20 @@ def test_threads_given_to_one_model_are_not_the_default_of_the_next(smollm2_path
     assert lumen.load(smollm2_path, max_model_len=64).threads == numba.config.NUMBA_NUM_THREADS
 
 
+def test_an_engine_of_a_model_keeps_its_fixed_threads(smollm2_path):
+    """lumen.Engine(model) took the Model's threads but not its adaptive_threads=False: an engine made for a
+    fixed-thread measurement gave threads up to other processes all the same."""
+    import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 threads (one thread has none to give up)")
+    fixed = lumen.load(smollm2_path, max_model_len=64, threads=2, adaptive_threads=False)
+    assert fixed.engine.runner.governor.adaptive is False
+    e = lumen.Engine(fixed, max_model_len=64)
+    assert e.engine_config.adaptive_threads is False and e.runner.governor.adaptive is False
+    assert lumen.Engine(fixed, max_model_len=64, adaptive_threads=True).engine_config.adaptive_threads is True
+    assert lumen.Engine(smollm2_path, max_model_len=64, threads=2).engine_config.adaptive_threads is True
+
+
 @pytest.mark.parametrize("kw, error, words", [
     ({"draft_model": "no-such-model"}, lumen.FetchError, "unknown model 'no-such-model'"),
     ({"draft_model": 5}, TypeError, "model must be a registry name or a path"),
