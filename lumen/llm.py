@@ -122,6 +122,9 @@ class Model:
         if not isinstance(text, str):
             raise TypeError(f"tokenize() takes a str, got {type(text).__name__}"
                             + ("; decode the bytes first" if isinstance(text, (bytes, bytearray)) else ""))
+        check_bool("add_bos", add_bos, none_ok=True)        # (add_bos="no" was truthy: a BOS added)
+        check_bool("special", special)
+        check_bool("shielded", shielded)
         tok = self.tokenizer
         return tok.encode(text, add_bos=tok.default_bos(text, special) if add_bos is None else add_bos,
                           special=special, shielded=shielded)
@@ -144,6 +147,8 @@ class Model:
         if arr is None or (arr.size and arr.dtype.kind not in "iu"):
             raise TypeError(f"expected token ids (integers), got {type(ids).__name__}"
                             + (f" of {arr.dtype}" if arr is not None else "") + "; model.tokenize(text) makes them")
+        if arr.size and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:   # (the cast would wrap it)
+            raise ValueError(f"token id {int(arr.max())} is outside the vocabulary")
         return np.ascontiguousarray(arr, dtype=np.int64)
 
     def _check_ids(self, ids: np.ndarray) -> None:

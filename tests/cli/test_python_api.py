@@ -32,6 +32,24 @@ def test_tokenize_takes_text(model, text, message):
         model.tokenize(text)
 
 
+@pytest.mark.parametrize("kw", [{"add_bos": "no"}, {"special": "false"}, {"shielded": 1}])
+def test_tokenize_switches_that_are_not_true_or_false_are_refused(model, kw):
+    """add_bos="no" is a truthy string: it added the BOS the caller said not to."""
+    name, value = next(iter(kw.items()))
+    with pytest.raises(ValueError, match=rf"^{name} must be True or False.*, got {value!r}$"):
+        model.tokenize("Hello", **kw)
+    assert model.tokenize("Hello", add_bos=False, special=False, shielded=False) == model.tokenize("Hello",
+                                                                                                   add_bos=False)
+
+
+def test_unsigned_token_ids_past_int64_are_named_as_given(model):
+    """np.uint64(2**63 + 5) was cast to int64 first: "token id -9223372036854775803 is outside the vocabulary"."""
+    import numpy as np
+    with pytest.raises(ValueError, match=r"^token id 9223372036854775813 is outside the vocabulary"):
+        model.logits(np.array([1, 2 ** 63 + 5], np.uint64))
+    assert model.logits(np.array([1, 2], np.uint64)).shape == (2, model.config.n_vocab)
+
+
 @pytest.mark.parametrize("ids", ["abc", 7], ids=["text", "one-id"])
 def test_detokenize_takes_token_ids(model, ids):
     """Text said "a token id must be an integer, got 'a'" (its first character); one id, "not iterable"."""
