@@ -117,6 +117,17 @@ def run_llama(binary: str, model: str, prompt: str, n: int, threads: int, draft:
             "accepted_pct": 100.0 * accepted / drafted if drafted else 0.0}
 
 
+def check_draft(target: str, draft: str) -> None:
+    """ValueError (as lumen.generate's) unless the draft model speaks the target's vocabulary, from the two files'
+    metadata alone: an incompatible --draft-model must fail before the runs, not at its first one."""
+    from types import SimpleNamespace
+    from ..engine.speculative.drafters import DraftModel
+    from ..model.parts import build_tokenizer, open_gguf
+    (g, cfg), (dg, dcfg) = open_gguf(target), open_gguf(draft)
+    DraftModel.check_vocabulary(SimpleNamespace(config=dcfg, tokenizer=build_tokenizer(dg.metadata)), cfg.n_vocab,
+                                build_tokenizer(g.metadata).tokens)
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gguf = str(resolve(args.model))
         if args.draft_model:
-            resolve(args.draft_model)
+            check_draft(gguf, str(resolve(args.draft_model)))   # (not after the first plain runs)
     except (LumenError, OSError, ValueError) as e:      # the run failed (status 1), as every tool's model lookup
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -107,3 +107,15 @@ def test_a_gen_length_beyond_the_context_is_said_in_this_tools_flags(smollm2_pat
     assert "--ctx" not in err and "--max-tokens" not in err and err.endswith(" or less"), err
     n_prompt = int(err.split("the prompt takes ")[1].split()[0])
     assert err.endswith(f"use -n {2048 - n_prompt} or less"), err
+
+
+def test_a_draft_model_of_another_vocabulary_fails_before_any_run(smollm2_path, gemma3_path, capsys, monkeypatch):
+    """--draft-model gemma3-270m for smollm2-135m ran the first plain and ngram runs (seconds to minutes) before
+    lumen.generate refused the draft; the vocabularies are compared from the files' metadata first."""
+    def no_run(*a, **kw):
+        raise AssertionError("a run started")
+    monkeypatch.setattr(spec, "run_lumen", no_run)
+    assert spec.main(["-m", str(smollm2_path), "--draft-model", str(gemma3_path), "-r", "1", "-n", "4",
+                      "--prompts-per-kind", "1", "--kinds", "completion", "-t", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: the draft model's vocabulary has 262144 tokens, the target's 49152: they must share one"
