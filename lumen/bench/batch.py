@@ -134,7 +134,8 @@ def _median(reps: list[dict]) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = Parser(prog=prog("bench batch"), description=__doc__.splitlines()[0])
+    ap = Parser(prog=prog("bench batch"), description=__doc__.splitlines()[0],   # (the not-found error points here)
+                epilog=__doc__[__doc__.index("--compare llama.cpp runs"):].strip())
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-npp", type=int, default=128, help="prompt tokens per sequence (default 128)")
     ap.add_argument("-ntg", type=int, default=128, help="generated tokens per sequence (default 128)")

@@ -2,6 +2,7 @@
 benchmark gates' choice of baseline (tests/benchmarks: one baseline per CPU)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -426,3 +427,18 @@ def test_a_bare_tool_name_in_this_directory_says_to_write_dot_slash(tmp_path, mo
     assert find_tool("llama-bench", "--llama-bench", "./llama-bench") == "./llama-bench"
     with pytest.raises(ToolNotFound, match=r"^--llama-bench nothing: is not on \$PATH \(give the path"):
         find_tool("llama-bench", "--llama-bench", "nothing")
+
+
+@pytest.mark.parametrize("sub", ["batch", "serve"])
+def test_a_missing_tool_points_to_a_help_that_says_how_to_build_it(sub, monkeypatch, capsys):
+    """batch's "llama-batched-bench not found ... (how to build it: python -m lumen.bench batch --help)" pointed
+    to a --help without a word on building it (the steps were in the module's docstring only)."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    line = _tool_error([sub, "--compare", "llama.cpp"], monkeypatch, capsys)
+    command = re.search(r"how to build it: python -m lumen\.bench (\w+) --help", line)
+    assert command and command.group(1) == sub, line
+    from lumen.bench.cli import main
+    with pytest.raises(SystemExit):
+        main([sub, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cmake --build build" in text and "llama-cpp-python==0.3.36" in text, text[-600:]
