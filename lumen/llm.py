@@ -275,6 +275,8 @@ class Model:
                             f"lumen.SamplingParams' fields: {', '.join(sorted(fields))}")
         if params is None:
             sampling = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, **sampling}
+            if isinstance(sampling["max_tokens"], np.integer):  # (as SamplingParams takes it: a count from numpy)
+                sampling["max_tokens"] = int(sampling["max_tokens"])
             if sampling["max_tokens"] is not None:              # None: the rest of the context
                 check_int("max_tokens", sampling["max_tokens"], 0)
             params = SamplingParams(**sampling)

@@ -405,3 +405,15 @@ def test_a_model_closes_at_the_end_of_its_with_block(smollm2_path):
     with lumen.Engine(m, max_num_seqs=1) as e:          # its weights still serve an engine of their own
         assert e.generate(["Hi"], lumen.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids \
             == ids
+
+
+def test_a_numpy_max_tokens_is_taken_as_lumen_samplingparams_takes_it(model):
+    """model.generate(max_tokens=np.int64(4)) said "max_tokens must be an integer, got np.int64(4)", though
+    SamplingParams(max_tokens=np.int64(4)) and numpy seeds and top_k were taken."""
+    import numpy as np
+    got = [t.id for t in model.generate("Hi", max_tokens=np.int64(4), ignore_eos=True)]
+    assert got == [t.id for t in model.generate("Hi", lumen.SamplingParams(max_tokens=np.int64(4), temperature=0,
+                                                                          ignore_eos=True))]
+    assert len(got) == 4
+    with pytest.raises(ValueError, match=r"^max_tokens must be at least 0, got -1$"):
+        model.generate("Hi", max_tokens=np.int64(-1))
