@@ -45,18 +45,21 @@ CHOICES = ("none", "auto", "required")
 
 @dataclass(frozen=True)
 class Tool:
-    """One declared function: name, description, its parameters' JSON schema, strict."""
+    """One declared function: name, description, its parameters' JSON schema (an empty parameter list when the
+    request left them out), strict; shown: the parameters as the prompt shows them, as llama.cpp does: as the
+    request sent them, {} when left out (Ellipsis: the parameters)."""
     name: str
     description: str | None
     parameters: dict
     strict: bool = False
+    shown: Any = ...
 
     def openai(self) -> dict:
         """As the chat template and the fallback prompt show it (OpenAI's shape)."""
         f: dict = {"name": self.name}
         if self.description is not None:
             f["description"] = self.description
-        f["parameters"] = self.parameters
+        f["parameters"] = self.parameters if self.shown is ... else self.shown
         return {"type": "function", "function": f}
 
 
@@ -106,7 +109,7 @@ def parse_tools(tools: Any) -> list[Tool]:
             Constraint.json_schema(checked)
         except StructuredOutputError as e:
             raise ApiError(400, f"{where}.function.parameters: {e}", "tools") from None
-        out.append(Tool(name, desc, params, bool(strict)))
+        out.append(Tool(name, desc, params, bool(strict), f.get("parameters", {})))
     return out
 
 
