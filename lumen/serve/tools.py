@@ -267,6 +267,7 @@ class ToolParser:
         self._head_cut = re.compile(self._name.pattern + r'\s*,\s*"' + re.escape(self.args_key) + r'"\s*:\s*$')
         close = "|".join(re.escape(self.close[:k]) for k in range(len(self.close), 0, -1)) if self.open else ""
         self._tail = re.compile(r"\s*(\}\s*(" + close + r")?)?$" if close else r"\s*(\}\s*)?$")
+        self._closes = re.compile(_JSON_STRING + "|" + re.escape(self.close), re.S) if self.open else None
         leads = self.leads or ()
         self._first = re.compile(r"\s*(?:" + "|".join(_loose(s) for s in leads) + r")\s*(?=" + _CALL + ")")
         self._next = re.compile(r"\s*" + _loose(self.bare_sep) + r"\s*(?=" + _CALL + ")")
@@ -319,8 +320,8 @@ class ToolParser:
                 if self.is_bare:                            # the call ends where its JSON object does
                     j = _object_end(self.buf, 1 if self.head_done else 0)
                     j = -1 if j is None else j
-                else:
-                    j = self.buf.find(self.close)
+                else:                                       # (a close marker in a JSON string is its text)
+                    j = self._close_at(self.buf)
                 body = self.buf if j < 0 else self.buf[:j]
                 if not self.head_done:
                     m = self._head.match(body)
@@ -406,6 +407,15 @@ class ToolParser:
             content = self._content(self.buf, final=True)
         self.buf, self.in_call, self.is_bare, self.group = "", False, False, False
         return content, calls
+
+    def _close_at(self, text: str) -> int:
+        """Where the close marker that ends the call in `text` (its JSON, from outside any string) starts; -1 if
+        none has come. The marker's text inside a JSON string ("print('</tool_call>')" in an argument) is the
+        string's, not the call's end."""
+        for m in self._closes.finditer(text):
+            if not m.group().startswith('"'):
+                return m.start()
+        return -1
 
     def _declared(self, name: str) -> bool:
         return self.names is None or name in self.names
@@ -636,6 +646,7 @@ def _lark(lines: list[str]) -> Constraint:
 
 
 _CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts
+_JSON_STRING = r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)'      # a JSON string, or one the text ends inside
 TRAIL = r"[ \t\r\n]{1,4}"                        # whitespace the grammar takes after the last call
 def _is_local_ref(ref: Any) -> bool:
     return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))

@@ -43,6 +43,22 @@ def test_arguments_as_a_json_string_or_none_are_the_objects_text(text, content, 
             assert isinstance(json.loads(args), dict)
 
 
+CODE = {"code": 'print("</tool_call>")', "note": "a \\\" quote, then </tool_call> again"}
+
+
+@pytest.mark.parametrize("args", [json.dumps(CODE), json.dumps(json.dumps(CODE))])
+def test_a_close_marker_inside_an_argument_string_is_the_strings_text(args):
+    """The close marker's text inside a JSON string (code that prints it) is part of the argument, not the call's
+    end: the grammar lets a string hold it as ordinary tokens. It cut the call there: a whole answer came back as
+    content and no call, a stream as a call with truncated arguments and the rest as content."""
+    text = '<tool_call>\n{"name": "add", "arguments": ' + args + '}\n</tool_call>\n<tool_call>\n' \
+           '{"name": "get_current_time", "arguments": {}}\n</tool_call>'
+    for step in (len(text), 1, 2, 3, 7):
+        content, calls = _parse(text, step)
+        assert content == "" and [name for name, _ in calls] == ["add", "get_current_time"], step
+        assert json.loads(calls[0][1]) == CODE and calls[1][1] == "{}", step
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": }\n</tool_call>',
     '<tool_call>\n{"name": "add", "arguments": {"a": 1}, }\n</tool_call>',
