@@ -25,6 +25,19 @@ def test_small_temperature_still_samples():
     assert np.isfinite(p).all() and p[1] == 1.0
 
 
+@pytest.mark.parametrize("temperature", [1e38, 1e46, 1e300, 1.7e308])
+def test_temperature_too_large_for_float32_draws_only_allowed_tokens(temperature):
+    """1 / temperature underflows float32 past about 1e45: the draw is uniform over the tokens a grammar or
+    logit_bias left (finite logits) and never picks a -inf one; it was (x - max) * 0, NaN for -inf, and the server
+    answered a 500 ("token ... is not allowed by the grammar") to a constrained request at temperature 1e300."""
+    x = np.full(8, -np.inf, np.float32)
+    x[[2, 5]] = [1.0, -3.0]
+    s = make_sampler(temperature=temperature, seed=0)
+    assert {s(x) for _ in range(64)} == {2, 5}
+    ids, p = s.distribution(x)
+    assert ids is None and np.isfinite(p).all() and set(np.flatnonzero(p)) == {2, 5}
+
+
 @pytest.mark.parametrize("repeat_penalty", [1e-300, 1e-40, 1e300])
 def test_extreme_repeat_penalty_keeps_logits_sampleable(repeat_penalty):
     """logit / 1e-300 overflows float32 to +inf, which no sampler can draw from: the penalized logits stay

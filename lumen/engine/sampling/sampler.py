@@ -37,6 +37,7 @@ SAMPLE_SIZE = 4096  # larger top-k reads its threshold guess off about this many
 TOP_P_TRIES = (1024, 32768)  # top-p without top-k or min-p: prefix sizes tried before sorting the vocab
 BLOCK = 1024        # cumulative sums over more weights than this go block-wise
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = np.float32(np.finfo(np.float32).smallest_subnormal)
 
 
 class SamplerError(LumenError, ValueError):
@@ -206,7 +207,9 @@ class Sampler:
         # greedy also when 1 / temperature overflows float32: (max - max) * inf would be NaN
         self.greedy = temperature == 0.0 or 1.0 / temperature > FLOAT32_MAX
         self._rng = np.random.default_rng(seed)
-        self._inv_temp = np.float32(0.0) if self.greedy else np.float32(1.0 / temperature)
+        # a temperature so large that 1 / temperature underflows float32 keeps its smallest positive value: the
+        # draw is then uniform over the allowed tokens, and a disallowed one's -inf stays -inf (-inf * 0 is NaN)
+        self._inv_temp = np.float32(0.0) if self.greedy else max(np.float32(1.0 / temperature), FLOAT32_TINY)
         self._min_p_log = math.log(min_p) if min_p > 0.0 else -math.inf
 
     def __call__(self, logits: np.ndarray) -> int:
