@@ -520,16 +520,17 @@ def main(argv: list[str] | None = None) -> int:
                                   ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
             t_compile = model.warmup()
         prompt, special, chat = args.prompt, args.special, False
-        parser = None
+        parser, shown = None, None
         if tooling is not None:
             from .format.chat import chat_template_from_metadata
-            from .serve.tools import PARSERS, marker_token, parser_for_template
+            from .serve.tools import PARSERS, call_grammar, parser_for_template, shown_tools
+            shown = shown_tools(*tooling)
             if tooling[1] != "none":
                 kind = PARSERS[parser_for_template(chat_template_from_metadata(model.metadata))]
                 parser = kind(names=[t.name for t in tooling[0]])     # (JSON naming no tool: text)
-                constraint = parser.grammar(*tooling, True, marker_token(model.tokenizer, kind))
+                constraint = call_grammar(kind, model.tokenizer, *tooling)      # (the server's grammar)
         if args.chat or tooling is not None:
-            rendered, why = chat_prompt(model, args.prompt, args.system, tooling and tooling[0], args.special)
+            rendered, why = chat_prompt(model, args.prompt, args.system, shown, args.special)
             if rendered is None and tooling is not None:
                 raise LumenError("--tools needs a model with a chat template")
             if rendered is None:

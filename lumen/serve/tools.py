@@ -748,6 +748,21 @@ class MistralParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3": Llama3Parser, "mistral": MistralParser}
 
 
+def shown_tools(tools: list[Tool], choice: str) -> list[Tool] | None:
+    """The tools the prompt shows for `choice`: none for "none", since a model shown tools it may not call writes
+    calls as text (the server and the command line alike)."""
+    return tools if choice != "none" and tools else None
+
+
+def call_grammar(parser: type[ToolParser], tokenizer, tools: list[Tool], choice: str, parallel: bool = True,
+                 answer: dict | None = None) -> Constraint | None:
+    """ToolParser.grammar as this vocabulary writes the parser's markers: each one that is a single token of it
+    (marker_token, open_token, close_token: Qwen2.5's <tool_call> and </tool_call>) is written only as that token.
+    The one builder of the server's and the command line's tool grammar, so both hold a model to the same calls."""
+    return parser().grammar(tools, choice, parallel, marker_token(tokenizer, parser), answer,
+                            open_token(tokenizer, parser), close_token(tokenizer, parser))
+
+
 def marker_token(tokenizer, parser: type[ToolParser]) -> int | None:
     """The id of the parser's marker in this vocabulary when it is one token that renders as nothing (a control
     token), else None (no marker, or one the text spells)."""

@@ -23,8 +23,7 @@ import json
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
-from ..tools import (PARSERS, close_token, marker_token, open_token, parse_tool_choice, parse_tools,
-                     parser_for_template)
+from ..tools import PARSERS, call_grammar, parse_tool_choice, parse_tools, parser_for_template, shown_tools
 from .serving import Generation
 
 router = APIRouter()
@@ -39,8 +38,8 @@ class ServingChat(Generation):
         constraint = await asyncio.to_thread(P.constraint_of, req)      # 400 if invalid
         tools = await asyncio.to_thread(parse_tools, req.tools)
         choice = parse_tool_choice(req.tool_choice, tools)
-        shown = tools if choice != "none" else None        # "none": the model is not shown tools it may not call
-        prompts = [await self.prompt_ids(req, shown)]       # (a 400 for the conversation costs no grammar)
+        prompts = [await self.prompt_ids(req, shown_tools(tools, choice))]   # (a 400 for the conversation costs
+                                                                            # no grammar)
         parser = None
         if choice != "none":
             name = parser_for_template(self.prompter.template, self.settings.tool_call_parser)
@@ -54,10 +53,8 @@ class ServingChat(Generation):
                                           "schema or object, or with tool_choice \"none\"", P.constraint_field(req))
                 answer = json.loads(constraint.value) if constraint.kind == "json_schema" else {"type": "object"}
             cls = PARSERS[name]             # (required, a named function: a call, whatever response_format says)
-            tok = self.engine.tokenizer
-            constraint = await asyncio.to_thread(cls().grammar, tools, choice, req.parallel_tool_calls is not False,
-                                                 marker_token(tok, cls), answer, open_token(tok, cls),
-                                                 close_token(tok, cls))
+            constraint = await asyncio.to_thread(call_grammar, cls, self.engine.tokenizer, tools, choice,
+                                                 req.parallel_tool_calls is not False, answer)
             parser = functools.partial(cls, names=[t.name for t in tools])
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)

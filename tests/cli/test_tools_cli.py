@@ -1,0 +1,64 @@
+"""`python -m lumen.generate --tools` on Qwen2.5-Coder-0.5B, in process: the command line builds the server's tool
+grammar (lumen.serve.tools.call_grammar, with Qwen's one-token <tool_call> and </tool_call>), and with
+--tool-choice none the prompt shows no tools, as the server's. Each run generates one token (the request as the
+command line makes it is what is checked). Skips when the model cannot be fetched (qwen05_path)."""
+import json
+
+import pytest
+
+from lumen.llm import Model
+from lumen import generate as cli
+from lumen.serve.tools import HermesParser, call_grammar, close_token, open_token, parse_tools
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def requests(qwen05_path, tmp_path_factory):
+    """run(choice) -> (the prompt ids and keywords the command line passed to Model.generate, the tokenizer)."""
+    f = tmp_path_factory.mktemp("tools") / "tools.json"
+    f.write_text(json.dumps(TOOLS))
+    seen = []
+    real = Model.generate
+
+    def spy(self, prompt, params=None, **kw):
+        seen.append((self, prompt, kw))
+        return real(self, prompt, params, **dict(kw, max_tokens=1))
+
+    def run(choice: str):
+        mp = pytest.MonkeyPatch()
+        mp.setattr(Model, "generate", spy)
+        try:
+            rc = cli.main(["-m", str(qwen05_path), "-t", "2", "--ctx", "512", "--tools", str(f), "--tool-choice",
+                           choice, "--greedy", "-p", "What is the weather in Paris?"])
+        finally:
+            mp.undo()
+        assert rc == 0
+        model, prompt, kw = seen.pop()
+        return prompt, kw, model
+    return run
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "get_weather"])
+def test_the_tool_grammar_is_the_servers(requests, choice):
+    """The command line's grammar lacked Qwen's single <tool_call> / </tool_call> tokens (the server's had them):
+    spelled, a call's close is forced as pieces the model never saw, and a "<" after a call forces one more."""
+    _, kw, model = requests(choice)
+    tok = model.tokenizer
+    assert kw["constraint"] == call_grammar(HermesParser, tok, parse_tools(TOOLS), choice)
+    oid, cid = open_token(tok, HermesParser), close_token(tok, HermesParser)
+    assert oid is not None and cid is not None
+    assert f"<[{cid}]>" in kw["constraint"].value
+    if choice != "auto":                                 # (auto: text may spell no call, so the open is text too)
+        assert f"<[{oid}]>" in kw["constraint"].value
+
+
+def test_tool_choice_none_shows_no_tools(requests):
+    """--tool-choice none showed the tools in the prompt (the model then wrote calls as plain text); the server
+    shows none, and so does the command line now: the prompt is the plain --chat prompt."""
+    prompt, kw, model = requests("none")
+    assert "get_weather" not in model.tokenizer.decode(prompt) and kw["constraint"] is None
+    rendered, _ = cli.chat_prompt(model, "What is the weather in Paris?", None)
+    assert prompt == model.tokenize(rendered, special=True, shielded=True)
