@@ -416,6 +416,8 @@ def resolve(model: str | os.PathLike, *, quiet: bool = False) -> Path:
         return resolve(by_file[model], quiet=quiet)
     if str(model) and path.is_dir():                     # ("" is Path("."): an unknown name, below)
         raise FetchError(f"{path} is a directory: give the path of a .gguf file in it, or a registry name")
+    if str(model) and path.exists():                     # a device, a FIFO (which would block the read), a socket
+        raise FetchError(f"{path} is not a regular file: give the path of a .gguf file, or a registry name")
     if path.suffix == ".gguf" or os.sep in str(model):
         raise FetchError(f"no such model file: {path}")
     raise FetchError(f"unknown model {str(model)!r}: not a known name ({', '.join(MODELS)}) and not a file")

@@ -514,6 +514,15 @@ def test_resolve_a_directory(home, tmp_path, monkeypatch):
             store.resolve(d)
 
 
+def test_resolve_a_path_that_is_not_a_regular_file(home, tmp_path):
+    """`--model /dev/null` (or a FIFO, which a read would block on) said 'no such model file', though it exists."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for p in (os.devnull, str(fifo)):
+        with pytest.raises(FetchError, match=f"^{re.escape(p)} is not a regular file: give the path of a .gguf file"):
+            store.resolve(p)
+
+
 @pytest.mark.parametrize("model", [None, 3, ["smollm2-135m"], b"model.gguf"])
 def test_resolve_not_a_name_or_path_is_a_type_error(home, model):
     with pytest.raises(TypeError, match="^model must be a registry name or a path to a .gguf file, got "):
