@@ -134,14 +134,17 @@ def stdout_is_devnull() -> bool:
 
 
 def escape_unencodable(stream) -> None:
-    """Make a text stream whose encoding is not a UTF one write what it cannot encode as backslash escapes."""
+    """Make a text stream whose encoding is not a UTF one write what it cannot encode as backslash escapes. Its
+    errors handler is "strict", or "surrogateescape" where the C locale is not coerced to UTF-8 (LC_ALL=C where
+    no C.UTF-8 locale exists, or PYTHONCOERCECLOCALE=0): that one writes back only undecodable bytes, and any
+    other character it cannot encode raised UnicodeEncodeError at the first "é" of a reply."""
     import codecs
     encoding, errors = getattr(stream, "encoding", None), getattr(stream, "errors", None)
     try:
         utf = codecs.lookup(encoding).name.startswith("utf")
     except (LookupError, TypeError):
         return
-    if not utf and errors == "strict" and hasattr(stream, "reconfigure"):
+    if not utf and errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
         stream.reconfigure(errors="backslashreplace")
 
 

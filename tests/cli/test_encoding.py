@@ -13,18 +13,21 @@ import pytest
 from lumen.commands import run
 
 
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])     # (surrogateescape: an uncoerced C locale's)
 @pytest.mark.parametrize("encoding, want", [("ascii", b"caf\\xe9 \\u65e5\n"), ("latin-1", b"caf\xe9 \\u65e5\n"),
                                             ("utf-8", "café 日\n".encode())])
-def test_run_escapes_what_stdout_cannot_encode(monkeypatch, encoding, want):
+def test_run_escapes_what_stdout_cannot_encode(monkeypatch, encoding, want, errors):
     raw = io.BytesIO()
-    out = io.TextIOWrapper(raw, encoding=encoding)
+    out = io.TextIOWrapper(raw, encoding=encoding, errors=errors)
     monkeypatch.setattr(sys, "stdout", out)
     assert run(lambda argv: print("café 日") or 0) == 0
     assert raw.getvalue() == want
 
 
 @pytest.mark.parametrize("env", [{"PYTHONIOENCODING": "ascii"}, {"PYTHONIOENCODING": "latin-1"},
-                                 {"LANG": "C", "LC_ALL": "C"}], ids=["ascii", "latin-1", "C-locale"])
+                                 {"LANG": "C", "LC_ALL": "C"},
+                                 {"LANG": "C", "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}],
+                         ids=["ascii", "latin-1", "C-locale", "C-locale-uncoerced"])
 def test_generate_prints_what_the_terminal_cannot_encode_escaped(smollm2_path, env):
     """`--choice` makes the reply non-ASCII whatever the model would say."""
     r = subprocess.run([sys.executable, "-m", "lumen.generate", "-m", str(smollm2_path), "-p", "Say café:",
