@@ -126,6 +126,8 @@ def config_from_metadata(meta: Mapping[str, Any]) -> Config:
     if not 0 < rms_eps < 1:
         raise GGUFError(f"layer_norm_rms_epsilon {rms_eps} is out of range")
     rope_base = _get(meta, a + "rope.freq_base", float, default=10000.0)
+    if rope_base <= 0:                                   # (else the first forward pass fails, in the kernel's words)
+        raise GGUFError(f"rope.freq_base {rope_base} must be positive")
     scaling = meta.get(a + "rope.scaling.type", "none")
     factor = _get(meta, a + "rope.scaling.factor", float, default=1.0)
     if scaling not in ("none", "linear") and factor != 1.0:

@@ -183,3 +183,11 @@ def test_bad_metadata_values(tmp_path):
     _raises(p, GGUFError, "not a multiple of head_count_kv")
     with pytest.raises(GGUFError, match="missing metadata key 'llama.block_count'"):
         config_from_metadata({"general.architecture": "llama"})
+
+
+@pytest.mark.parametrize("base", [0.0, -1.0])
+def test_a_rope_base_that_is_not_positive_is_refused_at_load(tmp_path, base):
+    """It loaded and failed at the first forward pass, as "base -1.0 and freq_scale 1.0 must be positive"."""
+    p = tmp_path / "m.gguf"
+    write_model(p, "llama", meta={"llama.rope.freq_base": base})
+    _raises(p, GGUFError, rf"rope.freq_base {base} must be positive")
