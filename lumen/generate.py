@@ -296,6 +296,8 @@ def tools_from_args(args):
         raise UsageError(f"--tools {args.tools}: not JSON ({e})") from None
     if isinstance(spec, dict) and "tools" in spec:             # a request body's {"tools": [...]} too
         spec = spec["tools"]
+    if spec == []:                                   # (else "--tool-choice: tool_choice 'auto' needs tools")
+        raise UsageError(f"--tools {args.tools}: the list holds no tools")
     choice = args.tool_choice
     if choice not in ("auto", "required", "none"):
         choice = {"type": "function", "function": {"name": choice}}

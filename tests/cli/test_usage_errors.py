@@ -75,3 +75,12 @@ def test_an_unreadable_file_is_said_once(module, argv, code, message, tmp_path, 
     assert run(importlib.import_module(module).main, argv) == code
     out, err = capsys.readouterr()
     assert err == message.format(**names) + "\n", err
+
+
+def test_a_tools_file_with_no_tools_names_the_file(tmp_path, capsys):
+    """An empty list said "--tool-choice: tool_choice 'auto' needs tools", naming a flag not given."""
+    from lumen.generate import main
+    f = tmp_path / "tools.json"
+    f.write_text("[]")
+    assert run(main, ["-p", "hi", "--tools", str(f)]) == 2
+    assert capsys.readouterr().err == f"error: --tools {f}: the list holds no tools\n"
