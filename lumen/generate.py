@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "([{\"type\": \"function\", \"function\": {\"name\", "
                                                     "\"parameters\"}}])")
     tc.add_argument("--tool-choice", default="auto", metavar="CHOICE",
-                    help="auto (default), required, none, or the name of the one function to call")
+                    help="auto (default), required, none, or the name of the one function to call; beside "
+                         "--json-schema or --json-object, auto gives calls or JSON text that follows it, required "
+                         "and a name give calls, none the JSON (as the server takes response_format)")
     return ap
 
 
@@ -486,8 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         constraint = constraint_from_args(args)          # before the model loads: a bad file fails fast
         tooling = tools_from_args(args)
-        if tooling is not None and constraint is not None and tooling[1] != "none":
-            raise UsageError("--tools cannot be combined with a structured-output flag (unless --tool-choice none)")
+        answer = None                                    # auto beside --json-schema/--json-object: calls or JSON
+        if tooling is not None and tooling[1] != "none":
+            from .serve.tools import tool_answer
+            try:
+                answer = tool_answer(constraint, tooling[1])
+            except ValueError as e:
+                flag = "--regex" if args.regex is not None else "--grammar" if args.grammar else "--choice"
+                raise UsageError(f"{flag} {e}".replace("tool_choice \"none\"", "--tool-choice none")) from None
         if args.system is not None and not (args.chat or tooling is not None):   # (it would be dropped unsaid)
             raise UsageError("--system is the system message of a chat: give --chat too")
         if args.speculative == "draft" and not args.draft_model:
@@ -530,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             if tooling[1] != "none":
                 kind = PARSERS[parser_for_template(chat_template_from_metadata(model.metadata))]
                 parser = kind(names=[t.name for t in tooling[0]])     # (JSON naming no tool: text)
-                constraint = call_grammar(kind, model.tokenizer, *tooling)      # (the server's grammar)
+                constraint = call_grammar(kind, model.tokenizer, *tooling, True, answer)    # (the server's)
         if args.chat or tooling is not None:
             rendered, why = chat_prompt(model, args.prompt, args.system, shown, args.special)
             if rendered is None and tooling is not None:

@@ -754,6 +754,18 @@ def shown_tools(tools: list[Tool], choice: str) -> list[Tool] | None:
     return tools if choice != "none" and tools else None
 
 
+def tool_answer(constraint: Constraint | None, choice: str) -> dict | None:
+    """The JSON schema of the text answer beside tools, from a structured-output constraint (OpenAI's reading of
+    response_format with tools): under "auto" a JSON schema or object is the answer the text must follow (None
+    without a constraint); "required" and a named function give a call whatever it says (None). ValueError for
+    any other constraint under "auto" (call it with a choice other than "none")."""
+    if constraint is None or choice != "auto":
+        return None
+    if constraint.kind not in ("json_schema", "json_object"):
+        raise ValueError("can be combined with tools only as a JSON schema or object, or with tool_choice \"none\"")
+    return json.loads(constraint.value) if constraint.kind == "json_schema" else {"type": "object"}
+
+
 def call_grammar(parser: type[ToolParser], tokenizer, tools: list[Tool], choice: str, parallel: bool = True,
                  answer: dict | None = None) -> Constraint | None:
     """ToolParser.grammar as this vocabulary writes the parser's markers: each one that is a single token of it

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 
 from fastapi import APIRouter, Request
 
 from .. import protocol as P
-from ..tools import PARSERS, call_grammar, parse_tool_choice, parse_tools, parser_for_template, shown_tools
+from ..tools import (PARSERS, call_grammar, parse_tool_choice, parse_tools, parser_for_template, shown_tools,
+                     tool_answer)
 from .serving import Generation
 
 router = APIRouter()
@@ -46,12 +46,10 @@ class ServingChat(Generation):
             if name is None:
                 raise P.ApiError(400, "this server does not parse tool calls (--tool-call-parser none); send "
                                       "tool_choice \"none\" or no tools", "tool_choice")
-            answer = None                   # "auto" with response_format: calls, or an answer that follows it
-            if constraint is not None and choice == "auto":
-                if constraint.kind not in ("json_schema", "json_object"):
-                    raise P.ApiError(400, f"{P.constraint_field(req)} can be combined with tools only as a JSON "
-                                          "schema or object, or with tool_choice \"none\"", P.constraint_field(req))
-                answer = json.loads(constraint.value) if constraint.kind == "json_schema" else {"type": "object"}
+            try:                            # "auto" with response_format: calls, or an answer that follows it
+                answer = tool_answer(constraint, choice)
+            except ValueError as e:
+                raise P.ApiError(400, f"{P.constraint_field(req)} {e}", P.constraint_field(req)) from None
             cls = PARSERS[name]             # (required, a named function: a call, whatever response_format says)
             constraint = await asyncio.to_thread(call_grammar, cls, self.engine.tokenizer, tools, choice,
                                                  req.parallel_tool_calls is not False, answer)
