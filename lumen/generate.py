@@ -544,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             if rendered is None and tooling is not None:
                 raise LumenError("--tools needs a model with a chat template")
             if rendered is None:
-                print(f"note: {why}", file=sys.stderr)     # and plain completion's sampling
+                print(f"note: {why}" + ("; --system is not used" if args.system else ""),  # (and plain
+                      file=sys.stderr)                                          # completion's sampling)
             else:
                 prompt, chat = model.tokenize(rendered, special=True, shielded=not args.special), True  # (one BOS)
         from .engine.sequence import RequestMetrics

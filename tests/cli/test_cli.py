@@ -312,6 +312,15 @@ def test_chat_without_template_falls_back(synth_model):
     assert summary(plain)[1] == re.search(SUMMARY.pattern, chat.stderr, re.M)[1], "same prompt tokens"
 
 
+def test_chat_without_template_says_the_system_message_is_not_used(synth_model, capsys):
+    """--chat --system on a model without a chat template dropped the system message without a word."""
+    from lumen.generate import main
+    assert main(["-m", str(synth_model), "--chat", "--system", "Be brief.", "-p", "the cat", "-n", "1"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: this model has no chat template (tokenizer.chat_template); running plain completion; "
+                     "--system is not used"]
+
+
 def stop_inside_a_token(texts: list[str]) -> str:
     """Two characters from inside one token of the output (not the first token)."""
     return next(t[1:3] for t in texts[1:] if len(t) >= 3)
