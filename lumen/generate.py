@@ -408,14 +408,16 @@ def status_while_compiling(console, text: str = COMPILING, done: str = "compiled
         def on_end(self, ev):
             pass
 
+    ok = False
     try:
         with event.install_listener("numba:compile", ShowOnCompile()):
             yield
+        ok = True
     finally:
         if started:
             if status is not None:
                 status.stop()
-            else:
+            elif ok:                                     # (a load that failed is said by its error, not "loaded")
                 print(f"{done} {time.perf_counter() - started[0]:.0f} s", file=out, flush=True)
 
 

@@ -536,6 +536,19 @@ def test_off_a_terminal_a_line_says_it_compiles_at_once(tmp_path):
     assert len(lines) == 2 and re.fullmatch(r"compiled and loaded in \d+ s", lines[1]), lines
 
 
+def test_a_failed_block_does_not_say_it_compiled_and_loaded(tmp_path):
+    """A load that failed (an unwritable LUMEN_HOME, a bad file) after the compile line said "compiled and loaded
+    in 1 s" just before its error."""
+    log = tmp_path / "err.txt"
+    with log.open("w") as f:
+        console = SimpleNamespace(is_terminal=False, file=f)
+        with pytest.raises(OSError, match="^the load failed$"):
+            with status_while_compiling(console):
+                assert numba.njit(lambda x: x - 1)(1) == 0
+                raise OSError("the load failed")
+    assert log.read_text() == COMPILING + "...\n"
+
+
 def test_on_an_empty_compile_cache_the_line_comes_at_once(tmp_path, monkeypatch):
     """A first run (nothing in NUMBA_CACHE_DIR, or no such folder yet) says it compiles on entering the block,
     before the imports and the load that precede the first compile; a folder with files in it waits for one."""
