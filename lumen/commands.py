@@ -86,9 +86,12 @@ def invoked_as_script() -> bool:
 
 
 def prog(cmd: str) -> str:
-    """'lumen bench batch' or 'python -m lumen.bench batch', as the user invoked it."""
+    """'lumen bench batch', 'python -m lumen bench batch' or 'python -m lumen.bench batch', as the user invoked
+    it."""
     if invoked_as_script():
         return f"lumen {cmd}"
+    if Path(sys.argv[0] or "").parts[-2:] == ("lumen", "__main__.py"):     # python -m lumen COMMAND
+        return f"python -m lumen {cmd}"
     head, _, rest = cmd.partition(" ")
     return f"python -m lumen.{head}" + (f" {rest}" if rest else "")
 

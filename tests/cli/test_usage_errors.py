@@ -84,3 +84,14 @@ def test_a_tools_file_with_no_tools_names_the_file(tmp_path, capsys):
     f.write_text("[]")
     assert run(main, ["-p", "hi", "--tools", str(f)]) == 2
     assert capsys.readouterr().err == f"error: --tools {f}: the list holds no tools\n"
+
+
+@pytest.mark.parametrize("argv, prog", [(["-m", "lumen", "generate"], "python -m lumen generate"),
+                                        (["-m", "lumen.generate"], "python -m lumen.generate"),
+                                        (["-m", "lumen", "bench", "batch"], "python -m lumen bench batch")])
+def test_usage_names_the_command_as_typed(argv, prog):
+    """`python -m lumen generate --bogus` said "python -m lumen.generate: error: ...", a command not typed."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, *argv, "--bogus"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == f"{prog}: error: unrecognized arguments: --bogus\n", r.stderr
