@@ -5,7 +5,8 @@ that makes a call exact, and the parsers that read calls back out of the model's
     choice = parse_tool_choice(req.tool_choice, tools)       # "none" | "auto" | "required" | a tool's name
     parser = PARSERS["hermes"]()                             # one per choice of a response
     content, calls = parser.feed(delta_text)                 # content text, [ToolCallDelta]; finish() at the end
-    constraint = parser.grammar(tools, choice, parallel)     # a Lark Constraint (llguidance), or None
+    answer = tool_answer(constraint, choice)                 # a JSON response_format's schema beside tools, or None
+    constraint = call_grammar(PARSERS["hermes"], tokenizer, tools, choice, parallel, answer)   # Lark, or None
 
 The model writes a call in its own format (Qwen2.5 / Hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n
 </tool_call>`; Llama 3: the message is `{"name": ..., "parameters": {...}}`; Mistral: `[TOOL_CALLS][{...}, ...]`);
