@@ -19,7 +19,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def requests(qwen05_path, tmp_path_factory):
+def cli_run(qwen05_path, tmp_path_factory):
     """run(choice) -> (the prompt ids and keywords the command line passed to Model.generate, the tokenizer)."""
     f = tmp_path_factory.mktemp("tools") / "tools.json"
     f.write_text(json.dumps(TOOLS))
@@ -46,10 +46,10 @@ def requests(qwen05_path, tmp_path_factory):
 
 
 @pytest.mark.parametrize("choice", ["auto", "required", "get_weather"])
-def test_the_tool_grammar_is_the_servers(requests, choice):
+def test_the_tool_grammar_is_the_servers(cli_run, choice):
     """The command line's grammar lacked Qwen's single <tool_call> / </tool_call> tokens (the server's had them):
     spelled, a call's close is forced as pieces the model never saw, and a "<" after a call forces one more."""
-    _, kw, model = requests(choice)
+    _, kw, model = cli_run(choice)
     tok = model.tokenizer
     assert kw["constraint"] == call_grammar(HermesParser, tok, parse_tools(TOOLS), choice)
     oid, cid = open_token(tok, HermesParser), close_token(tok, HermesParser)
@@ -59,10 +59,10 @@ def test_the_tool_grammar_is_the_servers(requests, choice):
         assert f"<[{oid}]>" in kw["constraint"].value
 
 
-def test_tool_choice_none_shows_no_tools(requests):
+def test_tool_choice_none_shows_no_tools(cli_run):
     """--tool-choice none showed the tools in the prompt (the model then wrote calls as plain text); the server
     shows none, and so does the command line now: the prompt is the plain --chat prompt."""
-    prompt, kw, model = requests("none")
+    prompt, kw, model = cli_run("none")
     assert "get_weather" not in model.tokenizer.decode(prompt) and kw["constraint"] is None
     rendered, _ = cli.chat_prompt(model, "What is the weather in Paris?", None)
     assert prompt == model.tokenize(rendered, special=True, shielded=True)
@@ -74,12 +74,12 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "temp": {
 
 @pytest.mark.parametrize("flag", ["--json-schema", "--json-object"])
 @pytest.mark.parametrize("choice", ["auto", "required"])
-def test_a_json_answer_beside_tools_is_the_servers(requests, flag, choice):
+def test_a_json_answer_beside_tools_is_the_servers(cli_run, flag, choice):
     """--tools with --json-schema or --json-object was refused; the server takes response_format beside tools
     (auto: calls, or JSON text that follows it; required: calls), and so does the command line now."""
-    f = requests.dir / "answer.json"
+    f = cli_run.dir / "answer.json"
     f.write_text(json.dumps(SCHEMA))
-    _, kw, model = requests(choice, *([flag, str(f)] if flag == "--json-schema" else [flag]))
+    _, kw, model = cli_run(choice, *([flag, str(f)] if flag == "--json-schema" else [flag]))
     schema = json.loads(Constraint.json_schema(json.dumps(SCHEMA)).value)   # (as the server reads it)
     answer = (schema if flag == "--json-schema" else {"type": "object"}) if choice == "auto" else None
     assert kw["constraint"] == call_grammar(HermesParser, model.tokenizer, parse_tools(TOOLS), choice, True, answer)
