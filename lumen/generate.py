@@ -343,11 +343,8 @@ def render_messages(model, template: str, messages: list[dict], tools=None, spec
         messages = tok.shield_messages(messages)
     kw = {}
     if tools:
-        from .serve.tools import fallback_messages, template_takes_tools
-        if template_takes_tools(template):
-            kw["tools"] = [t.openai() for t in tools]
-        else:
-            messages = fallback_messages(messages, tools)
+        from .serve.tools import tool_messages
+        messages, kw = tool_messages(template, messages, tools)    # (as the server shows them)
     return render_chat(template, messages, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                        eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
                        add_generation_prompt=True, **kw)

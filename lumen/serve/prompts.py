@@ -16,14 +16,11 @@ fallback: the tools and the call format in the system message, calls and results
 """
 from __future__ import annotations
 
-import inspect
-
 from ..format.chat import (ChatTemplateError, ContinueFinalError, NO_CHAT_TEMPLATE_MESSAGE, check_template_kwargs,
                            compile_template, message_text, render_chat)
 from .protocol import ApiError, ChatMessage
-from .tools import Tool, check_messages, fallback_messages, template_takes_tools
+from .tools import Tool, check_messages, tool_messages
 
-RENDER_TAKES_TOOLS = "tools" in inspect.signature(render_chat).parameters
 PROBE_CHARS = 8         # characters per context token past which a prompt is counted by its prefixes first
 PROBE_SLACK = 64        # tokens a cut prefix may have beyond the whole text's (a split word or special token)
 
@@ -124,12 +121,7 @@ class Prompter:
         plain = [_plain(m) for m in messages]
         check_messages([{**p, "content": None} if m.content is None else p for p, m in zip(plain, messages)])
         plain = self.tok.shield_messages(plain)         # a message's "<|im_start|>" is text: it opens no turn
-        kw = {}
-        if RENDER_TAKES_TOOLS and template_takes_tools(self.template):
-            if tools:
-                kw["tools"] = [t.openai() for t in tools]
-        elif tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in plain):
-            plain = fallback_messages(plain, tools or [])
+        plain, kw = tool_messages(self.template, plain, tools)
         try:
             return render_chat(self.template, plain, bos_token=self.bos_text, eos_token=self.eos_text,
                                add_generation_prompt=add_generation_prompt,

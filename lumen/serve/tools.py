@@ -826,6 +826,17 @@ def template_takes_tools(template: str | None) -> bool:
     return template is not None and "tools" in template and "tool_call" in template
 
 
+def tool_messages(template: str | None, messages: list[dict], tools: list[Tool] | None) -> tuple[list[dict], dict]:
+    """The messages and render_chat keywords that show `tools` to the chat template: `tools` for a template that
+    renders them itself, else the fallback system message (fallback_messages; also where the conversation holds
+    calls or results to write as plain turns). The one rule of the server and of lumen.generate --tools."""
+    if template_takes_tools(template):
+        return messages, ({"tools": [t.openai() for t in tools]} if tools else {})
+    if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return fallback_messages(messages, tools or []), {}
+    return messages, {}
+
+
 def assemble(deltas: list[ToolCallDelta]) -> list[dict]:
     """Deltas -> OpenAI's message.tool_calls (what a client that joins the stream's deltas gets)."""
     calls: dict[int, dict] = {}
