@@ -353,9 +353,10 @@ def render_messages(model, template: str, messages: list[dict], tools=None, spec
 def summary_line(stats, reason: str | None = None) -> str:
     """One request's figures from its RequestMetrics: prompt tokens, TTFT, prefill and decode tok/s, TPOT, tokens
     generated and why it ended (reason, else its stop_reason)."""
+    decode = ("" if stats.tpot_s is None else       # (one token: no decode step to time; as the chat page says it)
+              f"decode {stats.decode_tps:.1f} tok/s | TPOT {stats.tpot_s * 1e3:.1f} ms | ")
     return (f"prompt {stats.prompt_tokens} tok | TTFT {stats.prefill_s * 1e3:.0f} ms | prefill "
-            f"{stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | TPOT "
-            f"{(stats.tpot_s or 0.0) * 1e3:.1f} ms | {stats.gen_tokens} generated ({reason or stats.stop_reason})")
+            f"{stats.prefill_tps:.1f} tok/s | {decode}{stats.gen_tokens} generated ({reason or stats.stop_reason})")
 
 
 def print_summary(console, line: str) -> None:

@@ -30,8 +30,9 @@ from synth import write_model
 TIMEOUT = 300  # the first compile of the forward pass takes ~40 s; later runs load from Numba's cache in ~2 s
 FRANCE = "The capital of France is"
 N_GREEDY = 12
-SUMMARY = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| prefill [\d.]+ tok/s \| decode [\d.]+ tok/s \| "
-                     r"TPOT [\d.]+ ms \| (\d+) generated \((\w+)\) \| load [\d.]+ s( \| warm-up [\d.]+ s)?$")
+SUMMARY = re.compile(r"^prompt (\d+) tok \| TTFT \d+ ms \| prefill [\d.]+ tok/s \| "
+                     r"(?:decode [\d.]+ tok/s \| TPOT [\d.]+ ms \| )?"      # (no decode step: one token)
+                     r"(\d+) generated \((\w+)\) \| load [\d.]+ s( \| warm-up [\d.]+ s)?$")
 # What the Python API yields, run in a subprocess like the CLI (both then load the kernels from Numba's cache):
 # argv = model, prompt, max_tokens; prints the token ids, their texts and the stop reason as JSON.
 API_GREEDY = r"""
@@ -150,6 +151,21 @@ def test_summary_line(greedy_run, greedy_api):
     m = summary(greedy_run)
     assert (int(m[1]), int(m[2]), m[3]) == (greedy_api["prompt_tokens"], N_GREEDY, "length")
     assert greedy_api["prompt_tokens"] == 5
+
+
+def test_summary_line_of_one_token_times_no_decode():
+    """One token generated is a prefill and no decode step: the line leaves decode out (as the chat page's does)
+    rather than saying "decode 0.0 tok/s | TPOT 0.0 ms"."""
+    from types import SimpleNamespace
+
+    from lumen.generate import summary_line
+    stats = SimpleNamespace(prompt_tokens=5, prefill_s=0.012, prefill_tps=416.7, decode_tps=0.0, tpot_s=None,
+                            gen_tokens=1, stop_reason="length")
+    line = summary_line(stats)
+    assert line == "prompt 5 tok | TTFT 12 ms | prefill 416.7 tok/s | 1 generated (length)"
+    assert SUMMARY.match(line + " | load 0.5 s")
+    two = summary_line(SimpleNamespace(**{**vars(stats), "decode_tps": 40.0, "tpot_s": 0.025, "gen_tokens": 2}))
+    assert "| decode 40.0 tok/s | TPOT 25.0 ms | 2 generated" in two
 
 
 def test_prompt_from_stdin(smollm2_path, greedy_run):
