@@ -60,6 +60,26 @@ log = logging.getLogger("lumen.engine")
 __all__ = ["Engine", "EngineConfig", "RequestError"]          # RequestError: lumen.engine.admission
 
 
+def served_model_len(c: EngineConfig, cfg) -> tuple[int, int]:
+    """(max_model_len, KV blocks) of an engine with config c over a model of Config cfg, known before its weights
+    load (a server checks them before it starts replicas). With c.fit_model_len (a server) a context beyond the
+    trained one, or beyond what the pool holds, is a ValueError when given, and lowered to the pool when not."""
+    max_model_len = c.model_len(cfg.ctx_train)
+    if c.fit_model_len and max_model_len > cfg.ctx_train:               # (before the pool's size)
+        raise ValueError(f"max_model_len {max_model_len} is beyond the {cfg.ctx_train} tokens this model "
+                         "was trained on")
+    per_block = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * BLOCK * 2
+    n_blocks = kv_blocks(c, per_block)
+    if c.fit_model_len and n_blocks * BLOCK < max_model_len:
+        if c.max_model_len is not None:
+            raise ValueError(f"the KV cache holds {n_blocks * BLOCK} tokens, fewer than max_model_len "
+                             f"{c.max_model_len}; raise kv_cache_mb or lower max_model_len")
+        log.warning("max_model_len lowered from %d to %d: the KV cache (kv_cache_mb) holds no more",
+                    max_model_len, n_blocks * BLOCK)
+        max_model_len = n_blocks * BLOCK
+    return max_model_len, n_blocks
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, **options):
         """model: a registry name, a .gguf path, a loaded lumen.Model or its ModelParts (weights are shared; a
@@ -80,27 +100,15 @@ class Engine:
         if threads is None and parts is getattr(model, "parts", None):     # a lumen.Model: the threads it was given
             threads = getattr(model, "threads", None)
         self.threads = parts.thread_count(threads)
-        self.max_model_len = c.model_len(self.config.ctx_train)
         self.end_ids = frozenset(parts.tokenizer.eot_ids)
         cfg = self.config
-        per_block = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * BLOCK * 2
         self.max_num_seqs, self.max_num_batched_tokens = c.max_num_seqs, c.max_num_batched_tokens
-        n_blocks = kv_blocks(c, per_block)
-        if c.fit_model_len and self.max_model_len > cfg.ctx_train:        # (a server: before the pool's size)
-            raise ValueError(f"max_model_len {self.max_model_len} is beyond the {cfg.ctx_train} tokens this model "
-                             "was trained on")
+        self.max_model_len, n_blocks = served_model_len(c, cfg)
         if not c.fit_model_len and self.max_model_len > cfg.ctx_train and not isinstance(model, ModelParts):
             # (as lumen.Model warns; ModelParts come from a Model or a tool that checked its own context)
             warnings.warn(ContextWarning(f"max_model_len={self.max_model_len} is beyond the {cfg.ctx_train} tokens "
                                          "this model was trained on (output past that is unreliable)"),
                           stacklevel=user_stacklevel())
-        if c.fit_model_len and n_blocks * BLOCK < self.max_model_len:
-            if c.max_model_len is not None:
-                raise ValueError(f"the KV cache holds {n_blocks * BLOCK} tokens, fewer than max_model_len "
-                                 f"{c.max_model_len}; raise kv_cache_mb or lower max_model_len")
-            log.warning("max_model_len lowered from %d to %d: the KV cache (kv_cache_mb) holds no more",
-                        self.max_model_len, n_blocks * BLOCK)
-            self.max_model_len = n_blocks * BLOCK
         try:
             self.runner = Runner(cfg, parts.bundle, parts.rope_freqs, n_blocks=n_blocks,
                                  max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,

@@ -580,10 +580,13 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     try:
         from ..model.parts import open_gguf
         from ..model.store import resolve
-        open_gguf(resolve(args.model))                 # a bad --model fails here, before Ray starts
+        from ..engine.engine import served_model_len
+        _, model_config = open_gguf(resolve(args.model))       # a bad --model fails here, before Ray starts,
+        served, _ = served_model_len(replace(config, fit_model_len=True), model_config)   # and so does a context
+        config.check_unchunked(served)                 # the replicas would refuse (load_engine's checks)
         template = read_template(args.chat_template)
     except (LumenError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {cli_words(str(e))}", file=sys.stderr)
         return 1
     why = None if args.ray_address else bind_error(args.host, args.port)   # our local instance's proxy binds here
     if why:

@@ -297,6 +297,64 @@ def test_port_in_use_fails_before_ray_starts(smollm2_path):
     assert f"error: cannot listen on 127.0.0.1:{port}:" in r.stderr and "Ray" not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "100000"], "--max-model-len 100000 is beyond the 8192 tokens this model was trained on"),
+    (["--kv-cache-mb", "1", "--max-model-len", "8192"], "fewer than --max-model-len 8192; raise --kv-cache-mb"),
+])
+def test_context_the_replicas_would_refuse_fails_before_ray_starts(smollm2_path, flags, message):
+    """A context the replicas' engines refuse: the single process's one line, exit 1, before Ray starts (it used to
+    start Ray, print each replica's traceback, and end on 'Failed to update the deployments ['LumenEngine']')."""
+    r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
+                        "--threads", "1", "--port", str(free_port()), *flags], capture_output=True, text=True,
+                       timeout=300)
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    assert r.returncode == 1 and last.startswith("error: ") and message in last, (r.returncode, r.stderr[-2000:])
+    assert "Ray" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_start_failure_names_the_replicas_error(monkeypatch):
+    """A start that fails in a replica's constructor is said in one line with the replica's own error, found in the
+    deployment's status message (Ray's exception names only the deployment)."""
+    from types import SimpleNamespace
+
+    from lumen.serve.ray import app as ray_app
+    message = ("The deployment failed to start 3 times in a row. See controller logs for details. Error:\n"
+               "ray::ServeReplica:lumen:LumenEngine.initialize_and_get_metadata() (pid=1, ip=10.0.0.1)\n"
+               "RuntimeError: Traceback (most recent call last):\n  File \"replica.py\", line 1, in __init__\n"
+               "    raise LumenError('the model file is truncated')\n"
+               "lumen.errors.LumenError: the model file is truncated\n")
+    status = SimpleNamespace(applications={ray_app.APP: SimpleNamespace(deployments={
+        ray_app.INGRESS: SimpleNamespace(message=""), ray_app.ENGINE: SimpleNamespace(message=message)})})
+    monkeypatch.setattr(ray_app.serve, "status", lambda: status)
+    e = RuntimeError("Deploying application lumen failed: Failed to update the deployments ['LumenEngine'].")
+    assert ray_app.start_failure(e) == "LumenEngine: LumenError: the model file is truncated"
+    monkeypatch.setattr(ray_app.serve, "status", lambda: SimpleNamespace(applications={}))
+    assert ray_app.start_failure(e) == f"RuntimeError: {e}"
+
+
+def test_start_refuses_a_cluster_that_serves_elsewhere_or_runs_our_application(monkeypatch):
+    """On a joined cluster whose Serve already runs, serve.start keeps its address: the application would answer
+    there, not on --port (while the log said --port); and serve.run would replace an application of our name."""
+    from types import SimpleNamespace
+
+    from lumen.serve.ray import app as ray_app
+    ran = []
+    monkeypatch.setattr(ray_app.serve, "start", lambda **kw: None)
+    monkeypatch.setattr(ray_app.serve, "run", lambda app, **kw: ran.append(kw["name"]))
+    apps = {"other": 1}
+    monkeypatch.setattr(ray_app.serve, "status", lambda: SimpleNamespace(applications=apps))
+    monkeypatch.setattr(ray_app, "_serve_address", lambda: ("127.0.0.1", 8001))
+    with pytest.raises(ray_app.Taken, match="already runs on this cluster on 127.0.0.1:8001.*--port 8001"):
+        ray_app.start(None, host="127.0.0.1", port=8000)
+    apps[ray_app.APP] = 1
+    with pytest.raises(ray_app.Taken, match="an application named 'lumen' already runs"):
+        ray_app.start(None, host="127.0.0.1", port=8001)
+    assert ran == []
+    del apps[ray_app.APP]
+    ray_app.start(None, host="127.0.0.1", port=8001)
+    assert ran == [ray_app.APP]
+
+
 @pytest.mark.parametrize("pools", [["--replicas", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1"],
                                    ["--min-replicas", "2", "--max-replicas", "3"], ["--max-replicas", "2"]],
                          ids=["replicas", "pd", "autoscaling", "max-replicas"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -187,13 +188,37 @@ def cpus_short(replicas: int, threads: int, *, joined: bool, have: int | None = 
     return None
 
 
+class Taken(Exception):
+    """The joined cluster cannot take our application as asked: its Serve listens elsewhere than --host:--port, or
+    an application of our name runs there (another server's: not ours to replace, nor to delete)."""
+
+
 def start(app, *, host: str, port: int) -> float:
     """Start Serve on the connected cluster and run the application on host:port; returns the seconds it took
-    until the application answered."""
+    until the application answered. Taken when Serve already runs there on another address (serve.start keeps
+    its first HTTP options: the application would answer there, not on host:port) or already runs an application
+    named APP (serve.run would replace it)."""
     t0 = time.perf_counter()
     serve.start(http_options={"host": host, "port": port})
+    where = _serve_address()
+    if where is not None and where != (host, port):
+        raise Taken(f"Ray Serve already runs on this cluster on {where[0]}:{where[1]} (its proxies keep the "
+                    f"address they were started with): give --host {where[0]} --port {where[1]}")
+    if APP in serve.status().applications:
+        raise Taken(f"an application named {APP!r} already runs on this cluster (another Lumen server's?): "
+                    "stop it first")
     serve.run(app, name=APP, route_prefix="/", blocking=False)
     return time.perf_counter() - t0
+
+
+def _serve_address() -> tuple[str, int] | None:
+    """(host, port) Serve's proxies listen on, or None where Ray does not say (read through its private client)."""
+    try:
+        from ray.serve.context import _get_global_client
+        http = _get_global_client().http_config
+        return http.host, int(http.port)
+    except Exception:                             # noqa: BLE001 - another Ray version: not checked
+        return None
 
 
 def stop(local: LocalRay | None, grace: float = 2.0) -> None:
@@ -289,9 +314,12 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
                 _end_children()       # exit crashed in it (SIGSEGV): out now, nothing of the instance left, nor
                 _flush_and_exit(0)    # the warm-up child
             return 0
+        except Taken as e:                            # nothing of ours runs there: nothing to delete
+            print(f"error: {e}", file=sys.stderr)
+            _stop_now(local, address, delete=False)
+            return 1
         except Exception as e:                        # noqa: BLE001 - Ray's and the replicas' failures: one line
-            print(f"error: the application did not start: {type(e).__name__}: {str(e).splitlines()[0]}",
-                  file=sys.stderr)
+            print(f"error: the application did not start: {start_failure(e)}", file=sys.stderr)
             _stop_now(local, address)
             return 1
         log.info("serving on http://%s:%d: %d replica(s) x %d thread(s) on Ray (%s), ready in %.1f s", host, port,
@@ -388,14 +416,36 @@ class _Watchdog:
         self.thread.join()
 
 
-def _stop_now(local: LocalRay | None, address: str | None) -> None:
-    """Stop without waiting for anyone: kill our local instance's processes, or delete our application."""
+def _stop_now(local: LocalRay | None, address: str | None, delete: bool = True) -> None:
+    """Stop without waiting for anyone: kill our local instance's processes, or delete our application (not with
+    delete=False: none of ours was made) and leave the cluster."""
     import ray
     if local is not None:
         local.kill()
         return
     if address and ray.is_initialized():
         try:
-            serve.delete(APP, _blocking=False)
+            if delete:
+                serve.delete(APP, _blocking=False)
         finally:
             ray.shutdown()
+
+
+ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (\S.*)$")
+
+
+def start_failure(e: Exception) -> str:
+    """One line for a start that failed: the error that stopped a deployment's replicas (serve.run says only
+    "Failed to update the deployments [...]"; the replica's traceback is in the deployment's status message, its
+    last error line the cause), else the exception's first line."""
+    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    try:
+        deployments = serve.status().applications[APP].deployments
+    except Exception:                             # noqa: BLE001 - Ray gone, or no status: the exception alone
+        return why
+    for name, d in deployments.items():
+        causes = [m for m in map(ERROR_LINE.match, str(getattr(d, "message", "")).splitlines())
+                  if m and not m.group(2).startswith("Traceback")]     # (Ray wraps the replica's in a RuntimeError)
+        if causes:
+            return f"{name}: {causes[-1].group(1)}: {causes[-1].group(2)}"
+    return why
