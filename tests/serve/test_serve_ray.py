@@ -432,6 +432,31 @@ def test_bad_replica_flags_are_one_line_errors(flags, message, capsys):
     assert e.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err), err
 
 
+def test_metrics_mark_the_prefill_pools_replicas(monkeypatch):
+    """/metrics of a PD application: the prefill replicas' series carry pool="prefill" beside their replica label
+    (a sum over every replica counted each long request's tokens twice), the decode replicas' none."""
+    import collections
+    from types import SimpleNamespace
+
+    from lumen.serve.ray import metrics as ray_metrics
+    from lumen.serve.ray.pd import PREFILL
+
+    def router(replica: str, tokens: int):
+        text = (f'# TYPE lumen:generation_tokens_total counter\n'
+                f'lumen:generation_tokens_total{{model_name="m"}} {tokens}\n')
+        return SimpleNamespace(replica_stats=lambda: {replica: {"metrics": text, "pid": 1}}, lock=threading.Lock(),
+                               decisions=collections.Counter(), matched_blocks=0, inflight=collections.Counter(),
+                               policy="prefix", curr_replicas={replica: None})
+    monkeypatch.setitem(ray_metrics.ROUTERS, "LumenEngine", router("dec", 15))
+    monkeypatch.setitem(ray_metrics.ROUTERS, PREFILL, router("pre", 3))
+    monkeypatch.setitem(ray_metrics.ALSO, "LumenEngine", {PREFILL: "prefill"})
+    m = ray_metrics.ReplicaMetrics("LumenEngine")
+    lines = [line for line in m.render().decode().splitlines() if line.startswith("lumen:generation_tokens_total")]
+    assert set(lines) == {'lumen:generation_tokens_total{model_name="m",replica="dec"} 15.0',
+                          'lumen:generation_tokens_total{model_name="m",pool="prefill",replica="pre"} 3.0'}, lines
+    assert m.running() == {"LumenEngine": 1, PREFILL: 1}
+
+
 def test_health_names_the_running_replicas_and_503_without_any(monkeypatch):
     """/health on Ray: the replicas Ray routes to now, and 503 while there is none (every replica died), so a load
     balancer stops sending; it used to say {"status": "ok"} whatever the replicas."""

@@ -95,6 +95,35 @@ def test_dashboard_per_replica_and_summed():
     assert "replicas" not in one and one["generation_tokens"] == 0
 
 
+def test_dashboard_counts_a_prefill_pools_requests_once():
+    """Prefill and decode apart: the prefill replica (pool="prefill") prefills the requests the decode replica then
+    answers. Its gauges add to the application's, its tokens and first tokens do not (they were counted twice: 3
+    requests of 5 tokens showed 18 tokens and 6 first tokens, their p50 the prefill's); its row says its pool."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from lumen.serve.metrics import TTFT_BUCKETS
+    from lumen.serve.ui.dashboard import Dashboard
+    reg = CollectorRegistry()
+    labels = ["model_name", "replica", "pool"]
+    tokens = Counter("lumen:generation_tokens", "", labels, registry=reg)
+    blocks = Gauge("lumen:kv_cache_total_blocks", "", labels, registry=reg)
+    running = Gauge("lumen:num_requests_running", "", labels, registry=reg)
+    ttft = Histogram("lumen:time_to_first_token_seconds", "", labels, buckets=TTFT_BUCKETS, registry=reg)
+    board = Dashboard(reg, None, model_id="m")
+    for r, pool, n, ttft_s in (("D", "", 15, 0.05), ("P", "prefill", 3, 1.0)):
+        lab = {"model_name": "m", "replica": r, "pool": pool}
+        tokens.labels(**lab).inc(n)
+        blocks.labels(**lab).set(100)
+        running.labels(**lab).set(1)
+        for _ in range(3):
+            ttft.labels(**lab).observe(ttft_s)
+    d = board.data()
+    # (prometheus_client renders an empty label value: the decode replica's pool="" stands for no pool label)
+    assert d["generation_tokens"] == 15 and d["ttft_ms"]["count"] == 3 and d["ttft_ms"]["p50"] <= 60, d
+    assert d["running"] == 2 and d["kv_blocks"] == 200
+    dec, pre = d["replicas"]
+    assert "pool" not in dec and pre["pool"] == "prefill" and pre["generation_tokens"] == 3
+
+
 def test_dashboard_rate_is_recent_not_since_start():
     """A page's first poll of a server that has been idle since its last tokens: no output rate (it is not
     known over the last seconds), not the tokens since the server started over its lifetime; a poll later, the

@@ -5,6 +5,9 @@ its last routing stats, at most request_routing_stats_period_s old) with a `repl
     lumen:router_matched_blocks_total        prompt blocks the chosen replica was expected to hold (prefix)
     lumen:router_requests_in_flight{replica} requests routed to the replica and not completed
     lumen:replica_info{replica, pid}         1 per running replica
+
+The replicas of a deployment in ALSO (the prefill pool beside the decode pool) carry a `pool` label too
+(pool="prefill"): their requests are the decode pool's again, so a sum over every replica would count them twice.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 ROUTERS: dict = {}                 # deployment name -> its LumenRouter in this process (set by the router)
-ALSO: dict = {}                    # deployment name -> more deployments whose replicas' series it shows (pd.py)
+ALSO: dict = {}                    # deployment name -> {more deployments whose replicas' series it shows: their
+                                   # pool label} (pd.py)
 
 
 class ReplicaMetrics:
@@ -43,20 +47,24 @@ class ReplicaMetrics:
         if router is None:                          # no request routed yet
             return
         stats = router.replica_stats()
-        for other in ALSO.get(self.deployment, ()):   # the prefill pool's replicas, beside the decode pool's
-            if ROUTERS.get(other) is not None:
-                stats.update(ROUTERS[other].replica_stats())
+        pools: dict[str, str] = {}
+        for other, pool in ALSO.get(self.deployment, {}).items():   # the prefill pool's replicas, beside the
+            if ROUTERS.get(other) is not None:                       # decode pool's
+                theirs = ROUTERS[other].replica_stats()
+                stats.update(theirs)
+                pools.update(dict.fromkeys(theirs, pool))
         families: dict[str, Metric] = {}
         for replica, st in sorted(stats.items()):
             text = st.get("metrics")
             if not text:
                 continue
+            labels = {"replica": replica, **({"pool": pools[replica]} if replica in pools else {})}
             for fam in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
                 merged = families.get(fam.name)
                 if merged is None:
                     merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-                merged.samples += [Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp,
-                                          s.exemplar) for s in fam.samples]
+                merged.samples += [Sample(s.name, {**s.labels, **labels}, s.value, s.timestamp, s.exemplar)
+                                   for s in fam.samples]
         yield from families.values()
         info = GaugeMetricFamily("lumen:replica_info", "Running replicas (1 each), with their process id.",
                                  labels=["replica", "pid"])

@@ -281,7 +281,7 @@ class PDIngress(Ingress):
 
     async def __init__(self, engine, prefill, model: str, settings, chat_template: str | None):
         await prefill.info.remote()
-        ray_metrics.ALSO[ENGINE] = (PREFILL,)
+        ray_metrics.ALSO[ENGINE] = {PREFILL: "prefill"}
         await super().__init__(engine, model, settings, chat_template)
 
 

@@ -11,8 +11,11 @@ It reads two things:
 - a StepTap's ring of recent steps (lumen.serve.ui.steps), which each poll keeps recording for a few seconds.
 
 On Ray (lumen.serve.ray) the registry holds every replica's series with a `replica` label: the figures are the
-application's (summed; KV use over all blocks) and, under `replicas`, each replica's. No StepTap there: the engines
-step in the replicas.
+application's (summed; KV use over all blocks) and, under `replicas`, each replica's. A replica of another pool (a
+`pool` label: the prefill replicas beside the decode replicas) adds its gauges (running, KV, threads) to the
+application's, not its counters and histograms: the decode replicas answer the same requests again, so its tokens
+and first tokens (the prefill's, not the client's) would count twice. No StepTap there: the engines step in the
+replicas.
 """
 from __future__ import annotations
 
@@ -60,14 +63,18 @@ class Reading:
         self.t = time.monotonic()
         self.total = Part()
         self.replicas: dict[str, Part] = {}
+        self.pools: dict[str, str] = {}                   # replica -> its pool label, where it has one
         hist_of = {f"{name}_bucket": key for key, name in HISTOGRAMS.items()}
         for family in registry.collect():
             for s in family.samples:
                 key = hist_of.get(s.name)
                 if key is None and s.name not in COUNTERS and s.name not in GAUGES:
                     continue
-                replica = s.labels.get("replica")
-                for part in (self.total, self.replicas.setdefault(replica, Part()) if replica else None):
+                replica, pool = s.labels.get("replica"), s.labels.get("pool") or None
+                if replica and pool:
+                    self.pools[replica] = pool
+                total = self.total if pool is None or s.name in GAUGES else None    # (see the module docstring)
+                for part in (total, self.replicas.setdefault(replica, Part()) if replica else None):
                     if part is None:
                         continue
                     if key is not None:
@@ -137,7 +144,8 @@ class Dashboard:
         out = {"model": self.model_id, "time": time.time(), "window_s": round(now.t - win.t, 1),
                **self._summary(now, win, rate, None)}
         if now.replicas:                           # a Ray application: each replica's, and KV use over all blocks
-            reps = out["replicas"] = [{"replica": r, **self._summary(now, win, rate, r)} for r in sorted(now.replicas)]
+            reps = out["replicas"] = [{"replica": r, **({"pool": now.pools[r]} if r in now.pools else {}),
+                                       **self._summary(now, win, rate, r)} for r in sorted(now.replicas)]
             blocks = sum(r["kv_blocks"] for r in reps)
             out["kv_usage"] = sum(r["kv_usage"] * r["kv_blocks"] for r in reps) / blocks if blocks else 0.0
         out["steps"] = self._steps()

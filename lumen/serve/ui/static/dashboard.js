@@ -85,13 +85,13 @@ function renderSplit(steps) {
   body.replaceChildren(...rows);
 }
 
-/* a Ray application's replicas, one row each (d.replicas: absent for one process) */
+/* a Ray application's replicas, one row each (d.replicas: absent for one process); another pool's marked */
 function renderReplicas(replicas) {
   $("replicas-section").hidden = !replicas;
   if (!replicas) return;
   const rows = replicas.map((r) => {
     const tr = document.createElement("tr");
-    const cells = [r.replica, fmt(r.output_tps, 1), r.running, r.waiting, pct(r.kv_usage) + ` of ${r.kv_blocks}`,
+    const cells = [r.pool ? `${r.replica} (${r.pool})` : r.replica, fmt(r.output_tps, 1), r.running, r.waiting, pct(r.kv_usage) + ` of ${r.kv_blocks}`,
                    pct(r.prefix_hit_rate), triple(r.ttft_ms), triple(r.itl_ms), r.threads, r.generation_tokens];
     for (const c of cells) {
       const td = document.createElement("td");
