@@ -160,12 +160,14 @@ class Engine:
     # ---- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
                     metrics: RequestMetrics | None = None, kv_transfer_params: dict | None = None,
-                    kv_data: KVData | None = None) -> str:
+                    kv_data: KVData | None = None, arrival: float | None = None) -> str:
         """Queue a request; returns its id. Raises RequestError (a ValueError) when it cannot be served.
         metrics: a RequestMetrics for the engine to fill (default: a new one, in every output).
         kv_transfer_params, kv_data (lumen.engine.kv_transfer): {"do_remote_decode": True} holds the request's KV
         when it ends, for a decode engine; a prefill engine's kv_transfer_params with the runs received from it
-        (kv_data) start the request from that KV."""
+        (kv_data) start the request from that KV.
+        arrival: when the request arrived (time.perf_counter(); default now), where that was before this call: a
+        decode engine's request arrived before its KV was pulled, and its TTFT and queue time count that wait."""
         params = SamplingParams() if params is None else params
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise TypeError(f"request_id must be a non-empty string or None, got {request_id!r}")
@@ -173,6 +175,8 @@ class Engine:
             raise TypeError(f"metrics must be a RequestMetrics or None, got {type(metrics).__name__}")
         if self.closed:
             raise LumenError("this engine is closed (engine.close(), or the end of its `with` block)")
+        if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))):
+            raise TypeError(f"arrival must be a time.perf_counter() or None, got {type(arrival).__name__}")
         ids, max_tokens = admit(prompt, params, self.tokenizer, self.config.n_vocab, self.max_model_len,
                                 self.blocks.n_blocks)
         if kv_transfer_params is not None or kv_data is not None:
@@ -184,7 +188,7 @@ class Engine:
             rid = request_id if request_id is not None else self._prefix + str(next(self._ids))
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params, max_tokens, self.tokenizer, self.end_ids, metrics=metrics)
+            seq = Sequence(rid, ids, params, max_tokens, self.tokenizer, self.end_ids, metrics=metrics, now=arrival)
             if kv_transfer_params is not None:
                 seq.kv_hold = bool(kv_transfer_params.get(DO_REMOTE_DECODE))
                 seq.kv_transfer_params, seq.kv_data = (None, None) if seq.kv_hold else (kv_transfer_params, kv_data)

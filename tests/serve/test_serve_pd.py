@@ -469,3 +469,31 @@ def test_prefill_and_decode_replicas_serve_one_process_output(smollm2_path, mode
     for p in left:                                      # ours: do not leave them to the next test
         os.kill(p, signal.SIGKILL)
     assert code == 0 and not left, f"exit {code}; left: {[psutil.Process(p).name() for p in left]}"
+
+
+def test_decode_replica_times_its_requests_from_before_the_hand_off(model):
+    """A decode replica's request arrives when its submission did, before the prefill pool ran its prompt: its TTFT
+    (and /metrics' and the dashboard's) counts the hand-off, as the client's does. It used to start at the decode
+    engine's add_request: 30 ms where the client waited 0.9 s (smollm2-135m, P1 D1, one thread each)."""
+    from lumen.serve.ray.pd import HandOffWorker
+    mk = lambda: Engine(model, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_mb=16)  # noqa: E731
+    pre, dec = mk(), mk()
+    long_ids, short_ids = model.tokenize(PROMPT_LONG), model.tokenize("Hello there")
+    sp = SamplingParams(max_tokens=2, temperature=0)
+
+    class Slow(StandIn):                                # a prefill pool that takes 0.3 s to begin
+        async def _prefill(self, prompts, params):
+            await asyncio.sleep(0.3)
+            async for item in super()._prefill(prompts, params):
+                yield item
+    worker = HandOffWorker(dec, max_queue=8)
+    worker.handoff = HandOff(dec, Slow(pre), PDSettings(threshold=64), CollectorRegistry(), "m")
+    t0 = time.perf_counter()
+    sub = asyncio.run(worker.submit([long_ids, short_ids], [sp, sp]))
+    assert time.perf_counter() - t0 >= 0.3
+    seqs = [dec._seqs[rid] for rid in sub.request_ids]
+    assert seqs[0].kv_data is not None                  # pulled: the long prompt went through the prefill pool
+    assert all(t0 <= s.metrics.arrival <= t0 + 0.05 for s in seqs), [s.metrics.arrival - t0 for s in seqs]
+    while dec.has_unfinished():
+        dec.step()
+    assert all(s.metrics.ttft_s >= 0.3 for s in seqs), [s.metrics.ttft_s for s in seqs]

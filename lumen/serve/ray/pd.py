@@ -258,12 +258,14 @@ class _ImportState:
 
 
 class HandOffWorker(EngineWorker):
-    """The decode replica's worker: each submission's prompts go through the hand-off first."""
+    """The decode replica's worker: each submission's prompts go through the hand-off first. Their requests arrive
+    when the submission did: TTFT and queue time (/metrics, the dashboard) count the hand-off, as the client does."""
     handoff: HandOff | None = None
 
     async def submit(self, prompts: list[list[int]], params: list):
-        extras = await self.handoff.extras(prompts, params) if self.handoff is not None else None
-        return self.submit_now(prompts, params, extras)
+        arrival = time.perf_counter()
+        extras = await self.handoff.extras(prompts, params) if self.handoff is not None else [{} for _ in prompts]
+        return self.submit_now(prompts, params, [{**x, "arrival": arrival} for x in extras])
 
 
 class DecodeReplica(EngineReplica):
