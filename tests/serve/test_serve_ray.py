@@ -13,6 +13,7 @@ thread each) behind one endpoint, started once for the module (a subprocess on a
 Every wait is bounded."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -353,6 +354,64 @@ def test_start_refuses_a_cluster_that_serves_elsewhere_or_runs_our_application(m
     del apps[ray_app.APP]
     ray_app.start(None, host="127.0.0.1", port=8001)
     assert ran == [ray_app.APP]
+
+
+OTHER_APP = """
+import sys
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Other:
+    async def __call__(self, request):
+        return "other"
+serve.run(Other.bind(), name="other", route_prefix="/other")
+"""
+
+
+@pytest.mark.slow
+def test_joined_cluster_serving_elsewhere_is_refused_and_left_as_it_was(smollm2_path, tmp_path):
+    """A cluster of our own making (`ray start --head`, its own temp dir) whose Serve runs another application on
+    one port: --ray-address with another --port is refused in one line, exit 1, and the other application still
+    answers. It used to log "serving on http://127.0.0.1:<--port>" while nothing listened there (serve.start keeps
+    Serve's first address). Every process of the cluster is stopped after (found by its temp dir)."""
+    import tempfile
+    temp = tempfile.mkdtemp(prefix="lumen-t-", dir="/tmp")          # short: Ray's unix sockets live under it
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    gcs, other, ours = free_port(), free_port(), free_port()
+    address = f"127.0.0.1:{gcs}"
+    try:
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+                        "--num-cpus", "2", "--temp-dir", temp, "--include-dashboard", "false",
+                        "--disable-usage-stats", "--ray-client-server-port", str(free_port()),
+                        "--dashboard-agent-listen-port", str(free_port())],
+                       env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run([sys.executable, "-c", OTHER_APP, address, str(other)], env=env, check=True,
+                       capture_output=True, timeout=120)
+        assert httpx.get(f"http://127.0.0.1:{other}/other", timeout=10).text == "other"
+        r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "1",
+                            "--threads", "1", "--port", str(ours), "--ray-address", address],
+                           env=env, capture_output=True, text=True, timeout=120)
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+        assert r.returncode == 1 and f"already runs on this cluster on 127.0.0.1:{other}" in last, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert httpx.get(f"http://127.0.0.1:{other}/other", timeout=10).text == "other"
+    finally:
+        procs = [p for p in psutil.process_iter(["cmdline"]) if any(temp in a for a in p.info["cmdline"] or ())]
+        for p in list(procs):
+            try:
+                procs += p.children(recursive=True)
+            except psutil.Error:
+                pass
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("pools", [["--replicas", "2"], ["--prefill-replicas", "1", "--decode-replicas", "1"],
