@@ -584,6 +584,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         _, model_config = open_gguf(resolve(args.model))       # a bad --model fails here, before Ray starts,
         served, _ = served_model_len(replace(config, fit_model_len=True), model_config)   # and so does a context
         config.check_unchunked(served)                 # the replicas would refuse (load_engine's checks)
+        if args.draft_model:                           # and a --draft-model that is not there
+            open_gguf(resolve(args.draft_model))
         template = read_template(args.chat_template)
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {cli_words(str(e))}", file=sys.stderr)

@@ -301,10 +301,12 @@ def test_port_in_use_fails_before_ray_starts(smollm2_path):
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "100000"], "--max-model-len 100000 is beyond the 8192 tokens this model was trained on"),
     (["--kv-cache-mb", "1", "--max-model-len", "8192"], "fewer than --max-model-len 8192; raise --kv-cache-mb"),
+    (["--speculative", "draft", "--draft-model", "nosuchmodel"], "unknown model 'nosuchmodel'"),
 ])
 def test_context_the_replicas_would_refuse_fails_before_ray_starts(smollm2_path, flags, message):
-    """A context the replicas' engines refuse: the single process's one line, exit 1, before Ray starts (it used to
-    start Ray, print each replica's traceback, and end on 'Failed to update the deployments ['LumenEngine']')."""
+    """A context or draft model the replicas' engines refuse: the single process's one line, exit 1, before Ray
+    starts (it used to start Ray, print each replica's traceback, and end on 'Failed to update the deployments
+    ['LumenEngine']')."""
     r = subprocess.run([sys.executable, "-m", "lumen.serve", "--model", str(smollm2_path), "--replicas", "2",
                         "--threads", "1", "--port", str(free_port()), *flags], capture_output=True, text=True,
                        timeout=300)
