@@ -608,7 +608,8 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     else:
         app = ray_app.build(args.model, config, settings, scale=scale, max_queue=args.max_queue,
                             chat_template=template, shutdown_timeout=args.shutdown_timeout)
-    signal.signal(signal.SIGTERM, _interrupt)     # until serve_on_ray takes the signals over; not earlier: within
+    for sig in stop_signals()[1:]:                 # until serve_on_ray takes the signals over; not earlier: within
+        signal.signal(sig, _interrupt)
     from .. import warmup                         # an import (Ray's, Numba's) it became an ImportError and a traceback
     # the warm-up compiles and packs while Ray starts (not for a cluster's other hosts)
     models = [args.model] + ([args.draft_model] if args.draft_model else [])
@@ -616,6 +617,7 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
     try:
         return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
                                     replicas=pools, threads=threads,
-                                    max_replicas=scale.bounds[1] if scale.bounds else None)
+                                    max_replicas=scale.bounds[1] if scale.bounds else None,
+                                    signals=stop_signals())
     finally:
         warmup.stop(warming)

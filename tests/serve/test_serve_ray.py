@@ -639,11 +639,13 @@ def test_sigterm_leaves_no_process_of_its_ray_instance(smollm2_path, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, every", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
-                         ids=["SIGTERM", "SIGINT", "SIGTERM-every-process"])
+@pytest.mark.parametrize("sig, every", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGHUP, False),
+                                       (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGTERM-every-process"])
 def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, tmp_path, sig, every):
     """A signal to the server's whole process group (kill -TERM -- -PGID, as a shell's job control stops it; Ctrl-C
-    in a terminal is SIGINT to the foreground group) reaches the server alone (Ray's processes have sessions of their
+    in a terminal is SIGINT to the foreground group; the terminal closed, SIGHUP: its default action used to end the
+    server alone and leave Ray's agents running) reaches the server alone (Ray's processes have sessions of their
     own); one to every process of the run (systemd's stop of the unit) reaches Ray's as well: its GCS closed at once,
     and the graceful stop used to wait ~60 s for it in Ray's calls, then died without its log line. Either way: exit
     0 within seconds, no process of the instance left."""

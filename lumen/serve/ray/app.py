@@ -247,8 +247,10 @@ def _wait_deleted(timeout: float = 300.0, poll: float = 0.2) -> None:
 
 
 def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: int, threads: int,
-                 max_replicas: int | None = None) -> int:
-    """Run the application until SIGTERM or SIGINT (the command line's Ray path). The first signal stops it as
+                 max_replicas: int | None = None, signals: tuple = (signal.SIGINT, signal.SIGTERM)) -> int:
+    """Run the application until one of `signals` (the command line's: SIGINT, SIGTERM and SIGHUP, whose default
+    action ended this process alone and left the local instance's processes running, in their sessions of their
+    own) comes (the command line's Ray path). The first signal stops it as
     stop() does (requests in flight get the shutdown timeout); a second one, or one while it starts, ends the
     local instance's processes at once (on a joined cluster: deletes the application without waiting). Should the
     local instance's core go (the signal reached its processes too, as systemd's stop of a unit signals every
@@ -270,7 +272,7 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
         raise KeyboardInterrupt
 
     def catch_signals() -> dict:                   # again once Ray is up, should Ray have taken SIGTERM over
-        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return {sig: signal.signal(sig, on_signal) for sig in signals}
 
     short = None if address else cpus_short(replicas, threads, joined=False, have=usable_cpus(),
                                              most=max_replicas)
