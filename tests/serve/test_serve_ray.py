@@ -328,8 +328,12 @@ def test_start_failure_names_the_replicas_error(monkeypatch):
                "lumen.errors.LumenError: the model file is truncated\n")
     status = SimpleNamespace(applications={ray_app.APP: SimpleNamespace(deployments={
         ray_app.INGRESS: SimpleNamespace(message=""), ray_app.ENGINE: SimpleNamespace(message=message)})})
+    import ray
     monkeypatch.setattr(ray_app.serve, "status", lambda: status)
     e = RuntimeError("Deploying application lumen failed: Failed to update the deployments ['LumenEngine'].")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)       # not connected: Serve is not asked (its
+    assert ray_app.start_failure(e) == f"RuntimeError: {e}"          # status would start a Ray instance)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     assert ray_app.start_failure(e) == "LumenEngine: LumenError: the model file is truncated"
     monkeypatch.setattr(ray_app.serve, "status", lambda: SimpleNamespace(applications={}))
     assert ray_app.start_failure(e) == f"RuntimeError: {e}"

@@ -440,7 +440,10 @@ def start_failure(e: Exception) -> str:
     """One line for a start that failed: the error that stopped a deployment's replicas (serve.run says only
     "Failed to update the deployments [...]"; the replica's traceback is in the deployment's status message, its
     last error line the cause), else the exception's first line."""
+    import ray
     why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    if not ray.is_initialized():                  # (serve.status would start a Ray instance to ask)
+        return why
     try:
         deployments = serve.status().applications[APP].deployments
     except Exception:                             # noqa: BLE001 - Ray gone, or no status: the exception alone
