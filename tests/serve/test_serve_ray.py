@@ -405,7 +405,9 @@ def test_joined_cluster_serving_elsewhere_is_refused_and_left_as_it_was(smollm2_
         assert "Traceback" not in r.stderr, r.stderr[-2000:]
         assert httpx.get(f"http://127.0.0.1:{other}/other", timeout=10).text == "other"
     finally:
-        procs = [p for p in psutil.process_iter(["cmdline"]) if any(temp in a for a in p.info["cmdline"] or ())]
+        procs = [p for p in psutil.process_iter(["cmdline"])            # (Ray's client server names the GCS)
+                 if any(temp in a or a.startswith("--address=") and a.endswith(f":{gcs}")
+                        for a in p.info["cmdline"] or ())]
         for p in list(procs):
             try:
                 procs += p.children(recursive=True)
