@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from lumen.kernels import fp
-from lumen.kernels.attention import Paged, attention_kernel, attention_scratch
+from lumen.kernels.attention import Paged, attention_kernel, attention_scratch, lane_address
 from lumen.kernels.fp import BLOCK, CHUNK
 from lumen.machine import limits
 from lumen.profile.report import roofs
@@ -52,9 +52,9 @@ def chunk_loop(R: int):
 
 
 @njit
-def _layer_loop(n, out, q, kv, pos, seqs, scr):
+def _layer_loop(n, out, q, kv, pos, seqs, scr, lane):
     for _ in range(n):
-        attention_kernel(out, q, kv, pos, seqs, 0, np.float32(0.125), scr, False)
+        attention_kernel(out, q, kv, pos, seqs, 0, np.float32(0.125), scr, False, lane)
 
 
 def caches(rng, L, N, ctx, KVH, hd, in_order=False):
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
         out = np.zeros((N, H, hd), np.float32)
         pos, seqs = np.full(N, ctx - 1, np.int64), np.arange(N, dtype=np.int64)
         scr = attention_scratch(H, hd, ctx + BLOCK, 1)
-        t = best_of(lambda n: _layer_loop(n, out, qn, kv, pos, seqs, scr), max(2, reps // (10 * N)))
+        t = best_of(lambda n: _layer_loop(n, out, qn, kv, pos, seqs, scr, lane_address()), max(2, reps // (10 * N)))
         print(f"   N={N:>3}: {t * 1e6:8.1f} us, {4 * N * H * ctx * hd / t / 1e9:6.1f} GFLOP/s")
 
     numba.set_num_threads(th)
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     def one_pass(n):
         for _ in range(n):
             for kv in cs:
-                _layer_loop(1, out, qn, kv, pos, seqs, scr)
+                _layer_loop(1, out, qn, kv, pos, seqs, scr, lane_address())
     t = best_of(one_pass, 3 if a.quick else 10)
     mb = L * N * (-(-ctx // BLOCK)) * BLOCK * KVH * hd * 2 * 2 / 1e6
     bw = roofs(lim, th)["bw_gbps"]

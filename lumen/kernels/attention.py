@@ -31,13 +31,13 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
 from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
-from .kinds import ATTN, call, same_abi
+from .kinds import ATTN, ATTN_LANE, call, same_abi
 from .policy import split_attention
 from .scratch import per_thread
 
@@ -153,17 +153,13 @@ def _finish(out, t, h0, G, ro, rm, i):
             out[t, h, d] = ro[i, h, d] * inv
 
 
-@njit(cache=True, parallel=True)
-def attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split):
-    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc) over
-    the layer's cache kv (Paged), scr an AttnScratch. Not split (prefill and batched steps): the work items
-    (token, kv head) are dealt round-robin to the lanes (later tokens see more keys), each runs its token's chunks
-    in order and merges them as it goes. split (one decode token, row 0, has only n_kv items): the items are
-    (kv head, chunk), each writes its partial result to scr.po/pm, then one thread merges every row's chunks in
-    chunk order with _merge; the same bits. One kernel with one call site of the chunk kernels, not two kernels:
-    each site compiles its own copy of the four attn_chunk_R (a first run compiled 3.8 s for the second)."""
-    o, st, ro, rm, po, pm = scr
-    k_pool, v_pool, bt = kv
+@njit(cache=True)
+def attention_lane(lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
+    """Lane `lane`'s share of attention_kernel's work items (its docstring): the items lane, lane + lanes, ...
+    (lanes = o.shape[0]), on that lane's scratch. A function of its own, which attention_kernel's parallel region
+    calls through its address (lumen.kernels.kinds.call): a region's body is compiled four times over (Numba's
+    gufunc, its two wrappers and the kernel that starts it each optimize and generate the code they link), so as
+    the region's body this compiled 4.6 s of a first run and as a callee about a third of that."""
     N, H = q.shape[0], q.shape[1]
     KVH = k_pool.shape[1]
     G = H // KVH
@@ -172,37 +168,77 @@ def attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split):
     c0 = j0s // CHUNK
     nc = (j1s - 1) // CHUNK + 1 - c0
     n_items = KVH * nc if split else N * KVH
-    for lane_ in prange(lanes):
-        lane = np.int64(lane_)                   # (one signature for the callees: prange counts in uint64)
-        for item in range(lane, n_items, lanes):
-            if split:
-                t, g = np.int64(0), item // nc
-                j0, j1 = j0s, j1s
-                ca = c0 + item - g * nc
-                cb = ca + 1
-            else:
-                t = item // KVH
-                g = item - t * KVH
-                j0, j1 = key_range(positions[t], window)
-                ca, cb = j0 // CHUNK, (j1 - 1) // CHUNK + 1
-                for h in range(g * G, g * G + G):
-                    rm[lane, h, 0] = NEG
-                    rm[lane, h, 1] = 0.0
-            for c in range(ca, cb):
-                _chunk(o, st, lane, g * G, G, q, t, k_pool, v_pool, bt, seqs[t], g, max(j0, c * CHUNK),
-                       min(j1, (c + 1) * CHUNK), scale)
-                for h in range(g * G, g * G + G):
-                    l1 = _lane_total(st, lane, h)
-                    if split:
-                        pm[c - c0, h, 0] = st[lane, h, 0]
-                        pm[c - c0, h, 1] = l1
-                        for d in range(po.shape[2]):
-                            po[c - c0, h, d] = o[lane, h, d]
-                    else:
-                        _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
-            if not split:
-                _finish(out, t, g * G, G, ro, rm, lane)
+    for item in range(lane, n_items, lanes):
+        if split:
+            t, g = np.int64(0), item // nc
+            j0, j1 = j0s, j1s
+            ca = c0 + item - g * nc
+            cb = ca + 1
+        else:
+            t = item // KVH
+            g = item - t * KVH
+            j0, j1 = key_range(positions[t], window)
+            ca, cb = j0 // CHUNK, (j1 - 1) // CHUNK + 1
+            for h in range(g * G, g * G + G):
+                rm[lane, h, 0] = NEG
+                rm[lane, h, 1] = 0.0
+        for c in range(ca, cb):
+            _chunk(o, st, lane, g * G, G, q, t, k_pool, v_pool, bt, seqs[t], g, max(j0, c * CHUNK),
+                   min(j1, (c + 1) * CHUNK), scale)
+            for h in range(g * G, g * G + G):
+                l1 = _lane_total(st, lane, h)
+                if split:
+                    pm[c - c0, h, 0] = st[lane, h, 0]
+                    pm[c - c0, h, 1] = l1
+                    for d in range(po.shape[2]):
+                        po[c - c0, h, d] = o[lane, h, d]
+                else:
+                    _merge(ro, rm, lane, h, o, lane, h, st[lane, h, 0], l1)
+        if not split:
+            _finish(out, t, g * G, G, ro, rm, lane)
+
+
+def lane_signature() -> tuple:
+    """The Numba types attention_kernel calls attention_lane with (at attention_signature's types)."""
+    out, q, kv, positions, seqs, window, scale, scr, split = attention_signature()[:-1]
+    return (types.int64, out, q, *kv.types, positions, seqs, window, scale, *scr.types, split)
+
+
+def run_lane(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
+    """attention_lane(lane, ...) called through its address. Compiled code only."""
+    raise NotImplementedError("run_lane runs in compiled code only")
+
+
+@overload(run_lane, inline="always")
+def _run_lane(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
+    got = (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split)
+    if not same_abi(got, lane_signature()):
+        raise TypingError(f"attention_lane is compiled for {lane_signature()}, not for {got}")
+
+    def impl(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
+        call(addr, (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split))
+    return impl
+
+
+@njit(cache=True, parallel=True)
+def attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split, lane_fn):
+    """out (N, n_heads, hd_v) = softmax(q . K^T * scale, causal/window masked) V for every token (module doc) over
+    the layer's cache kv (Paged), scr an AttnScratch; lane_fn the address of attention_lane (`lane_address`), which
+    each lane runs. Not split (prefill and batched steps): the work items (token, kv head) are dealt round-robin
+    to the lanes (later tokens see more keys), each runs its token's chunks in order and merges them as it goes.
+    split (one decode token, row 0, has only n_kv items): the items are (kv head, chunk), each writes its partial
+    result to scr.po/pm, then one thread merges every row's chunks in chunk order with _merge; the same bits. One
+    kernel with one call site of the chunk kernels, not two kernels: each site compiles its own copy of the four
+    attn_chunk_R (a first run compiled 3.8 s for the second)."""
+    o, st, ro, rm, po, pm = scr
+    k_pool, v_pool, bt = kv
+    H = q.shape[1]
+    for lane_ in prange(o.shape[0]):
+        run_lane(lane_fn, np.int64(lane_), out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro,
+                 rm, po, pm, split)    # (lane an int64: prange counts in uint64)
     if split:
+        j0s, j1s = key_range(positions[0], window)
+        nc = (j1s - 1) // CHUNK + 1 - j0s // CHUNK
         zero = np.int64(0)                       # (not a literal: one signature for the callees)
         for h in range(H):
             rm[0, h, 0] = NEG
@@ -213,8 +249,8 @@ def attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split):
 
 
 def attention_args() -> tuple:
-    """Arguments of the types the forward pass gives attention_kernel (of no use but their types): its entry in
-    the table (lumen.kernels.entries) is compiled for them."""
+    """Arguments of the types the forward pass gives run_attention (of no use but their types): attention_kernel's
+    entry in the table (lumen.kernels.entries) is compiled for them and lane_fn, an int64."""
     def z(dtype, ndim):
         return np.zeros((1,) * ndim, dtype)
     scr = AttnScratch(*(z(np.float32, 3) for _ in range(6)))
@@ -223,23 +259,29 @@ def attention_args() -> tuple:
 
 
 def attention_signature() -> tuple:
-    return tuple(attention_kernel.typeof_pyval(a) for a in attention_args())
+    return tuple(attention_kernel.typeof_pyval(a) for a in attention_args()) + (types.int64,)
+
+
+def lane_address() -> int:
+    """The address of attention_lane compiled for lane_signature() (compiled now, or loaded from the cache)."""
+    from .entries import address
+    return address(attention_lane, lane_signature(), "attention")
 
 
 def run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split):
-    """attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split) called through the entry table
-    (lumen.kernels.entries), so a caller does not link it. Compiled code only."""
+    """attention_kernel(out, q, kv, positions, seqs, window, scale, scr, split, lane_fn) called through the entry
+    table (lumen.kernels.entries), lane_fn from it too, so a caller does not link it. Compiled code only."""
     raise NotImplementedError("run_attention runs in compiled code only")
 
 
 @overload(run_attention, inline="always")
 def _run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split):
     got = (out, q, kv, positions, seqs, window, scale, scr, split)
-    if not same_abi(got, attention_signature()):
-        raise TypingError(f"the attention entry is compiled for {attention_signature()}, not for {got}")
+    if not same_abi(got, attention_signature()[:-1]):
+        raise TypingError(f"the attention entry is compiled for {attention_signature()[:-1]}, not for {got}")
 
     def impl(table, out, q, kv, positions, seqs, window, scale, scr, split):
-        call(table[ATTN], (out, q, kv, positions, seqs, window, scale, scr, split))
+        call(table[ATTN], (out, q, kv, positions, seqs, window, scale, scr, split, table[ATTN_LANE]))
     return impl
 
 
@@ -332,11 +374,13 @@ def attention(out: np.ndarray, q: np.ndarray, k_pool: np.ndarray, v_pool: np.nda
                            ("rm", rm, (lanes, H, 2))):
         as_f32(f"scratch {name}", a, 3)
         check(a.shape == shape, f"scratch {name} shape {a.shape} != {shape}")
+    as_f32("scratch po", po, 3)
+    as_f32("scratch pm", pm, 3)
     check(po.shape[1:] == (H, Dv) and pm.shape[1:] == (H, 2) and po.shape[0] == pm.shape[0]
           and po.shape[0] * CHUNK >= max_blocks * BLOCK, "scratch po/pm do not fit the block tables")
     if split is None:
         split = bool(split_attention(N, int(positions[0]) + 1))
     check(not split or N == 1, "split attention takes one token")
-    attention_kernel(out, q, Paged(k_pool, v_pool, block_tables), positions, seqs, int(window), np.float32(scale),
-                     scratch, bool(split))
+    attention_kernel(out, q, Paged(k_pool, v_pool, block_tables), positions, seqs, np.int64(window),
+                     np.float32(scale), scratch, bool(split), lane_address())
     return out

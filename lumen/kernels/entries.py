@@ -16,9 +16,9 @@ from numba import typeof
 
 from ..paths import compile_turn
 from .activation import act_signature, gated_entry
-from .attention import attention_kernel, attention_signature
+from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
-from .kinds import ACT, ATTN, N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
+from .kinds import ACT, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
 from .matmul import tiles, tiles_signature
 
 
@@ -39,6 +39,8 @@ def _entry(slot: int, t: int) -> int:
         return address(tiles, tiles_signature(typeof(kinds(mats=(t,), embd=(), acts=()))))
     if slot == ATTN:
         return address(attention_kernel, attention_signature(), "attention")
+    if slot == ATTN_LANE:
+        return lane_address()
     if slot == ROWS:
         return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
     return address(gated_entry, act_signature(typeof(kinds(mats=(), embd=(), acts=(t,)))))
@@ -48,7 +50,7 @@ def entries(k: np.ndarray) -> np.ndarray:
     """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t the `tiles` of
     each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a its gated
     activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
-    none); at ATTN the attention kernel. A table is returned as it is."""
+    none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs. A table is returned as it is."""
     if k.dtype == np.int64:
         return k
     mats, embd, acts = sets(typeof(k))
@@ -60,5 +62,6 @@ def entries(k: np.ndarray) -> np.ndarray:
             table[slot + t] = _entry(slot, t)
     for a in acts:
         table[ACT + a] = _entry(ACT, a)
+    table[ATTN_LANE] = _entry(ATTN_LANE, 0)
     table[ATTN] = _entry(ATTN, 0)
     return table

@@ -90,7 +90,8 @@ TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles
                                   # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
 ACT = 2 * N_TYPES                 # table[ACT + a]: the gated activation a (lumen.kernels.activation.gated_entry)
 ATTN = ACT + len(ACTS)            # table[ATTN]: lumen.kernels.attention.attention_kernel at the forward pass's types
-MM3 = ATTN + 1                    # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
+ATTN_LANE = ATTN + 1              # table[ATTN_LANE]: lumen.kernels.attention.attention_lane (attention_kernel runs it)
+MM3 = ATTN_LANE + 1                    # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
 N_ENTRIES = MM3 + 1
 
 

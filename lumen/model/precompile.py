@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ..kernels.attention import attention_args, attention_kernel
+from ..kernels.attention import attention_args, attention_kernel, attention_signature, lane_address
 from ..paths import compile_turn
 from .forward import KV, Arch, Batch, Scratch, Weights, _z, forward, mm3, mm3_signature, mm_scratch_args, packs_args
 
@@ -86,8 +86,9 @@ def start() -> bool:
         return False
     _started = True
     atexit.register(_stop)
-    with compile_turn("attention"):              # (replicas starting at once: the first compiles, the rest load)
-        attention_kernel.compile(signature(attention_kernel, attention_args()))
+    lane_address()                               # (replicas starting at once: the first compiles, the rest load)
+    with compile_turn("attention"):
+        attention_kernel.compile(attention_signature())
     return True
 
 

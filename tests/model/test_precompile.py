@@ -19,9 +19,10 @@ from numba import njit
 from numba.core.errors import TypingError
 
 import lumen
-from lumen.kernels.attention import attention_args, attention_kernel, attention_signature, run_attention
+from lumen.kernels.attention import (attention_args, attention_kernel, attention_signature, lane_address,
+                                     run_attention)
 from lumen.kernels.entries import address
-from lumen.kernels.kinds import ATTN, MM3, N_ENTRIES
+from lumen.kernels.kinds import ATTN, ATTN_LANE, MM3, N_ENTRIES
 from lumen.model import precompile
 from lumen.model.forward import forward, mm3, mm3_signature
 from synth import write_model
@@ -148,6 +149,7 @@ def test_the_forward_pass_calls_attention_and_mm3_through_the_entry_table(smollm
     table = lumen.load(smollm2_path, ctx=64, threads=1).runner.w.kinds
     assert table.shape == (N_ENTRIES,)
     assert table[ATTN] == address(attention_kernel, attention_signature(), "attention") != 0
+    assert table[ATTN_LANE] == lane_address() != 0              # the lane function the kernel's threads run
     assert table[MM3] == address(mm3, mm3_signature(), "mm3") != 0
 
 
