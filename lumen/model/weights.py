@@ -96,45 +96,66 @@ def _planes_into(u, fam, G, out):
                             o[p + (j * R + r) * 4 + b] = v
 
 
+# lumen.kernels.matmul._decode's unsigned values for one type each, written into u[:rows] in one pass (no
+# temporaries): raw (rows, row_bytes) u8 -> u (>= rows, n_in) u8. One function per type, so a first load compiles
+# only its model's types (as one function of the type id, all four: 1.4 s of a first run on a 2-vCPU EPYC Zen 5).
+
 @numba.njit(cache=True, nogil=True)
-def _decode_into(raw, qt, u):
-    """lumen.kernels.matmul._decode's unsigned values, for the types of FAST_DECODE, written into u[:rows] in one
-    pass (no temporaries): raw (rows, row_bytes) u8 -> u (>= rows, n_in) u8."""
+def _decode_q8_0(raw, u):
+    """Q8_0: 34-byte blocks, f16 d then 32 int8 (+128)."""
     for r in range(raw.shape[0]):
         src, dst = raw[r], u[r]
-        if qt == 8:                                         # Q8_0: 34-byte blocks, f16 d then 32 int8 (+128)
-            for blk in range(src.shape[0] // 34):
+        for blk in range(src.shape[0] // 34):
+            for i in range(32):
+                dst[32 * blk + i] = src[34 * blk + 2 + i] ^ 0x80
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_q5_0(raw, u):
+    """Q5_0: f16 d, u32 fifth bits, 16 bytes of nibbles."""
+    for r in range(raw.shape[0]):
+        src, dst = raw[r], u[r]
+        for blk in range(src.shape[0] // 22):
+            o = 22 * blk
+            qh = (np.uint32(src[o + 2]) | (np.uint32(src[o + 3]) << 8) | (np.uint32(src[o + 4]) << 16)
+                  | (np.uint32(src[o + 5]) << 24))
+            for i in range(16):
+                nib = src[o + 6 + i]
+                dst[32 * blk + i] = (nib & 15) | (((qh >> i) & 1) << 4)
+                dst[32 * blk + 16 + i] = (nib >> 4) | (((qh >> (16 + i)) & 1) << 4)
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_q4_k(raw, u):
+    """Q4_K: 144-byte blocks of 256, nibbles from byte 16."""
+    for r in range(raw.shape[0]):
+        src, dst = raw[r], u[r]
+        for blk in range(src.shape[0] // 144):
+            for j in range(4):
                 for i in range(32):
-                    dst[32 * blk + i] = src[34 * blk + 2 + i] ^ 0x80
-        elif qt == 6:                                       # Q5_0: f16 d, u32 fifth bits, 16 bytes of nibbles
-            for blk in range(src.shape[0] // 22):
-                o = 22 * blk
-                qh = (np.uint32(src[o + 2]) | (np.uint32(src[o + 3]) << 8) | (np.uint32(src[o + 4]) << 16)
-                      | (np.uint32(src[o + 5]) << 24))
-                for i in range(16):
-                    nib = src[o + 6 + i]
-                    dst[32 * blk + i] = (nib & 15) | (((qh >> i) & 1) << 4)
-                    dst[32 * blk + 16 + i] = (nib >> 4) | (((qh >> (16 + i)) & 1) << 4)
-        elif qt == 12:                                      # Q4_K: 144-byte blocks of 256, nibbles from byte 16
-            for blk in range(src.shape[0] // 144):
-                for j in range(4):
-                    for i in range(32):
-                        q = src[144 * blk + 16 + 32 * j + i]
-                        dst[256 * blk + 64 * j + i] = q & 15
-                        dst[256 * blk + 64 * j + 32 + i] = q >> 4
-        elif qt == 14:                                      # Q6_K: 210-byte blocks, ql (2, 64), qh (2, 32)
-            for blk in range(src.shape[0] // 210):
-                o, d = 210 * blk, 256 * blk
-                for h in range(2):
-                    for i in range(32):
-                        a, b, q = src[o + 64 * h + i], src[o + 64 * h + 32 + i], src[o + 128 + 32 * h + i]
-                        dst[d + 128 * h + i] = (a & 15) | ((q & 3) << 4)
-                        dst[d + 128 * h + 32 + i] = (b & 15) | (((q >> 2) & 3) << 4)
-                        dst[d + 128 * h + 64 + i] = (a >> 4) | (((q >> 4) & 3) << 4)
-                        dst[d + 128 * h + 96 + i] = (b >> 4) | (((q >> 6) & 3) << 4)
+                    q = src[144 * blk + 16 + 32 * j + i]
+                    dst[256 * blk + 64 * j + i] = q & 15
+                    dst[256 * blk + 64 * j + 32 + i] = q >> 4
 
 
-FAST_DECODE = (QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K)          # _decode_into's types (the others: numpy's _decode)
+@numba.njit(cache=True, nogil=True)
+def _decode_q6_k(raw, u):
+    """Q6_K: 210-byte blocks, ql (2, 64), qh (2, 32)."""
+    for r in range(raw.shape[0]):
+        src, dst = raw[r], u[r]
+        for blk in range(src.shape[0] // 210):
+            o, d = 210 * blk, 256 * blk
+            for h in range(2):
+                for i in range(32):
+                    a, b, q = src[o + 64 * h + i], src[o + 64 * h + 32 + i], src[o + 128 + 32 * h + i]
+                    dst[d + 128 * h + i] = (a & 15) | ((q & 3) << 4)
+                    dst[d + 128 * h + 32 + i] = (b & 15) | (((q >> 2) & 3) << 4)
+                    dst[d + 128 * h + 64 + i] = (a >> 4) | (((q >> 4) & 3) << 4)
+                    dst[d + 128 * h + 96 + i] = (b >> 4) | (((q >> 6) & 3) << 4)
+
+
+FAST_DECODE = {QT.Q8_0: _decode_q8_0, QT.Q5_0: _decode_q5_0, QT.Q4_K: _decode_q4_k,    # the others: numpy's
+               QT.Q6_K: _decode_q6_k}                                                   # _decode
 
 
 def _scales(raw: np.ndarray, qt: QT, n_in: int):
@@ -167,7 +188,7 @@ def _buffer(name: str, shape: tuple) -> np.ndarray:
 def prepare_fast(raw: np.ndarray, qtype, *, scratch: bool = False) -> Packed:
     """lumen.kernels.matmul.prepare(raw, qtype), the same bytes (tests/test_pack_cache.py compares them for every
     type), its slowest steps compiled: the bit planes (_planes_into, 2/3 of prepare's time in numpy) and, for the
-    types of FAST_DECODE, the unpacking of the values (_decode_into). scratch: q is a buffer of this thread, valid
+    types of FAST_DECODE, the unpacking of the values (_decode_q8_0 ...). scratch: q is a buffer of this thread, valid
     until its next call (the packer copies it out at once)."""
     qt = QT(int(qtype))
     fam = FORMAT.get(qt, (F32,))[0]
@@ -182,7 +203,7 @@ def prepare_fast(raw: np.ndarray, qtype, *, scratch: bool = False) -> Packed:
     pad = _buffer("pad", (T * R, n_in)) if scratch else np.empty((T * R, n_in), np.uint8)
     pad[d_out:] = 0
     if qt in FAST_DECODE:
-        _decode_into(raw, int(qt), pad)
+        FAST_DECODE[qt](raw, pad)
         per_g, per_b = _scales(raw, qt, n_in)
     else:
         u, per_g, per_b = _decode(raw, qt, n_in)
