@@ -258,16 +258,18 @@ def _run_mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
 
 
 @njit(cache=True, inline="always")
-def mm(out, x, i, w, scr):
+def mm(out, x, i, packs, kinds, scr):
     """out (N, d_out) = x (N, n_in) @ W_i.T for packed matrix i (mm3 of one matrix)."""
-    run_mm3(out, out, out, x, i, i, i, np.int64(1), w.packs, w.kinds, scr)   # (n not a literal: one signature)
+    run_mm3(out, out, out, x, i, i, i, np.int64(1), packs, kinds, scr)   # (n not a literal: one signature)
 
 
 @njit(cache=True)
-def _vec(w, span, layer):
-    """The f32 vector at span[layer] = (offset, length) in w.fvec."""
+def _vec(fvec, span, layer):
+    """The f32 vector at span[layer] = (offset, length) in fvec (the Weights' fvec). It takes the array, not the
+    Weights bundle: each pass of a bundle holding n arrays is n reference count increments and decrements in the
+    forward pass's unoptimized code, which LLVM then spends time removing."""
     off = span[layer, 0]
-    return w.fvec[off:off + span[layer, 1]]
+    return fvec[off:off + span[layer, 1]]
 
 
 @njit(cache=True)
@@ -346,17 +348,17 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     for il in range(arch.n_layer):
         lb = il * N_LAYER_OPS                    # op o of this layer: timer slot lb + o
         # attention block
-        _rmsnorm(xn, x, _vec(w, w.attn_norm, il), eps, par)
+        _rmsnorm(xn, x, _vec(w.fvec, w.attn_norm, il), eps, par)
         _mark(times, prof, lb + Op.attn_norm)
         run_mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w.packs, w.kinds, scr.mm)
         if arch.qkv_bias:
-            _add_bias(q, _vec(w, w.attn_q_bias, il))
-            _add_bias(k, _vec(w, w.attn_k_bias, il))
-            _add_bias(v, _vec(w, w.attn_v_bias, il))
+            _add_bias(q, _vec(w.fvec, w.attn_q_bias, il))
+            _add_bias(k, _vec(w.fvec, w.attn_k_bias, il))
+            _add_bias(v, _vec(w.fvec, w.attn_v_bias, il))
         _mark(times, prof, lb + Op.qkv)
         if arch.qk_norm:
-            _rmsnorm_heads(q3, _vec(w, w.attn_q_norm, il), eps, par)
-            _rmsnorm_heads(k3, _vec(w, w.attn_k_norm, il), eps, par)
+            _rmsnorm_heads(q3, _vec(w.fvec, w.attn_q_norm, il), eps, par)
+            _rmsnorm_heads(k3, _vec(w.fvec, w.attn_k_norm, il), eps, par)
         _mark(times, prof, lb + Op.qk_norm)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         if par:
@@ -375,25 +377,25 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         run_attention(w.kinds, a3, q3, cache, batch.positions, batch.seqs, arch.windows[il], arch.attn_scale,
                       scr.attn, split)
         _mark(times, prof, lb + Op.attention)
-        mm(xn, att, w.attn_output[il], w, scr.mm)
+        mm(xn, att, w.attn_output[il], w.packs, w.kinds, scr.mm)
         _mark(times, prof, lb + Op.o)
         if arch.post_norms:
-            _rmsnorm(xn, xn, _vec(w, w.post_attention_norm, il), eps, par)
+            _rmsnorm(xn, xn, _vec(w.fvec, w.post_attention_norm, il), eps, par)
         _mark(times, prof, lb + Op.post_attn_norm)
         _add(x, xn, par)
         _mark(times, prof, lb + Op.attn_residual)
         # feed-forward block
-        _rmsnorm(xn, x, _vec(w, w.ffn_norm, il), eps, par)
+        _rmsnorm(xn, x, _vec(w.fvec, w.ffn_norm, il), eps, par)
         _mark(times, prof, lb + Op.ffn_norm)
         run_mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w.packs, w.kinds,
                 scr.mm)
         _mark(times, prof, lb + Op.gate_up)
         gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
         _mark(times, prof, lb + Op.act)
-        mm(xn, ffa, w.ffn_down[il], w, scr.mm)
+        mm(xn, ffa, w.ffn_down[il], w.packs, w.kinds, scr.mm)
         _mark(times, prof, lb + Op.down)
         if arch.post_norms:
-            _rmsnorm(xn, xn, _vec(w, w.post_ffw_norm, il), eps, par)
+            _rmsnorm(xn, xn, _vec(w.fvec, w.post_ffw_norm, il), eps, par)
         _mark(times, prof, lb + Op.post_ffn_norm)
         _add(x, xn, par)
         _mark(times, prof, lb + Op.ffn_residual)
@@ -409,7 +411,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
     _mark(times, prof, lb + Op.output_norm)
     out = logits[:n_out]
-    mm(out, xo, w.output, w, scr.mm)
+    mm(out, xo, w.output, w.packs, w.kinds, scr.mm)
     if arch.softcap > 0:
         c = arch.softcap
         for i in range(n_out):
