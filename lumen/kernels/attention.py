@@ -27,6 +27,7 @@ kernel's partial results po (n_chunks, n_heads, head_dim_v), pm (n_chunks, n_hea
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numba
@@ -37,7 +38,7 @@ from numba.extending import overload
 
 from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
-from .kinds import ATTN, ATTN_LANE, call, same_abi
+from .kinds import ATTN, ATTN_LANE, call, call_borrowed, same_abi
 from .policy import split_attention
 from .scratch import per_thread
 
@@ -216,7 +217,8 @@ def _run_lane(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, s
         raise TypingError(f"attention_lane is compiled for {lane_signature()}, not for {got}")
 
     def impl(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
-        call(addr, (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split))
+        call_borrowed(addr, (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm,
+                             split))
     return impl
 
 
@@ -262,6 +264,7 @@ def attention_signature() -> tuple:
     return tuple(attention_kernel.typeof_pyval(a) for a in attention_args()) + (types.int64,)
 
 
+@functools.lru_cache(maxsize=None)
 def lane_address() -> int:
     """The address of attention_lane compiled for lane_signature() (compiled now, or loaded from the cache)."""
     from .entries import address

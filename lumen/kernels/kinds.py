@@ -100,6 +100,23 @@ def is_table(kinds_type) -> bool:
     return isinstance(kinds_type, types.Array) and kinds_type.dtype == types.int64
 
 
+def _call_codegen(borrow: bool):
+    def codegen(context, builder, sig, llargs):
+        fn_addr, tup = llargs
+        tys = sig.args[1].types
+        fnty = ir.FunctionType(context.get_value_type(types.none), [context.get_value_type(t) for t in tys])
+        fn = builder.inttoptr(fn_addr, fnty.as_pointer())
+        vals = []
+        for i, t in enumerate(tys):
+            v = builder.extract_value(tup, i)
+            if borrow and isinstance(t, types.Array):       # field 0 of Numba's array struct: its meminfo
+                v = builder.insert_value(v, ir.Constant(v.type.elements[0], None), 0)
+            vals.append(v)
+        builder.call(fn, vals)
+        return context.get_dummy_value()
+    return codegen
+
+
 @intrinsic
 def call(typingctx, addr, args):
     """call(addr, (a0, a1, ...)): call the compiled function whose C wrapper is at addr
@@ -108,15 +125,17 @@ def call(typingctx, addr, args):
     linked into the caller's code."""
     if not (isinstance(addr, types.Integer) and isinstance(args, types.BaseTuple)):
         return None
+    return types.none(addr, args), _call_codegen(False)
 
-    def codegen(context, builder, sig, llargs):
-        fn_addr, tup = llargs
-        tys = sig.args[1].types
-        fnty = ir.FunctionType(context.get_value_type(types.none), [context.get_value_type(t) for t in tys])
-        fn = builder.inttoptr(fn_addr, fnty.as_pointer())
-        builder.call(fn, [builder.extract_value(tup, i) for i in range(len(tys))])
-        return context.get_dummy_value()
-    return types.none(addr, args), codegen
+
+@intrinsic
+def call_borrowed(typingctx, addr, args):
+    """call, with the arrays of the tuple (its top level) passed without their meminfo (null): the callee's
+    reference count updates on them are then no-ops, not atomic adds on counts that every thread of a parallel
+    region shares (the caller holds the arrays for the call). For a callee that keeps no reference."""
+    if not (isinstance(addr, types.Integer) and isinstance(args, types.BaseTuple)):
+        return None
+    return types.none(addr, args), _call_codegen(True)
 
 
 def same_abi(got: tuple, want: tuple) -> bool:
