@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
-from .single import peak_rss_mb, token_ids
+from .single import peak_rss_mb, token_ids, vocab_end
 from .tools import ToolNotFound, comma_list, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig, available_mb
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ids = token_ids(model.config.n_vocab, top * args.npp)
+    ids = token_ids(vocab_end(model), top * args.npp)
     try:                          # warm-up: compile / load the kernels, at a shape within max_model_len (-ntg 1)
         run_lumen(engine, min(args.npp, 8), min(args.ntg, 2), 1, ids)
     except (LumenError, RuntimeError) as e:

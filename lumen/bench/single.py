@@ -76,9 +76,16 @@ def make_tests(p: int, n: int, small: int) -> list[Test]:
     return tests
 
 
-def token_ids(n_vocab: int, count: int, seed: int = 0) -> np.ndarray:
-    """count fixed pseudo-random token ids (count,) i64, avoiding the first 4 ids (usually control tokens)."""
-    return np.random.default_rng(seed).integers(4, n_vocab, size=count, dtype=np.int64)
+def token_ids(end: int, count: int, seed: int = 0) -> np.ndarray:
+    """count fixed pseudo-random token ids (count,) i64 below end, avoiding the first 4 ids (usually control
+    tokens). end: vocab_end(model), not the embedding's rows (Qwen2.5 pads them past its tokenizer's ids, and the
+    engine refuses those)."""
+    return np.random.default_rng(seed).integers(4, end, size=count, dtype=np.int64)
+
+
+def vocab_end(model) -> int:
+    """The ids a prompt may use: the tokenizer's, within the embedding's rows (a lumen.Model)."""
+    return min(model.config.n_vocab, model.tokenizer.vocab_end)
 
 
 def peak_rss_mb() -> float:
@@ -436,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ids = token_ids(lumen.n_vocab, max_pp)
+    ids = token_ids(vocab_end(lumen.model), max_pp)
     engines = [lumen]
     try:
         warm = {lumen.name: lumen.warmup(ids)}

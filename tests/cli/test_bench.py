@@ -125,6 +125,17 @@ def test_batch_runs_one_generated_token(smollm2_path, capsys):
     assert "Traceback" not in err and "npp 4, ntg 1" in out, err
 
 
+def test_batch_runs_on_a_model_with_padded_embedding_rows(qwen05_path, capsys):
+    """Qwen2.5's embedding has rows past its tokenizer's ids (151,936 for 151,665), which the engine refuses in a
+    prompt: `bench batch -m qwen2.5-coder-1.5b`, the README's command, stopped at once with "token id 151860 is
+    outside the vocabulary" (its random prompts were drawn up to the rows)."""
+    from lumen.bench.cli import main
+    assert main(["batch", "--model", str(qwen05_path), "-npp", "1100", "-ntg", "2", "-npl", "1", "-r", "1",
+                 "-t", "2"]) == 0          # (1100 ids: the 1062nd of the seeded draw up to the rows is a padding row)
+    out, err = capsys.readouterr()
+    assert "error" not in err and "npp 1100, ntg 2" in out, err
+
+
 def test_single_runs_one_token_tests(smollm2_path, capsys):
     """-p 1 -n 1 made a 2-token context, and the warm-up's 1-token prompt + 2 decodes died with a ContextError
     traceback."""
