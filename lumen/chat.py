@@ -14,6 +14,7 @@ Python has readline) and through a pipe (no prompt is printed there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import io
 import signal
@@ -69,6 +70,7 @@ class Conversation:
                              max_num_batched_tokens=model.n_batch, num_kv_blocks=-(-model.n_ctx // BLOCK),
                              enable_prefix_caching=True, adaptive_threads=model.adaptive_threads)
         self.dropped = 0                            # turns dropped to fit the context, in all
+        self.turns = 0                              # replies asked for (turn_params)
 
     def clear(self) -> None:
         self.messages = []
@@ -92,6 +94,18 @@ class Conversation:
             messages[:] = messages[2:] if messages[1]["role"] == "assistant" else messages[1:]
             self.dropped += 1
 
+    def turn_params(self):
+        """The next reply's SamplingParams. A given seed seeds the session, as llama.cpp seeds its sampler once: the
+        first reply takes it as it is (as `generate --chat --seed` does), each later one a seed drawn from it and
+        the turn's number, so the same seed replays the session and no two turns sample with the same numbers."""
+        p, turn = self.params, self.turns
+        self.turns += 1
+        if p.seed is None or turn == 0:
+            return p
+        import numpy as np
+        seed = int(np.random.SeedSequence([p.seed, turn]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+        return dataclasses.replace(p, seed=seed)
+
     def reply(self, text: str, write, stop_requested) -> object:
         """Answer the user's `text`: the reply's text goes to write() as it comes; stop_requested() true after
         an engine step (a token, or a chunk of the prompt) aborts the request. Returns the RequestMetrics of the
@@ -101,8 +115,9 @@ class Conversation:
         ids = self.fit(messages)
         stats = RequestMetrics()
         answer = []
-        stream = self.engine.stream(ids, self.params, metrics=stats, stop=stop_requested)   # (asked every step:
-        try:                                                                    # a prompt's chunks too)
+        stream = self.engine.stream(ids, self.turn_params(), metrics=stats,
+                                    stop=stop_requested)    # (asked every step: a prompt's chunks too)
+        try:
             for out in stream:
                 if out.error:
                     raise LumenError(out.error)

@@ -61,6 +61,25 @@ def test_two_turns_clear_and_exit(smollm2_path, model):
     assert "(the conversation is cleared)" in r.stderr
 
 
+def test_a_seed_seeds_the_session_not_each_turn(smollm2_path):
+    """--seed seeds the session, as llama.cpp's does: the same question asked again after /clear is sampled anew
+    (each turn took the seed afresh, so it got the same reply), the first reply is generate --chat --seed's, and
+    the same seed replays the whole session."""
+    cmd = [sys.executable, "-m", "lumen.chat", "--model", str(smollm2_path), "-n", "12", "--seed", "7",
+           "--temperature", "1.0"]
+    script = "Tell me about the sea.\n/clear\nTell me about the sea.\n/exit\n"
+    runs = [subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+            for _ in range(2)]
+    assert all(r.returncode == 0 and "Traceback" not in r.stderr for r in runs), runs[0].stderr
+    first, second = runs[0].stdout.split("\n")[:2]
+    assert first != second, runs[0].stdout
+    assert runs[1].stdout == runs[0].stdout
+    gen = subprocess.run([sys.executable, "-m", "lumen.generate", "--model", str(smollm2_path), "--chat", "-n", "12",
+                          "--seed", "7", "--temperature", "1.0", "-p", "Tell me about the sea."],
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert gen.returncode == 0 and gen.stdout == first + "\n", (gen.stdout, first)
+
+
 def test_eof_ends_the_session(smollm2_path):
     r = subprocess.run(chat(smollm2_path), input="", capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
     assert (r.returncode, r.stdout) == (0, "") and "Traceback" not in r.stderr, r.stderr
