@@ -38,7 +38,7 @@ from numba.extending import overload
 
 from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
-from .kinds import ATTN, ATTN_LANE, call, call_borrowed, same_abi
+from .kinds import ATTN, ATTN_LANE, address, call, call_borrowed, same_abi
 from .policy import split_attention
 from .scratch import per_thread
 
@@ -267,7 +267,6 @@ def attention_signature() -> tuple:
 @functools.lru_cache(maxsize=None)
 def lane_address() -> int:
     """The address of attention_lane compiled for lane_signature() (compiled now, or loaded from the cache)."""
-    from .entries import address
     return address(attention_lane, lane_signature(), "attention")
 
 

@@ -14,23 +14,11 @@ import functools
 import numpy as np
 from numba import typeof
 
-from ..paths import compile_turn
 from .activation import act_signature, gated_entry
 from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
-from .kinds import ACT, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, ROWS, TILES, kinds, sets
+from .kinds import ACT, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, ROWS, TILES, address, kinds, sets
 from .matmul import tiles, tiles_signature
-
-
-def address(dispatcher, sig: tuple, turn: str = "entries") -> int:
-    """The address of the C wrapper of dispatcher compiled for sig (compiled now, or loaded from Numba's cache):
-    what lumen.kernels.kinds.call calls. The dispatcher keeps the code alive for the life of the process. Processes
-    that start at once take turns (lumen.paths.compile_turn): the later ones load what the first compiled."""
-    if tuple(sig) not in dispatcher.overloads:
-        with compile_turn(turn):
-            dispatcher.compile(sig)
-    cres = dispatcher.overloads[tuple(sig)]
-    return cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,6 +32,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ..format.quants import QT
+from ..paths import compile_turn
 
 QUANTIZED = tuple(sorted(int(q) for q in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K,
                                           QT.Q8_0)))
@@ -95,6 +96,17 @@ MM3 = ATTN_LANE + 1                    # table[MM3]: lumen.model.forward.mm3 (fi
 N_ENTRIES = MM3 + 1
 
 
+def address(dispatcher, sig: tuple, turn: str = "entries") -> int:
+    """The address of the C wrapper of dispatcher compiled for sig (compiled now, or loaded from Numba's cache):
+    what `call` calls. The dispatcher keeps the code alive for the life of the process. Processes that start at
+    once take turns (lumen.paths.compile_turn): the later ones load what the first compiled."""
+    if tuple(sig) not in dispatcher.overloads:
+        with compile_turn(turn):
+            dispatcher.compile(sig)
+    cres = dispatcher.overloads[tuple(sig)]
+    return cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
+
+
 def is_table(kinds_type) -> bool:
     """Whether a kinds argument's Numba type is an entry table (else a kinds value, compiled in)."""
     return isinstance(kinds_type, types.Array) and kinds_type.dtype == types.int64
@@ -120,7 +132,7 @@ def _call_codegen(borrow: bool):
 @intrinsic
 def call(typingctx, addr, args):
     """call(addr, (a0, a1, ...)): call the compiled function whose C wrapper is at addr
-    (lumen.kernels.entries.address) with the arguments of the tuple, which must be of the types it was compiled
+    (`address`) with the arguments of the tuple, which must be of the types it was compiled
     for (up to the dtype of an array's elements: its struct is the same); returns nothing. The callee is not
     linked into the caller's code."""
     if not (isinstance(addr, types.Integer) and isinstance(args, types.BaseTuple)):
