@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from lumen.engine.admission import prompt_id_end
+
 
 def random_ids(rng: np.random.Generator, n: int, owner, low: int = 4) -> np.ndarray:
-    """n random token ids in [low, the vocabulary's end) for `owner`, a lumen Model or Engine."""
-    return rng.integers(low, min(owner.config.n_vocab, owner.tokenizer.vocab_end), n)
+    """n random token ids in [low, prompt_id_end) for `owner`, a lumen Model or Engine."""
+    return rng.integers(low, prompt_id_end(owner.tokenizer, owner.config.n_vocab), n)

@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
-from .single import peak_rss_mb, token_ids, vocab_end
+from .single import peak_rss_mb, token_ids
 from .tools import ToolNotFound, comma_list, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig, available_mb
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ids = token_ids(vocab_end(model), top * args.npp)
+    from ..engine.admission import prompt_id_end
+    ids = token_ids(prompt_id_end(model.tokenizer, model.config.n_vocab), top * args.npp)
     try:                          # warm-up: compile / load the kernels, at a shape within max_model_len (-ntg 1)
         run_lumen(engine, min(args.npp, 8), min(args.ntg, 2), 1, ids)
     except (LumenError, RuntimeError) as e:

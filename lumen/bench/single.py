@@ -78,14 +78,9 @@ def make_tests(p: int, n: int, small: int) -> list[Test]:
 
 def token_ids(end: int, count: int, seed: int = 0) -> np.ndarray:
     """count fixed pseudo-random token ids (count,) i64 below end, avoiding the first 4 ids (usually control
-    tokens). end: vocab_end(model), not the embedding's rows (Qwen2.5 pads them past its tokenizer's ids, and the
-    engine refuses those)."""
+    tokens). end: lumen.engine.admission.prompt_id_end, not the embedding's rows (the engine refuses a padding
+    row's id)."""
     return np.random.default_rng(seed).integers(4, end, size=count, dtype=np.int64)
-
-
-def vocab_end(model) -> int:
-    """The ids a prompt may use: the tokenizer's, within the embedding's rows (a lumen.Model)."""
-    return min(model.config.n_vocab, model.tokenizer.vocab_end)
 
 
 def peak_rss_mb() -> float:
@@ -443,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ids = token_ids(vocab_end(lumen.model), max_pp)
+    from ..engine.admission import prompt_id_end
+    ids = token_ids(prompt_id_end(lumen.model.tokenizer, lumen.n_vocab), max_pp)
     engines = [lumen]
     try:
         warm = {lumen.name: lumen.warmup(ids)}

@@ -15,6 +15,12 @@ class RequestError(LumenError, ValueError):
     """A request cannot be served (bad prompt, too long, cannot ever fit); the engine is unaffected."""
 
 
+def prompt_id_end(tokenizer, n_vocab: int) -> int:
+    """One past the largest token id a prompt may hold: the tokenizer's last, within the model's n_vocab embedding
+    rows (Qwen2.5 pads its 151,665 ids to 151,936 rows; a padding row's id is no token)."""
+    return min(n_vocab, tokenizer.vocab_end)
+
+
 def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
     """A prompt (text, or token ids) as checked token ids; RequestError when it is not one."""
     if isinstance(prompt, str):
@@ -26,7 +32,7 @@ def prompt_ids(prompt, tokenizer, n_vocab: int, special: bool) -> list[int]:
                 f", got {len(prompt)} strings: one prompt is one string (lumen.Engine.generate takes a list of "
                 "prompts)" if texts else ""))
         ids = [int(t) for t in prompt]
-        end = min(n_vocab, tokenizer.vocab_end)   # (past the tokenizer's: padding rows of the embedding)
+        end = prompt_id_end(tokenizer, n_vocab)
         bad = [t for t in ids if not 0 <= t < end]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{end - 1})")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ...engine.admission import prompt_id_end
 from ...engine.engine import RequestError
 from ...engine.sampling.sampler import SamplerError
 from ...engine.structured import StructuredOutputError
@@ -66,8 +67,8 @@ class Serving:
 
     def vocab_end(self) -> int:
         """One past the largest token id a prompt (or /detokenize) may hold: the tokenizer's last, not the model's
-        embedding rows past it (Qwen2's 151665..151935 pad the matrix; lumen.engine.admission refuses them)."""
-        return min(self.engine.config.n_vocab, self.engine.tokenizer.vocab_end)
+        embedding rows past it (lumen.engine.admission.prompt_id_end)."""
+        return prompt_id_end(self.engine.tokenizer, self.engine.config.n_vocab)
 
 
 class Generation(Serving):
