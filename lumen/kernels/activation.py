@@ -12,18 +12,20 @@ is the fp16-rounded gelu of that (llama.cpp reads it from an fp16 table), gelu(x
 
 exp is lumen.kernels.fp.exp_f32, a vectorizable float32 exp written with explicit fma (the libm expf call blocks
 SIMD). No fastmath anywhere: each value is rounded the same way in every caller (lumen/kernels/fp.py).
-Raw kernels end in `_kernel` (serial) or `_kernel_par` (parallel over rows); the wrappers validate and pick.
+`swiglu_row`, `geglu_row` and `add_row` are row functions (lumen.kernels.rows: one signature for every row-wise op,
+run through one loop and one parallel region); the wrappers validate, then run them serially or in parallel by
+size. A model's entry table (lumen.kernels.entries) holds the row function of its activation (ACT + SILU or GELU).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.core.errors import TypingError
-from numba.extending import overload
+from numba import njit
 
 from .fp import exp_f32
 from .checks import as_f32, check
+from .kinds import GELU, SILU
 from .policy import parallel_rows
+from .rows import rows
 
 
 
@@ -41,20 +43,21 @@ def gelu_tanh(x):
 
 
 @njit(cache=True, error_model="numpy")
-def _swiglu_row(out, gate, up, r):
-    """Row r of out (N, n_ff) = silu(gate[r]) * up[r]. Rows are indexed, not sliced (see norm._rmsnorm_row).
-    In place (out is gate or up) the loop names one array: with two names LLVM's runtime overlap check sees
-    out == gate and falls back to scalar code, measured 5x slower (64 x 1536: 388 against 72 us)."""
-    n = gate.shape[1]
-    if out.ctypes.data == gate.ctypes.data:
-        for i in range(n):
-            gate[r, i] = silu(gate[r, i]) * up[r, i]
-    elif out.ctypes.data == up.ctypes.data:
-        for i in range(n):
-            up[r, i] = silu(gate[r, i]) * up[r, i]
+def swiglu_row(r, o, a, b, v, p, f, i):
+    """Row r of o (N, n_ff) = silu(a[r]) * b[r] (a the gate, b the up rows); o may be a or b. A row function
+    (lumen.kernels.rows). Rows are indexed, not sliced (see norm.rmsnorm_row). In place the loop names one
+    array: with two names LLVM's runtime overlap check sees o == a and falls back to scalar code, measured 5x
+    slower (64 x 1536: 388 against 72 us)."""
+    n = a.shape[1]
+    if o.ctypes.data == a.ctypes.data:
+        for j in range(n):
+            a[r, j] = silu(a[r, j]) * b[r, j]
+    elif o.ctypes.data == b.ctypes.data:
+        for j in range(n):
+            b[r, j] = silu(a[r, j]) * b[r, j]
     else:
-        for i in range(n):
-            out[r, i] = silu(gate[r, i]) * up[r, i]
+        for j in range(n):
+            o[r, j] = silu(a[r, j]) * b[r, j]
 
 
 @njit(cache=True, inline="always")
@@ -76,119 +79,28 @@ def gelu_llama(x):
 
 
 @njit(cache=True, error_model="numpy")
-def _geglu_row(out, gate, up, r):
-    """Row r of out (N, n_ff) = gelu_llama(gate[r]) * up[r]; in place as _swiglu_row."""
-    n = gate.shape[1]
-    if out.ctypes.data == gate.ctypes.data:
-        for i in range(n):
-            gate[r, i] = gelu_llama(gate[r, i]) * up[r, i]
-    elif out.ctypes.data == up.ctypes.data:
-        for i in range(n):
-            up[r, i] = gelu_llama(gate[r, i]) * up[r, i]
+def geglu_row(r, o, a, b, v, p, f, i):
+    """Row r of o (N, n_ff) = gelu_llama(a[r]) * b[r]; a row function, in place as swiglu_row."""
+    n = a.shape[1]
+    if o.ctypes.data == a.ctypes.data:
+        for j in range(n):
+            a[r, j] = gelu_llama(a[r, j]) * b[r, j]
+    elif o.ctypes.data == b.ctypes.data:
+        for j in range(n):
+            b[r, j] = gelu_llama(a[r, j]) * b[r, j]
     else:
-        for i in range(n):
-            out[r, i] = gelu_llama(gate[r, i]) * up[r, i]
+        for j in range(n):
+            o[r, j] = gelu_llama(a[r, j]) * b[r, j]
 
 
 @njit(cache=True)
-def _add_row(x, y, r):
-    """Row r of x (N, dim) += y[r]."""
-    for i in range(x.shape[1]):
-        x[r, i] += y[r, i]
+def add_row(r, o, a, b, v, p, f, i):
+    """Row r of o (N, dim) += a[r]; a row function."""
+    for j in range(o.shape[1]):
+        o[r, j] += a[r, j]
 
 
-@njit(cache=True)  # serial: below policy.PAR_ROWS rows a parallel region costs more
-def swiglu_kernel(out, gate, up):
-    """out (N, n_ff) = silu(gate (N, n_ff)) * up (N, n_ff). out may be gate or up."""
-    for r in range(gate.shape[0]):
-        _swiglu_row(out, gate, up, r)
-
-
-@njit(cache=True, parallel=True)  # parallel over rows: prefill
-def swiglu_kernel_par(out, gate, up):
-    """out (N, n_ff) = silu(gate) * up, rows split across threads. out may be gate or up."""
-    for r in prange(gate.shape[0]):
-        _swiglu_row(out, gate, up, np.int64(r))
-
-
-@njit(cache=True)  # serial: see swiglu_kernel
-def geglu_kernel(out, gate, up):
-    """out (N, n_ff) = gelu_tanh(gate (N, n_ff)) * up (N, n_ff). out may be gate or up."""
-    for r in range(gate.shape[0]):
-        _geglu_row(out, gate, up, r)
-
-
-@njit(cache=True, parallel=True)  # parallel over rows: prefill
-def geglu_kernel_par(out, gate, up):
-    """out (N, n_ff) = gelu_tanh(gate) * up, rows split across threads. out may be gate or up."""
-    for r in prange(gate.shape[0]):
-        _geglu_row(out, gate, up, np.int64(r))
-
-
-@njit(cache=True)  # serial: memory-bound; below policy.PAR_ROWS rows a parallel region costs more
-def add_kernel(x, y):
-    """x (N, dim) += y (N, dim)."""
-    for r in range(x.shape[0]):
-        _add_row(x, y, r)
-
-
-@njit(cache=True, parallel=True)  # parallel over rows: prefill
-def add_kernel_par(x, y):
-    """x (N, dim) += y (N, dim), rows split across threads."""
-    for r in prange(x.shape[0]):
-        _add_row(x, y, np.int64(r))
-
-
-def gated(kinds, gelu, par, out, gate, up):
-    """out = act(gate) * up with the model's gated activation (gelu: geglu, else swiglu), by the row-parallel kernel
-    when par; only the activations in the kinds (lumen.kernels.kinds) are compiled; through its address in an
-    entry table. Compiled code only."""
-    raise NotImplementedError("gated runs in compiled code only")
-
-
-@njit(cache=True)
-def _swiglu(par, out, gate, up):
-    if par:
-        swiglu_kernel_par(out, gate, up)
-    else:
-        swiglu_kernel(out, gate, up)
-
-
-@njit(cache=True)
-def _geglu(par, out, gate, up):
-    if par:
-        geglu_kernel_par(out, gate, up)
-    else:
-        geglu_kernel(out, gate, up)
-
-
-@overload(gated)
-def _gated(kinds, gelu, par, out, gate, up):
-    from .kinds import ACT, GELU, SILU, call, is_table, same_abi, sets, switch
-    if is_table(kinds):                     # the entry table (lumen.kernels.entries): through its address
-        if not same_abi((gelu, par, out, gate, up), act_signature(kinds)[:-1]):
-            raise TypingError(f"the activation entries are compiled for {act_signature(kinds)[:-1]}, not for "
-                              f"{(gelu, par, out, gate, up)}")
-        return lambda kinds, gelu, par, out, gate, up: call(kinds[ACT + (GELU if gelu else SILU)],
-                                                            (gelu, par, out, gate, up, kinds))
-    act = switch(tuple((a, {GELU: _geglu, SILU: _swiglu}[a]) for a in sets(kinds)[2]), 4)
-
-    def impl(kinds, gelu, par, out, gate, up):
-        act(GELU if gelu else SILU, par, out, gate, up)
-    return impl
-
-
-@njit(cache=True)
-def gated_entry(gelu, par, out, gate, up, kinds):
-    """gated with the kinds last: what an entry table calls (lumen.kernels.entries)."""
-    gated(kinds, gelu, par, out, gate, up)
-
-
-def act_signature(kinds_type) -> tuple:
-    """The Numba types gated_entry is compiled for in an entry table: the forward pass's FFN rows, with a kinds
-    value of one activation."""
-    f32_2 = types.Array(types.float32, 2, "C")
-    return (types.boolean, types.boolean, f32_2, f32_2, f32_2, kinds_type)
+GATED = {SILU: swiglu_row, GELU: geglu_row}      # the row function of each gated activation (lumen.kernels.kinds)
 
 
 def _check_gated(out, gate, up) -> None:
@@ -204,14 +116,14 @@ def _check_gated(out, gate, up) -> None:
 def swiglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """out (N, n_ff) = silu(gate) * up; out may be gate or up. Returns out."""
     _check_gated(out, gate, up)
-    (swiglu_kernel_par if parallel_rows(gate.shape[0]) else swiglu_kernel)(out, gate, up)
+    rows(swiglu_row, gate.shape[0], parallel_rows(gate.shape[0]), out, gate, up)
     return out
 
 
 def geglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """out (N, n_ff) = gelu_tanh(gate) * up; out may be gate or up. Returns out."""
     _check_gated(out, gate, up)
-    (geglu_kernel_par if parallel_rows(gate.shape[0]) else geglu_kernel)(out, gate, up)
+    rows(geglu_row, gate.shape[0], parallel_rows(gate.shape[0]), out, gate, up)
     return out
 
 
@@ -220,5 +132,5 @@ def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     as_f32("x", x, 2)
     as_f32("y", y, 2)
     check(x.shape == y.shape, f"y shape {y.shape} != x shape {x.shape}")
-    (add_kernel_par if parallel_rows(x.shape[0]) else add_kernel)(x, y)
+    rows(add_row, x.shape[0], parallel_rows(x.shape[0]), x, y)
     return x

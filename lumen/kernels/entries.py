@@ -3,9 +3,11 @@ Numba's cache) for one type on its own, which the forward pass calls through lum
 kinds module's docstring says why), and of the attention kernel. Apart from lumen.kernels.kinds because it
 compiles the kernels of lumen.kernels.matmul and lumen.kernels.dequant, which import that module.
 
-The attention kernel is called through the table too, not for its types (they are the same for every model) but
-for the compile: Numba optimizes and generates a callee's code again inside every caller that links it, so the
-forward pass linked the attention kernel's whole tree (the largest of its kernels) and compiled it a second time.
+The attention kernel and the row functions (lumen.kernels.rows) are called through the table too, not for their
+types (they are the same for every model) but for the compile: Numba optimizes and generates a callee's code again
+inside every caller that links it, so the forward pass linked the attention kernel's whole tree (the largest of
+its kernels) and compiled it a second time; and the table is made in the process that loads the model while
+another compiles the forward pass (lumen.model.precompile).
 """
 from __future__ import annotations
 
@@ -14,11 +16,16 @@ import functools
 import numpy as np
 from numba import typeof
 
-from .activation import act_signature, gated_entry
+from .activation import GATED, add_row
 from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
-from .kinds import ACT, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, ROWS, TILES, address, kinds, sets
+from .kinds import ACT, ADD, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, RMSNORM, ROPE, ROWS, TILES, address, kinds, sets
 from .matmul import tiles, tiles_signature
+from .norm import rmsnorm_row
+from .rope import rope_row
+from .rows import row_address
+
+ROW_FUNCTIONS = {RMSNORM: rmsnorm_row, ADD: add_row, ROPE: rope_row}
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,14 +38,17 @@ def _entry(slot: int, t: int) -> int:
         return lane_address()
     if slot == ROWS:
         return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
-    return address(gated_entry, act_signature(typeof(kinds(mats=(), embd=(), acts=(t,)))))
+    if slot == ACT:
+        return row_address(GATED[t])
+    return row_address(ROW_FUNCTIONS[slot])
 
 
 def entries(k: np.ndarray) -> np.ndarray:
     """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t the `tiles` of
-    each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a its gated
-    activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
-    none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs. A table is returned as it is."""
+    each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a the row
+    function of its gated activation a, each compiled for its one kind; 0 for every other (the loader checked that
+    the model uses none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs, at RMSNORM, ADD
+    and ROPE those row functions. A table is returned as it is."""
     if k.dtype == np.int64:
         return k
     mats, embd, acts = sets(typeof(k))
@@ -50,6 +60,8 @@ def entries(k: np.ndarray) -> np.ndarray:
             table[slot + t] = _entry(slot, t)
     for a in acts:
         table[ACT + a] = _entry(ACT, a)
+    for slot in ROW_FUNCTIONS:
+        table[slot] = _entry(slot, 0)
     table[ATTN_LANE] = _entry(ATTN_LANE, 0)
     table[ATTN] = _entry(ATTN, 0)
     return table

@@ -6,14 +6,14 @@ ids, so it compiled the tile kernels of all 8 quantized types (at 2 row counts),
 types and both activations, for every model; each compiled function is optimised again inside every caller that
 links it (numba.core.codegen: a library's final module holds its callees), so a cold start paid for them several
 times over. The kinds travel in the Weights bundle, and their Numba type carries the sets, so the dispatchers
-(lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.dequant_row, lumen.kernels.activation.gated) build, with
-`switch`, code for what the model has and nothing else.
+(lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.dequant_row) build, with `switch`, code for what the model
+has and nothing else.
 
 The forward pass does not take a model's kinds value itself but the table lumen.kernels.entries makes of it: the
-addresses of the type-specific kernels (lumen.kernels.matmul.tiles for each matrix type, the row dequantizer for
-the embedding type, the gated activation), each compiled (or loaded from Numba's cache) for its one kind on its
-own, and called through `call`. The forward pass's code then holds none of them: it is one compiled function for
-every model, compiled once per machine; a model of new weight types compiles those types' kernels only, and a
+addresses of the type-specific kernels (lumen.kernels.matmul.tiles for each matrix type, the row dequantizer for the
+embedding type, the gated activation's row function), each compiled (or loaded from Numba's cache) for its one kind
+on its own, and called through `call`. The forward pass's code then holds none of them: it is one compiled function
+for every model, compiled once per machine; a model of new weight types compiles those types' kernels only, and a
 model of known types nothing. (With the kinds compiled into it, each new set of types compiled the whole forward
 pass again, every kernel it links included.)
 
@@ -89,10 +89,12 @@ def switch(cases: tuple, n_args: int):
 N_TYPES = 32                      # GGML type ids below this (lumen.format.quants.QT)
 TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles for type t; table[ROWS + t]: the
                                   # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
-ACT = 2 * N_TYPES                 # table[ACT + a]: the gated activation a (lumen.kernels.activation.gated_entry)
+ACT = 2 * N_TYPES                 # table[ACT + a]: the row function of gated activation a (lumen.kernels.activation)
 ATTN = ACT + len(ACTS)            # table[ATTN]: lumen.kernels.attention.attention_kernel at the forward pass's types
 ATTN_LANE = ATTN + 1              # table[ATTN_LANE]: lumen.kernels.attention.attention_lane (attention_kernel runs it)
-MM3 = ATTN_LANE + 1                    # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
+RMSNORM, ADD, ROPE = ATTN_LANE + 1, ATTN_LANE + 2, ATTN_LANE + 3    # table[...]: those row functions
+                                  # (lumen.kernels.norm.rmsnorm_row, activation.add_row, rope.rope_row)
+MM3 = ROPE + 1                    # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
 N_ENTRIES = MM3 + 1
 
 

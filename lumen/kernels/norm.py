@@ -5,63 +5,35 @@
 As llama.cpp's ggml_rms_norm followed by a multiply by the weight. Gemma's "(1 + w)" is already folded into the
 GGUF weight by the converter (convert_hf_to_gguf: norm_shift = 1.0 for *norm.weight), so no variant is needed.
 
-Raw kernels (`rmsnorm_kernel`, `rmsnorm_heads_kernel`, serial; `..._par`, parallel over rows) are callable from other
-@njit code; the wrappers (`rmsnorm`, `rmsnorm_heads`) validate shapes and dtypes, then pick serial or parallel by
-size (lumen.kernels.policy, the forward pass's own choice).
+`rmsnorm_row` is the row function (lumen.kernels.rows: one signature for every row-wise op, run through one loop
+and one parallel region); the wrappers (`rmsnorm`, `rmsnorm_heads`) validate shapes and dtypes, then run it
+serially or in parallel by size (lumen.kernels.policy, the forward pass's own choice).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .checks import as_f32, check
 from .fp import sumsq
 from .policy import parallel_rows
+from .rows import rows
 
 
 @njit(cache=True, error_model="numpy")
-def _rmsnorm_row(out, x, r, w, eps):
-    """Row r of out (N, dim) = x[r] / rms(x[r]) * w (dim,), x C-contiguous. The sum of squares is
-    lumen.kernels.fp.sumsq (an order fixed by dim alone). Rows are indexed, not sliced: a row view costs an
-    atomic incref/decref pair (dropping the views made rope 5x faster)."""
-    n = x.shape[1]
-    ss = sumsq(x, r * n, n)
-    scale = np.float32(1.0) / np.sqrt(ss / np.float32(n) + np.float32(eps))
-    if out.ctypes.data == x.ctypes.data:         # in place: name one array, else LLVM's runtime overlap check
-        for i in range(n):                       # sees out == x and falls back to scalar code
-            x[r, i] = x[r, i] * scale * w[i]
+def rmsnorm_row(r, o, a, b, v, p, f, i):
+    """Row r of o (N, dim) = a[r] / rms(a[r]) * v (dim,), eps f; o may be a (in place). A row function
+    (lumen.kernels.rows). The sum of squares is lumen.kernels.fp.sumsq (an order fixed by dim alone). Rows are
+    indexed, not sliced: a row view costs an atomic incref/decref pair (dropping the views made rope 5x faster)."""
+    n = a.shape[1]
+    ss = sumsq(a, r * n, n)
+    scale = np.float32(1.0) / np.sqrt(ss / np.float32(n) + f)
+    if o.ctypes.data == a.ctypes.data:           # in place: name one array, else LLVM's runtime overlap check
+        for j in range(n):                       # sees o == a and falls back to scalar code
+            a[r, j] = a[r, j] * scale * v[j]
     else:
-        for i in range(n):
-            out[r, i] = x[r, i] * scale * w[i]
-
-
-@njit(cache=True)  # serial: below policy.PAR_ROWS rows a parallel region costs more than the work
-def rmsnorm_kernel(out, x, w, eps):
-    """out (N, dim) = rmsnorm(x (N, dim)) * w (dim,). out may be x (in place)."""
-    for r in range(x.shape[0]):
-        _rmsnorm_row(out, x, r, w, eps)
-
-
-@njit(cache=True, parallel=True)  # parallel over rows: prefill
-def rmsnorm_kernel_par(out, x, w, eps):
-    """out (N, dim) = rmsnorm(x (N, dim)) * w (dim,), rows split across threads. out may be x."""
-    for r in prange(x.shape[0]):
-        _rmsnorm_row(out, x, np.int64(r), w, eps)
-
-
-@njit(cache=True)  # serial: gemma decode is 4 + 1 heads of 256, well under a parallel region
-def rmsnorm_heads_kernel(out, x, w, eps):
-    """out (N, n_heads, head_dim) = rmsnorm of each head_dim slice of x (N, n_heads, head_dim) * w (head_dim,)."""
-    rmsnorm_kernel(out.reshape((-1, out.shape[2])), x.reshape((-1, x.shape[2])), w, eps)
-
-
-@njit(cache=True, parallel=True)  # parallel over (token, head) rows: prefill
-def rmsnorm_heads_kernel_par(out, x, w, eps):
-    """out (N, n_heads, head_dim) = per-head rmsnorm of x * w (head_dim,), rows split across threads."""
-    o2 = out.reshape((-1, out.shape[2]))
-    x2 = x.reshape((-1, x.shape[2]))
-    for r in prange(x2.shape[0]):
-        _rmsnorm_row(o2, x2, np.int64(r), w, eps)
+        for j in range(n):
+            o[r, j] = a[r, j] * scale * v[j]
 
 
 def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -73,10 +45,7 @@ def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> np.nda
     check(w.shape[0] == x.shape[1], f"w has {w.shape[0]} entries, rows have {x.shape[1]}")
     check(eps >= 0, f"eps {eps} is negative")
     check(out.ctypes.data == x.ctypes.data or not np.shares_memory(out, x), "out partly overlaps x")
-    if parallel_rows(x.shape[0]):
-        rmsnorm_kernel_par(out, x, w, np.float32(eps))
-    else:
-        rmsnorm_kernel(out, x, w, np.float32(eps))
+    rows(rmsnorm_row, x.shape[0], parallel_rows(x.shape[0]), out, x, v=w, f=eps)
     return out
 
 
@@ -89,8 +58,7 @@ def rmsnorm_heads(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> 
     check(w.shape[0] == x.shape[2], f"w has {w.shape[0]} entries, heads have {x.shape[2]}")
     check(eps >= 0, f"eps {eps} is negative")
     check(out.ctypes.data == x.ctypes.data or not np.shares_memory(out, x), "out partly overlaps x")
-    if parallel_rows(x.shape[0]):
-        rmsnorm_heads_kernel_par(out, x, w, np.float32(eps))
-    else:
-        rmsnorm_heads_kernel(out, x, w, np.float32(eps))
+    hd = x.shape[2]
+    rows(rmsnorm_row, x.shape[0] * x.shape[1], parallel_rows(x.shape[0]), out.reshape(-1, hd), x.reshape(-1, hd),
+         v=w, f=eps)
     return out

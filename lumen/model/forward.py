@@ -28,16 +28,15 @@ from numba import njit
 from numba.core.errors import TypingError
 from numba.extending import overload
 
-from ..kernels.activation import add_kernel, add_kernel_par, gated
 from ..kernels.attention import AttnScratch, Paged, kv_store_kernel, run_attention
 from ..kernels.dequant import dequant_row
 from ..kernels.entries import address, entries
-from ..kernels.kinds import MM3, N_ENTRIES, call, same_abi
+from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, RMSNORM, ROPE, SILU, call, same_abi
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, Packs, q_len, s_len
 from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x
-from ..kernels.norm import rmsnorm_heads_kernel, rmsnorm_heads_kernel_par, rmsnorm_kernel, rmsnorm_kernel_par
 from ..kernels.policy import parallel_rows, split_attention
-from ..kernels.rope import rope_kernel, rope_kernel_par
+from ..kernels.rope import rope_flags
+from ..kernels.rows import run_rows
 from ..timer import ticks
 
 # ---- op ids: the timer's vocabulary (profile reports group by these names) ----
@@ -273,31 +272,6 @@ def _vec(fvec, span, layer):
 
 
 @njit(cache=True)
-def _rmsnorm(out, x, w, eps, par):
-    if par:
-        rmsnorm_kernel_par(out, x, w, eps)
-    else:
-        rmsnorm_kernel(out, x, w, eps)
-
-
-@njit(cache=True)
-def _rmsnorm_heads(x, w, eps, par):
-    """x (N, heads, head_dim) normed per head in place (gemma3's q/k norms)."""
-    if par:
-        rmsnorm_heads_kernel_par(x, x, w, eps)
-    else:
-        rmsnorm_heads_kernel(x, x, w, eps)
-
-
-@njit(cache=True)
-def _add(x, y, par):
-    if par:
-        add_kernel_par(x, y)
-    else:
-        add_kernel(x, y)
-
-
-@njit(cache=True)
 def _round_f16(a):
     """Round every value of a (any shape, C-contiguous f32) to float16 precision in place: llama.cpp keeps K and V
     in an f16 cache and converts q to f16 for q.k. Ties to even on the 13 dropped mantissa bits; exact for the
@@ -333,6 +307,12 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     v3 = v.reshape((N, KVH, hdv))
     a3 = att.reshape((N, H, hdv))
     split = split_attention(N, batch.positions[0] + 1)
+    # the row-wise ops (lumen.kernels.rows) pass arrays of the same types to every row function, unused ones too,
+    # so that the row loop and its region compile once (a global array would be read-only: another signature)
+    pos, nov, f0, z = batch.positions, w.fvec[:0], np.float32(0), np.int64(0)
+    rf = rope_flags(hd, arch.neox)
+    qh, kh = q.reshape((N * H, hd)), k.reshape((N * KVH, hd))     # rows of one head (qk_norm)
+    act = ACT + (GELU if arch.gelu else SILU)
 
     if TIMERS and prof:
         times[times.shape[0] - 1] = ticks()  # start
@@ -348,7 +328,7 @@ def forward(arch, w, kv, batch, scr, logits, prof):
     for il in range(arch.n_layer):
         lb = il * N_LAYER_OPS                    # op o of this layer: timer slot lb + o
         # attention block
-        _rmsnorm(xn, x, _vec(w.fvec, w.attn_norm, il), eps, par)
+        run_rows(w.kinds[RMSNORM], par, N, xn, x, x, _vec(w.fvec, w.attn_norm, il), pos, eps, z)
         _mark(times, prof, lb + Op.attn_norm)
         run_mm3(q, k, v, xn, w.attn_q[il], w.attn_k[il], w.attn_v[il], np.int64(3), w.packs, w.kinds, scr.mm)
         if arch.qkv_bias:
@@ -357,16 +337,12 @@ def forward(arch, w, kv, batch, scr, logits, prof):
             _add_bias(v, _vec(w.fvec, w.attn_v_bias, il))
         _mark(times, prof, lb + Op.qkv)
         if arch.qk_norm:
-            _rmsnorm_heads(q3, _vec(w.fvec, w.attn_q_norm, il), eps, par)
-            _rmsnorm_heads(k3, _vec(w.fvec, w.attn_k_norm, il), eps, par)
+            run_rows(w.kinds[RMSNORM], par, N * H, qh, qh, qh, _vec(w.fvec, w.attn_q_norm, il), pos, eps, z)
+            run_rows(w.kinds[RMSNORM], par, N * KVH, kh, kh, kh, _vec(w.fvec, w.attn_k_norm, il), pos, eps, z)
         _mark(times, prof, lb + Op.qk_norm)
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
-        if par:
-            rope_kernel_par(q3, batch.positions, cos, sin, arch.neox)
-            rope_kernel_par(k3, batch.positions, cos, sin, arch.neox)
-        else:
-            rope_kernel(q3, batch.positions, cos, sin, arch.neox)
-            rope_kernel(k3, batch.positions, cos, sin, arch.neox)
+        run_rows(w.kinds[ROPE], par, N, q, cos, sin, nov, pos, f0, rf)
+        run_rows(w.kinds[ROPE], par, N, k, cos, sin, nov, pos, f0, rf)
         _round_f16(q3)
         _round_f16(k3)
         _round_f16(v)
@@ -380,24 +356,24 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         mm(xn, att, w.attn_output[il], w.packs, w.kinds, scr.mm)
         _mark(times, prof, lb + Op.o)
         if arch.post_norms:
-            _rmsnorm(xn, xn, _vec(w.fvec, w.post_attention_norm, il), eps, par)
+            run_rows(w.kinds[RMSNORM], par, N, xn, xn, xn, _vec(w.fvec, w.post_attention_norm, il), pos, eps, z)
         _mark(times, prof, lb + Op.post_attn_norm)
-        _add(x, xn, par)
+        run_rows(w.kinds[ADD], par, N, x, xn, xn, nov, pos, f0, z)
         _mark(times, prof, lb + Op.attn_residual)
         # feed-forward block
-        _rmsnorm(xn, x, _vec(w.fvec, w.ffn_norm, il), eps, par)
+        run_rows(w.kinds[RMSNORM], par, N, xn, x, x, _vec(w.fvec, w.ffn_norm, il), pos, eps, z)
         _mark(times, prof, lb + Op.ffn_norm)
         run_mm3(ffa, ffb, ffb, xn, w.ffn_gate[il], w.ffn_up[il], w.ffn_up[il], np.int64(2), w.packs, w.kinds,
                 scr.mm)
         _mark(times, prof, lb + Op.gate_up)
-        gated(w.kinds, arch.gelu, par, ffa, ffa, ffb)            # swiglu or geglu: ffa = act(gate) * up
+        run_rows(w.kinds[act], par, N, ffa, ffa, ffb, nov, pos, f0, z)     # ffa = act(gate) * up
         _mark(times, prof, lb + Op.act)
         mm(xn, ffa, w.ffn_down[il], w.packs, w.kinds, scr.mm)
         _mark(times, prof, lb + Op.down)
         if arch.post_norms:
-            _rmsnorm(xn, xn, _vec(w.fvec, w.post_ffw_norm, il), eps, par)
+            run_rows(w.kinds[RMSNORM], par, N, xn, xn, xn, _vec(w.fvec, w.post_ffw_norm, il), pos, eps, z)
         _mark(times, prof, lb + Op.post_ffn_norm)
-        _add(x, xn, par)
+        run_rows(w.kinds[ADD], par, N, x, xn, xn, nov, pos, f0, z)
         _mark(times, prof, lb + Op.ffn_residual)
 
     # output: final norm and the vocabulary projection, only for the rows to sample
@@ -408,7 +384,8 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         for j in range(E):
             xo[i, j] = x[batch.out_rows[i], j]
     on = w.output_norm
-    _rmsnorm(xo, xo, w.fvec[on[0]:on[0] + on[1]], eps, parallel_rows(n_out))
+    run_rows(w.kinds[RMSNORM], parallel_rows(n_out), n_out, xo, xo, xo, w.fvec[on[0]:on[0] + on[1]], pos, eps,
+             z)
     _mark(times, prof, lb + Op.output_norm)
     out = logits[:n_out]
     mm(out, xo, w.output, w.packs, w.kinds, scr.mm)

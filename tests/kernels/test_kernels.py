@@ -47,13 +47,20 @@ def test_rmsnorm(rng, n, dim):
     np.testing.assert_allclose(x, want, **RMS_TOL)
 
 
-def test_rmsnorm_raw_kernels_agree(rng):
-    x, w = randn(rng, 7, 576), randn(rng, 576)
-    a, b = np.empty_like(x), np.empty_like(x)
-    norm.rmsnorm_kernel(a, x, w, np.float32(1e-6))
-    norm.rmsnorm_kernel_par(b, x, w, np.float32(1e-6))
-    np.testing.assert_allclose(a, ref.rmsnorm_ref(x, w, 1e-6), **RMS_TOL)
+@pytest.mark.parametrize("fn", ["rmsnorm_row", "swiglu_row", "geglu_row", "add_row"])
+def test_row_functions_serial_equals_parallel(rng, fn):
+    """The serial row loop and the parallel region (lumen.kernels.rows) run the same row function: the same bits,
+    whatever the row count."""
+    from lumen.kernels.rows import rows
+    fn = getattr(norm if fn == "rmsnorm_row" else activation, fn)
+    x, y, w = randn(rng, 7, 576, scale=3.0), randn(rng, 7, 576), randn(rng, 576)
+    a, b = np.zeros_like(x), np.zeros_like(x)
+    rows(fn, 7, False, a, x, y, v=w, f=1e-6)
+    rows(fn, 7, True, b, x, y, v=w, f=1e-6)
+    assert np.abs(a).sum() > 0
     np.testing.assert_array_equal(a, b)
+    if fn is norm.rmsnorm_row:
+        np.testing.assert_allclose(a, ref.rmsnorm_ref(x, w, 1e-6), **RMS_TOL)
 
 
 @pytest.mark.parametrize("n, heads", [(1, 4), (1, 1), (40, 4)])       # 40 x 4 heads takes the parallel kernel
@@ -92,7 +99,7 @@ def test_silu_over_the_exp_range():
     x = np.linspace(-87, 88, 100_001).astype(np.float32)
     out = np.empty_like(x)[None]
     # fast_exp through silu(x) * 1 = x / (1 + exp(-x)) over the whole unclamped input range
-    activation.swiglu_kernel(out, x[None], np.ones_like(x)[None])
+    activation.swiglu(out, x[None], np.ones_like(x)[None])
     np.testing.assert_allclose(out[0], ref.silu_ref(x), rtol=2e-6, atol=1e-30)
 
 
@@ -408,3 +415,15 @@ def test_attention_prefill_blocks_equal_tokens_one_by_one(rng, n_heads, n_kv, n,
         b = run_attention(q[t:t + 1], pools, pos0 + t, hd ** -0.5, window, lanes=2)
         assert np.array_equal(a[t], b[0]), t
     np.testing.assert_allclose(a, ref.attention_ref(q, k, v, pos0, hd ** -0.5, window), **ATT_TOL)
+
+
+def test_row_functions_refuse_other_types(rng):
+    """A row function is compiled for one signature (lumen.kernels.rows.ROW_SIGNATURE) and called through its
+    address, so nothing would convert a strided view: compiling a call with one is a TypingError, not wrong rows."""
+    from numba.core.errors import TypingError
+
+    from lumen.kernels.rows import NO_P, NO_V, row_address, run_rows
+    x = randn(rng, 4, 64)
+    with pytest.raises(TypingError, match="compiled for"):
+        run_rows(row_address(activation.add_row), False, 4, x[:, ::2], x[:, ::2], x[:, ::2], NO_V, NO_P,
+                 np.float32(0), np.int64(0))
