@@ -4,8 +4,8 @@ The threading layer is launched here, before any kernel runs. Numba (0.68) launc
 function with parallel regions, or loads one from its cache that records them; but a function compiled in a process
 that loaded its parallel callee from the cache (rather than compiling it) does not record them, and a later process
 that loads that function and calls it segfaults in the callee's parallel region. The order of compiles decides
-whether a cache holds such an entry: two test processes sharing one cache made one (prepare_x, which calls
-quantize_x_par; tests/engine/test_threads.py re-creates it).
+whether a cache holds such an entry: two test processes sharing one cache made one (prepare_x, which called
+its parallel region; tests/engine/test_threads.py re-creates it).
 
 Numba's compile cache is locked here too, before any kernel compiles or loads (lumen.paths.lock_compile_cache),
 and every compiled function gets a random id, so that cached code from two processes never shares a symbol

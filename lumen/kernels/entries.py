@@ -19,8 +19,9 @@ from numba import typeof
 from .activation import GATED, add_row
 from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
-from .kinds import ACT, ADD, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, RMSNORM, ROPE, ROWS, TILES, address, kinds, sets
-from .matmul import tiles, tiles_signature
+from .kinds import (ACT, ADD, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES, address, kinds,
+                    sets)
+from .matmul import quantize_address, tiles, tiles_signature
 from .norm import rmsnorm_row
 from .rope import rope_row
 from .rows import row_address
@@ -40,6 +41,8 @@ def _entry(slot: int, t: int) -> int:
         return address(dequant_row_entry, row_signature(typeof(kinds(mats=(), embd=(t,), acts=()))))
     if slot == ACT:
         return row_address(GATED[t])
+    if slot == QUANT:
+        return quantize_address()
     return row_address(ROW_FUNCTIONS[slot])
 
 
@@ -48,7 +51,7 @@ def entries(k: np.ndarray) -> np.ndarray:
     each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a the row
     function of its gated activation a, each compiled for its one kind; 0 for every other (the loader checked that
     the model uses none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs, at RMSNORM, ADD
-    and ROPE those row functions. A table is returned as it is."""
+    and ROPE those row functions, at QUANT the activations' row rounding. A table is returned as it is."""
     if k.dtype == np.int64:
         return k
     mats, embd, acts = sets(typeof(k))
@@ -60,7 +63,7 @@ def entries(k: np.ndarray) -> np.ndarray:
             table[slot + t] = _entry(slot, t)
     for a in acts:
         table[ACT + a] = _entry(ACT, a)
-    for slot in ROW_FUNCTIONS:
+    for slot in (*ROW_FUNCTIONS, QUANT):
         table[slot] = _entry(slot, 0)
     table[ATTN_LANE] = _entry(ATTN_LANE, 0)
     table[ATTN] = _entry(ATTN, 0)

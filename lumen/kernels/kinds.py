@@ -94,7 +94,8 @@ ATTN = ACT + len(ACTS)            # table[ATTN]: lumen.kernels.attention.attenti
 ATTN_LANE = ATTN + 1              # table[ATTN_LANE]: lumen.kernels.attention.attention_lane (attention_kernel runs it)
 RMSNORM, ADD, ROPE = ATTN_LANE + 1, ATTN_LANE + 2, ATTN_LANE + 3    # table[...]: those row functions
                                   # (lumen.kernels.norm.rmsnorm_row, activation.add_row, rope.rope_row)
-MM3 = ROPE + 1                    # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
+QUANT = ROPE + 1                  # table[QUANT]: lumen.kernels.matmul.quantize_row (the activations' rounding)
+MM3 = QUANT + 1                   # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
 N_ENTRIES = MM3 + 1
 
 

@@ -35,9 +35,9 @@ correct, but slow; the forward pass should call prepare once at load time).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
+import functools
 import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -47,7 +47,7 @@ from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
-from lumen.kernels.kinds import ALL, TILES, call, is_table, same_abi, sets, switch
+from lumen.kernels.kinds import ALL, TILES, address, call, call_borrowed, is_table, same_abi, sets, switch
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
@@ -212,9 +212,11 @@ def round_bf16(v):
     return np.float32(r if v > 0 else -r)
 
 
-@njit(cache=True, inline="always")
-def _quantize_row(xq, xd, xs, xi, x, i, fmt):
-    """Row i of quantize_x (i < N)."""
+@njit(cache=True)
+def quantize_row(i, xq, xd, xs, xi, x, fmt):
+    """Row i of quantize_x (i < N). A function of its own, which quantize_x calls through its address
+    (`quantize_address`), serially or from its parallel region: as the region's body and the serial loop's it was
+    compiled about six times on a first run (the region's four libraries, and each caller's linked copy)."""
     n = x.shape[1]
     if fmt == ACT_Q8:
         for g in range(n // 32):
@@ -251,8 +253,30 @@ def _zero_rows(xq, xd, xs, xi, N):
             xi[i, g, 1] = 0
 
 
+QUANT_SIGNATURE = (types.int64, types.Array(types.int8, 2, "C"), types.Array(types.float32, 2, "C"),
+                   types.Array(types.float32, 2, "C"), types.Array(types.int32, 3, "C"),
+                   types.Array(types.float32, 2, "C"), types.int64)     # quantize_row's, compiled once
+
+
+def _quant_types(xq, xd, xs, xi, x, fmt):
+    """Nothing at run time; at compile time, a TypingError unless the arguments are of quantize_row's types."""
+
+
+@overload(_quant_types, inline="always")
+def _ol_quant_types(xq, xd, xs, xi, x, fmt):
+    if not same_abi((xq, xd, xs, xi, x, fmt), QUANT_SIGNATURE[1:]):
+        raise TypingError(f"quantize_row is compiled for {QUANT_SIGNATURE[1:]}, not for {(xq, xd, xs, xi, x, fmt)}")
+    return lambda xq, xd, xs, xi, x, fmt: None
+
+
+@njit(parallel=True, cache=True)
+def _quantize_rows_par(fn, xq, xd, xs, xi, x, fmt):
+    for i in prange(x.shape[0]):
+        call_borrowed(fn, (np.int64(i), xq, xd, xs, xi, x, fmt))
+
+
 @njit(cache=True)
-def quantize_x(xq, xd, xs, xi, x, fmt):
+def quantize_x(xq, xd, xs, xi, x, fmt, fn, par):
     """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
     are zeroed.
 
@@ -263,18 +287,21 @@ def quantize_x(xq, xd, xs, xi, x, fmt):
     (the vector parts in lumen.kernels.simd: absmax, first_with_abs, quantize_block). x, xq, xi C-contiguous.
     xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xi[g, h] = sum(q) over half h (16 values)
     and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once). Rows are independent:
-    quantize_x_par computes the same values with the rows spread over the threads."""
-    for i in range(x.shape[0]):
-        _quantize_row(xq, xd, xs, xi, x, i, fmt)
+    with par, the rows are spread over the threads (the same values). fn: the address of quantize_row
+    (`quantize_address`), which computes each row."""
+    _quant_types(xq, xd, xs, xi, x, fmt)
+    if par:
+        _quantize_rows_par(fn, xq, xd, xs, xi, x, fmt)
+    else:
+        for i in range(x.shape[0]):
+            call_borrowed(fn, (i, xq, xd, xs, xi, x, fmt))
     _zero_rows(xq, xd, xs, xi, x.shape[0])
 
 
-@njit(parallel=True, cache=True)
-def quantize_x_par(xq, xd, xs, xi, x, fmt):
-    """quantize_x with the rows spread over the threads (the same values: each row is computed on its own)."""
-    for i in prange(x.shape[0]):
-        _quantize_row(xq, xd, xs, xi, x, i, fmt)
-    _zero_rows(xq, xd, xs, xi, x.shape[0])
+@functools.lru_cache(maxsize=None)
+def quantize_address() -> int:
+    """The address of quantize_row compiled for QUANT_SIGNATURE (compiled now, or loaded from the cache)."""
+    return address(quantize_row, QUANT_SIGNATURE, "quantize")
 
 
 @njit(cache=True)
@@ -576,16 +603,19 @@ def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
 
 
 @njit(cache=True)
-def prepare_x(x_out, x, fmt):
+def prepare_x_at(x_out, x, fmt, quant):
     """Round x (N, n_in) to activation format fmt into the Acts x_out: xq (N, n_in) i8, xd (N, G), xs (N, G) f32,
-    xi (N, G, 2) i32 for the 8-bit formats, xf (N, n_in) f32 for the float ones. The input of matmul_kernel."""
+    xi (N, G, 2) i32 for the 8-bit formats (quant: `quantize_address()`), xf (N, n_in) f32 for the float ones.
+    The input of matmul_kernel."""
     if fmt == ACT_Q8 or fmt == ACT_Q8K:
-        if parallel_quantize(x.shape[0], x.shape[1]):
-            quantize_x_par(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
-        else:
-            quantize_x(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt)
+        quantize_x(x_out.xq, x_out.xd, x_out.xs, x_out.xi, x, fmt, quant, parallel_quantize(x.shape[0], x.shape[1]))
     else:
         round_x(x_out.xf, x, fmt)
+
+
+def prepare_x(x_out: Acts, x: np.ndarray, fmt: int) -> None:
+    """prepare_x_at from Python."""
+    prepare_x_at(x_out, x, fmt, quantize_address())
 
 
 # ---------------------------------------------------------------- Python entries: validate, then call

@@ -31,9 +31,9 @@ from numba.extending import overload
 from ..kernels.attention import AttnScratch, Paged, kv_store_kernel, run_attention
 from ..kernels.dequant import dequant_row
 from ..kernels.entries import address, entries
-from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, RMSNORM, ROPE, SILU, call, same_abi
+from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, QUANT, RMSNORM, ROPE, SILU, call, same_abi
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, Packs, q_len, s_len
-from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x
+from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x_at
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_flags
 from ..kernels.rows import run_rows
@@ -189,7 +189,7 @@ def _mat(i, packs):
 @njit(cache=True)
 def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
     """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of
-    packs: the activations rounded once (prepare_x), then one parallel region over the tiles of all n (one
+    packs: the activations rounded once (prepare_x_at), then one parallel region over the tiles of all n (one
     activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
     whose activation formats differ, or of the F32 family, run one region each. The forward pass calls it through
     the entry table (`run_mm3`), so it does not link (and compile again) the matmul kernels' tree."""
@@ -212,7 +212,7 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
             o, ws, k = outs, ms, n
         else:
             o, ws, k = (outs[r], outs[r], outs[r]), (ms[r], ms[r], ms[r]), np.int64(1)
-        prepare_x(acts, x, fmts[r])
+        prepare_x_at(acts, x, fmts[r], kinds[QUANT])
         matmul_kernel(o, ws, k, acts, scr.facc, scr.wbuf, scr.work, kinds)
 
 

@@ -5,8 +5,8 @@ on a 2-vCPU EPYC, all of it on one core (Numba compiles serially) while the othe
 for every model (the model's numbers and its weight types' kernels are runtime values: lumen.kernels.entries), so
 it can be compiled before the model is even read, from arguments of no size with the same types (`forward_args`).
 `start()` (lumen.model.parts, before the weights load) then, when the cache lacks it:
-- starts a child process (`main` here), which compiles mm3 (the matmul kernels' tree) and then the forward pass
-  into the cache on the other core;
+- starts a child process (`main` here), which compiles the activations' rounding, mm3 (the matmul kernels' tree)
+  and then the forward pass into the cache on the other core;
 - compiles the attention kernel here meanwhile (about 5 s), the entry table's largest (the forward pass calls it
   and mm3 through the table: lumen.kernels.entries), so the two halves take about the same time;
 then this process loads and packs the weights and compiles their type's kernels as before, and makes the entry
@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..kernels.attention import attention_args, attention_kernel, attention_signature, lane_address
+from ..kernels.matmul import quantize_address
 from ..paths import compile_turn
 from .forward import KV, Arch, Batch, Scratch, Weights, _z, forward, mm3, mm3_signature, mm_scratch_args, packs_args
 
@@ -139,6 +140,7 @@ def main(argv: list[str]) -> None:
     just did."""
     if argv and argv[0].isdigit():
         _die_with_parent(int(argv[0]))
+    quantize_address()                            # mm3 calls it (the parent's table takes it from the cache)
     if not cached(mm3, mm3_signature()):          # the entry the parent's table takes next (lumen.model.forward)
         with compile_turn("mm3"):
             mm3.compile(mm3_signature())

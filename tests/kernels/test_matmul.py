@@ -196,7 +196,7 @@ def test_activation_rounding_parallel_equals_serial(fmt):
     and the rows past N are zeroed."""
     import numba
     from lumen.format.quants import ACT_Q8, ACT_Q8K
-    from lumen.kernels.matmul import quantize_x, quantize_x_par
+    from lumen.kernels.matmul import quantize_address, quantize_x
     from lumen.kernels.policy import parallel_quantize
     act = ACT_Q8 if fmt == "q8" else ACT_Q8K
     rng = np.random.default_rng(21)
@@ -212,11 +212,11 @@ def test_activation_rounding_parallel_equals_serial(fmt):
         return [np.full((Np, n), 99, np.int8), np.full((Np, G), 9.0, np.float32), np.full((Np, G), 9.0, np.float32),
                 np.full((Np, G, 2), 9, np.int32)]
     serial, par = fields(), fields()
-    quantize_x(*serial, x, act)
+    quantize_x(*serial, x, act, quantize_address(), False)
     for threads in sorted({1, numba.get_num_threads()}):
         numba.set_num_threads(threads)
         try:
-            quantize_x_par(*par, x, act)
+            quantize_x(*par, x, act, quantize_address(), True)
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         for a, b in zip(serial, par):
