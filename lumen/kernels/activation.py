@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from .fp import exp_f32
-from .checks import as_f32, check
+from .checks import as_f32, as_out, check
 from .kinds import GELU, SILU
 from .policy import parallel_rows
 from .rows import rows
@@ -106,7 +106,7 @@ GATED = {SILU: swiglu_row, GELU: geglu_row}      # the row function of each gate
 def _check_gated(out, gate, up) -> None:
     as_f32("gate", gate, 2)
     for name, a in (("up", up), ("out", out)):
-        as_f32(name, a, 2)
+        (as_out if name == "out" else as_f32)(name, a, 2)
         check(a.shape == gate.shape, f"{name} shape {a.shape} != gate shape {gate.shape}")
     for name, a in (("gate", gate), ("up", up)):
         check(out.ctypes.data == a.ctypes.data or not np.shares_memory(out, a),
@@ -129,7 +129,7 @@ def geglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """x (N, dim) += y (N, dim). Returns x."""
-    as_f32("x", x, 2)
+    as_out("x", x, 2)
     as_f32("y", y, 2)
     check(x.shape == y.shape, f"y shape {y.shape} != x shape {x.shape}")
     rows(add_row, x.shape[0], parallel_rows(x.shape[0]), x, y)

@@ -16,3 +16,10 @@ def as_f32(name: str, a, ndim: int) -> None:
     check(a.dtype == np.float32, f"{name} must be float32, got {a.dtype}")
     check(a.ndim == ndim, f"{name} must have {ndim} dimensions, got shape {a.shape}")
     check(a.flags.c_contiguous, f"{name} must be C-contiguous")
+
+
+def as_out(name: str, a, ndim: int) -> None:
+    """as_f32, and writeable: the row functions (lumen.kernels.rows) write through the array's data pointer, so a
+    read-only array would be written, not refused."""
+    as_f32(name, a, ndim)
+    check(a.flags.writeable, f"{name} must be writeable")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .checks import as_f32, check
+from .checks import as_f32, as_out, check
 from .fp import sumsq
 from .policy import parallel_rows
 from .rows import rows
@@ -40,7 +40,7 @@ def rmsnorm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> np.nda
     """out (N, dim) = x (N, dim) / sqrt(mean(x^2) + eps) * w (dim,); out may be x. Returns out."""
     as_f32("x", x, 2)
     check(out.shape == x.shape, f"out shape {out.shape} != x shape {x.shape}")
-    as_f32("out", out, 2)
+    as_out("out", out, 2)
     as_f32("w", w, 1)
     check(w.shape[0] == x.shape[1], f"w has {w.shape[0]} entries, rows have {x.shape[1]}")
     check(eps >= 0, f"eps {eps} is negative")
@@ -53,7 +53,7 @@ def rmsnorm_heads(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> 
     """out (N, n_heads, head_dim) = per-head rmsnorm of x (N, n_heads, head_dim) * w (head_dim,). Returns out."""
     as_f32("x", x, 3)
     check(out.shape == x.shape, f"out shape {out.shape} != x shape {x.shape}")
-    as_f32("out", out, 3)
+    as_out("out", out, 3)
     as_f32("w", w, 1)
     check(w.shape[0] == x.shape[2], f"w has {w.shape[0]} entries, heads have {x.shape[2]}")
     check(eps >= 0, f"eps {eps} is negative")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .checks import as_f32, check
+from .checks import as_f32, as_out, check
 from .policy import parallel_rows
 from .rows import rows
 
@@ -94,7 +94,7 @@ def rope_flags(head_dim, neox):
 def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
     """Rotate x (N, n_heads, head_dim) in place at positions (N,) ints; cos, sin (max_pos, n_rot/2) from
     rope_cache; neox selects pairs (i, i + n_rot/2), else (2i, 2i+1). Returns x."""
-    as_f32("x", x, 3)
+    as_out("x", x, 3)
     as_f32("cos", cos, 2)
     as_f32("sin", sin, 2)
     check(cos.shape == sin.shape, f"cos shape {cos.shape} != sin shape {sin.shape}")

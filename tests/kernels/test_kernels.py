@@ -427,3 +427,19 @@ def test_row_functions_refuse_other_types(rng):
     with pytest.raises(TypingError, match="compiled for"):
         run_rows(row_address(activation.add_row), False, 4, x[:, ::2], x[:, ::2], x[:, ::2], NO_V, NO_P,
                  np.float32(0), np.int64(0))
+
+
+def test_row_ops_refuse_a_read_only_output(rng):
+    """The row functions write through the output's data pointer (lumen.kernels.rows), which a read-only array
+    does not stop: the checked wrappers refuse it, and leave it as it was."""
+    x, w = randn(rng, 3, 64), randn(rng, 64)
+    ro = x.copy()
+    ro.setflags(write=False)
+    before = ro.copy()
+    cos, sin = rope.rope_cache(10000.0, 64, 8)
+    for call in (lambda: norm.rmsnorm(ro, x, w, 1e-6), lambda: activation.swiglu(ro, x, x),
+                 lambda: activation.add(ro, x), lambda: rope.rope(ro.reshape(3, 1, 64), np.arange(3), cos, sin, True),
+                 lambda: norm.rmsnorm_heads(ro.reshape(3, 1, 64), x.reshape(3, 1, 64), w, 1e-6)):
+        with pytest.raises(ValueError, match="writeable"):
+            call()
+    np.testing.assert_array_equal(ro, before)
