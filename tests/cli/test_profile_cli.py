@@ -54,12 +54,13 @@ def _rows(out: str, title: str) -> list[list[str]]:
 
 def _op_rows(out: str, title: str) -> list[list[str]]:
     """The rows of the op table whose title starts with `title` (no vertical rules: cells split at spaces, the
-    'bound by' cell rejoined)."""
+    'bound by' cell rejoined). The table ends at the first line that is not an op row: a footnote, or the next
+    phase's title ("decode: 3 tokens ..."), which follows at once when no op of this phase is above its roof."""
     lines = out.splitlines()
     i = next(k for k, ln in enumerate(lines) if ln.startswith(title))
     rows = []
     for ln in lines[i + 3:]:
-        if not re.match(r"^\S+\s+\d+\s", ln):
+        if not re.match(r"^\w+\s+\d+\s", ln):
             break
         cells = ln.split()
         rows.append(cells[:8] + [" ".join(cells[8:-1]), cells[-1]])
