@@ -69,7 +69,7 @@ class Model:
         n_batch = max_num_batched_tokens if max_num_batched_tokens is not None else n_batch
         n_batch = DEFAULT_BATCH if n_batch is None else n_batch
         if parts is None:
-            g, cfg = open_gguf(path)
+            g, cfg = open_gguf(path, cache=pack_cache)
             tok = build_tokenizer(g.metadata)
         else:
             g, cfg, tok = parts.gguf, parts.config, parts.tokenizer

@@ -4,6 +4,7 @@ so every layer can ask for a cache path without importing the package's public f
     $LUMEN_HOME (default ~/.cache/lumen)
         models/<name>/<file>.gguf     fetched models (lumen.model.store)
         packs/<stem>-<src>-<key>.lpack  packed weights (lumen.model.packcache)
+        headers/<stem>-<path>-<key>.header  parsed GGUF headers (lumen.format.gguf.HeaderCache)
         numba/<key>/                  Numba's compile cache (compile_cache_dir below)
         costs/<stem>-<key>.json       the engine's measured step costs
         machine.json                  this machine's measured limits (lumen.machine)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GGUFError, LumenError
+from ..paths import lumen_home
 from ..format.gguf import GGUFFile
 from .config import Config, check_tensors, config_from_metadata
 from .weights import load_weights
@@ -29,10 +30,14 @@ def build_tokenizer(meta):
         raise GGUFError(f"the tokenizer metadata is invalid: {type(e).__name__}: {e}") from e
 
 
-def open_gguf(path: str | os.PathLike) -> tuple[GGUFFile, Config]:
-    """Parse, validate and check a GGUF file against its architecture's tensor contract."""
+def open_gguf(path: str | os.PathLike, *, cache: bool | None = None) -> tuple[GGUFFile, Config]:
+    """Parse, validate and check a GGUF file against its architecture's tensor contract. cache: keep its parsed
+    header in $LUMEN_HOME/headers (lumen.format.gguf.HeaderCache); None: when the pack cache is on
+    (LUMEN_PACK_CACHE)."""
     from ..format.quants import SUPPORTED
-    g = GGUFFile(path)
+    from . import packcache
+    use = packcache.enabled() if cache is None else cache
+    g = GGUFFile(path, cache=lumen_home() / "headers" if use else None)
     cfg = config_from_metadata(g.metadata)
     check_tensors(cfg, g.tensors, SUPPORTED)
     return g, cfg
@@ -79,7 +84,7 @@ def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None, quie
     fetch's progress, the packing line)."""
     from .store import resolve
     path = resolve(model, quiet=quiet)
-    g, cfg = open_gguf(path)
+    g, cfg = open_gguf(path, cache=pack_cache)
     return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache, quiet=quiet)
 
 

@@ -191,3 +191,89 @@ def test_a_rope_base_that_is_not_positive_is_refused_at_load(tmp_path, base):
     p = tmp_path / "m.gguf"
     write_model(p, "llama", meta={"llama.rope.freq_base": base})
     _raises(p, GGUFError, rf"rope.freq_base {base} must be positive")
+
+
+# --- the header cache: a parsed header is reused only for the same bytes --------------------------------------
+
+def _same(a: GGUFFile, b: GGUFFile) -> None:
+    assert (a.version, a.metadata, a.header_end, a.alignment, a.data_start) == \
+        (b.version, b.metadata, b.header_end, b.alignment, b.data_start)
+    assert {n: (t.qtype, t.dims, t.offset, t.nbytes) for n, t in a.tensors.items()} == \
+        {n: (t.qtype, t.dims, t.offset, t.nbytes) for n, t in b.tensors.items()}
+
+
+def _entries(d):
+    return sorted(d.glob("*.header"))
+
+
+def test_header_cache_gives_what_the_parse_gives_without_parsing(tmp_path, monkeypatch):
+    p, d = tmp_path / "m.gguf", tmp_path / "cache"
+    write_model(p, "qwen2")
+    parsed = GGUFFile(p)
+    _same(GGUFFile(p, cache=d), parsed)                  # a miss: parsed, and the entry written
+    assert len(_entries(d)) == 1
+
+    def no_parse(self):
+        raise AssertionError("parsed although the cache holds this file's header")
+    monkeypatch.setattr(GGUFFile, "_parse_header", no_parse)
+    hit = GGUFFile(p, cache=d)
+    _same(hit, parsed)
+    assert np.array_equal(hit.tensors["token_embd.weight"].data, parsed.tensors["token_embd.weight"].data)
+
+
+def test_header_cache_is_not_trusted_for_other_bytes(tmp_path):
+    """An entry found for a file whose header bytes differ (same size; here the entry is pointed at on purpose,
+    as a file rewritten within one tick of the clocks would find it) is a miss: the file is parsed again."""
+    from lumen.format.gguf import HeaderCache
+    p, d = tmp_path / "m.gguf", tmp_path / "cache"
+    write_model(p, "llama")
+    entry_for_old = HeaderCache(d, GGUFFile(p, cache=d)).path
+    data = bytearray(p.read_bytes())
+    at = data.index(b"llama", 40)                        # a metadata string's bytes: "llama" -> "LLAMA"
+    data[at:at + 5] = b"LLAMA"
+    p.write_bytes(bytes(data))
+    changed = GGUFFile(p)
+    store = HeaderCache(d, changed)
+    store.path = entry_for_old
+    assert store.read() is None
+
+
+def test_header_cache_survives_bad_entries_and_keeps_one_per_file(tmp_path):
+    p, d = tmp_path / "m.gguf", tmp_path / "cache"
+    write_model(p, "llama")
+    GGUFFile(p, cache=d)
+    (entry,) = _entries(d)
+    for junk in (b"", b"not a pickle", entry.read_bytes()[:100]):
+        entry.write_bytes(junk)
+        _same(GGUFFile(p, cache=d), GGUFFile(p))         # parsed again, and the entry written again
+        assert _entries(d) == [entry] and entry.stat().st_size > 1000
+    write_model(p, "llama", seed=1)                      # the file replaced: its new entry replaces the old
+    _same(GGUFFile(p, cache=d), GGUFFile(p))
+    assert len(_entries(d)) == 1 and _entries(d) != [entry]
+
+
+def test_header_cache_keeps_no_bad_file_and_follows_the_pack_cache_switch(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    bad = tmp_path / "bad.gguf"
+    write_model(bad, "llama", meta={"llama.attention.head_count_kv": 3})
+    for _ in range(2):                                    # the same error on the second open: nothing was kept
+        _raises(bad, GGUFError, "not a multiple of head_count_kv")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(GGUFError, match="cannot fit in a file of 100 bytes"):
+        GGUFFile(truncated, cache=d)
+    assert not d.exists() or not _entries(d)
+    good = tmp_path / "m.gguf"
+    write_model(good, "llama")
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path / "home"))
+    d = tmp_path / "home" / "headers"
+    monkeypatch.setenv("LUMEN_PACK_CACHE", "0")
+    open_gguf(good)
+    open_gguf(good, cache=True)                           # (the argument wins)
+    assert len(_entries(d)) == 1
+    _entries(d)[0].unlink()
+    monkeypatch.setenv("LUMEN_PACK_CACHE", "1")
+    open_gguf(good, cache=False)
+    assert not _entries(d)
+    open_gguf(good)
+    assert len(_entries(d)) == 1

@@ -41,8 +41,9 @@ def deadline(seconds):
 
 
 def load_everything(path):
-    """What lumen.load does before any forward pass: parse, validate, build config and tokenizer."""
-    g, cfg = open_gguf(path)
+    """What lumen.load does before any forward pass: parse, validate, build config and tokenizer (the header cache
+    off: every case is a parse, and a mutated copy is a new file to it anyway)."""
+    g, cfg = open_gguf(path, cache=False)
     try:
         build_tokenizer(g.metadata)
     finally:
