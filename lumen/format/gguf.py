@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
-
 from ..errors import GGUFError, UnsupportedError
+from .quants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4

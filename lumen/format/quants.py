@@ -4,11 +4,64 @@ A quantized 2D weight is stored row by row; each row is n_cols // block_size blo
 The fast kernels live in lumen/kernels (dequant.py, matmul.py); this module is the slow, obvious side.
 """
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from ..errors import GGUFError, UnsupportedError
+
+
+class GGMLQuantizationType(IntEnum):
+    """ggml's tensor type ids (enum ggml_type, named as gguf-py names them; ids ggml retired are absent). Written
+    out here rather than imported from gguf-py, whose import (it loads yaml) cost 40 ms of every start; a test
+    holds this table equal to gguf-py's."""
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
+
+
+QT = GGMLQuantizationType
+# (values per block, bytes per block) of every type, as gguf-py's table of the same name
+GGML_QUANT_SIZES: dict[GGMLQuantizationType, tuple[int, int]] = {
+    QT.F32: (1, 4), QT.F16: (1, 2), QT.Q4_0: (32, 18), QT.Q4_1: (32, 20), QT.Q5_0: (32, 22), QT.Q5_1: (32, 24),
+    QT.Q8_0: (32, 34), QT.Q8_1: (32, 40), QT.Q2_K: (256, 84), QT.Q3_K: (256, 110), QT.Q4_K: (256, 144),
+    QT.Q5_K: (256, 176), QT.Q6_K: (256, 210), QT.Q8_K: (256, 292), QT.IQ2_XXS: (256, 66), QT.IQ2_XS: (256, 74),
+    QT.IQ3_XXS: (256, 98), QT.IQ1_S: (256, 50), QT.IQ4_NL: (32, 18), QT.IQ3_S: (256, 110), QT.IQ2_S: (256, 82),
+    QT.IQ4_XS: (256, 136), QT.I8: (1, 1), QT.I16: (1, 2), QT.I32: (1, 4), QT.I64: (1, 8), QT.F64: (1, 8),
+    QT.IQ1_M: (256, 56), QT.BF16: (1, 2), QT.TQ1_0: (256, 54), QT.TQ2_0: (256, 66), QT.MXFP4: (32, 17),
+    QT.NVFP4: (64, 36), QT.Q1_0: (128, 18),
+}
 
 
 @dataclass(frozen=True)
@@ -63,9 +116,11 @@ def dequantize_ref(raw: np.ndarray, qtype, shape) -> np.ndarray:
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if raw.size != nbytes:
         raise GGUFError(f"{quant_info(qtype).name} tensor of shape {shape} needs {nbytes} bytes, got {raw.size}")
+    import gguf
     import gguf.quants
     with np.errstate(invalid="ignore", over="ignore"):   # NaN/inf scales are data here, not errors
-        out = gguf.quants.dequantize(raw.reshape(-1, row_bytes(qtype, shape[-1])), QT(int(qtype)))
+        rows = raw.reshape(-1, row_bytes(qtype, shape[-1]))
+        out = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(int(qtype)))
     return np.asarray(out, dtype=np.float32).reshape(shape)
 
 

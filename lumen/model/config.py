@@ -202,7 +202,7 @@ def check_tensors(cfg: Config, tensors: Mapping[str, Any], supported_types) -> N
     `tensors` maps name -> object with `.dims` and `.qtype`. Norms and biases must be F32 (as llama.cpp writes
     them); matrices may be any supported type.
     """
-    from gguf import GGMLQuantizationType as T
+    from ..format.quants import QT as T
     for name, (dims, required) in expected_tensors(cfg).items():
         t = tensors.get(name)
         if t is None:

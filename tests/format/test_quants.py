@@ -54,6 +54,16 @@ def test_table_matches_gguf():
                          QT.Q4_K, QT.Q5_K, QT.Q6_K}
 
 
+def test_type_ids_and_sizes_are_gguf_pys():
+    """Lumen's own table of ggml's type ids and block sizes (not imported from gguf-py, for its import time) names
+    each type as gguf-py does, with the same id and sizes; every type gguf-py knows is in it (a newer gguf-py
+    than this table fails here, to be copied)."""
+    from gguf import GGMLQuantizationType as GQT
+    from lumen.format.quants import GGML_QUANT_SIZES as MINE
+    assert {t.name: int(t) for t in QT} == {t.name: int(t) for t in GQT}
+    assert {t.name: MINE[t] for t in QT} == {t.name: GGML_QUANT_SIZES[t] for t in GQT}
+
+
 def test_row_bytes():
     assert row_bytes(QT.Q4_1, 576) == 18 * 20
     assert row_bytes(QT.Q6_K, 2048) == 8 * 210
