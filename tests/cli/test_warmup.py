@@ -42,6 +42,28 @@ def test_models_of_known_types_compile_nothing(smollm2_path, tmp_path):
     assert warmup("smollm2-135m", llama) == {"smollm2-135m": 0, str(llama): 0}    # a second warm-up
 
 
+def test_warmup_compiles_bytecode_python_would_not_write(tmp_path, monkeypatch):
+    """compile_bytecode writes the bytecode that is missing or stale, even where Python writes none itself, and
+    nothing else; Python then loads it."""
+    from lumen.warmup import compile_bytecode
+    pkg = tmp_path / "pkg_bc"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "mod.py").write_text("X = 1\n")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert compile_bytecode(pkg) == 3
+    assert compile_bytecode(pkg) == 0
+    (pkg / "sub" / "mod.py").write_text("X = 22\n")
+    assert compile_bytecode(pkg) == 1
+    r = subprocess.run([sys.executable, "-v", "-c", "import pkg_bc.sub.mod as m; print(m.X, m.__cached__)"],
+                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                       timeout=60)
+    x, cached = r.stdout.split()
+    assert x == "22" and f"code object from '{cached}'" in r.stderr, r.stderr[-2000:]     # loaded, not compiled
+    assert compile_bytecode(tmp_path / "nowhere") == 0
+
+
 def test_warmup_refuses_a_missing_model_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lumen.warmup", "--model", str(tmp_path / "nope.gguf")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
