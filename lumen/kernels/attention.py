@@ -33,12 +33,11 @@ from typing import NamedTuple
 import numba
 import numpy as np
 from numba import njit, prange, types
-from numba.core.errors import TypingError
 from numba.extending import overload
 
 from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
-from .kinds import ATTN, ATTN_LANE, address, call, call_borrowed, same_abi
+from .kinds import ATTN, ATTN_LANE, address, call, call_borrowed, require_abi
 from .policy import split_attention
 from .scratch import per_thread
 
@@ -212,9 +211,8 @@ def run_lane(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, sc
 
 @overload(run_lane, inline="always")
 def _run_lane(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
-    got = (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split)
-    if not same_abi(got, lane_signature()):
-        raise TypingError(f"attention_lane is compiled for {lane_signature()}, not for {got}")
+    require_abi("attention_lane", (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm,
+                                   po, pm, split), lane_signature())
 
     def impl(addr, lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
         call_borrowed(addr, (lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm,
@@ -278,9 +276,8 @@ def run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split)
 
 @overload(run_attention, inline="always")
 def _run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split):
-    got = (out, q, kv, positions, seqs, window, scale, scr, split)
-    if not same_abi(got, attention_signature()[:-1]):
-        raise TypingError(f"the attention entry is compiled for {attention_signature()[:-1]}, not for {got}")
+    require_abi("the attention entry", (out, q, kv, positions, seqs, window, scale, scr, split),
+                attention_signature()[:-1])
 
     def impl(table, out, q, kv, positions, seqs, window, scale, scr, split):
         call(table[ATTN], (out, q, kv, positions, seqs, window, scale, scr, split, table[ATTN_LANE]))

@@ -10,11 +10,10 @@ should not hang on that argument. These kernels are not on the hot path.
 """
 import numpy as np
 from numba import njit, prange, types
-from numba.core.errors import TypingError
 from numba.extending import overload
 
 from lumen.format.quants import QT, quant_info, row_bytes
-from lumen.kernels.kinds import ALL, ROWS, call, is_table, same_abi, sets, switch
+from lumen.kernels.kinds import ALL, ROWS, call, is_table, require_abi, sets, switch
 
 # f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)   # (65536,) f32
@@ -194,9 +193,7 @@ def dequant_row(kinds, out, raw, lut, qtype):
 @overload(dequant_row)
 def _dequant_row(kinds, out, raw, lut, qtype):
     if is_table(kinds):                     # the entry table (lumen.kernels.entries): through its address
-        if not same_abi((out, raw, lut, qtype), row_signature(kinds)[:-1]):
-            raise TypingError(f"the row entries are compiled for {row_signature(kinds)[:-1]}, not for "
-                              f"{(out, raw, lut, qtype)}")
+        require_abi("the row entries", (out, raw, lut, qtype), row_signature(kinds)[:-1])
         return lambda kinds, out, raw, lut, qtype: call(kinds[ROWS + qtype], (out, raw, lut, qtype, kinds))
     rows = switch(tuple((t, _ROWS[t]) for t in sets(kinds)[1] if t in _ROWS) or ((_F32, row_f32),), 3)
 

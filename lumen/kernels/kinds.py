@@ -29,7 +29,8 @@ import functools
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
 
 from ..format.quants import QT
 from ..paths import compile_turn
@@ -165,3 +166,24 @@ def same_abi(got: tuple, want: tuple) -> bool:
             return ("tuple", tuple(norm(x) for x in t.types))
         return str(t)
     return len(got) == len(want) and all(norm(a) == norm(b) for a, b in zip(got, want))
+
+
+def require_abi(what: str, got: tuple, want: tuple) -> None:
+    """In an overload, at compile time: a TypingError unless arguments of the Numba types got can be passed to
+    `what`, compiled for want (same_abi). Code called through its address checks nothing itself: a call at other
+    types must fail to compile, never reach the code."""
+    if not same_abi(got, want):
+        raise TypingError(f"{what} is compiled for {want}, not for {got}")
+
+
+def abi_guard(what: str, want: tuple):
+    """A function of one tuple, the arguments of a call to `what` (compiled for want) through its address: nothing
+    at run time; at compile time, require_abi. The call sites start with it."""
+    def guard(args):
+        """Nothing at run time (lumen.kernels.kinds.abi_guard)."""
+
+    @overload(guard, inline="always")
+    def _guard(args):
+        require_abi(what, tuple(args.types), want)
+        return lambda args: None
+    return guard

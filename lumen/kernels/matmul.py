@@ -42,12 +42,12 @@ from typing import NamedTuple
 import numba
 import numpy as np
 from numba import njit, prange, types
-from numba.core.errors import TypingError
 from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
-from lumen.kernels.kinds import ALL, TILES, address, call, call_borrowed, is_table, same_abi, sets, switch
+from lumen.kernels.kinds import (ALL, TILES, abi_guard, address, call, call_borrowed, is_table, require_abi, sets,
+                                 switch)
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
@@ -258,15 +258,7 @@ QUANT_SIGNATURE = (types.int64, types.Array(types.int8, 2, "C"), types.Array(typ
                    types.Array(types.float32, 2, "C"), types.int64)     # quantize_row's, compiled once
 
 
-def _quant_types(xq, xd, xs, xi, x, fmt):
-    """Nothing at run time; at compile time, a TypingError unless the arguments are of quantize_row's types."""
-
-
-@overload(_quant_types, inline="always")
-def _ol_quant_types(xq, xd, xs, xi, x, fmt):
-    if not same_abi((xq, xd, xs, xi, x, fmt), QUANT_SIGNATURE[1:]):
-        raise TypingError(f"quantize_row is compiled for {QUANT_SIGNATURE[1:]}, not for {(xq, xd, xs, xi, x, fmt)}")
-    return lambda xq, xd, xs, xi, x, fmt: None
+_quant_types = abi_guard("quantize_row", QUANT_SIGNATURE[1:])
 
 
 @njit(parallel=True, cache=True)
@@ -289,7 +281,7 @@ def quantize_x(xq, xd, xs, xi, x, fmt, fn, par):
     and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once). Rows are independent:
     with par, the rows are spread over the threads (the same values). fn: the address of quantize_row
     (`quantize_address`), which computes each row."""
-    _quant_types(xq, xd, xs, xi, x, fmt)
+    _quant_types((xq, xd, xs, xi, x, fmt))
     if par:
         _quantize_rows_par(fn, xq, xd, xs, xi, x, fmt)
     else:
@@ -548,9 +540,7 @@ def run_tiles(kinds, out, w, x, facc, wbuf, wo, t0, t1):
 def _run_tiles(kinds, out, w, x, facc, wbuf, wo, t0, t1):
     if not is_table(kinds):
         return lambda kinds, out, w, x, facc, wbuf, wo, t0, t1: tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds)
-    got = (out, w, x, facc, wbuf, wo, t0, t1)
-    if not same_abi(got, tiles_signature(kinds)[:-1]):
-        raise TypingError(f"the tiles entries are compiled for {tiles_signature(kinds)[:-1]}, not for {got}")
+    require_abi("the tiles entries", (out, w, x, facc, wbuf, wo, t0, t1), tiles_signature(kinds)[:-1])
 
     def impl(kinds, out, w, x, facc, wbuf, wo, t0, t1):
         call(kinds[TILES + w.qt], (out, w, x, facc, wbuf, wo, t0, t1, kinds))

@@ -19,10 +19,8 @@ import functools
 
 import numpy as np
 from numba import njit, prange, types
-from numba.core.errors import TypingError
-from numba.extending import overload
 
-from .kinds import address, call_borrowed, same_abi
+from .kinds import abi_guard, address, call_borrowed
 
 F32_2 = types.Array(types.float32, 2, "C")
 F32_1 = types.Array(types.float32, 1, "C")
@@ -32,15 +30,7 @@ NO_V = np.zeros(0, np.float32)        # v and p of the ops that read none
 NO_P = np.zeros(0, np.int64)
 
 
-def _row_types(o, a, b, v, p, f, i):
-    """Nothing at run time; at compile time, a TypingError unless the arguments are of ROW_SIGNATURE's types."""
-
-
-@overload(_row_types, inline="always")
-def _ol_row_types(o, a, b, v, p, f, i):
-    if not same_abi((o, a, b, v, p, f, i), ROW_SIGNATURE[1:]):
-        raise TypingError(f"the row functions are compiled for {ROW_SIGNATURE[1:]}, not for {(o, a, b, v, p, f, i)}")
-    return lambda o, a, b, v, p, f, i: None
+_row_types = abi_guard("the row functions", ROW_SIGNATURE[1:])
 
 
 @njit(cache=True, parallel=True)
@@ -55,7 +45,7 @@ def run_rows(fn, par, n, o, a, b, v, p, f, i):
     """fn(r, o, a, b, v, p, f, i) for r in 0 .. n-1, fn the address of a row function (`row_address`), in
     parallel when par (lumen.kernels.policy.parallel_rows). The arguments must be of ROW_SIGNATURE's types (the
     row function is compiled for them; an array's struct is the same whatever its layout, but not its data)."""
-    _row_types(o, a, b, v, p, f, i)
+    _row_types((o, a, b, v, p, f, i))
     if par:
         rows_par(fn, n, o, a, b, v, p, f, i)
     else:

@@ -25,13 +25,12 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import njit
-from numba.core.errors import TypingError
 from numba.extending import overload
 
 from ..kernels.attention import AttnScratch, Paged, kv_store_kernel, run_attention
 from ..kernels.dequant import dequant_row
 from ..kernels.entries import address, entries
-from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, QUANT, RMSNORM, ROPE, SILU, call, same_abi
+from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, QUANT, RMSNORM, ROPE, SILU, call, require_abi
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, Packs, q_len, s_len
 from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x_at
 from ..kernels.policy import parallel_rows, split_attention
@@ -247,9 +246,7 @@ def run_mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
 
 @overload(run_mm3, inline="always")
 def _run_mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
-    got = (o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr)
-    if not same_abi(got, mm3_signature()):
-        raise TypingError(f"the mm3 entry is compiled for {mm3_signature()}, not for {got}")
+    require_abi("the mm3 entry", (o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr), mm3_signature())
 
     def impl(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
         call(kinds[MM3], (o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr))
