@@ -542,6 +542,32 @@ def test_health_names_the_running_replicas_and_503_without_any(monkeypatch):
     assert health.health().status_code == 503 and b"shutting down" in health.health().body
 
 
+def test_health_with_prefill_and_decode_apart_says_when_the_prefill_pool_is_empty(monkeypatch):
+    """With prefill and decode apart, an empty prefill pool (its replicas died) is 503 when a failed hand-off
+    answers 503 (--kv-failure error), and 200 "degraded" with recompute (the decode replicas prefill meanwhile); an
+    empty decode pool is 503 either way. It said {"status": "ok"} with every prefill replica dead."""
+    from types import SimpleNamespace
+    from lumen.serve.ray import metrics
+    from lumen.serve.ray.app import ENGINE, ReplicaHealth
+    from lumen.serve.ray.pd import PREFILL
+    decode, prefill = SimpleNamespace(curr_replicas={"d": None}), SimpleNamespace(curr_replicas={"p": None})
+    monkeypatch.setitem(metrics.ROUTERS, ENGINE, decode)
+    monkeypatch.setitem(metrics.ROUTERS, PREFILL, prefill)
+    monkeypatch.setitem(metrics.ALSO, ENGINE, {PREFILL: "prefill"})
+    worker = SimpleNamespace(draining=False)
+    recompute = ReplicaHealth(worker, metrics.ReplicaMetrics(ENGINE), {ENGINE: True, PREFILL: False})
+    error = ReplicaHealth(worker, metrics.ReplicaMetrics(ENGINE), {ENGINE: True, PREFILL: True})
+    both = {ENGINE: 1, PREFILL: 1}
+    assert recompute.health() == error.health() == {"status": "ok", "replicas": both}
+    prefill.curr_replicas = {}
+    assert recompute.health() == {"status": "degraded", "replicas": {ENGINE: 1, PREFILL: 0}, "none_running": [PREFILL]}
+    r = error.health()
+    assert r.status_code == 503 and json.loads(r.body) == {"status": "no replica running",
+                                                           "replicas": {ENGINE: 1, PREFILL: 0}}
+    prefill.curr_replicas, decode.curr_replicas = {"p": None}, {}
+    assert recompute.health().status_code == 503 and error.health().status_code == 503
+
+
 def test_scale_initial_replicas():
     from lumen.serve.ray.app import Scale
     assert Scale(3).bounds is None and Scale(3).initial == 3

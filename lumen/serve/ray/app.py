@@ -58,26 +58,37 @@ class Ingress:
         self.worker = RemoteWorker(engine, model_info)
         self.metrics = ReplicaMetrics(ENGINE)
         self.settings = settings
+        self.pools: dict[str, bool] = {ENGINE: True}          # deployment -> whether /health needs one running
 
     def __serve_build_asgi_app__(self):
         app = build_app(self.worker, self.prompter, self.metrics, self.settings)
-        app.state.health = ReplicaHealth(self.worker, self.metrics)
+        app.state.health = ReplicaHealth(self.worker, self.metrics, self.pools)
         app.add_middleware(ProxyRequestId)
         return app
 
 
 class ReplicaHealth(ServingHealth):
     """/health of the application: the single process's answer with the replicas Ray routes to now, per
-    deployment ({"status": "ok", "replicas": {"LumenEngine": 2}}), and 503 while the engine deployment has none
-    (every replica died, and none has been restarted yet): a load balancer then sends elsewhere."""
+    deployment ({"status": "ok", "replicas": {"LumenEngine": 2}}), and 503 while a deployment the application
+    needs has none (every replica died, and none has been restarted yet): a load balancer then sends elsewhere.
+    pools: deployment -> needed. With prefill and decode apart, the prefill pool is needed when a failed hand-off
+    answers 503 (--kv-failure error); with recompute the decode replicas prefill meanwhile, and the answer is 200
+    with "status": "degraded" and the pool that has none."""
+
+    def __init__(self, worker, metrics, pools: dict[str, bool] | None = None):
+        super().__init__(worker, metrics)
+        self.pools = pools if pools is not None else {ENGINE: True}
 
     def health(self):
         answer = super().health()
         if not isinstance(answer, dict):                  # shutting down
             return answer
         running = self.metrics.running()
-        if running.get(ENGINE, 1) == 0:
+        empty = [name for name in self.pools if running.get(name, 1) == 0]
+        if any(self.pools[name] for name in empty):
             return JSONResponse({"status": "no replica running", "replicas": running}, status_code=503)
+        if empty:
+            return {"status": "degraded", "replicas": running, "none_running": empty}
         return {**answer, "replicas": running}
 
 

@@ -281,10 +281,12 @@ class PDIngress(Ingress):
     """The ingress with the prefill pool's handle too: its replicas' series appear in /metrics beside the decode
     pool's (the handle's router, made in this process by a first call, reports their stats)."""
 
-    async def __init__(self, engine, prefill, model: str, settings, chat_template: str | None):
+    async def __init__(self, engine, prefill, model: str, settings, chat_template: str | None,
+                       failure: str = "recompute"):
         await prefill.info.remote()
         ray_metrics.ALSO[ENGINE] = {PREFILL: "prefill"}
         await super().__init__(engine, model, settings, chat_template)
+        self.pools = {ENGINE: True, PREFILL: failure == "error"}     # (app.ReplicaHealth)
 
 
 def build_pd(model: str, config, settings, pd: PDSettings, *, prefill_replicas: int, decode_replicas: int,
@@ -313,4 +315,4 @@ def build_pd(model: str, config, settings, pd: PDSettings, *, prefill_replicas: 
     ingress = serve.deployment(PDIngress, name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4096, graceful_shutdown_timeout_s=shutdown_timeout,
                                max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES)
-    return ingress.bind(decode, prefill, model, settings, chat_template)
+    return ingress.bind(decode, prefill, model, settings, chat_template, pd.failure)
