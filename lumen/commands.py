@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import sys
 import warnings
 from contextlib import contextmanager
@@ -46,9 +47,17 @@ EXIT_STATUS = """exit status (every command):
   141  the reader of the output went away (`lumen generate ... | head`)"""
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|infinity|nan)$", re.I)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but a wrong command line is one line on stderr, `prog: error: message`, and status 2
-    (argparse prints its whole usage first: 20 lines for generate, the error last)."""
+    (argparse prints its whole usage first: 20 lines for generate, the error last). A negative number in any float
+    spelling (-1e300, -inf) is a value: argparse's own pattern took it for a flag ("expected one argument")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -95,3 +95,20 @@ def test_usage_names_the_command_as_typed(argv, prog):
     import sys
     r = subprocess.run([sys.executable, *argv, "--bogus"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr == f"{prog}: error: unrecognized arguments: --bogus\n", r.stderr
+
+
+@pytest.mark.parametrize("value, expected", [("-1e300", -1e300), ("-2.5E-3", -2.5e-3), ("-.5", -0.5), ("-3", -3.0),
+                                             ("-inf", float("-inf")), ("-Infinity", float("-inf"))])
+def test_a_negative_number_in_any_float_spelling_is_a_value(value, expected):
+    """argparse's pattern for a negative number has no exponent and no inf: `--frequency-penalty -1e300` was
+    "expected one argument". Now it is the value (and then checked like any other: -inf is refused by the sampler's
+    check with its own message)."""
+    from lumen.generate import build_parser
+    args = build_parser().parse_args(["-p", "x", "--frequency-penalty", value])
+    assert args.frequency_penalty == expected
+
+
+def test_a_negative_number_that_is_not_a_number_stays_a_flag(capsys):
+    from lumen.generate import main
+    assert run(main, ["-p", "x", "--frequency-penalty", "-nope"]) == 2
+    assert "expected one argument" in capsys.readouterr().err
