@@ -181,13 +181,17 @@ def model_path(model_name, test_home) -> Path:
 
 # ---- the order of the files, and one warm-up compile beside the xdist workers (module docstring)
 
-# Seconds per test file in a fresh-clone run (serial, empty Numba cache; 2-vCPU AMD EPYC, 2026-12-03). A file not
-# listed counts as quick; a stale figure only makes the two workers finish less evenly.
-FILE_SECONDS = {"test_determinism.py": 147, "test_notebook.py": 110, "test_matmul.py": 73, "test_cli.py": 65,
-                "test_speculative.py": 57, "test_pack_cache.py": 57, "test_bench.py": 56, "test_gguf_fuzz.py": 48,
-                "test_prompt_logprobs.py": 80, "test_forward.py": 45, "test_engine.py": 35, "test_serve_ray.py": 34,
-                "test_serve_pd.py": 31, "test_fidelity.py": 34, "test_serve_load.py": 28, "test_gguf.py": 19,
-                "test_ui.py": 19}
+# Seconds per test file in a run of the whole suite (2 workers, empty Numba cache; 2-vCPU Intel Xeon, 2026-12-06,
+# --durations=0). A file not listed counts as quick; a stale figure only makes the two workers finish less evenly.
+FILE_SECONDS = {"test_serve_ray.py": 246, "test_determinism.py": 181, "test_notebook.py": 175,
+                "test_speculative.py": 134, "test_host_targets.py": 96, "test_cli.py": 93, "test_engine.py": 90,
+                "test_gguf_fuzz.py": 83, "test_fidelity.py": 74, "test_dashboard_page.py": 69,
+                "test_serve_preemption.py": 62, "test_forward.py": 59, "test_serve_load.py": 58, "test_bench.py": 57,
+                "test_chat_session.py": 50, "test_serve_pd.py": 45, "test_tools_server.py": 43, "test_threads.py": 42,
+                "test_chat_page.py": 41, "test_tokenizer.py": 39, "test_compile_cache.py": 37,
+                "test_pack_cache.py": 36, "test_profile_cli.py": 35, "test_ui.py": 32, "test_tools_realistic.py": 32,
+                "test_matmul.py": 30, "test_precompile.py": 29, "test_workload_phases.py": 28,
+                "test_bench_serve_sweep.py": 27, "test_http_slow_clients.py": 25}
 # Tests that do not run the models' forward pass (parsing, tokenizers, grammars, small kernels; a whole file, or
 # file::test): they do not wait for the warm-up. The fresh-compile test compiles into a cache of its own.
 COMPILE_FREE = {"test_gguf_fuzz.py", "test_gguf.py", "test_tokenizer.py", "test_structured.py", "test_sampler.py",
