@@ -184,7 +184,7 @@ def model_path(model_name, test_home) -> Path:
 # Seconds per test file in a run of the whole suite (2 workers, empty Numba cache; 2-vCPU Intel Xeon, 2026-12-06,
 # --durations=0). A file not listed counts as quick; a stale figure only makes the two workers finish less evenly.
 FILE_SECONDS = {"test_serve_ray.py": 246, "test_determinism.py": 181, "test_notebook.py": 175,
-                "test_speculative.py": 134, "test_host_targets.py": 96, "test_cli.py": 93, "test_engine.py": 90,
+                "test_speculative.py": 60, "test_host_targets.py": 96, "test_cli.py": 93, "test_engine.py": 90,
                 "test_gguf_fuzz.py": 83, "test_fidelity.py": 74, "test_dashboard_page.py": 69,
                 "test_serve_preemption.py": 62, "test_forward.py": 59, "test_serve_load.py": 58, "test_bench.py": 57,
                 "test_chat_session.py": 50, "test_serve_pd.py": 45, "test_tools_server.py": 43, "test_threads.py": 42,
