@@ -187,14 +187,15 @@ def _dpbusd(builder, acc, u, x, offset: int = 0):
         return builder.call(fn, [acc, u, x])
     if MADD:
         return builder.add(acc, _madd(builder, u, x, n))
-    wide = ir.VectorType(I32, 4 * n)
-    ub = builder.zext(builder.bitcast(u, ir.VectorType(I8, 4 * n)), wide)
-    xb = builder.sext(builder.bitcast(x, ir.VectorType(I8, 4 * n)), wide)
-    p = builder.mul(ub, xb)
-    undef = ir.Constant(wide, ir.Undefined)
+    # the portable IR: byte b of every lane by shifts on the lanes themselves (u's zero-extended, x's sign-extended),
+    # never a vector of 4n widened bytes and its strided shuffles, which targets without AVX2 split into so many
+    # pieces that one kind of matmul_kernel took 37 s to compile for x86-64-v2 (10 s native)
+    def const(v):
+        return ir.Constant(vt, [v] * n)
     for b in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(p, undef, ir.Constant(ir.VectorType(I32, n),
-                                                                              list(range(b, 4 * n, 4)))))
+        ub = builder.and_(builder.lshr(u, const(8 * b)), const(0xFF)) if b < 3 else builder.lshr(u, const(24))
+        xb = builder.ashr(builder.shl(x, const(24 - 8 * b)), const(24)) if b < 3 else builder.ashr(x, const(24))
+        acc = builder.add(acc, builder.mul(ub, xb))
     return acc
 
 
