@@ -27,7 +27,7 @@ import lumen.kernels.ir as kir
 from lumen.format.gguf import GGUFFile
 from lumen.format.quants import ACT_FORMAT, QT
 from lumen.kernels import simd
-from lumen.kernels.kinds import ALL
+from lumen.kernels.kinds import kinds
 from lumen.kernels.layout import R
 from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
 from lumen.kernels.scratch import per_thread
@@ -101,18 +101,21 @@ def best(fn, reps: int = 7) -> float:
 
 
 @njit(cache=True)
-def _repeat(out, m, acts, facc, wbuf, work, k):
+def _repeat(out, m, acts, facc, wbuf, work, k, kd):
     for _ in range(k):
-        matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, wbuf, work, ALL)
+        matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, wbuf, work, kd)
 
 
 def kernel_rates(model: str, ns: list, quick: bool) -> list:
     """(type, shape, {N: GOP/s}) for the first layer's matrix of each type (one thread, in cache)."""
     g = GGUFFile(resolve(model))
     seen, rows = set(), []
+    mats = [t for name, t in g.tensors.items()
+            if name.startswith("blk.") and len(t.shape) == 2 and not QT(t.qtype).name.startswith("F")]
+    kd = kinds(mats=tuple({t.qtype for t in mats}), embd=(), acts=())      # compiled for these types only
     facc, work = per_thread((numba.get_num_threads(), R), np.float32), counters(numba.get_num_threads())
-    for name, t in g.tensors.items():
-        if not name.startswith("blk.") or len(t.shape) != 2 or t.qtype in seen or QT(t.qtype).name.startswith("F"):
+    for t in mats:
+        if t.qtype in seen:
             continue
         seen.add(t.qtype)
         p = prepare(t.data, t.qtype)
@@ -124,8 +127,8 @@ def kernel_rates(model: str, ns: list, quick: bool) -> list:
             prepare_x(acts, np.random.default_rng(N).standard_normal((N, p.n_in)).astype(np.float32), fmt)
             out = np.zeros((N, p.d_out), np.float32)
             k = 2 if quick else max(3, 4000 // N)
-            _repeat(out, m, acts, facc, wbuf, work, 1)
-            rate[N] = 2 * N * p.d_out * p.n_in * k / best(lambda: _repeat(out, m, acts, facc, wbuf, work, k),
+            _repeat(out, m, acts, facc, wbuf, work, 1, kd)
+            rate[N] = 2 * N * p.d_out * p.n_in * k / best(lambda: _repeat(out, m, acts, facc, wbuf, work, k, kd),
                                                             2 if quick else 7) / 1e9
         rows.append((QT(p.qtype).name, f"{p.d_out}x{p.n_in}", rate))
     return rows
