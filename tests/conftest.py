@@ -25,7 +25,6 @@ and a test that runs the models first waits for it; the tests that do not (COMPI
 import fcntl
 import gc
 import os
-import py_compile
 import shutil
 import signal
 import subprocess
@@ -251,10 +250,9 @@ def _bytecode() -> None:
     for the run would not do: it moves every package's bytecode, and numpy's and Numba's would compile again)."""
     if not sys.dont_write_bytecode:
         return
-    import lumen
-    for root in (Path(lumen.__file__).parent, Path(__file__).parent):
-        for src in root.rglob("*.py"):
-            py_compile.compile(str(src), quiet=2)       # (skipped where the folder is not writable)
+    from lumen.warmup import compile_bytecode
+    compile_bytecode()                                  # only what is missing or stale; skips unwritable folders
+    compile_bytecode(Path(__file__).parent)
 
 
 @pytest.hookimpl(tryfirst=True)         # before xdist starts the workers, so that they inherit WARM_LOCK
