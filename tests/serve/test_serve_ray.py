@@ -533,7 +533,7 @@ def test_health_names_the_running_replicas_and_503_without_any(monkeypatch):
     router = SimpleNamespace(curr_replicas={"a": None, "b": None})
     monkeypatch.setitem(metrics.ROUTERS, ENGINE, router)
     worker = SimpleNamespace(draining=False)
-    health = ReplicaHealth(worker, metrics.ReplicaMetrics(ENGINE))
+    health = ReplicaHealth(worker, metrics.ReplicaMetrics(ENGINE), {ENGINE: True})
     assert health.health() == {"status": "ok", "replicas": {ENGINE: 2}}
     router.curr_replicas = {}
     r = health.health()

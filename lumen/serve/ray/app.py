@@ -75,9 +75,9 @@ class ReplicaHealth(ServingHealth):
     answers 503 (--kv-failure error); with recompute the decode replicas prefill meanwhile, and the answer is 200
     with "status": "degraded" and the pool that has none."""
 
-    def __init__(self, worker, metrics, pools: dict[str, bool] | None = None):
+    def __init__(self, worker, metrics, pools: dict[str, bool]):
         super().__init__(worker, metrics)
-        self.pools = pools if pools is not None else {ENGINE: True}
+        self.pools = pools
 
     def health(self):
         answer = super().health()
