@@ -652,25 +652,6 @@ def stream_in_flight(url: str, outcome: list) -> threading.Thread:
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_no_process_of_its_ray_instance(smollm2_path, tmp_path):
-    """SIGTERM with a stream in flight: the server exits 0, the stream ends with an error event or [DONE], and
-    no process of the Ray instance it started is left (Ray's own stop used to leave its raylet's agents)."""
-    proc = ray_server(smollm2_path, tmp_path / "server.log", "--shutdown-timeout", "2")
-    try:
-        wait_log(proc, "serving on")
-        running = session_processes(proc.mark, proc.p.pid)
-        assert any("DashboardAgent" in n for n in running.values()), running      # the check sees Ray's agents
-        outcome: list = []
-        t = stream_in_flight(proc.url, outcome)
-        assert proc.stop(signal.SIGTERM, timeout=60) == 0, proc.tail()
-        t.join(30)
-    finally:
-        left = wait_gone(proc)
-    assert not left, f"left after SIGTERM: {left}"
-    assert outcome and outcome[0] in ("done", "error", "broken"), outcome
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("sig, every", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGHUP, False),
                                        (signal.SIGTERM, True)],
                          ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGTERM-every-process"])
@@ -680,10 +661,15 @@ def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, t
     server alone and leave Ray's agents running) reaches the server alone (Ray's processes have sessions of their
     own); one to every process of the run (systemd's stop of the unit) reaches Ray's as well: its GCS closed at once,
     and the graceful stop used to wait ~60 s for it in Ray's calls, then died without its log line. Either way: exit
-    0 within seconds, no process of the instance left."""
+    0 within seconds, no process of the instance left (Ray's own stop used to leave its raylet's agents). SIGTERM
+    comes with a stream in flight, which ends with an error event or [DONE]."""
     proc = ray_server(smollm2_path, tmp_path / "server.log", "--shutdown-timeout", "2")
+    outcome: list = []
     try:
         wait_log(proc, "serving on")
+        running = session_processes(proc.mark, proc.p.pid)
+        assert any("DashboardAgent" in n for n in running.values()), running      # the check sees Ray's agents
+        stream = stream_in_flight(proc.url, outcome) if sig == signal.SIGTERM and not every else None
         t0 = time.monotonic()
         if every:
             for pid in session_processes(proc.mark, None):
@@ -698,9 +684,12 @@ def test_signal_to_the_process_group_stops_everything_in_seconds(smollm2_path, t
         except Exception:
             raise AssertionError(f"the server did not stop within 25 s:\n{proc.tail()}") from None
         took = time.monotonic() - t0
+        if stream is not None:
+            stream.join(30)
     finally:
         left = wait_gone(proc, timeout=5)
     assert not left, f"left after a {sig.name} to the process group: {left}"
+    assert stream is None or (outcome and outcome[0] in ("done", "error", "broken")), outcome
     assert code == 0 and took < 15, (code, took, proc.tail())
     assert "stopped" in proc.tail(5) and "Traceback" not in proc.log.read_text(errors="replace"), proc.tail()
 
