@@ -345,11 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         from lumen.machine import limits
-        lim = limits(remeasure=args.remeasure)
-        if args.machine and args.json == "-":                   # for a script: the JSON alone on stdout
-            print(json.dumps(lim, indent=1))
-            return 0
         if args.machine:
+            lim = limits(remeasure=args.remeasure)
+            if args.json == "-":                                # for a script: the JSON alone on stdout
+                print(json.dumps(lim, indent=1))
+                return 0
             print_machine(lim, console)
             if args.json:
                 Path(args.json).write_text(json.dumps(lim, indent=1))
@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        **res}, indent=1))
                 console.print(f"wrote {args.json}")
             return 0
+        lim = limits(remeasure=args.remeasure)      # after the model's checks: a wrong --layer is told at once
         with console.status("compiling and warming up (first run only; cached afterwards)..."):
             prof, stats = profiled_run(model, args.prompt_tokens, args.gen_tokens)
         threads = f"{model.threads} thread{'s' if model.threads != 1 else ''}"
