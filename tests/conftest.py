@@ -263,6 +263,10 @@ def pytest_sessionstart(session):
     _bytecode()
     if not getattr(config.option, "numprocesses", 0) or os.environ.get(WARM_LOCK):
         return
+    # numpy's OpenBLAS takes a thread per CPU, and its idle threads spin: two workers' float64 references at once
+    # (tests/ref_forward.py) took 58.9 s against 35.6 s with one BLAS thread each, on a 2-vCPU Xeon. Two workers
+    # keep the CPUs busy between them; the tests check results, not speed.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     fd, path = tempfile.mkstemp(prefix="lumen-tests-warm-", suffix=".lock")
     fcntl.flock(fd, fcntl.LOCK_EX)      # held by the subprocess, which shares the open file, until it exits
     _warm_up.append(subprocess.Popen([sys.executable, "-c", WARM_UP, "", *MODEL_NAMES], pass_fds=(fd,),
