@@ -332,14 +332,19 @@ def test_serve_names_a_bad_url_or_model_before_it_starts(argv, msg, capsys):
     assert e.value.code == 2 and msg in err and "Traceback" not in err, err
 
 
-def test_serve_says_why_the_server_it_started_ended(tmp_path, capsys):
-    """A server started here that exits before it comes up: its own error, without Python's "RuntimeError: "."""
+def test_serve_says_why_the_server_it_started_ended(tmp_path, capsys, monkeypatch):
+    """A server started here that exits before it comes up: its own error, without Python's "RuntimeError: ", and
+    where its whole log is kept."""
+    import tempfile
     from lumen.bench.serve import main
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"root:x:0:0" * 10)
     assert main(["--serve-model", str(bad), "--num-prompts", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: Lumen exited (1) before it came up: ") and "not a GGUF file" in err, err
+    log = err.rsplit("(log: ", 1)[1].split(")")[0]
+    assert Path(log).parent == tmp_path and "not a GGUF file" in Path(log).read_text()
 
 
 @pytest.mark.parametrize("pieces, measured", [(1, False), (63, True)])

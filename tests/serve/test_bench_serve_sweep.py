@@ -216,10 +216,11 @@ def test_sweep_against_a_server_it_starts(smollm2_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_servers(smollm2_path):
+def test_ctrl_c_stops_the_servers(smollm2_path, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "lumen.bench", "serve", "--serve-model", str(smollm2_path),
                           "--concurrency", "2", "--num-prompts", "4", "--output-len", "200", "--ignore-eos"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})     # (the interrupted server's log, kept)
     try:
         t0 = time.monotonic()
         while not children(p.pid) and time.monotonic() - t0 < 60:
