@@ -59,13 +59,13 @@ def test_work_is_attached(profiled):
 def test_coverage(profiled):
     """The recorded ops add up to >= 95% of each step's measured wall time. Segments are contiguous, so what is
     left is the few microseconds of Python between a step's last segment and its end; measured 0.967-1.0 per
-    step on a loaded machine. An OS preemption inside that window can take one short step lower, so the test
-    allows 1 step in 20 to sit between 0.90 and 0.95 and checks the total tightly."""
+    step on a loaded machine. An OS preemption inside that window can take one short step as low as it likes (a
+    4 ms time slice took a 14 ms step to 0.71 beside the other test worker), so the test allows 1 step in 20 below
+    0.95 (one at least: the run has 16 steps) and checks the total tightly: a gap in every step would show there."""
     _, prof, _ = profiled
     cov = prof.coverage()
     shares = [share for _, _, share in cov]
-    assert cov and min(shares) >= 0.90, cov
-    assert sum(s >= 0.95 for s in shares) >= 0.95 * len(shares), cov
+    assert cov and sum(s < 0.95 for s in shares) <= max(1, len(shares) // 20), cov
     assert prof.unattributed_s() <= 0.02 * sum(w for _, w, _ in cov)
 
 
