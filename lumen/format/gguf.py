@@ -14,13 +14,13 @@ then padding to `general.alignment` (default 32) and the tensor data.
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import mmap
 import os
 import pickle
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -176,14 +176,18 @@ class HeaderCache:
     was parsed from; those bytes are hashed again at every load (Qwen's 7 MB in 9 ms), so a file rewritten in
     place with the same stat is parsed again, not trusted. The tensor table is checked against the file on every
     open either way (GGUFFile._layout). An entry that cannot be read is a miss; it is written to a temporary file
-    and renamed, so processes opening the same file at once see a whole entry or none."""
+    and renamed, so processes opening the same file at once see a whole entry or none. An entry starts with the
+    real path of its file (MAGIC, its length, the path), so that writing one removes the entries of files that no
+    longer exist (1-4 MB each), as the pack cache does for its packs."""
 
-    VERSION = 1
+    VERSION = 2
+    MAGIC = b"LUMENHDR"
 
     def __init__(self, directory: Path, g: GGUFFile):
         self.g = g
         st = g.stat
-        where = hashlib.sha256(os.path.realpath(g.path).encode()).hexdigest()[:16]
+        self.source = os.path.realpath(g.path)
+        where = hashlib.sha256(self.source.encode()).hexdigest()[:16]
         h = hashlib.sha256(f"{st.st_size} {st.st_ino} {st.st_mtime_ns} {st.st_ctime_ns}".encode())
         h.update(_reader_digest())
         self.prefix = f"{g.path.stem}-{where}-"          # one entry per file path: a new one replaces the old
@@ -195,6 +199,8 @@ class HeaderCache:
     def read(self) -> Header | None:
         try:
             with open(self.path, "rb") as f:
+                if self._source(f) is None:
+                    return None
                 entry = pickle.load(f)
             version, digest, header = entry
             header = Header(*header)
@@ -211,16 +217,47 @@ class HeaderCache:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
+                    where = self.source.encode("utf-8", "surrogateescape")
+                    f.write(self.MAGIC + struct.pack("<I", len(where)) + where)
                     pickle.dump((self.VERSION, self._digest(header.end), tuple(header)), f, protocol=5)
                 os.replace(tmp, self.path)
             except BaseException:
                 os.unlink(tmp)
                 raise
-            for old in self.path.parent.glob(f"{glob.escape(self.prefix)}*.header"):
-                if old != self.path:
-                    old.unlink(missing_ok=True)
+            self._evict()
         except OSError:
             pass
+
+    @classmethod
+    def _source(cls, f) -> str | None:
+        """The real path an open entry names (f left at its pickle), or None: not an entry of this format."""
+        pre = f.read(len(cls.MAGIC) + 4)
+        if len(pre) != len(cls.MAGIC) + 4 or pre[:len(cls.MAGIC)] != cls.MAGIC:
+            return None
+        (n,) = struct.unpack("<I", pre[len(cls.MAGIC):])
+        where = f.read(n) if n <= 1 << 16 else b""
+        return where.decode("utf-8", "surrogateescape") if len(where) == n and n else None
+
+    def _evict(self) -> None:
+        """Delete this file's older entries, the entries of files that no longer exist or of another format (never
+        a hit), and temporary files of writes interrupted over an hour ago."""
+        old = time.time() - 3600
+        for p in self.path.parent.glob("*.header"):
+            if p == self.path:
+                continue
+            try:
+                with open(p, "rb") as f:
+                    source = self._source(f)
+                if p.name.startswith(self.prefix) or source is None or not os.path.exists(source):
+                    p.unlink(missing_ok=True)
+            except OSError:
+                pass
+        for p in self.path.parent.glob("*.header*.tmp"):
+            try:
+                if p.stat().st_mtime < old:
+                    p.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def _qtype(type_id: int, name: str, path: str) -> GGMLQuantizationType:

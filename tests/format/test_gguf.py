@@ -277,3 +277,24 @@ def test_header_cache_keeps_no_bad_file_and_follows_the_pack_cache_switch(tmp_pa
     assert not _entries(d)
     open_gguf(good)
     assert len(_entries(d)) == 1
+
+
+def test_header_cache_drops_the_entries_of_deleted_files(tmp_path):
+    """Writing an entry removes those of files that no longer exist and those of another format (never a hit);
+    the entries of files that still exist stay."""
+    d = tmp_path / "cache"
+    paths = [tmp_path / f"m{i}.gguf" for i in range(3)]
+    for i, p in enumerate(paths[:2]):
+        write_model(p, "llama", seed=i)
+        GGUFFile(p, cache=d)
+    kept, gone = _entries(d)
+    assert "m0-" in kept.name and "m1-" in gone.name
+    legacy = d / "old-0000000000000000-0000000000000000.header"
+    legacy.write_bytes(b"\x80\x05an entry of the format before")
+    paths[1].unlink()
+    GGUFFile(paths[0], cache=d)                          # a hit writes nothing: nothing is removed
+    assert gone.exists() and legacy.exists()
+    write_model(paths[2], "llama", seed=2)
+    GGUFFile(paths[2], cache=d)                          # a miss writes its entry and removes what cannot be hit
+    assert kept.exists() and not gone.exists() and not legacy.exists() and len(_entries(d)) == 2
+    _same(GGUFFile(paths[0], cache=d), GGUFFile(paths[0]))
