@@ -17,12 +17,8 @@ prints each engine's gen t/s beside each, with its ratio to the same engine's id
 --compare llama.cpp runs llama.cpp's own `llama-batched-bench` on the same GGUF, shapes and thread count
 (-b 2048 -ub 512 and its defaults otherwise), interleaved with Lumen repetition by repetition. The binary comes
 from --llama-batched-bench PATH, $LLAMA_BATCHED_BENCH, or PATH (a given path that is not an executable file, or
-no binary at all, is a usage error). To get it, build llama.cpp's tools from the
-source inside the llama-cpp-python 0.3.36 sdist: `pip download --no-deps --no-binary :all:
-llama-cpp-python==0.3.36`, unpack it, then `cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build
--DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build build -j --target llama-batched-bench`
-(about 10 minutes on 2 cores). `--llama-args "-nr"` passes extra flags (on Xeons whose AMX tiles the OS does
-not grant, llama.cpp's default weight repacking dies with an illegal instruction: use -nr there).
+no binary at all, is a usage error). `--llama-args` passes extra flags to it. How to build llama.cpp's tools
+(with its weight repacking, its default and fastest path, left on; cmake and a C++ compiler needed):
 """
 from __future__ import annotations
 
@@ -39,7 +35,7 @@ import numpy as np
 
 from .corunner import corunner, parse_kinds, ratio_rows, render_ratios
 from .single import peak_rss_mb, token_ids
-from .tools import ToolNotFound, comma_list, find_tool, refuse, split_args
+from .tools import BUILD_LLAMA, ToolNotFound, comma_list, find_tool, refuse, split_args
 from ..commands import Parser, check_writable, prog, threads_error
 from ..engine.config import THREAD_FLAGS, EngineConfig, available_mb
 
@@ -135,7 +131,8 @@ def _median(reps: list[dict]) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     ap = Parser(prog=prog("bench batch"), description=__doc__.splitlines()[0],   # (the not-found error points here)
-                epilog=__doc__[__doc__.index("--compare llama.cpp runs"):].strip())
+                epilog=__doc__[__doc__.index("--compare llama.cpp runs"):].strip() + "\n" + BUILD_LLAMA,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default="smollm2-135m", help="registry name or .gguf path")
     ap.add_argument("-npp", type=int, default=128, help="prompt tokens per sequence (default 128)")
     ap.add_argument("-ntg", type=int, default=128, help="generated tokens per sequence (default 128)")

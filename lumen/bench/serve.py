@@ -49,13 +49,13 @@ from pathlib import Path
 import numpy as np
 from ..commands import Parser, check_writable, prog
 from .mix import MIXES as MIX_NAMES
-from .tools import comma_list
+from .tools import BUILD_LLAMA, comma_list
 
 LLAMA_SERVER = """llama.cpp's llama-server for comparison: build it from the llama.cpp source inside the
-llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler):
-  pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
-  cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
-  cmake --build build -j --target llama-server
+llama-cpp-python 0.3.36 sdist (needs cmake and a C++ compiler; with the vector extensions this CPU reports and
+never AMX):
+""" + BUILD_LLAMA + """
+then either
   build/bin/llama-server -m MODEL.gguf -t 2 -np 16 -c 8192 --host 127.0.0.1 --port 8080
   python -m lumen.bench serve --url http://127.0.0.1:8080 --max-concurrency 16 --input-len 100 --output-len 128 \\
       --ignore-eos
@@ -63,8 +63,7 @@ or let the benchmark start both servers and stop them:
   python -m lumen.bench serve --serve-model MODEL --llama-server build/bin/llama-server --mix chat \\
       --concurrency 1,4,16 --ignore-eos
 -np 16 gives 16 slots of -c / 16 tokens each (8192 / 16 = 512 here). Weight repacking (llama.cpp's default and its
-fastest path) stays on; add -nr (--no-repack) only where its AMX repacking dies with an illegal instruction (on
-Xeons whose AMX tiles the OS does not grant), and say so beside the figures."""
+fastest path) stays on: -nr (--no-repack) handicaps llama.cpp; say so beside any figure that used it."""
 
 
 @dataclass

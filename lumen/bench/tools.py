@@ -13,6 +13,22 @@ import shlex
 import shutil
 
 
+# How to build the tools (lumen/bench/README.md says why): from the llama.cpp inside the llama-cpp-python 0.3.36
+# sdist, with exactly the vector extensions /proc/cpuinfo reports and never AMX (a native build dies with SIGILL in
+# its weight repacking on a virtual machine whose CPU has AMX but whose OS does not grant it), repacking left on.
+BUILD_LLAMA = """\
+pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+on() { case "$flags" in *" $1 "*) echo ON;; *) echo OFF;; esac; }
+cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \\
+  -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2) -DGGML_FMA=$(on fma) -DGGML_F16C=$(on f16c) -DGGML_BMI2=$(on bmi2) \\
+  -DGGML_AVX_VNNI=$(on avx_vnni) -DGGML_AVX512=$(on avx512f) -DGGML_AVX512_VBMI=$(on avx512vbmi) \\
+  -DGGML_AVX512_VNNI=$(on avx512_vnni) -DGGML_AVX512_BF16=$(on avx512_bf16) \\
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \\
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF
+cmake --build build -j2 --target llama-server llama-batched-bench llama-lookup llama-bench   # ~10 min on 2 cores"""
+
+
 class ToolNotFound(ValueError):
     """A tool path the user gave names no executable file, or a tool that was asked for is nowhere."""
 

@@ -458,3 +458,13 @@ def test_a_missing_tool_points_to_a_help_that_says_how_to_build_it(sub, monkeypa
         main([sub, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "cmake --build build" in text and "llama-cpp-python==0.3.36" in text, text[-600:]
+    # the build the README gives: the extensions /proc/cpuinfo reports, never AMX (a native build dies with SIGILL
+    # where the OS does not grant AMX), not a native one with -nr as the way out (the help once said so)
+    assert "-DGGML_NATIVE=OFF" in text and "-DGGML_AMX_INT8=OFF" in text and "-nr (--no-repack) only" not in text
+
+
+def test_the_help_builds_llama_cpp_as_the_readme_does():
+    from lumen.bench.tools import BUILD_LLAMA
+    readme = (Path(__file__).parents[2] / "lumen" / "bench" / "README.md").read_text()
+    for line in BUILD_LLAMA.splitlines()[1:-1]:        # the configure step, flag by flag
+        assert line.strip() in readme, line
