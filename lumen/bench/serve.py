@@ -131,12 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
     ap.add_argument("--probe-health", action="store_true", help="sample GET /health latency during the load")
-    ap.add_argument("--probe-interval-ms", type=float, default=50.0, help="between health probes (default 50)")
+    ap.add_argument("--probe-interval-ms", type=float, default=None,
+                    help="with --probe-health: between health probes (default 50)")
     ap.add_argument("--duration", type=float, default=None,
                     help="soak: send requests for this many seconds (cycling through the prompts) instead of "
                          "--num-prompts; needs --request-rate or --max-concurrency")
-    ap.add_argument("--window", type=float, default=60.0,
-                    help="soak: report latency, throughput and the server's RSS per window of this many seconds")
+    ap.add_argument("--window", type=float, default=None,
+                    help="with --duration: report latency, throughput and the server's RSS per window of this many "
+                         "seconds (default 60)")
     ap.add_argument("--label", default=None, help="a name for this run in the JSON")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     wl = ap.add_argument_group("a reproducible sweep (lumen.bench.mix; the servers started here)")
@@ -719,6 +721,12 @@ def main(argv: list[str] | None = None) -> int:
                     ("--slo-tpot-ms", args.slo_tpot_ms)):
         if v is not None and not v > 0:                  # (not v > 0: a NaN too)
             ap.error(f"{flag} must be positive, got {v}")
+    for flag, v, needs, default in (("--window", "window", "duration", 60.0),
+                                    ("--probe-interval-ms", "probe_interval_ms", "probe_health", 50.0)):
+        if getattr(args, v) is not None and not getattr(args, needs):    # (else given, then silently unused)
+            ap.error(f"{flag} goes with --{needs.replace('_', '-')}")
+        if getattr(args, v) is None:
+            setattr(args, v, default)
     if not args.temperature >= 0:                        # a server would refuse every request, the warm-up first
         ap.error(f"--temperature must be at least 0, got {args.temperature}")
     if args.duration and args.request_rate == float("inf") and not args.max_concurrency:

@@ -119,6 +119,8 @@ def test_corpus_from_a_server_with_a_short_context():
     (["--duration", "nan"], "--duration must be positive, got nan"),
     (["--duration", "10", "--window", "0"], "--window must be positive, got 0.0"),
     (["--probe-health", "--probe-interval-ms", "0"], "--probe-interval-ms must be positive, got 0.0"),
+    (["--url", "http://127.0.0.1:1", "--window", "5"], "--window goes with --duration"),     # (given, then unused)
+    (["--url", "http://127.0.0.1:1", "--probe-interval-ms", "5"], "--probe-interval-ms goes with --probe-health"),
     (["--slo-ttft-ms", "-1"], "--slo-ttft-ms must be positive, got -1.0"),
     (["--slo-tpot-ms", "nan"], "--slo-tpot-ms must be positive, got nan"),
     (["--temperature", "-0.5"], "--temperature must be at least 0, got -0.5"),
