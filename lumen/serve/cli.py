@@ -437,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(pd_error)
     if args.prefill_replicas is not None:
         config = replace(config, kv_hold_timeout_s=args.kv_hold_timeout)
+    try:                                               # a file that cannot be a template: a usage error, now
+        args.template = read_template(args.chat_template)
+    except LumenError as e:
+        ap.error(cli_words(str(e)))
     if args.replicas != 1 or args.ray_address or args.min_replicas is not None or args.max_replicas is not None \
             or args.prefill_replicas is not None:
         args.router = args.router or "prefix"
@@ -457,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console                   # earlier: within an import it became an ImportError)
     from ..generate import status_while_compiling
     try:
-        template = read_template(args.chat_template)
+        template = args.template
         name = model_id(args.model, args.served_model_name)
         with status_while_compiling(Console(stderr=True, highlight=False)):    # the port opens after it
             from .app import load_engine, make_app     # (in the block: some kernels compile as they import)
@@ -505,6 +509,11 @@ def read_template(path: str | None) -> str | None:
         raise LumenError(f"--chat-template {path}: not UTF-8 ({e.reason} at byte {e.start})") from None
     if not text.strip():                               # (every chat would be an empty prompt)
         raise LumenError(f"--chat-template {path} is empty")
+    from ..format.chat import compile_template
+    try:
+        compile_template(text)
+    except LumenError as e:
+        raise LumenError(f"--chat-template {path}: {e}") from None
     return text
 
 
@@ -586,7 +595,7 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         config.check_unchunked(served)                 # the replicas would refuse (load_engine's checks)
         if args.draft_model:                           # and a --draft-model that is not there
             open_gguf(resolve(args.draft_model))
-        template = read_template(args.chat_template)
+        template = args.template
     except (LumenError, ValueError, OSError) as e:
         print(f"error: {cli_words(str(e))}", file=sys.stderr)
         return 1

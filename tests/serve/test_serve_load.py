@@ -308,17 +308,24 @@ def test_cli_flags_log_line_and_sigint(smollm2_path, model, tmp_path):
     (["--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: cannot read it"),
     (["--chat-template", "{bad}"], "--chat-template {bad}: not UTF-8 (invalid start byte at byte 14)"),
     (["--chat-template", "/dev/null"], "--chat-template /dev/null is empty"),     # (it served empty prompts)
+    (["--chat-template", "{syntax}"], "--chat-template {syntax}: chat template syntax error at line 1"),
 ], ids=["no such model", "beyond the trained context", "far beyond it", "KV cache too small", "no such template",
-        "not UTF-8", "empty template"])
+        "not UTF-8", "empty template", "not Jinja"])
 def test_cli_startup_errors_are_one_line(smollm2_path, args, says, tmp_path):
-    bad = tmp_path / "bad.jinja"
+    """A --chat-template that cannot be one is a usage error (status 2, said before the model loads), as a
+    --tools or --grammar file is; the rest are failed runs (1)."""
+    bad, syntax = tmp_path / "bad.jinja", tmp_path / "syntax.jinja"
     bad.write_bytes(b"{{ messages }}\xff")
-    args, says = [a.replace("{bad}", str(bad)) for a in args], says.replace("{bad}", str(bad))
+    syntax.write_text("{% for m in messages %}{{ m.content }}")
+    args = [a.replace("{bad}", str(bad)).replace("{syntax}", str(syntax)) for a in args]
+    says = says.replace("{bad}", str(bad)).replace("{syntax}", str(syntax))
     cmd = lumen_serve(smollm2_path, *args) if args[0] != "--model" else [sys.executable, "-m", "lumen.serve", *args]
     r = subprocess.run([*cmd, "--port", str(free_port())], capture_output=True, text=True, timeout=180, cwd=ROOT)
     err = r.stderr.strip().splitlines()
-    assert r.returncode == 1 and err[-1].startswith("error:") and says in err[-1], r.stderr
-    assert "Traceback" not in r.stderr
+    usage = args[0] == "--chat-template"
+    assert r.returncode == (2 if usage else 1) and says in err[-1], r.stderr
+    assert err[-1].startswith("python -m lumen.serve: error:" if usage else "error:"), r.stderr
+    assert "Traceback" not in r.stderr and (not usage or len(err) == 1), r.stderr
 
 
 def test_cli_port_in_use_or_out_of_range_fails_before_loading(smollm2_path):
