@@ -22,6 +22,7 @@ Constraint, or an ApiError(400) naming the field with llguidance's message.
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, ClassVar
 
@@ -88,7 +89,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # a field no endpoint knows (a misspelt "max_token", another server's extension) is ignored, as by OpenAI's
+    # and vLLM's servers, and named in the log (parse), as vLLM names it: a silent default is what the user got
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -273,7 +276,7 @@ def parse(body: bytes, model: type[BaseModel]) -> Any:
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         lone = _lone_surrogate(body) if errors[0]["type"] == "json_invalid" else None
@@ -281,6 +284,10 @@ def parse(body: bytes, model: type[BaseModel]) -> Any:
             raise ApiError(400, f"invalid JSON: a lone UTF-16 surrogate {lone} (a \\uD800-\\uDBFF escape must be "
                                 f"followed by a \\uDC00-\\uDFFF one, which stands after no other)") from None
         raise ApiError(400, *_describe(errors)) from None
+    if req.model_extra:
+        logging.getLogger("lumen.serve").warning("request fields ignored (this server does not know them): %s",
+                                                 ", ".join(sorted(req.model_extra)[:20]))
+    return req
 
 
 ESCAPE = re.compile(r"\\(?:u([0-9A-Fa-f]{4})|.)", re.S)     # one JSON string escape: \uXXXX or \n, \\, ...

@@ -135,3 +135,15 @@ def test_a_lone_surrogate_escape_is_named_not_the_parsers_words(body, where):
         P.parse(body, P.CompletionRequest)
     assert e.value.status == 400 and e.value.message.startswith(f"invalid JSON: a lone UTF-16 surrogate {where} ")
     assert P.parse(rb'{"prompt": "\\ud800 \ud83d\ude00"}', P.CompletionRequest).prompt == "\\ud800 \U0001F600"
+
+
+def test_an_unknown_field_is_ignored_and_named_in_the_log(caplog):
+    """A misspelt field ("max_token") was dropped without a word, and the request ran with the default (16 tokens):
+    it is still ignored, as OpenAI's and vLLM's servers ignore it, and now named in the server's log, as vLLM does."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="lumen.serve"):
+        req = P.parse(json.dumps({"prompt": "hi", "max_token": 3, "temprature": 0}).encode(), P.CompletionRequest)
+        P.parse(json.dumps({"prompt": "hi", "max_tokens": 3}).encode(), P.CompletionRequest)
+    assert req.max_tokens == 16 and P.completion_params(req, 64)[0].max_tokens == 16
+    said = [r.getMessage() for r in caplog.records if r.name == "lumen.serve"]
+    assert said == ["request fields ignored (this server does not know them): max_token, temprature"], said
