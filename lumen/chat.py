@@ -242,22 +242,24 @@ def main(argv: list[str] | None = None) -> int:
         out.write(text)
         out.flush()
 
+    failed = False                                   # a line that failed: status 1 at the end of piped input
     try:                                             # Ctrl-C outside a reply (StopFlag's) is at the prompt,
         while True:                                  # even just after a reply's figures: the session ends
             try:
                 text = reader.line()
             except UnicodeDecodeError as e:              # a terminal's strict UTF-8 input(): the line is refused
                 print(f"error: the line is not valid UTF-8 ({e.reason})", file=sys.stderr, flush=True)
+                failed = True
                 continue
             if text is None:                             # EOF
                 if reader.tty:
                     print(file=sys.stderr)
-                return 0
+                return int(failed and not reader.tty)
             command = text.strip()
             if not command:
                 continue
             if command in ("/exit", "/quit", "/bye"):
-                return 0
+                return int(failed and not reader.tty)
             if command == "/clear":
                 chat.clear()
                 print("(the conversation is cleared)", file=sys.stderr, flush=True)
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                     stats = chat.reply(text, write, lambda: stop.set)
             except (LumenError, ValueError) as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
+                failed = True
                 continue
             write("\n")
             if args.max_tokens is None and stats.stop_reason == "length":   # (with -n, fit() left the room for it)
