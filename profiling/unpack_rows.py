@@ -12,35 +12,39 @@ first only with room for a tile). The bits are the same either way (tests/kernel
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import statistics
+import sys
 import tempfile
+import time
+from collections import defaultdict
 
-CACHE = tempfile.mkdtemp(prefix="lumen-unpack-rows-")
-os.environ["NUMBA_CACHE_DIR"] = CACHE          # before Numba loads: the policy below is compiled in, not cached
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
-
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-
-import lumen.kernels.policy as policy  # noqa: E402
-
-POLICY = {"Q4": policy.UNPACK_ROWS_Q4, "Q5/Q6": policy.UNPACK_ROWS}
-policy.UNPACK_ROWS = policy.UNPACK_ROWS_Q4 = 1
-
-from lumen.format.gguf import GGUFFile  # noqa: E402
-from lumen.format.quants import ACT_FORMAT, QT  # noqa: E402
-from lumen.kernels.kinds import kinds  # noqa: E402
-from lumen.kernels.layout import R  # noqa: E402
-from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch  # noqa: E402
-from lumen.kernels.scratch import per_thread  # noqa: E402
-from lumen.kernels.work import counters  # noqa: E402
-from lumen.model.store import resolve  # noqa: E402
-from verdict import verdict  # noqa: E402
+def _kernels(cache: str):
+    """Lumen's kernel modules, compiled into `cache` with the unpacking thresholds lowered to 1 row (Numba takes its
+    cache directory, and the policy's constants, when the kernels are defined and compiled: nothing of Lumen may be
+    imported before this)."""
+    if "lumen" in sys.modules:
+        raise RuntimeError("unpack_rows must import Lumen itself (a compile cache and a policy of its own)")
+    os.environ["NUMBA_CACHE_DIR"] = cache
+    import lumen.kernels.policy as policy
+    thresholds = {"Q4": policy.UNPACK_ROWS_Q4, "Q5/Q6": policy.UNPACK_ROWS}
+    policy.UNPACK_ROWS = policy.UNPACK_ROWS_Q4 = 1
+    global QT, GGUFFile, ACT_FORMAT, kinds, R, mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
+    global per_thread, counters, resolve, np, numba, UNPACKED, POLICY
+    import numba
+    import numpy as np
+    from lumen.format.gguf import GGUFFile
+    from lumen.format.quants import ACT_FORMAT, QT
+    from lumen.kernels.kinds import kinds
+    from lumen.kernels.layout import R
+    from lumen.kernels.matmul import mat, matmul_kernel, new_acts, prepare, prepare_x, unpack_scratch
+    from lumen.kernels.scratch import per_thread
+    from lumen.kernels.work import counters
+    from lumen.model.store import resolve
+    UNPACKED, POLICY = policy.UNPACKED, thresholds
 
 
 def family(qt: int) -> str:
@@ -52,7 +56,7 @@ def groups(model: str, quick: bool) -> dict:
     g = GGUFFile(resolve(model))
     out = defaultdict(list)
     for name, t in g.tensors.items():
-        if name.startswith("blk.") and len(t.shape) == 2 and int(t.qtype) in policy.UNPACKED:
+        if name.startswith("blk.") and len(t.shape) == 2 and int(t.qtype) in UNPACKED:
             out[(name.split(".", 2)[2].removesuffix(".weight"), int(t.qtype))].append(t)
     if quick:
         first = next(iter(out))
@@ -97,10 +101,13 @@ def main(argv=None) -> None:
     if a.quick:
         a.model, a.ns, a.reps = "smollm2-135m", "8,64", 2
     ns = [int(x) for x in a.ns.split(",")]
-    threads = a.threads or numba.get_num_threads()
-    numba.set_num_threads(threads)
-    pays = defaultdict(list)                           # family -> [(N, ratio)]
+    cache = tempfile.mkdtemp(prefix="lumen-unpack-rows-")
     try:
+        _kernels(cache)
+        from verdict import verdict
+        threads = a.threads or numba.get_num_threads()
+        numba.set_num_threads(threads)
+        pays = defaultdict(list)                       # family -> [(N, ratio)]
         print(f"{a.model}, {threads} threads: time unpacking each tile first / unpacking as it goes "
               f"(< 1: first pays), all layers, medians of {a.reps} alternated rounds")
         for (name, qt), tensors in groups(a.model, a.quick).items():
@@ -110,7 +117,7 @@ def main(argv=None) -> None:
             for n, v in r.items():
                 pays[family(qt)].append((n, v))
     finally:
-        shutil.rmtree(CACHE, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
     said = []
     for fam, rows in pays.items():
         worst = {n: max(v for m, v in rows if m == n) for n in ns}
