@@ -1,7 +1,9 @@
 """The entry table of a model's kinds: the addresses of its type-specific kernels, each compiled (or loaded from
 Numba's cache) for one type on its own, which the forward pass calls through lumen.kernels.kinds.call (the
 kinds module's docstring says why), and of the attention kernel. Apart from lumen.kernels.kinds because it
-compiles the kernels of lumen.kernels.matmul and lumen.kernels.dequant, which import that module.
+compiles the kernels of lumen.kernels.matmul and lumen.kernels.dequant, which import that module. The tile loop
+(lumen.kernels.matmul.tiles) is one entry for every matrix type: given the table, it calls the tile passes of
+each type through it.
 
 The attention kernel and the row functions (lumen.kernels.rows) are called through the table too, not for their
 types (they are the same for every model) but for the compile: Numba optimizes and generates a callee's code again
@@ -21,7 +23,7 @@ from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
 from .kinds import (ACT, ADD, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES, address, kinds,
                     sets)
-from .matmul import quantize_address, tiles, tiles_signature
+from .matmul import ENTRIES, entry_signature, quantize_address, tiles, tiles_signature
 from .norm import rmsnorm_row
 from .rope import rope_row
 from .rows import row_address
@@ -32,7 +34,10 @@ ROW_FUNCTIONS = {RMSNORM: rmsnorm_row, ADD: add_row, ROPE: rope_row}
 @functools.lru_cache(maxsize=None)
 def _entry(slot: int, t: int) -> int:
     if slot == TILES:
-        return address(tiles, tiles_signature(typeof(kinds(mats=(t,), embd=(), acts=()))))
+        return address(tiles, tiles_signature(typeof(np.zeros(N_ENTRIES, np.int64))))
+    if slot in ENTRIES:
+        fn = ENTRIES[slot][0]
+        return address(fn, entry_signature(fn, t))
     if slot == ATTN:
         return address(attention_kernel, attention_signature(), "attention")
     if slot == ATTN_LANE:
@@ -47,11 +52,13 @@ def _entry(slot: int, t: int) -> int:
 
 
 def entries(k: np.ndarray) -> np.ndarray:
-    """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t the `tiles` of
-    each matrix type t it names, at ROWS + t the row dequantizer of each embedding type t, at ACT + a the row
-    function of its gated activation a, each compiled for its one kind; 0 for every other (the loader checked that
-    the model uses none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs, at RMSNORM, ADD
-    and ROPE those row functions, at QUANT the activations' row rounding. A table is returned as it is."""
+    """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t `tiles` (one
+    compiled function, given the table) for each matrix type t it names, and the tile kernels of t it calls there
+    (lumen.kernels.matmul.ENTRIES: at ONE + t, PASS + t, and PASS_U + t, UNPACK + t for the types that unpack a tile
+    first), at ROWS + t the row dequantizer of each embedding type t, at ACT + a the row function of its gated
+    activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
+    none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs, at RMSNORM, ADD and ROPE those
+    row functions, at QUANT the activations' row rounding. A table is returned as it is."""
     if k.dtype == np.int64:
         return k
     mats, embd, acts = sets(typeof(k))
@@ -60,7 +67,11 @@ def entries(k: np.ndarray) -> np.ndarray:
         for t in ts:
             if not 0 <= t < N_TYPES:
                 raise ValueError(f"GGML type {t} has no entry slot")
-            table[slot + t] = _entry(slot, t)
+            table[slot + t] = _entry(slot, t if slot == ROWS else 0)        # `tiles`: one for every type
+    for t in mats:
+        for slot, (_, ts) in ENTRIES.items():
+            if t in ts:
+                table[slot + t] = _entry(slot, t)
     for a in acts:
         table[ACT + a] = _entry(ACT, a)
     for slot in (*ROW_FUNCTIONS, QUANT):

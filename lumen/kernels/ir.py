@@ -2,11 +2,13 @@
 quantized tile kernels): the vector types, pointers into Numba arrays, splats, intrinsic calls, and the float
 operations whose rounding is written down (one `llvm.fma`, or a multiply / add that is never fused).
 
-Every helper takes whole C-contiguous arrays and flat element offsets (no views: see lumen.kernels.simd).
+Every helper takes whole C-contiguous arrays and flat element offsets (no views: see lumen.kernels.simd), or in
+their place an address (an integer: lumen.kernels.simd.data_at) of elements of the type the helper reads.
 """
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
 
 LANES = 16                     # lanes of a vector: 16 f32 or i32 (one zmm; two ymm on AVX2)
@@ -22,7 +24,11 @@ NEG_INF = float("-inf")
 
 
 def ptr(context, builder, aty, aval, elty, off=None):
-    """Pointer (elty*) to element `off` (an i64 count of the array's own elements) of the array's data."""
+    """Pointer (elty*) to element `off` (an i64 count of the array's own elements) of the array's data; of an
+    address's elties, given an address."""
+    if isinstance(aty, types.Integer):
+        p = builder.inttoptr(aval, elty.as_pointer())
+        return p if off is None else builder.gep(p, [off])
     arr = context.make_array(aty)(context, builder, aval)
     p = arr.data if off is None else builder.gep(arr.data, [off])
     return builder.bitcast(p, elty.as_pointer())

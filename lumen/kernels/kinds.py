@@ -6,16 +6,17 @@ ids, so it compiled the tile kernels of all 8 quantized types (at 2 row counts),
 types and both activations, for every model; each compiled function is optimised again inside every caller that
 links it (numba.core.codegen: a library's final module holds its callees), so a cold start paid for them several
 times over. The kinds travel in the Weights bundle, and their Numba type carries the sets, so the dispatchers
-(lumen.kernels.matmul.tile_rows, lumen.kernels.dequant.dequant_row) build, with `switch`, code for what the model
+(lumen.kernels.matmul.run_rows, lumen.kernels.dequant.dequant_row) build, with `switch`, code for what the model
 has and nothing else.
 
 The forward pass does not take a model's kinds value itself but the table lumen.kernels.entries makes of it: the
-addresses of the type-specific kernels (lumen.kernels.matmul.tiles for each matrix type, the row dequantizer for the
-embedding type, the gated activation's row function), each compiled (or loaded from Numba's cache) for its one kind
-on its own, and called through `call`. The forward pass's code then holds none of them: it is one compiled function
-for every model, compiled once per machine; a model of new weight types compiles those types' kernels only, and a
+addresses of the type-specific kernels (the tile kernels of each matrix type, lumen.kernels.matmul.ENTRIES, the row
+dequantizer for the embedding type, the gated activation's row function), each compiled (or loaded from Numba's
+cache) for its one kind on its own, and called through `call`. The forward pass's code then holds none of them: it
+is one compiled function for every model, compiled once per machine, and so is the tile loop that calls the passes
+(lumen.kernels.matmul.tiles, given the table); a model of new weight types compiles those types' kernels only, and a
 model of known types nothing. (With the kinds compiled into it, each new set of types compiled the whole forward
-pass again, every kernel it links included.)
+pass again, every kernel it links included; with the tile loop compiled per type, each type paid for the loop.)
 
 The value is a zero-length array whose structured dtype names the kinds (fields m<type>, e<type>, a<act>): Numba's
 dispatcher types arrays in its C fast path, so the bundle costs nothing per call (a Python object of a custom type
@@ -88,7 +89,7 @@ def switch(cases: tuple, n_args: int):
 # (made by lumen.kernels.entries, which compiles the kernels; here what the kernels that call them need)
 
 N_TYPES = 32                      # GGML type ids below this (lumen.format.quants.QT)
-TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles for type t; table[ROWS + t]: the
+TILES, ROWS = 0, N_TYPES          # table[TILES + t]: lumen.kernels.matmul.tiles for a type t; table[ROWS + t]: the
                                   # embedding row dequantizer (lumen.kernels.dequant.dequant_row_entry) for type t
 ACT = 2 * N_TYPES                 # table[ACT + a]: the row function of gated activation a (lumen.kernels.activation)
 ATTN = ACT + len(ACTS)            # table[ATTN]: lumen.kernels.attention.attention_kernel at the forward pass's types
@@ -97,7 +98,11 @@ RMSNORM, ADD, ROPE = ATTN_LANE + 1, ATTN_LANE + 2, ATTN_LANE + 3    # table[...]
                                   # (lumen.kernels.norm.rmsnorm_row, activation.add_row, rope.rope_row)
 QUANT = ROPE + 1                  # table[QUANT]: lumen.kernels.matmul.quantize_row (the activations' rounding)
 MM3 = QUANT + 1                   # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
-N_ENTRIES = MM3 + 1
+ONE = MM3 + 1                     # table[ONE + t], [PASS + t], [PASS_U + t], [UNPACK + t]: the tile kernels' entries
+PASS = ONE + N_TYPES              # for matrix type t (lumen.kernels.matmul.ENTRIES), which `tiles` given the table
+PASS_U = PASS + N_TYPES           # calls (the last two for the types lumen.kernels.policy.UNPACKED names)
+UNPACK = PASS_U + N_TYPES
+N_ENTRIES = UNPACK + N_TYPES
 
 
 def address(dispatcher, sig: tuple, turn: str = "entries") -> int:

@@ -46,11 +46,11 @@ from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
-from lumen.kernels.kinds import (ALL, TILES, abi_guard, address, call, call_borrowed, is_table, require_abi, sets,
-                                 switch)
+from lumen.kernels.kinds import (ALL, ONE, PASS, PASS_U, TILES, UNPACK, abi_guard, address, call, call_borrowed, is_table,
+                                 require_abi, sets, switch)
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import NR, NVP, absmax, f16_round, first_with_abs, prefetch_lines, quantize_block
+from lumen.kernels.simd import NR, NVP, absmax, data_at, f16_round, first_with_abs, prefetch_lines, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
 
 
@@ -347,77 +347,220 @@ _TILES_U = {t: f"tile_{QT(t).name.lower()}_u" for t in UNPACKED}
 UNPACKED_GROUP = GROUP_BYTES[Q8]                   # bytes per group of an unpacked tile
 
 
+def _kind_types(kinds):
+    """The matrix types an overload's kinds argument compiles for: a kinds value's (lumen.kernels.kinds), or the one
+    type a literal type id names (the per-type entries below); None for a type id not yet a literal (Numba then
+    tries again with the literal)."""
+    if isinstance(kinds, types.IntegerLiteral):
+        return (kinds.literal_value,)
+    if isinstance(kinds, types.Integer):
+        return None
+    return sets(kinds)[0]
+
+
+# The tile kernels of lumen.kernels.simd are called from here only, through run_one, run_rows, run_rows_u and
+# run_unpack: each compiles, for a kinds value, the dispatch over its types (lumen.kernels.kinds.switch), and
+# given an entry table calls the type's entry there (tile_one, tile_rows_at, tile_rows_u_at, tile_unpack: the
+# same code compiled for that one type), each (array, offset) of the kernels' flat arguments passed as one address
+# (lumen.kernels.simd.data_at). So `tiles`, given the table, is one function for every type (compiled per type it
+# took 3.4-3.7 s of a cold start for each), and a type compiles its kernels only. A call takes integers only
+# (Numba's array structs would be about 700 bytes a call), and a batched call runs all NR-row passes of a half
+# tile, so the calls are one per tile in decode and two per tile and matrix in a batch, whatever N.
+
+def run_unpack(kinds, qt, q, qo, dst, do, G):
+    """lumen.kernels.simd.unpack_<family of qt>(q, qo, dst, do, G), for the kinds' types of _TILES_U (none:
+    nothing; the caller never takes this path). Compiled code only."""
+    raise NotImplementedError("run_unpack runs in compiled code only")
+
+
+@overload(run_unpack, inline="always")
+def _run_unpack(kinds, qt, q, qo, dst, do, G):
+    import lumen.kernels.simd as simd
+    if is_table(kinds):
+        return lambda kinds, qt, q, qo, dst, do, G: call(kinds[UNPACK + qt], (qt, data_at(q, qo), data_at(dst, do),
+                                                                              np.int64(G)))
+    qts = _kind_types(kinds)
+    if qts is None:
+        return None
+    fams = sorted({FORMAT[QT(t)][0] for t in qts if t in _TILES_U})
+    if not fams:
+        return lambda kinds, qt, q, qo, dst, do, G: None
+    fn = switch(tuple((f, simd.UNPACK[f]) for f in fams), 5)          # one unpacker per family
+    return lambda kinds, qt, q, qo, dst, do, G: fn(family(qt), q, qo, dst, do, G)
+
+
+def run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+    """tile_<qt>_1 of lumen.kernels.simd (its flat arguments), for the kinds' types. Compiled code only. (A loop
+    over rows in here, for fewer calls, made the kernel 7-14% slower: 1.5B Q4_K, 1 and 2 rows.)"""
+    raise NotImplementedError("run_one runs in compiled code only")
+
+
+@overload(run_one, inline="always")
+def _run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+    import lumen.kernels.simd as simd
+    if is_table(kinds):
+        def table_impl(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
+            call(kinds[ONE + qt], (qt, data_at(out, oo), np.int64(ld), data_at(q, qo), data_at(s, so),
+                                   data_at(xq, xo), data_at(xd, xdo), data_at(xs, xso), data_at(xi, xio), np.int64(G)))
+        return table_impl
+    qts = _kind_types(kinds)
+    if qts is None:
+        return None
+    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in [t for t in qts if t in _TILES] or [int(QT.Q8_0)]), 16)
+
+    return lambda kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G: one(
+        qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
+
+
+def _rows_overload(unpacked: bool):
+    """The overload of run_rows (unpacked: run_rows_u): NR-row passes over rows 0, NR, ..., nb - NR."""
+    slot, kernels = (PASS_U, _TILES_U) if unpacked else (PASS, {t: n for t, (_, n) in _TILES.items()})
+
+    def ol(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
+        import lumen.kernels.simd as simd
+        if is_table(kinds):
+            def table_impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0,
+                           chunk, per, qb):
+                call(kinds[slot + qt], (qt, np.int64(nb), data_at(out, oo), np.int64(ld), data_at(q, qo),
+                                        data_at(s, so), data_at(xq, xo), data_at(xd, xdo), data_at(xs, xso),
+                                        data_at(xi, xio), np.int64(G), np.int64(v0), np.int64(p0), np.int64(chunk),
+                                        np.int64(per), np.int64(qb)))
+            return table_impl
+        qts = _kind_types(kinds)
+        if qts is None:
+            return None
+        qts = [t for t in qts if t in kernels] or ([] if unpacked else [int(QT.Q8_0)])
+        if not qts:
+            return lambda kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, \
+                chunk, per, qb: None
+        many = switch(tuple((t, getattr(simd, kernels[t])) for t in qts), 19)
+
+        def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per,
+                 qb):
+            p = p0
+            for i in range(0, nb, NR):
+                pfb = per if p * chunk < qb else np.int64(0)
+                many(qt, out, oo + i * ld, ld, q, qo, s, so, xq, xo + i * 32 * G, xd, xdo + i * G, xs, xso + i * G,
+                     xi, xio + 2 * i * G, G, v0, qb + p * chunk, pfb)
+                p += 1
+        return impl
+    return ol
+
+
+def run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
+    """tile_<qt>_n of lumen.kernels.simd (its flat arguments) for activation rows i = 0, NR, ..., nb - NR (nb a
+    multiple of NR): output rows at oo + i ld, the activations' at their offsets + i rows; the k-th of them, pass
+    p = p0 + k of the tile, prefetches `per` bytes per group from qb + p chunk bytes past the tile's (none once p
+    chunk >= qb: `tiles` spreads the next tile over its passes). For the kinds' types. Compiled code only."""
+    raise NotImplementedError("run_rows runs in compiled code only")
+
+
+def run_rows_u(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per,
+               qb):
+    """run_rows with the tile_<qt>_u kernels of lumen.kernels.simd, for the kinds' types of _TILES_U (none:
+    nothing; the caller never takes this path). Compiled code only."""
+    raise NotImplementedError("run_rows_u runs in compiled code only")
+
+
+overload(run_rows, inline="always")(_rows_overload(False))
+overload(run_rows_u, inline="always")(_rows_overload(True))
+
+
+@njit(cache=True)
+def tile_one(qt, out, ld, q, s, xq, xd, xs, xi, G):
+    """run_one for the one matrix type qt, a literal (so compiled per type: entry_signatures), on addresses: the
+    entry of an entry table that `tiles`, given the table, calls for a matrix of type qt."""
+    z = np.int64(0)
+    run_one(qt, qt, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G)
+
+
+@njit(cache=True)
+def tile_rows_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, v0, p0, chunk, per, qb):
+    """run_rows for the one matrix type qt (as tile_one)."""
+    z = np.int64(0)
+    run_rows(qt, qt, nb, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G, v0, p0, chunk, per, qb)
+
+
+@njit(cache=True)
+def tile_rows_u_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, v0, p0, chunk, per, qb):
+    """run_rows_u for the one matrix type qt (as tile_one)."""
+    z = np.int64(0)
+    run_rows_u(qt, qt, nb, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G, v0, p0, chunk, per, qb)
+
+
+@njit(cache=True)
+def tile_unpack(qt, q, dst, G):
+    """run_unpack for the one matrix type qt (as tile_one)."""
+    z = np.int64(0)
+    run_unpack(qt, qt, q, z, dst, z, G)
+
+
+ENTRIES = {ONE: (tile_one, tuple(_TILES)), PASS: (tile_rows_at, tuple(_TILES)),
+           PASS_U: (tile_rows_u_at, tuple(_TILES_U)), UNPACK: (tile_unpack, tuple(_TILES_U))}
+"""slot: (the entry's function, the matrix types that have one) of an entry table (lumen.kernels.entries)."""
+
+
+def entry_signature(fn, qt: int) -> tuple:
+    """The types an entry of ENTRIES is compiled for in an entry table, for matrix type qt: a literal, so each
+    type's is its own code, and integers."""
+    n = {tile_one: 9, tile_rows_at: 15, tile_rows_u_at: 15, tile_unpack: 3}[fn]
+    return (types.literal(int(qt)), *(types.int64,) * n)
+
+
 def unpack_tile(kinds, w, t, wbuf, wo, G):
     """wbuf.flat[wo : wo + G * UNPACKED_GROUP] = tile t of the matrix w (a Mat of a type of _TILES_U) unpacked to
-    one byte per column (lumen.kernels.simd.unpack_*). Compiled code only, see the overload."""
+    one byte per column (lumen.kernels.simd.unpack_*). Compiled code only."""
     raise NotImplementedError("unpack_tile runs in compiled code only")
 
 
 @overload(unpack_tile, inline="always")
 def _unpack_tile(kinds, w, t, wbuf, wo, G):
-    """Built for the families of the kinds' types of _TILES_U only; none: nothing (the caller never takes this
-    path)."""
-    import lumen.kernels.simd as simd
-    fams = sorted({FORMAT[QT(t)][0] for t in sets(kinds)[0] if t in _TILES_U})
-    if not fams:
-        return lambda kinds, w, t, wbuf, wo, G: None
-    fn = switch(tuple((f, simd.UNPACK[f]) for f in fams), 5)          # one unpacker per family
-
-    def impl(kinds, w, t, wbuf, wo, G):
-        fn(family(w.qt), w.q, t * w.q.shape[1], wbuf, wo, G)
-    return impl
+    return lambda kinds, w, t, wbuf, wo, G: run_unpack(kinds, w.qt, w.q, t * w.q.shape[1], wbuf, wo, G)
 
 
-def tile_rows_u(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
-    """tile_rows for NR rows of a type of _TILES_U, reading tile t's weights unpacked at wbuf.flat[wo:]
-    (unpack_tile) and its scales from w.s as they are: the same integer sums and float steps, so the same bits.
+def tile_row(kinds, dst, r0, c0, w, t, x, i):
+    """dst[r0, c0 : c0 + R] = tile t of the matrix w (a Mat of a quantized type) times activation row i of x (Acts).
     Compiled code only."""
-    raise NotImplementedError("tile_rows_u runs in compiled code only")
+    raise NotImplementedError("tile_row runs in compiled code only")
 
 
-@overload(tile_rows_u, inline="always")
-def _tile_rows_u(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
-    import lumen.kernels.simd as simd
-    qts = [t for t in sets(kinds)[0] if t in _TILES_U]
-    if not qts:
-        return lambda kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo: None
-    many = switch(tuple((t, getattr(simd, _TILES_U[t])) for t in qts), 19)
-
-    def impl(kinds, dst, r0, c0, w, t, x, i, v0, wbuf, wo):
+@overload(tile_row, inline="always")
+def _tile_row(kinds, dst, r0, c0, w, t, x, i):
+    def impl(kinds, dst, r0, c0, w, t, x, i):
         G = x.xd.shape[1]
-        so, ld = t * w.s.shape[1], dst.shape[1]
-        zero = np.int64(0)
-        many(w.qt, dst, r0 * ld + c0, ld, wbuf, wo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi,
-             2 * i * G, G, v0, zero, zero)
+        ld = dst.shape[1]
+        run_one(kinds, w.qt, dst, r0 * ld + c0, ld, w.q, t * w.q.shape[1], w.s, t * w.s.shape[1], x.xq,
+                i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi, 2 * i * G, G)
     return impl
 
 
-def tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
-    """dst[r0 + j, c0 : c0 + R] (j < nr, nr = 1 or NR) = tile t of the matrix w (a Mat of a quantized type) times
-    activation rows i + j of x (Acts); for nr = NR only the tile's rows 16 v0 .. 16 (v0 + NVP) - 1, prefetching
-    pfb bytes per group (0: none) from pf bytes past the tile into L2 as it goes. For the matrix types of the
-    kinds (lumen.kernels.kinds; compiled code only, see the overload). The tile kernels of lumen.kernels.simd keep
-    their flat (array, offset) arguments: they are LLVM intrinsics, and this is the one place that calls them."""
-    raise NotImplementedError("tile_rows runs in compiled code only")
+def tile_passes(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
+    """dst[i, c0 + 16 v0 : c0 + 16 (v0 + NVP)] (i < nb, a multiple of NR) = the tile's rows 16 v0 .. 16 (v0 + NVP)
+    - 1 of tile t of the matrix w times activation rows i of x, in passes of NR rows (run_rows, its prefetching
+    from p0, chunk and per); unpacked (a constant): from the tile unpack_tile wrote at wbuf.flat[wo:], with its
+    scales from w.s as they are: the same integer sums and float steps, so the same bits. Compiled code only."""
+    raise NotImplementedError("tile_passes runs in compiled code only")
 
 
-@overload(tile_rows, inline="always")
-def _tile_rows(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
-    """The dispatch (lumen.kernels.kinds.switch), built for the kinds' types only: one tile kernel per type."""
-    import lumen.kernels.simd as simd
-    qts = [t for t in sets(kinds)[0] if t in _TILES] or [int(QT.Q8_0)]
-    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in qts), 16)
-    many = switch(tuple((t, getattr(simd, _TILES[t][1])) for t in qts), 19)
+@overload(tile_passes, inline="always")
+def _tile_passes(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
+    if getattr(unpacked, "literal_value", None) is None:
+        return None
 
-    def impl(kinds, nr, dst, r0, c0, w, t, x, i, v0, pf, pfb):
+    if unpacked.literal_value:
+        def impl_u(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
+            G = x.xd.shape[1]
+            z = np.int64(0)
+            run_rows_u(kinds, w.qt, nb, dst, c0, dst.shape[1], wbuf, wo, w.s, t * w.s.shape[1], x.xq, z, x.xd, z,
+                       x.xs, z, x.xi, z, G, v0, z, z, z, z)
+        return impl_u
+
+    def impl(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
         G = x.xd.shape[1]
-        qo, so, ld = t * w.q.shape[1], t * w.s.shape[1], dst.shape[1]
-        if nr == 1:
-            one(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi,
-                2 * i * G, G)
-        else:
-            many(w.qt, dst, r0 * ld + c0, ld, w.q, qo, w.s, so, x.xq, i * 32 * G, x.xd, i * G, x.xs, i * G, x.xi,
-                 2 * i * G, G, v0, pf, pfb)
+        z = np.int64(0)
+        qb = w.q.shape[1]
+        run_rows(kinds, w.qt, nb, dst, c0, dst.shape[1], w.q, t * qb, w.s, t * w.s.shape[1], x.xq, z, x.xd, z,
+                 x.xs, z, x.xi, z, G, v0, p0, chunk, per, qb)
     return impl
 
 
@@ -442,7 +585,7 @@ def tiles_1(out, w, x, facc, t0, t1, kinds):
     for t in range(t0, t1):
         full = (t + 1) * R <= d_out
         dst, c0 = (out, t * R) if full else (facc, zero)
-        tile_rows(kinds, 1, dst, zero, c0, w, t, x, zero, zero, zero, zero)
+        tile_row(kinds, dst, zero, c0, w, t, x, zero)
         if not full:
             for r in range(d_out - t * R):
                 out[0, t * R + r] = facc[0, r]
@@ -457,8 +600,9 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     facc (1, NR * R) f32, then copied out. A last tile of fewer than R rows goes one row at a time through facc
     (and so does every F32-family tile). From lumen.kernels.policy.unpack_rows rows on (prefill), each tile is
     first unpacked to a byte per column into wbuf.flat[wo:] (this worker's scratch, when it holds
-    G * UNPACKED_GROUP bytes) and the passes read that (tile_rows_u): the unpacking is then done once per tile
-    instead of once per NR rows. Three call sites of the tile dispatch (each is code for every type)."""
+    G * UNPACKED_GROUP bytes) and the passes read that (tile_passes): the unpacking is then done once per tile
+    instead of once per NR rows. kinds: a kinds value, whose types' kernels are compiled in, or an entry table,
+    whose kernels it calls (run_one and its like): then one compiled function for every type."""
     N, d_out = out.shape
     if w.qf.shape[0] > 0:
         for t in range(t0, t1):
@@ -490,8 +634,7 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
                 prefetch_lines(w.s, (t + 1) * sb, sb)
             unpack_tile(kinds, w, t, wbuf, wo, G)
             for v0 in range(0, R // 16, NVP):
-                for i in range(0, nb, NR):
-                    tile_rows_u(kinds, out, np.int64(i), t * R, w, t, x, np.int64(i), np.int64(v0), wbuf, wo)
+                tile_passes(kinds, True, out, t * R, w, t, x, nb, np.int64(v0), zero, zero, zero, wbuf, wo)
             i0 = nb
         elif full and nb > 0:
             # the next tile streams into L2 while this one is computed: each of the P passes prefetches its 1/P
@@ -499,14 +642,10 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
             P = nb // NR * (R // 16 // NVP)
             chunk = -(-qb // P // 64) * 64
             per = -(-chunk // G // 64) * 64 if t + 1 < t1 else zero
-            p = 0
             c0 = zero if pad else t * R
             for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
-                for i in range(0, nb, NR):
-                    pb = per if p * chunk < qb else zero
-                    tile_rows(kinds, NR, dst, np.int64(i), c0, w, t, x, np.int64(i), np.int64(v0),
-                              qb + p * chunk, pb)
-                    p += 1
+                tile_passes(kinds, False, dst, c0, w, t, x, nb, np.int64(v0), v0 // NVP * (nb // NR), chunk, per,
+                            wbuf, wo)
             if pad:
                 for i in range(N):
                     for r in range(R):
@@ -514,19 +653,25 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
             i0 = min(nb, N)
         for i in range(i0, N):
             dst, r0, c0 = (out, np.int64(i), t * R) if full else (facc, zero, zero)
-            tile_rows(kinds, 1, dst, r0, c0, w, t, x, np.int64(i), zero, zero, zero)
+            tile_row(kinds, dst, r0, c0, w, t, x, np.int64(i))
             if not full:
                 for r in range(d_out - t * R):
                     out[i, t * R + r] = facc[0, r]
 
 
-def tiles_signature(kinds_type) -> tuple:
-    """The Numba types `tiles` is compiled for in an entry table (lumen.kernels.entries): what matmul_kernel
-    passes it (run_tiles checks), with a kinds value of one type."""
+def _arg_types() -> tuple:
+    """Numba types of (Mat, Acts, a 2-d f32 array, a 2-d u8 array) as matmul_kernel passes them."""
     f32_2, u8_2 = types.Array(types.float32, 2, "C"), types.Array(types.uint8, 2, "C")
     mat = types.NamedTuple((types.int64, u8_2, types.Array(types.float32, 3, "C"), u8_2), Mat)
     acts = types.NamedTuple((types.Array(types.int8, 2, "C"), f32_2, f32_2, types.Array(types.int32, 3, "C"), f32_2),
                             Acts)
+    return mat, acts, f32_2, u8_2
+
+
+def tiles_signature(kinds_type) -> tuple:
+    """The Numba types `tiles` is compiled for in an entry table (lumen.kernels.entries): what matmul_kernel
+    passes it (run_tiles checks), with the table as its kinds."""
+    mat, acts, f32_2, u8_2 = _arg_types()
     return (f32_2, mat, acts, f32_2, u8_2, types.int64, types.int64, types.int64, kinds_type)
 
 

@@ -47,7 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..format.quants import QT
-from .ir import (F16, F32, I8, I32, LANES, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
+from .ir import (F16, F32, I8, I32, I64, LANES, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
                  splat, vload)
 from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
@@ -411,6 +411,19 @@ tile_q8_0_1, tile_q8_0_n = _tiles_of(QT.Q8_0)
 # (the Q8 family needs none; lumen.kernels.policy.UNPACK_ROWS has the figures)
 tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (_tile_u(qt) for qt in (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
 tile_q4_0_u, tile_q4_1_u, tile_q4_k_u = (_tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K))
+
+
+@intrinsic
+def data_at(typingctx, a, off):
+    """The address (int64) of a.flat[off]: what a tile kernel takes in place of (a, off) when it is called through
+    an entry table (lumen.kernels.matmul.run_pass)."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.ptrtoint(builder.gep(arr.data, [args[1]]), I64)
+    return types.int64(a, types.intp), codegen
 
 
 @intrinsic

@@ -78,44 +78,56 @@ def test_the_cache_directory_depends_on_the_platform(monkeypatch):
     assert paths.compile_cache_dir() != here
 
 
-# One of two processes that start at once on an empty cache and both need the kernels of one weight type.
+# One of two processes that start at once on an empty cache and both need the kernels of one weight type; the
+# first (argv[2] = 1) then makes the table of a model with a second type. Prints what each phase compiled.
 ENTRIES = textwrap.dedent("""
     import sys, time
     from numba.core import event
-    n = [0]
+    names = []
 
-    class Count(event.Listener):
+    class Names(event.Listener):
         def on_start(self, ev):
             pass
 
         def on_end(self, ev):
-            n[0] += ev.data["dispatcher"].py_func.__name__ == "tiles"
+            names.append(ev.data["dispatcher"].py_func.__name__)
 
     from lumen.kernels.entries import entries
     from lumen.kernels.kinds import kinds
     time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
-    with event.install_listener("numba:compile", Count()):
+    with event.install_listener("numba:compile", Names()):
         entries(kinds(mats=(8,), embd=(8,), acts=(0,)))     # Q8_0 matrices and embedding, SiLU
-    print(n[0])
+    print(" ".join(names) or "-")
+    names.clear()
+    if sys.argv[2] == "1":
+        with event.install_listener("numba:compile", Names()):
+            entries(kinds(mats=(8, 3), embd=(8,), acts=(0,)))     # and Q4_1 matrices
+        print(" ".join(names) or "-")
 """)
+
+KERNELS = ("tiles", "tile_one", "tile_rows_at", "tile_rows_u_at", "tile_unpack")
 
 
 def test_processes_that_start_at_once_compile_a_types_kernels_once(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(ROOT)}
     start = time.time() + 8
-    procs = [subprocess.Popen([sys.executable, "-c", ENTRIES, str(start)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", ENTRIES, str(start), str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outs = []
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-2000:]
-            outs.append(int(out.split()[-1]))
+            outs.append(out.splitlines()[-2:] if p is procs[1] else out.splitlines()[-1:])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert sorted(outs) == [0, 1], f"tiles compiled by each process: {outs} (the second should load it)"
+    both = [n for lines in (outs[0], outs[1][:1]) for n in lines[0].split() if n in KERNELS]
+    # each kernel once, by one process or the other
+    assert sorted(both) == sorted(("tiles", "tile_one", "tile_rows_at")), outs
+    # a second matrix type compiles its own entries only: the tile loop is one function for every type
+    assert sorted(n for n in outs[1][1].split() if n in KERNELS) == sorted(KERNELS[1:]), outs
 
 
 
