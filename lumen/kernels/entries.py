@@ -21,9 +21,9 @@ from numba import typeof
 from .activation import GATED, add_row
 from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
-from .kinds import (ACT, ADD, ATTN, ATTN_LANE, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES, address, kinds,
+from .kinds import (ACT, ADD, ATTN, ATTN_LANE, MATMUL, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES, address, kinds,
                     sets)
-from .matmul import ENTRIES, entry_signature, quantize_address, tiles, tiles_signature
+from .matmul import ENTRIES, entry_signature, matmul_kernel, matmul_signature, quantize_address, tiles, tiles_signature
 from .norm import rmsnorm_row
 from .rope import rope_row
 from .rows import row_address
@@ -40,6 +40,8 @@ def _entry(slot: int, t: int) -> int:
         return address(fn, entry_signature(fn, t))
     if slot == ATTN:
         return address(attention_kernel, attention_signature(), "attention")
+    if slot == MATMUL:
+        return address(matmul_kernel, matmul_signature())
     if slot == ATTN_LANE:
         return lane_address()
     if slot == ROWS:
@@ -51,6 +53,19 @@ def _entry(slot: int, t: int) -> int:
     return row_address(ROW_FUNCTIONS[slot])
 
 
+def jobs(k: np.ndarray) -> list[tuple[int, int, int]]:
+    """The entries of a kinds value's table, in the order `entries` makes them: (index, slot, type) (ValueError for
+    a type without a slot)."""
+    mats, embd, acts = sets(typeof(k))
+    for t in mats + embd:
+        if not 0 <= t < N_TYPES:
+            raise ValueError(f"GGML type {t} has no entry slot")
+    out = [(TILES + t, TILES, 0) for t in mats]            # `tiles` is one function for every type
+    out += [(slot + t, slot, t) for t in mats for slot, (_, ts) in ENTRIES.items() if t in ts]
+    out += [(ROWS + t, ROWS, t) for t in embd] + [(ACT + a, ACT, a) for a in acts]
+    return out + [(slot, slot, 0) for slot in (*ROW_FUNCTIONS, QUANT, ATTN_LANE, ATTN, MATMUL)]
+
+
 def entries(k: np.ndarray) -> np.ndarray:
     """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t `tiles` (one
     compiled function, given the table) for each matrix type t it names, and the tile kernels of t it calls there
@@ -58,24 +73,19 @@ def entries(k: np.ndarray) -> np.ndarray:
     first), at ROWS + t the row dequantizer of each embedding type t, at ACT + a the row function of its gated
     activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
     none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs, at RMSNORM, ADD and ROPE those
-    row functions, at QUANT the activations' row rounding. A table is returned as it is."""
+    row functions, at QUANT the activations' row rounding, at MATMUL the matmul kernel. A table is returned as it
+    is."""
     if k.dtype == np.int64:
         return k
-    mats, embd, acts = sets(typeof(k))
     table = np.zeros(N_ENTRIES, np.int64)
-    for slot, ts in ((TILES, mats), (ROWS, embd)):
-        for t in ts:
-            if not 0 <= t < N_TYPES:
-                raise ValueError(f"GGML type {t} has no entry slot")
-            table[slot + t] = _entry(slot, t if slot == ROWS else 0)        # `tiles`: one for every type
-    for t in mats:
-        for slot, (_, ts) in ENTRIES.items():
-            if t in ts:
-                table[slot + t] = _entry(slot, t)
-    for a in acts:
-        table[ACT + a] = _entry(ACT, a)
-    for slot in (*ROW_FUNCTIONS, QUANT):
-        table[slot] = _entry(slot, 0)
-    table[ATTN_LANE] = _entry(ATTN_LANE, 0)
-    table[ATTN] = _entry(ATTN, 0)
+    for i, slot, t in jobs(k):
+        table[i] = _entry(slot, t)
     return table
+
+
+def compile_from_the_end(k: np.ndarray) -> None:
+    """Compile (or load) the entries of k's table, the last first: the precompiling child (lumen.model.precompile)
+    does this once the forward pass is compiled, while the loading process makes them from the first; each entry
+    is one compile turn (lumen.kernels.kinds.address), so the two meet in the middle and nothing compiles twice."""
+    for _, slot, t in reversed(jobs(k)):
+        _entry(slot, t)

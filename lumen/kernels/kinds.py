@@ -26,6 +26,7 @@ step on the real bundles).
 from __future__ import annotations
 
 import functools
+import zlib
 
 import numpy as np
 from llvmlite import ir
@@ -102,15 +103,18 @@ ONE = MM3 + 1                     # table[ONE + t], [PASS + t], [PASS_U + t], [U
 PASS = ONE + N_TYPES              # for matrix type t (lumen.kernels.matmul.ENTRIES), which `tiles` given the table
 PASS_U = PASS + N_TYPES           # calls (the last two for the types lumen.kernels.policy.UNPACKED names)
 UNPACK = PASS_U + N_TYPES
-N_ENTRIES = UNPACK + N_TYPES
+MATMUL = UNPACK + N_TYPES         # table[MATMUL]: lumen.kernels.matmul.matmul_kernel (mm3 calls it there)
+N_ENTRIES = MATMUL + 1
 
 
 def address(dispatcher, sig: tuple, turn: str = "entries") -> int:
     """The address of the C wrapper of dispatcher compiled for sig (compiled now, or loaded from Numba's cache):
     what `call` calls. The dispatcher keeps the code alive for the life of the process. Processes that start at
-    once take turns (lumen.paths.compile_turn): the later ones load what the first compiled."""
+    once take turns (lumen.paths.compile_turn) for each function and signature: the later ones load what the first
+    compiled, and different ones compile at once."""
     if tuple(sig) not in dispatcher.overloads:
-        with compile_turn(turn):
+        key = zlib.crc32(str(tuple(sig)).encode())
+        with compile_turn(f"{turn}-{dispatcher.py_func.__name__}-{key:08x}"):
             dispatcher.compile(sig)
     cres = dispatcher.overloads[tuple(sig)]
     return cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)

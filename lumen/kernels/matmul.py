@@ -46,7 +46,7 @@ from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
-from lumen.kernels.kinds import (ALL, ONE, PASS, PASS_U, TILES, UNPACK, abi_guard, address, call, call_borrowed, is_table,
+from lumen.kernels.kinds import (ALL, MATMUL, ONE, PASS, PASS_U, TILES, UNPACK, abi_guard, address, call, call_borrowed, is_table,
                                  require_abi, sets, switch)
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
@@ -735,6 +735,31 @@ def matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds):
                         run_tiles(kinds, outs[m], Mat(qts[m], qs[m], qfs[m], ss[m]), x, facc[ci:ci + 1], wbuf,
                                   ci * wbuf.shape[1], a - base, b - base)
                     base += T
+
+
+def matmul_signature() -> tuple:
+    """The Numba types matmul_kernel is compiled for in an entry table (lumen.kernels.entries): what mm3
+    (lumen.model.forward) passes it (run_matmul checks)."""
+    mat, acts, f32_2, u8_2 = _arg_types()
+    i64_1 = types.Array(types.int64, 1, "C")
+    return types.UniTuple(f32_2, 3), types.UniTuple(mat, 3), types.int64, acts, f32_2, u8_2, i64_1, i64_1
+
+
+def run_matmul(outs, ws, n, x, facc, wbuf, work, kinds):
+    """matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds), compiled in for a kinds value, or called through the
+    entry table: then the caller does not compile its parallel region (about 3.5 s of a cold start), and the
+    process that makes the table or the precompiling child compiles it, whichever is free first
+    (lumen.model.precompile). Compiled code only."""
+    raise NotImplementedError("run_matmul runs in compiled code only")
+
+
+@overload(run_matmul, inline="always")
+def _run_matmul(outs, ws, n, x, facc, wbuf, work, kinds):
+    if not is_table(kinds):
+        return lambda outs, ws, n, x, facc, wbuf, work, kinds: matmul_kernel(outs, ws, n, x, facc, wbuf, work, kinds)
+    require_abi("the matmul entry", (outs, ws, types.int64, x, facc, wbuf, work, kinds), matmul_signature())
+    return lambda outs, ws, n, x, facc, wbuf, work, kinds: call(kinds[MATMUL], (outs, ws, np.int64(n), x, facc,
+                                                                                wbuf, work, kinds))
 
 
 @njit(cache=True)

@@ -32,7 +32,7 @@ from ..kernels.dequant import dequant_row
 from ..kernels.entries import address, entries
 from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, QUANT, RMSNORM, ROPE, SILU, call, require_abi
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, Packs, q_len, s_len
-from ..kernels.matmul import Acts, Mat, act_rows, matmul_kernel, prepare_x_at
+from ..kernels.matmul import Acts, Mat, act_rows, prepare_x_at, run_matmul
 from ..kernels.policy import parallel_rows, split_attention
 from ..kernels.rope import rope_flags
 from ..kernels.rows import run_rows
@@ -190,8 +190,9 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
     """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of
     packs: the activations rounded once (prepare_x_at), then one parallel region over the tiles of all n (one
     activation row per pass for decode, NR rows per pass otherwise; both give the same bits per row). Matrices
-    whose activation formats differ, or of the F32 family, run one region each. The forward pass calls it through
-    the entry table (`run_mm3`), so it does not link (and compile again) the matmul kernels' tree."""
+    whose activation formats differ, or of the F32 family, run one region each (matmul_kernel, through the entry
+    table). The forward pass calls it through the table too (`run_mm3`), so it does not link (and compile again)
+    the matmul kernels' tree."""
     m0, f0 = _mat(i0, packs)
     m1, f1 = _mat(i1, packs)
     m2, f2 = _mat(i2, packs)
@@ -212,7 +213,7 @@ def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
         else:
             o, ws, k = (outs[r], outs[r], outs[r]), (ms[r], ms[r], ms[r]), np.int64(1)
         prepare_x_at(acts, x, fmts[r], kinds[QUANT])
-        matmul_kernel(o, ws, k, acts, scr.facc, scr.wbuf, scr.work, kinds)
+        run_matmul(o, ws, k, acts, scr.facc, scr.wbuf, scr.work, kinds)
 
 
 def _z(dtype, ndim: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from ..errors import GGUFError, LumenError
 from ..paths import lumen_home
 from ..format.gguf import GGUFFile
 from .config import Config, check_tensors, config_from_metadata
-from .weights import load_weights
+from .weights import header_kinds, load_weights
 from .forward import Weights
 
 
@@ -74,7 +74,7 @@ def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None =
     """The parts of an opened GGUF file: its weights loaded (repacked, or from the pack cache). quiet: no line
     on stderr when the weights are packed (lumen.model.weights.load_weights)."""
     from . import precompile
-    precompile.start()                  # a first run: the forward pass compiles on the other core meanwhile
+    precompile.start(header_kinds(g, cfg))   # a first run: the forward pass compiles on the other core meanwhile
     w = load_weights(g, cfg, pack_cache=pack_cache, quiet=quiet)
     return ModelParts(Path(path), g, cfg, tok, w, Weights(**w.arrays), w.rope_freqs)
 

@@ -5,17 +5,18 @@ on a 2-vCPU EPYC, all of it on one core (Numba compiles serially) while the othe
 for every model (the model's numbers and its weight types' kernels are runtime values: lumen.kernels.entries), so
 it can be compiled before the model is even read, from arguments of no size with the same types (`forward_args`).
 `start()` (lumen.model.parts, before the weights load) then, when the cache lacks it:
-- starts a child process (`main` here), which compiles the activations' rounding, mm3 (the matmul kernels' tree)
-  and then the forward pass into the cache on the other core;
+- starts a child process (`main` here), which compiles mm3 (the matmul's rounding of the activations and its call
+  of the matmul kernel) and then the forward pass into the cache on the other core;
 - compiles the attention kernel here meanwhile (about 5 s), the entry table's largest (the forward pass calls it
   and mm3 through the table: lumen.kernels.entries), so the two halves take about the same time;
 then this process loads and packs the weights and compiles their type's kernels as before, and makes the entry
-table, which loads mm3 once the child has compiled it. The runner's first forward pass calls `wait()`: the child
-is done by then or soon after, and the forward pass loads from the cache. Processes that start at once take turns
-(lumen.paths.compile_turn) for each of these: the later ones load what the first compiled. If the child fails,
-the forward pass compiles here as
-it did before; the bits are the same either way (compiled code does not depend on which process compiled it).
-LUMEN_PRECOMPILE=0 turns it off.
+table, which loads mm3 once the child has compiled it. The child, its forward pass compiled, goes on to the entry
+table from its end (this process's kinds, from the file's header), one compile turn per entry, so that a model
+whose packing makes this half the longer (the 1.5B's) has the two meet in the middle. The runner's first forward
+pass calls `wait()`: the child is done by then or soon after, and the forward pass loads from the cache. Processes
+that start at once take turns (lumen.paths.compile_turn) for each of these: the later ones load what the first
+compiled. If the child fails, the forward pass compiles here as it did before; the bits are the same either way
+(compiled code does not depend on which process compiled it). LUMEN_PRECOMPILE=0 turns it off.
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ import sys
 import time
 
 import numpy as np
+from numba import typeof
 
 from ..kernels.attention import attention_args, attention_kernel, attention_signature, lane_address
-from ..kernels.matmul import quantize_address
+from ..kernels.kinds import address, sets
 from ..paths import compile_turn
 from .forward import KV, Arch, Batch, Scratch, Weights, _z, forward, mm3, mm3_signature, mm_scratch_args, packs_args
 
@@ -66,9 +68,11 @@ def cached(dispatcher, sig: tuple) -> bool:
     return key in cache._cache_file._load_index()
 
 
-def start() -> bool:
+def start(k: np.ndarray | None = None) -> bool:
     """Start compiling the forward pass in a child process when the compile cache lacks it, and compile the
-    attention kernel here meanwhile (module doc). Returns whether a child was started. Once per process."""
+    attention kernel here meanwhile (module doc); k: the model's kinds value (lumen.kernels.kinds), whose entries
+    the child then compiles from the end of the table while this process makes it from the start. Returns whether
+    a child was started. Once per process."""
     global _child, _started
     if _child is not None or os.environ.get("LUMEN_PRECOMPILE", "1") == "0" or not cached_ok():
         return False
@@ -79,8 +83,9 @@ def start() -> bool:
         return False
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        argv = [str(os.getpid())] + ([] if k is None else [",".join(map(str, ts)) for ts in sets(typeof(k))])
         code = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r)\n"    # this lumen, wherever
-                f"from lumen.model.precompile import main; main([{str(os.getpid())!r}])")  # it was imported from
+                f"from lumen.model.precompile import main; main({argv!r})")              # it was imported from
         _child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
     except OSError:
@@ -88,8 +93,7 @@ def start() -> bool:
     _started = True
     atexit.register(_stop)
     lane_address()                               # (replicas starting at once: the first compiles, the rest load)
-    with compile_turn("attention"):
-        attention_kernel.compile(attention_signature())
+    address(attention_kernel, attention_signature(), "attention")
     return True
 
 
@@ -136,11 +140,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The child (argv: the parent's pid): compile the forward pass into the cache, unless another process's child
-    just did."""
+    """The child (argv: the parent's pid, then the kinds' matrix, embedding and activation ids, comma-separated):
+    compile the forward pass into the cache, unless another process's child just did, then the kinds' entries from
+    the end (lumen.kernels.entries.compile_from_the_end)."""
     if argv and argv[0].isdigit():
         _die_with_parent(int(argv[0]))
-    quantize_address()                            # mm3 calls it (the parent's table takes it from the cache)
     if not cached(mm3, mm3_signature()):          # the entry the parent's table takes next (lumen.model.forward)
         with compile_turn("mm3"):
             mm3.compile(mm3_signature())
@@ -148,6 +152,11 @@ def main(argv: list[str]) -> None:
         sig = signature(forward, forward_args())
         if not cached(forward, sig):
             forward.compile(sig)
+    if len(argv) == 4:
+        from ..kernels.entries import compile_from_the_end
+        from ..kernels.kinds import kinds
+        mats, embd, acts = ([int(v) for v in a.split(",") if v] for a in argv[1:])
+        compile_from_the_end(kinds(mats=mats, embd=embd, acts=acts))
 
 
 if __name__ == "__main__":

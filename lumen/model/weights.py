@@ -323,6 +323,15 @@ def _page_dropper(g: GGUFFile):
     return release
 
 
+def header_kinds(g: GGUFFile, cfg: Config) -> np.ndarray:
+    """The kinds value (lumen.kernels.kinds) of g's weights, from its header: the types of the packed matrices (the
+    tensors' own), of the token embedding, and the gated activation."""
+    emb = g.tensors["token_embd.weight"]
+    mats = {int(g.tensors[f"blk.{il}.{name}.weight"].qtype) for il in range(cfg.n_layer) for name in MATS}
+    mats.add(int(g.tensors.get("output.weight", emb).qtype))
+    return kinds(mats=mats, embd=(int(emb.qtype),), acts=(GELU if cfg.act == "gelu" else SILU,))
+
+
 def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
                  quiet: bool = False) -> LoadedWeights:
     """The weights of g. pack_cache: use the on-disk pack cache (None: unless LUMEN_PACK_CACHE=0). Packing
@@ -387,8 +396,7 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
         packs, packs_from = pack(), "packed (cache off)"
     fvec = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
     rope = g.tensors.get("rope_freqs.weight")
-    kset = kinds(mats=packs.table[:, C_QT].tolist(), embd=(int(emb.qtype),),       # what forward compiles for
-                  acts=(GELU if cfg.act == "gelu" else SILU,))
+    kset = header_kinds(g, cfg)                                                     # what forward compiles for
     arrays = dict(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kset,
                      attn_q=ids["attn_q"], attn_k=ids["attn_k"], attn_v=ids["attn_v"],
                      attn_output=ids["attn_output"], ffn_gate=ids["ffn_gate"], ffn_up=ids["ffn_up"],
