@@ -21,8 +21,8 @@ from numba import typeof
 from .activation import GATED, add_row
 from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
-from .kinds import (ACT, ADD, ATTN, ATTN_LANE, MATMUL, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES, address, kinds,
-                    sets)
+from .kinds import (ACT, ADD, ATTN, ATTN_LANE, MATMUL, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES,
+                    address, kinds, sets)
 from .matmul import ENTRIES, entry_signature, matmul_kernel, matmul_signature, quantize_address, tiles, tiles_signature
 from .norm import rmsnorm_row
 from .rope import rope_row
@@ -69,8 +69,8 @@ def jobs(k: np.ndarray) -> list[tuple[int, int, int]]:
 def entries(k: np.ndarray) -> np.ndarray:
     """The entry table (N_ENTRIES,) i8 of a kinds value (lumen.kernels.kinds.kinds): at TILES + t `tiles` (one
     compiled function, given the table) for each matrix type t it names, and the tile kernels of t it calls there
-    (lumen.kernels.matmul.ENTRIES: at ONE + t, PASS + t, and PASS_U + t, UNPACK + t for the types that unpack a tile
-    first), at ROWS + t the row dequantizer of each embedding type t, at ACT + a the row function of its gated
+    (lumen.kernels.matmul.ENTRIES: at ONE + t, PASS + t, and PASS_U + t for the types that unpack a tile first), at
+    ROWS + t the row dequantizer of each embedding type t, at ACT + a the row function of its gated
     activation a, each compiled for its one kind; 0 for every other (the loader checked that the model uses
     none); at ATTN the attention kernel, at ATTN_LANE the lane function it runs, at RMSNORM, ADD and ROPE those
     row functions, at QUANT the activations' row rounding, at MATMUL the matmul kernel. A table is returned as it

@@ -99,11 +99,10 @@ RMSNORM, ADD, ROPE = ATTN_LANE + 1, ATTN_LANE + 2, ATTN_LANE + 3    # table[...]
                                   # (lumen.kernels.norm.rmsnorm_row, activation.add_row, rope.rope_row)
 QUANT = ROPE + 1                  # table[QUANT]: lumen.kernels.matmul.quantize_row (the activations' rounding)
 MM3 = QUANT + 1                   # table[MM3]: lumen.model.forward.mm3 (filled by the model layer)
-ONE = MM3 + 1                     # table[ONE + t], [PASS + t], [PASS_U + t], [UNPACK + t]: the tile kernels' entries
-PASS = ONE + N_TYPES              # for matrix type t (lumen.kernels.matmul.ENTRIES), which `tiles` given the table
-PASS_U = PASS + N_TYPES           # calls (the last two for the types lumen.kernels.policy.UNPACKED names)
-UNPACK = PASS_U + N_TYPES
-MATMUL = UNPACK + N_TYPES         # table[MATMUL]: lumen.kernels.matmul.matmul_kernel (mm3 calls it there)
+ONE = MM3 + 1                     # table[ONE + t], [PASS + t], [PASS_U + t]: the tile kernels' entries for matrix
+PASS = ONE + N_TYPES              # type t (lumen.kernels.matmul.ENTRIES), which `tiles` given the table calls (the
+PASS_U = PASS + N_TYPES           # last for the types lumen.kernels.policy.UNPACKED names)
+MATMUL = PASS_U + N_TYPES         # table[MATMUL]: lumen.kernels.matmul.matmul_kernel (mm3 calls it there)
 N_ENTRIES = MATMUL + 1
 
 

@@ -46,8 +46,8 @@ from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
-from lumen.kernels.kinds import (ALL, MATMUL, ONE, PASS, PASS_U, TILES, UNPACK, abi_guard, address, call, call_borrowed, is_table,
-                                 require_abi, sets, switch)
+from lumen.kernels.kinds import (ALL, MATMUL, ONE, PASS, PASS_U, TILES, abi_guard, address, call, call_borrowed,
+                                 is_table, require_abi, sets, switch)
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
 from lumen.kernels.simd import NR, NVP, absmax, data_at, f16_round, first_with_abs, prefetch_lines, quantize_block
@@ -358,35 +358,51 @@ def _kind_types(kinds):
     return sets(kinds)[0]
 
 
-# The tile kernels of lumen.kernels.simd are called from here only, through run_one, run_rows, run_rows_u and
-# run_unpack: each compiles, for a kinds value, the dispatch over its types (lumen.kernels.kinds.switch), and
-# given an entry table calls the type's entry there (tile_one, tile_rows_at, tile_rows_u_at, tile_unpack: the
-# same code compiled for that one type), each (array, offset) of the kernels' flat arguments passed as one address
+# The tile kernels of lumen.kernels.simd are called from here only, through run_one, run_rows and run_unpacked:
+# each compiles, for a kinds value, the dispatch over its types (lumen.kernels.kinds.switch), and given an entry
+# table calls the type's entry there (tile_one, tile_rows_at, tile_unpacked_at: the same code compiled for that
+# one type), each (array, offset) of the kernels' flat arguments passed as one address
 # (lumen.kernels.simd.data_at). So `tiles`, given the table, is one function for every type (compiled per type it
 # took 3.4-3.7 s of a cold start for each), and a type compiles its kernels only. A call takes integers only
 # (Numba's array structs would be about 700 bytes a call), and a batched call runs all NR-row passes of a half
-# tile, so the calls are one per tile in decode and two per tile and matrix in a batch, whatever N.
+# tile (an unpacked tile: the unpacking and all passes), so the calls are one per tile in decode and at most two
+# per tile and matrix in a batch, whatever N. (The unpacking, then each half tile's passes, as three calls: 3-4%
+# slower than compiled into `tiles`, 1.5B Q4_K at 128-512 rows; as one, 0.99-1.00.)
 
-def run_unpack(kinds, qt, q, qo, dst, do, G):
-    """lumen.kernels.simd.unpack_<family of qt>(q, qo, dst, do, G), for the kinds' types of _TILES_U (none:
-    nothing; the caller never takes this path). Compiled code only."""
-    raise NotImplementedError("run_unpack runs in compiled code only")
+def run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo):
+    """A whole tile of a type of _TILES_U for activation rows 0 .. nb - 1 (nb a multiple of NR): the tile's G groups
+    at q.flat[qo:] unpacked to one byte per column at wbuf.flat[wo:] (lumen.kernels.simd.unpack_<family>), then each
+    half tile's NR-row passes over that (tile_<qt>_u, no prefetching), output rows at oo + i ld; for the kinds'
+    types of _TILES_U (none: nothing; the caller never takes this path). Compiled code only."""
+    raise NotImplementedError("run_unpacked runs in compiled code only")
 
 
-@overload(run_unpack, inline="always")
-def _run_unpack(kinds, qt, q, qo, dst, do, G):
+@overload(run_unpacked, inline="always")
+def _run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo):
     import lumen.kernels.simd as simd
     if is_table(kinds):
-        return lambda kinds, qt, q, qo, dst, do, G: call(kinds[UNPACK + qt], (qt, data_at(q, qo), data_at(dst, do),
-                                                                              np.int64(G)))
+        def table_impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo):
+            call(kinds[PASS_U + qt], (qt, np.int64(nb), data_at(out, oo), np.int64(ld), data_at(q, qo), data_at(s, so),
+                                      data_at(xq, 0), data_at(xd, 0), data_at(xs, 0), data_at(xi, 0), np.int64(G),
+                                      data_at(wbuf, wo)))
+        return table_impl
     qts = _kind_types(kinds)
     if qts is None:
         return None
-    fams = sorted({FORMAT[QT(t)][0] for t in qts if t in _TILES_U})
-    if not fams:
-        return lambda kinds, qt, q, qo, dst, do, G: None
-    fn = switch(tuple((f, simd.UNPACK[f]) for f in fams), 5)          # one unpacker per family
-    return lambda kinds, qt, q, qo, dst, do, G: fn(family(qt), q, qo, dst, do, G)
+    qts = [t for t in qts if t in _TILES_U]
+    if not qts:
+        return lambda kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo: None
+    unpack = switch(tuple((f, simd.UNPACK[f]) for f in sorted({FORMAT[QT(t)][0] for t in qts})), 5)
+    many = switch(tuple((t, getattr(simd, _TILES_U[t])) for t in qts), 19)
+
+    def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo):
+        unpack(family(qt), q, qo, wbuf, wo, G)
+        zero = np.int64(0)                            # no prefetching: a constant, so the kernel has none
+        for v0 in range(0, R // 16, NVP):
+            for i in range(0, nb, NR):
+                many(qt, out, oo + i * ld, ld, wbuf, wo, s, so, xq, i * 32 * G, xd, i * G, xs, i * G, xi, 2 * i * G,
+                     G, np.int64(v0), zero, zero)
+    return impl
 
 
 def run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
@@ -406,45 +422,10 @@ def _run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi,
     qts = _kind_types(kinds)
     if qts is None:
         return None
-    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in [t for t in qts if t in _TILES] or [int(QT.Q8_0)]), 16)
-
+    qts = [t for t in qts if t in _TILES] or [int(QT.Q8_0)]
+    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in qts), 16)
     return lambda kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G: one(
         qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
-
-
-def _rows_overload(unpacked: bool):
-    """The overload of run_rows (unpacked: run_rows_u): NR-row passes over rows 0, NR, ..., nb - NR."""
-    slot, kernels = (PASS_U, _TILES_U) if unpacked else (PASS, {t: n for t, (_, n) in _TILES.items()})
-
-    def ol(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
-        import lumen.kernels.simd as simd
-        if is_table(kinds):
-            def table_impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0,
-                           chunk, per, qb):
-                call(kinds[slot + qt], (qt, np.int64(nb), data_at(out, oo), np.int64(ld), data_at(q, qo),
-                                        data_at(s, so), data_at(xq, xo), data_at(xd, xdo), data_at(xs, xso),
-                                        data_at(xi, xio), np.int64(G), np.int64(v0), np.int64(p0), np.int64(chunk),
-                                        np.int64(per), np.int64(qb)))
-            return table_impl
-        qts = _kind_types(kinds)
-        if qts is None:
-            return None
-        qts = [t for t in qts if t in kernels] or ([] if unpacked else [int(QT.Q8_0)])
-        if not qts:
-            return lambda kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, \
-                chunk, per, qb: None
-        many = switch(tuple((t, getattr(simd, kernels[t])) for t in qts), 19)
-
-        def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per,
-                 qb):
-            p = p0
-            for i in range(0, nb, NR):
-                pfb = per if p * chunk < qb else np.int64(0)
-                many(qt, out, oo + i * ld, ld, q, qo, s, so, xq, xo + i * 32 * G, xd, xdo + i * G, xs, xso + i * G,
-                     xi, xio + 2 * i * G, G, v0, qb + p * chunk, pfb)
-                p += 1
-        return impl
-    return ol
 
 
 def run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
@@ -455,20 +436,36 @@ def run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso,
     raise NotImplementedError("run_rows runs in compiled code only")
 
 
-def run_rows_u(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per,
-               qb):
-    """run_rows with the tile_<qt>_u kernels of lumen.kernels.simd, for the kinds' types of _TILES_U (none:
-    nothing; the caller never takes this path). Compiled code only."""
-    raise NotImplementedError("run_rows_u runs in compiled code only")
+@overload(run_rows, inline="always")
+def _run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
+    import lumen.kernels.simd as simd
+    if is_table(kinds):
+        def table_impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk,
+                       per, qb):
+            call(kinds[PASS + qt], (qt, np.int64(nb), data_at(out, oo), np.int64(ld), data_at(q, qo), data_at(s, so),
+                                    data_at(xq, xo), data_at(xd, xdo), data_at(xs, xso), data_at(xi, xio),
+                                    np.int64(G), np.int64(v0), np.int64(p0), np.int64(chunk), np.int64(per),
+                                    np.int64(qb)))
+        return table_impl
+    qts = _kind_types(kinds)
+    if qts is None:
+        return None
+    qts = [t for t in qts if t in _TILES] or [int(QT.Q8_0)]
+    many = switch(tuple((t, getattr(simd, _TILES[t][1])) for t in qts), 19)
 
-
-overload(run_rows, inline="always")(_rows_overload(False))
-overload(run_rows_u, inline="always")(_rows_overload(True))
+    def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
+        p = p0
+        for i in range(0, nb, NR):
+            pfb = per if p * chunk < qb else np.int64(0)
+            many(qt, out, oo + i * ld, ld, q, qo, s, so, xq, xo + i * 32 * G, xd, xdo + i * G, xs, xso + i * G, xi,
+                 xio + 2 * i * G, G, v0, qb + p * chunk, pfb)
+            p += 1
+    return impl
 
 
 @njit(cache=True)
 def tile_one(qt, out, ld, q, s, xq, xd, xs, xi, G):
-    """run_one for the one matrix type qt, a literal (so compiled per type: entry_signatures), on addresses: the
+    """run_one for the one matrix type qt, a literal (so compiled per type: entry_signature), on addresses: the
     entry of an entry table that `tiles`, given the table, calls for a matrix of type qt."""
     z = np.int64(0)
     run_one(qt, qt, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G)
@@ -482,40 +479,22 @@ def tile_rows_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, v0, p0, chunk, per, q
 
 
 @njit(cache=True)
-def tile_rows_u_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, v0, p0, chunk, per, qb):
-    """run_rows_u for the one matrix type qt (as tile_one)."""
+def tile_unpacked_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, wbuf):
+    """run_unpacked for the one matrix type qt (as tile_one)."""
     z = np.int64(0)
-    run_rows_u(qt, qt, nb, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G, v0, p0, chunk, per, qb)
-
-
-@njit(cache=True)
-def tile_unpack(qt, q, dst, G):
-    """run_unpack for the one matrix type qt (as tile_one)."""
-    z = np.int64(0)
-    run_unpack(qt, qt, q, z, dst, z, G)
+    run_unpacked(qt, qt, nb, out, z, ld, q, z, s, z, xq, xd, xs, xi, G, wbuf, z)
 
 
 ENTRIES = {ONE: (tile_one, tuple(_TILES)), PASS: (tile_rows_at, tuple(_TILES)),
-           PASS_U: (tile_rows_u_at, tuple(_TILES_U)), UNPACK: (tile_unpack, tuple(_TILES_U))}
+           PASS_U: (tile_unpacked_at, tuple(_TILES_U))}
 """slot: (the entry's function, the matrix types that have one) of an entry table (lumen.kernels.entries)."""
 
 
 def entry_signature(fn, qt: int) -> tuple:
     """The types an entry of ENTRIES is compiled for in an entry table, for matrix type qt: a literal, so each
     type's is its own code, and integers."""
-    n = {tile_one: 9, tile_rows_at: 15, tile_rows_u_at: 15, tile_unpack: 3}[fn]
+    n = {tile_one: 9, tile_rows_at: 15, tile_unpacked_at: 11}[fn]
     return (types.literal(int(qt)), *(types.int64,) * n)
-
-
-def unpack_tile(kinds, w, t, wbuf, wo, G):
-    """wbuf.flat[wo : wo + G * UNPACKED_GROUP] = tile t of the matrix w (a Mat of a type of _TILES_U) unpacked to
-    one byte per column (lumen.kernels.simd.unpack_*). Compiled code only."""
-    raise NotImplementedError("unpack_tile runs in compiled code only")
-
-
-@overload(unpack_tile, inline="always")
-def _unpack_tile(kinds, w, t, wbuf, wo, G):
-    return lambda kinds, w, t, wbuf, wo, G: run_unpack(kinds, w.qt, w.q, t * w.q.shape[1], wbuf, wo, G)
 
 
 def tile_row(kinds, dst, r0, c0, w, t, x, i):
@@ -534,33 +513,37 @@ def _tile_row(kinds, dst, r0, c0, w, t, x, i):
     return impl
 
 
-def tile_passes(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
+def tile_passes(kinds, dst, c0, w, t, x, nb, v0, p0, chunk, per):
     """dst[i, c0 + 16 v0 : c0 + 16 (v0 + NVP)] (i < nb, a multiple of NR) = the tile's rows 16 v0 .. 16 (v0 + NVP)
     - 1 of tile t of the matrix w times activation rows i of x, in passes of NR rows (run_rows, its prefetching
-    from p0, chunk and per); unpacked (a constant): from the tile unpack_tile wrote at wbuf.flat[wo:], with its
-    scales from w.s as they are: the same integer sums and float steps, so the same bits. Compiled code only."""
+    from p0, chunk and per). Compiled code only."""
     raise NotImplementedError("tile_passes runs in compiled code only")
 
 
 @overload(tile_passes, inline="always")
-def _tile_passes(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
-    if getattr(unpacked, "literal_value", None) is None:
-        return None
-
-    if unpacked.literal_value:
-        def impl_u(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
-            G = x.xd.shape[1]
-            z = np.int64(0)
-            run_rows_u(kinds, w.qt, nb, dst, c0, dst.shape[1], wbuf, wo, w.s, t * w.s.shape[1], x.xq, z, x.xd, z,
-                       x.xs, z, x.xi, z, G, v0, z, z, z, z)
-        return impl_u
-
-    def impl(kinds, unpacked, dst, c0, w, t, x, nb, v0, p0, chunk, per, wbuf, wo):
+def _tile_passes(kinds, dst, c0, w, t, x, nb, v0, p0, chunk, per):
+    def impl(kinds, dst, c0, w, t, x, nb, v0, p0, chunk, per):
         G = x.xd.shape[1]
         z = np.int64(0)
         qb = w.q.shape[1]
         run_rows(kinds, w.qt, nb, dst, c0, dst.shape[1], w.q, t * qb, w.s, t * w.s.shape[1], x.xq, z, x.xd, z,
                  x.xs, z, x.xi, z, G, v0, p0, chunk, per, qb)
+    return impl
+
+
+def tile_unpacked(kinds, out, c0, w, t, x, nb, wbuf, wo):
+    """out[i, c0 : c0 + R] (i < nb, a multiple of NR) = tile t of the matrix w (a type of _TILES_U) times
+    activation rows i of x, the tile first unpacked to a byte per column at wbuf.flat[wo:] and the NR-row passes
+    reading that with its scales from w.s as they are: the same integer sums and float steps, so the same bits
+    (run_unpacked). Compiled code only."""
+    raise NotImplementedError("tile_unpacked runs in compiled code only")
+
+
+@overload(tile_unpacked, inline="always")
+def _tile_unpacked(kinds, out, c0, w, t, x, nb, wbuf, wo):
+    def impl(kinds, out, c0, w, t, x, nb, wbuf, wo):
+        run_unpacked(kinds, w.qt, nb, out, c0, out.shape[1], w.q, t * w.q.shape[1], w.s, t * w.s.shape[1], x.xq,
+                     x.xd, x.xs, x.xi, x.xd.shape[1], wbuf, wo)
     return impl
 
 
@@ -600,7 +583,7 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     facc (1, NR * R) f32, then copied out. A last tile of fewer than R rows goes one row at a time through facc
     (and so does every F32-family tile). From lumen.kernels.policy.unpack_rows rows on (prefill), each tile is
     first unpacked to a byte per column into wbuf.flat[wo:] (this worker's scratch, when it holds
-    G * UNPACKED_GROUP bytes) and the passes read that (tile_passes): the unpacking is then done once per tile
+    G * UNPACKED_GROUP bytes) and the passes read that (tile_unpacked): the unpacking is then done once per tile
     instead of once per NR rows. kinds: a kinds value, whose types' kernels are compiled in, or an entry table,
     whose kernels it calls (run_one and its like): then one compiled function for every type."""
     N, d_out = out.shape
@@ -632,9 +615,7 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
             if t + 1 < t1:                             # the next tile into L2 while this one is computed
                 prefetch_lines(w.q, (t + 1) * qb, qb)
                 prefetch_lines(w.s, (t + 1) * sb, sb)
-            unpack_tile(kinds, w, t, wbuf, wo, G)
-            for v0 in range(0, R // 16, NVP):
-                tile_passes(kinds, True, out, t * R, w, t, x, nb, np.int64(v0), zero, zero, zero, wbuf, wo)
+            tile_unpacked(kinds, out, t * R, w, t, x, nb, wbuf, wo)
             i0 = nb
         elif full and nb > 0:
             # the next tile streams into L2 while this one is computed: each of the P passes prefetches its 1/P
@@ -644,8 +625,7 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
             per = -(-chunk // G // 64) * 64 if t + 1 < t1 else zero
             c0 = zero if pad else t * R
             for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
-                tile_passes(kinds, False, dst, c0, w, t, x, nb, np.int64(v0), v0 // NVP * (nb // NR), chunk, per,
-                            wbuf, wo)
+                tile_passes(kinds, dst, c0, w, t, x, nb, np.int64(v0), v0 // NVP * (nb // NR), chunk, per)
             if pad:
                 for i in range(N):
                     for r in range(R):
