@@ -405,6 +405,17 @@ def _run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, w
     return impl
 
 
+def _tile_switch(kinds, k, nargs):
+    """The dispatch over the kinds' types to kernel k of _TILES (0: one row, 1: NR rows), taking nargs arguments
+    (Q8_0's for a model of none of them); None while the type id is not yet a literal (_kind_types)."""
+    import lumen.kernels.simd as simd
+    qts = _kind_types(kinds)
+    if qts is None:
+        return None
+    qts = [t for t in qts if t in _TILES] or [int(QT.Q8_0)]
+    return switch(tuple((t, getattr(simd, _TILES[t][k])) for t in qts), nargs)
+
+
 def run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
     """tile_<qt>_1 of lumen.kernels.simd (its flat arguments), for the kinds' types. Compiled code only. (A loop
     over rows in here, for fewer calls, made the kernel 7-14% slower: 1.5B Q4_K, 1 and 2 rows.)"""
@@ -413,17 +424,14 @@ def run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, 
 
 @overload(run_one, inline="always")
 def _run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
-    import lumen.kernels.simd as simd
     if is_table(kinds):
         def table_impl(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
             call(kinds[ONE + qt], (qt, data_at(out, oo), np.int64(ld), data_at(q, qo), data_at(s, so),
                                    data_at(xq, xo), data_at(xd, xdo), data_at(xs, xso), data_at(xi, xio), np.int64(G)))
         return table_impl
-    qts = _kind_types(kinds)
-    if qts is None:
+    one = _tile_switch(kinds, 0, 16)
+    if one is None:
         return None
-    qts = [t for t in qts if t in _TILES] or [int(QT.Q8_0)]
-    one = switch(tuple((t, getattr(simd, _TILES[t][0])) for t in qts), 16)
     return lambda kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G: one(
         qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G)
 
@@ -438,7 +446,6 @@ def run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso,
 
 @overload(run_rows, inline="always")
 def _run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
-    import lumen.kernels.simd as simd
     if is_table(kinds):
         def table_impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk,
                        per, qb):
@@ -447,11 +454,9 @@ def _run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso
                                     np.int64(G), np.int64(v0), np.int64(p0), np.int64(chunk), np.int64(per),
                                     np.int64(qb)))
         return table_impl
-    qts = _kind_types(kinds)
-    if qts is None:
+    many = _tile_switch(kinds, 1, 19)
+    if many is None:
         return None
-    qts = [t for t in qts if t in _TILES] or [int(QT.Q8_0)]
-    many = switch(tuple((t, getattr(simd, _TILES[t][1])) for t in qts), 19)
 
     def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
         p = p0

@@ -416,7 +416,7 @@ tile_q4_0_u, tile_q4_1_u, tile_q4_k_u = (_tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1
 @intrinsic
 def data_at(typingctx, a, off):
     """The address (int64) of a.flat[off]: what a tile kernel takes in place of (a, off) when it is called through
-    an entry table (lumen.kernels.matmul.run_pass)."""
+    an entry table (lumen.kernels.matmul.run_one, run_rows and run_unpacked)."""
     if not isinstance(a, types.Array):
         return None
 
