@@ -22,7 +22,7 @@ from .activation import GATED, add_row
 from .attention import attention_kernel, attention_signature, lane_address
 from .dequant import dequant_row_entry, row_signature
 from .kinds import (ACT, ADD, ATTN, ATTN_LANE, MATMUL, N_ENTRIES, N_TYPES, QUANT, RMSNORM, ROPE, ROWS, TILES,
-                    address, kinds, sets)
+                    address, kinds, new_only, sets)
 from .matmul import ENTRIES, entry_signature, matmul_kernel, matmul_signature, quantize_address, tiles, tiles_signature
 from .norm import rmsnorm_row
 from .rope import rope_row
@@ -86,6 +86,8 @@ def entries(k: np.ndarray) -> np.ndarray:
 def compile_from_the_end(k: np.ndarray) -> None:
     """Compile (or load) the entries of k's table, the last first: the precompiling child (lumen.model.precompile)
     does this once the forward pass is compiled, while the loading process makes them from the first; each entry
-    is one compile turn (lumen.kernels.kinds.address), so the two meet in the middle and nothing compiles twice."""
-    for _, slot, t in reversed(jobs(k)):
-        _entry(slot, t)
+    is one compile turn (lumen.kernels.kinds.address), so the two meet in the middle and nothing compiles twice;
+    what the cache already holds it skips (`new_only`)."""
+    with new_only():
+        for _, slot, t in reversed(jobs(k)):
+            _entry.__wrapped__(slot, t)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 from llvmlite import ir
@@ -106,14 +107,41 @@ MATMUL = PASS_U + N_TYPES         # table[MATMUL]: lumen.kernels.matmul.matmul_k
 N_ENTRIES = MATMUL + 1
 
 
+def cached(dispatcher, sig: tuple) -> bool:
+    """Whether Numba's compile cache holds dispatcher's code for sig (read from its index: nothing is loaded)."""
+    cache = getattr(dispatcher, "_cache", None)
+    if not getattr(cache, "_enabled", False):
+        return False
+    key = cache._index_key(sig, dispatcher.targetctx.codegen())
+    return key in cache._cache_file._load_index()
+
+
+_new_only = False
+
+
+@contextmanager
+def new_only():
+    """In this block `address` returns 0, loading nothing, for code the compile cache already holds: for a process
+    that compiles for others (the precompiling child, lumen.model.precompile), which loaded each entry the loading
+    process had made (20-50 ms an entry) while that process waited for it to exit."""
+    global _new_only
+    _new_only = True
+    try:
+        yield
+    finally:
+        _new_only = False
+
+
 def address(dispatcher, sig: tuple, turn: str = "entries") -> int:
     """The address of the C wrapper of dispatcher compiled for sig (compiled now, or loaded from Numba's cache):
     what `call` calls. The dispatcher keeps the code alive for the life of the process. Processes that start at
     once take turns (lumen.paths.compile_turn) for each function and signature: the later ones load what the first
-    compiled, and different ones compile at once."""
+    compiled, and different ones compile at once. (0 for cached code inside `new_only`.)"""
     if tuple(sig) not in dispatcher.overloads:
         key = zlib.crc32(str(tuple(sig)).encode())
         with compile_turn(f"{turn}-{dispatcher.py_func.__name__}-{key:08x}"):
+            if _new_only and cached(dispatcher, sig):
+                return 0
             dispatcher.compile(sig)
     cres = dispatcher.overloads[tuple(sig)]
     return cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)

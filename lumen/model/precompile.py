@@ -30,7 +30,7 @@ import numpy as np
 from numba import typeof
 
 from ..kernels.attention import attention_args, attention_kernel, attention_signature, lane_address
-from ..kernels.kinds import address, sets
+from ..kernels.kinds import address, cached, sets
 from ..paths import compile_turn
 from .forward import KV, Arch, Batch, Scratch, Weights, _z, forward, mm3, mm3_signature, mm_scratch_args, packs_args
 
@@ -57,15 +57,6 @@ def forward_args() -> tuple:
 
 def signature(dispatcher, args: tuple) -> tuple:
     return tuple(dispatcher.typeof_pyval(a) for a in args)
-
-
-def cached(dispatcher, sig: tuple) -> bool:
-    """Whether Numba's compile cache holds dispatcher's code for sig (read from its index: nothing is loaded)."""
-    cache = getattr(dispatcher, "_cache", None)
-    if not getattr(cache, "_enabled", False):
-        return False
-    key = cache._index_key(sig, dispatcher.targetctx.codegen())
-    return key in cache._cache_file._load_index()
 
 
 def start(k: np.ndarray | None = None) -> bool:

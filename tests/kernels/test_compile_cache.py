@@ -78,9 +78,8 @@ def test_the_cache_directory_depends_on_the_platform(monkeypatch):
     assert paths.compile_cache_dir() != here
 
 
-# One of two processes that start at once on an empty cache and both need the kernels of one weight type; the
-# first (argv[2] = 1) then makes the table of a model with a second type. Prints what each phase compiled.
-ENTRIES = textwrap.dedent("""
+# A child script's start: `names` collects the functions Numba compiles while a Names() listens.
+NAMES = textwrap.dedent("""
     import sys, time
     from numba.core import event
     names = []
@@ -91,7 +90,11 @@ ENTRIES = textwrap.dedent("""
 
         def on_end(self, ev):
             names.append(ev.data["dispatcher"].py_func.__name__)
+""")
 
+# One of two processes that start at once on an empty cache and both need the kernels of one weight type; the
+# first (argv[2] = 1) then makes the table of a model with a second type. Prints what each phase compiled.
+ENTRIES = NAMES + textwrap.dedent("""
     from lumen.kernels.entries import entries
     from lumen.kernels.kinds import kinds
     time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
@@ -106,6 +109,21 @@ ENTRIES = textwrap.dedent("""
 """)
 
 KERNELS = ("tiles", "tile_one", "tile_rows_at", "tile_unpacked_at", "matmul_kernel")
+
+# The precompiling child's part (lumen.model.precompile) for a model of the types in argv[1]: what it compiled, what
+# a type's entries are, and how many kernels it loaded from the cache.
+FROM_THE_END = NAMES + textwrap.dedent("""
+    from lumen.kernels import attention, dequant, matmul, rows
+    from lumen.kernels.entries import compile_from_the_end
+    from lumen.kernels.kinds import kinds
+    mats = tuple(int(t) for t in sys.argv[1].split(","))
+    with event.install_listener("numba:compile", Names()):
+        compile_from_the_end(kinds(mats=mats, embd=(8,), acts=(0,)))
+    print(" ".join(sorted(n for n in names if n in sys.argv[2:])) or "-")     # (not the overloads' inner functions)
+    print(" ".join(sorted(fn.__name__ for fn, ts in matmul.ENTRIES.values() if mats[-1] in ts)))
+    kernels = [getattr(m, n) for m in (attention, dequant, matmul, rows) for n in dir(m)]
+    print(sum(sum(k.stats.cache_hits.values()) for k in kernels if hasattr(k, "stats")))
+""")
 
 
 def test_processes_that_start_at_once_compile_a_types_kernels_once(tmp_path):
@@ -128,6 +146,13 @@ def test_processes_that_start_at_once_compile_a_types_kernels_once(tmp_path):
     assert sorted(both) == sorted(("tiles", "tile_one", "tile_rows_at", "matmul_kernel")), outs
     # a second matrix type compiles its own entries only: the tile loop is one function for every type
     assert sorted(n for n in outs[1][1].split() if n in KERNELS) == sorted(KERNELS[1:4]), outs
+    # the precompiling child loads none of what the loader made, and compiles a new type's entries
+    for mats, fresh in (("8,3", False), ("8,3,2", True)):
+        p = subprocess.run([sys.executable, "-c", FROM_THE_END, mats, *KERNELS], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        compiled, its_entries, loaded = p.stdout.splitlines()[-3:]
+        assert (compiled, loaded) == ((its_entries if fresh else "-"), "0"), p.stdout
 
 
 
