@@ -12,9 +12,9 @@
   unicode_regex_split: the regexes of the list cut the text in turn, each one every piece the previous left,
   with llama.cpp's hand-written splitters where it has them (gpt2, llama3, qwen2, qwen35, digit groups,
   newlines) and otherwise its std::regex path (Unicode classes matched on a text collapsed to one byte per
-  class) run by Python's `re`, all on llama.cpp's codepoint table. The merges then run in HF `tokenizers` on
-  the pre-tokenized words (a word that is a vocab entry stays whole for the pre types where llama.cpp sets
-  ignore_merges). Some pre types also change the add_bos default (llama3, tekken, chameleon) or have no
+  class) run by Python's `re`, all on llama.cpp's codepoint table. The merges then run here on the
+  pre-tokenized words, by rank as llama.cpp's (a word that is a vocab entry stays whole for the pre types where
+  llama.cpp sets ignore_merges). Some pre types also change the add_bos default (llama3, tekken, chameleon) or have no
   default bos id (chatglm, glm4).
 - "gemma4" (and "gpt2" with pre "gemma4") -> `EscapedBPETokenizer`: BPE by merge rank on the raw characters
   with spaces escaped to U+2581, cut only at newline runs, <0xXX> byte fallback.
@@ -99,6 +99,7 @@ STRIP_LEFT, STRIP_RIGHT = 1, 2
 C_SPACE = " \t\n\v\f\r"  # C isspace(), what llama.cpp strips
 
 SPACE = "\u2581"  # SentencePiece's escaped space
+WORD_CACHE = 1 << 14  # words whose ids a BPE tokenizer keeps (BPETokenizer._words; HF's BPE kept 10,000)
 SPM_WHOLE = 1024  # characters below which an SPM fragment is merged whole (SPMTokenizer._cut)
 BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # the text of a byte token
 
@@ -1086,43 +1087,47 @@ class BPETokenizer(Tokenizer):
         self.pre = pre
         self.pre_type = kind
         self.pre_tokenizer = PreTokenizer(PRE_REGEXES[kind.regexes])
-        pairs = _merge_pairs(_get_list(meta, "tokenizer.ggml.merges", str, None, required=True))
+        self._ranks = _merge_ranks(_get_list(meta, "tokenizer.ggml.merges", str, None, required=True))
         self._byte_char = _bytes_to_unicode()                         # byte -> byte-level char
         self._char_byte = {c: b for b, c in self._byte_char.items()}  # byte-level char -> byte
-        self._hf = self._build_hf(pairs, kind.ignore_merges)
-
-    def _build_hf(self, pairs: list[tuple[str, str]], ignore_merges: bool):
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers
-
-        # Bytes without a token (SmolLM2 has none for 0x04, 0xC0, 0xF5.., ...) still stand as symbols in
-        # llama.cpp: they block merges across them, then are dropped (its byte fallback finds no token).
-        # HF would skip them silently and merge across, so they get ids past the vocab, removed after.
-        vocab = dict(self.token_to_id)
-        for c in self._byte_char.values():
-            vocab.setdefault(c, len(vocab))
-        try:
-            bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=ignore_merges)
-        except Exception as e:  # a merge whose parts or result are not in the vocab
-            raise GGUFError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
-        hf = HFTokenizer(bpe)
-        # the words come pre-tokenized (PreTokenizer); HF maps each to byte-level characters and merges it
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        return hf
+        self._to_chars = [self._byte_char[b] for b in range(256)]     # str.translate of latin-1: bytes -> chars
+        self._words: dict[str, list[int]] = {}                        # word -> its ids, up to WORD_CACHE words
 
     def pre_tokenize(self, text: str) -> list[str]:
         """The words llama.cpp's pre-tokenizer cuts `text` into (before byte-level encoding)."""
         return self.pre_tokenizer.split(text)
 
     def _encode_fragments(self, fragments: list[str | int], out: list[int]) -> None:
+        words = self._words
         for frag in fragments:
             if isinstance(frag, int):
                 out.append(frag)
                 continue
-            words = self.pre_tokenizer.split(frag)
-            if words:
-                ids = self._hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids
-                out.extend(i for i in ids if i < self.n_vocab)
+            for word in self.pre_tokenizer.split(frag):
+                ids = words.get(word)
+                if ids is None:
+                    if len(words) >= WORD_CACHE:
+                        words.clear()
+                    ids = words[word] = self._word_ids(word)
+                out.extend(ids)
+
+    def _word_ids(self, word: str) -> list[int]:
+        """llama.cpp's ids of one pre-tokenized word: its UTF-8 bytes as byte-level characters, merged by rank
+        (`_bpe`); a symbol outside the vocab falls back to its characters' tokens, and a byte without one
+        (SmolLM2 has none for 0x04, 0xC0, 0xF5..) is dropped, as llama.cpp's byte fallback finds none."""
+        vocab = self.token_to_id
+        chars = word.encode().decode("latin-1").translate(self._to_chars)
+        tid = vocab.get(chars) if self.pre_type.ignore_merges else None
+        if tid is not None:                     # the pre types where llama.cpp keeps a word that is a token whole
+            return [tid]
+        out = []
+        for sym in _bpe(chars, self._ranks):
+            tid = vocab.get(sym)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(t for t in map(vocab.get, sym) if t is not None)
+        return out
 
     def _normal_piece(self, text: str) -> bytes:
         out = bytearray()
@@ -1294,6 +1299,56 @@ class EscapedBPETokenizer(Tokenizer):
 
 
 _RUNS = re.compile(r"[^\n]+|\n+")
+
+
+def _merge_ranks(merges: list[str]) -> dict[str, int]:
+    """tokenizer.ggml.merges as merge text -> rank (its index; of duplicates the first, as llama.cpp's bpe_ranks),
+    for `_bpe`, which looks a pair up as "left right": llama.cpp cuts a merge at its first space after the first
+    character, and a byte-level symbol holds no space, so the merges whose cut is elsewhere (a part holding a space)
+    are pairs no byte-level text ever forms, in llama.cpp as here. A dict of the texts builds in ~40 ms for Qwen2's
+    151k merges, where HF `tokenizers` took 0.3 s to build its model from the pairs: most of a warm start's
+    tokenizer. (A merge whose parts or result are not tokens is kept, as llama.cpp keeps it: its result falls
+    back to its characters' tokens.)"""
+    first = list(map(str.find, merges, itertools.repeat(" ")))
+    if 0 in first or -1 in first:
+        k = next((k for k, merge in enumerate(merges) if merge.find(" ", 1) < 0), None)
+        if k is not None:
+            raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
+    return dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
+
+
+def _bpe(word: str, ranks: Mapping[str, int]) -> list[str]:
+    """The symbols byte-level BPE leaves of `word` (llama.cpp's llm_tokenizer_bpe_session, HF's BPE model): from
+    its characters, merge the adjacent pair of the lowest rank, the leftmost of equal ones, until no pair has a
+    rank. A heap of candidate pairs, each checked when taken by its length (a pair whose sides merged since is
+    longer): O(n log n) for a long word."""
+    n = len(word)
+    if n < 2:
+        return [word]
+    sym = list(word)
+    nxt = [*range(1, n), -1]
+    prv = list(range(-1, n - 1))
+    heap = [(r, i, 2) for i in range(n - 1) if (r := ranks.get(f"{word[i]} {word[i + 1]}")) is not None]
+    heapq.heapify(heap)
+    while heap:
+        _, i, size = heapq.heappop(heap)
+        j = nxt[i]
+        if j < 0 or not sym[i] or len(sym[i]) + len(sym[j]) != size:
+            continue                            # stale: a side merged with another symbol since
+        sym[i] += sym[j]
+        sym[j] = ""
+        k = nxt[i] = nxt[j]
+        if k >= 0:
+            prv[k] = i
+            r = ranks.get(f"{sym[i]} {sym[k]}")
+            if r is not None:
+                heapq.heappush(heap, (r, i, len(sym[i]) + len(sym[k])))
+        h = prv[i]
+        if h >= 0:
+            r = ranks.get(f"{sym[h]} {sym[i]}")
+            if r is not None:
+                heapq.heappush(heap, (r, h, len(sym[h]) + len(sym[i])))
+    return [t for t in sym if t]
 
 
 def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:

@@ -469,6 +469,18 @@ def test_sentencepiece_agrees_with_spm_tokenizer(gemma, gemma_spm):
 
 
 # --- bad metadata -------------------------------------------------------------------------------------------
+def test_the_word_cache_is_bounded_and_gives_the_same_ids(metas, monkeypatch):
+    """A BPE tokenizer keeps the ids of up to WORD_CACHE words; past that it starts again, with the same ids."""
+    import lumen.format.tokenizer as tokenizer
+    text = " ".join(f"w{i}x{i * 7919 % 1000}" for i in range(300)) + " the the cat"
+    want = Tokenizer.from_metadata(metas["smollm2-135m"]).encode(text, add_bos=False, special=False)
+    monkeypatch.setattr(tokenizer, "WORD_CACHE", 16)
+    tok = Tokenizer.from_metadata(metas["smollm2-135m"])
+    assert tok.encode(text, add_bos=False, special=False) == want
+    assert tok.encode(text, add_bos=False, special=False) == want
+    assert 0 < len(tok._words) <= 16
+
+
 def test_bad_metadata(metas):
     smol_meta, gemma_meta = metas["smollm2-135m"], metas["gemma3-270m"]
 
@@ -500,8 +512,13 @@ def test_bad_metadata(metas):
         Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.add_bos_token": "yes"})
     with pytest.raises(GGUFError, match="not two tokens"):
         Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.merges": ["a b", "ab"]})
-    with pytest.raises(GGUFError, match="do not fit"):
-        Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.merges": ["zzzq zzzr"]})
+    # a merge whose parts or result are not tokens is kept, as llama.cpp keeps it: a result outside the vocab falls
+    # back to its characters' tokens
+    vocab = set(smol_meta["tokenizer.ggml.tokens"])
+    a, b = next((a, b) for a in "qxzjv" for b in "qxzjv" if a + b not in vocab)
+    odd = Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.merges": [f"{a} {b}", "zzzq zzzr",
+                                                                          *smol_meta["tokenizer.ggml.merges"]]})
+    assert odd.encode(a + b, add_bos=False, special=False) == [odd.token_to_id[a], odd.token_to_id[b]]
     tokens = smol_meta["tokenizer.ggml.tokens"]
     with pytest.raises(GGUFError, match="duplicate"):
         Tokenizer.from_metadata({**smol_meta, "tokenizer.ggml.tokens": tokens[:-1] + [tokens[0]]})
