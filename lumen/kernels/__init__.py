@@ -9,7 +9,8 @@ its parallel region; tests/engine/test_threads.py re-creates it).
 
 Numba's compile cache is locked here too, before any kernel compiles or loads (lumen.paths.lock_compile_cache),
 and every compiled function gets a random id, so that cached code from two processes never shares a symbol
-(lumen.paths.unique_symbols).
+(lumen.paths.unique_symbols); loading a function from it no longer sets up all of Numba's implementations first
+(lumen.paths.load_without_refresh).
 
 On a target without F16C (NUMBA_CPU_NAME=generic or x86-64-v2: a compile cache for any x86-64) LLVM turns the
 kernels' half-precision conversions into calls to __extendhfsf2 and __truncsfhf2, which its JIT looks up in the
@@ -18,10 +19,11 @@ the JIT to find (the IEEE conversions, rounding to nearest even as F16C does: th
 """
 import numba
 
-from ..paths import lock_compile_cache, unique_symbols
+from ..paths import load_without_refresh, lock_compile_cache, unique_symbols
 
 lock_compile_cache()
 unique_symbols()
+load_without_refresh()
 try:
     import llvmlite.binding
     llvmlite.binding.load_library_permanently("libgcc_s.so.1")

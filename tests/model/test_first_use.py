@@ -227,25 +227,56 @@ print(sum(cached.f.stats.cache_misses.values()), sum(cached.f.stats.cache_hits.v
 """
 
 
+def _run_with_cache(script: str, tmp_path) -> list[str]:
+    """The words a script prints, run with tmp_path importable and its own Numba cache in tmp_path / "numba"."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(tmp_path)])}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.split()
+
+
 @pytest.mark.parametrize("damage", ["index", "data"])
 def test_a_damaged_compile_cache_file_is_compiled_again(tmp_path, damage):
     """A cache file cut short (a power cut after Numba wrote it, without an fsync, leaves it empty or partial)
     made every later process fail in pickle; it is a miss: the function compiles, and the cache is whole again."""
     (tmp_path / "cached.py").write_text("from numba import njit\n\n\n@njit(cache=True)\ndef f(x):\n    return x + x\n")
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(tmp_path)])}
 
     def run():
-        r = subprocess.run([sys.executable, "-c", CACHED, str(tmp_path)], env=env, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout.split()
+        return _run_with_cache(CACHED, tmp_path)
 
     assert run() == ["1", "0"]
     (victim,) = (tmp_path / "numba").rglob("cached.f-*.nbi" if damage == "index" else "cached.f-*.nbc")
     victim.write_bytes(victim.read_bytes()[:10])
     assert run() == ["1", "0"]
     assert run() == ["0", "1"]
+
+
+# Loads (or compiles) a cached function that allocates (Numba's runtime), then compiles another: prints whether
+# Numba's context had registered its implementations after each.
+LAZY = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import lumen.kernels
+from numba import njit
+from numba.core.registry import cpu_target
+
+import allocates
+assert allocates.f(5) == 10.0
+print(bool(cpu_target.target_context._registries), end=" ")
+assert njit(lambda x: x * 3)(2) == 6
+print(bool(cpu_target.target_context._registries))
+"""
+
+
+def test_a_cached_function_loads_without_numbas_implementations(tmp_path):
+    """A load from the cache sets up Numba's runtime only, not all its implementations and typing templates (0.2 s
+    of a warm start); a compile in the same process still has them."""
+    (tmp_path / "allocates.py").write_text("import numpy as np\nfrom numba import njit\n\n\n@njit(cache=True)\n"
+                                           "def f(n):\n    return np.arange(n).astype(np.float64).sum()\n")
+    assert _run_with_cache(LAZY, tmp_path) == ["True", "True"]            # compiled: registered
+    assert _run_with_cache(LAZY, tmp_path) == ["False", "True"]           # loaded: not until the compile
 
 
 INTERRUPTED = r"""
