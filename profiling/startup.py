@@ -11,7 +11,8 @@ One throwaway run first warms Numba's compile cache and the packed-weight cache.
   config check (lumen.model.parts.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix
   repack or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
   first call (type the arguments, load the compiled code from the cache; a cache miss is reported), the warm-up
-  decode step, tokenize, the first prefill, and prefill end -> first token on stdout.
+  decode step (a first run's only: a warm start loads the forward pass in its first prefill), tokenize, the first
+  prefill, and prefill end -> first token on stdout.
 Both run with the packed-weight cache on (default) and off (LUMEN_PACK_CACHE=0), and with --baseline DIR also
 with the `lumen` package of another checkout (PYTHONPATH=DIR, e.g. `git worktree add /tmp/base HEAD~1`), all
 interleaved. Timestamps are CLOCK_MONOTONIC, shared by all processes. Figures are medians of --runs.
@@ -167,8 +168,9 @@ def run_child(cli_args: list[str], env: dict) -> dict:
 def phases(res: dict) -> dict[str, float]:
     """Seconds per start-up phase, in order, from one instrumented run's marks."""
     m = res["marks"]
-    d0 = m.get("dispatch.0", m["warmup.0"])
-    d1 = m.get("dispatch.1", m["warmup.0"])
+    load = m.get("dispatch.1", 0.0) - m.get("dispatch.0", 0.0)      # the forward pass's dispatch: typing, loading
+    # the CLI's throwaway token runs on a first run only; a warm start loads the forward pass in its first prefill
+    warm = m["warmup.1"] - m["warmup.0"] - load if "warmup.0" in m else 0.0
     ph = {
         "interpreter start": m["start"] - res["spawn"],
         "import numpy": m["numpy"] - m["start"],
@@ -180,10 +182,10 @@ def phases(res: dict) -> dict[str, float]:
         "weights (repack/cache)": m["weights.1"] - m["weights.0"],
         "RunState, rest of load": (m["init.1"] - m["init.0"]) - (m["parse.1"] - m["parse.0"])
                                   - (m["tokenizer.1"] - m["tokenizer.0"]) - (m["weights.1"] - m["weights.0"]),
-        "Numba: forward from cache": d1 - d0,
-        "warm-up decode step": (m["warmup.1"] - m["warmup.0"]) - (d1 - d0),
+        "Numba: forward from cache": load,
+        "warm-up decode step": warm,
         "tokenize": m["tokenize.1"] - m["tokenize.0"],
-        "first prefill": m["prefill.1"] - m["prefill.0"],
+        "first prefill": m["prefill.1"] - m["prefill.0"] - (0.0 if "warmup.0" in m else load),
         "-> first token": m["first_token"] - m["prefill.1"],
     }
     ph["total to first token"] = m["first_token"] - res["spawn"]

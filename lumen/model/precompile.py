@@ -93,6 +93,17 @@ def cached_ok() -> bool:
     return getattr(getattr(forward, "_cache", None), "_enabled", False)     # (NUMBA_DISABLE_JIT: no cache)
 
 
+def ready() -> bool:
+    """Whether the forward pass's first call compiles nothing: no child is compiling it, and it is loaded here or
+    in the compile cache (its index read, nothing loaded)."""
+    if _child is not None:
+        return False
+    try:
+        return bool(forward.overloads) or cached(forward, signature(forward, forward_args()))
+    except Exception:                            # noqa: BLE001 - Numba's cache internals moved: not known ready
+        return False
+
+
 def wait() -> float:
     """Wait for the child started by start() (if any) to finish compiling; returns the seconds waited."""
     global _child

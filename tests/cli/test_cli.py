@@ -586,11 +586,13 @@ def test_on_an_empty_compile_cache_the_line_comes_at_once(tmp_path, monkeypatch)
 FORCED_COMPILE = r"""
 import sys, numba
 from lumen import llm
+from lumen.model import precompile
 warmup = llm.Model.warmup
 def compiling_warmup(self):
     numba.njit(lambda x: x + 1)(1)
     return warmup(self)
 llm.Model.warmup = compiling_warmup
+precompile.ready = lambda: False                   # as on a first run: the forward pass compiles at warm-up
 from lumen.generate import main
 sys.exit(main(sys.argv[1:]))
 """

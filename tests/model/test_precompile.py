@@ -67,13 +67,13 @@ with event.install_listener("numba:compile", Listen()):
     import lumen
     from lumen.model import precompile
     m = lumen.load(sys.argv[1], ctx=64, threads=2)
-    started = precompile._started
+    started, ready = precompile._started, precompile.ready()
     ids = [t.id for t in m.generate(sys.argv[2], max_tokens=6, temperature=0, ignore_eos=True)]
 from lumen.kernels.attention import attention_kernel
 from lumen.kernels.matmul import matmul_kernel, tile_one, tiles
 from lumen.model.forward import forward, mm3
 index = lambda d: len(d._cache._cache_file._load_index())
-print(json.dumps({"compiled": compiled, "started": started, "ids": ids, "mm3_sigs": index(mm3),
+print(json.dumps({"compiled": compiled, "started": started, "ready": ready, "ids": ids, "mm3_sigs": index(mm3),
                   "attention_sigs": index(attention_kernel), "forward_sigs": index(forward),
                   "sigs": {d.__name__: index(d) for d in (tiles, tile_one, matmul_kernel)}}))
 """
@@ -86,7 +86,7 @@ def test_a_first_run_runs_what_the_child_compiled(smollm2_path, tmp_path):
                        cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["started"]
+    assert got["started"] and not got["ready"]               # (the CLI then waits for it under its status line)
     assert "forward" not in got["compiled"]                  # loaded from the cache the child filled
     assert "mm3" not in got["compiled"]                      # the child's too, loaded for the entry table
     assert "attention_kernel" in got["compiled"]             # compiled here, meanwhile
@@ -147,6 +147,7 @@ def test_nothing_starts_when_the_cache_has_it(smollm2_path):
     assert precompile.cached(forward, _sig(precompile.forward_args()))
     assert precompile.start() is False
     assert precompile._child is None and precompile.wait() == 0.0
+    assert precompile.ready()                                # (the CLI skips its throwaway token)
 
 
 def test_the_forward_pass_calls_attention_and_mm3_through_the_entry_table(smollm2_path):
