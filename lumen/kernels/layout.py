@@ -69,7 +69,7 @@ BUFFERS = ("q", "qf", "s")
 DTYPES = {"table": np.int64, "q": np.uint8, "qf": np.float32, "s": np.uint8}
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def q_len(fam, T, G, n_in):
     """Elements of a packed matrix's weights in its buffer (bytes of q, or f32 values of qf)."""
     if fam == F32:
@@ -78,7 +78,7 @@ def q_len(fam, T, G, n_in):
                     8 * R * 4 if fam == Q8 else NIB_BYTES)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def s_tile(sc, G):
     """Bytes of one tile's scale record."""
     if sc == SC_D:
@@ -97,19 +97,19 @@ _BY_QT = np.array([FORMAT[QT(q)][:2] if any(int(t) == q for t in FORMAT) else (F
                    for q in range(max(int(t) for t in FORMAT) + 1)], np.int64)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def family(qt):
     """The weight family (Q4 .. F32) of GGML type qt."""
     return _BY_QT[qt, 0] if 0 <= qt < _BY_QT.shape[0] else F32
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def scale_format(qt):
     """The scale format (SC_*) of GGML type qt."""
     return _BY_QT[qt, 1] if 0 <= qt < _BY_QT.shape[0] else SC_NONE
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def s_len(qt, T, G):
     """Bytes of a packed matrix's scale records."""
     return T * s_tile(scale_format(qt), G)
