@@ -469,6 +469,29 @@ def test_sentencepiece_agrees_with_spm_tokenizer(gemma, gemma_spm):
 
 
 # --- bad metadata -------------------------------------------------------------------------------------------
+def test_long_words_merge_alike_in_hf_and_here(metas, monkeypatch):
+    """Words of LONG_WORD characters or more go to HF's BPE model (Rust: Python's heap took 0.7-0.9 s on 10^5
+    characters); it gives `_bpe`'s ids, and where HF refuses the merges (parts that are no tokens, which llama.cpp
+    keeps) every word stays with `_bpe`."""
+    import lumen.format.tokenizer as tokenizer
+    rng = random.Random(5)
+    texts = ["a" * 3000, " " * 700, "=" * 300, "x" * 255 + " " + "x" * 256,
+             "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(300)),
+             *("".join(rng.choice("abz\u00e9\u4e2d\U0001F600\u0120=-_") for _ in range(rng.randint(200, 900)))
+               for _ in range(40))]
+    meta = metas["smollm2-135m"]
+    odd = {**meta, "tokenizer.ggml.merges": ["zzzq zzzr", *meta["tokenizer.ggml.merges"]]}
+    for m in (meta, odd):
+        monkeypatch.setattr(tokenizer, "LONG_WORD", 256)
+        tok = Tokenizer.from_metadata(m)
+        got = [tok.encode(t, add_bos=False, special=False) for t in texts]
+        assert (tok._hf is False) == (m is odd)                   # built for the long words; refused for odd
+        monkeypatch.setattr(tokenizer, "LONG_WORD", 10 ** 9)
+        heap = Tokenizer.from_metadata(m)
+        assert got == [heap.encode(t, add_bos=False, special=False) for t in texts]
+        assert heap._hf is None
+
+
 def test_the_word_cache_is_bounded_and_gives_the_same_ids(metas, monkeypatch):
     """A BPE tokenizer keeps the ids of up to WORD_CACHE words; past that it starts again, with the same ids."""
     import lumen.format.tokenizer as tokenizer
