@@ -12,10 +12,10 @@
   unicode_regex_split: the regexes of the list cut the text in turn, each one every piece the previous left,
   with llama.cpp's hand-written splitters where it has them (gpt2, llama3, qwen2, qwen35, digit groups,
   newlines) and otherwise its std::regex path (Unicode classes matched on a text collapsed to one byte per
-  class) run by Python's `re`, all on llama.cpp's codepoint table. The merges then run here on the
-  pre-tokenized words, by rank as llama.cpp's (a word that is a vocab entry stays whole for the pre types where
-  llama.cpp sets ignore_merges). Some pre types also change the add_bos default (llama3, tekken, chameleon) or have no
-  default bos id (chatglm, glm4).
+  class) run by Python's `re`, all on llama.cpp's codepoint table. The merges then run on the pre-tokenized
+  words by rank, as llama.cpp's do: here, and for a word of LONG_WORD characters or more in HF `tokenizers` (a
+  word that is a vocab entry stays whole for the pre types where llama.cpp sets ignore_merges). Some pre types
+  also change the add_bos default (llama3, tekken, chameleon) or have no default bos id (chatglm, glm4).
 - "gemma4" (and "gpt2" with pre "gemma4") -> `EscapedBPETokenizer`: BPE by merge rank on the raw characters
   with spaces escaped to U+2581, cut only at newline runs, <0xXX> byte fallback.
 - "llama" -> `SPMTokenizer`: llama.cpp's SentencePiece-style tokenizer (merge the adjacent pair whose
@@ -1338,12 +1338,20 @@ def _merge_ranks(merges: list[str]) -> dict[str, int]:
     151k merges, where HF `tokenizers` took 0.3 s to build its model from the pairs: most of a warm start's
     tokenizer. (A merge whose parts or result are not tokens is kept, as llama.cpp keeps it: its result falls
     back to its characters' tokens.)"""
-    first = list(map(str.find, merges, itertools.repeat(" ")))
-    if 0 in first or -1 in first:
-        k = next((k for k, merge in enumerate(merges) if merge.find(" ", 1) < 0), None)
-        if k is not None:
-            raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
+    _check_merges(merges)
     return dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
+
+
+def _check_merges(merges: list[str]) -> bool:
+    """GGUFError for a merge that is not two tokens separated by a space (llama.cpp cuts each at its first space
+    after the first character); True when every merge's first space is that cut (none starts with a space)."""
+    first = list(map(str.find, merges, itertools.repeat(" ")))
+    if 0 not in first and -1 not in first:
+        return True
+    k = next((k for k, merge in enumerate(merges) if merge.find(" ", 1) < 0), None)
+    if k is not None:
+        raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
+    return False
 
 
 def _bpe(word: str, ranks: Mapping[str, int]) -> list[str]:
@@ -1382,14 +1390,9 @@ def _bpe(word: str, ranks: Mapping[str, int]) -> list[str]:
 
 def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
     """tokenizer.ggml.merges as pairs: llama.cpp cuts each at the first space after its first character."""
-    first = list(map(str.find, merges, itertools.repeat(" ")))
-    if 0 not in first and -1 not in first:   # no merge starts with a space: the first space is the cut
+    if _check_merges(merges):                # no merge starts with a space: the first space is the cut
         return list(map(tuple, map(str.split, merges, itertools.repeat(" "), itertools.repeat(1))))
-    cuts = [merge.find(" ", 1) for merge in merges]
-    if -1 in cuts:
-        k = cuts.index(-1)
-        raise GGUFError(f"tokenizer.ggml.merges[{k}] = {merges[k]!r} is not two tokens separated by a space")
-    return [(merge[:cut], merge[cut + 1:]) for merge, cut in zip(merges, cuts)]
+    return [(merge[:cut], merge[cut + 1:]) for merge in merges for cut in (merge.find(" ", 1),)]
 
 
 # ---------------------------------------------------------------------------------------------------
