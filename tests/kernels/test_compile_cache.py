@@ -148,8 +148,8 @@ def test_processes_that_start_at_once_compile_a_types_kernels_once(tmp_path):
     assert sorted(n for n in outs[1][1].split() if n in KERNELS) == sorted(KERNELS[1:4]), outs
     # the precompiling child loads none of what the loader made, and compiles a new type's entries
     for mats, fresh in (("8,3", False), ("8,3,2", True)):
-        p = subprocess.run([sys.executable, "-c", FROM_THE_END, mats, *KERNELS], env=env, capture_output=True, text=True,
-                           timeout=300)
+        p = subprocess.run([sys.executable, "-c", FROM_THE_END, mats, *KERNELS], env=env, capture_output=True,
+                           text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         compiled, its_entries, loaded = p.stdout.splitlines()[-3:]
         assert (compiled, loaded) == ((its_entries if fresh else "-"), "0"), p.stdout
