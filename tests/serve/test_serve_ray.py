@@ -804,26 +804,44 @@ def test_group_sigterm_while_starting_leaves_no_process(smollm2_path, tmp_path, 
     assert "Traceback" not in text, text[-3000:]
 
 
+SIGNAL_THE_GROUP = {          # the patch that signals the group at one exact moment of the start
+    "ray_init_returned": ("import ray\n"
+                          "real = ray.get_runtime_context\n"
+                          "def signalled():\n"
+                          "    ray.get_runtime_context = real\n"
+                          "    print('signalling the group', flush=True)\n"
+                          "    os.killpg(0, signal.SIGTERM)\n"
+                          "    time.sleep(0.5)\n"
+                          "    return real()\n"
+                          "ray.get_runtime_context = signalled\n"),
+    "ray_start_gave_up": ("import lumen.serve.ray.app as app\n"
+                          "def signalled(*args, **kwargs):\n"
+                          "    print('signalling the group', flush=True)\n"
+                          "    try:\n"
+                          "        os.killpg(0, signal.SIGTERM)\n"
+                          "        time.sleep(0.5)\n"
+                          "    except KeyboardInterrupt:\n"
+                          "        raise RuntimeError('the node it was running on is dead') from None\n"
+                          "app.start = signalled\n"),
+}
+
+
 @pytest.mark.slow
-def test_group_sigterm_just_after_ray_init_returned_leaves_no_process(smollm2_path, tmp_path):
-    """The moment test_group_sigterm_while_starting_leaves_no_process[replicas_starting] hit by chance on a loaded
-    host (Ray logs 'Started a local Ray instance' before its driver connects, and a second later LocalRay could be
-    past ray.init): a SIGTERM to the group as ray.init has just returned. Its KeyboardInterrupt escaped LocalRay's
-    constructor without stopping the instance the caller then had no handle on, and Ray's C++ SIGTERM handler, still
-    in place, printed over the log; the server then died of SIGABRT (exit -6). Now: exit 0, no process left. (The
-    moment is made exact by the first Ray call after ray.init, which signals the group; it must have run.)"""
+@pytest.mark.parametrize("moment", SIGNAL_THE_GROUP)
+def test_group_sigterm_at_an_exact_moment_of_the_start_leaves_no_process(smollm2_path, tmp_path, moment):
+    """Two moments test_group_sigterm_while_starting_leaves_no_process[replicas_starting] hit by chance on a loaded
+    host, made exact by a patch that signals the group there:
+    - ray.init has just returned (Ray logs 'Started a local Ray instance' before its driver connects, and a second
+      later LocalRay could be past ray.init): its KeyboardInterrupt escaped LocalRay's constructor without stopping
+      the instance the caller then had no handle on, and Ray's C++ SIGTERM handler, still in place, printed over the
+      log; the server then died of SIGABRT (exit -6);
+    - within the start of the application, where Ray turned the signal's KeyboardInterrupt into an error of its own:
+      the server said "the application did not start" and exited 1.
+    Now: exit 0, "stopped while starting", no process left."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(lumen.__file__)))
     code = ("import os, signal, sys, time\n"
             f"sys.path.insert(0, {root!r})\n"
-            "import ray\n"
-            "real = ray.get_runtime_context\n"
-            "def signalled():\n"
-            "    ray.get_runtime_context = real\n"
-            "    print('signalling the group', flush=True)\n"
-            "    os.killpg(0, signal.SIGTERM)\n"
-            "    time.sleep(0.5)\n"
-            "    return real()\n"
-            "ray.get_runtime_context = signalled\n"
+            + SIGNAL_THE_GROUP[moment] +
             "from lumen.commands import run\n"
             "from lumen.serve.cli import main\n"
             "sys.exit(run(main))\n")

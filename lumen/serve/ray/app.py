@@ -321,17 +321,14 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             if state["signals"]:
                 raise KeyboardInterrupt
         except KeyboardInterrupt:
-            log.info("stopped while starting")
-            _stop_now(local, address)
-            if address is None:       # interrupted within ray.init, Ray's core is half made, and the interpreter's
-                _end_children()       # exit crashed in it (SIGSEGV): out now, nothing of the instance left, nor
-                _flush_and_exit(0)    # the warm-up child
-            return 0
+            return _stopped_while_starting(local, address)
         except Taken as e:                            # nothing of ours runs there: nothing to delete
             print(f"error: {e}", file=sys.stderr)
             _stop_now(local, address, delete=False)
             return 1
         except Exception as e:                        # noqa: BLE001 - Ray's and the replicas' failures: one line
+            if state["signals"]:                      # the signal's KeyboardInterrupt, raised within Ray, came out
+                return _stopped_while_starting(local, address)     # as another error (Ray's start gave up)
             print(f"error: the application did not start: {start_failure(e)}", file=sys.stderr)
             _stop_now(local, address)
             return 1
@@ -358,6 +355,15 @@ def serve_on_ray(app, *, host: str, port: int, address: str | None, replicas: in
             signal.signal(sig, h)
         sys.unraisablehook = unraisable
     log.info("stopped")
+    return 0
+
+
+def _stopped_while_starting(local: LocalRay | None, address: str | None) -> int:
+    log.info("stopped while starting")
+    _stop_now(local, address)
+    if address is None:           # interrupted within ray.init, Ray's core is half made, and the interpreter's exit
+        _end_children()           # crashed in it (SIGSEGV): out now, nothing of the instance left, nor the warm-up
+        _flush_and_exit(0)        # child
     return 0
 
 
