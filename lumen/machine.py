@@ -60,7 +60,7 @@ DOT_BYTES = 16 << 10  # weight bytes the int8 dot cycles over (L1 on any AVX512 
 
 
 # ---- kernels ----
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, no_cfunc_wrapper=True)
 def sum_kernel(a):
     """sum of a (n,) f32: a streaming read (fastmath lets LLVM split the sum over vector accumulators)."""
     s = np.float32(0)
@@ -69,7 +69,7 @@ def sum_kernel(a):
     return s
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, no_cfunc_wrapper=True)
 def fma_kernel(n, m, c):
     """n rounds of acc = acc * m + c over FMA_W independent f32 accumulators; returns their sum."""
     acc = np.zeros(FMA_W, np.float32)
@@ -130,14 +130,14 @@ def _make_int8_dot(bits: int):
 _dot256, _dot512 = _make_int8_dot(256), _make_int8_dot(512)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def int8_dot_256(out, w, x, n):
     """n passes of int8 dots over w (k,) u8 (k a multiple of 1 KB; L1-resident, 64-byte aligned) and x (32,) i8
     in 256-bit vectors, summed per lane into out[:8] i32: 2 k n ops."""
     _dot256(out, w, x, n)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def int8_dot_512(out, w, x, n):
     """As int8_dot_256 in 512-bit vectors (k a multiple of 2 KB), into out[:16]."""
     _dot512(out, w, x, n)

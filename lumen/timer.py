@@ -29,7 +29,7 @@ def _readcyclecounter(typingctx):
     return types.int64(), codegen
 
 
-@njit(cache=True)
+@njit(cache=True, no_cfunc_wrapper=True)
 def ticks():
     """The time-stamp counter (constant-rate on the CPUs Lumen targets)."""
     return _readcyclecounter()

@@ -23,6 +23,7 @@ from numba import njit
 
 from .fp import exp_f32
 from .checks import as_f32, as_out, check
+from .jit import compiled_only
 from .kinds import GELU, SILU
 from .policy import parallel_rows
 from .rows import rows
@@ -42,7 +43,7 @@ def gelu_tanh(x):
     return x / (np.float32(1.0) + exp_f32(np.float32(-2.0) * u))
 
 
-@njit(cache=True, error_model="numpy")
+@compiled_only(c_wrapper=True, error_model="numpy")
 def swiglu_row(r, o, a, b, v, p, f, i):
     """Row r of o (N, n_ff) = silu(a[r]) * b[r] (a the gate, b the up rows); o may be a or b. A row function
     (lumen.kernels.rows). Rows are indexed, not sliced (see norm.rmsnorm_row). In place the loop names one
@@ -78,7 +79,7 @@ def gelu_llama(x):
     return round_f16_bits(gelu_tanh(round_f16_bits(x)))
 
 
-@njit(cache=True, error_model="numpy")
+@compiled_only(c_wrapper=True, error_model="numpy")
 def geglu_row(r, o, a, b, v, p, f, i):
     """Row r of o (N, n_ff) = gelu_llama(a[r]) * b[r]; a row function, in place as swiglu_row."""
     n = a.shape[1]
@@ -93,7 +94,7 @@ def geglu_row(r, o, a, b, v, p, f, i):
             o[r, j] = gelu_llama(a[r, j]) * b[r, j]
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def add_row(r, o, a, b, v, p, f, i):
     """Row r of o (N, dim) += a[r]; a row function."""
     for j in range(o.shape[1]):

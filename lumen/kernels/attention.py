@@ -37,6 +37,7 @@ from numba.extending import overload
 
 from .fp import BLOCK, CHUNK, MAX_ROWS, ST, attn_chunk_1, attn_chunk_2, attn_chunk_3, attn_chunk_4, exp_f32, f16_bits
 from .checks import as_f32, check
+from .jit import compiled_only
 from .kinds import ATTN, ATTN_LANE, address, call, call_borrowed, require_abi
 from .policy import split_attention
 from .scratch import per_thread
@@ -73,7 +74,7 @@ def attention_scratch(n_heads: int, head_dim_v: int, max_ctx: int, n_lanes: int 
                        np.zeros((n_chunks, n_heads, head_dim_v), np.float32), np.zeros((n_chunks, n_heads, 2), np.float32))
 
 
-@njit(cache=True)
+@compiled_only
 def key_range(p, window):
     """Keys visible from the query at position p: j0 .. p (inclusive), p - j < window when window > 0."""
     j0 = 0
@@ -153,7 +154,7 @@ def _finish(out, t, h0, G, ro, rm, i):
             out[t, h, d] = ro[i, h, d] * inv
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def attention_lane(lane, out, q, k_pool, v_pool, bt, positions, seqs, window, scale, o, st, ro, rm, po, pm, split):
     """Lane `lane`'s share of attention_kernel's work items (its docstring): the items lane, lane + lanes, ...
     (lanes = o.shape[0]), on that lane's scratch. A function of its own, which attention_kernel's parallel region
@@ -284,7 +285,7 @@ def _run_attention(table, out, q, kv, positions, seqs, window, scale, scr, split
     return impl
 
 
-@njit(cache=True)  # serial: a copy of N * n_kv * (head_dim + head_dim_v) values
+@njit(cache=True, no_cfunc_wrapper=True)  # serial: a copy of N * n_kv * (head_dim + head_dim_v) values
 def kv_store_kernel(k_pool, v_pool, k, v, slots):
     """Write k (N, n_kv, hd), v (N, n_kv, hd_v) as f16 into the pools at slots (N,) = block * BLOCK + offset."""
     for t in range(k.shape[0]):

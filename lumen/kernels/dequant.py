@@ -13,6 +13,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from lumen.format.quants import QT, quant_info, row_bytes
+from lumen.kernels.jit import compiled_only
 from lumen.kernels.kinds import ALL, ROWS, call, is_table, require_abi, sets, switch
 
 # f16 bit pattern -> f32 value, exactly as numpy converts it (the oracle's own conversion).
@@ -43,7 +44,7 @@ def k_scale_min(raw, o, j):
 
 # ---- one row each: out (n_cols,) f32 <- raw (row_bytes,) u8 ----
 
-@njit(cache=True)
+@compiled_only
 def row_f32(out, raw, lut):
     w = raw.view(np.uint32)
     o = out.view(np.uint32)
@@ -51,20 +52,20 @@ def row_f32(out, raw, lut):
         o[i] = w[i]
 
 
-@njit(cache=True)
+@compiled_only
 def row_f16(out, raw, lut):
     for i in range(out.size):
         out[i] = f16(lut, raw, 2 * i)
 
 
-@njit(cache=True)
+@compiled_only
 def row_bf16(out, raw, lut):
     o = out.view(np.uint32)
     for i in range(o.size):
         o[i] = (np.uint32(raw[2 * i]) << np.uint32(16)) | (np.uint32(raw[2 * i + 1]) << np.uint32(24))
 
 
-@njit(cache=True)
+@compiled_only
 def row_q8_0(out, raw, lut):
     for b in range(out.size // 32):
         o = 34 * b
@@ -73,7 +74,7 @@ def row_q8_0(out, raw, lut):
             out[32 * b + j] = np.float32(np.int8(raw[o + 2 + j])) * d
 
 
-@njit(cache=True)
+@compiled_only
 def row_q4_0(out, raw, lut):
     for b in range(out.size // 32):
         o = 18 * b
@@ -84,7 +85,7 @@ def row_q4_0(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(np.int32(q >> 4) - 8)
 
 
-@njit(cache=True)
+@compiled_only
 def row_q4_1(out, raw, lut):
     for b in range(out.size // 32):
         o = 20 * b
@@ -96,7 +97,7 @@ def row_q4_1(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(q >> 4) + m
 
 
-@njit(cache=True)
+@compiled_only
 def row_q5_0(out, raw, lut):
     for b in range(out.size // 32):
         o = 22 * b
@@ -110,7 +111,7 @@ def row_q5_0(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(hi - 16)
 
 
-@njit(cache=True)
+@compiled_only
 def row_q5_1(out, raw, lut):
     for b in range(out.size // 32):
         o = 24 * b
@@ -125,7 +126,7 @@ def row_q5_1(out, raw, lut):
             out[32 * b + j + 16] = d * np.float32(hi) + m
 
 
-@njit(cache=True)
+@compiled_only
 def row_q4_k(out, raw, lut):
     for b in range(out.size // 256):
         o = 144 * b
@@ -141,7 +142,7 @@ def row_q4_k(out, raw, lut):
                 out[256 * b + 32 * s + l] = ds * np.float32((raw[q0 + l] >> sh) & 15) - dm
 
 
-@njit(cache=True)
+@compiled_only
 def row_q5_k(out, raw, lut):
     for b in range(out.size // 256):
         o = 176 * b
@@ -158,7 +159,7 @@ def row_q5_k(out, raw, lut):
                 out[256 * b + 32 * s + l] = ds * np.float32(q) - dm
 
 
-@njit(cache=True)
+@compiled_only
 def row_q6_k(out, raw, lut):
     for b in range(out.size // 256):
         o = 210 * b
@@ -202,7 +203,7 @@ def _dequant_row(kinds, out, raw, lut, qtype):
     return impl
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def dequant_row_entry(out, raw, lut, qtype, kinds):
     """dequant_row with the kinds last: what an entry table calls (lumen.kernels.entries)."""
     dequant_row(kinds, out, raw, lut, qtype)
@@ -215,7 +216,7 @@ def row_signature(kinds_type) -> tuple:
             types.Array(types.float32, 1, "C"), types.int64, kinds_type)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, no_cfunc_wrapper=True)
 def dequant_rows(out, raw, lut, qtype):
     """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8, one row per prange step. Shapes checked by caller."""
     for r in prange(out.shape[0]):

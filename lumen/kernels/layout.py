@@ -69,7 +69,7 @@ BUFFERS = ("q", "qf", "s")
 DTYPES = {"table": np.int64, "q": np.uint8, "qf": np.float32, "s": np.uint8}
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", no_cfunc_wrapper=True)
 def q_len(fam, T, G, n_in):
     """Elements of a packed matrix's weights in its buffer (bytes of q, or f32 values of qf)."""
     if fam == F32:
@@ -109,7 +109,7 @@ def scale_format(qt):
     return _BY_QT[qt, 1] if 0 <= qt < _BY_QT.shape[0] else SC_NONE
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", no_cfunc_wrapper=True)
 def s_len(qt, T, G):
     """Bytes of a packed matrix's scale records."""
     return T * s_tile(scale_format(qt), G)

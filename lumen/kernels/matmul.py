@@ -45,6 +45,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
+from lumen.kernels.jit import compiled_only
 from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
 from lumen.kernels.kinds import (ALL, MATMUL, ONE, PASS, PASS_U, TILES, abi_guard, address, call, call_borrowed,
                                  is_table, require_abi, sets, switch)
@@ -212,7 +213,7 @@ def round_bf16(v):
     return np.float32(r if v > 0 else -r)
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def quantize_row(i, xq, xd, xs, xi, x, fmt):
     """Row i of quantize_x (i < N). A function of its own, which quantize_x calls through its address
     (`quantize_address`), serially or from its parallel region: as the region's body and the serial loop's it was
@@ -240,7 +241,7 @@ def quantize_row(i, xq, xd, xs, xi, x, fmt):
             xs[i, g] = d * np.float32(xi[i, g, 0] + xi[i, g, 1])
 
 
-@njit(cache=True)
+@compiled_only
 def _zero_rows(xq, xd, xs, xi, N):
     """The Acts' rows N .. Np - 1 zeroed."""
     for i in range(N, xq.shape[0]):
@@ -261,13 +262,13 @@ QUANT_SIGNATURE = (types.int64, types.Array(types.int8, 2, "C"), types.Array(typ
 _quant_types = abi_guard("quantize_row", QUANT_SIGNATURE[1:])
 
 
-@njit(parallel=True, cache=True)
+@compiled_only(parallel=True)
 def _quantize_rows_par(fn, xq, xd, xs, xi, x, fmt):
     for i in prange(x.shape[0]):
         call_borrowed(fn, (np.int64(i), xq, xd, xs, xi, x, fmt))
 
 
-@njit(cache=True)
+@njit(cache=True, no_cfunc_wrapper=True)
 def quantize_x(xq, xd, xs, xi, x, fmt, fn, par):
     """xq (Np, n_in) i8, xd (Np, G) f32, xs (Np, G) f32, xi (Np, G, 2) i32 <- x (N, n_in) f32, N <= Np; rows >= N
     are zeroed.
@@ -296,7 +297,7 @@ def quantize_address() -> int:
     return address(quantize_row, QUANT_SIGNATURE, "quantize")
 
 
-@njit(cache=True)
+@compiled_only
 def round_x(xf, x, fmt):
     """xf (Np, n_in) f32 <- x (N, n_in) rounded as the float formats' vec_dot_type (F32: as is, F16, BF16);
     rows >= N are zeroed."""
@@ -468,7 +469,7 @@ def _run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso
     return impl
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def tile_one(qt, out, ld, q, s, xq, xd, xs, xi, G):
     """run_one for the one matrix type qt, a literal (so compiled per type: entry_signature), on addresses: the
     entry of an entry table that `tiles`, given the table, calls for a matrix of type qt."""
@@ -476,14 +477,14 @@ def tile_one(qt, out, ld, q, s, xq, xd, xs, xi, G):
     run_one(qt, qt, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G)
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def tile_rows_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, v0, p0, chunk, per, qb):
     """run_rows for the one matrix type qt (as tile_one)."""
     z = np.int64(0)
     run_rows(qt, qt, nb, out, z, ld, q, z, s, z, xq, z, xd, z, xs, z, xi, z, G, v0, p0, chunk, per, qb)
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def tile_unpacked_at(qt, nb, out, ld, q, s, xq, xd, xs, xi, G, wbuf):
     """run_unpacked for the one matrix type qt (as tile_one)."""
     z = np.int64(0)
@@ -552,7 +553,7 @@ def _tile_unpacked(kinds, out, c0, w, t, x, nb, wbuf, wo):
     return impl
 
 
-@njit(cache=True)
+@compiled_only
 def tile_f32_mv(facc, w, x):
     """facc (R,) = w (n_in, R) f32 . x (n_in,) f32."""
     for r in range(R):
@@ -563,7 +564,7 @@ def tile_f32_mv(facc, w, x):
             facc[r] += w[k, r] * xk
 
 
-@njit(cache=True)
+@compiled_only
 def tiles_1(out, w, x, facc, t0, t1, kinds):
     """`tiles` for one activation row (decode), a function of its own: compiled inside `tiles` beside the batched
     passes, the same loop decoded 7% slower (SmolLM2 tg128, 2-vCPU EPYC Zen 5, 3 alternated pairs: 309-326 against
@@ -579,7 +580,7 @@ def tiles_1(out, w, x, facc, t0, t1, kinds):
                 out[0, t * R + r] = facc[0, r]
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W the Mat w (its tiles q and scale records
     s, or qf for the F32 family), x the Acts rounded by prepare_x. Per tile: the next tile prefetched, then each
@@ -747,7 +748,7 @@ def _run_matmul(outs, ws, n, x, facc, wbuf, work, kinds):
                                                                                 wbuf, work, kinds))
 
 
-@njit(cache=True)
+@njit(cache=True, no_cfunc_wrapper=True)
 def prepare_x_at(x_out, x, fmt, quant):
     """Round x (N, n_in) to activation format fmt into the Acts x_out: xq (N, n_in) i8, xd (N, G), xs (N, G) f32,
     xi (N, G, 2) i32 for the 8-bit formats (quant: `quantize_address()`), xf (N, n_in) f32 for the float ones.

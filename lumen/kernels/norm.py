@@ -12,15 +12,15 @@ serially or in parallel by size (lumen.kernels.policy, the forward pass's own ch
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from .checks import as_f32, as_out, check
+from .jit import compiled_only
 from .fp import sumsq
 from .policy import parallel_rows
 from .rows import rows
 
 
-@njit(cache=True, error_model="numpy")
+@compiled_only(c_wrapper=True, error_model="numpy")
 def rmsnorm_row(r, o, a, b, v, p, f, i):
     """Row r of o (N, dim) = a[r] / rms(a[r]) * v (dim,), eps f; o may be a (in place). A row function
     (lumen.kernels.rows). The sum of squares is lumen.kernels.fp.sumsq (an order fixed by dim alone). Rows are

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 
 from .checks import as_f32, as_out, check
+from .jit import compiled_only
 from .policy import parallel_rows
 from .rows import rows
 
@@ -54,7 +55,7 @@ def rope_cache(base: float, n_rot: int, max_pos: int, freq_scale: float = 1.0,
     return cos, sin
 
 
-@njit(cache=True)
+@compiled_only
 def _rope_token(x, t, cos, sin, p, neox):
     """Rotate every head of token t of x (N, n_heads, head_dim) in place by the angles of position p (row p of
     cos, sin (max_pos, n_rot/2)). Indexes, not row views: a view costs an atomic incref/decref pair, and dropping
@@ -75,7 +76,7 @@ def _rope_token(x, t, cos, sin, p, neox):
                 x[t, h, 2 * i + 1] = x0 * sin[p, i] + x1 * cos[p, i]
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def rope_row(r, o, a, b, v, p, f, i):
     """Rotate every head of token r of o (N, n_heads * head_dim) in place by the angles of position p[r] (tables
     a = cos, b = sin (max_pos, n_rot/2)); i = head_dim << 1 | neox (`rope_flags`). A row function

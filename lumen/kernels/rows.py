@@ -20,6 +20,7 @@ import functools
 import numpy as np
 from numba import njit, prange, types
 
+from .jit import compiled_only
 from .kinds import abi_guard, address, call_borrowed
 
 F32_2 = types.Array(types.float32, 2, "C")
@@ -33,14 +34,14 @@ NO_P = np.zeros(0, np.int64)
 _row_types = abi_guard("the row functions", ROW_SIGNATURE[1:])
 
 
-@njit(cache=True, parallel=True)
+@compiled_only(parallel=True)
 def rows_par(fn, n, o, a, b, v, p, f, i):
     """fn(r, o, a, b, v, p, f, i) for r in 0 .. n-1, the rows split across the threads."""
     for r in prange(n):
         call_borrowed(fn, (np.int64(r), o, a, b, v, p, f, i))
 
 
-@njit(cache=True)
+@njit(cache=True, no_cfunc_wrapper=True)
 def run_rows(fn, par, n, o, a, b, v, p, f, i):
     """fn(r, o, a, b, v, p, f, i) for r in 0 .. n-1, fn the address of a row function (`row_address`), in
     parallel when par (lumen.kernels.policy.parallel_rows). The arguments must be of ROW_SIGNATURE's types (the

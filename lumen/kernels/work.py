@@ -91,7 +91,7 @@ def gettid(typingctx):
     return sig, codegen
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, no_cfunc_wrapper=True)
 def _tids(out):
     for i in prange(out.shape[0]):
         out[i] = gettid()

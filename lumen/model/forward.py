@@ -30,6 +30,7 @@ from numba.extending import overload
 from ..kernels.attention import AttnScratch, Paged, kv_store_kernel, run_attention
 from ..kernels.dequant import dequant_row
 from ..kernels.entries import address, entries
+from ..kernels.jit import compiled_only
 from ..kernels.kinds import ACT, ADD, GELU, MM3, N_ENTRIES, QUANT, RMSNORM, ROPE, SILU, call, require_abi
 from ..kernels.layout import C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, F32, R, Packs, q_len, s_len
 from ..kernels.matmul import Acts, Mat, act_rows, prepare_x_at, run_matmul
@@ -169,7 +170,7 @@ def _mark(times, prof, i):
         times[i] = ticks()
 
 
-@njit(cache=True)
+@compiled_only
 def _mat(i, packs):
     """Packed matrix i as the kernels take it (a lumen.kernels.matmul.Mat), and its activation format."""
     pk = packs.table
@@ -185,7 +186,7 @@ def _mat(i, packs):
     return Mat(qt, packs.q[qo:qo + qb].reshape((T, qb // T)), packs.qf[0:0].reshape((z, z, R)), s), pk[i, C_FMT]
 
 
-@njit(cache=True)
+@compiled_only(c_wrapper=True)
 def mm3(o0, o1, o2, x, i0, i1, i2, n, packs, kinds, scr):
     """o_m (N, d_out_m) = x (N, n_in) @ W_{i_m}.T for the first n (1..3) of the packed matrices i0, i1, i2 of
     packs: the activations rounded once (prepare_x_at), then one parallel region over the tiles of all n (one
@@ -260,7 +261,7 @@ def mm(out, x, i, packs, kinds, scr):
     run_mm3(out, out, out, x, i, i, i, np.int64(1), packs, kinds, scr)   # (n not a literal: one signature)
 
 
-@njit(cache=True)
+@compiled_only
 def _vec(fvec, span, layer):
     """The f32 vector at span[layer] = (offset, length) in fvec (the Weights' fvec). It takes the array, not the
     Weights bundle: each pass of a bundle holding n arrays is n reference count increments and decrements in the
@@ -269,7 +270,7 @@ def _vec(fvec, span, layer):
     return fvec[off:off + span[layer, 1]]
 
 
-@njit(cache=True)
+@compiled_only
 def _round_f16(a):
     """Round every value of a (any shape, C-contiguous f32) to float16 precision in place: llama.cpp keeps K and V
     in an f16 cache and converts q to f16 for q.k. Ties to even on the 13 dropped mantissa bits; exact for the
@@ -280,14 +281,14 @@ def _round_f16(a):
         u[i] = (b + np.uint32(0x0FFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
 
 
-@njit(cache=True)
+@compiled_only
 def _add_bias(x, b):
     for t in range(x.shape[0]):
         for i in range(x.shape[1]):
             x[t, i] += b[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def forward(arch, w, kv, batch, scr, logits, prof):
     """Run the batch's T tokens through every layer: their K/V go into the cache at batch.slots, and logits
     (n_out, V) receive the logits of rows batch.out_rows. Bundles: see the module docstring."""

@@ -59,7 +59,7 @@ def expected_rows(mats: list) -> np.ndarray:
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def _planes_into(u, fam, G, out):
     """lumen.kernels.matmul._planes as one pass: u (T*R, G*32) u8 unsigned values -> out (T, G * GROUP_BYTES[fam])
     u8, the layout of lumen.kernels.layout (the nibbles of columns 4k+b and 16+4k+b, then Q5's fifth bits (byte b
@@ -100,7 +100,7 @@ def _planes_into(u, fam, G, out):
 # temporaries): raw (rows, row_bytes) u8 -> u (>= rows, n_in) u8. One function per type, so a first load compiles
 # only its model's types (as one function of the type id, all four: 1.4 s of a first run on a 2-vCPU EPYC Zen 5).
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def _decode_q8_0(raw, u):
     """Q8_0: 34-byte blocks, f16 d then 32 int8 (+128)."""
     for r in range(raw.shape[0]):
@@ -110,7 +110,7 @@ def _decode_q8_0(raw, u):
                 dst[32 * blk + i] = src[34 * blk + 2 + i] ^ 0x80
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def _decode_q5_0(raw, u):
     """Q5_0: f16 d, u32 fifth bits, 16 bytes of nibbles."""
     for r in range(raw.shape[0]):
@@ -125,7 +125,7 @@ def _decode_q5_0(raw, u):
                 dst[32 * blk + 16 + i] = (nib >> 4) | (((qh >> (16 + i)) & 1) << 4)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def _decode_q4_k(raw, u):
     """Q4_K: 144-byte blocks of 256, nibbles from byte 16."""
     for r in range(raw.shape[0]):
@@ -138,7 +138,7 @@ def _decode_q4_k(raw, u):
                     dst[256 * blk + 64 * j + 32 + i] = q >> 4
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def _decode_q6_k(raw, u):
     """Q6_K: 210-byte blocks, ql (2, 64), qh (2, 32)."""
     for r in range(raw.shape[0]):

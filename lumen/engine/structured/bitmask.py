@@ -95,7 +95,7 @@ class MaskFiller:
         self._thread.shutdown(wait=True)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def apply_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
     """logits (V,) float32 in place: token t -> -inf unless bit t of mask ((V + 31) // 32,) int32 is set.
     Unchecked (a Numba kernel): the caller guarantees the shapes; apply_bitmasks checks them."""
@@ -118,7 +118,7 @@ def warm_up() -> None:
     apply_bitmasks(np.zeros((1, 33), np.float32), np.full((1, 2), -1, np.int32), [0])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, no_cfunc_wrapper=True)
 def _apply_rows(logits: np.ndarray, masks: np.ndarray, rows: np.ndarray) -> None:
     for r in rows:
         apply_bitmask(logits[r], masks[r])
