@@ -342,8 +342,8 @@ def forward(arch, w, kv, batch, scr, logits, prof):
         cos, sin = arch.rope_cos[arch.rope_sel[il]], arch.rope_sin[arch.rope_sel[il]]
         run_rows(w.kinds[ROPE], par, N, q, cos, sin, nov, pos, f0, rf)
         run_rows(w.kinds[ROPE], par, N, k, cos, sin, nov, pos, f0, rf)
-        _round_f16(q3)
-        _round_f16(k3)
+        _round_f16(q)           # (2-d, as v: one signature)
+        _round_f16(k)
         _round_f16(v)
         _mark(times, prof, lb + Op.rope)
         kv_store_kernel(kv.k[il], kv.v[il], k3, v3, batch.slots)
