@@ -125,16 +125,22 @@ class Runner:
         self.governor.threads()
         args = self.forward_args(n, n_out, out, prof.enabled)
         batch = args[3]
-        if self._entry is None:                   # the first call types the arguments and compiles (or loads);
-            precompile.wait()                     # (a first run: what lumen.model.precompile compiled meanwhile)
-            forward(*args)                        # every later call has the same types, checked above, so it
-            self._entry = forward.overloads[tuple(forward.typeof_pyval(a) for a in args)].entry_point
-        else:                                     # skips the dispatcher's typing of the bundles (~35 us a call)
-            self._entry(*args)
+        self.load()                               # every call has the same types, checked above, so it skips
+        self._entry(*args)                        # the dispatcher's typing of the bundles (~35 us a call)
         self.governor.done()
         if prof.enabled:
             prof.record_forward(self, batch, own)
         return out[:n_out]
+
+    def load(self) -> None:
+        """Have the forward pass's code, compiled or loaded from Numba's cache (a first run: what
+        lumen.model.precompile compiled meanwhile), without running it. The first forward call does it; the CLI
+        calls it before the prompt, so that its time to the first token is the step's, not the code's load."""
+        if self._entry is None:
+            sig = tuple(forward.typeof_pyval(a) for a in self.forward_args(0, 0, self.logits_rows(0), False))
+            precompile.wait()
+            forward.compile(sig)
+            self._entry = forward.overloads[sig].entry_point
 
     def forward_args(self, n: int, n_out: int, out: np.ndarray, profiled: bool) -> tuple:
         """The arguments of lumen.model.forward.forward for the first n batch entries and n_out out rows."""

@@ -322,6 +322,19 @@ def small(smollm2_path):
     return lumen.load(smollm2_path, ctx=256, threads=2)
 
 
+def test_a_runner_loads_its_forward_pass_without_running_it(small):
+    """Runner.load (what the CLI calls before the prompt's clock starts): the forward pass's code at the runner's
+    types, and no step: nothing written to the KV cache; the next request's tokens are those of an engine that
+    did not load first."""
+    ids, p = text_ids(small, 20), SamplingParams(max_tokens=6, temperature=0)
+    loaded = Engine(small, max_model_len=256, max_num_seqs=1, kv_cache_mb=4)
+    loaded.runner.load()
+    assert loaded.runner._entry is not None
+    assert not loaded.runner.kv.k.any() and not loaded.runner.kv.v.any()
+    plain = Engine(small, max_model_len=256, max_num_seqs=1, kv_cache_mb=4)
+    assert loaded.generate([ids], p)[0].token_ids == plain.generate([ids], p)[0].token_ids
+
+
 def test_a_stream_asks_its_stop_before_every_step(small):
     """Engine.stream(stop=...): asked before each step the iterator runs, a prompt's chunks included (lumen.chat's
     Ctrl-C); true ends the stream and aborts the request; a later one runs whole."""
