@@ -67,10 +67,7 @@ def start(k: np.ndarray | None = None) -> bool:
     global _child, _started
     if _child is not None or os.environ.get("LUMEN_PRECOMPILE", "1") == "0" or not cached_ok():
         return False
-    try:
-        if cached(forward, signature(forward, forward_args())) or forward.overloads:
-            return False
-    except Exception:                            # noqa: BLE001 - Numba's cache internals moved: compile here, as before
+    if _compiled() is not False:                 # (None: Numba's cache internals moved: compile here, as before)
         return False
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,15 +90,18 @@ def cached_ok() -> bool:
     return getattr(getattr(forward, "_cache", None), "_enabled", False)     # (NUMBA_DISABLE_JIT: no cache)
 
 
-def ready() -> bool:
-    """Whether the forward pass's first call compiles nothing: no child is compiling it, and it is loaded here or
-    in the compile cache (its index read, nothing loaded)."""
-    if _child is not None:
-        return False
+def _compiled() -> bool | None:
+    """Whether the forward pass is loaded here or in the compile cache (its index read, nothing loaded); None when
+    Numba's cache internals moved and that cannot be told."""
     try:
         return bool(forward.overloads) or cached(forward, signature(forward, forward_args()))
-    except Exception:                            # noqa: BLE001 - Numba's cache internals moved: not known ready
-        return False
+    except Exception:                            # noqa: BLE001 - private Numba API
+        return None
+
+
+def ready() -> bool:
+    """Whether the forward pass's first call compiles nothing: no child is compiling it, and it is compiled."""
+    return _child is None and bool(_compiled())
 
 
 def wait() -> float:
