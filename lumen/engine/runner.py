@@ -125,7 +125,8 @@ class Runner:
         self.governor.threads()
         args = self.forward_args(n, n_out, out, prof.enabled)
         batch = args[3]
-        self.load()                               # every call has the same types, checked above, so it skips
+        if self._entry is None:
+            self.load()                           # every call has the same types, checked above, so it skips
         self._entry(*args)                        # the dispatcher's typing of the bundles (~35 us a call)
         self.governor.done()
         if prof.enabled:
