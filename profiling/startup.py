@@ -11,8 +11,8 @@ One throwaway run first warms Numba's compile cache and the packed-weight cache.
   config check (lumen.model.parts.open_gguf), tokenizer build, weights (lumen.model.weights.load_weights: the matrix
   repack or the pack-cache load), the rest of Model.__init__ (RunState), Numba's dispatch of the forward kernel on its
   first call (type the arguments, load the compiled code from the cache; a cache miss is reported), the warm-up
-  decode step (a first run's only: a warm start loads the forward pass in its first prefill), tokenize, the first
-  prefill, and prefill end -> first token on stdout.
+  decode step (a first run's only: a warm start loads the forward pass before the prompt, Runner.load), tokenize,
+  the first prefill, and prefill end -> first token on stdout.
 Both run with the packed-weight cache on (default) and off (LUMEN_PACK_CACHE=0), and with --baseline DIR also
 with the `lumen` package of another checkout (PYTHONPATH=DIR, e.g. `git worktree add /tmp/base HEAD~1`), all
 interleaved. Timestamps are CLOCK_MONOTONIC, shared by all processes. Figures are medians of --runs.
@@ -168,9 +168,14 @@ def run_child(cli_args: list[str], env: dict) -> dict:
 def phases(res: dict) -> dict[str, float]:
     """Seconds per start-up phase, in order, from one instrumented run's marks."""
     m = res["marks"]
-    load = m.get("dispatch.1", 0.0) - m.get("dispatch.0", 0.0)      # the forward pass's dispatch: typing, loading
-    # the CLI's throwaway token runs on a first run only; a warm start loads the forward pass in its first prefill
-    warm = m["warmup.1"] - m["warmup.0"] - load if "warmup.0" in m else 0.0
+    d0, d1 = m.get("dispatch.0", 0.0), m.get("dispatch.1", 0.0)     # the forward pass's dispatch: typing, loading
+
+    def without_load(key: str) -> float:        # a phase's seconds less the part of the dispatch inside it
+        a, b = m[key + ".0"], m[key + ".1"]
+        return b - a - max(0.0, min(b, d1) - max(a, d0))
+
+    load = d1 - d0
+    warm = without_load("warmup") if "warmup.0" in m else 0.0      # the throwaway token: a first run's only
     ph = {
         "interpreter start": m["start"] - res["spawn"],
         "import numpy": m["numpy"] - m["start"],
@@ -185,7 +190,7 @@ def phases(res: dict) -> dict[str, float]:
         "Numba: forward from cache": load,
         "warm-up decode step": warm,
         "tokenize": m["tokenize.1"] - m["tokenize.0"],
-        "first prefill": m["prefill.1"] - m["prefill.0"] - (0.0 if "warmup.0" in m else load),
+        "first prefill": without_load("prefill"),
         "-> first token": m["first_token"] - m["prefill.1"],
     }
     ph["total to first token"] = m["first_token"] - res["spawn"]
