@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_max_tokens(args.max_tokens)
         SamplingParams(**sampling_from_args(args, args.chat or args.tools is not None), stop=args.stop,
-                       num_speculative_tokens=args.num_speculative_tokens)
+                       speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
         if why := threads_error(args.threads):
             raise ValueError(why)
         if args.speculative:                             # --ngram-min/-max, --draft-vocab: in range

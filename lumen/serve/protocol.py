@@ -377,6 +377,10 @@ def speculation(params: list[SamplingParams], req: _Sampling, default: str | Non
     if k is not None and not 1 <= k <= 16:
         raise ApiError(400, f"num_speculative_tokens must be in [1, 16], got {k}", "num_speculative_tokens")
     kind = None if kind == "none" else kind
+    if kind is None and k is not None:
+        raise ApiError(400, "num_speculative_tokens is used with speculative \"ngram\" or \"draft\""
+                       + (" (this server has no --speculative default)" if default is None else ""),
+                       "num_speculative_tokens")
     if kind is None and k is None:
         return params
     return [p.replace(speculative=kind, num_speculative_tokens=k) for p in params]

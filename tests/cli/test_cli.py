@@ -885,7 +885,7 @@ def test_the_speculation_stats_say_what_bench_spec_reads(smollm2_path):
     steps that verified drafts, not over every step), in the words lumen.bench spec parses."""
     from lumen.bench.spec import _SPEC
     r = generate(smollm2_path, "--prompt", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", "-n", "24", "--temperature", "0",
-                 "--speculative", "ngram", "--ignore-eos")
+                 "--speculative", "ngram", "--num-speculative-tokens", "3", "--ignore-eos")    # (bench spec's flags)
     assert r.returncode == 0, r.stderr
     line = stderr_lines(r)[-1]
     m = _SPEC.search(line)

@@ -242,6 +242,9 @@ def test_bad_requests_are_errors_of_their_own(model):
         SamplingParams(top_p=0)
     with pytest.raises(SamplerError, match="logit_bias keys must be token ids"):
         SamplingParams(logit_bias={"x": 1})
+    with pytest.raises(SamplerError, match="num_speculative_tokens is used with speculative"):
+        SamplingParams(num_speculative_tokens=3)                         # would do nothing
+    assert SamplingParams(speculative="ngram", num_speculative_tokens=3).num_speculative_tokens == 3
     with pytest.raises(SamplerError, match="stop_token_ids"):
         eng.add_request([1, 2], SamplingParams(stop_token_ids=[10 ** 9]))
     outs = eng.generate([[1, 2, 3], [], list(range(1, 400)), [4, 5]], SamplingParams(max_tokens=4, temperature=0))

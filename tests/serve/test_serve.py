@@ -662,6 +662,9 @@ def test_speculative_request_equals_plain_and_is_counted(http, model):
     accepted = after["spec_decode_num_accepted_tokens_total"] - before.get("spec_decode_num_accepted_tokens_total", 0)
     assert drafted > 0 and 0 < accepted <= drafted
     assert_error(http.post("/v1/completions", json={**body, "speculative": "eagle"}), 400, "speculative")
+    for extra in ({}, {"speculative": "none"}):            # a k with no speculation to take it: not ignored
+        r = http.post("/v1/completions", json={**body, **extra, "num_speculative_tokens": 3})
+        assert_error(r, 400, "num_speculative_tokens")
     r = http.post("/v1/completions", json={**body, "speculative": "draft"})      # no draft model
     assert_error(r, 400, "speculative")
     assert "--draft-model" in r.json()["error"]["message"]

@@ -139,6 +139,8 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             _fail("num_speculative_tokens", f"must be None or an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
+        if k is not None and self.speculative is None:     # it would do nothing: say so rather than ignore it
+            _fail("num_speculative_tokens", "is used with speculative='ngram' or 'draft'", k)
         if self.constraint is not None:          # imported here: llguidance loads only for structured output
             from ..structured import Constraint
             if not isinstance(self.constraint, Constraint):
