@@ -17,8 +17,9 @@ How (lumen/kernels/simd.py has the tile kernels and why they are built as they a
 - N = 1 (decode): the tile kernel streams one tile's groups in memory order with its 64 row sums in registers.
 - N > 1 (batched): each half tile (32 rows) is applied to NR = 4 activation rows per pass, groups outer, each
   weight quad unpacked once for the 4 rows and each activation quad broadcast once for the half tile's 2 vectors
-  (the remaining N % 4 rows one at a time with the N = 1 kernel; 3 rows of a wide matrix as one pass over
-  activations padded to 4 rows, lumen.kernels.policy.pad_rows), while the tile is in cache; the next tile is
+  (of the remaining N % 4 rows, two as one pass over the whole tile in memory order, 2 rows x 4 vectors, and a
+  last one with the N = 1 kernel; 3 rows of a wide matrix as one pass over activations padded to 4 rows,
+  lumen.kernels.policy.pad_rows), while the tile is in cache; the next tile is
   prefetched into L2 meanwhile (lumen.kernels.simd has the measurements). Every row gets the same operations as
   in the N = 1 kernel, so the two paths agree bit for bit.
 - Prefill-sized N, the Q4, Q5 and Q6 families (lumen.kernels.policy.unpack_rows): each tile is first unpacked to
@@ -51,7 +52,7 @@ from lumen.kernels.kinds import (ALL, MATMUL, ONE, PASS, PASS_U, TILES, abi_guar
                                  is_table, require_abi, sets, switch)
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import NR, NVP, absmax, data_at, f16_round, first_with_abs, prefetch_lines, quantize_block
+from lumen.kernels.simd import NR, NR2, NVP, absmax, data_at, f16_round, first_with_abs, prefetch_lines, quantize_block
 from lumen.kernels.work import STATIC, claim, counters
 
 
@@ -336,10 +337,8 @@ class Acts(NamedTuple):
     xf: np.ndarray     # (N, n_in) f32
 
 
-_TILES = {int(QT.Q4_0): ("tile_q4_0_1", "tile_q4_0_n"), int(QT.Q4_1): ("tile_q4_1_1", "tile_q4_1_n"),
-          int(QT.Q4_K): ("tile_q4_k_1", "tile_q4_k_n"), int(QT.Q5_0): ("tile_q5_0_1", "tile_q5_0_n"),
-          int(QT.Q5_1): ("tile_q5_1_1", "tile_q5_1_n"), int(QT.Q5_K): ("tile_q5_k_1", "tile_q5_k_n"),
-          int(QT.Q6_K): ("tile_q6_k_1", "tile_q6_k_n"), int(QT.Q8_0): ("tile_q8_0_1", "tile_q8_0_n")}
+_TILES = {int(t): tuple(f"tile_{t.name.lower()}_{k}" for k in ("1", "n", "2"))
+          for t in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0)}
 
 
 # the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*), for the
@@ -407,7 +406,8 @@ def _run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, w
 
 
 def _tile_switch(kinds, k, nargs):
-    """The dispatch over the kinds' types to kernel k of _TILES (0: one row, 1: NR rows), taking nargs arguments
+    """The dispatch over the kinds' types to kernel k of _TILES (0: one row, 1: NR rows, 2: NR2 rows), taking nargs
+    arguments
     (Q8_0's for a model of none of them); None while the type id is not yet a literal (_kind_types)."""
     import lumen.kernels.simd as simd
     qts = _kind_types(kinds)
@@ -439,9 +439,10 @@ def _run_one(kinds, qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi,
 
 def run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
     """tile_<qt>_n of lumen.kernels.simd (its flat arguments) for activation rows i = 0, NR, ..., nb - NR (nb a
-    multiple of NR): output rows at oo + i ld, the activations' at their offsets + i rows; the k-th of them, pass
-    p = p0 + k of the tile, prefetches `per` bytes per group from qb + p chunk bytes past the tile's (none once p
-    chunk >= qb: `tiles` spreads the next tile over its passes). For the kinds' types. Compiled code only."""
+    multiple of NR), or tile_<qt>_2 for nb = NR2 (the whole tile, v0 = 0): output rows at oo + i ld, the
+    activations' at their offsets + i rows; the k-th of them, pass p = p0 + k of the tile, prefetches `per` bytes
+    per group from qb + p chunk bytes past the tile's (none once p chunk >= qb: `tiles` spreads the next tile over
+    its passes). For the kinds' types. Compiled code only."""
     raise NotImplementedError("run_rows runs in compiled code only")
 
 
@@ -456,11 +457,16 @@ def _run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso
                                     np.int64(qb)))
         return table_impl
     many = _tile_switch(kinds, 1, 19)
+    two = _tile_switch(kinds, 2, 19)
     if many is None:
         return None
 
     def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
         p = p0
+        if nb == NR2:
+            pfb = per if p * chunk < qb else np.int64(0)
+            two(qt, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, qb + p * chunk, pfb)
+            return
         for i in range(0, nb, NR):
             pfb = per if p * chunk < qb else np.int64(0)
             many(qt, out, oo + i * ld, ld, q, qo, s, so, xq, xo + i * 32 * G, xd, xdo + i * G, xs, xso + i * G, xi,
@@ -519,21 +525,21 @@ def _tile_row(kinds, dst, r0, c0, w, t, x, i):
     return impl
 
 
-def tile_passes(kinds, dst, c0, w, t, x, nb, v0, p0, chunk, per):
-    """dst[i, c0 + 16 v0 : c0 + 16 (v0 + NVP)] (i < nb, a multiple of NR) = the tile's rows 16 v0 .. 16 (v0 + NVP)
-    - 1 of tile t of the matrix w times activation rows i of x, in passes of NR rows (run_rows, its prefetching
-    from p0, chunk and per). Compiled code only."""
+def tile_passes(kinds, dst, c0, w, t, x, i0, nb, v0, p0, chunk, per):
+    """dst[i, c0 + 16 v0 : c0 + 16 (v0 + NVP)] (i0 <= i < i0 + nb, nb a multiple of NR) = the tile's rows 16 v0 ..
+    16 (v0 + NVP) - 1 of tile t of the matrix w times activation rows i of x, in passes of NR rows; nb = NR2: all the
+    tile's rows in one pass (run_rows, its prefetching from p0, chunk and per). Compiled code only."""
     raise NotImplementedError("tile_passes runs in compiled code only")
 
 
 @overload(tile_passes, inline="always")
-def _tile_passes(kinds, dst, c0, w, t, x, nb, v0, p0, chunk, per):
-    def impl(kinds, dst, c0, w, t, x, nb, v0, p0, chunk, per):
+def _tile_passes(kinds, dst, c0, w, t, x, i0, nb, v0, p0, chunk, per):
+    def impl(kinds, dst, c0, w, t, x, i0, nb, v0, p0, chunk, per):
         G = x.xd.shape[1]
-        z = np.int64(0)
         qb = w.q.shape[1]
-        run_rows(kinds, w.qt, nb, dst, c0, dst.shape[1], w.q, t * qb, w.s, t * w.s.shape[1], x.xq, z, x.xd, z,
-                 x.xs, z, x.xi, z, G, v0, p0, chunk, per, qb)
+        ld = dst.shape[1]
+        run_rows(kinds, w.qt, nb, dst, i0 * ld + c0, ld, w.q, t * qb, w.s, t * w.s.shape[1], x.xq, i0 * 32 * G,
+                 x.xd, i0 * G, x.xs, i0 * G, x.xi, 2 * i0 * G, G, v0, p0, chunk, per, qb)
     return impl
 
 
@@ -583,14 +589,15 @@ def tiles_1(out, w, x, facc, t0, t1, kinds):
 def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
     """out[:, tiles t0..t1-1] = W . x for all N rows of out (N, d_out): W the Mat w (its tiles q and scale records
     s, or qf for the F32 family), x the Acts rounded by prepare_x. Per tile: the next tile prefetched, then each
-    half tile over NR rows per pass, the rest (N % NR) one at a time; 3 rows of a wide matrix (policy.pad_rows)
-    as one pass over the activations padded to NR rows (x holds NR rows, prepare_x zeroed the padding) into
-    facc (1, NR * R) f32, then copied out. A last tile of fewer than R rows goes one row at a time through facc
-    (and so does every F32-family tile). From lumen.kernels.policy.unpack_rows rows on (prefill), each tile is
-    first unpacked to a byte per column into wbuf.flat[wo:] (this worker's scratch, when it holds
-    G * UNPACKED_GROUP bytes) and the passes read that (tile_unpacked): the unpacking is then done once per tile
-    instead of once per NR rows. kinds: a kinds value, whose types' kernels are compiled in, or an entry table,
-    whose kernels it calls (run_one and its like): then one compiled function for every type."""
+    half tile over NR rows per pass, of the rest (N % NR) two as one pass over the whole tile (NR2) and a last one
+    alone; 3 rows of a wide matrix (policy.pad_rows) as one pass over the activations padded to NR rows (x holds
+    NR rows, prepare_x zeroed the padding) into facc (1, NR * R) f32, then copied out. A last tile of fewer than R
+    rows goes one row at a time through facc (and so does every F32-family tile). From
+    lumen.kernels.policy.unpack_rows rows on (prefill), each tile is first unpacked to a byte per column into
+    wbuf.flat[wo:] (this worker's scratch, when it holds G * UNPACKED_GROUP bytes) and the passes read that
+    (tile_unpacked): the unpacking is then done once per tile instead of once per NR rows. kinds: a kinds value,
+    whose types' kernels are compiled in, or an entry table, whose kernels it calls (run_one and its like): then
+    one compiled function for every type."""
     N, d_out = out.shape
     if w.qf.shape[0] > 0:
         for t in range(t0, t1):
@@ -630,12 +637,18 @@ def tiles(out, w, x, facc, wbuf, wo, t0, t1, kinds):
             per = -(-chunk // G // 64) * 64 if t + 1 < t1 else zero
             c0 = zero if pad else t * R
             for v0 in range(0, R // 16, NVP):          # half a tile at a time, its NR-row passes over it
-                tile_passes(kinds, dst, c0, w, t, x, nb, np.int64(v0), v0 // NVP * (nb // NR), chunk, per)
+                tile_passes(kinds, dst, c0, w, t, x, zero, nb, np.int64(v0), v0 // NVP * (nb // NR), chunk, per)
             if pad:
                 for i in range(N):
                     for r in range(R):
                         out[i, t * R + r] = dst[i, r]
             i0 = min(nb, N)
+        if full and N - i0 >= NR2:                     # two of the rows left: one pass over the whole tile
+            fetch = i0 == 0 and t + 1 < t1             # (the passes above prefetched the next tile, if any ran)
+            chunk = -(-qb // 64) * 64
+            tile_passes(kinds, out, t * R, w, t, x, np.int64(i0), np.int64(NR2), zero, zero, chunk,
+                        -(-chunk // G // 64) * 64 if fetch else zero)
+            i0 += NR2
         for i in range(i0, N):
             dst, r0, c0 = (out, np.int64(i), t * R) if full else (facc, zero, zero)
             tile_row(kinds, dst, r0, c0, w, t, x, np.int64(i))

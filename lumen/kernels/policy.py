@@ -30,8 +30,9 @@ _Q4_FAMILY = (int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K))
 UNPACKED = (int(QT.Q5_0), int(QT.Q5_1), int(QT.Q5_K), int(QT.Q6_K)) + _Q4_FAMILY
 
 # A matmul of 3 activation rows runs them as one pass of NR = 4 rows over activations padded with a zero row
-# (lumen.kernels.matmul.tiles) when its matrix has at least PAD_MIN_IN columns; otherwise, and for 2 rows, one row at
-# a time. A forward pass at a 300-token context, medians of 9, 2-vCPU EPYC Zen 5, 3 rows against a 1-row step:
+# (lumen.kernels.matmul.tiles) when its matrix has at least PAD_MIN_IN columns; otherwise as a two-row pass and a
+# row alone (2 rows: the two-row pass, lumen.kernels.simd.NR2). A forward pass at a 300-token context, medians of 9,
+# 2-vCPU EPYC Zen 5, 3 rows against a 1-row step:
 # Qwen2.5-Coder-1.5B 1.31x, 1.15x, 1.17x one row at a time, 1.12x, 1.09x, 1.10x padded (4 rows: 1.05-1.12x); with
 # every matrix padded SmolLM2's (576 columns: small tiles) went 1.27x -> 1.33x, so its narrow matrices are not,
 # and 2 rows padded were no faster on any model (1.5B 1.07x -> 1.07x, SmolLM2 1.13x -> 1.31x).

@@ -21,7 +21,7 @@ every CPU):
 The fused form is nearer exact math than rounding every operation on its own (tests/model/test_fidelity.py holds it to
 llama.cpp's distance from exact math), and it is 2 to 3 vector operations fewer per row and group.
 
-Two loop orders, the same operations per row and group in the same order (so the same bits):
+Three loop orders, the same operations per row and group in the same order (so the same bits):
 - 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
 - NR = 4 rows (batched): NVP = 2 vectors of 16 rows (half a tile) per call, groups outer, quads next: each quad
   of the 2 weight vectors is unpacked once and used for the 4 rows, each row's 4 activation bytes broadcast once
@@ -29,6 +29,9 @@ Two loop orders, the same operations per row and group in the same order (so the
   other (so its integer sums fit the registers too).
   The next tile is prefetched into L2 while a tile is computed, each pass taking its share, spread over its
   groups, so the DRAM stream overlaps the compute.
+- NR2 = 2 rows (two rows of a batch, alone or left after the NR-row passes): the 4 vectors of a whole tile per
+  call, as NR's loops, the weights read in memory order once (2 rows one at a time read the tile twice and
+  compute the second from cache at the one-row kernel's rate).
 What bounds the batched kernel is the vector ports, not the weights: every operation beside the vpdpbusd takes a
 slot one of them could use (profiling/vnni_ports.py measures each):
 - a vpdpbusd whose activation operand is a broadcast from memory runs at half the rate of one that reads a
@@ -257,8 +260,9 @@ def _epilogue(builder, f, a, scl, sd, sx):
     return fma(builder, mul(builder, dw, sd), builder.sitofp(a, VF), f)
 
 
-def _make_tile(fam: int, sc: int, z: int, nr: int):
-    """The tile kernel of one type for nr = 1 or NR activation rows (the signatures below the definitions)."""
+def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0):
+    """The tile kernel of one type for nr = 1, NR or NR2 activation rows, nvp weight vectors per call (NVP or a whole
+    tile; the signatures below the definitions)."""
     NV = ROWS // LANES
     gbytes = GROUP_BYTES[fam]
     halves = ((0, 4), (4, 8)) if sc == SC_K6 else ((0, 8),)   # quads per integer sum
@@ -278,7 +282,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
             vs, pf, pfb = [i64(j) for j in range(NV)], None, None
         else:
             v0, pf, pfb = args[16], args[17], args[18]
-            vs = [builder.add(v0, i64(j)) for j in range(NVP)]
+            vs = [builder.add(v0, i64(j)) for j in range(nvp or NVP)]
         # the row sums, in registers (allocas LLVM promotes): nr x len(vs) of them, beside as many integer sums
         slots = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in vs] for _ in range(nr)]
         pfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
@@ -347,6 +351,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int):
 
 NR = 4    # activation rows per pass of the batched tile kernels
 NVP = 2   # 16-row weight vectors per pass of the batched tile kernels
+NR2 = 2   # activation rows of the two-row kernels, which cover a whole tile per pass
 
 # tile_<type>_1(out, oo, ostride, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G):
 # out.flat[oo + i * ostride : + 64] = the 64 rows of one tile (G groups at q.flat[qo:], its scale record at
@@ -354,10 +359,11 @@ NVP = 2   # 16-row weight vectors per pass of the batched tile kernels
 # scaled half sums xs.flat[xso + 2 G i:] (G, 2), its integer half sums xi.flat[xio + 2 G i:] (G, 2)), i < 1;
 # tile_<type>_n(..., G, v0, pf, pfb): the same for i < NR and the tile's rows 16 v0 .. 16 (v0 + NVP) - 1 only
 # (out.flat[oo + i * ostride + 16 v0 : + 16 NVP]), prefetching q.flat[qo + pf + g pfb : + pfb] into L2 with group g
-# (pfb = 0: none; lumen.kernels.matmul.tiles spreads the next tile over a tile's passes this way).
+# (pfb = 0: none; lumen.kernels.matmul.tiles spreads the next tile over a tile's passes this way);
+# tile_<type>_2(..., G, v0, pf, pfb): as tile_<type>_n for i < NR2 and all 64 rows of the tile (v0 = 0).
 def _tiles_of(qt):
-    """The 1-row and NR-row tile kernels of GGML type qt, with its family, scale format and zero point."""
-    return _make_tile(*FORMAT[qt], 1), _make_tile(*FORMAT[qt], NR)
+    """The 1-row, NR-row and two-row tile kernels of GGML type qt, with its family, scale format and zero point."""
+    return _make_tile(*FORMAT[qt], 1), _make_tile(*FORMAT[qt], NR), _make_tile(*FORMAT[qt], NR2, ROWS // LANES)
 
 
 def _make_unpack(fam: int):
@@ -400,14 +406,14 @@ def _tile_u(qt):
     return _make_tile(Q8, sc, z, NR)
 
 
-tile_q4_0_1, tile_q4_0_n = _tiles_of(QT.Q4_0)
-tile_q4_1_1, tile_q4_1_n = _tiles_of(QT.Q4_1)
-tile_q4_k_1, tile_q4_k_n = _tiles_of(QT.Q4_K)
-tile_q5_0_1, tile_q5_0_n = _tiles_of(QT.Q5_0)
-tile_q5_1_1, tile_q5_1_n = _tiles_of(QT.Q5_1)
-tile_q5_k_1, tile_q5_k_n = _tiles_of(QT.Q5_K)
-tile_q6_k_1, tile_q6_k_n = _tiles_of(QT.Q6_K)
-tile_q8_0_1, tile_q8_0_n = _tiles_of(QT.Q8_0)
+tile_q4_0_1, tile_q4_0_n, tile_q4_0_2 = _tiles_of(QT.Q4_0)
+tile_q4_1_1, tile_q4_1_n, tile_q4_1_2 = _tiles_of(QT.Q4_1)
+tile_q4_k_1, tile_q4_k_n, tile_q4_k_2 = _tiles_of(QT.Q4_K)
+tile_q5_0_1, tile_q5_0_n, tile_q5_0_2 = _tiles_of(QT.Q5_0)
+tile_q5_1_1, tile_q5_1_n, tile_q5_1_2 = _tiles_of(QT.Q5_1)
+tile_q5_k_1, tile_q5_k_n, tile_q5_k_2 = _tiles_of(QT.Q5_K)
+tile_q6_k_1, tile_q6_k_n, tile_q6_k_2 = _tiles_of(QT.Q6_K)
+tile_q8_0_1, tile_q8_0_n, tile_q8_0_2 = _tiles_of(QT.Q8_0)
 # (the Q8 family needs none; lumen.kernels.policy.UNPACK_ROWS has the figures)
 tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (_tile_u(qt) for qt in (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
 tile_q4_0_u, tile_q4_1_u, tile_q4_k_u = (_tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K))

@@ -111,16 +111,17 @@ def test_batched_equals_matvec_row_by_row(weights, qtype):
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
 def test_two_and_three_rows_have_the_bits_of_any_batch(qtype):
     """3 rows of a wide matrix (lumen.kernels.policy.pad_rows) run as one pass over activations padded to 4 rows,
-    2 rows one at a time: each row's bits are those it gets in a batch of 9 (passes of 4 and a single row), and
-    alone (the decode kernel)."""
+    2 rows as one two-row pass over the whole tile, 6 and 7 as a pass of 4 and a two-row pass (and a row alone):
+    each row's bits are those it gets in a batch of 9 (passes of 4 and a single row), and alone (the decode
+    kernel)."""
     n_in = PAD_MIN_IN
     rng = np.random.default_rng(7)
     packed = prepare(make_weight(qtype, 100, n_in, rng), qtype)
     x = rng.standard_normal((9, n_in)).astype(np.float32)
     batch = np.empty((9, 100), np.float32)
     matmul_batched(batch, x, packed, qtype)
-    for n in (2, 3):
-        for first in (0, 5):                              # rows of a full pass of the 9, and the last ones
+    for n in (2, 3, 6, 7):
+        for first in (0, 9 - n):                          # rows of a full pass of the 9, and the last ones
             out = np.full((n, 100), np.nan, np.float32)
             matmul_batched(out, np.ascontiguousarray(x[first:first + n]), packed, qtype)
             assert np.array_equal(out, batch[first:first + n]), (n, first)
@@ -324,7 +325,8 @@ def test_bad_inputs_raise(weights):
 
 
 PORTABLE_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K)
-PORTABLE_ROWS = (3, 1, 67)                # NR-row passes; the decode kernel; Q5_0 / Q6_K: tiles unpacked first
+PORTABLE_ROWS = (3, 1, 67)   # a two-row pass and a row; the decode kernel; NR-row passes (Q5_0, Q6_K: over tiles
+                             # unpacked first), a two-row pass and a row
 
 PORTABLE_SCRIPT = r"""
 import sys, numpy as np
@@ -364,8 +366,8 @@ np.savez(sys.argv[2], **out)
 def test_portable_ir_gives_the_same_bits(tmp_path):
     """Without AVX512-VNNI (forced by LUMEN_NO_VNNI=1, own Numba cache) the tile kernels compile to vpmaddubsw
     (AVX512BW or AVX2, lumen.kernels.simd.MADD) or portable vector IR; the integer sums, and so every output bit,
-    must equal the vpdpbusd path's: the decode kernel, the
-    NR-row passes and (Q5_0, Q6_K at 67 rows) the passes over tiles unpacked first."""
+    must equal the vpdpbusd path's: the decode kernel, the two-row and the NR-row passes, and (Q5_0, Q6_K at 67
+    rows) the passes over tiles unpacked first."""
     import os
     import subprocess
     import sys
