@@ -251,7 +251,8 @@ class ToolParser:
     def __init__(self, names=None):
         """names: the declared tools' names, if known: a bare call (JSON text) naming another is text."""
         self.names = frozenset(names) if names is not None else None
-        self.buf = ""
+        self._buf = ""
+        self._scan = None                      # where _close_at / _bare_end stopped in buf, to go on from there
         self.in_call = False
         self.n_calls = 0
         self.head_done = False                 # the call's name is out; its arguments stream
@@ -268,7 +269,7 @@ class ToolParser:
         self._head_cut = re.compile(self._name.pattern + r'\s*,\s*"' + re.escape(self.args_key) + r'"\s*:\s*$')
         close = "|".join(re.escape(self.close[:k]) for k in range(len(self.close), 0, -1)) if self.open else ""
         self._tail = re.compile(r"\s*(\}\s*(" + close + r")?)?$" if close else r"\s*(\}\s*)?$")
-        self._closes = re.compile(_JSON_STRING + "|" + re.escape(self.close), re.S) if self.open else None
+        self._outside = re.compile('"|' + re.escape(self.close[0])) if self.open else None
         leads = self.leads or ()
         self._first = re.compile(r"\s*(?:" + "|".join(_loose(s) for s in leads) + r")\s*(?=" + _CALL + ")")
         self._next = re.compile(r"\s*" + _loose(self.bare_sep) + r"\s*(?=" + _CALL + ")")
@@ -281,9 +282,20 @@ class ToolParser:
     def made_calls(self) -> bool:
         return self.n_calls > 0
 
+    @property
+    def buf(self) -> str:
+        """The text not yet given out. feed() appends to it; every other change cuts its front, so a scan of it
+        starts again (one per call and part of a call: each chunk's scan goes on from where the last one stopped,
+        instead of reading a long call's whole text again for every token)."""
+        return self._buf
+
+    @buf.setter
+    def buf(self, text: str) -> None:
+        self._buf, self._scan = text, None
+
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Content text and call deltas that `text` (appended to what came before) completes."""
-        self.buf += text
+        self._buf += text
         content, calls = [], []
         while True:
             if not self.in_call:
@@ -319,10 +331,9 @@ class ToolParser:
                 self.in_call, self.head_done, self.sent_args = True, False, 0
             else:
                 if self.is_bare:                            # the call ends where its JSON object does
-                    j = _object_end(self.buf, 1 if self.head_done else 0)
-                    j = -1 if j is None else j
+                    j = self._bare_end(1 if self.head_done else 0)
                 else:                                       # (a close marker in a JSON string is its text)
-                    j = self._close_at(self.buf)
+                    j = self._close_at()
                 body = self.buf if j < 0 else self.buf[:j]
                 if not self.head_done:
                     m = self._head.match(body)
@@ -367,7 +378,7 @@ class ToolParser:
                     self._end_call(j)
                     continue
                 if j < 0:                                     # stream arguments, holding back a possible end
-                    tail = self._tail.search(self.buf)
+                    tail = self._tail.search(self.buf, self._tail_from())
                     upto = tail.start() if tail else len(self.buf)
                 else:
                     end = self.buf[:j].rstrip()
@@ -409,14 +420,56 @@ class ToolParser:
         self.buf, self.in_call, self.is_bare, self.group = "", False, False, False
         return content, calls
 
-    def _close_at(self, text: str) -> int:
-        """Where the close marker that ends the call in `text` (its JSON, from outside any string) starts; -1 if
-        none has come. The marker's text inside a JSON string ("print('</tool_call>')" in an argument) is the
-        string's, not the call's end."""
-        for m in self._closes.finditer(text):
-            if not m.group().startswith('"'):
-                return m.start()
+    def _close_at(self) -> int:
+        """Where the close marker that ends the call in buf (its JSON, from outside any string) starts; -1 if none
+        has come. The marker's text inside a JSON string ("print('</tool_call>')" in an argument) is the string's,
+        not the call's end. Goes on from where the last scan of buf stopped, in or out of a string."""
+        text, n = self._buf, len(self._buf)
+        pos, in_str = self._scan or (0, False)
+        while pos < n:
+            m = (_IN_STRING if in_str else self._outside).search(text, pos)
+            if m is None:
+                pos = n
+                break
+            k = m.start()
+            if text[k] == "\\":                   # (in a string) an escape: its character skipped
+                if k + 1 == n:
+                    pos = k                         # ... once it has come
+                    break
+                pos = k + 2
+            elif text[k] == '"':
+                in_str, pos = not in_str, k + 1
+            elif text.startswith(self.close, k):
+                self._scan = (k, False)
+                return k
+            elif self.close.startswith(text[k:]):   # a part of the marker at the end: read again with more
+                pos = k
+                break
+            else:
+                pos = k + 1
+        self._scan = (pos, in_str)
         return -1
+
+    def _bare_end(self, depth: int) -> int:
+        """Where a bare call's JSON object ends in buf (the index after its `}`; -1 if it has not), buf starting
+        inside it at `depth` (as _object_end), going on from where the last scan stopped."""
+        if self._scan is None:
+            self._scan = [0, depth, False, False, -1]
+        st = self._scan
+        if st[4] < 0:
+            k, st[1], st[2], st[3] = _object_scan(self._buf, st[0], st[1], st[2], st[3])
+            st[0] = len(self._buf)
+            st[4] = -1 if k is None else k
+        return st[4]
+
+    def _tail_from(self) -> int:
+        """Where the held-back end of streamed arguments (_tail: whitespace, a `}`, a part of the close marker)
+        can start at the earliest: after buf's last character that none of them has."""
+        chars = "}" + (self.close if self.open else "")
+        k = len(self._buf)
+        while k > self.sent_args and (self._buf[k - 1].isspace() or self._buf[k - 1] in chars):
+            k -= 1
+        return k
 
     def _declared(self, name: str) -> bool:
         return self.names is None or name in self.names
@@ -647,7 +700,7 @@ def _lark(lines: list[str]) -> Constraint:
 
 
 _CALL = r'\{\s*"name"\s*:'                     # where a bare call's JSON starts
-_JSON_STRING = r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)'      # a JSON string, or one the text ends inside
+_IN_STRING = re.compile(r'[\\"]')                  # in a JSON string: where an escape or its end may be
 TRAIL = r"[ \t\r\n]{1,4}"                        # whitespace the grammar takes after the last call
 def _is_local_ref(ref: Any) -> bool:
     return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
@@ -687,8 +740,13 @@ def _undecided(text: str, targets: list[str]) -> bool:
 
 def _object_end(text: str, depth: int) -> int | None:
     """The index after the `}` that closes the JSON object `text` is in at `depth` (0: text starts with it)."""
-    in_str = esc = False
-    for k, ch in enumerate(text):
+    return _object_scan(text, 0, depth, False, False)[0]
+
+
+def _object_scan(text: str, start: int, depth: int, in_str: bool, esc: bool) -> tuple:
+    """_object_end from text[start:] in the given state: (the end or None, and the state at the text's end)."""
+    for k in range(start, len(text)):
+        ch = text[k]
         if in_str:
             if esc:
                 esc = False
@@ -703,8 +761,10 @@ def _object_end(text: str, depth: int) -> int | None:
         elif ch in "}]":
             depth -= 1
             if depth == 0:
-                return k + 1
-    return None
+                return k + 1, depth, in_str, esc
+    return None, depth, in_str, esc
+
+
 
 
 def _merge(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:

@@ -200,6 +200,9 @@ def test_other_formats_same_calls_whole_or_in_chunks(parser, text, content, call
     ("hermes", ' \n{"name": "a", "arguments": {}}\n{"name": "b", "arguments": {"c": "\\"}"}}', 2),
     ("hermes", '```json\n{"name": "a", "arguments": {"x": [1, {"y": "]"}]}}\n```', 1),
     ("hermes", "Text with <tool and ``` code ```", 0),
+    ("hermes", '<tool_call>\n{"name": "w", "arguments": {"s": "a\\\\\\"</tool_call>\\\\", "t": "\\u0041<"}}'
+               '\n</tool_call>'
+               '<tool_call>\n{"name": "v", "arguments": {}}\n</tool_call', 2),   # escapes; a cut close marker
     ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": [1, {"b": 2}]}}; {"name": "b", "parameters": {}}', 2),
     ("llama3", 'Just text {"name": 1}', 0),
     ("mistral", '[TOOL_CALLS] [ {"name": "add", "arguments": {"a": "]"}} ,{"name": "b", "arguments": {}} ]', 2),
@@ -245,6 +248,34 @@ def test_a_parser_that_knows_the_tools_reads_only_their_bare_calls(text, content
     parser = functools.partial(HermesParser, names=["add", "weather"])
     for step in (1, 3, len(text)):
         assert _parse(text, step, parser) == (content, calls)
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_a_long_call_is_read_once_not_again_per_token(monkeypatch, bare):
+    """The end of a call (a close marker outside any string, or a bare call's closing brace) was looked for in the
+    whole call's text at every token: a 37,000-character argument cost 8-11 s of the server's time. Each scan goes on
+    from where the last one stopped: the characters scanned stay within twice the text's, fed 3 at a time."""
+    import lumen.serve.tools as tools
+    scanned = [0]
+    real_scan, real_in = tools._object_scan, tools._IN_STRING
+
+    def object_scan(text, start, *state):
+        scanned[0] += len(text) - start
+        return real_scan(text, start, *state)
+
+    class InString:
+        def search(self, text, pos):
+            m = real_in.search(text, pos)
+            scanned[0] += (m.start() if m else len(text)) - pos
+            return m
+    monkeypatch.setattr(tools, "_object_scan", object_scan)
+    monkeypatch.setattr(tools, "_IN_STRING", InString())
+    args = json.dumps({"path": "a.py", "content": 'print("x")\n' * 400})
+    text = f'{{"name": "write", "arguments": {args}}}' if bare else \
+        f'<tool_call>\n{{"name": "write", "arguments": {args}}}\n</tool_call>'
+    content, calls = _parse(text, 3, functools.partial(HermesParser, names=["write"]))
+    assert content == "" and json.loads(calls[0]["function"]["arguments"]) == json.loads(args)
+    assert len(text) / 2 < scanned[0] < 2 * len(text), (scanned[0], len(text))
 
 
 def test_parser_streams_name_first_then_argument_fragments():
