@@ -453,14 +453,11 @@ class ToolParser:
     def _bare_end(self, depth: int) -> int:
         """Where a bare call's JSON object ends in buf (the index after its `}`; -1 if it has not), buf starting
         inside it at `depth` (as _object_end), going on from where the last scan stopped."""
-        if self._scan is None:
-            self._scan = [0, depth, False, False, -1]
-        st = self._scan
-        if st[4] < 0:
-            k, st[1], st[2], st[3] = _object_scan(self._buf, st[0], st[1], st[2], st[3])
-            st[0] = len(self._buf)
-            st[4] = -1 if k is None else k
-        return st[4]
+        pos, depth, in_str, esc, end = self._scan or (0, depth, False, False, None)
+        if end is None:
+            end, depth, in_str, esc = _object_scan(self._buf, pos, depth, in_str, esc)
+            self._scan = (len(self._buf), depth, in_str, esc, end)
+        return -1 if end is None else end
 
     def _tail_from(self) -> int:
         """Where the held-back end of streamed arguments (_tail: whitespace, a `}`, a part of the close marker)
@@ -763,8 +760,6 @@ def _object_scan(text: str, start: int, depth: int, in_str: bool, esc: bool) -> 
             if depth == 0:
                 return k + 1, depth, in_str, esc
     return None, depth, in_str, esc
-
-
 
 
 def _merge(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
