@@ -47,12 +47,13 @@ from numba.extending import overload
 
 from lumen.format.quants import ACT_BF16, ACT_F16, ACT_FORMAT, ACT_Q8, ACT_Q8K, QT, quant_info
 from lumen.kernels.jit import compiled_only
-from lumen.kernels.layout import F32, FORMAT, GROUP_BYTES, Q5, Q6, Q8, R, family, s_tile
+from lumen.kernels.layout import F32, FORMAT, Q5, Q6, Q8, R, s_tile
 from lumen.kernels.kinds import (ALL, MATMUL, ONE, PASS, PASS_U, TILES, abi_guard, address, call, call_borrowed,
                                  is_table, require_abi, sets, switch)
 from lumen.kernels.policy import PAD_ROWS, UNPACK_ROWS, UNPACKED, pad_rows, parallel_quantize, unpack_rows
 from lumen.kernels.scratch import per_thread
-from lumen.kernels.simd import NR, NR2, NVP, absmax, data_at, f16_round, first_with_abs, prefetch_lines, quantize_block
+from lumen.kernels.simd import (NR, NR2, NVP, UNPACKED_GROUP, absmax, data_at, f16_round, first_with_abs,
+                               prefetch_lines, quantize_block)
 from lumen.kernels.work import STATIC, claim, counters
 
 
@@ -344,7 +345,6 @@ _TILES = {int(t): tuple(f"tile_{t.name.lower()}_{k}" for k in ("1", "n", "2"))
 # the batched kernels over a tile unpacked into the Q8 family's layout (lumen.kernels.simd.unpack_*), for the
 # types lumen.kernels.policy.unpack_rows names
 _TILES_U = {t: f"tile_{QT(t).name.lower()}_u" for t in UNPACKED}
-UNPACKED_GROUP = GROUP_BYTES[Q8]                   # bytes per group of an unpacked tile
 
 
 def _kind_types(kinds):
@@ -371,7 +371,7 @@ def _kind_types(kinds):
 
 def run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo):
     """A whole tile of a type of _TILES_U for activation rows 0 .. nb - 1 (nb a multiple of NR): the tile's G groups
-    at q.flat[qo:] unpacked to one byte per column at wbuf.flat[wo:] (lumen.kernels.simd.unpack_<family>), then each
+    at q.flat[qo:] unpacked to one byte per column at wbuf.flat[wo:] (lumen.kernels.simd.unpack_<type>), then each
     half tile's NR-row passes over that (tile_<qt>_u, no prefetching), output rows at oo + i ld; for the kinds'
     types of _TILES_U (none: nothing; the caller never takes this path). Compiled code only."""
     raise NotImplementedError("run_unpacked runs in compiled code only")
@@ -392,11 +392,11 @@ def _run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, w
     qts = [t for t in qts if t in _TILES_U]
     if not qts:
         return lambda kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo: None
-    unpack = switch(tuple((f, simd.UNPACK[f]) for f in sorted({FORMAT[QT(t)][0] for t in qts})), 5)
+    unpack = switch(tuple((t, simd.UNPACK[t]) for t in qts), 7)
     many = switch(tuple((t, getattr(simd, _TILES_U[t])) for t in qts), 19)
 
     def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, wbuf, wo):
-        unpack(family(qt), q, qo, wbuf, wo, G)
+        unpack(qt, q, qo, s, so, wbuf, wo, G)
         zero = np.int64(0)                            # no prefetching: a constant, so the kernel has none
         for v0 in range(0, R // 16, NVP):
             for i in range(0, nb, NR):

@@ -37,7 +37,8 @@ slot one of them could use (profiling/vnni_ports.py measures each):
 - a vpdpbusd whose activation operand is a broadcast from memory runs at half the rate of one that reads a
   register, so each broadcast is used for NVP = 2 vectors (4 would want 16 integer sums and spill the float ones);
 - the float step per row and group (convert, 1 multiply, 1-2 fused multiply-adds) competes with the 8 vpdpbusd,
-  and the unpacking per quad is shared by NR = 4 rows.
+  and the unpacking per quad is shared by NR = 4 rows (over a tile unpacked first, for prefill, the unpacking and
+  the scale vectors are made once per tile: unpack_<type>).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from numba.extending import intrinsic
 from ..format.quants import QT
 from .ir import (F16, F32, I8, I32, I64, LANES, VB8, VF, VH, VI, call, fma, fmax, hmax, i64, ivec, mul, ptr,
                  splat, vload)
-from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q4, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
+from .layout import FORMAT, GROUP_BYTES, NIB_BYTES, Q5, Q6, Q8, R, SC_D, SC_DM, SC_K, SC_K6
 
 # A vpdpbusd that the target cannot encode stops LLVM (an abort, not an exception), and one encoded for a CPU
 # without it is an illegal instruction. So VNNI is what Numba compiles for, not what this CPU has: NUMBA_CPU_NAME
@@ -250,6 +251,21 @@ def _scales(builder, sc, sp, g, G, v1, v2, h):
     return mul(builder, d, builder.sitofp(vload(builder, sg, h * ROWS, VB8), VF)), None
 
 
+# An unpacked tile's group: the 8 quads of its 64 rows (the Q8 family's layout), then its scale vectors as f32,
+# made once per tile by unpack_<type> instead of once per NR-row pass: d_w of half h at QUAD_BYTES + h * SCALE_ROW,
+# o after d_w (the types with one half), a row's at 4 bytes x its index.
+QUAD_BYTES = GROUP_BYTES[Q8]
+SCALE_ROW = 4 * ROWS
+UNPACKED_GROUP = QUAD_BYTES + 2 * SCALE_ROW
+
+
+def _unpacked_scales(builder, sc, wg, h):
+    """_scales of 16 rows read from an unpacked tile's group: wg (i8*) its quads plus the rows' offset (16 x 4 bytes
+    a vector, as the f32 scales')."""
+    d = vload(builder, wg, QUAD_BYTES + h * SCALE_ROW, VF)
+    return d, vload(builder, wg, QUAD_BYTES + SCALE_ROW, VF) if sc in (SC_DM, SC_K) else None
+
+
 def _epilogue(builder, f, a, scl, sd, sx):
     """f (16 row sums) + one integer sum a of a group (K6: of a half) of one activation row, with the weights'
     scales scl = (d_w, o) (_scales), the row's scale sd and scaled sum sx broadcast: the float step, each
@@ -260,11 +276,11 @@ def _epilogue(builder, f, a, scl, sd, sx):
     return fma(builder, mul(builder, dw, sd), builder.sitofp(a, VF), f)
 
 
-def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0):
+def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0, unpacked: bool = False):
     """The tile kernel of one type for nr = 1, NR or NR2 activation rows, nvp weight vectors per call (NVP or a whole
-    tile; the signatures below the definitions)."""
+    tile; the signatures below the definitions); unpacked: over a tile unpack_<type> wrote (quads and f32 scales)."""
     NV = ROWS // LANES
-    gbytes = GROUP_BYTES[fam]
+    gbytes = UNPACKED_GROUP if unpacked else GROUP_BYTES[fam]
     halves = ((0, 4), (4, 8)) if sc == SC_K6 else ((0, 8),)   # quads per integer sum
     signed = bool(MADD) and z == 128        # bytes q + 128 past vpmaddubsw's range: q x x directly (_dpbusd)
 
@@ -324,8 +340,9 @@ def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0):
                         b = splat(builder, builder.load(p, align=1), VI)
                         for j in range(len(vs)):
                             a[j] = _dpbusd(builder, a[j], u[j], b, 128 if signed else 0)
-                scl = [_scales(builder, sc, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)), h)
-                       for v in vs]
+                scl = [_unpacked_scales(builder, sc, w, h) if unpacked else
+                       _scales(builder, sc, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)), h)
+                       for v, w in zip(vs, wg)]
                 for a, (_, _, dg, sxg), row in zip(acc, rows, slots):
                     sd = splat(builder, builder.load(dg), VF)
                     sx = splat(builder, builder.load(sxg), VF) if sc in (SC_DM, SC_K) else None
@@ -366,44 +383,49 @@ def _tiles_of(qt):
     return _make_tile(*FORMAT[qt], 1), _make_tile(*FORMAT[qt], NR), _make_tile(*FORMAT[qt], NR2, ROWS // LANES)
 
 
-def _make_unpack(fam: int):
-    """unpack_<fam>(q, qo, dst, do, G): the G groups of one tile at q.flat[qo:] (family fam's layout) written out as
-    the Q8 family's layout, one unsigned byte per column (lumen.kernels.layout), at dst.flat[do : do + G * 2048]:
-    the quads _unpack makes in registers for the tile kernels, stored. The batched kernels of a type then run on
-    them as its `_u` kernel (below), with the same integer sums and float steps, so the same bits."""
-    gbytes = GROUP_BYTES[fam]
-    obytes = GROUP_BYTES[Q8]
+def _make_unpack(fam: int, sc: int):
+    """unpack_<type>(q, qo, s, so, dst, do, G): the G groups of one tile at q.flat[qo:] (family fam's layout, its
+    scale record at s.flat[so:] in format sc) written out at dst.flat[do : do + G * UNPACKED_GROUP]: per group the
+    quads _unpack makes in registers for the tile kernels, in the Q8 family's layout (one unsigned byte per column,
+    lumen.kernels.layout), then the scale vectors _scales makes, as f32. The type's batched kernel then runs on
+    them as its `_u` kernel (below), with the same integer sums and float steps, so the same bits; the scales are
+    made once per tile instead of once per NR-row pass."""
+    halves = 2 if sc == SC_K6 else 1
 
     def codegen(context, builder, sig, args):
-        q, qo, dst, do, G = args
+        q, qo, s, so, dst, do, G = args
         qp = ptr(context, builder, sig.args[0], q, I8, qo)
-        dp = ptr(context, builder, sig.args[2], dst, I8, do)
+        sp = ptr(context, builder, sig.args[2], s, I8, so)
+        dp = ptr(context, builder, sig.args[4], dst, I8, do)
         with cgutils.for_range(builder, G) as loop:
             g = loop.index
             for v in range(ROWS // LANES):
-                wg = builder.gep(qp, [builder.add(builder.mul(g, i64(gbytes)), i64(v * LANES * 4))])
-                og = builder.gep(dp, [builder.add(builder.mul(g, i64(obytes)), i64(v * LANES * 4))])
+                wg = builder.gep(qp, [builder.add(builder.mul(g, i64(GROUP_BYTES[fam])), i64(v * LANES * 4))])
+                og = builder.gep(dp, [builder.add(builder.mul(g, i64(UNPACKED_GROUP)), i64(v * LANES * 4))])
                 for k in range(8):
                     u = _unpack(builder, fam, wg, k)
                     builder.store(u, builder.bitcast(builder.gep(og, [i64(k * ROWS * 4)]), VI.as_pointer()),
                                   align=1)
+                for h in range(halves):
+                    d, o = _scales(builder, sc, sp, g, G, i64(v * LANES), i64(v * LANES * 2), h)
+                    for off, vec in ((QUAD_BYTES + h * SCALE_ROW, d), (QUAD_BYTES + SCALE_ROW, o)):
+                        if vec is not None:
+                            builder.store(vec, builder.bitcast(builder.gep(og, [i64(off)]), VF.as_pointer()),
+                                          align=4)
         return context.get_dummy_value()
 
-    def typer(typingctx, q, qo, dst, do, G):
-        return types.void(q, types.intp, dst, types.intp, types.intp), codegen
-    typer.__name__ = f"unpack_{fam}"
+    def typer(typingctx, q, qo, s, so, dst, do, G):
+        ip = types.intp
+        return types.void(q, ip, s, ip, dst, ip, ip), codegen
+    typer.__name__ = f"unpack_{fam}_{sc}"
     return intrinsic(typer)
 
 
-unpack_q4, unpack_q5, unpack_q6 = _make_unpack(Q4), _make_unpack(Q5), _make_unpack(Q6)
-UNPACK = {Q4: unpack_q4, Q5: unpack_q5, Q6: unpack_q6}
-
-
 def _tile_u(qt):
-    """The NR-row tile kernel of GGML type qt reading a tile unpacked by unpack_<family> (the Q8 family's layout,
-    the type's scale record and zero point): the tile_<type>_n contract with q, qo the unpacked bytes."""
+    """The NR-row tile kernel of GGML type qt reading a tile unpacked by unpack_<type> (the Q8 family's layout, the
+    scales as f32, the type's zero point): the tile_<type>_n contract with q, qo the unpacked bytes (s, so unused)."""
     _, sc, z = FORMAT[qt]
-    return _make_tile(Q8, sc, z, NR)
+    return _make_tile(Q8, sc, z, NR, unpacked=True)
 
 
 tile_q4_0_1, tile_q4_0_n, tile_q4_0_2 = _tiles_of(QT.Q4_0)
@@ -417,6 +439,8 @@ tile_q8_0_1, tile_q8_0_n, tile_q8_0_2 = _tiles_of(QT.Q8_0)
 # (the Q8 family needs none; lumen.kernels.policy.UNPACK_ROWS has the figures)
 tile_q5_0_u, tile_q5_1_u, tile_q5_k_u, tile_q6_k_u = (_tile_u(qt) for qt in (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K))
 tile_q4_0_u, tile_q4_1_u, tile_q4_k_u = (_tile_u(qt) for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K))
+UNPACK = {int(qt): _make_unpack(*FORMAT[qt][:2])          # unpack_<type> of the types with a `_u` kernel
+          for qt in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K)}
 
 
 @intrinsic

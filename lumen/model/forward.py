@@ -146,7 +146,7 @@ class MMScratch(NamedTuple):
     xf: np.ndarray               # (rows * max_in,) f32 activations rounded for the float families; for the
                                  # 8-bit formats its head holds their integer half sums (rows, G, 2) i32
     facc: np.ndarray             # (lanes, FACC) f32 per-thread accumulators (lumen.kernels.matmul)
-    wbuf: np.ndarray             # (lanes, max_in / 32 * 2048) u8 per-thread unpacked tile (matmul_kernel)
+    wbuf: np.ndarray             # (lanes, max_in / 32 * UNPACKED_GROUP) u8 per-thread unpacked tile (matmul_kernel)
     work: np.ndarray             # (8,) i8 the work counter of the matmul regions (lumen.kernels.work), own line
 
 
