@@ -240,7 +240,7 @@ def quantize_row(i, xq, xd, xs, xi, x, fmt):
         quantize_block(x, xo, xq, xo, xi, 2 * (xo // 32), iscale, 256, True)
         for g in range(b0 // 32, (b0 + 256) // 32):
             xd[i, g] = d
-            xs[i, g] = d * np.float32(xi[i, g, 0] + xi[i, g, 1])
+            xs[i, g] = np.float32(xi[i, g, 0] + xi[i, g, 1])
 
 
 @compiled_only
@@ -281,7 +281,8 @@ def quantize_x(xq, xd, xs, xi, x, fmt, fn, par):
                            rint(iscale * x)), d = 1/iscale (f32)
     (the vector parts in lumen.kernels.simd: absmax, first_with_abs, quantize_block). x, xq, xi C-contiguous.
     xd[g] is the scale of group g (of 32; one Q8_K block spans 8 groups), xi[g, h] = sum(q) over half h (16 values)
-    and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once). Rows are independent:
+    and xs[g] = d * (xi[g, 0] + xi[g, 1]) (the group's scaled sum, rounded once; for ACT_Q8K unscaled, exact: the
+    kernels scale a block's sums by d once). Rows are independent:
     with par, the rows are spread over the threads (the same values). fn: the address of quantize_row
     (`quantize_address`), which computes each row."""
     _quant_types((xq, xd, xs, xi, x, fmt))

@@ -16,10 +16,13 @@ into o. The float step then adds it to the row's sum, each multiply-add fused (l
 every CPU):
     D   f = fma(d_w * d_x, sum, f)
     DM  f = fma(d_w * d_x, sum, fma(m, sx, f))                       sx = d_x sum x (the activations' xs)
-    K   as DM with d_w = d * sc, m = -(dmin * min)  (d, dmin f16; sc, min 6-bit)
-    K6  f = fma(s_h * d_x, sum_h, f) for h = 0, 1,  s_h = d * sc_h
-The fused form is nearer exact math than rounding every operation on its own (tests/model/test_fidelity.py holds it to
-llama.cpp's distance from exact math), and it is 2 to 3 vector operations fewer per row and group.
+    K   t = fma(d_w, sum, fma(m, sx, t)) over the 8 groups of a block, from 0, then f = fma(d_x, t, f)
+        with d_w = d * sc, m = -(dmin * min)  (d, dmin f16; sc, min 6-bit), sx = sum x (xs, unscaled)
+    K6  t = fma(s_h, sum_h, t) for h = 0, 1 over the block, then f = fma(d_x, t, f),  s_h = d * sc_h
+The K types' activations (Q8_K) have one scale d_x per block of 256 columns, so it multiplies a block's sum once
+instead of each group's scale (one vector operation fewer per row and group). The fused form is nearer exact math
+than rounding every operation on its own (tests/model/test_fidelity.py holds it to llama.cpp's distance from exact
+math), and it is 2 to 3 vector operations fewer per row and group.
 
 Three loop orders, the same operations per row and group in the same order (so the same bits):
 - 1 row (decode): groups outer, the 64 row sums in 4 registers, the weights streamed in memory order;
@@ -268,12 +271,12 @@ def _unpacked_scales(builder, sc, wg, h):
 
 def _epilogue(builder, f, a, scl, sd, sx):
     """f (16 row sums) + one integer sum a of a group (K6: of a half) of one activation row, with the weights'
-    scales scl = (d_w, o) (_scales), the row's scale sd and scaled sum sx broadcast: the float step, each
-    multiply-add fused (llvm.fma, one rounding)."""
+    scales scl = (d_w, o) (_scales), the row's scale sd (None: the K types' block sum t, scaled after the block)
+    and sum sx broadcast: the float step, each multiply-add fused (llvm.fma, one rounding)."""
     dw, o = scl
     if o is not None:
         f = fma(builder, o, sx, f)
-    return fma(builder, mul(builder, dw, sd), builder.sitofp(a, VF), f)
+    return fma(builder, dw if sd is None else mul(builder, dw, sd), builder.sitofp(a, VF), f)
 
 
 def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0, unpacked: bool = False):
@@ -282,6 +285,7 @@ def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0, unpacked: bool 
     NV = ROWS // LANES
     gbytes = UNPACKED_GROUP if unpacked else GROUP_BYTES[fam]
     halves = ((0, 4), (4, 8)) if sc == SC_K6 else ((0, 8),)   # quads per integer sum
+    block = sc in (SC_K, SC_K6)             # the float step per block of 8 groups (one activation scale)
     signed = bool(MADD) and z == 128        # bytes q + 128 past vpmaddubsw's range: q x x directly (_dpbusd)
 
     def codegen(context, builder, sig, args):
@@ -301,6 +305,8 @@ def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0, unpacked: bool 
             vs = [builder.add(v0, i64(j)) for j in range(nvp or NVP)]
         # the row sums, in registers (allocas LLVM promotes): nr x len(vs) of them, beside as many integer sums
         slots = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in vs] for _ in range(nr)]
+        sums = [[cgutils.alloca_once_value(builder, ir.Constant(VF, None)) for _ in vs] for _ in range(nr)] \
+            if block else slots                                  # the K types' block sums t
         pfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
             ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
 
@@ -312,8 +318,8 @@ def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0, unpacked: bool 
                 builder.call(pfn, [builder.gep(base, [line]), ir.Constant(I32, 0), ir.Constant(I32, 2),
                                    ir.Constant(I32, 1)])
 
-        with cgutils.for_range(builder, G) as loop:
-            g = loop.index
+        def group(g):
+            """Group g's integer sums of every row and vector, added to `sums` by the float step."""
             if pf is not None:
                 prefetch(g)
             wg = [builder.gep(qp, [builder.add(builder.mul(g, i64(gbytes)), builder.mul(v, i64(LANES * 4)))])
@@ -343,11 +349,27 @@ def _make_tile(fam: int, sc: int, z: int, nr: int, nvp: int = 0, unpacked: bool 
                 scl = [_unpacked_scales(builder, sc, w, h) if unpacked else
                        _scales(builder, sc, sp, g, G, builder.mul(v, i64(LANES)), builder.mul(v, i64(LANES * 2)), h)
                        for v, w in zip(vs, wg)]
-                for a, (_, _, dg, sxg), row in zip(acc, rows, slots):
-                    sd = splat(builder, builder.load(dg), VF)
+                for a, (_, _, dg, sxg), row in zip(acc, rows, sums):
+                    sd = None if block else splat(builder, builder.load(dg), VF)
                     sx = splat(builder, builder.load(sxg), VF) if sc in (SC_DM, SC_K) else None
                     for j, p in enumerate(row):
                         builder.store(_epilogue(builder, builder.load(p, align=4), a[j], scl[j], sd, sx), p, align=4)
+
+        if not block:
+            with cgutils.for_range(builder, G) as loop:
+                group(loop.index)
+        else:
+            with cgutils.for_range(builder, builder.udiv(G, i64(8))) as loop:
+                for row in sums:
+                    for p in row:
+                        builder.store(ir.Constant(VF, None), p)
+                b8 = builder.mul(loop.index, i64(8))
+                with cgutils.for_range(builder, i64(8)) as inner:
+                    group(builder.add(b8, inner.index))
+                for i, (row, trow) in enumerate(zip(slots, sums)):
+                    sd = splat(builder, builder.load(builder.gep(dp, [builder.add(b8, builder.mul(G, i64(i)))])), VF)
+                    for p, t in zip(row, trow):
+                        builder.store(fma(builder, sd, builder.load(t), builder.load(p)), p)
         for i, row in enumerate(slots):
             for v, p in zip(vs, row):
                 q = builder.gep(fp, [builder.add(builder.mul(ostride, i64(i)), builder.mul(v, i64(LANES)))])
