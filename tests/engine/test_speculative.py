@@ -18,7 +18,7 @@ from lumen.engine.config import SpeculativeConfig
 from lumen.engine.sequence import Status
 from lumen.engine.costs.steps import StepCosts
 from lumen.engine.speculative import (PRIOR, NgramDrafter, SpecState, Speculator, choose_k, expected_tokens,
-                                      update_alpha, verify)
+                                      skipped, update_alpha, verify)
 from lumen.engine.speculative.verify import draw, prob
 
 
@@ -312,10 +312,19 @@ class _Seq:
 MATCH = (1, 2, 3, 4, 1, 2, 3)                          # ends in "1 2 3", which occurred before
 
 
+class _CaughtUp(dict):
+    """A draft cache that holds every token of each request (no gap to catch up on)."""
+    def get(self, seq, default=None):
+        return len(seq.tokens) - 1
+
+
 class _Draft:
+    FOLD = 8
+
     def __init__(self, ms_per_step):
         self.costs, self.cost_ratio = StepCosts(), 0.4
         self.costs.add(1, ms_per_step * 1e-3, 1)
+        self.done = _CaughtUp()
 
 
 def _speculator(target_ms: dict, draft_ms: float | None = None) -> Speculator:
@@ -367,6 +376,72 @@ def test_a_skipped_draft_request_recovers():
     seq.spec.judged = 1.0
     assert sp._choose_k(seq, room=5, planned=0) == 0
     assert 0.3 < seq.spec.alpha < PRIOR and math.isclose(seq.spec.hits / seq.spec.judged, seq.spec.alpha)
+
+
+def test_drafting_must_beat_plain_decode_by_the_margin():
+    """At the break-even the estimate's noise makes drafting lose: k > 0 only past MARGIN."""
+    from lumen.engine.speculative.speculator import MARGIN
+    cost = {0: 0.014, 1: 0.018}.__getitem__             # a 2-row step at 1.29x a 1-row one
+    even = 0.018 / 0.014 - 1                           # alpha at which k = 1 breaks even
+    assert choose_k(even + 0.01, 1, cost) == 0
+    assert choose_k(even + 0.01, 1, cost, margin=1.0) == 1
+    assert choose_k(MARGIN * 0.018 / 0.014 - 1 + 0.01, 1, cost) == 1
+
+
+def test_failed_verifications_slow_the_way_back():
+    """Each verification in a row that accepts nothing halves how fast a skipped estimate drifts back towards the
+    prior, so text that never turns predictable is probed ever more rarely; an accepted draft resets it."""
+    def skips_to_reach(st, n, level):
+        for i in range(1, 10_000):
+            skipped(st, n)
+            if (st.alpha_of(n) if n else st.alpha) >= level:
+                return i
+    probes, st = [], SpecState()
+    st.judged_n[2] = (0.3, 1.0)
+    for _ in range(4):                                 # a probe at 0.3 fails, then skips until 0.3 again
+        update_alpha(st, 1, 0, n=2)
+        probes.append(skips_to_reach(st, 2, 0.3))
+    assert all(b > 1.6 * a for a, b in zip(probes, probes[1:])), probes
+    update_alpha(st, 1, 1, n=2)                        # accepted: back to the first pace
+    assert st.misses[2] == 0
+    st2 = SpecState(hits=0.3)
+    update_alpha(st2, 1, 0)                            # the draft model's estimate (n = 0) the same way
+    update_alpha(st2, 1, 0)
+    fresh = SpecState(hits=st2.hits, judged=st2.judged)
+    assert st2.misses[0] == 2 and skips_to_reach(st2, 0, 0.3) > 3 * skips_to_reach(fresh, 0, 0.3)
+
+
+def test_a_new_match_length_starts_from_the_requests_others():
+    """A match length never verified is estimated from the request's other lengths, pooled with the prior: on text
+    whose drafts keep failing, a longer match is not probed with k_max at the prior."""
+    st = SpecState()
+    assert st.alpha_of(3) == PRIOR
+    for _ in range(6):
+        update_alpha(st, 2, 0, n=1)
+    assert st.alpha_of(3) < 0.4 and 3 not in st.judged_n
+    st2 = SpecState()
+    update_alpha(st2, 3, 3, n=1)
+    assert st2.alpha_of(3) > 0.8                       # a request whose drafts pass expects more
+
+
+def test_a_draft_far_behind_pays_its_catch_up_first():
+    """The draft model's first forward runs the tokens its cache lacks: k is priced with them, so a request the
+    draft has not followed for long does not draft where a caught-up one would."""
+    sp = _speculator(FLAT, 3.0)
+    sp.draft.costs.add(9, 0.010, 1)                    # a forward of 9 tokens: 10 ms
+    seq = _Seq("draft", 0.8, tokens=range(200))
+    assert sp._choose_k(seq, room=5, planned=0) > 0    # caught up
+    sp.draft.done = {seq: 20}                          # 179 tokens behind
+    assert sp.draft_gap(seq, 0.020) > 0.1
+    assert sp._choose_k(seq, room=5, planned=0) == 0
+
+
+def test_plain_decode_is_not_priced_above_a_larger_step():
+    """One slow first step (cold caches) would price plain decode high for as long as drafting kept it from being
+    measured again; the prediction is capped by what larger steps cost."""
+    sp = _speculator({1: 60.0, 2: 20.5, 6: 22.5})
+    assert math.isclose(sp.step_cost(1, 1), 0.0205)
+    assert math.isclose(sp.step_cost(6, 1), 0.0225)
 
 
 def test_acceptance_estimate_is_per_token():

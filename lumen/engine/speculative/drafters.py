@@ -45,6 +45,7 @@ class SpecState:
     judged: float = 1.0                             # drafts judged per verification: accepted + the first rejected
     judged_n: dict = field(default_factory=dict)    # the n-gram drafter: n -> (hits, judged) per match length n
     matched: tuple = (-1, None)                     # (tokens, n) of the last match: k's choice and the draft share it
+    misses: dict = field(default_factory=dict)      # n (0: the draft model) -> verifications in a row none accepted
     steps: int = 0                                  # verification steps
     proposed: int = 0
     accepted: int = 0
@@ -55,9 +56,19 @@ class SpecState:
         return self.hits / self.judged
 
     def alpha_of(self, n: int) -> float:
-        """The n-gram drafter's estimate for match length n (PRIOR before any verification)."""
-        h, j = self.judged_n.get(n, (PRIOR, 1.0))
+        """The n-gram drafter's estimate for match length n."""
+        h, j = self.of_length(n)
         return h / j
+
+    def of_length(self, n: int) -> tuple[float, float]:
+        """(hits, judged) of match length n; for a length never verified, the request's other lengths' pooled with
+        PRIOR (weighing as one verification): text whose drafts keep failing expects little of a new length too."""
+        if n in self.judged_n:
+            return self.judged_n[n]
+        hs, js = PRIOR, 1.0
+        for h, j in self.judged_n.values():
+            hs, js = hs + h, js + j
+        return hs / js, 1.0
 
 
 # ---------------------------------------------------------------- drafters

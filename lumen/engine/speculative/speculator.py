@@ -13,9 +13,10 @@ acceptance rate alpha (accepted drafts over the drafts judged: the accepted ones
 an exponential average); the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against
 what the step costs: the target's step time the engine measured for that shape, (rows, tokens + k)
 (lumen.engine.costs.steps.StepCosts), plus for a draft model k of its own forward steps (measured the same way by
-the draft, or until then priced by the bytes it reads against the target's); k = 0 (plain decode) when nothing
-beats plain decode. A greedy draft-model request weighs the n-gram lookup the same way (free drafts, their own
-acceptance per match length) and drafts with whichever pays more that step. `propose` drafts as many tokens as pay
+the draft, or until then priced by the bytes it reads against the target's) and the tokens its cache lacks, which
+its first forward runs; k = 0 (plain decode) unless some k beats plain decode by MARGIN. A greedy draft-model
+request weighs the n-gram lookup the same way (free drafts, their own acceptance per match length) and drafts with
+whichever pays more that step. `propose` drafts as many tokens as pay
 in a step of the decodes ahead of the request; `k_for` prices k again at the place the scheduler actually gives it,
 within the room its budget leaves, so k is always chosen against the step that runs. A sampled request also gets the
 draft's token for the position after its verified ones (and for a position it samples without drafting), which
@@ -32,9 +33,13 @@ from ..costs.steps import StepCosts
 from .drafters import PRIOR, DraftModel, NgramDrafter, SpecState
 from .verify import verify
 
-RECOVER = 0.02       # per skipped chance, an estimate judged not to pay moves this share back to PRIOR (each
-                     # way back to drafting costs a failed verification: at 0.05 n-gram drafting read 0.91-0.97x
-                     # on free chat, every match length probing again every ~7 chances)
+RECOVER = 0.02       # per skipped chance, an estimate judged not to pay moves this share back to PRIOR, halved for
+                     # each verification in a row that accepted nothing (each way back to drafting costs a failed
+                     # verification: at 0.05 n-gram drafting read 0.91-0.97x on free chat, every match length
+                     # probing again every ~7 chances; at 0.02 without halving, 0.96x at 1.5B, where a 2-row step
+                     # costs 1.25x a 1-row one)
+MARGIN = 1.03        # drafting must promise this many times plain decode's tokens per second: at the break-even
+                     # the estimate's noise makes it lose (free chat 0.95x at 1.5B without it)
 
 
 class Speculator:
@@ -179,7 +184,7 @@ class Speculator:
         hybrid = seq.params.speculative == "draft" and seq.chooser.sampler.greedy
         sources = [source] if source else ["ngram", "draft"] if hybrid else [seq.params.speculative]
         base, rows = planned + 1, self._rows
-        c0 = self.costs.predict(base, rows)
+        c0 = self.step_cost(base, rows)
         best, priced = (0, seq.params.speculative, 0.0), []
         for src in sources:
             if src == "ngram":
@@ -189,17 +194,24 @@ class Speculator:
                 alpha = st.alpha_of(n)
             else:
                 n, alpha = 0, st.alpha
-            if c0 is None or not self.costs.known(base + k_max, rows):   # not measured yet: explore both ends
+            if c0 is None or self.costs.predict(base + k_max, rows) is None:   # nothing measured: explore both ends
                 k = 0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else k_max
                 return k, src if len(sources) == 1 else seq.params.speculative, []
-            per_draft = self.draft_cost(c0) if src == "draft" else 0.0
-            cost = lambda j: (self.costs.predict(base + j, rows) or c0) + j * per_draft   # noqa: E731
+            per_draft, gap = (self.draft_cost(c0), self.draft_gap(seq, c0)) if src == "draft" else (0.0, 0.0)
+            cost = lambda j: (self.step_cost(base + j, rows) or c0) + j * per_draft + (gap if j else 0)  # noqa: E731
             k = choose_k(alpha, k_max, cost)
             rate = expected_tokens(alpha, k) / cost(k) if k else 0.0
             priced.append(n)
             if rate > best[2]:
                 best = (k, src, rate)
         return best[0], best[1], priced
+
+    def step_cost(self, n_tokens: int, rows: int) -> float | None:
+        """The target's predicted step of n_tokens over `rows` sequences, no more than any larger step measured
+        (StepCosts.at_most): a first decode step's outlier (cold caches) would otherwise price plain decode high
+        for as long as drafting kept it from being measured again."""
+        p, cap = self.costs.predict(n_tokens, rows), self.costs.at_most(n_tokens)
+        return p if cap is None else cap if p is None else min(p, cap)
 
     def draft_cost(self, c0: float) -> float:
         """Seconds one drafted token of a request costs the draft model: a draft forward step of the requests it
@@ -208,6 +220,18 @@ class Speculator:
         b = self._drafting
         t = self.draft.costs.predict(b, b)
         return (c0 * self.draft.cost_ratio if t is None else t) / b
+
+    def draft_gap(self, seq: Sequence, c0: float) -> float:
+        """Seconds the draft model's first forward for seq costs beyond one token: the tokens its cache lacks (made
+        while seq did not draft), measured by the draft's steps of that many tokens; before any is, a token's
+        drafting cost per FOLD of them."""
+        n = len(seq.tokens) - 1 - self.draft.done.get(seq, 0)
+        if n <= 0:
+            return 0.0
+        t1, tn = self.draft.costs.predict(1, 1), self.draft.costs.predict(n + 1, 1)
+        if t1 is None or tn is None:
+            return self.draft_cost(c0) * n / self.draft.FOLD
+        return max(0.0, tn - t1)
 
     # ---- after the forward pass
     def drafted(self, seq: Sequence, k: int) -> bool:
@@ -240,9 +264,10 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def choose_k(alpha: float, k_max: int, cost) -> int:
-    """The k in 0 .. k_max with the most tokens per second, by cost(extra tokens) = the step's predicted time."""
-    best, best_rate = 0, 1.0 / cost(0)
+def choose_k(alpha: float, k_max: int, cost, margin: float = MARGIN) -> int:
+    """The k in 0 .. k_max with the most tokens per second, by cost(extra tokens) = the step's predicted time; k > 0
+    only when its rate beats plain decode's by `margin`."""
+    best, best_rate = 0, margin / cost(0)
     for k in range(1, k_max + 1):
         rate = expected_tokens(alpha, k) / cost(k)
         if rate > best_rate * 1.0001:
@@ -256,12 +281,13 @@ def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.
     judged: the accepted ones and the first rejected one (the drafts after it were never judged), each an
     exponential average. (Accepted over proposed would read a rate of 0.8 as 0.54 at k = 5.)"""
     if proposed:
+        st.misses[n] = 0 if accepted else st.misses.get(n, 0) + 1
         judged = accepted + (accepted < proposed)
         if not n:
             st.hits = (1 - weight) * st.hits + weight * accepted
             st.judged = (1 - weight) * st.judged + weight * judged
         else:
-            h, j = st.judged_n.get(n, (PRIOR, 1.0))
+            h, j = st.of_length(n)
             st.judged_n[n] = ((1 - weight) * h + weight * accepted, (1 - weight) * j + weight * judged)
         st.steps += 1
         st.proposed += proposed
@@ -271,9 +297,11 @@ def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.
 def skipped(st: SpecState, n: int) -> None:
     """A request (n = 0) or its match of length n was not drafted (its acceptance did not pay): the estimate
     drifts back towards the prior, so a request whose text turns predictable again gets to draft again (without
-    drafting, the estimate would never be corrected)."""
+    drafting, the estimate would never be corrected), the more slowly the more verifications in a row accepted
+    nothing (on text that never turns predictable, the failed verifications are then a vanishing share)."""
+    rate = RECOVER / 2 ** min(st.misses.get(n, 0), 8)
     if n:
-        h, j = st.judged_n.get(n, (PRIOR, 1.0))
-        st.judged_n[n] = (h + RECOVER * (PRIOR * j - h), j)
+        h, j = st.of_length(n)
+        st.judged_n[n] = (h + rate * (PRIOR * j - h), j)
     else:
-        st.hits += RECOVER * (PRIOR * st.judged - st.hits)
+        st.hits += rate * (PRIOR * st.judged - st.hits)
