@@ -546,9 +546,9 @@ def _tile_passes(kinds, dst, c0, w, t, x, i0, nb, v0, p0, chunk, per):
 
 def tile_unpacked(kinds, out, c0, w, t, x, nb, wbuf, wo):
     """out[i, c0 : c0 + R] (i < nb, a multiple of NR) = tile t of the matrix w (a type of _TILES_U) times
-    activation rows i of x, the tile first unpacked to a byte per column at wbuf.flat[wo:] and the NR-row passes
-    reading that with its scales from w.s as they are: the same integer sums and float steps, so the same bits
-    (run_unpacked). Compiled code only."""
+    activation rows i of x, the tile first unpacked to a byte per column (and its scales to f32) at wbuf.flat[wo:]
+    and the NR-row passes reading that: the same integer sums and float steps, so the same bits (run_unpacked).
+    Compiled code only."""
     raise NotImplementedError("tile_unpacked runs in compiled code only")
 
 

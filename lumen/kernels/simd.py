@@ -39,9 +39,9 @@ What bounds the batched kernel is the vector ports, not the weights: every opera
 slot one of them could use (profiling/vnni_ports.py measures each):
 - a vpdpbusd whose activation operand is a broadcast from memory runs at half the rate of one that reads a
   register, so each broadcast is used for NVP = 2 vectors (4 would want 16 integer sums and spill the float ones);
-- the float step per row and group (convert, 1 multiply, 1-2 fused multiply-adds) competes with the 8 vpdpbusd,
-  and the unpacking per quad is shared by NR = 4 rows (over a tile unpacked first, for prefill, the unpacking and
-  the scale vectors are made once per tile: unpack_<type>).
+- the float step per row and group (convert, 1 multiply but for the K types, 1-2 fused multiply-adds) competes with
+  the 8 vpdpbusd, and the unpacking per quad is shared by NR = 4 rows (over a tile unpacked first, for prefill, the
+  unpacking and the scale vectors are made once per tile: unpack_<type>).
 """
 from __future__ import annotations
 
