@@ -444,6 +444,18 @@ def test_plain_decode_is_not_priced_above_a_larger_step():
     assert math.isclose(sp.step_cost(6, 1), 0.0225)
 
 
+def test_with_nothing_measured_a_few_drafts_explore():
+    """A process's first verifications (no step cost measured) run EXPLORE drafts, not k_max: enough to price every
+    k after them, and a wrong guess costs little."""
+    from lumen.engine.speculative.speculator import EXPLORE
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=5), StepCosts(), None)
+    assert 1 <= EXPLORE < 5
+    assert sp._choose_k(_Seq("ngram", tokens=MATCH), room=5, planned=0) == EXPLORE
+    sp.costs.add(1, 0.020, 1)
+    sp.costs.add(1 + EXPLORE, 0.021, 1)                # then priced: a flat cost curve and the prior 0.7 draft 5
+    assert sp._choose_k(_Seq("ngram", tokens=MATCH), room=5, planned=0) == 5
+
+
 def test_acceptance_estimate_is_per_token():
     """At k = 5 and a per-token rate of 0.8, accepted / proposed reads about 0.54; accepted / judged reads 0.8."""
     rng = np.random.default_rng(0)

@@ -38,6 +38,9 @@ RECOVER = 0.02       # per skipped chance, an estimate judged not to pay moves t
                      # verification: at 0.05 n-gram drafting read 0.91-0.97x on free chat, every match length
                      # probing again every ~7 chances; at 0.02 without halving, 0.96x at 1.5B, where a 2-row step
                      # costs 1.25x a 1-row one)
+EXPLORE = 2          # drafts per verification while no step cost is measured (a process's first steps): enough
+                     # for the costs of 1 and 1 + EXPLORE tokens to price every k; at k_max, each run of free chat
+                     # paid its first verifications of 5 wrong drafts
 MARGIN = 1.03        # drafting must promise this many times plain decode's tokens per second: at the break-even
                      # the estimate's noise makes it lose (free chat 0.95x at 1.5B without it)
 
@@ -194,8 +197,8 @@ class Speculator:
                 alpha = st.alpha_of(n)
             else:
                 n, alpha = 0, st.alpha
-            if c0 is None or self.costs.predict(base + k_max, rows) is None:   # nothing measured: explore both ends
-                k = 0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else k_max
+            if c0 is None or self.costs.predict(base + k_max, rows) is None:   # nothing measured: explore
+                k = 0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else min(k_max, EXPLORE)
                 return k, src if len(sources) == 1 else seq.params.speculative, []
             per_draft, gap = (self.draft_cost(c0), self.draft_gap(seq, c0)) if src == "draft" else (0.0, 0.0)
             cost = lambda j: (self.step_cost(base + j, rows) or c0) + j * per_draft + (gap if j else 0)  # noqa: E731
