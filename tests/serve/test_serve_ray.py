@@ -953,24 +953,31 @@ def test_404_405_413(http):
 @pytest.mark.slow
 def test_429_when_both_replicas_are_full(server):
     """2 x (4 running + 2 waiting) long streams fill both replicas; the next request gets 429 from the replica it
-    was routed to, as from one process; once they are cut, requests are served again."""
+    was routed to, as from one process; once they are cut, requests are served again. Streams are opened one by
+    one until the first 429: on a busy host the first ones may end before the last one starts (each waits for its
+    headers), which only puts the 429 later."""
     import asyncio
+    full = 2 * (MAX_NUM_SEQS + MAX_QUEUE)
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
             streams = []
             try:
-                for k in range(2 * (MAX_NUM_SEQS + MAX_QUEUE)):
-                    body = {"prompt": f"{k}: count to a thousand:", "max_tokens": 600, "ignore_eos": True,
-                            "stream": True}
+                for k in range(full + 8):
+                    body = {"prompt": f"{k}: count to a thousand:", "max_tokens": MAX_MODEL_LEN - 32,
+                            "ignore_eos": True, "stream": True}
                     r = await c.send(c.build_request("POST", "/v1/completions", json=body), stream=True)
+                    if r.status_code != 200:
+                        await r.aread()
+                        return k, r
                     streams.append(r)
-                    assert r.status_code == 200
-                return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                return None, None
             finally:
                 for r in streams:
                     await r.aclose()
-    r = asyncio.run(asyncio.wait_for(go(), 90))
+    k, r = asyncio.run(asyncio.wait_for(go(), 180))
+    assert r is not None, f"{full + 8} long streams open and no 429"
+    assert k >= full, f"429 after {k} streams: both replicas hold {full}"
     assert_error(r, 429)
     assert r.headers["retry-after"] == "1"
     t0 = time.monotonic()
