@@ -408,8 +408,7 @@ def _run_unpacked(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xd, xs, xi, G, w
 
 def _tile_switch(kinds, k, nargs):
     """The dispatch over the kinds' types to kernel k of _TILES (0: one row, 1: NR rows, 2: NR2 rows), taking nargs
-    arguments
-    (Q8_0's for a model of none of them); None while the type id is not yet a literal (_kind_types)."""
+    arguments (Q8_0's for a model of none of them); None while the type id is not yet a literal (_kind_types)."""
     import lumen.kernels.simd as simd
     qts = _kind_types(kinds)
     if qts is None:
@@ -458,9 +457,9 @@ def _run_rows(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso
                                     np.int64(qb)))
         return table_impl
     many = _tile_switch(kinds, 1, 19)
-    two = _tile_switch(kinds, 2, 19)
     if many is None:
         return None
+    two = _tile_switch(kinds, 2, 19)
 
     def impl(kinds, qt, nb, out, oo, ld, q, qo, s, so, xq, xo, xd, xdo, xs, xso, xi, xio, G, v0, p0, chunk, per, qb):
         p = p0
