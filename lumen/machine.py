@@ -172,7 +172,7 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def _on_threads(calls: list) -> None:
+def on_threads(calls: list) -> None:
     """Run the zero-argument callables at once, one Python thread each (the kernels release the GIL), so each
     thread runs exactly the single-thread kernel's code."""
     ts = [threading.Thread(target=f) for f in calls]
@@ -231,18 +231,18 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
         kern(acc[0], w[0], x, 1)
 
     out["bw_1t_gbps"] = a.nbytes / _best(lambda: sum_kernel(a), reps) / 1e9
-    out["bw_gbps"] = a.nbytes / _best(lambda: _on_threads([lambda p=p: sum_kernel(p) for p in parts]), reps) / 1e9
+    out["bw_gbps"] = a.nbytes / _best(lambda: on_threads([lambda p=p: sum_kernel(p) for p in parts]), reps) / 1e9
     a = parts = None                          # (the bandwidth arrays: freed before the FMA runs)
     flops = 2 * FMA_W * fma_rounds
     out["fma_1t_gflops"] = flops / _best(lambda: fma_kernel(fma_rounds, m, c), reps) / 1e9
     out["fma_gflops"] = flops * threads / _best(
-        lambda: _on_threads([lambda: fma_kernel(fma_rounds, m, c)] * threads), reps) / 1e9
+        lambda: on_threads([lambda: fma_kernel(fma_rounds, m, c)] * threads), reps) / 1e9
     ops = 2 * DOT_BYTES * dot_rounds
     widths = {}
     for bits, kern in INT8_DOT.items():
         one = ops / _best(lambda: kern(acc[0], w[0], x, dot_rounds), reps) / 1e9
         every = ops * threads / _best(
-            lambda: _on_threads([lambda t=t: kern(acc[t], w[t], x, dot_rounds) for t in range(threads)]), reps) / 1e9
+            lambda: on_threads([lambda t=t: kern(acc[t], w[t], x, dot_rounds) for t in range(threads)]), reps) / 1e9
         widths[str(bits)] = {"1t_gops": one, "gops": every}
     best = max(widths, key=lambda b: widths[b]["1t_gops"])
     out["int8_dot_1t_gops"], out["int8_dot_gops"] = widths[best]["1t_gops"], widths[best]["gops"]

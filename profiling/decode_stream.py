@@ -1,12 +1,13 @@
 """Is one sequence's decode bound by memory, or by the matvec's own work on the weights?
 
-    python profiling/decode_stream.py [--quick] [--model qwen2.5-coder-1.5b] [--repeats 7]
+    python profiling/decode_stream.py [--quick] [--model qwen2.5-coder-1.5b] [--repeats 7] [--threads N]
 
 Per FFN matrix kind (gate, up, down), the decode matvec at all threads, interleaved: (a) one layer's matrix again
 and again (a few MB: in the L3 after the first call) against (b) every layer's copy in turn (the model's whole FFN:
-from memory). Weight bytes (the GGUF's) over time for each, beside the machine's read bandwidth
-(`python -m lumen.profile --machine`): (a) far above (b) and (b) below the bandwidth says the weights' stream, not
-the kernel's instructions, is what a decode step waits on.
+from memory) and (c) a plain read of as many bytes (lumen.machine's f32 sum, one part per thread), in GB/s of the
+packed weights. (a) far above (b) with (b) near (c) says the stream bounds decode; (b) near 1 / (1/a + 1/c) says the
+kernel's work and the stream add up instead of overlapping (each core waits for memory, then computes), which no
+share of the bandwidth figure shows.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import argparse
 import statistics
 import time
 
+import numba
 import numpy as np
 
 from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import matvec, prepare
 from lumen.format.quants import QT
-from lumen.machine import limits
+from lumen.machine import on_threads, sum_kernel
 from lumen.model.store import resolve
 from verdict import verdict
 
@@ -28,12 +30,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="qwen2.5-coder-1.5b")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0, help="threads of the matvec and the plain read (default: all)")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 4 layers, 2 repeats, ffn_gate only (for tests)")
     a = ap.parse_args(argv)
     model, repeats = ("smollm2-135m", 2) if a.quick else (a.model, a.repeats)
     g = GGUFFile(resolve(model))
     rng = np.random.default_rng(0)
-    bw = limits()["bw_gbps"]                             # all threads (lumen.profile --machine)
+    if a.threads:
+        numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))
+    threads = numba.get_num_threads()
     rows = []
     for kind in ("ffn_gate",) if a.quick else ("ffn_gate", "ffn_up", "ffn_down"):
         ts = [t for n, t in g.tensors.items() if n.endswith(f".{kind}.weight")][:4 if a.quick else None]
@@ -44,7 +49,12 @@ def main(argv=None) -> None:
         out = np.empty((1, ws[0].d_out), np.float32)
         for w in ws:                                          # compiled, and every copy touched once
             matvec(out, x, w, qt)
-        hot, cold = [], []
+        nbytes = ws[0].nbytes
+        plain = np.ones(nbytes * len(ws) // 4, np.float32)               # as many bytes as every copy
+        step = -(-plain.size // threads)
+        parts = [plain[i * step:(i + 1) * step] for i in range(threads)]
+        sum_kernel(parts[0][:1024])
+        hot, cold, read = [], [], []
         for _ in range(repeats):
             c = time.perf_counter()
             for _ in ws:
@@ -54,16 +64,21 @@ def main(argv=None) -> None:
             for w in ws:
                 matvec(out, x, w, qt)
             cold.append((time.perf_counter() - c) / len(ws))
-        nbytes = ts[0].data.nbytes
-        h, c = nbytes / statistics.median(hot) / 1e9, nbytes / statistics.median(cold) / 1e9
-        rows.append((kind, h, c))
-        print(f"{kind:>9} {QT(qt).name:>5} {len(ws):>2} layers x {nbytes / 1e6:5.1f} MB: one copy {h:6.1f} GB/s, "
-              f"every copy {c:6.1f} GB/s ({100 * c / bw:.0f}% of {bw:.1f} GB/s)")
-    hot, cold = min(r[1] for r in rows), max(r[2] for r in rows)
-    verdict(f"{model} decode matvec: {hot:.0f}+ GB/s on a matrix in cache, at most {cold:.0f} GB/s streaming every "
-            f"layer's against {bw:.0f} GB/s read bandwidth (medians of {repeats}) -> "
-            + ("the stream, not the kernel's work, bounds decode" if hot > 1.3 * cold and cold < 0.9 * bw
-               else "the kernel's own work bounds decode" if hot < 1.1 * cold else "mixed"))
+            c = time.perf_counter()
+            on_threads([lambda p=p: sum_kernel(p) for p in parts])
+            read.append((time.perf_counter() - c) / len(ws))
+        h, c, r = (nbytes / statistics.median(v) / 1e9 for v in (hot, cold, read))
+        rows.append((kind, h, c, r))
+        print(f"{kind:>9} {QT(qt).name:>5} {len(ws):>2} layers x {nbytes / 1e6:5.1f} MB, {threads} threads: one copy "
+              f"{h:6.1f} GB/s, every copy {c:6.1f} GB/s, a plain read {r:6.1f} GB/s (in series: "
+              f"{1 / (1 / h + 1 / r):5.1f})")
+    kind, h, c, r = min(rows, key=lambda row: row[2] / row[3])          # the kind farthest from a plain read
+    serial = 1 / (1 / h + 1 / r)
+    verdict(f"{model} decode matvec, {threads} threads, {kind}: {h:.0f} GB/s on a matrix in cache, {c:.0f} GB/s "
+            f"streaming every layer's, a plain read {r:.0f} GB/s (medians of {repeats}) -> "
+            + ("the stream bounds decode" if c > 0.85 * r
+               else "the kernel's work and the stream add up instead of overlapping" if c < 1.15 * serial
+               else "the kernel's own work bounds decode" if h < 1.1 * c else "mixed"))
 
 
 if __name__ == "__main__":
