@@ -172,6 +172,12 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+def split(a: np.ndarray, n: int) -> list:
+    """a cut into n contiguous parts (the last may be shorter): one per thread of a parallel read."""
+    step = (a.size + n - 1) // n
+    return [a[i * step:(i + 1) * step] for i in range(n)]
+
+
 def on_threads(calls: list) -> None:
     """Run the zero-argument callables at once, one Python thread each (the kernels release the GIL), so each
     thread runs exactly the single-thread kernel's code."""
@@ -219,8 +225,7 @@ def measure(bw_bytes: int = 1 << 30, reps: int = 5, fma_rounds: int = 4_000_000,
     out = {"cpu": cpu_model(), "cpu_key": machine_key(), "cores": os.cpu_count(), "threads": threads,
            "version": VERSION, **cache_sizes()}
     a = np.ones(max(bw_bytes // 4, 1024 * threads), np.float32)  # (n,) f32; allocating faults the pages in
-    step = (a.size + threads - 1) // threads
-    parts = [a[i * step:(i + 1) * step] for i in range(threads)]
+    parts = split(a, threads)
     m, c = np.float32(0.999), np.float32(1e-3)
     w = aligned((threads, DOT_BYTES), np.uint8)                                              # (threads, 16 KB)
     w[:] = (np.arange(threads * DOT_BYTES) % 251).reshape(threads, DOT_BYTES)

@@ -21,7 +21,7 @@ import numpy as np
 from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import matvec, prepare
 from lumen.format.quants import QT
-from lumen.machine import on_threads, sum_kernel
+from lumen.machine import on_threads, split, sum_kernel
 from lumen.model.store import resolve
 from verdict import verdict
 
@@ -33,6 +33,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="threads of the matvec and the plain read (default: all)")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 4 layers, 2 repeats, ffn_gate only (for tests)")
     a = ap.parse_args(argv)
+    if a.threads < 0:
+        ap.error(f"--threads must be 0 (all) or more, got {a.threads}")
     model, repeats = ("smollm2-135m", 2) if a.quick else (a.model, a.repeats)
     g = GGUFFile(resolve(model))
     rng = np.random.default_rng(0)
@@ -50,9 +52,7 @@ def main(argv=None) -> None:
         for w in ws:                                          # compiled, and every copy touched once
             matvec(out, x, w, qt)
         nbytes = ws[0].nbytes
-        plain = np.ones(nbytes * len(ws) // 4, np.float32)               # as many bytes as every copy
-        step = -(-plain.size // threads)
-        parts = [plain[i * step:(i + 1) * step] for i in range(threads)]
+        parts = split(np.ones(nbytes * len(ws) // 4, np.float32), threads)   # as many bytes as every copy
         sum_kernel(parts[0][:1024])
         hot, cold, read = [], [], []
         for _ in range(repeats):
