@@ -456,6 +456,23 @@ def test_with_nothing_measured_a_few_drafts_explore():
     assert sp._choose_k(_Seq("ngram", tokens=MATCH), room=5, planned=0) == 5
 
 
+def test_one_rejected_draft_does_not_end_a_draft_model_that_pays():
+    """The draft model's estimate moves slowly: a draft that pays at the prior (a 9 ms draft step for a 20 ms
+    target) still drafts after its first draft is rejected, and stops after a run of rejections."""
+    sp = _speculator(FLAT, 9.0)
+    seq = _Seq("draft", PRIOR)
+    assert sp._choose_k(seq, room=5, planned=0) > 0
+    update_alpha(seq.spec, 1, 0)
+    assert sp._choose_k(seq, room=5, planned=0) > 0
+    for _ in range(4):
+        update_alpha(seq.spec, 1, 0)
+    assert sp._choose_k(seq, room=5, planned=0) == 0
+    st = SpecState()                                   # an n-gram match length's estimate moves faster
+    update_alpha(st, 1, 0, n=2)
+    update_alpha(st, 1, 0)
+    assert st.alpha_of(2) < st.alpha < PRIOR
+
+
 def test_acceptance_estimate_is_per_token():
     """At k = 5 and a per-token rate of 0.8, accepted / proposed reads about 0.54; accepted / judged reads 0.8."""
     rng = np.random.default_rng(0)

@@ -43,6 +43,11 @@ EXPLORE = 2          # drafts per verification while no step cost is measured (a
                      # paid its first verifications of 5 wrong drafts
 MARGIN = 1.03        # drafting must promise this many times plain decode's tokens per second: at the break-even
                      # the estimate's noise makes it lose (free chat 0.95x at 1.5B without it)
+WEIGHT = 0.3         # an n-gram estimate's step towards each verification: a match length's drafts are few and
+                     # uneven, and text turns predictable and back within a few lines
+DRAFT_WEIGHT = 0.1   # the draft model's: its acceptance holds steady along a text (one pair of models), and at 0.3
+                     # one rejected first draft took it from 0.7 to 0.49, below what paid at the 0.5B's cost for
+                     # the 1.5B; the request's n-gram lookup then drafted, so the model was never judged again
 
 
 class Speculator:
@@ -278,11 +283,14 @@ def choose_k(alpha: float, k_max: int, cost, margin: float = MARGIN) -> int:
     return best
 
 
-def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float = 0.3, n: int = 0) -> None:
+def update_alpha(st: SpecState, proposed: int, accepted: int, weight: float | None = None, n: int = 0) -> None:
     """Fold one verification into the acceptance estimate of what drafted: the n-gram lookup's of match length n,
     or (n = 0) the draft model's. The per-token acceptance rate alpha is estimated as accepted drafts over drafts
     judged: the accepted ones and the first rejected one (the drafts after it were never judged), each an
-    exponential average. (Accepted over proposed would read a rate of 0.8 as 0.54 at k = 5.)"""
+    exponential average (weight: WEIGHT, or DRAFT_WEIGHT for the draft model). (Accepted over proposed would read
+    a rate of 0.8 as 0.54 at k = 5.)"""
+    if weight is None:
+        weight = WEIGHT if n else DRAFT_WEIGHT
     if proposed:
         st.misses[n] = 0 if accepted else st.misses.get(n, 0) + 1
         judged = accepted + (accepted < proposed)
