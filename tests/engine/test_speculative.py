@@ -302,10 +302,11 @@ class _Params:
 
 class _Seq:
     """What the speculator reads of a decoding request."""
-    def __init__(self, speculative="draft", alpha=0.8, tokens=(5, 6, 7)):
+    def __init__(self, speculative="draft", alpha=0.8, tokens=(5, 6, 7), left=1000):
         self.params = _Params(speculative)
         self.spec = SpecState(hits=alpha)
         self.tokens = list(tokens)                     # the default has no n-gram match
+        self.output_ids, self.max_tokens = [], left    # tokens it may still generate
         self.chooser = SimpleNamespace(sampler=SimpleNamespace(greedy=True))
 
 
@@ -425,15 +426,31 @@ def test_a_new_match_length_starts_from_the_requests_others():
 
 
 def test_a_draft_far_behind_pays_its_catch_up_first():
-    """The draft model's first forward runs the tokens its cache lacks: k is priced with them, so a request the
-    draft has not followed for long does not draft where a caught-up one would."""
+    """The draft model's first forward runs the tokens its cache lacks: k is priced with them, spread over the
+    tokens the request has left (up to PAYBACK), so a request with few tokens left that the draft has not followed
+    for long does not draft where a caught-up one would, and one with many left catches up."""
     sp = _speculator(FLAT, 3.0)
     sp.draft.costs.add(9, 0.010, 1)                    # a forward of 9 tokens: 10 ms
-    seq = _Seq("draft", 0.8, tokens=range(200))
+    seq = _Seq("draft", 0.8, tokens=range(200), left=6)
     assert sp._choose_k(seq, room=5, planned=0) > 0    # caught up
     sp.draft.done = {seq: 20}                          # 179 tokens behind
     assert sp.draft_gap(seq, 0.020) > 0.1
     assert sp._choose_k(seq, room=5, planned=0) == 0
+    seq.max_tokens = 1000
+    assert sp._choose_k(seq, room=5, planned=0) > 0
+
+
+def test_a_lagging_draft_model_catches_up_and_drafts_again():
+    """A draft that pays when caught up (9 ms against a 20 ms step, at the prior) drafts with the prompt's last
+    FOLD tokens still to run, and after steps it did not draft in: its catch-up, paid once, is not charged whole to
+    one draft (which kept it from drafting, and the lag only grew by a token a step)."""
+    sp = _speculator(FLAT, 9.0)
+    sp.draft.costs.add(9, 0.018, 1)                    # the first forward with the FOLD tokens: 9 ms more
+    seq = _Seq("draft", PRIOR, tokens=range(100))
+    for lag in (sp.draft.FOLD, 12, 20):
+        sp.draft.done = {seq: len(seq.tokens) - 1 - lag}
+        assert sp.draft_gap(seq, 0.020) > 0.008
+        assert sp._choose_k(seq, room=5, planned=0) > 0, lag
 
 
 def test_plain_decode_is_not_priced_above_a_larger_step():

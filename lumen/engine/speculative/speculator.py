@@ -9,18 +9,18 @@
     speculator.finish(seq)                               it ended: its drafts and draft-model row go
 
 Adaptive k (`choose_k`): per request (and for the n-gram drafter per match length), an estimate of its per-token
-acceptance rate alpha (accepted drafts over the drafts judged: the accepted ones and the first rejected one, each
-an exponential average); the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against
-what the step costs: the target's step time the engine measured for that shape, (rows, tokens + k)
+acceptance rate alpha (accepted drafts over the drafts judged: the accepted ones and the first rejected one, each an
+exponential average); the expected tokens of a step with k drafts, (1 - alpha^(k+1)) / (1 - alpha), against what the
+step costs: the target's step time the engine measured for that shape, (rows, tokens + k)
 (lumen.engine.costs.steps.StepCosts), plus for a draft model k of its own forward steps (measured the same way by
 the draft, or until then priced by the bytes it reads against the target's) and the tokens its cache lacks, which
-its first forward runs; k = 0 (plain decode) unless some k beats plain decode by MARGIN. A greedy draft-model
-request weighs the n-gram lookup the same way (free drafts, their own acceptance per match length) and drafts with
-whichever pays more that step. `propose` drafts as many tokens as pay
-in a step of the decodes ahead of the request; `k_for` prices k again at the place the scheduler actually gives it,
-within the room its budget leaves, so k is always chosen against the step that runs. A sampled request also gets the
-draft's token for the position after its verified ones (and for a position it samples without drafting), which
-verify decides by the acceptance rule.
+its first forward runs, spread over the next PAYBACK tokens (every later draft needs them); k = 0 (plain decode)
+unless some k beats plain decode by MARGIN. A greedy draft-model request weighs the n-gram lookup the same way (free
+drafts, their own acceptance per match length) and drafts with whichever pays more that step. `propose` drafts as
+many tokens as pay in a step of the decodes ahead of the request; `k_for` prices k again at the place the scheduler
+actually gives it, within the room its budget leaves, so k is always chosen against the step that runs. A sampled
+request also gets the draft's token for the position after its verified ones (and for a position it samples without
+drafting), which verify decides by the acceptance rule.
 """
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ WEIGHT = 0.3         # an n-gram estimate's step towards each verification: a ma
 DRAFT_WEIGHT = 0.1   # the draft model's: its acceptance holds steady along a text (one pair of models), and at 0.3
                      # one rejected first draft took it from 0.7 to 0.49, below what paid at the 0.5B's cost for
                      # the 1.5B; the request's n-gram lookup then drafted, so the model was never judged again
+PAYBACK = 32         # tokens a draft model's catch-up is priced over (or the request's tokens left, if fewer): the
+                     # tokens its cache lacks run once and every later draft needs them; charged whole to one step,
+                     # the prompt's last FOLD tokens (11 ms for the 0.5B against a 33 ms 1.5B step) kept a second
+                     # request from drafting, the lag grew by a token a step, and the model never drafted again
 
 
 class Speculator:
@@ -206,7 +210,9 @@ class Speculator:
                 k = 0 if st.steps % 8 == 7 and not self.costs.known(base, rows) else min(k_max, EXPLORE)
                 return k, src if len(sources) == 1 else seq.params.speculative, []
             per_draft, gap = (self.draft_cost(c0), self.draft_gap(seq, c0)) if src == "draft" else (0.0, 0.0)
-            cost = lambda j: (self.step_cost(base + j, rows) or c0) + j * per_draft + (gap if j else 0)  # noqa: E731
+            share = gap / max(1, min(PAYBACK, seq.max_tokens - len(seq.output_ids)))     # of a token's catch-up
+            cost = lambda j: ((self.step_cost(base + j, rows) or c0) + j * per_draft  # noqa: E731
+                              + (share * expected_tokens(alpha, j) if j else 0))
             k = choose_k(alpha, k_max, cost)
             rate = expected_tokens(alpha, k) / cost(k) if k else 0.0
             priced.append(n)
