@@ -124,6 +124,31 @@ def dequantize_ref(raw: np.ndarray, qtype, shape) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(shape)
 
 
+
+def bits_per_weight(qtype) -> float:
+    info = quant_info(qtype)
+    return info.type_size * 8 / info.block_size
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """x (rows, n) f32, n a multiple of 32 -> Q4_0 bytes (rows, n / 32 * 18), as ggml's quantize_row_q4_0_ref
+    rounds, bit for bit: per block of 32 the value of largest magnitude (the first of equals) over -8 is the scale
+    d (f16), each value min(15, trunc(x / d + 8.5)), two to a byte (the block's first half in the low nibbles)."""
+    x = np.asarray(x, np.float32)
+    rows, n = x.shape
+    if n % 32:
+        raise ValueError(f"Q4_0 rows are whole blocks of 32 values, got {n}")
+    b = x.reshape(rows, n // 32, 32)
+    big = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)[..., 0]
+    d = big / np.float32(-8)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    with np.errstate(invalid="ignore"):
+        q = np.minimum(15, (b * inv[..., None] + np.float32(8.5)).astype(np.int8)).astype(np.uint8)
+    out = np.empty((rows, n // 32, 18), np.uint8)
+    out[..., :2] = d.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 2:] = q[..., :16] | (q[..., 16:] << 4)
+    return out.reshape(rows, -1)
+
 # ---- activation formats: what llama.cpp's CPU backend rounds activations to before a dot product with a weight
 # type (its vec_dot_type): Q8_0-style blocks of 32 with an f16 scale for the 32-blocks types, Q8_K (blocks of 256,
 # f32 scale) for the K types, f16 for F16 weights, bf16 for BF16 weights, nothing for F32.

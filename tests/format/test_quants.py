@@ -178,3 +178,22 @@ def test_dequantize_validates():
         dequantize(np.zeros((4, 40), dtype=np.uint8), QT.Q4_1, np.zeros((4, 65), dtype=np.float32))
     with pytest.raises(UnsupportedError):
         dequantize(raw, QT.Q2_K, out)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])
+def test_quantize_q4_0_is_ggml_bit_for_bit(scale):
+    """quantize_q4_0 rounds as ggml's quantize_row_q4_0_ref (gguf-py's numpy port): blocks of zeros, of equal values,
+    a tie for the largest magnitude between a positive and a negative value, values on a rounding boundary."""
+    from lumen.format.quants import quantize_q4_0
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((32, 256)) * scale).astype(np.float32)
+    x[0, :32] = 0
+    x[1, :32] = np.float32(scale)
+    x[2, :32] = 0
+    x[2, 3], x[2, 9] = scale, -scale
+    x[3, :32] = np.arange(-16, 16, dtype=np.float32) * np.float32(scale / 2)
+    got = quantize_q4_0(x)
+    assert got.shape == (32, 256 // 32 * 18) and got.dtype == np.uint8
+    assert np.array_equal(got, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_0))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize_q4_0(x[:, :48])
