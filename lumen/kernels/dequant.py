@@ -223,8 +223,17 @@ def dequant_rows(out, raw, lut, qtype):
         dequant_row(ALL, out[r], raw[r], lut, qtype)
 
 
-def dequantize(raw: np.ndarray, qtype, out: np.ndarray) -> np.ndarray:
-    """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8 GGUF bytes of type qtype. Returns out.
+@njit(cache=True, nogil=True, no_cfunc_wrapper=True)
+def dequant_rows_here(out, raw, lut, qtype):
+    """dequant_rows on the calling thread alone, without the GIL: for a caller that runs its own threads (the
+    loader's packers), where a parallel region would start a thread pool per calling thread."""
+    for r in range(out.shape[0]):
+        dequant_row(ALL, out[r], raw[r], lut, qtype)
+
+
+def dequantize(raw: np.ndarray, qtype, out: np.ndarray, *, parallel: bool = True) -> np.ndarray:
+    """out (rows, n_cols) f32 <- raw (rows, row_bytes) u8 GGUF bytes of type qtype. Returns out. parallel: on
+    Numba's threads (False: on the calling thread).
 
     Validates everything the kernel trusts: dtypes, 2D, C-contiguity, row_bytes matching n_cols.
     """
@@ -247,5 +256,5 @@ def dequantize(raw: np.ndarray, qtype, out: np.ndarray) -> np.ndarray:
     if raw.shape[1] != nb:
         raise ValueError(f"{info.name} rows of {out.shape[1]} values take {nb} bytes, raw rows have {raw.shape[1]}")
     if out.size:
-        dequant_rows(out, raw, F16_TO_F32, int(qtype))
+        (dequant_rows if parallel else dequant_rows_here)(out, raw, F16_TO_F32, int(qtype))
     return out

@@ -11,13 +11,14 @@ files per GGUF file (per real path: files of one name in other folders are other
 is written, the ones used longest ago are deleted (a hit sets its file's time), and so are the files of GGUF files
 that no longer exist (the header names its GGUF file).
 
-Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's
-identity (size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing
-code (the source bytes of every lumen/kernels/*.py (matmul.py packs, with helpers it may take from its
-neighbours; layout.py holds the table columns), model/weights.py, format/quants.py and this file) and numpy's
-version. A change to any of them is another key, so a stale file is never read (an edit to any kernel costs one
-repack). If one of those sources was modified after this process imported Lumen, the code running may not be the
-code on disk: the cache is then not used at all (neither read nor written) in this process.
+Key (sha256, 128 bits of it in the file name, all of it in the header): the format version, the GGUF file's identity
+(size, inode, mtime, ctime, its first and last MiB, a page every 4 MiB, its tensor table), the packing code (the source
+bytes of every lumen/kernels/*.py (matmul.py packs, with helpers it may take from its neighbours; layout.py holds the
+table columns), model/weights.py, format/quants.py and this file), numpy's version, and how the matrices were packed
+when not as stored (a draft model's requantized to Q4_0: its own file, beside the file of the same model as stored). A
+change to any of them is another key, so a stale file is never read (an edit to any kernel costs one repack). If one of
+those sources was modified after this process imported Lumen, the code running may not be the code on disk: the cache is
+then not used at all (neither read nor written) in this process.
 
 File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, source (the GGUF file's real path), arrays:
 {name: [dtype, shape, offset]}},
@@ -109,13 +110,16 @@ def gguf_identity(g: GGUFFile) -> str:
     return h.hexdigest()
 
 
-def cache_key(g: GGUFFile) -> str | None:
-    """The key of g's packs under the current code, or None when the code cannot be trusted to match its sources."""
+def cache_key(g: GGUFFile, variant: str = "") -> str | None:
+    """The key of g's packs under the current code, or None when the code cannot be trusted to match its sources.
+    variant: how they were packed, if not as stored ("requant Q4_0")."""
     code = code_hash()
     if code is None:
         return None
     h = hashlib.sha256(f"lumen-packs v{VERSION} numpy {np.__version__} {sys.byteorder}\n".encode())
     h.update(gguf_identity(g).encode() + b"\n" + code.encode())
+    if variant:
+        h.update(b"\n" + variant.encode())
     return h.hexdigest()
 
 
@@ -327,17 +331,17 @@ def _evict(keep: Path) -> None:
 # ---------------------------------------------------------------- entry
 
 def load_or_pack(g: GGUFFile, table: np.ndarray, sizes: dict, fill, pack, expected: np.ndarray,
-                 say=None) -> tuple[Packs, str]:
+                 say=None, variant: str = "") -> tuple[Packs, str]:
     """(packs, where they came from): the cached packs of g if valid, else packed into the cache file by
     fill(put) and mapped from it, or packed in memory by pack(why the cache is not used) otherwise. The second
     item is "cache", "packed, cached", or "packed" plus why nothing was cached. say(line), if given, is told
-    once that a cache file exists but cannot be read (it is then rebuilt).
+    once that a cache file exists but cannot be read (it is then rebuilt). variant: cache_key's.
 
     A miss packs and writes under an exclusive lock on `.lock` in the cache directory (one file for the cache, so
     none accumulate), so processes loading the same model at once pack it once: the others wait, then read the
     file it wrote. If the lock cannot be taken (an unwritable directory), it packs without it; write() then says
     why nothing was cached."""
-    key = cache_key(g)
+    key = cache_key(g, variant)
     if key is None:
         return pack("the packing sources changed after import"), \
             "packed (packing sources changed after import: cache not used)"

@@ -70,29 +70,32 @@ class ModelParts:
 
 
 def make_parts(path, g: GGUFFile, cfg: Config, tok, *, pack_cache: bool | None = None,
-               quiet: bool = False) -> ModelParts:
+               quiet: bool = False, requant=None) -> ModelParts:
     """The parts of an opened GGUF file: its weights loaded (repacked, or from the pack cache). quiet: no line
-    on stderr when the weights are packed (lumen.model.weights.load_weights)."""
+    on stderr when the weights are packed; requant: None or QT.Q4_0 (lumen.model.weights.load_weights)."""
     from . import precompile
-    precompile.start(header_kinds(g, cfg))   # a first run: the forward pass compiles on the other core meanwhile
-    w = load_weights(g, cfg, pack_cache=pack_cache, quiet=quiet)
+    precompile.start(header_kinds(g, cfg, requant))   # a first run: the forward pass compiles on the other core
+    w = load_weights(g, cfg, pack_cache=pack_cache, quiet=quiet, requant=requant)
     return ModelParts(Path(path), g, cfg, tok, w, Weights(**w.arrays), w.rope_freqs)
 
 
-def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None, quiet: bool = False) -> ModelParts:
+def load_parts(model: str | os.PathLike, *, pack_cache: bool | None = None, quiet: bool = False,
+               requant=None) -> ModelParts:
     """A registry name (fetched on first use) or a .gguf path -> its parts. quiet: nothing on stderr (the
-    fetch's progress, the packing line)."""
+    fetch's progress, the packing line); requant: None or QT.Q4_0 (lumen.model.weights.load_weights)."""
     from .store import resolve
     path = resolve(model, quiet=quiet)
     g, cfg = open_gguf(path, cache=pack_cache)
-    return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache, quiet=quiet)
+    return make_parts(path, g, cfg, build_tokenizer(g.metadata), pack_cache=pack_cache, quiet=quiet,
+                      requant=requant)
 
 
-def parts_of(model, *, pack_cache: bool | None = None, quiet: bool = False) -> ModelParts:
-    """ModelParts from parts, a lumen.Model (its parts, shared) or a registry name / .gguf path (loaded)."""
+def parts_of(model, *, pack_cache: bool | None = None, quiet: bool = False, requant=None) -> ModelParts:
+    """ModelParts from parts, a lumen.Model (its parts, shared, as they were loaded) or a registry name / .gguf path
+    (loaded, with requant: load_parts)."""
     if isinstance(model, ModelParts):
         return model
     parts = getattr(model, "parts", None)
     if isinstance(parts, ModelParts):
         return parts
-    return load_parts(model, pack_cache=pack_cache, quiet=quiet)
+    return load_parts(model, pack_cache=pack_cache, quiet=quiet, requant=requant)

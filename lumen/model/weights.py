@@ -28,8 +28,8 @@ import numba
 import numpy as np
 
 from ..format.gguf import GGUFFile
-from ..format.quants import ACT_FORMAT, QT
-from ..kernels.dequant import F16_TO_F32
+from ..format.quants import ACT_FORMAT, QT, bits_per_weight, quantize_q4_0, row_bytes
+from ..kernels.dequant import F16_TO_F32, dequantize
 from ..kernels.layout import (BUFFERS, C_DOUT, C_FAM, C_FMT, C_G, C_NIN, C_Q, C_QT, C_S, C_T, DTYPES, F32, FAMILY,
                               FORMAT, GROUP_BYTES, N_COLS, NIB_BYTES, Q5, Q6, Q8, Packs, R, buffer_of, q_len, s_len)
 from ..kernels.kinds import GELU, SILU, kinds
@@ -45,6 +45,41 @@ CHUNK_BYTES = 1 << 20     # GGUF bytes packed at a time (whole tiles of R rows; 
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VECS = ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm",
         "post_attention_norm", "post_ffw_norm")
+
+
+class Requantized:
+    """A GGUF matrix, raw (rows, row_bytes) of type qtype, read as Q4_0 rows: a slice of rows is dequantized and
+    rounded to Q4_0 when it is taken (pack_into takes a chunk at a time, so no whole-matrix copy is made).
+    `source` is the GGUF view (the loader drops its pages once the matrix is packed)."""
+    qtype = QT.Q4_0
+
+    def __init__(self, raw: np.ndarray, qtype):
+        info = quant_info(qtype)
+        self.source, self.source_type = raw, QT(int(qtype))
+        self.n_in = raw.shape[1] // info.type_size * info.block_size
+        self.shape = (raw.shape[0], row_bytes(QT.Q4_0, self.n_in))
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        raw = np.ascontiguousarray(self.source[rows])
+        x = dequantize(raw, self.source_type, np.empty((raw.shape[0], self.n_in), np.float32), parallel=False)
+        return quantize_q4_0(x)
+
+
+def packed_type(qtype, to) -> QT:
+    """The type a matrix stored as qtype is packed as: `to` (None, or QT.Q4_0) where qtype takes more bits per
+    weight, else its own."""
+    if to is not None and QT(int(to)) != QT.Q4_0:
+        raise ValueError(f"matrices can be requantized to Q4_0 only, not {QT(int(to)).name}")
+    if to is None or bits_per_weight(qtype) <= bits_per_weight(QT.Q4_0):
+        return QT(int(qtype))
+    return QT.Q4_0
+
+
+def requantized(raw: np.ndarray, qtype, to) -> tuple:
+    """(raw, qtype) as the packer takes a matrix: as stored, or as Requantized Q4_0 rows (packed_type)."""
+    if packed_type(qtype, to) == QT(int(qtype)):
+        return raw, qtype
+    return Requantized(raw, qtype), QT.Q4_0
 
 
 def expected_rows(mats: list) -> np.ndarray:
@@ -323,20 +358,23 @@ def _page_dropper(g: GGUFFile):
     return release
 
 
-def header_kinds(g: GGUFFile, cfg: Config) -> np.ndarray:
+def header_kinds(g: GGUFFile, cfg: Config, requant=None) -> np.ndarray:
     """The kinds value (lumen.kernels.kinds) of g's weights, from its header: the types of the packed matrices (the
-    tensors' own), of the token embedding, and the gated activation."""
+    tensors' own, or requantized as load_weights(requant=) does), of the token embedding, and the gated
+    activation."""
     emb = g.tensors["token_embd.weight"]
-    mats = {int(g.tensors[f"blk.{il}.{name}.weight"].qtype) for il in range(cfg.n_layer) for name in MATS}
-    mats.add(int(g.tensors.get("output.weight", emb).qtype))
+    types = [g.tensors[f"blk.{il}.{name}.weight"].qtype for il in range(cfg.n_layer) for name in MATS]
+    types.append(g.tensors.get("output.weight", emb).qtype)
+    mats = {int(packed_type(qt, requant)) for qt in types}
     return kinds(mats=mats, embd=(int(emb.qtype),), acts=(GELU if cfg.act == "gelu" else SILU,))
 
 
 def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
-                 quiet: bool = False) -> LoadedWeights:
+                 quiet: bool = False, requant=None) -> LoadedWeights:
     """The weights of g. pack_cache: use the on-disk pack cache (None: unless LUMEN_PACK_CACHE=0). Packing
     (a first load, or the cache off) says so in one line on stderr, with roughly how long it takes, unless quiet;
-    so does a cache file that cannot be read."""
+    so does a cache file that cannot be read. requant: None, or QT.Q4_0 to pack every matrix stored in more bits
+    per weight as Q4_0 (a draft model's: fewer bytes a drafted token; cached apart from the packs as stored)."""
     L = cfg.n_layer
     spans = {name: np.zeros((L, 2), np.int64) for name in VECS}
     pieces, n = [], 0
@@ -354,7 +392,7 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
         for name in MATS:
             t = g.tensors[f"blk.{il}.{name}.weight"]
             ids[name][il] = len(mats)
-            mats.append((t.data, t.qtype))
+            mats.append(requantized(t.data, t.qtype, requant))
         for name in VECS:
             full = f"blk.{il}.{name}" + ("" if name.endswith(".bias") else ".weight")
             if full in g.tensors:
@@ -364,10 +402,11 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
     tied = "output.weight" not in g.tensors
     out = emb if tied else g.tensors["output.weight"]
     output = len(mats)
-    mats.append((out.data, out.qtype))
+    mats.append(requantized(out.data, out.qtype, requant))
     from . import packcache
     table, sizes = plan(mats)
-    threads, release = numba.get_num_threads(), _page_dropper(g)
+    threads, drop = numba.get_num_threads(), _page_dropper(g)
+    release = None if drop is None else lambda raw: drop(getattr(raw, "source", raw))
     cache = packcache.enabled() if pack_cache is None else pack_cache
     told = []
 
@@ -378,9 +417,10 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
     def announce(why: str, writes: bool) -> None:
         if not told:
             told.append(True)
-            nbytes = sum(raw.nbytes for raw, _ in mats)
+            nbytes = sum(getattr(raw, "source", raw).nbytes for raw, _ in mats)
             secs = max(1, round(nbytes / PACK_RATE / threads + (nbytes / WRITE_RATE if writes else 0)))
-            say(f"packing the weights of {g.path.name} for this CPU ({why}, ~{secs} s)")
+            how = "" if requant is None else f" as {QT(int(requant)).name}"
+            say(f"packing the weights of {g.path.name}{how} for this CPU ({why}, ~{secs} s)")
 
     def pack(why: str = "the pack cache is off"):
         announce(why, False)
@@ -391,12 +431,14 @@ def load_weights(g: GGUFFile, cfg: Config, *, pack_cache: bool | None = None,
         pack_into(mats, table, put, threads=threads, release=release)
 
     if cache:
-        packs, packs_from = packcache.load_or_pack(g, table, sizes, fill, pack, expected_rows(mats), say=say)
+        variant = "" if requant is None else f"requant {QT(int(requant)).name}"
+        packs, packs_from = packcache.load_or_pack(g, table, sizes, fill, pack, expected_rows(mats), say=say,
+                                                   variant=variant)
     else:
         packs, packs_from = pack(), "packed (cache off)"
     fvec = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
     rope = g.tensors.get("rope_freqs.weight")
-    kset = header_kinds(g, cfg)                                                     # what forward compiles for
+    kset = header_kinds(g, cfg, requant)                                            # what forward compiles for
     arrays = dict(token_embd=emb.data, token_embd_type=int(emb.qtype), lut=F16_TO_F32, packs=packs, kinds=kset,
                      attn_q=ids["attn_q"], attn_k=ids["attn_k"], attn_v=ids["attn_v"],
                      attn_output=ids["attn_output"], ffn_gate=ids["ffn_gate"], ffn_up=ids["ffn_up"],

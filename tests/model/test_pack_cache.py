@@ -549,3 +549,36 @@ def test_fast_prepare_and_chunks_are_the_bytes_of_prepare(qt, monkeypatch):
         buf = packs.qf if whole[0].family == 4 else packs.q
         assert buf.tobytes() == b"".join(p.q.tobytes() for p in whole)
         assert packs.s.tobytes() == b"".join(p.s.tobytes() for p in whole)
+
+
+
+def test_requantized_packs_are_q4_0_of_the_weights_and_cached_apart(home, model_file):
+    """load_weights(requant=Q4_0) packs each matrix stored in more than 4.5 bits per weight as ggml's Q4_0 of its
+    values (the bytes of packing that Q4_0 tensor), keeps the others as stored, and caches them in a file of their
+    own beside the packs as stored; a hit reads the bytes of a fresh requantization."""
+    from lumen.format.quants import QT, bits_per_weight, quantize_q4_0
+    g, cfg = open_gguf(model_file)
+    tensors = [g.tensors[f"blk.{il}.{name}.weight"] for il in range(cfg.n_layer) for name in weights.MATS]
+    tensors.append(g.tensors.get("output.weight", g.tensors["token_embd.weight"]))    # load_weights' order
+    mats = []
+    for t in tensors:
+        if bits_per_weight(t.qtype) > 4.5:
+            x = dequantize(t.data, T(int(t.qtype))).reshape(t.shape).astype(np.float32)
+            mats.append((quantize_q4_0(x), QT.Q4_0))
+        else:
+            mats.append((t.data, t.qtype))
+    assert {int(qt) for _, qt in mats} == {int(QT.Q4_0)}                  # (MIXED: Q5_1, Q8_0, F16, BF16, ...)
+    assert len({int(t.qtype) for t in tensors}) > 3
+    want = weights.pack_all(mats)
+    stored = packs_of(model_file, True)
+    req = load_weights(g, cfg, pack_cache=True, requant=QT.Q4_0)
+    assert req.packs_from == "packed, cached" and len(cache_files(home)) == 2
+    assert_same_packs(req.packs, want)
+    hit = load_weights(g, cfg, pack_cache=True, requant=QT.Q4_0)
+    assert hit.packs_from == "cache"
+    assert_same_packs(hit.packs, want)
+    again = packs_of(model_file, True)                                   # the packs as stored are still there
+    assert again.packs_from == "cache"
+    assert_same_packs(again.packs, stored.packs)
+    with pytest.raises(ValueError, match="Q4_0 only"):
+        load_weights(g, cfg, pack_cache=False, requant=QT.Q8_0)
