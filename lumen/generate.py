@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft-vocab", type=int, default=32768, metavar="N",
                     help="the draft model proposes only the first N token ids (default 32768; N past the "
                          "vocabulary: all of it)")
+    sp.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
+                    help="the draft model's matrices stored in more bits per weight are requantized to Q4_0 as it "
+                         "loads (default; none: as stored)")
     so = ap.add_argument_group("structured output (the text must match; ends when the grammar is complete)")
     one = so.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE",
@@ -466,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.speculative:                             # --ngram-min/-max, --draft-vocab: in range
             SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens or 5, ngram_min=args.ngram_min,
                               ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
+        args.draft_quant = None if args.draft_quant == "none" else args.draft_quant
         check_ctx(args.ctx)
     except ValueError as e:                              # a flag's value: a usage error
         print(f"error: {flag_words(str(e), ap)}", file=sys.stderr)
@@ -504,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--draft-model is used with --speculative draft")
         unused = [flag for flag, v, default in (("--num-speculative-tokens", args.num_speculative_tokens, None),
                                                 ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4),
-                                                ("--draft-vocab", args.draft_vocab, 32768)) if v != default]
+                                                ("--draft-vocab", args.draft_vocab, 32768),
+                                                ("--draft-quant", args.draft_quant, "q4_0")) if v != default]
         if unused and not args.speculative:
             raise UsageError(f"{unused[0]} is used with --speculative (ngram or draft)")
     except UsageError as e:
@@ -523,11 +528,10 @@ def main(argv: list[str] | None = None) -> int:
             model = load_model(args.model, args.ctx, args.threads, args.force_ctx,
                                adaptive_threads=args.adaptive_threads)
             t_load = time.perf_counter() - t0
-            if args.speculative:
-                draft = (load_model(args.draft_model, args.ctx, args.threads, args.force_ctx) if args.draft_model
-                         else None)
-                model.speculation(draft_model=draft, num_speculative_tokens=args.num_speculative_tokens or 5,
-                                  ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
+            if args.speculative:                 # (the draft by name: loaded, and requantized, by speculation())
+                model.speculation(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens
+                                  or 5, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                  draft_vocab=args.draft_vocab, draft_quant=args.draft_quant)
             # a throwaway token compiles the forward pass (or waits for it) under the status line; a warm start
             # only loads it (~15 ms), before the prompt's clock starts, instead of a decode step (60-100 ms, 1.5B)
             from .model import precompile

@@ -228,21 +228,21 @@ class Model:
             return self._engine
 
     def speculation(self, *, draft_model=None, num_speculative_tokens: int = 5, ngram_min: int = 1,
-                    ngram_max: int = 4, draft_vocab: int | None = 32768) -> None:
-        """Set up speculative decoding for generate(..., speculative="ngram" | "draft"): draft_model (a
-        lumen.Model, name or path sharing this model's vocabulary) for "draft", the most tokens drafted per step,
-        the n-gram sizes the "ngram" drafter matches, the token ids the draft proposes (lumen.engine.speculative,
-        lumen.engine.config.SpeculativeConfig). Checked here, the draft model loaded once: bad options raise now
-        and leave the model as it was (stored unchecked, they made every later generate() fail, speculative or
-        not)."""
-        from .engine.config import SpeculativeConfig
+                    ngram_max: int = 4, draft_vocab: int | None = 32768, draft_quant: str | None = "q4_0") -> None:
+        """Set up speculative decoding for generate(..., speculative="ngram" | "draft"): draft_model (a lumen.Model,
+        name or path sharing this model's vocabulary) for "draft", the most tokens drafted per step, the n-gram
+        sizes the "ngram" drafter matches, the token ids the draft proposes, how a draft given by name or path is
+        requantized as it loads (lumen.engine.speculative, lumen.engine.config.SpeculativeConfig). Checked here, the
+        draft model loaded once: bad options raise now and leave the model as it was (stored unchecked, they made
+        every later generate() fail, speculative or not)."""
+        from .engine.config import SpeculativeConfig, draft_requant
         from .engine.speculative.drafters import DraftModel
         from .model.parts import parts_of
         spec = dict(draft_model=None, num_speculative_tokens=num_speculative_tokens, ngram_min=ngram_min,
-                    ngram_max=ngram_max, draft_vocab=draft_vocab)
+                    ngram_max=ngram_max, draft_vocab=draft_vocab, draft_quant=draft_quant)
         SpeculativeConfig(**spec)                                   # ValueError for a bad option
-        if draft_model is not None:
-            spec["draft_model"] = draft = parts_of(draft_model)    # FetchError, GGUFError, TypeError
+        if draft_model is not None:                                 # FetchError, GGUFError, TypeError
+            spec["draft_model"] = draft = parts_of(draft_model, requant=draft_requant(draft_quant))
             DraftModel.check_vocabulary(draft, self.config.n_vocab, self.tokenizer.tokens)
         with self._engine_lock:
             self._spec, self._engine = spec, None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 
 DEFAULT_KV_CACHE_MB = 1024        # capped at a fifth of the memory available when the engine starts
 MAX_SPECULATIVE_TOKENS = 16
+DRAFT_QUANTS = ("q4_0", None)       # what a draft model can be requantized to as it loads (None: as stored)
 
 
 def check_int(name: str, v, lo: int = 1, hi: int | None = None) -> None:
@@ -50,6 +51,12 @@ def _choice(name: str, v, options: tuple) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {v!r}")
 
 
+def draft_requant(quant: str | None):
+    """SpeculativeConfig.draft_quant as the loader takes it (lumen.model.weights.load_weights' requant)."""
+    from ..format.quants import QT
+    return None if quant is None else QT[quant.upper()]
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (per request: SamplingParams(speculative="ngram" | "draft")).
@@ -60,13 +67,17 @@ class SpeculativeConfig:
     the most, as a fixed-k engine does);
     draft_vocab: the draft model's head computes the logits of the first draft_vocab token ids only (None, or more
     than the vocabulary: all, so the default fits any model;
-    lossless either way: lumen.engine.speculative.drafters.DraftModel)."""
+    lossless either way: lumen.engine.speculative.drafters.DraftModel);
+    draft_quant: "q4_0": a draft model given by name or path has its matrices stored in more bits per weight
+    requantized to Q4_0 as it loads (a drafted token reads them all; the draft's precision moves only how many
+    drafts are accepted, never the output); None: as stored (a loaded lumen.Model is used as it was loaded)."""
     draft_model: object = None
     num_speculative_tokens: int = 5
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive_k: bool = True
     draft_vocab: int | None = 32768
+    draft_quant: str | None = "q4_0"
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
@@ -75,6 +86,9 @@ class SpeculativeConfig:
         check_bool("adaptive_k", self.adaptive_k)
         if self.draft_vocab is not None:
             check_int("draft_vocab", self.draft_vocab, 64)
+        if self.draft_quant not in DRAFT_QUANTS:
+            raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got "
+                             f"{self.draft_quant!r}")
 
 
 @dataclass(frozen=True)
@@ -197,12 +211,14 @@ class EngineConfig:
     @classmethod
     def cli_options(cls, args: argparse.Namespace) -> dict:
         """The engine options set on the command line (add_cli_args' dests), as EngineConfig / Engine keywords:
-        the SLO flags in milliseconds become seconds."""
+        the SLO flags in milliseconds become seconds, --draft-quant none is None."""
         out = {}
         for name in CLI_ARGS:
             if hasattr(args, name):
                 v = getattr(args, name)
                 out[name] = v / 1e3 if name in ("slo_ttft_s", "slo_tpot_s") and v is not None else v
+        if out.get("draft_quant") == "none":
+            out["draft_quant"] = None
         return out
 
     @classmethod
@@ -266,6 +282,9 @@ CLI_ARGS: dict[str, tuple[tuple[str, ...], dict, str]] = {
     "draft_vocab": (("--draft-vocab",), dict(type=int, default=32768, metavar="N"),
                     "the draft model proposes only the first N token ids (its output head reads that share; "
                     "N past the vocabulary: all of it)"),
+    "draft_quant": (("--draft-quant",), dict(choices=("q4_0", "none"), default="q4_0"),
+                    "the draft model's matrices stored in more bits per weight are requantized to Q4_0 as it "
+                    "loads (none: as stored)"),
 }
 
 

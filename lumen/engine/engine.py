@@ -42,7 +42,7 @@ from ..timer import active as profiler_active
 from .block_manager import BlockManager
 from .kv_transfer import DO_REMOTE_DECODE, KVConnector, KVData
 from .costs.budget import MeasuredBudget, PacedBudget
-from .config import EngineConfig, kv_blocks
+from .config import EngineConfig, draft_requant, kv_blocks
 from ..model.parts import ModelParts, parts_of
 from .runner import Runner
 from .sampling.sampler import SamplerError
@@ -128,7 +128,7 @@ class Engine:
         self.structured = StructuredOutput(parts.tokenizer, cfg.n_vocab)   # grammars compile on its thread
         sc = c.speculative
         draft = None if sc.draft_model is None else DraftModel(
-            parts_of(sc.draft_model), n_vocab=cfg.n_vocab, max_model_len=self.max_model_len,
+            parts_of(sc.draft_model, requant=draft_requant(sc.draft_quant)), n_vocab=cfg.n_vocab, max_model_len=self.max_model_len,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, threads=self.threads,
             governor=self.runner.governor, vocab=sc.draft_vocab, target_bytes=step_bytes(parts.bundle),
             tokens=parts.tokenizer.tokens)

@@ -34,7 +34,7 @@ ENGINE_FLAGS = ("threads", "adaptive_threads", "max_model_len", "max_num_seqs", 
                 "explain")
 PD_THRESHOLD = 64              # profiling/pd_serving.py threshold: PD adds ~31 ms to TTFT, a 59-token local prefill
 PD_PREFILL_TIMEOUT = 60.0
-SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_vocab")
+SPEC_FLAGS = ("draft_model", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_vocab", "draft_quant")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -545,6 +545,29 @@ def test_draft_vocab_head_is_a_prefix_and_lossless(smollm2_path):
     assert full.speculator.draft.cost_ratio == 1.0 and draft.cost_ratio < 0.8     # its head reads 1/48 of its rows
 
 
+def test_a_draft_by_path_is_requantized_to_q4_0_and_lossless(smollm2_path):
+    """A draft model given by path has its matrices stored in more than 4.5 bits per weight (SmolLM2's Q4_1, Q8_0)
+    packed as Q4_0 (draft_quant, the default), fewer bytes a drafted token; the output stays plain decoding's,
+    sampled too; draft_quant=None keeps them as stored, and a loaded Model drafts as it was loaded."""
+    from lumen.kernels.layout import C_QT
+    from lumen.format.quants import QT
+    m = lumen.load(smollm2_path, ctx=512, threads=2)
+    kw = dict(max_model_len=512, max_num_seqs=2, kv_cache_mb=16, num_speculative_tokens=4, adaptive_k=False)
+    eng = Engine(m, draft_model=smollm2_path, **kw)
+    table = eng.speculator.draft.parts.bundle.packs.table
+    assert set(table[:, C_QT].tolist()) == {int(QT.Q4_0)}
+    assert int(QT.Q4_1) in set(m.parts.bundle.packs.table[:, C_QT].tolist())     # (and its Q8_0 head)
+    assert eng.speculator.draft.cost_ratio < 0.95 * Engine(m, draft_model=m, **kw).speculator.draft.cost_ratio
+    stored = Engine(m, draft_model=smollm2_path, draft_quant=None, **kw).speculator.draft.parts.bundle.packs.table
+    assert np.array_equal(stored[:, C_QT], m.parts.bundle.packs.table[:, C_QT])
+    ids = prompts(m)[1]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = eng.generate([ids], p)[0]
+    spec = eng.generate([ids], p.replace(speculative="draft"))[0]
+    assert spec.token_ids == plain.token_ids and 0 < spec.metrics.spec_accepted < spec.metrics.spec_proposed + 1
+    with pytest.raises(ValueError, match="draft_quant"):
+        Engine(m, draft_model=smollm2_path, draft_quant="q8_0", **kw)
+
 def test_greedy_qwen_drafting_for_itself_and_ngram_is_bit_identical(qwen05_path):
     """Qwen2.5-Coder-0.5B (the draft the 1.5B uses) drafting for itself, its head cut to the first 32768 ids
     (the default), and n-gram lookup: greedy output equals plain decoding, on code to copy and on free text."""
