@@ -51,8 +51,6 @@ class Requantized:
     """A GGUF matrix, raw (rows, row_bytes) of type qtype, read as Q4_0 rows: a slice of rows is dequantized and
     rounded to Q4_0 when it is taken (pack_into takes a chunk at a time, so no whole-matrix copy is made).
     `source` is the GGUF view (the loader drops its pages once the matrix is packed)."""
-    qtype = QT.Q4_0
-
     def __init__(self, raw: np.ndarray, qtype):
         info = quant_info(qtype)
         self.source, self.source_type = raw, QT(int(qtype))
@@ -65,19 +63,20 @@ class Requantized:
         return quantize_q4_0(x)
 
 
-def packed_type(qtype, to) -> QT:
-    """The type a matrix stored as qtype is packed as: `to` (None, or QT.Q4_0) where qtype takes more bits per
-    weight, else its own."""
+def packed_type(qtype, n_in: int, to) -> QT:
+    """The type a matrix stored as qtype, rows of n_in values, is packed as: `to` (None, or QT.Q4_0) where qtype
+    takes more bits per weight and the rows are whole Q4_0 blocks, else its own."""
     if to is not None and QT(int(to)) != QT.Q4_0:
         raise ValueError(f"matrices can be requantized to Q4_0 only, not {QT(int(to)).name}")
-    if to is None or bits_per_weight(qtype) <= bits_per_weight(QT.Q4_0):
+    if to is None or bits_per_weight(qtype) <= bits_per_weight(QT.Q4_0) or n_in % 32:
         return QT(int(qtype))
     return QT.Q4_0
 
 
 def requantized(raw: np.ndarray, qtype, to) -> tuple:
     """(raw, qtype) as the packer takes a matrix: as stored, or as Requantized Q4_0 rows (packed_type)."""
-    if packed_type(qtype, to) == QT(int(qtype)):
+    info = quant_info(qtype)
+    if packed_type(qtype, raw.shape[1] // info.type_size * info.block_size, to) == QT(int(qtype)):
         return raw, qtype
     return Requantized(raw, qtype), QT.Q4_0
 
@@ -363,9 +362,9 @@ def header_kinds(g: GGUFFile, cfg: Config, requant=None) -> np.ndarray:
     tensors' own, or requantized as load_weights(requant=) does), of the token embedding, and the gated
     activation."""
     emb = g.tensors["token_embd.weight"]
-    types = [g.tensors[f"blk.{il}.{name}.weight"].qtype for il in range(cfg.n_layer) for name in MATS]
-    types.append(g.tensors.get("output.weight", emb).qtype)
-    mats = {int(packed_type(qt, requant)) for qt in types}
+    tensors = [g.tensors[f"blk.{il}.{name}.weight"] for il in range(cfg.n_layer) for name in MATS]
+    tensors.append(g.tensors.get("output.weight", emb))
+    mats = {int(packed_type(t.qtype, t.dims[0], requant)) for t in tensors}
     return kinds(mats=mats, embd=(int(emb.qtype),), acts=(GELU if cfg.act == "gelu" else SILU,))
 
 
