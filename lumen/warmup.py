@@ -1,4 +1,5 @@
-"""`python -m lumen.warmup [--model M ...]`: compile, ahead of time, everything a model's first request runs.
+"""`python -m lumen.warmup [--model M ...] [--draft-model D ...]`: compile, ahead of time, everything a model's first
+request runs (a draft model's: as speculative decoding loads it, requantized).
 
 A first run compiles Lumen's Numba kernels into the compile cache ($LUMEN_HOME/numba, lumen/paths.py); every later
 process loads them from there. Run this in an image build, or before a server reports healthy, so no user waits
@@ -44,8 +45,10 @@ def _cache_hits() -> int:
     return n
 
 
-def warm(model: str, *, threads: int | None = None, ctx: int = 64) -> Warmed:
-    """Load model (a registry name or a .gguf path) and run every compiled path of a first request."""
+def warm(model: str, *, threads: int | None = None, ctx: int = 64, draft: bool = False) -> Warmed:
+    """Load model (a registry name or a .gguf path) and run every compiled path of a first request. draft: load it
+    as speculative decoding loads a draft model (requantized, SpeculativeConfig.draft_quant) and run its forward
+    pass: the packs and kernels a draft needs are not the model's own."""
     from numba.core import event
     import lumen
     from .engine.structured import bitmask
@@ -70,6 +73,13 @@ def warm(model: str, *, threads: int | None = None, ctx: int = 64) -> Warmed:
     hits = _cache_hits()
     t0 = time.perf_counter()
     with compiling(), event.install_listener("numba:compile", count):
+        if draft:
+            from .engine.config import SpeculativeConfig, draft_requant
+            from .model.parts import load_parts
+            parts = load_parts(model, requant=draft_requant(SpeculativeConfig().draft_quant), quiet=True)
+            eng = lumen.Engine(parts, max_model_len=ctx, threads=threads, kv_cache_mb=16, max_num_seqs=1)
+            eng.generate([[1, 2, 3, 4]], lumen.SamplingParams(max_tokens=2, ignore_eos=True))
+            return Warmed(str(model), time.perf_counter() - t0, count.compiled, count.seconds, _cache_hits() - hits)
         m = lumen.load(model, ctx=ctx, threads=threads)
         ids = m.tokenize("Hello")[:4] or [0]
         m.prefill(ids)                                  # the forward pass (one compiled function for every shape)
@@ -120,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "LUMEN_HOME), so a later start answers at full speed at once. A second run compiles nothing.")
     p.add_argument("-m", "--model", action="append", default=None, metavar="MODEL",
                    help=f"a registry name or a .gguf path; repeat for several (default: {DEFAULT_MODEL})")
+    p.add_argument("--draft-model", action="append", default=[], metavar="MODEL",
+                   help="a draft model for speculative decoding, warmed as it loads for that (requantized); repeat "
+                        "for several")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     return p
 
@@ -133,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import LumenError
     from .model.store import DEFAULT_MODEL
     from .model.store import MODELS, resolve
-    models = args.model or [DEFAULT_MODEL]
+    models = [(name, False) for name in args.model or ([] if args.draft_model else [DEFAULT_MODEL])]
+    models += [(name, True) for name in args.draft_model]
     total = 0
 
     def fail(name: str, e: Exception) -> int:
         said = str(e)                                   # most messages name the model already
         print(f"error: {said}" if name in said else f"error: {name}: {said}", file=sys.stderr)
         return 1
-    for name in models:                                 # a typo in the last name fails before the first compile
+    for name, _ in models:                              # a typo in the last name fails before the first compile
         if name not in MODELS:
             try:
                 resolve(name, quiet=True)
@@ -149,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from .generate import status_while_compiling
     console = Console(stderr=True)
-    for name in models:
+    for name, draft in models:
         try:
             with status_while_compiling(console):      # a first run compiles for a minute or two: say so
-                w = warm(name, threads=args.threads)
+                w = warm(name, threads=args.threads, draft=draft) if draft else warm(name, threads=args.threads)
         except (LumenError, ValueError, OSError) as e:
             return fail(name, e)
         except KeyboardInterrupt:                       # what compiled so far is in the cache already
@@ -168,15 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def in_background(models: list[str], threads: int | None = None):
+def in_background(models: list[str], threads: int | None = None, drafts: list[str] = ()):
     """Warm `models` up in a child process while this one does something else (the Ray path: Ray's start takes
     seconds of mostly waiting). Replicas that load meanwhile take turns with it (lumen.paths.compiling) and load
     what it compiled and packed instead of compiling it themselves. The child dies with this process; `stop` ends
-    it. Returns the child, or None when it could not start (the replicas then compile as before)."""
+    it. drafts: draft models, warmed as speculative decoding loads them. Returns the child, or None when it could
+    not start (the replicas then compile as before)."""
     import os
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = [a for m in models for a in ("--model", str(m))] + (["--threads", str(threads)] if threads else [])
+    args = [a for m in models for a in ("--model", str(m))] + [a for m in drafts for a in ("--draft-model", str(m))]
+    args += ["--threads", str(threads)] if threads else []
     code = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r)\n"     # this lumen, wherever it was
             f"from lumen.warmup import _child; _child({os.getpid()}, {args!r})")        # imported from
     try:

@@ -621,8 +621,10 @@ def _main_ray(ap: argparse.ArgumentParser, args, config: EngineConfig) -> int:
         signal.signal(sig, _interrupt)
     from .. import warmup                         # an import (Ray's, Numba's) it became an ImportError and a traceback
     # the warm-up compiles and packs while Ray starts (not for a cluster's other hosts)
-    models = [args.model] + ([args.draft_model] if args.draft_model else [])
-    warming = None if args.ray_address else warmup.in_background(models, threads)
+    requant = args.draft_model and config.speculative.draft_quant is not None    # a draft loads requantized
+    models = [args.model] + ([args.draft_model] if args.draft_model and not requant else [])
+    warming = None if args.ray_address else warmup.in_background(models, threads,
+                                                                 drafts=[args.draft_model] if requant else [])
     try:
         return ray_app.serve_on_ray(app, host=args.host, port=args.port, address=args.ray_address,
                                     replicas=pools, threads=threads,

@@ -148,3 +148,20 @@ def test_stop_ends_a_background_warmup():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     warmup.stop(child)
     assert child.poll() is not None
+
+
+def test_a_draft_model_is_warmed_as_speculation_loads_it(smollm2_path, monkeypatch, capsys):
+    """`lumen.warmup --draft-model M` (and the Ray path's background warm-up, for --draft-model) loads M requantized
+    as a draft is (SpeculativeConfig.draft_quant), so its packs and kernels are the ones the replicas need."""
+    import lumen.model.parts as parts_mod
+    import lumen.warmup as warmup_mod
+    from lumen.format.quants import QT
+    seen, real = [], parts_mod.load_parts
+
+    def spy(model, **kw):
+        seen.append(kw.get("requant"))
+        return real(model, **kw)
+    monkeypatch.setattr(parts_mod, "load_parts", spy)
+    assert warmup_mod.main(["--draft-model", str(smollm2_path), "-t", "2"]) == 0
+    out, _ = capsys.readouterr()
+    assert seen == [QT.Q4_0] and out.startswith(f"{smollm2_path}: ready in "), out
