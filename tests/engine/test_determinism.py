@@ -9,7 +9,6 @@ loaded), once after loading every cached kernel on its own first (the fresh proc
 and on 1 thread. All must print the same hashes.
 """
 import gc
-import hashlib
 import json
 import os
 import subprocess

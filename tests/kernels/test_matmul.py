@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from lumen.format.gguf import GGUFFile
-from lumen.kernels.matmul import Packed, matmul, matmul_batched, matvec, prepare
+from lumen.kernels.matmul import matmul, matmul_batched, matvec, prepare
 from lumen.kernels.policy import PAD_MIN_IN, UNPACKED
-from lumen.format.quants import QT, QUANTS, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
+from lumen.format.quants import QT, SUPPORTED, dequantize_ref, quant_info, round_activations_ref, row_bytes
 
 ALL = sorted(SUPPORTED, key=int)
 FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}

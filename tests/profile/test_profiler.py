@@ -1,7 +1,6 @@
 """The timer layer: every op of every step recorded, with work, adding up to the step's wall time."""
 import json
 
-import numpy as np
 import pytest
 
 import lumen
