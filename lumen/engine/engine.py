@@ -128,8 +128,9 @@ class Engine:
         self.structured = StructuredOutput(parts.tokenizer, cfg.n_vocab)   # grammars compile on its thread
         sc = c.speculative
         draft = None if sc.draft_model is None else DraftModel(
-            parts_of(sc.draft_model, requant=draft_requant(sc.draft_quant)), n_vocab=cfg.n_vocab, max_model_len=self.max_model_len,
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, threads=self.threads,
+            parts_of(sc.draft_model, requant=draft_requant(sc.draft_quant)), n_vocab=cfg.n_vocab,
+            max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, threads=self.threads,
             governor=self.runner.governor, vocab=sc.draft_vocab, target_bytes=step_bytes(parts.bundle),
             tokens=parts.tokenizer.tokens)
         self.speculator = Speculator(sc, self.costs, draft)
