@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, draft in models:
         try:
             with status_while_compiling(console):      # a first run compiles for a minute or two: say so
-                w = warm(name, threads=args.threads, draft=draft) if draft else warm(name, threads=args.threads)
+                w = warm(name, threads=args.threads, draft=draft)
         except (LumenError, ValueError, OSError) as e:
             return fail(name, e)
         except KeyboardInterrupt:                       # what compiled so far is in the cache already

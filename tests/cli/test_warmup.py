@@ -96,7 +96,7 @@ def test_warmup_says_it_is_compiling_only_when_it_compiles(monkeypatch, capsys):
 
     compiles = [True]
 
-    def fake_warm(model, threads=None):
+    def fake_warm(model, threads=None, draft=False):
         if compiles[0]:
             njit(lambda x: x + 1)(1)                   # a compile, as a first warm-up's
         return warmup_mod.Warmed(model, 0.1, int(compiles[0]), 0.0, 0)
@@ -114,7 +114,7 @@ def test_warmup_says_it_is_compiling_only_when_it_compiles(monkeypatch, capsys):
 def test_ctrl_c_stops_the_warmup_in_one_line(monkeypatch, capsys):
     import lumen.warmup as warmup_mod
 
-    def interrupted(model, threads=None):
+    def interrupted(model, threads=None, draft=False):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(warmup_mod, "warm", interrupted)
