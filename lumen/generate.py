@@ -20,7 +20,8 @@ from .errors import LumenError, plural
 from .format.tokenizer import check_unicode
 from .model.store import DEFAULT_MODEL
 from .commands import Parser, prog, run, threads_error, trained_context_only
-from .engine.config import THREAD_FLAGS, EngineConfig, SpeculativeConfig, check_int
+from .engine.config import (DRAFT_QUANT_FLAGS, THREAD_FLAGS, EngineConfig, SpeculativeConfig, check_int,
+                            draft_quant_flag)
 
 ESCAPES = {ord(k): ord(v) for k, v in (("n", "\n"), ("r", "\r"), ("t", "\t"), ("'", "'"), ('"', '"'), ("\\", "\\"))}
 HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--draft-vocab", type=int, default=32768, metavar="N",
                     help="the draft model proposes only the first N token ids (default 32768; N past the "
                          "vocabulary: all of it)")
-    sp.add_argument("--draft-quant", choices=("q4_0", "none"), default="q4_0",
+    sp.add_argument("--draft-quant", choices=DRAFT_QUANT_FLAGS, default="q4_0",
                     help="the draft model's matrices stored in more bits per weight are requantized to Q4_0 as it "
                          "loads (default; none: as stored)")
     so = ap.add_argument_group("structured output (the text must match; ends when the grammar is complete)")
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.speculative:                             # --ngram-min/-max, --draft-vocab: in range
             SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens or 5, ngram_min=args.ngram_min,
                               ngram_max=args.ngram_max, draft_vocab=args.draft_vocab)
-        args.draft_quant = None if args.draft_quant == "none" else args.draft_quant
+        args.draft_quant = draft_quant_flag(args.draft_quant)
         check_ctx(args.ctx)
     except ValueError as e:                              # a flag's value: a usage error
         print(f"error: {flag_words(str(e), ap)}", file=sys.stderr)

@@ -51,6 +51,14 @@ def _choice(name: str, v, options: tuple) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {v!r}")
 
 
+DRAFT_QUANT_FLAGS = tuple(q or "none" for q in DRAFT_QUANTS)     # --draft-quant's choices
+
+
+def draft_quant_flag(v: str) -> str | None:
+    """--draft-quant's value as SpeculativeConfig.draft_quant ("none": None)."""
+    return None if v == "none" else v
+
+
 def draft_requant(quant: str | None):
     """SpeculativeConfig.draft_quant as the loader takes it (lumen.model.weights.load_weights' requant)."""
     from ..format.quants import QT
@@ -217,8 +225,8 @@ class EngineConfig:
             if hasattr(args, name):
                 v = getattr(args, name)
                 out[name] = v / 1e3 if name in ("slo_ttft_s", "slo_tpot_s") and v is not None else v
-        if out.get("draft_quant") == "none":
-            out["draft_quant"] = None
+        if "draft_quant" in out:
+            out["draft_quant"] = draft_quant_flag(out["draft_quant"])
         return out
 
     @classmethod
@@ -282,7 +290,7 @@ CLI_ARGS: dict[str, tuple[tuple[str, ...], dict, str]] = {
     "draft_vocab": (("--draft-vocab",), dict(type=int, default=32768, metavar="N"),
                     "the draft model proposes only the first N token ids (its output head reads that share; "
                     "N past the vocabulary: all of it)"),
-    "draft_quant": (("--draft-quant",), dict(choices=("q4_0", "none"), default="q4_0"),
+    "draft_quant": (("--draft-quant",), dict(choices=DRAFT_QUANT_FLAGS, default="q4_0"),
                     "the draft model's matrices stored in more bits per weight are requantized to Q4_0 as it "
                     "loads (none: as stored)"),
 }
