@@ -35,6 +35,10 @@ The buffers are mapped from the file, copy-on-write (MAP_PRIVATE), also right af
 page cache's, so the processes and replicas serving a model on one host share one copy. Writable, so their Numba
 type is that of freshly allocated arrays (a read-only mapping would compile the forward pass again); nothing
 writes them. Any OSError (unwritable directory, full disk) only means the packs stay in memory; nothing is raised.
+Huge pages: a decode step streams every page of the packs, so the file is written in whole 2 MiB-aligned blocks
+(`Blocks`; the packer's pieces, tens of KiB in two streams, left 4 KiB folios), which a filesystem with large folios
+(ext4, xfs) caches as 2 MiB folios and a mapping maps as huge pages: fewer TLB misses, no prefetch stream cut every
+4 KiB. The mapping asks for them (MADV_HUGEPAGE), so that a file read back from disk is cached so too.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -66,6 +71,7 @@ EDGE = 1 << 20            # bytes hashed at each end of the GGUF file
 SAMPLE_EVERY = 4 << 20    # and one 4 KiB page per this many bytes in between
 SOURCES = ("kernels/*.py", "model/weights.py", "format/quants.py", "model/packcache.py")  # the packing code
 MTIME_SLACK_NS = 2_000_000_000  # file mtimes come from a coarser clock than time.time_ns()
+BLOCK = 2 << 20           # bytes of the file per write: one huge page (x86-64 and arm64 with 4 KiB pages)
 
 
 def enabled() -> bool:
@@ -214,6 +220,7 @@ def open_packs(path: Path, key: str, expected: np.ndarray) -> Packs:
             if why is not None:
                 raise Unreadable(why)
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            _advise_huge(mm)
         arrays = {"table": table}
         for name, (shape, off) in layout.items():
             if name != "table":
@@ -252,6 +259,59 @@ def _pwrite(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _advise_huge(mm: mmap.mmap) -> None:
+    """Ask for huge pages on the mapping (taken where the page cache holds 2 MiB folios, and the folios a fault
+    reads from disk are then 2 MiB); a kernel or platform without them keeps base pages."""
+    if hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mm, "madvise"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+
+
+class Blocks:
+    """Writes into a new, zero-filled file of `size` bytes, gathered into whole BLOCK-aligned blocks: a block is
+    written with one pwrite once all its bytes inside `regions` (the (start, end) byte ranges that will be written;
+    the rest stays zero) have come, so the page cache can hold the file in folios of a block. Each byte is written
+    at most once (a piece for a block already written is written as it comes); close() writes what is left.
+    Thread-safe (pack_into puts from several threads)."""
+
+    def __init__(self, fd: int, size: int, regions: list[tuple[int, int]]):
+        self.fd, self.size, self.regions = fd, size, regions
+        self.open: dict[int, list] = {}           # block index -> [its bytes, bytes still to come]
+        self.done: set[int] = set()
+        self.lock = threading.Lock()
+
+    def write(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        with self.lock:
+            while len(view):
+                b = offset // BLOCK
+                start, end = b * BLOCK, min(b * BLOCK + BLOCK, self.size)
+                n = min(len(view), end - offset)
+                if b in self.done:
+                    _pwrite(self.fd, view[:n], offset)
+                else:
+                    block = self.open.get(b)
+                    if block is None:
+                        due = sum(max(0, min(end, e) - max(start, s)) for s, e in self.regions)
+                        block = self.open[b] = [bytearray(end - start), due]
+                    block[0][offset - start:offset - start + n] = view[:n]
+                    block[1] -= n
+                    if block[1] <= 0:
+                        self._flush(b)
+                view, offset = view[n:], offset + n
+
+    def _flush(self, b: int) -> None:
+        _pwrite(self.fd, self.open.pop(b)[0], b * BLOCK)
+        self.done.add(b)
+
+    def close(self) -> None:
+        with self.lock:
+            for b in sorted(self.open):
+                self._flush(b)
+
+
 def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill, source: str = "") -> str | None:
     """Store the packs of the GGUF file `source` atomically at path, packed straight into the file: fill(put)
     packs every matrix through put(buffer name, offset in values, flat array), which writes the piece at its place
@@ -264,16 +324,20 @@ def write(path: Path, key: str, table: np.ndarray, sizes: dict, fill, source: st
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb"):
-            os.ftruncate(fd, size)                           # the padding stays zero (and sparse)
-            _pwrite(fd, MAGIC + struct.pack("<Q", len(head)) + head, 0)
-            _pwrite(fd, np.ascontiguousarray(table, np.int64), offsets["table"])
+            os.ftruncate(fd, size)                           # the padding stays zero
             dtypes = {name: np.dtype(DTYPES[name]) for name in BUFFERS}
+            out = Blocks(fd, size, [(0, 16 + len(head)), (offsets["table"], offsets["table"] + table.size * 8),
+                                    *((offsets[n], offsets[n] + sizes[n] * dtypes[n].itemsize) for n in BUFFERS),
+                                    (size - len(TRAILER), size)])
+            out.write(MAGIC + struct.pack("<Q", len(head)) + head, 0)
+            out.write(np.ascontiguousarray(table, np.int64), offsets["table"])
 
             def put(name, off, a):
                 assert a.dtype == dtypes[name] and 0 <= off and off + a.size <= sizes[name]
-                _pwrite(fd, np.ascontiguousarray(a), offsets[name] + off * a.itemsize)
+                out.write(np.ascontiguousarray(a), offsets[name] + off * a.itemsize)
             fill(put)
-            _pwrite(fd, TRAILER, size - len(TRAILER))
+            out.write(TRAILER, size - len(TRAILER))
+            out.close()
             os.fsync(fd)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)

@@ -5,6 +5,7 @@ an unwritable cache directory or LUMEN_PACK_CACHE=0 falls back to packing in mem
 (gguf-py cannot quantize K types), so its logits are finite and the comparisons say something."""
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -501,6 +502,77 @@ def test_cached_packs_are_a_private_mapping_of_the_file(home, model_file):
     assert _mapped_from(mem.packs.q) is None
     maps = _maps_of(path.resolve())
     assert maps and all(line.split()[1] == "rw-p" for line in maps), maps   # private: copy-on-write
+    import mmap
+    if hasattr(mmap, "MADV_HUGEPAGE"):                                   # asked for huge pages ("hg")
+        flags = [b.split("VmFlags:")[1].split() for b in _smaps_of(path.resolve())]
+        assert flags and all("hg" in f for f in flags), flags
+
+
+def _smaps_of(path: Path) -> list[str]:
+    """The /proc/self/smaps entries (header line and fields) of the mappings of path."""
+    entries = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text())
+    return [e for e in entries if e.splitlines()[0].endswith(str(path))]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_blocks_write_whole_aligned_blocks_in_any_order(tmp_path, monkeypatch, threads):
+    """Pieces of the file's regions, in random sizes and a random order, from several threads: the file holds
+    every byte where it was put and zeros elsewhere, and each pwrite is one whole block at its boundary (the last
+    block: the file's tail); a piece for a block already written is written as it comes."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setattr(packcache, "BLOCK", 4096)
+    size = 5 * 4096 + 1000
+    regions = [(0, 100), (128, 7000), (7024, 7030), (12288, size - 8), (size - 8, size)]
+    data = np.random.default_rng(0).integers(1, 256, size, dtype=np.uint8)
+    rnd = random.Random(threads)
+    pieces = []
+    for s0, e0 in regions:
+        at = s0
+        while at < e0:
+            n = min(e0 - at, rnd.randint(1, 3000))
+            pieces.append((at, n))
+            at += n
+    rnd.shuffle(pieces)
+    calls = []
+    real = packcache._pwrite
+    monkeypatch.setattr(packcache, "_pwrite", lambda fd, d, off: (calls.append((off, len(memoryview(d).cast("B")))),
+                                                                 real(fd, d, off)))
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, size)
+        out = packcache.Blocks(fd, size, regions)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda p: out.write(data[p[0]:p[0] + p[1]], p[0]), pieces))
+        assert not out.open                                  # every block complete before close
+        whole = list(calls)
+        out.write(data[20:30], 20)                           # again into a block already written
+        out.close()
+    finally:
+        os.close(fd)
+    want = np.zeros(size, np.uint8)
+    for s0, e0 in regions:
+        want[s0:e0] = data[s0:e0]
+    assert np.array_equal(np.fromfile(path, np.uint8), want)
+    assert sorted(whole) == [(b, min(4096, size - b)) for b in range(0, size, 4096) if b // 4096 != 2]  # block 2:
+    assert calls[len(whole):] == [(20, 10)]                                                # no region bytes
+
+
+def test_a_pack_file_is_written_in_whole_blocks(home, model_file, monkeypatch):
+    """Packing into the cache writes the file one whole aligned block at a time (so the page cache can keep it in
+    huge folios), and the file reads back as the packs."""
+    monkeypatch.setattr(packcache, "BLOCK", 8192)
+    calls = []
+    real = packcache._pwrite
+    monkeypatch.setattr(packcache, "_pwrite", lambda fd, d, off: (calls.append((off, len(memoryview(d).cast("B")))),
+                                                                 real(fd, d, off)))
+    fresh = packs_of(model_file, True)
+    (path,) = cache_files(home)
+    size = path.stat().st_size
+    assert size > 4 * 8192 and calls
+    assert all(off % 8192 == 0 and n == min(8192, size - off) for off, n in calls), calls
+    assert_same_packs(fresh.packs, packs_of(model_file, False).packs)
 
 
 def test_packing_streams_one_chunk_at_a_time(home, tmp_path, monkeypatch):
@@ -513,6 +585,7 @@ def test_packing_streams_one_chunk_at_a_time(home, tmp_path, monkeypatch):
     d = dict(n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_layer=2, head_dim=64)
     write_model(path, "llama", qtype=T.Q5_0, d=d)
     monkeypatch.setattr(weights, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(packcache, "BLOCK", 16 << 10)            # the file's write blocks: a chunk's size, too
     g, cfg = open_gguf(path)
     packed = load_weights(g, cfg, pack_cache=False, quiet=True).packs.nbytes
     assert packed > 4 << 20
