@@ -21,16 +21,16 @@ those sources was modified after this process imported Lumen, the code running m
 then not used at all (neither read nor written) in this process.
 
 File: magic b"LUMENPK1", u64 header length, a JSON header {key, size, source (the GGUF file's real path), arrays:
-{name: [dtype, shape, offset]}},
-the arrays at 64-byte aligned offsets (file_layout settles the offsets with the header's own length, whatever
-it is), the trailer b"LUMENEND". A miss is packed straight into a temporary file in the same directory, a chunk
-of a matrix at a time (lumen.model.weights.pack_into), fsync'ed, then os.replace'd: a reader sees a whole file or
-none, and the packs are never in memory whole. The packing happens under the cache's file lock (fcntl.flock on
-.lock), so processes loading a model at once pack it once and the others read that file. A read checks the
-magic, trailer, file size, key, each array's dtype, shape and bounds, and every table row against the GGUF tensor
-it packs (family, activation format, sizes, and that its slices lie inside the buffers as lumen.model.forward.mm
-takes them: lumen.kernels.layout.check_table), because the compiled kernels do not check bounds. A file that is
-there but wrong is named once on stderr (why it cannot be read) and rewritten.
+{name: [dtype, shape, offset]}}, the table at a 64-byte aligned offset and each buffer on a 2 MiB boundary
+(file_layout settles the offsets with the header's own length, whatever it is), the trailer b"LUMENEND". A miss is
+packed straight into a temporary file in the same directory, a chunk of a matrix at a time
+(lumen.model.weights.pack_into), fsync'ed, then os.replace'd: a reader sees a whole file or none, and the packs are
+never in memory whole. The packing happens under the cache's file lock (fcntl.flock on .lock), so processes loading
+a model at once pack it once and the others read that file. A read checks the magic, trailer, file size, key, each
+array's dtype, shape and bounds, and every table row against the GGUF tensor it packs (family, activation format,
+sizes, and that its slices lie inside the buffers as lumen.model.forward.mm takes them:
+lumen.kernels.layout.check_table), because the compiled kernels do not check bounds. A file that is there but wrong
+is named once on stderr (why it cannot be read) and rewritten.
 The buffers are mapped from the file, copy-on-write (MAP_PRIVATE), also right after packing: the pages are the
 page cache's, so the processes and replicas serving a model on one host share one copy. Writable, so their Numba
 type is that of freshly allocated arrays (a read-only mapping would compile the forward pass again); nothing
@@ -242,6 +242,8 @@ def file_layout(key: str, table: np.ndarray, sizes: dict, source: str = "") -> t
     for _ in range(16):
         layout, off = {}, start
         for name, dt in DTYPES.items():
+            if name in BUFFERS:                       # each buffer from a huge page of its own
+                off = -(-off // BLOCK) * BLOCK
             layout[name] = [np.dtype(dt).str, shapes[name], off]
             off = -(-(off + math.prod(shapes[name]) * np.dtype(dt).itemsize) // ALIGN) * ALIGN
         head = json.dumps({"key": key, "size": off + len(TRAILER), "source": source, "arrays": layout}).encode()

@@ -403,6 +403,9 @@ def test_layout_settles_for_every_header_length():
         assert json.loads(head)["arrays"]["table"][2] == offsets["table"] >= 16 + len(head)
         assert offsets["table"] == -(-(16 + len(head)) // packcache.ALIGN) * packcache.ALIGN
         assert json.loads(head)["size"] == size
+        starts = sorted(offsets[name] for name in packcache.BUFFERS)   # each buffer on a huge page of its own
+        assert all(o % packcache.BLOCK == 0 for o in starts) and starts[0] > offsets["table"], offsets
+        assert size >= offsets["s"] + 99 + len(packcache.TRAILER)
     assert set(range(200, 301)) <= lengths
 
 
