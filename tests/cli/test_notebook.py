@@ -15,7 +15,7 @@ SCRIPTS = ("attention_share", "kernel_n_vs_1", "thread_scaling", "decode_vs_cont
            "where_p99_itl_comes_from", "budget_sweep", "batch_step_ops", "spec_verify_cost", "gate_reference",
            "dispatch_cold_cache", "shared_machine", "per_n_roofline", "structured_output",
            "small_n_threads", "vnni_ports", "attention_rows", "ngram_replay", "compile_profile",
-           "serving_schedulers", "decode_stream", "unpack_rows")
+           "serving_schedulers", "decode_stream", "unpack_rows", "pack_pages")
 SERVING = ROOT / "notebooks" / "serving.ipynb"
 SERVING_SMALL = ('MODEL = "smollm2-135m"\nN_REQUESTS = 4\nRATE = 8.0\nDECODES = 2\nCHUNK = 16\nREPEATS = 1\n'
                  'GRID = "tiny"\n')
