@@ -286,6 +286,8 @@ class Blocks:
 
     def write(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
+        if offset < 0 or offset + len(view) > self.size:
+            raise ValueError(f"{len(view)} bytes at {offset} do not fit a file of {self.size}")
         with self.lock:
             while len(view):
                 b = offset // BLOCK

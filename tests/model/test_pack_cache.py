@@ -551,6 +551,8 @@ def test_blocks_write_whole_aligned_blocks_in_any_order(tmp_path, monkeypatch, t
         assert not out.open                                  # every block complete before close
         whole = list(calls)
         out.write(data[20:30], 20)                           # again into a block already written
+        with pytest.raises(ValueError, match="do not fit"):
+            out.write(data[:10], size - 5)                   # past the end: an error, not an endless loop
         out.close()
     finally:
         os.close(fd)
