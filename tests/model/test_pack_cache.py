@@ -517,6 +517,14 @@ def _smaps_of(path: Path) -> list[str]:
     return [e for e in entries if e.splitlines()[0].endswith(str(path))]
 
 
+def recorded_pwrites(monkeypatch) -> list[tuple[int, int]]:
+    """(offset, bytes) of every pwrite the pack cache makes from now on, in order (the writes still happen)."""
+    calls, real = [], packcache._pwrite
+    monkeypatch.setattr(packcache, "_pwrite", lambda fd, d, off: (calls.append((off, len(memoryview(d).cast("B")))),
+                                                                 real(fd, d, off)))
+    return calls
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_blocks_write_whole_aligned_blocks_in_any_order(tmp_path, monkeypatch, threads):
     """Pieces of the file's regions, in random sizes and a random order, from several threads: the file holds
@@ -537,10 +545,7 @@ def test_blocks_write_whole_aligned_blocks_in_any_order(tmp_path, monkeypatch, t
             pieces.append((at, n))
             at += n
     rnd.shuffle(pieces)
-    calls = []
-    real = packcache._pwrite
-    monkeypatch.setattr(packcache, "_pwrite", lambda fd, d, off: (calls.append((off, len(memoryview(d).cast("B")))),
-                                                                 real(fd, d, off)))
+    calls = recorded_pwrites(monkeypatch)
     path = tmp_path / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
@@ -568,10 +573,7 @@ def test_a_pack_file_is_written_in_whole_blocks(home, model_file, monkeypatch):
     """Packing into the cache writes the file one whole aligned block at a time (so the page cache can keep it in
     huge folios), and the file reads back as the packs."""
     monkeypatch.setattr(packcache, "BLOCK", 8192)
-    calls = []
-    real = packcache._pwrite
-    monkeypatch.setattr(packcache, "_pwrite", lambda fd, d, off: (calls.append((off, len(memoryview(d).cast("B")))),
-                                                                 real(fd, d, off)))
+    calls = recorded_pwrites(monkeypatch)
     fresh = packs_of(model_file, True)
     (path,) = cache_files(home)
     size = path.stat().st_size
