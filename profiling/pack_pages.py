@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from lumen import Engine, SamplingParams
+from lumen import Engine, LumenError, SamplingParams
 from verdict import verdict
 
 
@@ -59,9 +59,15 @@ def main(argv=None) -> None:
     if min(a.rows, a.bursts, a.steps) < 1:
         ap.error("--rows, --bursts and --steps must be at least 1")
     model, bursts, steps = ("smollm2-135m", 3, 3) if a.quick else (a.model, a.bursts, a.steps)
-    eng = Engine(model, max_num_seqs=a.rows, kv_cache_mb=256, adaptive_threads=False)
+    try:
+        eng = Engine(model, max_num_seqs=a.rows, kv_cache_mb=256, adaptive_threads=False)
+    except LumenError as e:                                       # an unknown model, a file that is not a GGUF
+        raise SystemExit(f"pack_pages.py: {e}") from None
     w = eng.runner.w
     packs = w.packs
+    mm = mapping_of(packs.q)
+    if mm is None:                        # LUMEN_PACK_CACHE=0: the packs are the process's own; nothing to compare
+        raise SystemExit("the packs are not mapped from the pack-cache file (is LUMEN_PACK_CACHE=0 set?)")
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=3 * bursts * steps + 8, temperature=0, ignore_eos=True)
     for _ in range(a.rows):
@@ -69,15 +75,13 @@ def main(argv=None) -> None:
     while any(s.num_computed < len(s.prompt_ids) for s in eng.scheduler.running) or eng.num_waiting:
         eng.step()
 
-    places = {"mapped": packs}
-    mm = mapping_of(packs.q)
-    if mm is not None:
-        whole = np.array(np.frombuffer(mm, np.uint8))             # one copy of the file: its layout, anonymous
-        base = np.frombuffer(mm, np.uint8).ctypes.data
-        places["anon, layout"] = packs._replace(**{
-            n: np.frombuffer(whole.data, b.dtype, b.size, b.ctypes.data - base) if b.size else b
-            for n, b in (("q", packs.q), ("qf", packs.qf), ("s", packs.s))})
-    places["anon, apart"] = packs._replace(q=packs.q.copy(), qf=packs.qf.copy(), s=packs.s.copy())
+    whole = np.array(np.frombuffer(mm, np.uint8))                 # one copy of the file: its layout, anonymous
+    base = np.frombuffer(mm, np.uint8).ctypes.data
+    places = {"mapped": packs,
+              "anon, layout": packs._replace(**{
+                  n: np.frombuffer(whole.data, b.dtype, b.size, b.ctypes.data - base) if b.size else b
+                  for n, b in (("q", packs.q), ("qf", packs.qf), ("s", packs.s))}),
+              "anon, apart": packs._replace(q=packs.q.copy(), qf=packs.qf.copy(), s=packs.s.copy())}
     times = {name: [] for name in places}
     for name, p in places.items():                                   # touch each once (first faults, caches)
         eng.runner.w = w._replace(packs=p)
