@@ -26,7 +26,7 @@ from lumen.kernels.attention import Paged, attention_kernel, attention_scratch, 
 from lumen.kernels.fp import BLOCK, CHUNK
 from lumen.machine import limits
 from lumen.profile.report import roofs
-from verdict import verdict
+from verdict import count, list_of, verdict
 
 
 def best_of(fn, reps: int, rounds: int = 5) -> float:
@@ -71,17 +71,20 @@ def caches(rng, L, N, ctx, KVH, hd, in_order=False):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--ns", default="1,8,16")
-    ap.add_argument("--context", type=int, default=192)
-    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=count, default=9)
+    ap.add_argument("--kv-heads", type=count, default=3)
+    ap.add_argument("--head-dim", type=count, default=64)
+    ap.add_argument("--ns", type=list_of(count), default="1,8,16")
+    ap.add_argument("--context", type=count, default=192)
+    ap.add_argument("--layers", type=count, default=30)
     ap.add_argument("--in-order", action="store_true", help="level 3: each sequence's blocks in order, not scattered")
     ap.add_argument("--quick", action="store_true", help="N = 1, 2; 40 keys; 2 layers (for tests)")
     a = ap.parse_args(argv)
+    if a.heads % a.kv_heads:
+        ap.error(f"--heads must be a multiple of --kv-heads (each kv head serves a group), got {a.heads} and "
+                 f"{a.kv_heads}")
     H, KVH, hd = a.heads, a.kv_heads, a.head_dim
-    ns = [1, 2] if a.quick else [int(n) for n in a.ns.split(",")]
+    ns = [1, 2] if a.quick else a.ns
     ctx, L = (40, 2) if a.quick else (a.context, a.layers)
     reps = 20 if a.quick else 2000
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ import numpy as np
 
 import lumen
 from token_ids import random_ids
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 def attention_share(model, n_tokens: int) -> tuple[float, float]:
@@ -30,13 +30,14 @@ def attention_share(model, n_tokens: int) -> tuple[float, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--repeats", type=count, default=5)
     ap.add_argument("--quick", action="store_true", help="3 lengths, 2 repeats (for tests)")
     a = ap.parse_args(argv)
     lengths = [1, 8, 32] if a.quick else [1, 8, 16, 32, 64, 128, 256, 512]
     repeats = 2 if a.quick else a.repeats
-    model = lumen.load(a.model, ctx=max(lengths), threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=max(lengths), threads=a.threads)
     model.warmup()
     for n in lengths:  # warm-up round, not measured
         attention_share(model, n)

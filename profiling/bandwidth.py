@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import lumen
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 MATMULS = ("qkv", "o", "gate_up", "down", "output")   # lumen.model.forward.OPS (q/k/v, gate/up fused)
 
@@ -41,12 +41,13 @@ def _timed(fn) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gen", type=count, default=64)
+    ap.add_argument("--threads", type=thread_count, default=None)
     ap.add_argument("--quick", action="store_true", help="8 decode steps (for tests)")
     a = ap.parse_args(argv)
     gen = 8 if a.quick else a.gen
-    model = lumen.load(a.model, ctx=gen + 16, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=gen + 16, threads=a.threads)
     bw, source = machine_bandwidth(model.threads)
     model.warmup()
     model.prefill(np.arange(1, 9))

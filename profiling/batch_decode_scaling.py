@@ -20,7 +20,7 @@ import numpy as np
 import lumen
 from lumen import Engine, SamplingParams
 from token_ids import random_ids
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 def decode_steps(engine, B: int, context: int, steps: int, rng) -> list[float]:
@@ -43,15 +43,16 @@ def decode_steps(engine, B: int, context: int, steps: int, rng) -> list[float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--context", type=count, default=128)
+    ap.add_argument("--steps", type=count, default=24)
+    ap.add_argument("--repeats", type=count, default=3)
     ap.add_argument("--quick", action="store_true", help="sizes 1, 2, 4, 2 repeats, 6 steps (for tests)")
     a = ap.parse_args(argv)
     sizes = [1, 2, 4] if a.quick else [1, 2, 4, 8, 16, 32]
     steps, repeats = (6, 2) if a.quick else (a.steps, a.repeats)
-    model = lumen.load(a.model, ctx=64, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=64, threads=a.threads)
     engine = Engine(model, max_model_len=a.context + steps + 2, max_num_seqs=max(sizes),
                     max_num_batched_tokens=max(512, a.context), enable_prefix_caching=False,
                     kv_cache_mb=max(sizes) * (a.context + steps + 18) * model.runner.kv_bytes_per_block / 16 / 2 ** 20)

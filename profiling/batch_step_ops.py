@@ -17,7 +17,7 @@ import numpy as np
 import lumen
 from lumen import Engine, SamplingParams
 from token_ids import random_ids
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 GLUE = ("schedule", "prepare", "dispatch", "return", "sample", "detokenize", "unattributed")
 
@@ -41,15 +41,16 @@ def profile_steps(eng, B: int, context: int, tokens: int, rng) -> tuple[float, d
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=40)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--batch", type=count, default=8)
+    ap.add_argument("--context", type=count, default=128)
+    ap.add_argument("--tokens", type=count, default=40)
     ap.add_argument("--quick", action="store_true", help="batch 2, 16-token prompts, 6 tokens (for tests)")
     a = ap.parse_args(argv)
     B, context, tokens = (2, 16, 6) if a.quick else (a.batch, a.context, a.tokens)
-    eng = Engine(a.model, threads=a.threads, max_num_seqs=max(B, 2), max_num_batched_tokens=max(B * context, 64),
-                 kv_cache_mb=max(16, B * (context + tokens) * 0.2))
+    with one_line_errors():
+        eng = Engine(a.model, threads=a.threads, max_num_seqs=max(B, 2),
+                     max_num_batched_tokens=max(B * context, 64), kv_cache_mb=max(16, B * (context + tokens) * 0.2))
     rng = np.random.default_rng(0)
     res = {}
     for _ in range(2):                                          # interleaved; the second round is reported

@@ -16,7 +16,7 @@ import lumen
 from lumen import Engine, SamplingParams
 from lumen.bench.offline import workload
 from where_p99_itl_comes_from import run_poisson
-from verdict import verdict
+from verdict import count, list_of, one_line_errors, positive, thread_count, verdict
 
 
 def single_tpot(model) -> float:
@@ -50,16 +50,17 @@ def summary(res: dict, rates: list[float], budgets: list[int]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--rates", default="1,2,4,6,8,12")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--ttft", type=float, default=2.0)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--rates", type=list_of(positive), default="1,2,4,6,8,12", help="requests per second")
+    ap.add_argument("--requests", type=count, default=64)
+    ap.add_argument("--ttft", type=positive, default=2.0, help="the TTFT SLO, seconds")
     ap.add_argument("--quick", action="store_true", help="one rate, 6 requests, budgets 64 and 512 (for tests)")
     a = ap.parse_args(argv)
-    rates = [4.0] if a.quick else [float(r) for r in a.rates.split(",")]
+    rates = [4.0] if a.quick else a.rates
     n = 6 if a.quick else a.requests
     budgets = [64, 512] if a.quick else [64, 128, 256, 512, 1024, 2048, 4096]
-    model = lumen.load(a.model, ctx=2048, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=2048, threads=a.threads)
     tpot = 2 * single_tpot(model)
     reqs = [(p, min(k, 16) if a.quick else k) for p, k in workload(n)]
     kw = dict(max_model_len=2048, max_num_seqs=16, kv_cache_mb=256)

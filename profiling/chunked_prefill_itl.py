@@ -18,7 +18,7 @@ import numpy as np
 import lumen
 from lumen import Engine, SamplingParams
 from token_ids import random_ids
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 def one(model, budget: int, chunked: bool, n_prompt: int, n_dec: int, rng) -> dict:
@@ -53,15 +53,16 @@ def one(model, budget: int, chunked: bool, n_prompt: int, n_dec: int, rng) -> di
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--decodes", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--prompt", type=count, default=2048)
+    ap.add_argument("--decodes", type=count, default=4)
+    ap.add_argument("--repeats", type=count, default=3)
     ap.add_argument("--quick", action="store_true", help="a 256-token prompt, budgets 64 and 128 (for tests)")
     a = ap.parse_args(argv)
     n_prompt, budgets, repeats = (256, [64, 128], 1) if a.quick else (a.prompt, [64, 128, 256, 512, 1024, 2048],
                                                                        a.repeats)
-    model = lumen.load(a.model, ctx=64, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=64, threads=a.threads)
     rng = np.random.default_rng(0)
     one(model, 64, True, 64, 1, rng)                          # warm-up
     cases = [(b, True) for b in budgets] + [(n_prompt + a.decodes, False)]

@@ -27,6 +27,8 @@ import tempfile
 import time
 from collections import defaultdict
 
+from verdict import checked_model, count          # (imports nothing of Lumen: the child records its compiles)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
 
@@ -192,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                         "gemma3-270m, smollm2-135m again)")
     p.add_argument("--cache", default=None,
                    help="Numba cache directory to use (default: a new empty one; with --quick, Lumen's own)")
-    p.add_argument("--tokens", type=int, default=8, help="tokens each run generates")
-    p.add_argument("--top", type=int, default=15, help="functions listed per model")
+    p.add_argument("--tokens", type=count, default=8, help="tokens each run generates")
+    p.add_argument("--top", type=count, default=15, help="functions listed per model")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = a.models or (["smollm2-135m", "smollm2-135m"] if a.quick else
                           ["smollm2-135m", "gemma3-270m", "smollm2-135m"])
+    for m in models:                                # every one before the first runs
+        checked_model(m)
     own = a.cache is None and not a.quick
     cache = a.cache or (tempfile.mkdtemp(prefix="lumen-compile-profile-") if own else None)
     where = cache or "Lumen's own"

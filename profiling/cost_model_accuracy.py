@@ -17,18 +17,19 @@ import time
 import lumen
 from lumen import Engine, SamplingParams
 from lumen.bench.offline import workload
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--requests", type=count, default=48)
     ap.add_argument("--quick", action="store_true", help="6 requests, the tiny calibration grid (for tests)")
     a = ap.parse_args(argv)
     n = 6 if a.quick else a.requests
-    model = lumen.load(a.model, ctx=64, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=64, threads=a.threads)
     eng = Engine(model, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512, kv_cache_mb=256,
                  scheduler="measured", cost_grid="tiny" if a.quick else "full")
     cm = eng.cost_model

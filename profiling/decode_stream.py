@@ -23,20 +23,21 @@ from lumen.kernels.matmul import matvec, prepare
 from lumen.format.quants import QT
 from lumen.machine import on_threads, split, sum_kernel
 from lumen.model.store import resolve
-from verdict import verdict
+from verdict import count, one_line_errors, verdict
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=count, default=7)
     ap.add_argument("--threads", type=int, default=0, help="threads of the matvec and the plain read (default: all)")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 4 layers, 2 repeats, ffn_gate only (for tests)")
     a = ap.parse_args(argv)
     if a.threads < 0:
         ap.error(f"--threads must be 0 (all) or more, got {a.threads}")
     model, repeats = ("smollm2-135m", 2) if a.quick else (a.model, a.repeats)
-    g = GGUFFile(resolve(model))
+    with one_line_errors():
+        g = GGUFFile(resolve(model))
     rng = np.random.default_rng(0)
     if a.threads:
         numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))

@@ -15,7 +15,7 @@ import numpy as np
 
 import lumen
 from token_ids import random_ids
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 def decode_at(model, ctx: int) -> tuple[float, float, int]:
@@ -30,13 +30,14 @@ def decode_at(model, ctx: int) -> tuple[float, float, int]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--repeats", type=count, default=7)
     ap.add_argument("--quick", action="store_true", help="contexts 16 and 128, 2 repeats (for tests)")
     a = ap.parse_args(argv)
     contexts = [16, 128] if a.quick else [16, 64, 128, 256, 512, 1024, 2047]
     repeats = 2 if a.quick else a.repeats
-    model = lumen.load(a.model, ctx=max(contexts) + 1, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=max(contexts) + 1, threads=a.threads)
     model.warmup()
     model.prefill(random_ids(np.random.default_rng(0), max(contexts), model, low=0))  # fills the cache
     got: dict[int, list] = {c: [] for c in contexts}

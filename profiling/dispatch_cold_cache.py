@@ -23,7 +23,7 @@ from numba import njit
 import lumen
 from lumen.model.forward import Batch, forward
 from lumen.timer import tick_rate, ticks
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 @njit(nogil=True)
@@ -71,12 +71,13 @@ def timed(call, times, rate, calls, before=None) -> tuple[float, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--calls", type=count, default=300)
+    ap.add_argument("--threads", type=thread_count, default=None)
     ap.add_argument("--quick", action="store_true", help="20 calls (for tests)")
     a = ap.parse_args(argv)
     calls = 20 if a.quick else a.calls
-    m = lumen.load(a.model, ctx=256, threads=a.threads)
+    with one_line_errors():
+        m = lumen.load(a.model, ctx=256, threads=a.threads)
     m.prefill(np.arange(10, 74))                       # a context of 64 tokens, its KV in the cache
     r = m.runner
     r.set_tokens(0, [100], 64, 0)                       # one decode token at position 64 of the sequence in row 0

@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from lumen.kernels.matmul import R
 from lumen.kernels.scratch import LINE, per_thread
-from verdict import verdict
+from verdict import count, verdict
 
 
 @njit(cache=True)
@@ -65,8 +65,8 @@ def misaligned(shape, dtype, by=16):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--repeats", type=count, default=5)
+    ap.add_argument("--steps", type=count, default=20000)
     a = ap.parse_args(argv)
     G, nt = 20, numba.config.NUMBA_NUM_THREADS           # a 640-column tile, as Gemma's q/gate/up
     rng = np.random.default_rng(0)

@@ -25,7 +25,7 @@ from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "benchmarks"))
 import conftest as gate  # noqa: E402  (the gate's own references)
-from verdict import verdict
+from verdict import count, non_negative, verdict
 
 NEIGHBOUR = """import numpy as np, time
 a = np.ones(1 << 28, np.uint8); b = np.empty_like(a); t = time.time() + 3600
@@ -50,9 +50,9 @@ def cpu(f) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=12)
-    ap.add_argument("--pause", type=float, default=15.0, help="seconds between runs (default 15)")
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds per run (default 15)")
+    ap.add_argument("--runs", type=count, default=12)
+    ap.add_argument("--pause", type=non_negative, default=15.0, help="seconds between runs (default 15)")
+    ap.add_argument("--rounds", type=count, default=15, help="interleaved rounds per run (default 15)")
     ap.add_argument("--neighbour", action="store_true")
     ap.add_argument("--quick", action="store_true", help="2 runs of 3 rounds, no pause (for tests)")
     a = ap.parse_args()

@@ -18,7 +18,7 @@ import numpy as np
 from lumen.format.gguf import GGUFFile
 from lumen.kernels.matmul import matmul_batched, matvec, prepare
 from lumen.model.store import resolve
-from verdict import verdict
+from verdict import count, one_line_errors, verdict
 
 SHAPES = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "v": "blk.0.attn_v.weight",
           "o": "blk.0.attn_output.weight", "gate": "blk.0.ffn_gate.weight", "up": "blk.0.ffn_up.weight",
@@ -28,12 +28,13 @@ SHAPES = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "v": "blk.0.at
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--n", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--n", type=count, default=32)
+    ap.add_argument("--repeats", type=count, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats, the head skipped (for tests)")
     a = ap.parse_args(argv)
     repeats, N = (3 if a.quick else a.repeats), a.n
-    g = GGUFFile(resolve(a.model))
+    with one_line_errors():
+        g = GGUFFile(resolve(a.model))
     names = dict(SHAPES)
     if "output.weight" not in g.tensors:
         names["output"] = "token_embd.weight"  # tied embeddings: the head is the embedding matrix

@@ -20,7 +20,7 @@ from lumen import Engine, SamplingParams
 from lumen.bench.spec import prompts
 from lumen.engine.speculative.drafters import NgramDrafter, SpecState
 from lumen.engine.speculative.speculator import choose_k, skipped, update_alpha
-from verdict import verdict
+from verdict import count, list_of, non_negative, one_line_errors, verdict
 
 K_MAX = 5
 
@@ -57,23 +57,36 @@ def replay(prompt: list, out: list, drafter: NgramDrafter, row_cost: float) -> t
     return len(out) / total, len(out) / steps, unmatched / max(1, steps - 1)
 
 
+def size_range(text: str) -> str:
+    """argparse type: an n-gram size range 'lo-hi', as NgramDrafter takes it (1 <= lo <= hi <= 16)."""
+    lo, _, hi = text.partition("-")
+    try:
+        NgramDrafter(int(lo), int(hi))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected lo-hi with 1 <= lo <= hi <= 16, got {text!r}") from None
+    return text
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
     ap.add_argument("--kinds", default="code,extract,summarize,chat")
-    ap.add_argument("--prompts-per-kind", type=int, default=6)
-    ap.add_argument("-n", type=int, default=160, help="tokens generated per prompt (EOS ignored)")
-    ap.add_argument("--row-cost", type=float, default=0.15, help="a drafted row's cost, in one-row steps")
-    ap.add_argument("--sizes", default="1-4,1-6,1-8,2-4,2-6,3-8", help="n-gram size ranges, the default first")
+    ap.add_argument("--prompts-per-kind", type=count, default=6)
+    ap.add_argument("-n", type=count, default=160, help="tokens generated per prompt (EOS ignored)")
+    ap.add_argument("--row-cost", type=non_negative, default=0.15, help="a drafted row's cost, in one-row steps")
+    ap.add_argument("--sizes", type=list_of(size_range), default="1-4,1-6,1-8,2-4,2-6,3-8",
+                    help="n-gram size ranges, the default first")
     ap.add_argument("--quick", action="store_true", help="one code prompt, 16 tokens, two size ranges (tests)")
     a = ap.parse_args(argv)
-    kinds, per, n, sizes = a.kinds.split(","), a.prompts_per_kind, a.n, a.sizes.split(",")
+    kinds, per, n, sizes = a.kinds.split(","), a.prompts_per_kind, a.n, a.sizes
     if a.quick:
         kinds, per, n, sizes = ["code"], 1, 16, sizes[:2]
     drafters = {s: NgramDrafter(*(int(x) for x in s.split("-"))) for s in sizes}
-    eng = Engine(a.model, max_num_seqs=1)
+    items = prompts(kinds, per)                               # (a kind with no prompts: one line, before the load)
+    with one_line_errors():
+        eng = Engine(a.model, max_num_seqs=1)
     outs: dict = {}
-    for item in prompts(kinds, per):
+    for item in items:
         eng.add_request(item["prompt"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         done = [o for _ in iter(eng.has_unfinished, False) for o in eng.step() if o.finished]
         outs.setdefault(item["kind"], []).append((list(done[0].prompt_token_ids), list(done[0].token_ids)))

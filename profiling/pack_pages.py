@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from lumen import Engine, LumenError, SamplingParams
-from verdict import verdict
+from lumen import Engine, SamplingParams
+from verdict import one_line_errors, verdict
 
 
 def mapping_of(a: np.ndarray):
@@ -59,10 +59,8 @@ def main(argv=None) -> None:
     if min(a.rows, a.bursts, a.steps) < 1:
         ap.error("--rows, --bursts and --steps must be at least 1")
     model, bursts, steps = ("smollm2-135m", 3, 3) if a.quick else (a.model, a.bursts, a.steps)
-    try:
+    with one_line_errors():                                       # an unknown model, a file that is not a GGUF
         eng = Engine(model, max_num_seqs=a.rows, kv_cache_mb=256, adaptive_threads=False)
-    except LumenError as e:                                       # an unknown model, a file that is not a GGUF
-        raise SystemExit(f"pack_pages.py: {e}") from None
     w = eng.runner.w
     packs = w.packs
     mm = mapping_of(packs.q)

@@ -43,7 +43,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from ray_serve import Server, metrics_sum  # noqa: E402
 import ray_serve  # noqa: E402
-from verdict import verdict  # noqa: E402
+from verdict import checked_model, count, list_of, non_negative, positive, verdict  # noqa: E402
 
 
 def text_ids(model: str, n: int, seed: int = 0) -> list[int]:
@@ -394,37 +394,43 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["handoff", "threshold", "leaks", "goodput", "itl", "simulate"])
     ap.add_argument("--configs", default="colocated,pd", help="goodput: which servers, in this invocation")
-    ap.add_argument("--rates", default="0.3,0.6,0.9,1.2", help="goodput: requests per second")
-    ap.add_argument("--requests", type=int, default=12, help="goodput: requests per rate")
-    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    ap.add_argument("--slo-tpot-ms", type=float, default=20.0)
+    ap.add_argument("--rates", type=list_of(positive), default="0.3,0.6,0.9,1.2",
+                    help="goodput: requests per second")
+    ap.add_argument("--requests", type=count, default=12, help="goodput: requests per rate")
+    ap.add_argument("--slo-ttft-ms", type=positive, default=3000.0)
+    ap.add_argument("--slo-tpot-ms", type=positive, default=20.0)
     ap.add_argument("--json", default="/tmp/pd_serving.jsonl", help="goodput: rows appended here")
     ap.add_argument("--model")
-    ap.add_argument("--prompt-tokens", type=int)
-    ap.add_argument("--streams", type=int, default=3)
-    ap.add_argument("--long", type=int, default=3)
-    ap.add_argument("--gap", type=float, default=2.0, help="seconds between the long prompts (itl)")
-    ap.add_argument("--out-tokens", type=int, default=64, help="tokens out per request (itl, goodput)")
+    ap.add_argument("--prompt-tokens", type=count)
+    ap.add_argument("--streams", type=count, default=3)
+    ap.add_argument("--long", type=count, default=3)
+    ap.add_argument("--gap", type=non_negative, default=2.0, help="seconds between the long prompts (itl)")
+    ap.add_argument("--out-tokens", type=count, default=64, help="tokens out per request (itl, goodput)")
     ap.add_argument("--mix", choices=["chat", "long"], help="goodput: lumen.bench.mix's lengths and text instead")
-    ap.add_argument("--cores", type=int, default=16)
+    ap.add_argument("--cores", type=count, default=16)
     ap.add_argument("--log", default="/tmp/pd_serving.log")
     args = ap.parse_args(argv)
+    configs = args.configs.split(",")
+    if bad := [c for c in configs if c not in ("colocated", "pd")]:
+        ap.error(f"argument --configs: expected colocated, pd or both, got {bad[0]!r} in {args.configs!r}")
+    if args.cores < 2:
+        ap.error(f"argument --cores: must be at least 2 (a prefill and a decode replica), got {args.cores}")
+    model = args.model or ("qwen2.5-coder-1.5b" if args.mode in ("handoff", "simulate") else "smollm2-135m")
+    checked_model(model)                                # before any server starts, not in its log
     random.seed(0)
     if args.mode == "handoff":
-        handoff(args.model or "qwen2.5-coder-1.5b", args.prompt_tokens or 2000, Path(args.log))
+        handoff(model, args.prompt_tokens or 2000, Path(args.log))
     elif args.mode == "threshold":
-        threshold(args.model or "smollm2-135m", [32, 128, 512, 1024], 3, Path(args.log))
+        threshold(model, [32, 128, 512, 1024], 3, Path(args.log))
     elif args.mode == "leaks":
-        leaks(args.model or "smollm2-135m", 200, [60, 130], 5.0, Path(args.log))
+        leaks(model, 200, [60, 130], 5.0, Path(args.log))
     elif args.mode == "goodput":
-        goodput(args.model or "smollm2-135m", args.configs.split(","), [float(r) for r in args.rates.split(",")],
-                args.requests, args.prompt_tokens or 2000, args.out_tokens, args.slo_ttft_ms, args.slo_tpot_ms,
-                Path(args.log), Path(args.json), args.mix)
+        goodput(model, configs, args.rates, args.requests, args.prompt_tokens or 2000, args.out_tokens,
+                args.slo_ttft_ms, args.slo_tpot_ms, Path(args.log), Path(args.json), args.mix)
     elif args.mode == "itl":
-        itl(args.model or "smollm2-135m", args.streams, args.long, args.prompt_tokens or 1000, args.gap,
-            args.out_tokens, Path(args.log))
+        itl(model, args.streams, args.long, args.prompt_tokens or 1000, args.gap, args.out_tokens, Path(args.log))
     else:
-        simulate(args.model or "qwen2.5-coder-1.5b", args.cores)
+        simulate(model, args.cores)
     return 0
 
 

@@ -24,7 +24,7 @@ from lumen import Engine, SamplingParams
 from lumen.machine import limits
 from lumen.profile.report import roofs, summarize
 from token_ids import random_ids
-from verdict import verdict
+from verdict import checked_model, count, list_of, thread_count, verdict
 
 OPS = ("gate_up", "down", "qkv", "o", "output", "attention")
 
@@ -51,15 +51,16 @@ def profile_n(model: str, threads, N: int, context: int, steps: int, rng):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--ns", default="1,4,8,16,64,512")
-    ap.add_argument("--context", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--ns", type=list_of(count), default="1,4,8,16,64,512")
+    ap.add_argument("--context", type=count, default=32)
+    ap.add_argument("--steps", type=count, default=6)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--quick", action="store_true", help="N = 1, 4; 8-token prompts, 3 steps (for tests)")
     a = ap.parse_args(argv)
-    ns = [1, 4] if a.quick else [int(n) for n in a.ns.split(",")]
+    ns = [1, 4] if a.quick else a.ns
     context, steps = (8, 3) if a.quick else (a.context, a.steps)
+    checked_model(a.model)                                       # (each N loads it into an engine of its own)
     rng = np.random.default_rng(0)
     th = a.threads or os.cpu_count()
     L = roofs(limits(), th)

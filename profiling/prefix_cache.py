@@ -16,7 +16,7 @@ import numpy as np
 import lumen
 from lumen import Engine, SamplingParams
 from token_ids import random_ids
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 
 def ttft(engine, ids) -> tuple[float, int]:
@@ -27,15 +27,16 @@ def ttft(engine, ids) -> tuple[float, int]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--prefix", type=int, default=1024)
-    ap.add_argument("--suffix", type=int, default=32)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--prefix", type=count, default=1024)
+    ap.add_argument("--suffix", type=count, default=32)
+    ap.add_argument("--budget", type=count, default=512)
+    ap.add_argument("--repeats", type=count, default=5)
     ap.add_argument("--quick", action="store_true", help="prefix 128, 2 repeats (for tests)")
     a = ap.parse_args(argv)
     prefix, repeats = (128, 2) if a.quick else (a.prefix, a.repeats)
-    model = lumen.load(a.model, ctx=64, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=64, threads=a.threads)
     kw = dict(max_model_len=prefix + a.suffix + 2, max_num_seqs=2, max_num_batched_tokens=a.budget,
               kv_cache_mb=4 * (prefix + a.suffix) * model.runner.kv_bytes_per_block / 16 / 2 ** 20)
     rng = np.random.default_rng(0)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from verdict import count, positive
+
 MODEL = "smollm2-135m"
 
 
@@ -223,12 +225,12 @@ def startup(log: Path) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["throughput", "overhead", "prefix", "startup"])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--kv-cache-mb", type=float, default=160.0,
+    ap.add_argument("--repeats", type=count, default=2)
+    ap.add_argument("--kv-cache-mb", type=positive, default=160.0,
                     help="prefix: each replica's KV pool (160 MB: ~7,000 tokens, about 6 of the 8 system prompts)")
-    ap.add_argument("--concurrency", type=int, default=None, help="prefix: requests in flight at most")
-    ap.add_argument("--request-rate", type=float, default=None, help="prefix: Poisson arrivals, requests/s")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=count, default=None, help="prefix: requests in flight at most")
+    ap.add_argument("--request-rate", type=positive, default=None, help="prefix: Poisson arrivals, requests/s")
+    ap.add_argument("--max-tokens", type=count, default=16)
     ap.add_argument("--log", default="/tmp/lumen-ray-serve.log")
     ap.add_argument("--json", help="append the rows to this file")
     a = ap.parse_args(argv)

@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lumen.bench import launch                                            # noqa: E402
 from lumen.bench.serve import Load, all_prompts, medians, per_level, run_load   # noqa: E402
-from lumen.model.store import resolve                                    # noqa: E402
-from verdict import verdict                                               # noqa: E402
+from verdict import checked_model, count, positive, thread_count, verdict  # noqa: E402
 
 
 def configs(tpot_ms: float, ttft_ms: float) -> dict[str, list[str]]:
@@ -37,15 +36,15 @@ def configs(tpot_ms: float, ttft_ms: float) -> dict[str, list[str]]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default=None, help="default qwen2.5-coder-1.5b (--quick: smollm2-135m)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--threads", type=thread_count, default=2)
+    ap.add_argument("--concurrency", type=count, default=16)
+    ap.add_argument("--requests", type=count, default=32)
     ap.add_argument("--mix", default="chat", choices=["chat", "long"])
-    ap.add_argument("--input-len", type=int, default=None, help="every prompt this many tokens (default: the mix's)")
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("-r", "--repetitions", type=int, default=1)
-    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    ap.add_argument("--slo-ttft-ms", type=float, default=5000.0)
+    ap.add_argument("--input-len", type=count, default=None, help="every prompt this many tokens (default: the mix's)")
+    ap.add_argument("--output-len", type=count, default=64)
+    ap.add_argument("-r", "--repetitions", type=count, default=1)
+    ap.add_argument("--slo-tpot-ms", type=positive, default=100.0)
+    ap.add_argument("--slo-ttft-ms", type=positive, default=5000.0)
     ap.add_argument("--quick", action="store_true", help="two configurations, 4 requests of 8 tokens (for tests)")
     a = ap.parse_args(argv)
     a.model = a.model or ("smollm2-135m" if a.quick else "qwen2.5-coder-1.5b")
@@ -53,7 +52,7 @@ def main(argv=None) -> None:
     if a.quick:
         confs = dict(list(confs.items())[:1] + list(confs.items())[2:3])
         a.requests, a.output_len, a.concurrency = 4, 8, 2
-    path = str(resolve(a.model))
+    path = checked_model(a.model)                               # before any server starts, not in its log
     load = Load(mix=a.mix, input_len=a.input_len, output_len=a.output_len, ignore_eos=True)
     loads = per_level(load, [a.concurrency], a.requests)
     runs: dict[str, list] = {name: [] for name in confs}

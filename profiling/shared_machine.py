@@ -38,7 +38,7 @@ import lumen
 from lumen.bench.corunner import corunner
 from lumen.bench.tools import given_tool
 from lumen.kernels.work import STATIC
-from verdict import verdict
+from verdict import count, non_negative, one_line_errors, verdict
 
 KINDS = ("none", "sleep", "busy")
 
@@ -228,19 +228,20 @@ def part3(port: int, reps: int, n_requests: int, gap: float, out_len: int) -> di
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--gen", type=int, default=128, help="decode tokens per measurement (default 128)")
+    ap.add_argument("--reps", type=count, default=3)
+    ap.add_argument("--gen", type=count, default=128, help="decode tokens per measurement (default 128)")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (default $LLAMA_BENCH; without it, "
                                           "Lumen alone)")
     ap.add_argument("--no-server", action="store_true", help="part 1 only")
-    ap.add_argument("--gap", type=float, default=1.5, help="part 3: seconds between requests (default 1.5)")
+    ap.add_argument("--gap", type=non_negative, default=1.5, help="part 3: seconds between requests (default 1.5)")
     ap.add_argument("--quick", action="store_true", help="1 repetition of 16 tokens, no llama-bench (for tests)")
     a = ap.parse_args(argv)
     a.llama_bench = given_tool(ap, "llama-bench", "--llama-bench", a.llama_bench, "LLAMA_BENCH")
     reps, n = (1, 16) if a.quick else (a.reps, a.gen)
     binary = None if a.quick else a.llama_bench
     hi = numba.config.NUMBA_NUM_THREADS
-    model = lumen.load(a.model, ctx=1024, threads=hi)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=1024, threads=hi)
     path = str(model.path)
     ids = np.random.default_rng(0).integers(0, model.config.n_vocab, 8).tolist()
     regions = regions_per_step(model, ids, 8)

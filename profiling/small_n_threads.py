@@ -31,7 +31,7 @@ from lumen.kernels.work import counters
 from lumen.machine import limits
 from lumen.model.store import resolve
 from lumen.profile.report import roofs
-from verdict import verdict
+from verdict import count, list_of, one_line_errors, verdict
 
 OPS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
        "down": ("ffn_down",), "output": None}
@@ -91,14 +91,15 @@ def timed(calls, facc, wbuf, work, threads: int) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--ns", default="1,8,16")
-    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--ns", type=list_of(count), default="1,8,16")
+    ap.add_argument("--repeats", type=count, default=11)
     ap.add_argument("--quick", action="store_true", help="N = 1, 8; 2 layers, 3 repeats, no head (for tests)")
     a = ap.parse_args(argv)
     th = numba.config.NUMBA_NUM_THREADS
-    ns = [1, 8] if a.quick else [int(n) for n in a.ns.split(",")]
+    ns = [1, 8] if a.quick else a.ns
     repeats = 3 if a.quick else a.repeats
-    g = GGUFFile(resolve(a.model))
+    with one_line_errors():
+        g = GGUFFile(resolve(a.model))
     n_layer = sum(1 for k in g.tensors if k.endswith(".attn_output.weight"))
     ops = [op for op in OPS if not (a.quick and op == "output")]
     i8 = roofs(limits(), 1)["int8_dot_gops"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import lumen
-from verdict import verdict
+from verdict import count, one_line_errors, thread_count, verdict
 
 PROMPTS = Path(lumen.__file__).parent / "bench" / "data" / "prompts.json"
 
@@ -83,22 +83,23 @@ def run(model, prompt: str, n: int, spec: str | None) -> tuple[int, float, float
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=thread_count, default=None)
     ap.add_argument("--prompt-id", default="extract-066")
-    ap.add_argument("-n", type=int, default=160)
-    ap.add_argument("--rows", type=int, default=5, help="rows of the fixed-size verification (1 + drafts)")
-    ap.add_argument("--repeats", type=int, default=15, help="alternations of the forward-only measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of the generations (after a warm-up)")
+    ap.add_argument("-n", type=count, default=160)
+    ap.add_argument("--rows", type=count, default=5, help="rows of the fixed-size verification (1 + drafts)")
+    ap.add_argument("--repeats", type=count, default=15, help="alternations of the forward-only measurement")
+    ap.add_argument("--rounds", type=count, default=3, help="alternations of the generations (after a warm-up)")
     ap.add_argument("--quick", action="store_true", help="16 tokens, 3 repeats, 1 round (for tests)")
     a = ap.parse_args(argv)
     n, repeats, rounds = (16, 3, 1) if a.quick else (a.n, a.repeats, a.rounds)
-    if a.rows < 2 or repeats < 1 or rounds < 1:
-        raise SystemExit("error: --rows must be at least 2, --repeats and --rounds at least 1")
+    if a.rows < 2:
+        ap.error(f"argument --rows: must be at least 2 (a row and a draft), got {a.rows}")
     items = {x["id"]: x for x in json.loads(PROMPTS.read_text())["items"]}
     if a.prompt_id not in items:
         raise SystemExit(f"error: no prompt {a.prompt_id!r} in {PROMPTS}")
     prompt = items[a.prompt_id]["prompt"]
-    model = lumen.load(a.model, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, threads=a.threads)
     model.speculation(num_speculative_tokens=a.rows - 1)        # a speculative step: at most --rows rows
     ctx = model.tokenize(prompt)
     if len(ctx) + max(n, a.rows) > model.n_ctx:

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from statistics import median
-from verdict import verdict
+from verdict import count, one_line_errors, verdict
 
 PROMPT = "The capital of France is"
 MODES = {"cache on": {}, "cache off": {"LUMEN_PACK_CACHE": "0"}}
@@ -145,8 +145,10 @@ def run_cli(cli_args: list[str], env: dict) -> dict:
         p.stdout.close()
         err.seek(0)
         stderr = err.read().decode(errors="replace")
-    if p.returncode != 0 or not first:
-        raise SystemExit(f"python -m lumen.generate failed (exit {p.returncode}):\n{stderr[-2000:]}")
+    if p.returncode != 0 or not first:      # its own error line (an unknown model: the first run's), else its tail
+        last = stderr.strip().splitlines()[-1:]
+        said = f" {last[0]}" if last and last[0].startswith("error: ") else f"\n{stderr[-2000:]}"
+        raise SystemExit(f"python -m lumen.generate failed (exit {p.returncode}):{said}")
     return {"ttft": t_first - t0, "wall": t_end - t0, "maxrss_mb": ru.ru_maxrss / 1024,
             "text": (first + rest).decode(errors="replace"), "stats": stderr.strip().splitlines()[-1]}
 
@@ -203,8 +205,8 @@ def main(argv=None) -> None:
         return child(argv[1], argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("-n", type=int, default=16, help="tokens to generate")
+    ap.add_argument("--runs", type=count, default=5)
+    ap.add_argument("-n", type=count, default=16, help="tokens to generate")
     ap.add_argument("--quick", action="store_true", help="2 runs of 4 tokens (for tests)")
     ap.add_argument("--baseline", metavar="DIR", help="also run the lumen package in DIR (a checkout's root)")
     ap.add_argument("--cold", action="store_true", help="first run with empty caches (fresh homes), then warm")
@@ -341,7 +343,8 @@ def first_load_main(a) -> None:
     from lumen.model.store import resolve
     from lumen.paths import compile_cache_dir, lumen_home
     runs, n = (1, 4) if a.quick else (a.runs if a.runs != 5 else 3, a.n)
-    model = str(resolve(a.model))
+    with one_line_errors():
+        model = str(resolve(a.model))
     cli = ["--model", model, "--prompt", PROMPT, "-n", str(n)]
     trees = {"lumen": None} | ({"baseline": os.path.abspath(a.baseline)} if a.baseline else {})
     keys = ("first load", "first RSS", "second load", "second RSS", "2nd process private", "2nd process PSS")

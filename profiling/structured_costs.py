@@ -20,6 +20,7 @@ from lumen.format.tokenizer import Tokenizer
 from lumen.model.store import resolve
 from lumen.engine.structured import Constraint, GrammarCompiler, GrammarVocab, MaskFiller, apply_bitmask
 from lumen.engine.structured.compiler import CompiledGrammar
+from verdict import checked_model, count
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 SCHEMAS = {
@@ -144,10 +145,12 @@ def measure(name: str, repeats: int, threads: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1, help="LLExecutor threads for the batched fill")
+    ap.add_argument("--repeats", type=count, default=5)
+    ap.add_argument("--threads", type=count, default=1, help="LLExecutor threads for the batched fill")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     args = ap.parse_args(argv)
+    for name in args.models:                    # every one before the first is measured
+        checked_model(name)
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     for name in args.models:
         measure(name, args.repeats, args.threads)

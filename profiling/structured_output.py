@@ -33,7 +33,7 @@ from lumen import SamplingParams
 from lumen.engine.engine import Engine
 from lumen.engine.structured import Constraint
 from structured_costs import SCHEMAS
-from verdict import verdict
+from verdict import count, verdict
 from lumen.bench.launch import _die_with_parent
 from lumen.bench.tools import given_tool
 from lumen.model.store import resolve
@@ -181,7 +181,7 @@ def http_compare(llama_server: str, rounds: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=count, default=3)
     ap.add_argument("--quick", action="store_true", help="one round, concurrency 1 and 4, no HTTP (for tests)")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server for part 3 (default $LLAMA_SERVER; without it "
                                            "part 3 is skipped)")

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 import lumen
-from verdict import verdict
+from verdict import count, one_line_errors, verdict
 
 
 def profiled_run(model, ids, gen: int) -> dict:
@@ -35,15 +35,16 @@ def profiled_run(model, ids, gen: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt", type=count, default=128)
+    ap.add_argument("--gen", type=count, default=32)
+    ap.add_argument("--repeats", type=count, default=5)
     ap.add_argument("--quick", action="store_true", help="8-token prompt, 4 decode steps, 1 repeat (for tests)")
     a = ap.parse_args(argv)
     prompt, gen, repeats = (8, 4, 1) if a.quick else (a.prompt, a.gen, a.repeats)
     hi = numba.config.NUMBA_NUM_THREADS
     runs: dict[int, list] = {1: [], hi: []}
-    models = {t: lumen.load(a.model, ctx=prompt + gen + 1, threads=t, adaptive_threads=False) for t in runs}
+    with one_line_errors():
+        models = {t: lumen.load(a.model, ctx=prompt + gen + 1, threads=t, adaptive_threads=False) for t in runs}
     ids = np.random.default_rng(0).integers(0, models[1].config.n_vocab, prompt)
     for r in range(repeats + 1):
         for t in runs:  # interleaved; the first round is warm-up. (A model's steps run on its own thread count.)

@@ -27,7 +27,7 @@ import httpx
 import jsonschema
 import numpy as np
 from structured_output import free_port, start, stop
-from verdict import verdict
+from verdict import checked_model, count, list_of, verdict
 
 from lumen.bench.tools import given_tool
 from lumen.engine.structured import GrammarCompiler
@@ -163,17 +163,19 @@ def main(argv=None) -> None:
     ap.add_argument("--llama-server",
                     help="llama.cpp's llama-server, run with --jinja, for its call rate (default $LLAMA_SERVER; "
                          "without it that part is skipped)")
-    ap.add_argument("--reps", type=int, default=3, help="TPOT runs per condition (default 3)")
-    ap.add_argument("--concurrency", default="1", help="comma-separated concurrencies for TPOT (default 1)")
+    ap.add_argument("--reps", type=count, default=3, help="TPOT runs per condition (default 3)")
+    ap.add_argument("--concurrency", type=list_of(count), default="1",
+                    help="comma-separated concurrencies for TPOT (default 1)")
     args = ap.parse_args(argv)
     args.llama_server = given_tool(ap, "llama-server", "--llama-server", args.llama_server, "LLAMA_SERVER")
+    checked_model(args.model)                                    # before any server starts, not in its log
 
     mask = mask_cost(args.model)
     print(f"mask fill of the auto grammar along free text: median {mask * 1e6:.0f} us per token", flush=True)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    concs = [int(c) for c in args.concurrency.split(",")]
+    concs = args.concurrency
     server = start([sys.executable, "-m", "lumen.serve", "--model", args.model, "--port", str(port), "--threads", "2",
                     "--max-model-len", "4096", "--max-num-seqs", str(max(16, *concs)), "--no-ui", "--log-level",
                     "warning"], url, "lumen.serve")

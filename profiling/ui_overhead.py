@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from verdict import count
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -61,11 +63,11 @@ def poller(url: str, stop: threading.Event, path: str = "/dashboard/data") -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--fcp-loads", type=int, default=7)
+    ap.add_argument("--reps", type=count, default=3)
+    ap.add_argument("--num-prompts", type=count, default=64)
+    ap.add_argument("--input-len", type=count, default=128)
+    ap.add_argument("--output-len", type=count, default=128)
+    ap.add_argument("--fcp-loads", type=count, default=7)
     ap.add_argument("--fixed-threads", action="store_true", help="the server's --fixed-threads: no governor")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright

@@ -21,6 +21,8 @@ import tempfile
 import time
 from collections import defaultdict
 
+from verdict import count, list_of, one_line_errors, verdict     # (imports neither Lumen nor Numba: see _kernels)
+
 
 def _kernels(cache: str):
     """Lumen's kernel modules, compiled into `cache` with the unpacking thresholds lowered to 1 row (Numba takes its
@@ -93,24 +95,28 @@ def ratios(tensors: list, ns: list, threads: int, reps: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--ns", default="32,64,96,128")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--ns", type=list_of(count), default="32,64,96,128")
+    ap.add_argument("--threads", type=count, default=None)
+    ap.add_argument("--reps", type=count, default=6)
     ap.add_argument("--quick", action="store_true", help="SmolLM2, one matrix name, 4 layers, N = 8, 64 (for tests)")
     a = ap.parse_args(argv)
     if a.quick:
-        a.model, a.ns, a.reps = "smollm2-135m", "8,64", 2
-    ns = [int(x) for x in a.ns.split(",")]
+        a.model, a.ns, a.reps = "smollm2-135m", [8, 64], 2
+    ns = a.ns
     cache = tempfile.mkdtemp(prefix="lumen-unpack-rows-")
     try:
         _kernels(cache)
-        from verdict import verdict
+        if (a.threads or 1) > numba.config.NUMBA_NUM_THREADS:
+            ap.error(f"argument --threads: must be between 1 and {numba.config.NUMBA_NUM_THREADS} (the threads "
+                     f"Numba can use here), got {a.threads}")
         threads = a.threads or numba.get_num_threads()
         numba.set_num_threads(threads)
+        with one_line_errors():
+            matrices = groups(a.model, a.quick)
         pays = defaultdict(list)                       # family -> [(N, ratio)]
         print(f"{a.model}, {threads} threads: time unpacking each tile first / unpacking as it goes "
               f"(< 1: first pays), all layers, medians of {a.reps} alternated rounds")
-        for (name, qt), tensors in groups(a.model, a.quick).items():
+        for (name, qt), tensors in matrices.items():
             r = ratios(tensors, ns, threads, a.reps)
             print(f"  {name:12s} {QT(qt).name:5s} {'x'.join(map(str, tensors[0].shape))} x{len(tensors):<3d} "
                   + "  ".join(f"N={n}: {v:.3f}" for n, v in r.items()), flush=True)

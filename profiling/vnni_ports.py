@@ -34,7 +34,7 @@ from lumen.kernels.scratch import per_thread
 from lumen.kernels.work import counters
 from lumen.machine import aligned, limits
 from lumen.model.store import resolve
-from verdict import verdict
+from verdict import count, list_of, one_line_errors, verdict
 
 RUN, ACC, QUADS = 64, 16, 64        # weight vectors per unrolled run, accumulators, distinct activation quads
 
@@ -106,9 +106,8 @@ def _repeat(out, m, acts, facc, wbuf, work, k, kd):
         matmul_kernel((out, out, out), (m, m, m), 1, acts, facc, wbuf, work, kd)
 
 
-def kernel_rates(model: str, ns: list, quick: bool) -> list:
-    """(type, shape, {N: GOP/s}) for the first layer's matrix of each type (one thread, in cache)."""
-    g = GGUFFile(resolve(model))
+def kernel_rates(g: GGUFFile, ns: list, quick: bool) -> list:
+    """(type, shape, {N: GOP/s}) for the first layer's matrix of each type of the model g (one thread, in cache)."""
     seen, rows = set(), []
     mats = [t for name, t in g.tensors.items()
             if name.startswith("blk.") and len(t.shape) == 2 and not QT(t.qtype).name.startswith("F")]
@@ -137,10 +136,12 @@ def kernel_rates(model: str, ns: list, quick: bool) -> list:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few passes (for tests)")
-    ap.add_argument("--reuse", default="1,2,4")
+    ap.add_argument("--reuse", type=list_of(count), default="1,2,4")
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--ns", default="1,4,8,16,64")
+    ap.add_argument("--ns", type=list_of(count), default="1,4,8,16,64")
     a = ap.parse_args(argv)
+    with one_line_errors():                                  # part 2's model, before part 1 runs
+        g = GGUFFile(resolve(a.model))
     numba.set_num_threads(1)
     roof = limits()["int8_dot_1t_gops"]
     w = aligned((16 << 10,), np.uint8)
@@ -150,16 +151,16 @@ def main(argv=None) -> None:
     n = 200 if a.quick else 20000
     print(f"vpdpbusd alone, one thread, L1 (roof {roof:.0f} GOP/s, lumen.profile --machine):")
     rates = {}
-    for reuse in [0] + [int(r) for r in a.reuse.split(",")]:
+    for reuse in [0] + a.reuse:
         f = make_dot(reuse)
         f(out, w, x, 1)
         rates[reuse] = 2 * w.size * n / best(lambda: f(out, w, x, n), 3 if a.quick else 7) / 1e9
         what = "quads in registers" if reuse == 0 else f"each quad broadcast from memory for {reuse} vector(s)"
         print(f"  {what:>48}: {rates[reuse]:6.0f} GOP/s ({100 * rates[reuse] / roof:3.0f}% of roof)")
-    ns = [1, 8] if a.quick else [int(v) for v in a.ns.split(",")]
+    ns = [1, 8] if a.quick else a.ns
     print(f"\n{a.model}: tile kernels, one thread, one matrix in cache, GOP/s (share of roof) at N =",
           " / ".join(map(str, ns)))
-    for qt, shape, rate in kernel_rates(a.model, ns, a.quick):
+    for qt, shape, rate in kernel_rates(g, ns, a.quick):
         print(f"  {qt:>5} {shape:>10}: " + " / ".join(f"{rate[N]:.0f} ({100 * rate[N] / roof:.0f}%)" for N in ns))
     r1 = min(rates, key=lambda r: (r != 1, r))
     costly = rates[r1] < 0.75 * rates[0]

@@ -18,7 +18,7 @@ import lumen
 from lumen import Engine, SamplingParams
 from lumen.bench.offline import workload
 from lumen.profile import serving
-from verdict import verdict
+from verdict import count, one_line_errors, positive, thread_count, verdict
 
 
 def run_poisson(eng, reqs, rate: float, seed: int = 0) -> list:
@@ -42,14 +42,15 @@ def run_poisson(eng, reqs, rate: float, seed: int = 0) -> list:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--rate", type=positive, default=4.0, help="requests per second")
+    ap.add_argument("--requests", type=count, default=48)
+    ap.add_argument("--budget", type=count, default=512)
     ap.add_argument("--quick", action="store_true", help="8 short requests (for tests)")
     a = ap.parse_args(argv)
     n = 8 if a.quick else a.requests
-    model = lumen.load(a.model, ctx=64, threads=a.threads)
+    with one_line_errors():
+        model = lumen.load(a.model, ctx=64, threads=a.threads)
     eng = Engine(model, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=a.budget, kv_cache_mb=256)
     reqs = [(p, min(k, 24) if a.quick else k) for p, k in workload(n)]
     eng.generate(["warm up"], SamplingParams(max_tokens=2))
