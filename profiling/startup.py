@@ -213,6 +213,8 @@ def main(argv=None) -> None:
     ap.add_argument("--first-load", action="store_true",
                     help="packing: first and second load, a second process's memory (fresh pack caches)")
     a = ap.parse_args(argv)
+    if os.path.exists(a.model):                 # a path: the children run in NEUTRAL_CWD, not here
+        a.model = os.path.abspath(a.model)
     if a.cold:
         return cold_main(a)
     if a.first_load:

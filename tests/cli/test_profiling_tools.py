@@ -79,6 +79,15 @@ def test_a_path_that_is_not_a_model_is_one_line(script, what, tmp_path):
     assert ("no such model file" if what == "missing" else "not a GGUF file") in lines[0], lines
 
 
+def test_startup_takes_a_relative_path_from_where_it_runs(tmp_path):
+    """startup.py's children run in a directory of their own: a relative model path is the caller's."""
+    (tmp_path / "model.gguf").write_text("not a model\n" * 8)
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "startup.py"), "--model", "model.gguf"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "not a GGUF file" in r.stderr and str(tmp_path / "model.gguf") in r.stderr, r.stderr
+
+
 USAGE = [("attention_rows", ["--ns", "1,x"], "argument --ns: expected a whole number, got 'x' in '1,x'"),
          ("attention_rows", ["--heads", "9", "--kv-heads", "4"], "--heads must be a multiple of --kv-heads"),
          ("attention_share", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
