@@ -141,14 +141,16 @@ def add_sampling_args(ap: argparse.ArgumentParser, chat_only: bool = False) -> N
     ap.add_argument("--repeat-last-n", type=int, default=None,
                     help=default("repeat_last_n") + ": tokens the penalties look back over (-1 = all)")
     ap.add_argument("--greedy", action="store_true",
-                    help="always the most likely token: temperature 0 and no repeat penalty (unless given)")
+                    help="always the most likely token: temperature 0, and no repeat penalty unless one is given")
     ap.add_argument("--seed", type=int, default=None,
                     help="seed of the sampler (default, or -1 as llama.cpp: fresh entropy)")
 
 
 def sampling_from_args(args, chat: bool) -> dict:
     """Model.generate's sampling keywords: each flag given, else the chat or plain default (--greedy: the plain
-    ones, which are greedy)."""
+    ones, which are greedy); ValueError for --greedy with a temperature above 0."""
+    if args.greedy and args.temperature:                  # (0 agrees; another temperature would sample)
+        raise ValueError(f"--greedy is temperature 0: drop it or --temperature {args.temperature:g}")
     base = PLAIN_SAMPLING if args.greedy or not chat else CHAT_SAMPLING
     out = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     return dict(out, seed=None if args.seed == -1 else args.seed)      # (-1: llama.cpp's "random")
@@ -508,11 +510,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft_model and args.speculative != "draft":
             raise UsageError("--draft-model is used with --speculative draft")
         unused = [flag for flag, v, default in (("--num-speculative-tokens", args.num_speculative_tokens, None),
-                                                ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4),
-                                                ("--draft-vocab", args.draft_vocab, 32768),
-                                                ("--draft-quant", args.draft_quant, "q4_0")) if v != default]
+                                                ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4))
+                  if v != default]
         if unused and not args.speculative:
             raise UsageError(f"{unused[0]} is used with --speculative (ngram or draft)")
+        drafting = [flag for flag, v, default in (("--draft-vocab", args.draft_vocab, 32768),
+                                                  ("--draft-quant", args.draft_quant, "q4_0")) if v != default]
+        if drafting and args.speculative != "draft":
+            raise UsageError(f"{drafting[0]} is used with --speculative draft")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
