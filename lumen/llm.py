@@ -199,6 +199,8 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits (len(ids), n_vocab) for a fresh sequence (safe to call from several threads:
         one runs at a time)."""
+        if self.closed:
+            raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
         with self._forward_lock:
             self.reset()
             return self.prefill(ids, all_logits=True)
@@ -348,8 +350,8 @@ class Model:
     # ---- the end
     def close(self) -> None:
         """Close the engine generate() runs on (its requests are aborted, its grammar threads stopped); later
-        calls of generate() and chat() raise LumenError. The weights stay mapped while anything refers to them (an
-        Engine made from this model keeps working). Idempotent; `with lumen.load(...) as model:` calls it."""
+        calls of generate(), chat() and logits() raise LumenError. The weights stay mapped while anything refers to
+        them (an Engine made from this model, before or after, keeps working). Idempotent; `with lumen.load(...) as model:` calls it."""
         with self._engine_lock:
             engine, self._engine, self.closed = self._engine, None, True
         if engine is not None:

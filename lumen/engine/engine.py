@@ -77,6 +77,9 @@ def served_model_len(c: EngineConfig, cfg) -> tuple[int, int]:
         log.warning("max_model_len lowered from %d to %d: the KV cache (kv_cache_mb) holds no more",
                     max_model_len, n_blocks * BLOCK)
         max_model_len = n_blocks * BLOCK
+    elif n_blocks * BLOCK < max_model_len:          # (each request is checked against the pool: say so now)
+        log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request needing more ends with an "
+                    "error; raise kv_cache_mb or lower max_model_len", n_blocks * BLOCK, max_model_len)
     return max_model_len, n_blocks
 
 

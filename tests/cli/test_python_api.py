@@ -398,7 +398,7 @@ def test_a_model_closes_at_the_end_of_its_with_block(smollm2_path):
     assert m.closed and engine.closed and len(ids) == 3
     assert len(list(stream)) == 0                       # its request was aborted: the stream just ends
     for call in (lambda: m.generate("Hi", max_tokens=2), lambda: m.chat([{"role": "user", "content": "Hi"}]),
-                 lambda: m.engine):
+                 lambda: m.engine, lambda: m.logits([1, 2])):
         with pytest.raises(lumen.LumenError, match=r"^this model is closed \(model.close\(\), or the end of its"):
             call()
     m.close()

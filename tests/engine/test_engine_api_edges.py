@@ -223,3 +223,19 @@ def test_closing_while_another_thread_steps_waits_for_its_step(engine, monkeypat
     e.close()
     t.join(30)
     assert got and got[-1].finished and got[-1].finish_reason == "abort"
+
+
+def test_a_kv_cache_smaller_than_max_model_len_is_said_when_the_engine_is_built(engine, caplog):
+    """Engine(kv_cache_mb=1) built without a word, and then every request longer than its 32 tokens ended with
+    finish_reason "error"; it is said at once (requests are still checked against the pool, as before)."""
+    with caplog.at_level("WARNING", logger="lumen.engine"):
+        small = Engine(engine.parts, max_model_len=2048, max_num_seqs=1, num_kv_blocks=2)
+    said = [r.getMessage() for r in caplog.records if r.name == "lumen.engine"]
+    assert said == ["the KV cache holds 32 tokens, fewer than max_model_len 2048: a request needing more ends with "
+                    "an error; raise kv_cache_mb or lower max_model_len"], said
+    out = small.generate([[1, 2, 3]], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert out.finish_reason == "error" and "needs 3 KV blocks but the pool has 2" in out.error
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lumen.engine"):
+        Engine(engine.parts, max_model_len=32, max_num_seqs=1, num_kv_blocks=2)
+    assert not [r for r in caplog.records if r.name == "lumen.engine"]
