@@ -212,8 +212,9 @@ def load(path):
         prof.records = [Record(**r) for r in d["records"]]
         return prof, [Trace(**t) for t in d["traces"]]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a serving profile (write one with `python -m lumen.serve --profile FILE`): "
-                         f"{type(e).__name__}: {e}") from None
+        why = f": {e}" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else ""  # (not Python's words)
+        raise ValueError(f"{path}: not a serving profile (write one with `python -m lumen.serve --profile FILE`)"
+                         f"{why}") from None
 
 
 def summary_line(rep: dict) -> str:

@@ -246,6 +246,7 @@ def test_profile_serving_names_a_file_that_is_not_a_profile(tmp_path, text, caps
     assert main(["--serving", str(f)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {f}: not a serving profile") and len(err.strip().splitlines()) == 1
+    assert "Error" not in err and "indices" not in err        # (no Python words: "TypeError: list indices ...")
 
 
 def test_profile_serving_of_no_requests_says_so(tmp_path, capsys):
