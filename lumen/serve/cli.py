@@ -258,6 +258,7 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
 
         def _arm_head(self) -> None:
             self._head_bytes = self._unread = 0
+            self._head_tail = b""                    # the head's last 3 bytes so far (its end may span two reads)
             self._head_timer = self.loop.call_later(limits.head_timeout, self._head_late)
 
         def _head_done(self) -> None:
@@ -307,18 +308,27 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
             if self._head_timer is None and answered:
                 self._arm_head()                     # a new request after the previous one's response
             reading = self._head_timer is not None
-            if reading:
+            if reading:                              # the head's bytes in data: up to its blank line, if here
+                joined = self._head_tail + data      # (checked before the parser sees them: past it, the request
+                end = joined.find(b"\r\n\r\n")        # would be on its way to the app)
+                if self._head_bytes + (len(data) if end < 0 else end + 4 - len(self._head_tail)) \
+                        > limits.max_head_bytes:
+                    self._head_bytes += len(data)
+                    self._too_large()
+                    return
                 self._head_bytes += len(data)
+                self._head_tail = joined[-3:]
             before = self.cycle
             super().data_received(data)
             if not reading or self.transport.is_closing():
                 return
             if self.cycle is not before:             # the headers are complete (the rest of data may be body)
                 self._head_done()
-            elif self._head_bytes > limits.max_head_bytes:
-                self.logger.warning("%s: request headers over %d bytes; closing", _who(self), limits.max_head_bytes)
-                self._refuse(_limit_reply(431, "Request Header Fields Too Large", "the request line and headers are "
-                                          f"larger than {limits.max_head_bytes} bytes"))
+
+        def _too_large(self) -> None:
+            self.logger.warning("%s: request headers over %d bytes; closing", _who(self), limits.max_head_bytes)
+            self._refuse(_limit_reply(431, "Request Header Fields Too Large", "the request line and headers are "
+                                      f"larger than {limits.max_head_bytes} bytes"))
 
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to a request its parser rejects, in OpenAI's error shape, closed as _refuse closes

@@ -135,6 +135,38 @@ def test_a_head_past_its_bound_gets_431_and_the_server_serves_on():
         assert get(port) == 200
 
 
+@pytest.mark.parametrize("size", [LIMITS.max_head_bytes + 100, int(1.5 * LIMITS.max_head_bytes)])
+@pytest.mark.parametrize("pieces", ["whole", "blank line split", "thirds"])
+def test_a_head_past_its_bound_that_completes_in_one_read_gets_431(size, pieces):
+    """The bound was checked only while a head was still incomplete after a read, so a head up to twice it that
+    ended in the read which crossed it was served (70 and 100 KB against 64 KiB): whole, or with its blank line
+    split across two writes."""
+    with server() as port:
+        with connect(port) as s:
+            head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+            cuts = {"whole": [0], "blank line split": [0, len(head) - 2], "thirds": [0, len(head) // 3,
+                                                                                  2 * len(head) // 3]}[pieces]
+            cuts.append(len(head))
+            try:
+                for a, b in zip(cuts, cuts[1:]):
+                    s.sendall(head[a:b])
+                    time.sleep(0.05)                     # (each piece a read of its own)
+            except OSError:
+                pass
+            got = closed_by_server(s, 5.0)
+        assert got is not None and got.startswith(b"HTTP/1.1 431 "), (got or b"")[:200]
+        assert get(port) == 200
+
+
+def test_a_head_just_within_its_bound_is_served():
+    with server() as port:
+        with connect(port) as s:
+            start = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: "
+            s.sendall(start + b"a" * (LIMITS.max_head_bytes - len(start) - 4) + b"\r\n\r\n")
+            got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+
+
 def test_a_large_body_in_the_heads_segment_is_not_taken_for_a_large_head():
     """The head is bounded, not the first read: a request whose body arrives with its headers is served."""
     with server() as port:
