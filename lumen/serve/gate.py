@@ -62,6 +62,7 @@ class Gate:
             await send(msg)
             if msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 self._log(scope, status[0], rid, time.perf_counter() - t0, state.get("usage"))
+                status[0] = -1                       # logged
 
         async def reply(code: int, message: str, extra: list | None = None):
             body = dumps(P.error_body(code, message)).encode()
@@ -106,6 +107,9 @@ class Gate:
             log.exception("request %s failed", rid)
             if status[0] == 0:
                 await reply(500, f"internal error: {type(e).__name__}: {e}")
+            return
+        if status[0] > 0:                            # a response begun and never ended: a stream the client left
+            self._log(scope, 499, rid, time.perf_counter() - t0, state.get("usage"))
 
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get("authorization", "")

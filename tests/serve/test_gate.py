@@ -68,3 +68,25 @@ def test_a_handler_that_fails_is_still_a_logged_500(caplog):
         sent = run(app, receive)
     assert any(r.levelno == logging.ERROR and "failed" in r.getMessage() for r in caplog.records)
     assert sent[0]["status"] == 500 and b"a bug" in sent[1]["body"]
+
+
+def test_a_stream_the_client_left_is_logged_once_as_499(caplog):
+    """A streamed answer whose client disconnected ends without its last body message (Starlette stops sending),
+    so it was never logged; a finished one is logged once, with its status."""
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def left(scope, receive, send):                  # as a StreamingResponse whose client left
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+
+    async def finished(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    for app, status in ((left, 499), (finished, 200)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lumen.serve"):
+            run(app, receive)
+        lines = [r.getMessage() for r in caplog.records if '"GET /v1/x"' in r.getMessage()]
+        assert len(lines) == 1 and f'"GET /v1/x" {status} ' in lines[0], lines
