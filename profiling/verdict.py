@@ -38,12 +38,17 @@ def verdict(text: str) -> str:
 
 # ---- the command line: argparse types (a wrong value is argparse's usage error, status 2) and the model
 
+def _parsed(text: str, kind, what: str):
+    """kind(text), or argparse's error "expected <what>, got '<text>'"."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def count(text: str) -> int:
     """argparse type: a whole number of at least 1 (repeats, tokens, rows, requests)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    n = _parsed(text, int, "a whole number")
     if n < 1:
         raise ArgumentTypeError(f"must be at least 1, got {n}")
     return n
@@ -59,10 +64,7 @@ def thread_count(text: str) -> int:
 
 
 def _number(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise ArgumentTypeError(f"expected a number, got {text!r}") from None
+    x = _parsed(text, float, "a number")
     if not math.isfinite(x):
         raise ArgumentTypeError(f"expected a finite number, got {text!r}")
     return x
