@@ -555,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = shown_tools(*tooling)
             if tooling[1] != "none":
                 kind = PARSERS[parser_for_template(chat_template_from_metadata(model.metadata))]
-                parser = kind(names=[t.name for t in tooling[0]])     # (JSON naming no tool: text)
+                parser = kind(names=[t.name for t in tooling[0]],     # (JSON naming no tool: text)
+                              calls_only=tooling[1] != "auto")
                 constraint = call_grammar(kind, model.tokenizer, *tooling, True, answer)    # (the server's)
         if args.chat or tooling is not None:
             rendered, why = chat_prompt(model, args.prompt, args.system, shown, args.special)

@@ -248,9 +248,12 @@ class ToolParser:
     bare_end_required = False                  # ... which the grammar then asks for
     marker: str | None = None                  # a token that may start the calls, shown as nothing when special
 
-    def __init__(self, names=None):
-        """names: the declared tools' names, if known: a bare call (JSON text) naming another is text."""
+    def __init__(self, names=None, calls_only: bool = False):
+        """names: the declared tools' names, if known: a bare call (JSON text) naming another is text. calls_only:
+        the grammar allows calls only (tool_choice required or a named function), so what finish() holds back
+        outside a call (a marker cut by max_tokens, "<tool_" of several tokens) is no content either."""
         self.names = frozenset(names) if names is not None else None
+        self.calls_only = calls_only
         self._buf = ""
         self._scan = None                      # where _close_at / _bare_end stopped in buf, to go on from there
         self.in_call = False
@@ -417,6 +420,8 @@ class ToolParser:
                 self.cut = end is None
         else:
             content = self._content(self.buf, final=True)
+        if self.calls_only:
+            content = ""
         self.buf, self.in_call, self.is_bare, self.group = "", False, False, False
         return content, calls
 

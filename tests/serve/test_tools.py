@@ -923,3 +923,36 @@ def test_generate_tools_flags(tmp_path):
     f.write_text("[{")
     with pytest.raises(UsageError, match="not JSON"):
         tools_from_args(build_parser().parse_args(["--tools", str(f), "-p", "x"]))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}, "auto"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_marker_cut_by_max_tokens_is_content_only_where_content_may_be(choice, stream):
+    """A model whose call marker is several tokens (SmolLM2: "<tool_" after 3 of them) cut by max_tokens answered
+    tool_choice "required" with content "<tool_": the grammar allows no content there (nor for a named function),
+    so nothing is; with "auto" the text stays the content it may be."""
+    class Worker(CallingWorker):
+        REPLY = b"<tool_"
+
+        async def submit(self, prompts, params):
+            self.submitted.append((prompts, params))
+            sub, ids = Submission(["r0"]), list(self.REPLY)
+            sub.queue.put_nowait(RequestOutput("r0", prompts[0], ids, self.REPLY.decode(), True, "length",
+                                               RequestMetrics(), delta_token_ids=ids, delta_text=self.REPLY.decode()))
+            return sub
+
+    http = _chat_client(Worker())
+    body = {**BODY, "tool_choice": choice, "max_tokens": 3, "stream": stream}
+    if stream:
+        with http.stream("POST", "/v1/chat/completions", json=body) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        assert not any(e["choices"][0]["delta"].get("tool_calls") for e in events if e["choices"])
+        finish = events[-1]["choices"][0]["finish_reason"]
+    else:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        msg, finish = r.json()["choices"][0]["message"], r.json()["choices"][0]["finish_reason"]
+        content = msg["content"] or ""
+        assert "tool_calls" not in msg
+    assert finish == "length" and content == ("<tool_" if choice == "auto" else "")

@@ -53,7 +53,7 @@ class ServingChat(Generation):
             cls = PARSERS[name]             # (required, a named function: a call, whatever response_format says)
             constraint = await asyncio.to_thread(call_grammar, cls, self.engine.tokenizer, tools, choice,
                                                  req.parallel_tool_calls is not False, answer)
-            parser = functools.partial(cls, names=[t.name for t in tools])
+            parser = functools.partial(cls, names=[t.name for t in tools], calls_only=choice != "auto")
             await self.compile_grammar(constraint, "tools")
         params = P.constrained(params, constraint)
         return await self.respond(request, req, prompts, params, tool_parser=parser,
