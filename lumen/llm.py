@@ -280,7 +280,10 @@ class Model:
             if isinstance(sampling["max_tokens"], np.integer):  # (as SamplingParams takes it: a count from numpy)
                 sampling["max_tokens"] = int(sampling["max_tokens"])
             if sampling["max_tokens"] is not None:              # None: the rest of the context
-                check_int("max_tokens", sampling["max_tokens"], 0)
+                try:
+                    check_int("max_tokens", sampling["max_tokens"], 0)
+                except ValueError as e:                         # (the command line's -n -1 is None here)
+                    raise ValueError(f"{e}; None generates until the context ends") from None
             params = SamplingParams(**sampling)
         elif sampling:
             raise TypeError(f"give a SamplingParams or its fields as keywords, not both ({', '.join(sampling)})")

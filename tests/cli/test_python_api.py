@@ -415,5 +415,6 @@ def test_a_numpy_max_tokens_is_taken_as_lumen_samplingparams_takes_it(model):
     assert got == [t.id for t in model.generate("Hi", lumen.SamplingParams(max_tokens=np.int64(4), temperature=0,
                                                                           ignore_eos=True))]
     assert len(got) == 4
-    with pytest.raises(ValueError, match=r"^max_tokens must be at least 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^max_tokens must be at least 0, got -1; None generates until the "
+                                         r"context ends$"):
         model.generate("Hi", max_tokens=np.int64(-1))
