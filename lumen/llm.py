@@ -354,7 +354,8 @@ class Model:
     def close(self) -> None:
         """Close the engine generate() runs on (its requests are aborted, its grammar threads stopped); later
         calls of generate(), chat() and logits() raise LumenError. The weights stay mapped while anything refers to
-        them (an Engine made from this model, before or after, keeps working). Idempotent; `with lumen.load(...) as model:` calls it."""
+        them (an Engine made from this model, before or after, keeps working). Idempotent; `with lumen.load(...) as
+        model:` calls it."""
         with self._engine_lock:
             engine, self._engine, self.closed = self._engine, None, True
         if engine is not None:
