@@ -199,8 +199,7 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits (len(ids), n_vocab) for a fresh sequence (safe to call from several threads:
         one runs at a time)."""
-        if self.closed:
-            raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
+        self._check_open()
         with self._forward_lock:
             self.reset()
             return self.prefill(ids, all_logits=True)
@@ -220,8 +219,7 @@ class Model:
         """The engine generate() runs on (made on first use): this model's weights, one sequence, a KV pool of
         n_ctx tokens, no prefix caching, the speculative options of speculation()."""
         with self._engine_lock:                      # (threads calling generate at once make one engine)
-            if self.closed:
-                raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
+            self._check_open()
             if self._engine is None:
                 self._engine = Engine(self.parts, threads=self.threads, max_model_len=self.n_ctx, max_num_seqs=1,
                                       max_num_batched_tokens=self.n_batch, num_kv_blocks=-(-self.n_ctx // BLOCK),
@@ -266,8 +264,7 @@ class Model:
         stats: a RequestMetrics (lumen.engine.sequence) the engine fills as the request runs: ttft_s, tpot_s,
         prefill_tps, decode_tps, gen_tokens, stop_reason, the speculative counts.
         """
-        if self.closed:
-            raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
+        self._check_open()
         default_length = params is None and "max_tokens" not in sampling
         if stats is not None and not isinstance(stats, RequestMetrics):   # (the engine's word for it: metrics)
             raise TypeError(f"stats must be a lumen.engine.sequence.RequestMetrics or None, got {type(stats).__name__}")
@@ -351,6 +348,10 @@ class Model:
                 yield Token(tok, text)
 
     # ---- the end
+    def _check_open(self) -> None:
+        if self.closed:
+            raise LumenError("this model is closed (model.close(), or the end of its `with` block)")
+
     def close(self) -> None:
         """Close the engine generate() runs on (its requests are aborted, its grammar threads stopped); later
         calls of generate(), chat() and logits() raise LumenError. The weights stay mapped while anything refers to
