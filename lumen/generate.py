@@ -509,15 +509,13 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--speculative draft needs --draft-model")
         if args.draft_model and args.speculative != "draft":
             raise UsageError("--draft-model is used with --speculative draft")
-        unused = [flag for flag, v, default in (("--num-speculative-tokens", args.num_speculative_tokens, None),
-                                                ("--ngram-min", args.ngram_min, 1), ("--ngram-max", args.ngram_max, 4))
-                  if v != default]
-        if unused and not args.speculative:
-            raise UsageError(f"{unused[0]} is used with --speculative (ngram or draft)")
-        drafting = [flag for flag, v, default in (("--draft-vocab", args.draft_vocab, 32768),
-                                                  ("--draft-quant", args.draft_quant, "q4_0")) if v != default]
-        if drafting and args.speculative != "draft":
-            raise UsageError(f"{drafting[0]} is used with --speculative draft")
+        for flag, v, default, mode in (("--num-speculative-tokens", args.num_speculative_tokens, None, None),
+                                       ("--ngram-min", args.ngram_min, 1, None),
+                                       ("--ngram-max", args.ngram_max, 4, None),
+                                       ("--draft-vocab", args.draft_vocab, 32768, "draft"),
+                                       ("--draft-quant", args.draft_quant, "q4_0", "draft")):
+            if v != default and (args.speculative != mode if mode else not args.speculative):   # mode None: either
+                raise UsageError(f"{flag} is used with --speculative {mode or '(ngram or draft)'}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
