@@ -311,12 +311,12 @@ def guarded_protocol(base: type, limits: HttpLimits) -> type:
             if reading:                              # the head's bytes in data: up to its blank line, if here
                 joined = self._head_tail + data      # (checked before the parser sees them: past it, the request
                 end = joined.find(b"\r\n\r\n")        # would be on its way to the app)
-                if self._head_bytes + (len(data) if end < 0 else end + 4 - len(self._head_tail)) \
-                        > limits.max_head_bytes:
-                    self._head_bytes += len(data)
+                over = self._head_bytes + (len(data) if end < 0 else end + 4 - len(self._head_tail)) \
+                    > limits.max_head_bytes
+                self._head_bytes += len(data)
+                if over:
                     self._too_large()
                     return
-                self._head_bytes += len(data)
                 self._head_tail = joined[-3:]
             before = self.cycle
             super().data_received(data)
