@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from lumen import Engine, SamplingParams
-from verdict import one_line_errors, verdict
+from verdict import count, one_line_errors, verdict
 
 
 def mapping_of(a: np.ndarray):
@@ -51,13 +51,11 @@ def huge_share(arrays) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--rows", type=int, default=1, help="sequences decoding at once (default 1)")
-    ap.add_argument("--bursts", type=int, default=24, help="bursts per placement (default 24)")
-    ap.add_argument("--steps", type=int, default=12, help="decode steps per burst (default 12)")
+    ap.add_argument("--rows", type=count, default=1, help="sequences decoding at once (default 1)")
+    ap.add_argument("--bursts", type=count, default=24, help="bursts per placement (default 24)")
+    ap.add_argument("--steps", type=count, default=12, help="decode steps per burst (default 12)")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, 3 bursts of 3 steps (for tests)")
     a = ap.parse_args(argv)
-    if min(a.rows, a.bursts, a.steps) < 1:
-        ap.error("--rows, --bursts and --steps must be at least 1")
     model, bursts, steps = ("smollm2-135m", 3, 3) if a.quick else (a.model, a.bursts, a.steps)
     with one_line_errors():                                       # an unknown model, a file that is not a GGUF
         eng = Engine(model, max_num_seqs=a.rows, kv_cache_mb=256, adaptive_threads=False)

@@ -107,7 +107,7 @@ USAGE = [("attention_rows", ["--ns", "1,x"], "argument --ns: expected a whole nu
          ("kernel_n_vs_1", ["--n", "0"], "argument --n: must be at least 1, got 0"),
          ("ngram_replay", ["--sizes", "1-4,4-2"], "argument --sizes: expected lo-hi with 1 <= lo <= hi <= 16, got "
                                                   "'4-2' in '1-4,4-2'"),
-         ("pack_pages", ["--rows", "0"], "--rows, --bursts and --steps must be at least 1"),
+         ("pack_pages", ["--rows", "0"], "argument --rows: must be at least 1, got 0"),
          ("pd_serving", ["goodput", "--rates", "0.3,x"], "argument --rates: expected a number, got 'x' in '0.3,x'"),
          ("pd_serving", ["goodput", "--configs", "pd,nope"], "argument --configs: expected colocated, pd or both"),
          ("per_n_roofline", ["--ns", "1,,4"], "argument --ns: expected a whole number, got '' in '1,,4'"),
